@@ -1,0 +1,20 @@
+"""cuflash: FlashAttention forward and backward for CuPy (GPU) and NumPy (CPU).
+
+>>> import cuflash
+>>> out, lse = cuflash.flash_attention_fwd(q, k, v, H, H_kv, D, causal=True)  # doctest: +SKIP
+"""
+
+from .api import (AttentionConfig, AttentionVJP, flash_attention_bwd, flash_attention_fwd,
+                  flash_attention_vjp)
+from .errors import InvalidArgumentError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionVJP",
+    "InvalidArgumentError",
+    "flash_attention_bwd",
+    "flash_attention_fwd",
+    "flash_attention_vjp",
+]

@@ -1,0 +1,195 @@
+"""The public functions: forward, backward and the vjp helper (SPEC section 1)."""
+
+import dataclasses
+
+import numpy as np
+
+from . import cpu
+from .problem import backward_problem, forward_problem
+
+
+def _path(problem):
+    """The module that runs a validated problem: :mod:`cuflash.cpu` or the GPU one."""
+    if problem.xp is np:
+        return cpu
+    from . import gpu  # imported on first GPU use only
+
+    return gpu
+
+
+def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
+                        window_size=0, kv_seq_len=None, *, softmax_scale=None):
+    """Fused scaled-dot-product attention, forward pass.
+
+    Parameters
+    ----------
+    q : cupy.ndarray or numpy.ndarray, shape ``[B, num_heads, S_q, head_dim]``
+        Queries; float32, float16 or bfloat16 (``ml_dtypes.bfloat16``). Any
+        strides with a unit last stride are used without a copy (e.g. a
+        ``[B, S, H, D]`` buffer passed as ``x.transpose(0, 2, 1, 3)``).
+    k, v : same kind and dtype as ``q``, shape ``[B, num_kv_heads, S_k, head_dim]``
+        Keys and values. ``num_kv_heads`` must divide ``num_heads`` (GQA/MQA):
+        query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    num_heads, num_kv_heads, head_dim : int
+        Must agree with the shapes. ``head_dim`` is a multiple of 8, 8 to 256.
+    causal : bool, default False
+        Bottom-right aligned: query row ``i`` is at position
+        ``p = i + S_k - S_q`` and sees key ``j`` iff ``j <= p``.
+    window_size : int or (int, int), default 0
+        ``w > 0`` keeps keys with ``j > p - w``; ``0`` means no window. A
+        ``(left, right)`` tuple has FlashAttention-2's meaning
+        (``p - left <= j <= p + right``, ``-1`` unbounded); ``causal`` sets
+        ``right = 0``.
+    kv_seq_len : int, optional
+        Read only keys ``0 .. kv_seq_len - 1`` (``0 <= kv_seq_len <= S_k``);
+        ``S_k`` stays the memory extent, so a KV-cache buffer needs no copy.
+        Causal and window positions use this effective length.
+    softmax_scale : float, optional, keyword-only
+        Multiplies ``q . k``; defaults to ``1 / sqrt(head_dim)``.
+
+    Returns
+    -------
+    out : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        Contiguous. Rows that see no key are zeros.
+    lse : array, float32, shape ``[B, num_heads, S_q]``
+        Contiguous natural-log sum of ``exp(softmax_scale * q . k)`` over the
+        visible keys; ``-inf`` for a row that sees no key.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Before any kernel runs, for any argument SPEC section 4 rejects.
+
+    Notes
+    -----
+    CuPy arrays run on the current device and stream; NumPy arrays run on the
+    CPU path with the same semantics. Accumulation is always float32.
+    """
+    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
+                              window_size, kv_seq_len, softmax_scale)
+    return _path(problem).forward(problem, q, k, v)
+
+
+def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
+                        causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
+                        deterministic=False, synchronize=True):
+    """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
+
+    Parameters
+    ----------
+    dout : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        Gradient of the loss with respect to ``output``.
+    q, k, v : arrays
+        The forward inputs (shapes and dtypes as in :func:`flash_attention_fwd`).
+    output : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        The forward output.
+    lse : float32 array, shape ``[B, num_heads, S_q]``
+        The forward log-sum-exp.
+    num_heads, num_kv_heads, head_dim, causal, window_size
+        As passed to the forward.
+    kv_seq_len, softmax_scale : keyword-only
+        As passed to the forward.
+    deterministic : bool, default False
+        Bitwise-reproducible gradients: dQ is computed by its own pass over
+        the keys instead of float32 atomics.
+    synchronize : bool, default True
+        Synchronize the current stream before returning, so the gradients
+        are complete for a consumer on any stream. ``False`` leaves the work
+        stream-ordered (for CUDA-graph capture).
+
+    Returns
+    -------
+    dq : array, shape of ``q``, dtype of ``q``
+    dk, dv : arrays, shape of ``k``, dtype of ``q``
+        With GQA the gradients of query heads sharing a KV head are summed.
+        Gradients of keys at or beyond ``kv_seq_len`` are zero. All three are
+        contiguous.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Before any kernel runs, for any argument SPEC section 4 rejects.
+    """
+    problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
+                               head_dim, causal, window_size, kv_seq_len, softmax_scale,
+                               deterministic, synchronize)
+    path = _path(problem)
+    if path is cpu:
+        return cpu.backward(problem, dout, q, k, v, output, lse)
+    return path.backward(problem, dout, q, k, v, output, lse, bool(deterministic),
+                         bool(synchronize))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The non-array arguments of one attention call."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = False
+    window_size: object = 0
+    kv_seq_len: object = None
+    softmax_scale: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVJP:
+    """The residuals of one forward pass; calling it runs the backward pass.
+
+    Immutable and free of global state: it may be called any number of times
+    (first-order gradients only).
+
+    Attributes
+    ----------
+    q, k, v, out, lse : arrays
+        The forward inputs, output and log-sum-exp.
+    config : AttentionConfig
+        The forward's non-array arguments.
+    """
+
+    q: object
+    k: object
+    v: object
+    out: object
+    lse: object
+    config: AttentionConfig
+
+    def __call__(self, dout, *, deterministic=False, synchronize=True):
+        """Return ``(dq, dk, dv)`` for the upstream gradient ``dout``."""
+        c = self.config
+        return flash_attention_bwd(
+            dout, self.q, self.k, self.v, self.out, self.lse, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
+            softmax_scale=c.softmax_scale, deterministic=deterministic,
+            synchronize=synchronize)
+
+
+def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
+                        window_size=0, kv_seq_len=None, *, softmax_scale=None):
+    """Forward pass plus a callable that runs the matching backward pass.
+
+    The stateless replacement for an autograd tape. Arguments are those of
+    :func:`flash_attention_fwd`.
+
+    Returns
+    -------
+    out : array, shape ``[B, num_heads, S_q, head_dim]``
+    vjp : AttentionVJP
+        ``dq, dk, dv = vjp(dout)``; ``vjp.lse`` and ``vjp.config`` are readable.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 16, 32), dtype=np.float32) for _ in range(3))
+    >>> out, vjp = cuflash.flash_attention_vjp(q, k, v, 2, 2, 32, causal=True)
+    >>> dq, dk, dv = vjp(np.ones_like(out))
+    >>> dq.shape, dk.shape, vjp.lse.shape
+    ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
+    """
+    config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
+                             kv_seq_len, softmax_scale)
+    out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
+                                   window_size, kv_seq_len, softmax_scale=softmax_scale)
+    return out, AttentionVJP(q, k, v, out, lse, config)

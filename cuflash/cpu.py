@@ -1,0 +1,94 @@
+"""The CPU path: NumPy, blocked over queries and keys with an online softmax.
+
+It never holds more than a ``ROWS x COLS`` block of scores per head, so long
+sequences fit in memory; it accumulates in float32 like the GPU kernels and
+skips key blocks that no query row of the block can see.
+"""
+
+import numpy as np
+
+from .masking import key_range, query_range, visible_keys
+
+ROWS = 128  # query rows per block
+COLS = 512  # keys per block
+
+
+def _grouped(x, problem):
+    """``[B, H, n, D]`` -> float32 ``[B, H_kv, G, n, D]`` (heads sharing a KV head)."""
+    b, _, n, d = x.shape
+    return x.astype(np.float32).reshape(b, problem.num_kv_heads, problem.group_size, n, d)
+
+
+def _kv_block(x, c0, c1):
+    """Keys ``[c0, c1)`` as float32 ``[B, H_kv, 1, n, D]``, broadcast over the group."""
+    return x[:, :, c0:c1].astype(np.float32)[:, :, None]
+
+
+def _scores(problem, q_blk, k_blk, r0, r1, c0, c1):
+    """Scaled scores with invisible entries at ``-inf``, and the visibility mask."""
+    s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * np.float32(problem.softmax_scale)
+    visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), problem.q_len,
+                           problem.kv_len, *problem.window)
+    return np.where(visible, s, np.float32(-np.inf)), visible
+
+
+def forward(problem, q, k, v):
+    """Return ``(out, lse)`` for a validated problem on NumPy arrays."""
+    out = np.empty(problem.q_shape, dtype=problem.dtype)
+    lse = np.empty(problem.lse_shape, dtype=np.float32)
+    shape5 = (problem.batch, problem.num_kv_heads, problem.group_size)
+    for r0 in range(0, problem.q_len, ROWS):
+        r1 = min(r0 + ROWS, problem.q_len)
+        q_blk = _grouped(q[:, :, r0:r1], problem)
+        row_max = np.full(shape5 + (r1 - r0, 1), -np.inf, dtype=np.float32)
+        row_sum = np.zeros(shape5 + (r1 - r0, 1), dtype=np.float32)
+        acc = np.zeros(shape5 + (r1 - r0, problem.head_dim), dtype=np.float32)
+        lo, hi = key_range(r0, r1, problem.q_len, problem.kv_len, *problem.window)
+        for c0 in range(lo, hi, COLS):
+            c1 = min(c0 + COLS, hi)
+            s, _ = _scores(problem, q_blk, _kv_block(k, c0, c1), r0, r1, c0, c1)
+            new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
+            safe_max = np.where(np.isfinite(new_max), new_max, np.float32(0))
+            alpha = np.exp(row_max - safe_max)
+            p = np.exp(s - safe_max)
+            row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + p @ _kv_block(v, c0, c1)
+            row_max = new_max
+        seen = row_sum > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = np.where(seen, acc / row_sum, np.float32(0))
+            block_lse = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))
+        out[:, :, r0:r1] = o.reshape(problem.batch, problem.num_heads, r1 - r0, -1)
+        lse[:, :, r0:r1] = block_lse.reshape(problem.batch, problem.num_heads, r1 - r0)
+    return out, lse
+
+
+def backward(problem, dout, q, k, v, output, lse):
+    """Return ``(dq, dk, dv)`` for a validated problem on NumPy arrays."""
+    scale = np.float32(problem.softmax_scale)
+    dq = np.zeros(problem.q_shape, dtype=np.float32)
+    dk = np.zeros(problem.kv_shape, dtype=np.float32)
+    dv = np.zeros(problem.kv_shape, dtype=np.float32)
+    grouped_dq = dq.reshape(problem.batch, problem.num_kv_heads, problem.group_size,
+                            problem.q_len, problem.head_dim)
+    for c0 in range(0, problem.kv_len, COLS):
+        c1 = min(c0 + COLS, problem.kv_len)
+        k_blk, v_blk = _kv_block(k, c0, c1), _kv_block(v, c0, c1)
+        lo, hi = query_range(c0, c1, problem.q_len, problem.kv_len, *problem.window)
+        for r0 in range(lo, hi, ROWS):
+            r1 = min(r0 + ROWS, hi)
+            q_blk = _grouped(q[:, :, r0:r1], problem)
+            do_blk = _grouped(dout[:, :, r0:r1], problem)
+            o_blk = _grouped(output[:, :, r0:r1], problem)
+            row_lse = _grouped(lse[:, :, r0:r1, None], problem)
+            delta = (do_blk * o_blk).sum(axis=-1, keepdims=True)
+            s, visible = _scores(problem, q_blk, k_blk, r0, r1, c0, c1)
+            with np.errstate(invalid="ignore", over="ignore"):
+                p = np.where(visible, np.exp(s - row_lse), np.float32(0))
+            dp = do_blk @ np.swapaxes(v_blk, -1, -2)
+            ds = p * (dp - delta)
+            dv[:, :, c0:c1] += (np.swapaxes(p, -1, -2) @ do_blk).sum(axis=2)
+            dk[:, :, c0:c1] += scale * (np.swapaxes(ds, -1, -2) @ q_blk).sum(axis=2)
+            grouped_dq[:, :, :, r0:r1] += scale * (ds @ k_blk)
+    cast = problem.dtype
+    return dq.astype(cast), dk.astype(cast), dv.astype(cast)

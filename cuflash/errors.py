@@ -1,0 +1,14 @@
+"""The one exception type that cuflash raises for bad input."""
+
+
+class InvalidArgumentError(ValueError):
+    """An argument is invalid; raised before any kernel runs.
+
+    The message starts with the argument's name, then the reason, e.g.
+    ``q: expected 4-D [B, H, S, D], got 3-D``.
+    """
+
+    def __init__(self, arg, reason):
+        self.arg = arg
+        self.reason = reason
+        super().__init__(f"{arg}: {reason}")

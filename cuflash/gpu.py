@@ -1,0 +1,87 @@
+"""The GPU path: launches of the general kernels on CuPy's current stream."""
+
+import math
+
+import cupy
+import numpy as np
+
+from . import kernel_build
+from .problem import unit_last_stride
+
+LOG2E = 1.4426950408889634
+
+
+def _strides(a):
+    """Element strides of the batch, head and sequence axes, as int64 scalars."""
+    return tuple(np.int64(s // a.itemsize) for s in a.strides[:3])
+
+
+def _mask_args(problem):
+    left, right = problem.window
+    return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
+
+
+def _launch(module, role, grid, args):
+    module.kernels[role](grid, (kernel_build.THREADS,), args, shared_mem=module.smem[role])
+
+
+def forward(problem, q, k, v):
+    """Return ``(out, lse)`` on the current device and stream."""
+    q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
+    out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+    lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+    if problem.is_empty:
+        return out, lse
+    module = kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim))
+    rows, _ = module.variant.tiles.fwd
+    grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
+    _launch(module, "fwd", grid, (
+        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
+        np.int32(problem.num_heads), np.int32(problem.group_size), *_mask_args(problem),
+        np.float32(problem.softmax_scale * LOG2E)))
+    return out, lse
+
+
+def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
+    """Return ``(dq, dk, dv)``; see :func:`cuflash.flash_attention_bwd`."""
+    dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
+    lse = cupy.ascontiguousarray(lse)
+    dk = cupy.empty(problem.kv_shape, dtype=problem.dtype)
+    dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
+    if problem.is_empty:
+        dk.fill(0)
+        dv.fill(0)
+        return cupy.empty(problem.q_shape, dtype=problem.dtype), dk, dv
+    module = kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim))
+    tiles = module.variant.tiles
+    heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
+    scales = (np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E))
+    qkv_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+
+    delta = cupy.empty(problem.lse_shape, dtype=np.float32)
+    _launch(module, "delta", (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
+            (dout, output, delta, *_strides(dout), *_strides(output),
+             np.int32(problem.num_heads), np.int32(problem.q_len)))
+
+    dkdv_grid = (math.ceil(problem.kv_capacity / tiles.dkdv[1]), problem.num_kv_heads,
+                 problem.batch)
+    if deterministic:
+        dq = cupy.empty(problem.q_shape, dtype=problem.dtype)
+        if problem.kv_capacity:
+            _launch(module, "dkdv", dkdv_grid, (
+                q, k, v, dout, lse, delta, dq, dk, dv, *qkv_strides, *heads,
+                np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
+        _launch(module, "dq", (math.ceil(problem.q_len / tiles.dq[0]), problem.num_heads,
+                               problem.batch), (
+            q, k, v, dout, lse, delta, dq, *qkv_strides, *heads, *_mask_args(problem),
+            *scales))
+    else:
+        dq_accum = cupy.zeros(problem.q_shape, dtype=np.float32)
+        if problem.kv_capacity:
+            _launch(module, "dkdv_atomic_dq", dkdv_grid, (
+                q, k, v, dout, lse, delta, dq_accum, dk, dv, *qkv_strides, *heads,
+                np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
+        dq = dq_accum if problem.dtype == np.float32 else dq_accum.astype(problem.dtype)
+    if synchronize:
+        cupy.cuda.get_current_stream().synchronize()
+    return dq, dk, dv

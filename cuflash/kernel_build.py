@@ -1,0 +1,203 @@
+"""Kernel source, tile choices, compilation and the per-device module cache.
+
+Every general kernel of one (dtype, head_dim) lives in one CuPy
+``RawModule``, compiled through NVRTC on first use and kept for the process
+(per device and arch); CuPy's on-disk cache keeps the binary across
+processes. The local ``#include "..."`` files are inlined into the source
+string, so CuPy's cache key (a hash of source and options) sees every line.
+
+:func:`compile_offline` compiles the same source for a named arch without a
+GPU, which the CPU test suite uses to build every variant for sm_80 and
+sm_90a and to read the compiler's resource report.
+"""
+
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .problem import BFLOAT16
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+MODULE_FILE = "attention.cu"
+HEAD_DIMS = tuple(range(8, 257, 8))
+CXX_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "cuflash::half_t"}
+if BFLOAT16 is not None:
+    CXX_TYPES[BFLOAT16] = "cuflash::bf16_t"
+COMPILE_OPTIONS = ("-std=c++17",)
+THREADS = 128
+FLOAT_BYTES = 4
+
+
+@functools.lru_cache(maxsize=None)
+def module_source(name=MODULE_FILE):
+    """The ``.cu`` file with its local includes inlined (each once)."""
+    seen = set()
+
+    def inline(path):
+        if path.name in seen:
+            return ""
+        seen.add(path.name)
+        out = []
+        for line in path.read_text().splitlines():
+            m = re.match(r'\s*#include\s+"([^"]+)"', line)
+            if m:
+                out.append(inline(path.parent / m.group(1)))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return inline(KERNEL_DIR / name) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of the general kernels for one head_dim (rows x keys)."""
+
+    head_dim: int
+
+    @property
+    def fwd(self):
+        return (64 if self.head_dim <= 128 else 32), 32
+
+    @property
+    def dkdv(self):
+        return (64, 32) if self.head_dim <= 128 else (32, 16)
+
+    @property
+    def dq(self):
+        return self.fwd
+
+    def _pitch(self):
+        return self.head_dim + 4
+
+    def fwd_smem(self):
+        bm, bn = self.fwd
+        return FLOAT_BYTES * (bm * self._pitch() + 2 * bn * self._pitch() + bm * (bn + 4))
+
+    def dkdv_smem(self):
+        bm, bn = self.dkdv
+        return FLOAT_BYTES * (2 * (bm + bn) * self._pitch() + 2 * bm * (bn + 4) + 2 * bm)
+
+    def dq_smem(self):
+        bm, bn = self.dq
+        return FLOAT_BYTES * (2 * (bm + bn) * self._pitch() + bm * (bn + 4) + 2 * bm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled module: a storage dtype and a head_dim."""
+
+    dtype: np.dtype
+    head_dim: int
+
+    @property
+    def tiles(self):
+        return Tiles(self.head_dim)
+
+    def kernel_names(self):
+        """Kernel role -> C++ name expression to instantiate."""
+        t, d, tiles = CXX_TYPES[np.dtype(self.dtype)], self.head_dim, self.tiles
+        return {
+            "fwd": f"cuflash::attention_fwd_general<{t}, {d}, {tiles.fwd[0]}, {tiles.fwd[1]}>",
+            "delta": f"cuflash::attention_bwd_delta<{t}, {d}>",
+            "dkdv_atomic_dq": "cuflash::attention_bwd_dkdv<{}, {}, {}, {}, true>".format(
+                t, d, *tiles.dkdv),
+            "dkdv": "cuflash::attention_bwd_dkdv<{}, {}, {}, {}, false>".format(
+                t, d, *tiles.dkdv),
+            "dq": f"cuflash::attention_bwd_dq<{t}, {d}, {tiles.dq[0]}, {tiles.dq[1]}>",
+        }
+
+
+def all_variants():
+    """Every (dtype, head_dim) the library can compile."""
+    return [Variant(dt, d) for dt in CXX_TYPES for d in HEAD_DIMS]
+
+
+class _LoadedModule:
+    """A compiled module's kernels by role, with their shared-memory limits raised."""
+
+    def __init__(self, variant):
+        import cupy
+
+        self.variant = variant
+        names = variant.kernel_names()
+        module = cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS,
+                                name_expressions=list(names.values()))
+        self.kernels = {role: module.get_function(name) for role, name in names.items()}
+        tiles = variant.tiles
+        smem = {"fwd": tiles.fwd_smem(), "delta": 0, "dkdv_atomic_dq": tiles.dkdv_smem(),
+                "dkdv": tiles.dkdv_smem(), "dq": tiles.dq_smem()}
+        self.smem = smem
+        for role, nbytes in smem.items():
+            if nbytes > 48 * 1024:
+                self.kernels[role].max_dynamic_shared_size_bytes = nbytes
+
+
+_MODULES = {}
+
+
+def load(variant):
+    """The kernels of ``variant`` for CuPy's current device (compiled once)."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, device.compute_capability, variant)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES.setdefault(key, _LoadedModule(variant))
+    return module
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What NVRTC and ptxas said about one variant for one arch."""
+
+    variant: Variant
+    arch: str
+    log: str
+    cubin_bytes: int
+    lowered_names: dict  # role -> mangled name
+
+    def kernels(self):
+        """Per kernel role: registers, stack frame, spill stores and loads."""
+        info, current = {}, None
+        for line in self.log.splitlines():
+            m = re.search(r"Compiling entry function '(\w+)'", line)
+            if m:
+                current = m.group(1)
+                info[current] = {}
+                continue
+            if current is None:
+                continue
+            m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+            if m:
+                info[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                     spill_loads=int(m.group(3)))
+            m = re.search(r"Used (\d+) registers", line)
+            if m:
+                info[current]["registers"] = int(m.group(1))
+        return {role: info[name] for role, name in self.lowered_names.items()}
+
+
+def compile_offline(variant, arch):
+    """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(module_source(), MODULE_FILE, (), ())
+    try:
+        for name in variant.kernel_names().values():
+            nvrtc.addNameExpression(prog, name)
+        options = COMPILE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{variant} for {arch} failed:\n{nvrtc.getProgramLog(prog)}") from exc
+        lowered = {role: nvrtc.getLoweredName(prog, name)
+                   for role, name in variant.kernel_names().items()}
+        return CompileReport(variant, arch, nvrtc.getProgramLog(prog),
+                             len(nvrtc.getCUBIN(prog)), lowered)
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,134 @@
+// Shared pieces of the general kernels: storage types, conversions, the
+// visible-key rule, tile loads into shared memory and the register
+// micro-tile product. Everything accumulates in float32.
+#pragma once
+
+namespace cuflash {
+
+// 16-bit storage types; converted with PTX or bit arithmetic so that no
+// CUDA header is needed at run-time compile.
+struct half_t { unsigned short bits; };
+struct bf16_t { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(half_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(bf16_t x) {
+    return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+    unsigned u = __float_as_uint(x);
+    bf16_t r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
+        r.bits = static_cast<unsigned short>((u >> 16) | 0x40u);
+    } else {  // round to nearest even
+        r.bits = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    return r;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// The visible-key rule of SPEC 3 (bottom-right aligned; -1 = unbounded).
+struct Mask {
+    int q_len, kv_len, left, right;
+
+    __device__ __forceinline__ bool visible(int i, int j) const {
+        const long long p = static_cast<long long>(i) + kv_len - q_len;
+        return i < q_len && j < kv_len && (left < 0 || j >= p - left) &&
+               (right < 0 || j <= p + right);
+    }
+    // Keys [lo, hi) that any row of [row_lo, row_hi) may see.
+    __device__ __forceinline__ void key_range(int row_lo, int row_hi, int& lo, int& hi) const {
+        const long long offset = static_cast<long long>(kv_len) - q_len;
+        long long a = 0, b = kv_len;
+        if (left >= 0) a = max(a, row_lo + offset - left);
+        if (right >= 0) b = min(b, row_hi - 1 + offset + right + 1);
+        lo = static_cast<int>(a);
+        hi = static_cast<int>(max(a, b));
+    }
+    // Rows [lo, hi) that may see any key of [key_lo, key_hi).
+    __device__ __forceinline__ void query_range(int key_lo, int key_hi, int& lo, int& hi) const {
+        key_hi = min(key_hi, kv_len);
+        if (key_lo >= key_hi) { lo = hi = 0; return; }
+        const long long offset = static_cast<long long>(kv_len) - q_len;
+        long long a = 0, b = q_len;
+        if (right >= 0) a = max(a, key_lo - right - offset);
+        if (left >= 0) b = min(b, key_hi - 1 + left - offset + 1);
+        lo = static_cast<int>(a);
+        hi = static_cast<int>(max(a, b));
+    }
+};
+
+// Strides in elements of a [B, H, S, D] tensor whose last stride is 1.
+struct Strides { long long b, h, s; };
+
+// Kernels take plain scalars (what CuPy passes); these spell them out.
+#define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
+#define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
+#define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
+#define CUFLASH_MASK_OF const Mask mask{q_len, kv_len, win_left, win_right}
+
+__device__ __forceinline__ long long offset_of(const Strides& st, int b, int h, int s) {
+    return b * st.b + h * st.h + s * st.s;
+}
+
+// Load rows [row0, row0 + ROWS) of one head into shared memory as float32,
+// row pitch LD; rows at or past `valid_rows` become zeros.
+template <int ROWS, int D, int LD, int NT, typename T>
+__device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ src,
+                                          long long row_stride, int valid_rows) {
+    for (int idx = threadIdx.x; idx < ROWS * D; idx += NT) {
+        const int r = idx / D, d = idx - (idx / D) * D;
+        float x = 0.f;
+        if (r < valid_rows) x = to_float(src[r * row_stride + d]);
+        dst[r * LD + d] = x;
+    }
+}
+
+// acc[i][j] += sum_d A[(ty + 16 i) * LD + d] * B[(tx + 8 j) * LD + d]
+// (a 16 x 8 grid of threads; each owns RM rows and RN columns).
+template <int RM, int RN, int D, int LD>
+__device__ __forceinline__ void tile_dot(const float* A, const float* B, float (&acc)[RM][RN],
+                                         int ty, int tx) {
+#pragma unroll 2
+    for (int d = 0; d < D; d += 4) {
+        float4 a[RM], b[RN];
+#pragma unroll
+        for (int i = 0; i < RM; ++i) a[i] = *reinterpret_cast<const float4*>(A + (ty + 16 * i) * LD + d);
+#pragma unroll
+        for (int j = 0; j < RN; ++j) b[j] = *reinterpret_cast<const float4*>(B + (tx + 8 * j) * LD + d);
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+            for (int j = 0; j < RN; ++j)
+                acc[i][j] += a[i].x * b[j].x + a[i].y * b[j].y + a[i].z * b[j].z + a[i].w * b[j].w;
+    }
+}
+
+// Reduce over the 8 lanes (tx) that share a row.
+__device__ __forceinline__ float row_max8(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+}
+__device__ __forceinline__ float row_sum8(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x + __shfl_xor_sync(0xffffffffu, x, 4);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,246 @@
+// General backward kernels (every dtype, every head_dim multiple of 8 to 256).
+//
+//   attention_bwd_delta    Delta = rowsum(dO * O), float32 [B, H, S_q].
+//   attention_bwd_dkdv     one block per (key tile, KV head, batch): loops over
+//                          the query heads sharing the KV head and over the
+//                          query tiles that can see the key tile, keeps dK and
+//                          dV in registers and writes them once (no atomics).
+//                          With ATOMIC_DQ it also adds dS K * scale into a
+//                          float32 dQ buffer with atomics.
+//   attention_bwd_dq       the deterministic dQ: one block per query tile,
+//                          loops over key tiles, accumulates dQ in registers.
+//
+// Same 16 x 8 thread grid and shared-memory tiles as the forward kernel;
+// P = exp2(S * scale * log2(e) - lse * log2(e)), dS = P * (dP - Delta).
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) attention_bwd_delta(
+    const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
+    CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len) {
+    CUFLASH_STRIDES_OF(dout); CUFLASH_STRIDES_OF(out);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
+    if (row >= q_len) return;
+    const T* dO = dout + offset_of(dout_st, b, h, row);
+    const T* O = out + offset_of(out_st, b, h, row);
+    float sum = 0.f;
+    for (int d = lane; d < D; d += 32) sum += to_float(dO[d]) * to_float(O[d]);
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    if (lane == 0) delta[(static_cast<long long>(b) * num_heads + h) * q_len + row] = sum;
+}
+
+// Scores and dP of one (query tile, key tile) pair, turned into P and dS in
+// shared memory. Qs/dOs hold the query tile, Ks/Vs the key tile.
+template <int D, int BM, int BN>
+__device__ __forceinline__ void probabilities_and_dscores(
+    const float* Qs, const float* dOs, const float* Ks, const float* Vs,
+    const float* lse_s, const float* delta_s, float* Ps, float* dSs,
+    const Mask& mask, int m0, int n0, float scale_log2, int ty, int tx) {
+    constexpr int RM = BM / 16, RN = BN / 8, LD = D + 4, LDP = BN + 4;
+    float s[RM][RN], dp[RM][RN];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) s[i][j] = dp[i][j] = 0.f;
+    tile_dot<RM, RN, D, LD>(Qs, Ks, s, ty, tx);
+    tile_dot<RM, RN, D, LD>(dOs, Vs, dp, ty, tx);
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        const int r = ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+            const int c = tx + 8 * j;
+            const float p = mask.visible(m0 + r, n0 + c)
+                                ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
+            if (Ps) Ps[r * LDP + c] = p;
+            dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]);
+        }
+    }
+}
+
+// Query rows [m0, m0 + BM) of head h: Q, dO, lse (base 2) and Delta.
+template <typename T, int D, int BM>
+__device__ __forceinline__ void load_query_side(
+    float* Qs, float* dOs, float* lse_s, float* delta_s,
+    const T* q, const T* dout, const float* lse, const float* delta,
+    const Strides& q_st, const Strides& dout_st, int b, int h, int num_heads, int m0, int q_len) {
+    constexpr int LD = D + 4;
+    const int rows = min(BM, q_len - m0);
+    load_tile<BM, D, LD, 128>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    load_tile<BM, D, LD, 128>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
+    for (int r = threadIdx.x; r < BM; r += 128) {
+        lse_s[r] = r < rows ? lse[row_base + r] * kLog2e : 0.f;
+        delta_s[r] = r < rows ? delta[row_base + r] : 0.f;
+    }
+}
+
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum,
+    T* __restrict__ dk, T* __restrict__ dv,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
+    static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    float* Ks = reinterpret_cast<float*>(smem4);
+    float* Vs = Ks + BN * LD;
+    float* Qs = Vs + BN * LD;
+    float* dOs = Qs + BM * LD;
+    float* Ps = dOs + BM * LD;
+    float* dSs = Ps + BM * LDP;
+    float* lse_s = dSs + BM * LDP;
+    float* delta_s = lse_s + BM;
+
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+
+    float dk_acc[NA][NE], dv_acc[NA][NE];
+#pragma unroll
+    for (int a = 0; a < NA; ++a)
+#pragma unroll
+        for (int e = 0; e < NE; ++e) dk_acc[a][e] = dv_acc[a][e] = 0.f;
+
+    int m_lo, m_hi;
+    mask.query_range(n0, n0 + BN, m_lo, m_hi);
+    if (m_lo < m_hi) {
+        const int keys = min(BN, mask.kv_len - n0);
+        load_tile<BN, D, LD, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        load_tile<BN, D, LD, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+    }
+    for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
+        for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
+            __syncthreads();  // the previous tile's readers are done
+            load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
+                                      q_st, dout_st, b, h, num_heads, m0, mask.q_len);
+            __syncthreads();
+            probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs,
+                                                 mask, m0, n0, scale_log2, ty, tx);
+            __syncthreads();
+            // dV[j] += sum_r P[r][j] dO[r];  dK[j] += sum_r dS[r][j] Q[r]
+#pragma unroll 2
+            for (int r = 0; r < BM; ++r) {
+#pragma unroll
+                for (int a = 0; a < NA; ++a) {
+                    const float p = Ps[r * LDP + ty + 16 * a];
+                    const float ds = dSs[r * LDP + ty + 16 * a];
+#pragma unroll
+                    for (int e = 0; e < NE; ++e) {
+                        dv_acc[a][e] += p * dOs[r * LD + tx + 8 * e];
+                        dk_acc[a][e] += ds * Qs[r * LD + tx + 8 * e];
+                    }
+                }
+            }
+            if (ATOMIC_DQ) {  // dQ[r] += scale * sum_j dS[r][j] K[j]
+                const long long row_base =
+                    (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+                const int rows = min(BM, mask.q_len - m0);
+                for (int r = ty; r < rows; r += 16) {
+#pragma unroll 4
+                    for (int e = 0; e < NE; ++e) {
+                        float sum = 0.f;
+#pragma unroll
+                        for (int j = 0; j < BN; ++j) sum += dSs[r * LDP + j] * Ks[j * LD + tx + 8 * e];
+                        atomicAdd(dq_accum + (row_base + r) * D + tx + 8 * e, sum * scale);
+                    }
+                }
+            }
+        }
+    }
+
+    // Every key row of the tile inside the capacity is written, zeros included.
+    const long long row_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+        const int j = ty + 16 * a;
+        if (n0 + j >= kv_capacity) continue;
+#pragma unroll
+        for (int e = 0; e < NE; ++e) {
+            dk[(row_base + j) * D + tx + 8 * e] = from_float<T>(dk_acc[a][e] * scale);
+            dv[(row_base + j) * D + tx + 8 * e] = from_float<T>(dv_acc[a][e]);
+        }
+    }
+}
+
+template <typename T, int D, int BM, int BN>
+__global__ void __launch_bounds__(128, 1) attention_bwd_dq(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ delta, T* __restrict__ dq,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    float* Ks = reinterpret_cast<float*>(smem4);
+    float* Vs = Ks + BN * LD;
+    float* Qs = Vs + BN * LD;
+    float* dOs = Qs + BM * LD;
+    float* dSs = dOs + BM * LD;
+    float* lse_s = dSs + BM * LDP;
+    float* delta_s = lse_s + BM;
+
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int rows = min(BM, mask.q_len - m0);
+
+    load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
+                              q_st, dout_st, b, h, num_heads, m0, mask.q_len);
+    int n_lo, n_hi;
+    mask.key_range(m0, m0 + rows, n_lo, n_hi);
+
+    float acc[RM][NE];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[i][e] = 0.f;
+
+    const T* k_head = k + offset_of(k_st, b, hk, 0);
+    const T* v_head = v + offset_of(v_st, b, hk, 0);
+    for (int n0 = n_lo - n_lo % BN; n0 < n_hi; n0 += BN) {
+        __syncthreads();
+        const int keys = min(BN, mask.kv_len - n0);
+        load_tile<BN, D, LD, NT>(Ks, k_head + n0 * k_st.s, k_st.s, keys);
+        load_tile<BN, D, LD, NT>(Vs, v_head + n0 * v_st.s, v_st.s, keys);
+        __syncthreads();
+        probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
+                                             mask, m0, n0, scale_log2, ty, tx);
+        __syncthreads();
+#pragma unroll 4
+        for (int j = 0; j < BN; ++j) {
+            float ds[RM];
+#pragma unroll
+            for (int i = 0; i < RM; ++i) ds[i] = dSs[(ty + 16 * i) * LDP + j];
+#pragma unroll
+            for (int e = 0; e < NE; ++e) {
+                const float x = Ks[j * LD + tx + 8 * e];
+#pragma unroll
+                for (int i = 0; i < RM; ++i) acc[i][e] += ds[i] * x;
+            }
+        }
+    }
+
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        const int r = ty + 16 * i;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int e = 0; e < NE; ++e)
+            dq[(row_base + m0 + r) * D + tx + 8 * e] = from_float<T>(acc[i][e] * scale);
+    }
+}
+
+}  // namespace cuflash

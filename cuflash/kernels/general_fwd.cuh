@@ -1,0 +1,121 @@
+// General forward kernel (every dtype, every head_dim multiple of 8 to 256).
+//
+// One block of 128 threads per (query tile of BM rows, head, batch). The
+// threads form a 16 x 8 grid: for a BM x BN score tile each owns BM/16 rows
+// and BN/8 columns, for the BM x D output each owns the same rows and D/8
+// columns. Q, K, V tiles and the probabilities P sit in shared memory as
+// float32; the online softmax runs in registers in base 2 with the scale
+// folded into one multiply. Key tiles no row of the block can see are never
+// visited; query tiles are issued most expensive first.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+template <typename T, int D, int BM, int BN>
+__global__ void __launch_bounds__(128, 1) attention_fwd_general(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    T* __restrict__ out, float* __restrict__ lse,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
+    constexpr int LD = D + 4, LDP = BN + 4;
+    static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    float* Qs = reinterpret_cast<float*>(smem4);
+    float* Ks = Qs + BM * LD;
+    float* Vs = Ks + BN * LD;
+    float* Ps = Vs + BN * LD;
+
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int rows = min(BM, mask.q_len - m0);
+
+    load_tile<BM, D, LD, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    int n_lo, n_hi;
+    mask.key_range(m0, m0 + rows, n_lo, n_hi);
+
+    float acc[RM][NE], row_max[RM], row_sum[RM];
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        row_max[i] = neg_inf();
+        row_sum[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[i][e] = 0.f;
+    }
+
+    const T* k_head = k + offset_of(k_st, b, hk, 0);
+    const T* v_head = v + offset_of(v_st, b, hk, 0);
+    for (int n0 = n_lo - n_lo % BN; n0 < n_hi; n0 += BN) {
+        __syncthreads();  // the previous tile's readers are done
+        const int keys = min(BN, mask.kv_len - n0);
+        load_tile<BN, D, LD, NT>(Ks, k_head + n0 * k_st.s, k_st.s, keys);
+        load_tile<BN, D, LD, NT>(Vs, v_head + n0 * v_st.s, v_st.s, keys);
+        __syncthreads();
+
+        float s[RM][RN];
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+            for (int j = 0; j < RN; ++j) s[i][j] = 0.f;
+        tile_dot<RM, RN, D, LD>(Qs, Ks, s, ty, tx);
+
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+            const int row = m0 + ty + 16 * i;
+            float tile_max = neg_inf();
+#pragma unroll
+            for (int j = 0; j < RN; ++j) {
+                s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2 : neg_inf();
+                tile_max = fmaxf(tile_max, s[i][j]);
+            }
+            const float new_max = fmaxf(row_max[i], row_max8(tile_max));
+            const float base = new_max == neg_inf() ? 0.f : new_max;  // no -inf - -inf
+            const float alpha = exp2f(row_max[i] - base);
+            row_max[i] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < RN; ++j) {
+                const float p = exp2f(s[i][j] - base);
+                sum += p;
+                Ps[(ty + 16 * i) * LDP + tx + 8 * j] = p;
+            }
+            row_sum[i] = row_sum[i] * alpha + sum;  // this thread's columns only
+#pragma unroll
+            for (int e = 0; e < NE; ++e) acc[i][e] *= alpha;
+        }
+        __syncthreads();
+
+#pragma unroll 4
+        for (int j = 0; j < BN; ++j) {
+            float p[RM];
+#pragma unroll
+            for (int i = 0; i < RM; ++i) p[i] = Ps[(ty + 16 * i) * LDP + j];
+#pragma unroll
+            for (int e = 0; e < NE; ++e) {
+                const float x = Vs[j * LD + tx + 8 * e];
+#pragma unroll
+                for (int i = 0; i < RM; ++i) acc[i][e] += p[i] * x;
+            }
+        }
+    }
+
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        const int r = ty + 16 * i;
+        const float total = row_sum8(row_sum[i]);
+        if (r >= rows) continue;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        T* o_row = out + (row_base + m0 + r) * D;
+#pragma unroll
+        for (int e = 0; e < NE; ++e) o_row[tx + 8 * e] = from_float<T>(acc[i][e] * inv);
+        if (tx == 0)
+            lse[row_base + m0 + r] = total > 0.f ? row_max[i] * kLn2 + logf(total) : neg_inf();
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,238 @@
+"""Validation of every argument (SPEC section 4), shared by every path.
+
+``forward_problem`` and ``backward_problem`` check the arguments and return
+an :class:`AttentionProblem` that holds everything the kernels need. Nothing
+runs on a device before they return.
+"""
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .masking import normalize_window
+
+try:  # CuPy is optional: the CPU path needs only NumPy.
+    import cupy
+except ImportError:  # pragma: no cover - exercised only without CuPy
+    cupy = None
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    BFLOAT16 = None
+
+SUPPORTED_DTYPES = tuple(
+    d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16) if d is not None)
+MAX_HEAD_DIM = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
+MAX_INT32 = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """A validated attention call: shapes, options and the array module."""
+
+    xp: object  # numpy or cupy
+    dtype: np.dtype
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_capacity: int  # S_k of the k/v tensors (memory extent)
+    kv_len: int  # keys actually read (kv_seq_len)
+    head_dim: int
+    softmax_scale: float
+    causal: bool
+    window: tuple  # (left, right), -1 = unbounded; causal already folded in
+
+    @property
+    def group_size(self):
+        """Query heads per KV head (1 = MHA, num_heads = MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_empty(self):
+        return self.batch * self.num_heads * self.q_len == 0
+
+    @property
+    def q_shape(self):
+        return (self.batch, self.num_heads, self.q_len, self.head_dim)
+
+    @property
+    def kv_shape(self):
+        return (self.batch, self.num_kv_heads, self.kv_capacity, self.head_dim)
+
+    @property
+    def lse_shape(self):
+        return (self.batch, self.num_heads, self.q_len)
+
+
+def _array_module(named_arrays):
+    kinds = set()
+    for name, a in named_arrays:
+        if isinstance(a, np.ndarray):
+            kinds.add("numpy")
+        elif cupy is not None and isinstance(a, cupy.ndarray):
+            kinds.add("cupy")
+        else:
+            raise InvalidArgumentError(
+                name, f"expected numpy.ndarray or cupy.ndarray, got {type(a).__name__}")
+    if len(kinds) > 1:
+        names = ", ".join(n for n, _ in named_arrays)
+        raise InvalidArgumentError(
+            names, "numpy and cupy arrays are mixed; pass all of one kind")
+    if kinds == {"cupy"}:
+        devices = {a.device.id for _, a in named_arrays}
+        if len(devices) > 1:
+            raise InvalidArgumentError(
+                ", ".join(n for n, _ in named_arrays),
+                f"arrays are on different devices {sorted(devices)}")
+        return cupy
+    return np
+
+
+def _check_dtypes(named_arrays):
+    first_name, first = named_arrays[0]
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise InvalidArgumentError(
+            first_name,
+            f"unsupported dtype {first.dtype}; expected float32, float16 or bfloat16")
+    for name, a in named_arrays[1:]:
+        if a.dtype != first.dtype:
+            raise InvalidArgumentError(
+                name, f"dtype {a.dtype} differs from {first_name}'s {first.dtype}")
+    return first.dtype
+
+
+def _count(name, value, minimum):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(name, f"expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(name, f"must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_rank(name, a, ndim, layout):
+    if a.ndim != ndim:
+        raise InvalidArgumentError(name, f"expected {ndim}-D {layout}, got {a.ndim}-D")
+
+
+def _check_shape(name, a, expected):
+    if tuple(a.shape) != tuple(expected):
+        raise InvalidArgumentError(
+            name, f"expected shape {tuple(expected)}, got {tuple(a.shape)}")
+
+
+def _check_device_limits(problem, named_arrays):
+    if problem.num_heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
+        raise InvalidArgumentError(
+            "q", f"too large for the device: batch and num_heads must each be <= "
+            f"{MAX_GRID_YZ}, got {problem.batch} and {problem.num_heads}")
+    if problem.q_len > MAX_INT32 or problem.kv_capacity > MAX_INT32:
+        raise InvalidArgumentError(
+            "q", f"too large for the device: sequence lengths must be < 2**31")
+    if problem.xp is np:
+        return
+    needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs
+    total = cupy.cuda.Device(named_arrays[0][1].device.id).mem_info[1]
+    if needed > total:
+        raise InvalidArgumentError(
+            named_arrays[0][0],
+            f"too large for the device: the call needs about {needed / 2**30:.1f} GiB, "
+            f"the device has {total / 2**30:.1f} GiB")
+
+
+def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
+                    kv_seq_len, softmax_scale, extra_arrays=()):
+    """Validate a forward call (also the shared part of a backward call)."""
+    named = [("q", q), ("k", k), ("v", v), *extra_arrays]
+    xp = _array_module(named)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _check_rank(name, a, 4, "[B, H, S, D]")
+    dtype = _check_dtypes(named)
+    num_heads = _count("num_heads", num_heads, 0)
+    num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
+    head_dim = _count("head_dim", head_dim, 1)
+    if num_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            "head_dim", f"unsupported head_dim {head_dim}: must be a multiple of 8 "
+            f"from 8 to {MAX_HEAD_DIM}")
+    batch, _, q_len, _ = q.shape
+    if q.shape[1] != num_heads:
+        raise InvalidArgumentError("q", f"has {q.shape[1]} heads, num_heads is {num_heads}")
+    if q.shape[3] != head_dim:
+        raise InvalidArgumentError("q", f"has head_dim {q.shape[3]}, head_dim is {head_dim}")
+    for name, a in (("k", k), ("v", v)):
+        if a.shape[0] != batch:
+            raise InvalidArgumentError(name, f"batch {a.shape[0]} differs from q's {batch}")
+        if a.shape[1] != num_kv_heads:
+            raise InvalidArgumentError(
+                name, f"has {a.shape[1]} heads, num_kv_heads is {num_kv_heads}")
+        if a.shape[3] != head_dim:
+            raise InvalidArgumentError(
+                name, f"has head_dim {a.shape[3]}, head_dim is {head_dim}")
+    if k.shape[2] != v.shape[2]:
+        raise InvalidArgumentError(
+            "v", f"sequence length {v.shape[2]} differs from k's {k.shape[2]}")
+    kv_capacity = k.shape[2]
+    if kv_seq_len is None:
+        kv_len = kv_capacity
+    else:
+        kv_len = _count("kv_seq_len", kv_seq_len, 0)
+        if kv_len > kv_capacity:
+            raise InvalidArgumentError(
+                "kv_seq_len", f"must be <= S_k ({kv_capacity}), got {kv_len}")
+    window = normalize_window(window_size, causal, kv_capacity, q_len)
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
+                softmax_scale, numbers.Real):
+            raise InvalidArgumentError(
+                "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
+    problem = AttentionProblem(
+        xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
+        softmax_scale=scale, causal=bool(causal), window=window)
+    _check_device_limits(problem, named)
+    return problem
+
+
+def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
+                     causal, window_size, kv_seq_len, softmax_scale, deterministic,
+                     synchronize):
+    """Validate a backward call: the forward's checks plus dout, output and lse."""
+    extra = [("dout", dout), ("output", output)]
+    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
+                              window_size, kv_seq_len, softmax_scale, extra_arrays=extra)
+    # lse is float32, so it joins the array-kind check but not the dtype one.
+    _array_module([("q", q), ("lse", lse)])
+    for name, a in extra:
+        _check_rank(name, a, 4, "[B, H, S, D]")
+        _check_shape(name, a, problem.q_shape)
+    _check_rank("lse", lse, 3, "[B, H, S_q]")
+    _check_shape("lse", lse, problem.lse_shape)
+    if lse.dtype != np.float32:
+        raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
+    for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InvalidArgumentError(name, f"expected a bool, got {type(flag).__name__}")
+    return problem
+
+
+def unit_last_stride(xp, a):
+    """``a`` itself when its last stride is 1 (or it is empty), else one copy."""
+    if a.size == 0 or a.strides[-1] == a.itemsize:
+        return a
+    return xp.ascontiguousarray(a)

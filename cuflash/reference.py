@@ -1,0 +1,90 @@
+"""The float64 oracle: the plain attention formula with explicit masks.
+
+Slow and memory-hungry (it holds the ``S_q x S_k`` matrix) on purpose: it is
+the definition the kernels are tested against, written straight from SPEC
+section 3, independent of the kernels' tiling and of :mod:`cuflash.masking`.
+NumPy arrays in, NumPy float64 arrays out.
+"""
+
+import math
+
+import numpy as np
+
+
+def _mask(q_len, kv_capacity, kv_len, causal, window):
+    """``[S_q, S_k]`` booleans from SPEC 3's words, written out again."""
+    if isinstance(window, (tuple, list)):
+        left, right = window
+    else:
+        left, right = (window - 1, -1) if window > 0 else (-1, -1)
+    if causal:
+        right = 0
+    i = np.arange(q_len)[:, None]
+    j = np.arange(kv_capacity)[None, :]
+    p = i + kv_len - q_len
+    visible = np.broadcast_to(j < kv_len, (q_len, kv_capacity)).copy()
+    if left >= 0:
+        visible &= j >= p - left
+    if right >= 0:
+        visible &= j <= p + right
+    return visible
+
+
+def _expand_kv(x, num_heads):
+    """Repeat KV heads for the oracle only (the kernels never copy)."""
+    return np.repeat(x, num_heads // x.shape[1], axis=1)
+
+
+def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
+                        softmax_scale=None):
+    """Return ``(out, lse)`` in float64.
+
+    Parameters follow :func:`cuflash.flash_attention_fwd` (heads are read
+    from the shapes). Rows that see no key give zeros and ``lse = -inf``.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    kv_capacity = k.shape[2]
+    kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    k, v = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
+    visible = _mask(q_len, kv_capacity, kv_len, causal, window)
+    scores = np.where(visible, scale * q @ np.swapaxes(k, -1, -2), -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        probs = np.where(total > 0, weights / total, 0.0)
+        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf)
+    return probs @ v, lse
+
+
+def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
+                             softmax_scale=None):
+    """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
+
+    With GQA the gradients of query heads that share a KV head are summed.
+    """
+    dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
+    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
+    kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
+    visible = _mask(q_len, kv_capacity, kv_len, causal, window)
+    scores = np.where(visible, scale * q @ np.swapaxes(ke, -1, -2), -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        probs = np.where(total > 0, weights / total, 0.0)
+    dv = np.swapaxes(probs, -1, -2) @ dout
+    dprobs = dout @ np.swapaxes(ve, -1, -2)
+    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+    dq = scale * dscores @ ke
+    dk = scale * np.swapaxes(dscores, -1, -2) @ q
+    group = num_heads // num_kv_heads
+    fold = (q.shape[0], num_kv_heads, group, kv_capacity, head_dim)
+    return dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold).sum(axis=2)

@@ -8,6 +8,20 @@ from . import cpu
 from .problem import backward_problem, forward_problem
 
 
+def _empty_forward(problem):
+    xp = problem.xp
+    return (xp.empty(problem.q_shape, dtype=problem.dtype),
+            xp.empty(problem.lse_shape, dtype=np.float32))
+
+
+def _empty_backward(problem):
+    """No query row: dq is empty and no key receives any gradient."""
+    xp = problem.xp
+    return (xp.empty(problem.q_shape, dtype=problem.dtype),
+            xp.zeros(problem.kv_shape, dtype=problem.dtype),
+            xp.zeros(problem.kv_shape, dtype=problem.dtype))
+
+
 def _path(problem):
     """The module that runs a validated problem: :mod:`cuflash.cpu` or the GPU one."""
     if problem.xp is np:
@@ -67,6 +81,8 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     """
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                               window_size, kv_seq_len, softmax_scale)
+    if problem.is_empty:
+        return _empty_forward(problem)
     return _path(problem).forward(problem, q, k, v)
 
 
@@ -113,6 +129,8 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
     problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                head_dim, causal, window_size, kv_seq_len, softmax_scale,
                                deterministic, synchronize)
+    if problem.is_empty:
+        return _empty_backward(problem)
     path = _path(problem)
     if path is cpu:
         return cpu.backward(problem, dout, q, k, v, output, lse)

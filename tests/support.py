@@ -1,0 +1,224 @@
+"""Shared test machinery: cases, random inputs, the tolerance rule, GPU poisoning."""
+
+import dataclasses
+import math
+
+import numpy as np
+
+import cuflash
+from cuflash.problem import BFLOAT16
+from cuflash.reference import attention_reference, attention_reference_grad
+
+try:
+    import cupy
+
+    HAS_GPU = cupy.is_available()
+except ImportError:  # pragma: no cover
+    cupy = None
+    HAS_GPU = False
+
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": BFLOAT16}
+# Below the floor a difference is rounding of the last bits, whatever the dtype.
+FLOOR = {"float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention configuration."""
+
+    dtype: str = "float32"
+    batch: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    q_len: int = 67
+    kv_len: int = 67  # capacity S_k
+    head_dim: int = 64
+    causal: bool = False
+    window: object = 0
+    kv_seq_len: object = None
+    bshd: bool = False  # pass [B, S, H, D] buffers viewed as [B, H, S, D]
+    scale: object = None
+
+    def __str__(self):
+        fields = dataclasses.asdict(self)
+        default = dataclasses.asdict(Case())
+        return "-".join(f"{k}={v}" for k, v in fields.items()
+                        if v != default[k] or k in ("dtype", "head_dim"))
+
+    @property
+    def args(self):
+        return (self.heads, self.kv_heads, self.head_dim, self.causal, self.window)
+
+
+def random_inputs(case, rng, xp=np):
+    """Fresh q, k, v, dout of the case's dtype (float64 copies for the oracle too)."""
+    def make(heads, length):
+        shape = (case.batch, length, heads, case.head_dim) if case.bshd else \
+            (case.batch, heads, length, case.head_dim)
+        x = rng.standard_normal(shape).astype(DTYPES[case.dtype])
+        x = xp.asarray(x)
+        return x.transpose(0, 2, 1, 3) if case.bshd else x
+
+    q = make(case.heads, case.q_len)
+    k = make(case.kv_heads, case.kv_len)
+    v = make(case.kv_heads, case.kv_len)
+    dout = make(case.heads, case.q_len)
+    return q, k, v, dout
+
+
+def to_numpy(x):
+    return cupy.asnumpy(x) if cupy is not None and isinstance(x, cupy.ndarray) else np.asarray(x)
+
+
+def rel_error(x, ref):
+    """``||x - ref|| / ||ref||`` in float64; NaN or inf never passes.
+
+    Where the reference is smaller than an RMS of 0.1 (the inputs are unit
+    normal; e.g. gradients that vanish exactly with a one-key window), the
+    error is taken relative to that RMS instead.
+    """
+    x = to_numpy(x).astype(np.float64)
+    if not np.all(np.isfinite(x)):
+        return math.inf
+    scale = max(np.linalg.norm(ref), 0.1 * math.sqrt(max(ref.size, 1)))
+    return float(np.linalg.norm(x - ref) / scale)
+
+
+def _round(x, dtype):
+    return x.astype(dtype).astype(np.float32)
+
+
+def naive_in_dtype(case, q, k, v, dout):
+    """Attention and its gradients computed plainly with every product rounded to the dtype.
+
+    The error of this against the float64 oracle is the yardstick of the
+    tolerance rule (FlashAttention's: at most twice this error, plus a floor).
+    """
+    dt = DTYPES[case.dtype]
+    q, k, v, dout = (to_numpy(a).astype(np.float32) for a in (q, k, v, dout))
+    group = case.heads // case.kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scale = 1 / math.sqrt(case.head_dim) if case.scale is None else case.scale
+    from cuflash.reference import _mask
+
+    kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
+    visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
+    s = _round(q @ np.swapaxes(k, -1, -2) * np.float32(scale), dt)
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    tot = e.sum(axis=-1, keepdims=True)
+    p = _round(np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0), dt)
+    out = _round(p @ v, dt)
+    dv = _round(np.swapaxes(p, -1, -2) @ dout, dt)
+    dp = _round(dout @ np.swapaxes(v, -1, -2), dt)
+    ds = _round(p * (dp - (dp * p).sum(axis=-1, keepdims=True)), dt)
+    dq = _round(ds @ k * np.float32(scale), dt)
+    dk = _round(np.swapaxes(ds, -1, -2) @ q * np.float32(scale), dt)
+    fold = (case.batch, case.kv_heads, group, case.kv_len, case.head_dim)
+    return out, (dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold).sum(axis=2))
+
+
+def oracle(case, q, k, v, dout):
+    """Float64 out, lse and gradients."""
+    args = (case.causal, case.window, case.kv_seq_len, case.scale)
+    q, k, v, dout = (to_numpy(a).astype(np.float64) for a in (q, k, v, dout))
+    out, lse = attention_reference(q, k, v, *args)
+    grads = attention_reference_grad(dout, q, k, v, *args)
+    return out, lse, grads
+
+
+def check_close(name, got, ref, naive, dtype):
+    """Assert SPEC's rule: error <= 2 x naive error + floor."""
+    err = rel_error(got, ref)
+    bound = 2 * rel_error(naive, ref) + FLOOR[dtype]
+    assert err <= bound, f"{name}: relative error {err:.3g} > bound {bound:.3g}"
+    return err
+
+
+def check_lse(lse, ref_lse):
+    """lse is float32, -inf exactly where the oracle's is, close elsewhere."""
+    lse = to_numpy(lse)
+    assert lse.dtype == np.float32
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "lse -inf rows differ"
+    finite = np.isfinite(ref_lse)
+    assert np.all(np.isfinite(lse[finite])), "lse has NaN/inf where the oracle is finite"
+    # The oracle sees the same (rounded) inputs, so only float32 accumulation differs.
+    if finite.any():
+        err = np.max(np.abs(lse[finite] - ref_lse[finite]))
+        assert err <= 1e-4 * (1 + np.abs(ref_lse[finite]).max()), f"lse error {err:.3g}"
+
+
+def run_and_check(case, xp, rng, deterministic=False):
+    """Forward and backward of ``case`` on ``xp`` arrays against the oracle."""
+    q, k, v, dout = random_inputs(case, rng, xp)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
+    dq, dk, dv = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
+                                             deterministic=deterministic)
+    ref_out, ref_lse, ref_grads = oracle(case, q, k, v, dout)
+    naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout)
+    assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
+    check_close("out", out, ref_out, naive_out, case.dtype)
+    check_lse(lse, ref_lse)
+    for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
+        assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
+        check_close(name, got, ref, naive, case.dtype)
+    # Rows that see no key: exact zeros; keys past kv_seq_len: exact zero gradients.
+    dead = np.isneginf(ref_lse)
+    assert np.all(to_numpy(out)[dead] == 0)
+    assert np.all(to_numpy(dq)[dead] == 0)
+    if case.kv_seq_len is not None:
+        assert np.all(to_numpy(dk)[:, :, case.kv_seq_len:] == 0)
+        assert np.all(to_numpy(dv)[:, :, case.kv_seq_len:] == 0)
+    return out, lse, (dq, dk, dv)
+
+
+def grid_cases():
+    """The configuration grid of the foundation issue (each option, each dtype)."""
+    cases = []
+    for dtype in DTYPES:
+        for d in (8, 40, 64, 96, 128, 256):
+            cases.append(Case(dtype=dtype, head_dim=d, q_len=77, kv_len=77, causal=d % 64 == 0))
+    rot = list(DTYPES)
+    extra = [
+        dict(heads=8, kv_heads=4), dict(heads=8, kv_heads=2), dict(heads=8, kv_heads=1),
+        dict(heads=16, kv_heads=2, q_len=33, kv_len=40),
+        dict(causal=True, q_len=45, kv_len=130), dict(causal=True, q_len=130, kv_len=45),
+        dict(causal=True, q_len=129, kv_len=129),
+        dict(window=1, causal=True), dict(window=16, causal=True), dict(window=500, causal=True),
+        dict(window=9), dict(window=(7, 3)), dict(window=(0, 0)), dict(window=(-1, 5), q_len=50, kv_len=90),
+        dict(window=(4, -1), causal=True, q_len=90, kv_len=50),
+        dict(kv_seq_len=40, kv_len=100), dict(kv_seq_len=40, kv_len=100, causal=True),
+        dict(kv_seq_len=0, kv_len=30), dict(kv_seq_len=99, kv_len=100, window=13, causal=True),
+        dict(bshd=True, heads=4, kv_heads=2, causal=True), dict(bshd=True, q_len=1, kv_len=300),
+        dict(q_len=1, kv_len=1), dict(q_len=1, kv_len=200, causal=True),
+        dict(q_len=200, kv_len=1, causal=True), dict(q_len=333, kv_len=257),
+        dict(scale=0.3, causal=True), dict(scale=-1.7),
+    ]
+    for i, kw in enumerate(extra):
+        base = dict(dtype=rot[i % 3], head_dim=(64, 128, 40, 256, 96)[i % 5])
+        cases.append(Case(**{**base, **kw}))
+    return cases
+
+
+def poison_gpu_allocations():
+    """Make every CuPy allocation start as NaN (0xFF bytes) until the returned undo runs."""
+    pool = cupy.cuda.MemoryPool()
+
+    def alloc(size):
+        mem = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size,
+                                          cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.set_allocator(alloc)
+
+    def undo():
+        cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+        pool.free_all_blocks()
+
+    return undo

@@ -107,3 +107,9 @@ def test_long_sequence_memory_is_linear(rng):
             to_numpy(q[:, :, i:i + 1]), *sub, causal=True)
         assert rel_error(out[:, :, i:i + 1], ref) < 1e-2
     assert all(not cupy.isnan(g).any() for g in grads)
+
+
+def test_poisoning_really_fills_nan(poisoned):
+    """The fixture the other tests rely on: fresh allocations read as NaN."""
+    for dtype in (cupy.float32, cupy.float16):
+        assert bool(cupy.isnan(cupy.empty(1000, dtype)).all())

@@ -7,6 +7,7 @@
 from .api import (AttentionConfig, AttentionVJP, flash_attention_bwd, flash_attention_fwd,
                   flash_attention_vjp)
 from .errors import InvalidArgumentError
+from .dispatch import kernel_path
 
 __version__ = "0.1.0"
 
@@ -17,4 +18,5 @@ __all__ = [
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_attention_vjp",
+    "kernel_path",
 ]

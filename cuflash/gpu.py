@@ -5,7 +5,7 @@ import math
 import cupy
 import numpy as np
 
-from . import kernel_build
+from . import dispatch, kernel_build
 from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
@@ -21,8 +21,22 @@ def _mask_args(problem):
     return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
 
 
-def _launch(module, role, grid, args):
-    module.kernels[role](grid, (kernel_build.THREADS,), args, shared_mem=module.smem[role])
+def _launch(module, role, grid, args, threads=kernel_build.THREADS):
+    module.kernels[role](grid, (threads,), args, shared_mem=module.smem[role])
+
+
+def _rows_are_16_byte_aligned(arrays):
+    """cp.async moves 16-byte chunks: every row must start on a 16-byte boundary."""
+    return all(a.data.ptr % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
+               for a in arrays)
+
+
+def uses_tensor_cores(problem, arrays):
+    """Whether the tensor-core kernels serve this call (see :func:`cuflash.kernel_path`)."""
+    variant = kernel_build.Variant(problem.dtype, problem.head_dim)
+    return (dispatch.current() == "auto" and variant.has_tensor_cores
+            and int(cupy.cuda.Device().compute_capability) >= 80
+            and _rows_are_16_byte_aligned(arrays))
 
 
 def forward(problem, q, k, v):
@@ -31,9 +45,11 @@ def forward(problem, q, k, v):
     out = cupy.empty(problem.q_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     module = kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim))
-    rows, _ = module.variant.tiles.fwd
+    role = "fwd_tc" if uses_tensor_cores(problem, (q, k, v)) else "fwd"
+    rows = (module.variant.tiles.fwd_tc if role == "fwd_tc" else module.variant.tiles.fwd)[0]
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
-    _launch(module, "fwd", grid, (
+    threads = 2 * rows if role == "fwd_tc" else kernel_build.THREADS
+    _launch(module, role, grid, threads=threads, args=(
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
         np.int32(problem.num_heads), np.int32(problem.group_size), *_mask_args(problem),
         np.float32(problem.softmax_scale * LOG2E)))

@@ -27,6 +27,8 @@ CXX_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "cuflash::half
 if BFLOAT16 is not None:
     CXX_TYPES[BFLOAT16] = "cuflash::bf16_t"
 COMPILE_OPTIONS = ("-std=c++17",)
+TENSOR_CORE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
+TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -63,6 +65,11 @@ class Tiles:
         return (64 if self.head_dim <= 128 else 32), 32
 
     @property
+    def fwd_tc(self):
+        """(query rows = 16 x warps, keys) of the tensor-core forward."""
+        return {64: (128, 64), 128: (128, 64), 256: (64, 32)}.get(self.head_dim)
+
+    @property
     def dkdv(self):
         return (64, 32) if self.head_dim <= 128 else (32, 16)
 
@@ -76,6 +83,10 @@ class Tiles:
     def fwd_smem(self):
         bm, bn = self.fwd
         return FLOAT_BYTES * (bm * self._pitch() + 2 * bn * self._pitch() + bm * (bn + 4))
+
+    def fwd_tc_smem(self, itemsize=2):
+        bm, bn = self.fwd_tc
+        return itemsize * self.head_dim * (bm + 4 * bn)
 
     def dkdv_smem(self):
         bm, bn = self.dkdv
@@ -97,10 +108,16 @@ class Variant:
     def tiles(self):
         return Tiles(self.head_dim)
 
+    @property
+    def has_tensor_cores(self):
+        """Whether this variant has the tensor-core (mma.sync) kernels."""
+        return (np.dtype(self.dtype) in TENSOR_CORE_DTYPES
+                and self.head_dim in TENSOR_CORE_HEAD_DIMS)
+
     def kernel_names(self):
         """Kernel role -> C++ name expression to instantiate."""
         t, d, tiles = CXX_TYPES[np.dtype(self.dtype)], self.head_dim, self.tiles
-        return {
+        names = {
             "fwd": f"cuflash::attention_fwd_general<{t}, {d}, {tiles.fwd[0]}, {tiles.fwd[1]}>",
             "delta": f"cuflash::attention_bwd_delta<{t}, {d}>",
             "dkdv_atomic_dq": "cuflash::attention_bwd_dkdv<{}, {}, {}, {}, true>".format(
@@ -109,6 +126,10 @@ class Variant:
                 t, d, *tiles.dkdv),
             "dq": f"cuflash::attention_bwd_dq<{t}, {d}, {tiles.dq[0]}, {tiles.dq[1]}>",
         }
+        if self.has_tensor_cores:
+            names["fwd_tc"] = "cuflash::attention_fwd_tc<{}, {}, {}, {}>".format(
+                t, d, *tiles.fwd_tc)
+        return names
 
 
 def all_variants():
@@ -130,6 +151,8 @@ class _LoadedModule:
         tiles = variant.tiles
         smem = {"fwd": tiles.fwd_smem(), "delta": 0, "dkdv_atomic_dq": tiles.dkdv_smem(),
                 "dkdv": tiles.dkdv_smem(), "dq": tiles.dq_smem()}
+        if variant.has_tensor_cores:
+            smem["fwd_tc"] = tiles.fwd_tc_smem()
         self.smem = smem
         for role, nbytes in smem.items():
             if nbytes > 48 * 1024:

@@ -5,19 +5,54 @@ import pytest
 
 import cuflash
 import cuflash.reference
+from cuflash.dispatch import PATHS
 from support import Case, cupy, grid_cases, random_inputs, rel_error, run_and_check, to_numpy
 
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=PATHS)
+def path(request):
+    """Run the test once per kernel path ("auto": tensor cores where they apply)."""
+    with cuflash.kernel_path(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("case", grid_cases(), ids=str)
-def test_gpu_matches_oracle(case, rng, poisoned):
+def test_gpu_matches_oracle(case, rng, poisoned, path):
     run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", grid_cases()[::3], ids=str)
-def test_gpu_deterministic_matches_oracle(case, rng, poisoned):
+def test_gpu_deterministic_matches_oracle(case, rng, poisoned, path):
     run_and_check(case, cupy, rng, deterministic=True)
+
+
+@pytest.mark.parametrize("dtype, head_dim, expected", [
+    ("bfloat16", 128, True), ("float16", 64, True), ("bfloat16", 256, True),
+    ("float32", 128, False), ("bfloat16", 96, False)])
+def test_fast_path_dispatch(rng, dtype, head_dim, expected):
+    from cuflash import gpu, problem
+
+    case = Case(dtype=dtype, head_dim=head_dim)
+    q, k, v, _ = random_inputs(case, rng, cupy)
+    prob = problem.forward_problem(q, k, v, *case.args, None, None)
+    assert gpu.uses_tensor_cores(prob, (q, k, v)) is expected
+    with cuflash.kernel_path("general"):
+        assert gpu.uses_tensor_cores(prob, (q, k, v)) is False
+    # Rows off the 16-byte grid fall back to the general kernel.
+    wide = cupy.asarray(rng.standard_normal(q.shape[:3] + (head_dim + 8,)).astype(q.dtype))
+    assert gpu.uses_tensor_cores(prob, (wide[..., 1:head_dim + 1], k, v)) is False
+
+
+def test_unaligned_rows_are_still_correct(rng, poisoned):
+    case = Case(dtype="bfloat16", head_dim=64, causal=True)
+    q, k, v, dout = random_inputs(case, rng, cupy)
+    wide = cupy.zeros(q.shape[:3] + (72,), q.dtype)
+    wide[..., 1:65] = q
+    out, lse = cuflash.flash_attention_fwd(wide[..., 1:65], k, v, *case.args)
+    ref, _ = cuflash.flash_attention_fwd(q, k, v, *case.args)
+    assert rel_error(out, to_numpy(ref).astype(np.float64)) < 1e-2
 
 
 @pytest.mark.parametrize("case", [

@@ -1,4 +1,5 @@
-// The module compiled for one (dtype, head_dim): every general kernel.
-// The host instantiates the templates through name expressions.
+// The module compiled for one (dtype, head_dim): every kernel of that
+// variant. The host instantiates the templates through name expressions.
 #include "general_fwd.cuh"
 #include "general_bwd.cuh"
+#include "tc_fwd.cuh"

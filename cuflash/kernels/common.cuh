@@ -51,6 +51,13 @@ struct Mask {
         return i < q_len && j < kv_len && (left < 0 || j >= p - left) &&
                (right < 0 || j <= p + right);
     }
+    // Does every row of [row_lo, row_hi) see every key of [key_lo, key_hi)?
+    __device__ __forceinline__ bool tile_all_visible(int row_lo, int row_hi, int key_lo,
+                                                     int key_hi) const {
+        const long long offset = static_cast<long long>(kv_len) - q_len;
+        return key_hi <= kv_len && (right < 0 || key_hi - 1 <= row_lo + offset + right) &&
+               (left < 0 || key_lo >= row_hi - 1 + offset - left);
+    }
     // Keys [lo, hi) that any row of [row_lo, row_hi) may see.
     __device__ __forceinline__ void key_range(int row_lo, int row_hi, int& lo, int& hi) const {
         const long long offset = static_cast<long long>(kv_len) - q_len;

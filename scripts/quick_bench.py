@@ -1,0 +1,72 @@
+"""Kernel-development timing: cuflash (both paths) vs torch SDPA on a few cases.
+
+Usage: python scripts/quick_bench.py [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
+B*S = 16384 tokens, H = 2048/D, bfloat16; median of CUDA-event timings.
+The full comparison is `python -m cuflash.bench`.
+"""
+
+import sys
+
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash.problem import BFLOAT16
+
+
+def median_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def main(cases):
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    print(f"{'D':>4} {'S':>6} {'causal':>6} | {'path':>8} {'fwd TF/s':>9} {'bwd TF/s':>9}")
+    for d, s, causal in cases:
+        b, h = 16384 // s, 2048 // d
+        rng = cupy.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16)
+                       for _ in range(4))
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        rows = []
+        for path in ("auto", "general"):
+            with cuflash.kernel_path(path):
+                fwd = median_ms(lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal))
+                out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
+                bwd = median_ms(lambda: cuflash.flash_attention_bwd(
+                    do, q, k, v, out, lse, h, h, d, causal), reps=5)
+            rows.append((path, fwd, bwd))
+        if torch is not None:
+            tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                with sdpa_kernel(backend):
+                    f = torch.nn.functional.scaled_dot_product_attention
+                    fwd = median_ms(lambda: f(tq, tk, tv, is_causal=causal))
+                    tq.requires_grad_(True); tk.requires_grad_(True); tv.requires_grad_(True)
+                    o = f(tq, tk, tv, is_causal=causal)
+                    bwd = median_ms(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo,
+                                                                retain_graph=True), reps=5)
+                    tq.requires_grad_(False); tk.requires_grad_(False); tv.requires_grad_(False)
+                rows.append((name, fwd, bwd))
+        for path, fwd, bwd in rows:
+            print(f"{d:>4} {s:>6} {int(causal):>6} | {path:>8} {flops / fwd / 1e9:9.1f} "
+                  f"{2.5 * flops / bwd / 1e9:9.1f}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:] or ["64,4096,0", "128,4096,0", "128,4096,1", "256,4096,0", "128,1024,0"]
+    main([(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)])

@@ -1,4 +1,4 @@
-"""The GPU path: launches of the general kernels on CuPy's current stream."""
+"""The GPU path: kernel choice and launches on CuPy's current device and stream."""
 
 import math
 
@@ -25,16 +25,21 @@ def _launch(module, role, grid, args, threads=kernel_build.THREADS):
     module.kernels[role](grid, (threads,), args, shared_mem=module.smem[role])
 
 
+def _variant(problem):
+    """The kernel variant of ``problem`` for the current device."""
+    sm = kernel_build.generation(int(cupy.cuda.Device().compute_capability))
+    return kernel_build.Variant(problem.dtype, problem.head_dim, sm)
+
+
 def _rows_are_16_byte_aligned(arrays):
     """cp.async moves 16-byte chunks: every row must start on a 16-byte boundary."""
     return all(a.data.ptr % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
                for a in arrays)
 
 
-def uses_tensor_cores(problem, arrays):
-    """Whether the tensor-core kernels serve this call (see :func:`cuflash.kernel_path`)."""
-    variant = kernel_build.Variant(problem.dtype, problem.head_dim)
-    return (dispatch.current() == "auto" and variant.has_tensor_cores
+def uses_tensor_cores(problem, arrays, role="fwd_tc"):
+    """Whether tensor-core kernel ``role`` serves this call (see :func:`cuflash.kernel_path`)."""
+    return (dispatch.current() == "auto" and role in _variant(problem).kernel_names()
             and int(cupy.cuda.Device().compute_capability) >= 80
             and _rows_are_16_byte_aligned(arrays))
 
@@ -44,11 +49,13 @@ def forward(problem, q, k, v):
     q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
     out = cupy.empty(problem.q_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
-    module = kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim))
-    role = "fwd_tc" if uses_tensor_cores(problem, (q, k, v)) else "fwd"
-    rows = (module.variant.tiles.fwd_tc if role == "fwd_tc" else module.variant.tiles.fwd)[0]
+    module = kernel_build.load(_variant(problem))
+    tiles = module.variant.tiles
+    if uses_tensor_cores(problem, (q, k, v)):
+        role, rows, threads = "fwd_tc", tiles.fwd_tc[0], tiles.fwd_tc_threads()
+    else:
+        role, rows, threads = "fwd", tiles.fwd[0], kernel_build.THREADS
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
-    threads = 2 * rows if role == "fwd_tc" else kernel_build.THREADS
     _launch(module, role, grid, threads=threads, args=(
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
         np.int32(problem.num_heads), np.int32(problem.group_size), *_mask_args(problem),
@@ -62,7 +69,7 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     lse = cupy.ascontiguousarray(lse)
     dk = cupy.empty(problem.kv_shape, dtype=problem.dtype)
     dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
-    module = kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim))
+    module = kernel_build.load(_variant(problem))
     tiles = module.variant.tiles
     heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
     scales = (np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E))
@@ -73,25 +80,28 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
             (dout, output, delta, *_strides(dout), *_strides(output),
              np.int32(problem.num_heads), np.int32(problem.q_len)))
 
-    dkdv_grid = (math.ceil(problem.kv_capacity / tiles.dkdv[1]), problem.num_kv_heads,
-                 problem.batch)
-    if deterministic:
-        dq = cupy.empty(problem.q_shape, dtype=problem.dtype)
-        if problem.kv_capacity:
-            _launch(module, "dkdv", dkdv_grid, (
-                q, k, v, dout, lse, delta, dq, dk, dv, *qkv_strides, *heads,
-                np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
+    # dK and dV (and with atomics dQ) per key tile: tensor cores where they apply.
+    dkdv_role = "dkdv" if deterministic else "dkdv_atomic_dq"
+    tc_role = "dkdv_tc" if deterministic else "dkdv_tc_atomic_dq"
+    if uses_tensor_cores(problem, (q, k, v, dout), tc_role):
+        dkdv_role, keys, threads = tc_role, tiles.bwd_tc[1], tiles.bwd_tc_threads()
+    else:
+        keys, threads = tiles.dkdv[1], kernel_build.THREADS
+    dq_accum = None if deterministic else cupy.zeros(problem.q_shape, dtype=np.float32)
+    dq = cupy.empty(problem.q_shape, dtype=problem.dtype) if deterministic else dq_accum
+    if problem.kv_capacity:
+        _launch(module, dkdv_role,
+                (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch),
+                threads=threads, args=(
+                    q, k, v, dout, lse, delta, dq, dk, dv, *qkv_strides, *heads,
+                    np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
+    if deterministic:  # dQ by its own pass over the keys, no atomics
         _launch(module, "dq", (math.ceil(problem.q_len / tiles.dq[0]), problem.num_heads,
                                problem.batch), (
             q, k, v, dout, lse, delta, dq, *qkv_strides, *heads, *_mask_args(problem),
             *scales))
-    else:
-        dq_accum = cupy.zeros(problem.q_shape, dtype=np.float32)
-        if problem.kv_capacity:
-            _launch(module, "dkdv_atomic_dq", dkdv_grid, (
-                q, k, v, dout, lse, delta, dq_accum, dk, dv, *qkv_strides, *heads,
-                np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
-        dq = dq_accum if problem.dtype == np.float32 else dq_accum.astype(problem.dtype)
+    elif problem.dtype != np.float32:
+        dq = dq_accum.astype(problem.dtype)
     if synchronize:
         cupy.cuda.get_current_stream().synchronize()
     return dq, dk, dv

@@ -56,9 +56,10 @@ def module_source(name=MODULE_FILE):
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile sizes of the general kernels for one head_dim (rows x keys)."""
+    """Tile sizes for one head_dim and GPU generation (``sm`` 80 or 90), rows x keys."""
 
     head_dim: int
+    sm: int = 90
 
     @property
     def fwd(self):
@@ -66,8 +67,27 @@ class Tiles:
 
     @property
     def fwd_tc(self):
-        """(query rows = 16 x warps, keys) of the tensor-core forward."""
-        return {64: (128, 64), 128: (128, 64), 256: (64, 32)}.get(self.head_dim)
+        """Tensor-core forward: (query rows, keys, m16 tiles per warp, Q in registers)."""
+        if self.head_dim == 128 and self.sm < 90:  # two m16 tiles per warp spill on sm_80
+            return (64, 64, 1, True)
+        return {64: (128, 64, 2, False), 128: (128, 64, 2, False),
+                256: (64, 32, 1, False)}.get(self.head_dim)
+
+    def fwd_tc_threads(self):
+        rows, _, m_tiles, _ = self.fwd_tc
+        return 32 * rows // (16 * m_tiles)
+
+    @property
+    def bwd_tc(self):
+        """Tensor-core dK/dV kernel: (query rows, keys); 16 keys per warp."""
+        return {64: (64, 64), 128: (32, 64)}.get(self.head_dim)
+
+    def bwd_tc_threads(self):
+        return 2 * self.bwd_tc[1]
+
+    def bwd_tc_smem(self, itemsize=2):
+        bm, bn = self.bwd_tc
+        return itemsize * (2 * (bm + bn) * self.head_dim + bn * bm) + FLOAT_BYTES * 2 * bm
 
     @property
     def dkdv(self):
@@ -85,7 +105,7 @@ class Tiles:
         return FLOAT_BYTES * (bm * self._pitch() + 2 * bn * self._pitch() + bm * (bn + 4))
 
     def fwd_tc_smem(self, itemsize=2):
-        bm, bn = self.fwd_tc
+        bm, bn = self.fwd_tc[:2]
         return itemsize * self.head_dim * (bm + 4 * bn)
 
     def dkdv_smem(self):
@@ -99,14 +119,15 @@ class Tiles:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compiled module: a storage dtype and a head_dim."""
+    """One compiled module: a storage dtype, a head_dim and a GPU generation."""
 
     dtype: np.dtype
     head_dim: int
+    sm: int = 90  # 80: tiles for sm_80..sm_89; 90: sm_90 and newer
 
     @property
     def tiles(self):
-        return Tiles(self.head_dim)
+        return Tiles(self.head_dim, self.sm)
 
     @property
     def has_tensor_cores(self):
@@ -127,14 +148,24 @@ class Variant:
             "dq": f"cuflash::attention_bwd_dq<{t}, {d}, {tiles.dq[0]}, {tiles.dq[1]}>",
         }
         if self.has_tensor_cores:
-            names["fwd_tc"] = "cuflash::attention_fwd_tc<{}, {}, {}, {}>".format(
-                t, d, *tiles.fwd_tc)
+            bm, bn, m_tiles, q_regs = tiles.fwd_tc
+            names["fwd_tc"] = (f"cuflash::attention_fwd_tc<{t}, {d}, {bm}, {bn}, {m_tiles}, "
+                               f"{str(q_regs).lower()}>")
+        if self.has_tensor_cores and tiles.bwd_tc:
+            for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
+                names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
+                    t, d, *tiles.bwd_tc, atomic)
         return names
 
 
-def all_variants():
-    """Every (dtype, head_dim) the library can compile."""
-    return [Variant(dt, d) for dt in CXX_TYPES for d in HEAD_DIMS]
+def all_variants(sm=90):
+    """Every (dtype, head_dim) the library can compile, with the tiles of ``sm``."""
+    return [Variant(dt, d, sm) for dt in CXX_TYPES for d in HEAD_DIMS]
+
+
+def generation(compute_capability):
+    """The tile generation (80 or 90) for a device's compute capability, e.g. 90."""
+    return 90 if compute_capability >= 90 else 80
 
 
 class _LoadedModule:
@@ -153,6 +184,8 @@ class _LoadedModule:
                 "dkdv": tiles.dkdv_smem(), "dq": tiles.dq_smem()}
         if variant.has_tensor_cores:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
+        if variant.has_tensor_cores and tiles.bwd_tc:
+            smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         self.smem = smem
         for role, nbytes in smem.items():
             if nbytes > 48 * 1024:

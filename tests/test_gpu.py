@@ -38,6 +38,8 @@ def test_fast_path_dispatch(rng, dtype, head_dim, expected):
     q, k, v, _ = random_inputs(case, rng, cupy)
     prob = problem.forward_problem(q, k, v, *case.args, None, None)
     assert gpu.uses_tensor_cores(prob, (q, k, v)) is expected
+    assert gpu.uses_tensor_cores(prob, (q, k, v), "dkdv_tc_atomic_dq") is (
+        expected and head_dim <= 128)
     with cuflash.kernel_path("general"):
         assert gpu.uses_tensor_cores(prob, (q, k, v)) is False
     # Rows off the 16-byte grid fall back to the general kernel.

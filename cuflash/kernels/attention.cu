@@ -3,3 +3,4 @@
 #include "general_fwd.cuh"
 #include "general_bwd.cuh"
 #include "tc_fwd.cuh"
+#include "tc_bwd.cuh"

@@ -66,10 +66,12 @@ template <> struct TensorOp<half_t> {
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][D] tile
 // whose chunks are XOR-swizzled by the row, so that the 8 rows an ldmatrix
 // reads (and the rows cp.async writes) hit 8 different bank groups.
+// Rows of 4 chunks (32 elements) swizzle over 4 rows (2-way conflicts).
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-    static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
-    return row * D + ((chunk ^ (row & 7)) << 3);
+    static_assert(D % 64 == 0 || D == 32, "the swizzle needs 4 or a multiple of 8 chunks per row");
+    constexpr int MASK = D == 32 ? 3 : 7;
+    return row * D + ((chunk ^ (row & MASK)) << 3);
 }
 
 // Copy rows [0, ROWS) of a tile (row stride `stride` elements) into shared

@@ -1,28 +1,31 @@
 // Tensor-core forward kernel for float16/bfloat16 (sm_80 and newer).
 //
-// One block of BM/16 warps per (query tile of BM rows, head, batch); each
-// warp owns 16 query rows. Q is loaded once (cp.async) and, up to D = 128,
-// held in registers as mma A fragments (re-read from shared memory per tile
-// above that, where the registers are needed for O); K/V tiles of BN keys are double-buffered in swizzled
-// shared memory with cp.async so the next tile loads while this one is
-// computed. S = Q K^T and O += P V run on mma.sync m16n8k16 with float32
-// accumulators; the online softmax runs in registers in base 2, and P goes
-// from the S accumulators to the A fragments of P V without shared memory.
-// Only tiles that cross a mask boundary are masked element by element.
+// One block of BM / (16 MT) warps per (query tile of BM rows, head, batch);
+// each warp owns MT m16 tiles (16 MT query rows), so every K and V fragment
+// read from shared memory feeds MT mma instructions. Q is loaded once with
+// cp.async; its A fragments stay in registers when Q_REGS, else they are
+// re-read from shared memory per tile (registers go to O). K/V tiles of BN
+// keys are double-buffered in swizzled shared memory with cp.async so the
+// next tile loads while this one is computed. S = Q K^T and O += P V run on
+// mma.sync m16n8k16 with float32 accumulators; the online softmax runs in
+// registers in base 2, and P goes from the S accumulators straight into the
+// A fragments of P V. Only tiles that cross a mask boundary are masked
+// element by element; query tiles are issued most expensive first.
 #pragma once
 #include "mma.cuh"
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN>
-__global__ void __launch_bounds__(BM * 2) attention_fwd_tc(
+template <typename T, int D, int BM, int BN, int MT, bool Q_REGS>
+__global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr int NT = BM * 2, KSTEPS = D / 16, NTILES = BN / 8, DTILES = D / 8;
-    static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 64 == 0, "tile shape");
+    constexpr int WM = 16 * MT, NT = BM / WM * 32;
+    constexpr int KSTEPS = D / 16, NTILES = BN / 8, DTILES = D / 8, QF = Q_REGS ? KSTEPS : 1;
+    static_assert(BM % WM == 0 && BN % 16 == 0 && D % 64 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
@@ -50,22 +53,28 @@ __global__ void __launch_bounds__(BM * 2) attention_fwd_tc(
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
 
-    float o[DTILES][4], row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    float o[MT][DTILES][4], row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-    for (int d = 0; d < DTILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+        row_max[mt][0] = row_max[mt][1] = neg_inf();
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+    }
 
-    cp_async_wait<0>();
-    __syncthreads();
-    constexpr bool Q_IN_REGISTERS = D <= 128;
-    constexpr int QF = Q_IN_REGISTERS ? KSTEPS : 1;
-    auto load_q_fragment = [&](unsigned (&f)[4], int ks) {
-        const int row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    // A fragment of Q for (m tile, k step): rows of the warp, columns 16 ks.
+    auto load_q_fragment = [&](unsigned (&f)[4], int mt, int ks) {
+        const int row = warp * WM + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
         ldmatrix_x4(f, Qs + swizzled<D>(row, 2 * ks + (lane >> 4)));
     };
-    unsigned qf[QF][4];
-    if (Q_IN_REGISTERS) {
+    cp_async_wait<0>();
+    __syncthreads();
+    unsigned qf[MT][QF][4];
+    if (Q_REGS) {
 #pragma unroll
-        for (int ks = 0; ks < QF; ++ks) load_q_fragment(qf[ks], ks);
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int ks = 0; ks < QF; ++ks) load_q_fragment(qf[mt][ks], mt, ks);
     }
 
     for (int it = 0; it < tiles; ++it) {
@@ -77,74 +86,92 @@ __global__ void __launch_bounds__(BM * 2) attention_fwd_tc(
         const T* Kb = Ks + buf * BN * D;
         const T* Vb = Vs + buf * BN * D;
 
-        float s[NTILES][4];
+        float s[MT][NTILES][4];
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
+            for (int n = 0; n < NTILES; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll(Q_REGS ? KSTEPS : 2)  // bounds register pressure
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            unsigned a_smem[4];
-            if (!Q_IN_REGISTERS) load_q_fragment(a_smem, ks);
-            const unsigned (&a)[4] = Q_IN_REGISTERS ? qf[ks % QF] : a_smem;
+            unsigned a_smem[MT][4];
+            if (!Q_REGS) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) load_q_fragment(a_smem[mt], mt, ks);
+            }
 #pragma unroll
             for (int n = 0; n < NTILES; n += 2) {
                 unsigned kb[4];
                 ldmatrix_x4(kb, Kb + swizzled<D>(n * 8 + (lane & 7) + 8 * (lane >> 4),
                                                  2 * ks + ((lane >> 3) & 1)));
-                Op::mma(s[n], a, kb[0], kb[1]);
-                Op::mma(s[n + 1], a, kb[2], kb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const unsigned (&a)[4] = Q_REGS ? qf[mt][ks % QF] : a_smem[mt];
+                    Op::mma(s[mt][n], a, kb[0], kb[1]);
+                    Op::mma(s[mt][n + 1], a, kb[2], kb[3]);
+                }
             }
         }
 
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-        const int row0 = m0 + warp * 16 + g;
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n)
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row0 = m0 + warp * WM + mt * 16 + g;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] *= scale_log2;
-                if (edge && !mask.visible(row0 + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
-                    s[n][e] = neg_inf();
-            }
-
+            for (int n = 0; n < NTILES; ++n)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = neg_inf();
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][n][e] *= scale_log2;
+                    if (edge && !mask.visible(row0 + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
+                        s[mt][n][e] = neg_inf();
+                }
 #pragma unroll
-            for (int n = 0; n < NTILES; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float new_max = fmaxf(row_max[r], mx);
-            const float base = new_max == neg_inf() ? 0.f : new_max;
-            const float alpha = exp2f(row_max[r] - base);
-            row_max[r] = new_max;
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = neg_inf();
 #pragma unroll
-            for (int n = 0; n < NTILES; ++n) {
-                s[n][2 * r] = exp2f(s[n][2 * r] - base);
-                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - base);
-                sum += s[n][2 * r] + s[n][2 * r + 1];
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;
+                for (int n = 0; n < NTILES; ++n)
+                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float new_max = fmaxf(row_max[mt][r], mx);
+                const float base = new_max == neg_inf() ? 0.f : new_max;
+                const float alpha = exp2f(row_max[mt][r] - base);
+                row_max[mt][r] = new_max;
+                float sum = 0.f;
 #pragma unroll
-            for (int d = 0; d < DTILES; ++d) {
-                o[d][2 * r] *= alpha;
-                o[d][2 * r + 1] *= alpha;
+                for (int n = 0; n < NTILES; ++n) {
+                    s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
+                    s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
+                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+                }
+                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+                for (int d = 0; d < DTILES; ++d) {
+                    o[mt][d][2 * r] *= alpha;
+                    o[mt][d][2 * r + 1] *= alpha;
+                }
             }
         }
 
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned pa[4] = {Op::pack(s[2 * kk][0], s[2 * kk][1]),
-                                    Op::pack(s[2 * kk][2], s[2 * kk][3]),
-                                    Op::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    Op::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = Op::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Op::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Op::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Op::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int d = 0; d < DTILES; d += 2) {
                 unsigned vb[4];
                 ldmatrix_x4_trans(vb, Vb + swizzled<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                                        d + (lane >> 4)));
-                Op::mma(o[d], pa, vb[0], vb[1]);
-                Op::mma(o[d + 1], pa, vb[2], vb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Op::mma(o[mt][d], pa[mt], vb[0], vb[1]);
+                    Op::mma(o[mt][d + 1], pa[mt], vb[2], vb[3]);
+                }
             }
         }
         __syncthreads();  // this buffer is refilled two iterations later
@@ -152,20 +179,23 @@ __global__ void __launch_bounds__(BM * 2) attention_fwd_tc(
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float total = row_sum[r];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const int row = warp * 16 + g + 8 * r;
-        if (row >= rows) continue;
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        unsigned* o_row = reinterpret_cast<unsigned*>(out + (row_base + m0 + row) * D);
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-            o_row[d * 4 + t] = Op::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-        if (t == 0)
-            lse[row_base + m0 + row] = total > 0.f ? row_max[r] * kLn2 + logf(total) : neg_inf();
-    }
+        for (int r = 0; r < 2; ++r) {
+            float total = row_sum[mt][r];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const int row = warp * WM + mt * 16 + g + 8 * r;
+            if (row >= rows) continue;
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            unsigned* o_row = reinterpret_cast<unsigned*>(out + (row_base + m0 + row) * D);
+#pragma unroll
+            for (int d = 0; d < DTILES; ++d)
+                o_row[d * 4 + t] = Op::pack(o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
+            if (t == 0)
+                lse[row_base + m0 + row] =
+                    total > 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
+        }
 }
 
 }  // namespace cuflash

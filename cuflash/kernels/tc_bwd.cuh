@@ -1,0 +1,198 @@
+// Tensor-core backward kernel (dK, dV and optionally the atomic dQ) for
+// float16/bfloat16 on sm_80 and newer.
+//
+// One block of BN/16 warps per (key tile of BN keys, KV head, batch); each
+// warp owns 16 keys and keeps their dK and dV in registers for the whole
+// block, looping over the query heads of the group and the query tiles
+// (BM = BN rows) that can see the key tile. Per query tile, with K and V
+// resident in swizzled shared memory and Q, dO loaded by cp.async:
+//   S^T = K Q^T and dP^T = V dO^T           (mma, A from K/V, B from Q/dO)
+//   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
+//   dV += P^T dO and dK += dS^T Q            (A straight from the registers)
+//   dQ += dS K scale (ATOMIC_DQ)            (dS^T through shared memory,
+//                                            float32 atomics into dq_accum;
+//                                            warp w takes m16 tile w % (BM/16)
+//                                            and a 1/(NW/(BM/16)) slice of D)
+// Only tiles that cross a mask boundary are masked element by element.
+#pragma once
+#include "mma.cuh"
+
+namespace cuflash {
+
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum,
+    T* __restrict__ dk, T* __restrict__ dv,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
+    float scale_log2) {
+    using Op = TensorOp<T>;
+    constexpr int NT = BN * 2, NW = BN / 16, KSTEPS = D / 16, QTILES = BM / 8, DTILES = D / 8;
+    constexpr int QM = BM / 16, DQ_TILES = DTILES / (NW / QM);  // dQ work split
+    static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 64 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    T* Ks = reinterpret_cast<T*>(smem4);
+    T* Vs = Ks + BN * D;
+    T* Qs = Vs + BN * D;
+    T* dOs = Qs + BM * D;
+    T* dSs = dOs + BM * D;  // dS^T, [BN keys][BM queries]
+    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);
+    float* delta_s = lse_s + BM;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+
+    float dk_acc[DTILES][4], dv_acc[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+
+    int m_lo, m_hi;
+    mask.query_range(n0, n0 + BN, m_lo, m_hi);
+    if (m_lo < m_hi) {
+        const int keys = mask.kv_len - n0;
+        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+    }
+    for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
+            const int rows = min(BM, mask.q_len - m0);
+            __syncthreads();  // the previous query tile's readers are done
+            cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+            cp_async_tile<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+            cp_async_commit();
+            for (int r = threadIdx.x; r < BM; r += NT) {
+                // Padding rows get lse = +inf, so their P is exactly 0.
+                lse_s[r] = r < rows ? lse[head_rows + m0 + r] * kLog2e : -neg_inf();
+                delta_s[r] = r < rows ? delta[head_rows + m0 + r] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            float st[QTILES][4], dpt[QTILES][4];
+#pragma unroll
+            for (int n = 0; n < QTILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll 2
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                unsigned ka[4], va[4];
+                ldmatrix_x4(ka, Ks + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
+                ldmatrix_x4(va, Vs + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
+#pragma unroll
+                for (int n = 0; n < QTILES; n += 2) {
+                    unsigned qb[4], ob[4];
+                    ldmatrix_x4(qb, Qs + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
+                    ldmatrix_x4(ob, dOs + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
+                    Op::mma(st[n], ka, qb[0], qb[1]);
+                    Op::mma(st[n + 1], ka, qb[2], qb[3]);
+                    Op::mma(dpt[n], va, ob[0], ob[1]);
+                    Op::mma(dpt[n + 1], va, ob[2], ob[3]);
+                }
+            }
+
+            const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+            const int key0 = n0 + warp * 16 + g;
+#pragma unroll
+            for (int n = 0; n < QTILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * t + (e & 1);
+                    const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
+                    const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_s[col]) : 0.f;
+                    st[n][e] = p;
+                    dpt[n][e] = p * (dpt[n][e] - delta_s[col]);
+                }
+
+            // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                const unsigned pa[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]),
+                                        Op::pack(st[2 * kk][2], st[2 * kk][3]),
+                                        Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                        Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+                const unsigned sa[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]),
+                                        Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                        Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                        Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+                if (ATOMIC_DQ) {  // keep dS^T for the dQ product
+                    unsigned* row_lo = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk) + 2 * t);
+                    unsigned* row_hi = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk) + 2 * t);
+                    unsigned* row_lo2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk + 1) + 2 * t);
+                    unsigned* row_hi2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk + 1) + 2 * t);
+                    *row_lo = sa[0];
+                    *row_hi = sa[1];
+                    *row_lo2 = sa[2];
+                    *row_hi2 = sa[3];
+                }
+#pragma unroll
+                for (int d = 0; d < DTILES; d += 2) {
+                    unsigned ob[4], qb[4];
+                    ldmatrix_x4_trans(ob, dOs + swizzled<D>(kk * 16 + a_row, d + a_chunk));
+                    ldmatrix_x4_trans(qb, Qs + swizzled<D>(kk * 16 + a_row, d + a_chunk));
+                    Op::mma(dv_acc[d], pa, ob[0], ob[1]);
+                    Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
+                    Op::mma(dk_acc[d], sa, qb[0], qb[1]);
+                    Op::mma(dk_acc[d + 1], sa, qb[2], qb[3]);
+                }
+            }
+
+            if (ATOMIC_DQ) {  // dQ[m16 tile qm, d slice] += scale * dS K
+                __syncthreads();
+                const int qm = warp % QM, d_first = (warp / QM) * DQ_TILES;
+                float dq_acc[DQ_TILES][4];
+#pragma unroll
+                for (int d = 0; d < DQ_TILES; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    unsigned da[4];  // A = dS (queries x keys) = dS^T transposed
+                    ldmatrix_x4_trans(da, dSs + swizzled<BM>(kk * 16 + b_row, 2 * qm + b_chunk));
+#pragma unroll
+                    for (int d = 0; d < DQ_TILES; d += 2) {
+                        unsigned kb[4];
+                        ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
+                        Op::mma(dq_acc[d], da, kb[0], kb[1]);
+                        Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = qm * 16 + g + 8 * r;
+                    if (row >= rows) continue;
+                    float* dst = dq_accum + (head_rows + m0 + row) * D + d_first * 8 + 2 * t;
+#pragma unroll
+                    for (int d = 0; d < DQ_TILES; ++d) {
+                        atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
+                        atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
+                    }
+                }
+            }
+        }
+    }
+
+    // Every key row of the tile inside the capacity is written, zeros included.
+    const long long key_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = warp * 16 + g + 8 * r;
+        if (n0 + key >= kv_capacity) continue;
+        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + (key_base + key) * D);
+        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (key_base + key) * D);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+            dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
+            dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+        }
+    }
+}
+
+}  // namespace cuflash

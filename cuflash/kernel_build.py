@@ -214,7 +214,7 @@ class CompileReport:
     variant: Variant
     arch: str
     log: str
-    cubin_bytes: int
+    cubin: bytes
     lowered_names: dict  # role -> mangled name
 
     def kernels(self):
@@ -253,7 +253,7 @@ def compile_offline(variant, arch):
             raise RuntimeError(f"{variant} for {arch} failed:\n{nvrtc.getProgramLog(prog)}") from exc
         lowered = {role: nvrtc.getLoweredName(prog, name)
                    for role, name in variant.kernel_names().items()}
-        return CompileReport(variant, arch, nvrtc.getProgramLog(prog),
-                             len(nvrtc.getCUBIN(prog)), lowered)
+        return CompileReport(variant, arch, nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog),
+                             lowered)
     finally:
         nvrtc.destroyProgram(prog)

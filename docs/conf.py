@@ -53,7 +53,7 @@ numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
 
 pygments_style = "sphinx"
-nitpicky = False
+nitpicky = True  # every cross-reference must resolve (with -W, a broken one fails the build)
 
 html_theme = "pydata_sphinx_theme"
 html_title = f"cuflash {release}"
@@ -67,5 +67,5 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+html_sidebars = {"**": []}  # a flat site: the top bar is the navigation
 html_context = {"default_mode": "auto"}

@@ -40,6 +40,8 @@ HIDDEN, VISIBLE, NOT_READ = 0, 1, 2
 COLORS = ListedColormap(["#eef0f3", "#3b6fb6", "#b9bec7"])
 NO_KEY = "#c0392b"
 DPI = 110
+CELL = 0.3  # inches per cell
+FONT = 10  # points; the pages show the pictures a little smaller than drawn
 
 
 def _problem(q_len, kv_capacity, causal=False, window_size=0, kv_seq_len=None,
@@ -83,24 +85,25 @@ def draw_pattern(ax, codes, problem, title):
     q_len, kv_capacity = codes.shape
     ax.imshow(codes, cmap=COLORS, vmin=0, vmax=2, aspect="equal", interpolation="nearest")
     ax.set_xticks(np.arange(kv_capacity))
-    ax.set_xticklabels([str(j) for j in range(kv_capacity)], fontsize=7)
+    ax.set_xticklabels([str(j) for j in range(kv_capacity)], fontsize=FONT - 1)
     ax.set_yticks(np.arange(q_len))
     offset = problem.kv_len - problem.q_len
-    ax.set_yticklabels([f"i={i}  p={i + offset}" for i in range(q_len)], fontsize=7,
+    ax.set_yticklabels([f"{i} ({i + offset})" for i in range(q_len)], fontsize=FONT - 1,
                        family="monospace")
+    ax.set_ylabel("query i (position p)", fontsize=FONT - 1)
     ax.set_xticks(np.arange(-0.5, kv_capacity), minor=True)
     ax.set_yticks(np.arange(-0.5, q_len), minor=True)
     ax.grid(which="minor", color="white", linewidth=1.2)
     ax.tick_params(which="both", length=0)
     ax.xaxis.set_label_position("top")
     ax.xaxis.tick_top()
-    ax.set_xlabel("key j", fontsize=8)
+    ax.set_xlabel("key j", fontsize=FONT - 1)
     for i in range(q_len):
         if not (codes[i] == VISIBLE).any():
             ax.get_yticklabels()[i].set_color(NO_KEY)
-            ax.text(kv_capacity - 0.5 + 0.3, i, "no key", color=NO_KEY, fontsize=7,
+            ax.text(kv_capacity - 0.5 + 0.3, i, "no key", color=NO_KEY, fontsize=FONT - 1,
                     va="center", ha="left")
-    ax.set_title(title, fontsize=9, pad=6)
+    ax.set_title(title, fontsize=FONT, pad=6)
     for side in ax.spines.values():
         side.set_visible(False)
 
@@ -114,7 +117,7 @@ def _legend(fig, with_not_read=False, with_no_key=False):
         handles.append(Patch(color=COLORS(NOT_READ), label="not read (>= kv_seq_len)"))
     if with_no_key:
         handles.append(Patch(color=NO_KEY, label="row sees no key: zeros, lse = -inf"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7,
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=FONT - 1,
                frameon=False)
 
 
@@ -130,10 +133,10 @@ def figure_of_panels(panels, path, with_not_read=False, show_bounds=False):
         if show_bounds:
             title += "\n(left, right) = ({}, {})".format(*problem.window)
         drawn.append((title, codes, problem))
-    widths = [codes.shape[1] + 5 for _, codes, _ in drawn]
+    widths = [codes.shape[1] + 5 for _, codes, _ in drawn]  # cells + room for labels
     height = max(codes.shape[0] for _, codes, _ in drawn)
-    fig, axes = plt.subplots(1, len(drawn), figsize=(0.3 * sum(widths) + 1.0,
-                                                     0.3 * height + 1.6),
+    fig, axes = plt.subplots(1, len(drawn), figsize=(CELL * sum(widths) + 0.6,
+                                                     CELL * height + 2.0),
                              gridspec_kw={"width_ratios": widths})
     axes = np.atleast_1d(axes)
     for ax, (title, codes, problem) in zip(axes, drawn):
@@ -141,7 +144,7 @@ def figure_of_panels(panels, path, with_not_read=False, show_bounds=False):
     no_key = any(not (codes[i] == VISIBLE).any()
                  for _, codes, _ in drawn for i in range(codes.shape[0]))
     _legend(fig, with_not_read, no_key)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
@@ -158,20 +161,20 @@ def figure_gqa(path, num_heads=8, num_kv_heads=2):
         ax.plot([h, kv_x[g]], [1.0, 0.0], color=palette(g), linewidth=1.5, zorder=1)
         ax.add_patch(FancyBboxPatch((h - 0.32, 1.0 - 0.18), 0.64, 0.36,
                                     boxstyle="round,pad=0.02", color=palette(g), zorder=2))
-        ax.text(h, 1.0, f"q{h}", ha="center", va="center", color="white", fontsize=8,
+        ax.text(h, 1.0, f"q{h}", ha="center", va="center", color="white", fontsize=FONT,
                 zorder=3)
     for g, x in enumerate(kv_x):
         width = group * 0.75
         ax.add_patch(FancyBboxPatch((x - width / 2, -0.18), width, 0.36,
                                     boxstyle="round,pad=0.02", color=palette(g), zorder=2))
         ax.text(x, 0.0, f"k{g}, v{g}", ha="center", va="center", color="white",
-                fontsize=8, zorder=3)
-    ax.text(-0.9, 1.0, "query heads", ha="right", va="center", fontsize=8)
-    ax.text(-0.9, 0.0, "KV heads", ha="right", va="center", fontsize=8)
-    ax.set_xlim(-3.2, num_heads - 0.3)
+                fontsize=FONT, zorder=3)
+    ax.text(-0.6, 1.0, "query heads", ha="right", va="center", fontsize=FONT)
+    ax.text(-0.6, 0.0, "KV heads", ha="right", va="center", fontsize=FONT)
+    ax.set_xlim(-2.9, num_heads - 0.3)
     ax.set_ylim(-0.45, 1.45)
     ax.set_title(f"num_heads={num_heads}, num_kv_heads={num_kv_heads}: "
-                 f"query head h reads KV head h // {group}", fontsize=9)
+                 f"query head h reads KV head h // {group}", fontsize=FONT + 1)
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -189,20 +192,20 @@ def main(out_dir=DEFAULT_OUT):
         return written[-1]
 
     figure_of_panels([
-        ("causal, S_q=4 < S_k=10", dict(q_len=4, kv_capacity=10, causal=True)),
-        ("causal, S_q = S_k = 8", dict(q_len=8, kv_capacity=8, causal=True)),
-        ("causal, S_q=9 > S_k=6", dict(q_len=9, kv_capacity=6, causal=True)),
+        ("causal, S_q=3 < S_k=7", dict(q_len=3, kv_capacity=7, causal=True)),
+        ("causal, S_q = S_k = 6", dict(q_len=6, kv_capacity=6, causal=True)),
+        ("causal, S_q=7 > S_k=4", dict(q_len=7, kv_capacity=4, causal=True)),
     ], target("causal.png"))
     figure_of_panels([
-        ("causal, window_size=3", dict(q_len=8, kv_capacity=8, causal=True, window_size=3)),
-        ("window_size=3 (not causal)", dict(q_len=8, kv_capacity=8, window_size=3)),
-        ("window_size=(2, 1)", dict(q_len=8, kv_capacity=8, window_size=(2, 1))),
+        ("causal, window_size=3", dict(q_len=7, kv_capacity=7, causal=True, window_size=3)),
+        ("window_size=3", dict(q_len=7, kv_capacity=7, window_size=3)),
+        ("window_size=(2, 1)", dict(q_len=7, kv_capacity=7, window_size=(2, 1))),
     ], target("windows.png"), show_bounds=True)
     figure_of_panels([
-        ("decode: S_q=1, kv_seq_len=7 of 12",
-         dict(q_len=1, kv_capacity=12, kv_seq_len=7)),
-        ("causal chunk: S_q=4, kv_seq_len=9 of 12",
-         dict(q_len=4, kv_capacity=12, causal=True, kv_seq_len=9)),
+        ("decode: S_q=1, kv_seq_len=6 of 10",
+         dict(q_len=1, kv_capacity=10, kv_seq_len=6)),
+        ("causal chunk: S_q=3, kv_seq_len=7 of 10",
+         dict(q_len=3, kv_capacity=10, causal=True, kv_seq_len=7)),
     ], target("kv_seq_len.png"), with_not_read=True)
     figure_gqa(target("gqa.png"), num_heads=8, num_kv_heads=2)
     figure_gqa(target("mqa.png"), num_heads=4, num_kv_heads=1)

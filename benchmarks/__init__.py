@@ -1,0 +1,1 @@
+"""airspeed velocity (asv) benchmarks of cuflash; see ``asv.conf.json``."""

@@ -1,0 +1,401 @@
+"""The documentation builds without warnings, and the code in it runs.
+
+* ``test_docs_build`` runs ``sphinx-build -W --keep-going -b html docs <tmp>``
+  (skipped only when Sphinx is not installed; the rest of the ``docs`` extra
+  must then be there too).
+* ``test_snippets`` runs every fenced ``python`` and ``pycon`` block of
+  ``docs/*.md`` on the CPU path, page by page, top to bottom, in one namespace
+  per page (so a block may use what an earlier block of its page defined).
+  ``python`` blocks are executed; ``pycon`` blocks are doctests, so their
+  printed output is checked too. A block whose first line is ``# gpu-only``
+  is only compiled here; ``test_snippets_gpu`` runs every block, GPU ones
+  included, on a machine with a GPU. A ``# needs: torch, jax`` line (right
+  after the marker) skips a block whose modules are not installed.
+* ``test_docstring_examples`` runs the doctests of every ``cuflash`` module.
+* The ``test_error_table_*`` tests hold the Troubleshooting page's table of
+  error messages to the ``InvalidArgumentError`` calls in ``cuflash/*.py``
+  and to the messages that real calls produce.
+"""
+
+import ast
+import dataclasses
+import doctest
+import importlib
+import importlib.util
+import pkgutil
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cuflash
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+DOCTEST_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+# --------------------------------------------------------------------------- build
+
+def test_docs_build(tmp_path):
+    pytest.importorskip("sphinx", reason="Sphinx is not installed (pip install -e .[docs])")
+    out = tmp_path / "html"
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+           str(DOCS), str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, (
+        f"sphinx-build failed (exit {proc.returncode}); needs the docs extra "
+        f"(pip install -e .[docs]).\n{proc.stdout}\n{proc.stderr}")
+    for name in ("causal", "windows", "kv_seq_len", "gqa", "mqa"):
+        assert (out / "_images" / f"{name}.png").is_file(), f"mask figure {name}.png missing"
+    api = (out / "api.html").read_text(encoding="utf-8")
+    undocumented = [name for name in cuflash.__all__ if f'id="cuflash.{name}"' not in api]
+    assert not undocumented, f"public names missing from docs/api.rst: {undocumented}"
+    for name in ("attention_reference", "attention_reference_grad"):
+        assert f'id="cuflash.reference.{name}"' in api, name
+    print(f"docs built in {seconds:.1f} s")
+
+
+# ------------------------------------------------------------------------ snippets
+
+@dataclasses.dataclass(frozen=True)
+class Snippet:
+    """One fenced code block of a page."""
+
+    page: Path
+    line: int  # line of the block's first code line, 1-based
+    lang: str  # "python" or "pycon"
+    code: str
+    gpu_only: bool
+    needs: tuple
+
+    def __str__(self):
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+LANGS = {"python": "python", "py": "python", "python3": "python", "pycon": "pycon"}
+
+
+def _language(info):
+    """``python`` / ``pycon`` / None for a fence's info string (MyST forms too)."""
+    words = info.split()
+    if not words:
+        return None
+    if words[0] in ("{code-block}", "{code}", "{sourcecode}") and len(words) > 1:
+        return LANGS.get(words[1])
+    return LANGS.get(words[0])
+
+
+def _markers(code, lang):
+    """``(gpu_only, needs)`` from the block's leading comment lines."""
+    gpu_only, needs = False, ()
+    for line in code.splitlines():
+        text = line.strip()
+        if lang == "pycon":
+            text = text[4:].strip() if text.startswith(">>>") else text
+        if not text.startswith("#"):
+            break
+        if re.fullmatch(r"#\s*gpu-only\b.*", text):
+            gpu_only = True
+        m = re.fullmatch(r"#\s*needs:\s*(.+)", text)
+        if m:
+            needs += tuple(n.strip() for n in m.group(1).split(",") if n.strip())
+    return gpu_only, needs
+
+
+def extract_snippets(page):
+    """Every python/pycon fenced block of a Markdown page, in order."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    snippets, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        info, fence, indent = m.group("info").strip(), m.group("fence"), m.group("indent")
+        if info.startswith("{") and _language(info) is None:
+            i += 1  # a directive ({note}, {toctree}, ...): its body is Markdown, keep scanning
+            continue
+        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        lang = _language(info)
+        if lang is not None:
+            body = lines[i + 1:j]
+            first = 0
+            while first < len(body) and re.match(r"^\s*:\w[\w-]*:", body[first]):
+                first += 1  # options of a {code-block} directive
+            body = [b[len(indent):] if b.startswith(indent) else b.lstrip()
+                    for b in body[first:]]
+            code = "\n".join(body) + "\n"
+            snippets.append(Snippet(page, i + 2 + first, lang, code, *_markers(code, lang)))
+        i = j + 1
+    return snippets
+
+
+def _compile_python(snippet):
+    # Leading newlines make tracebacks point at the right line of the page.
+    return compile("\n" * (snippet.line - 1) + snippet.code, str(snippet.page), "exec")
+
+
+def _run_pycon(snippet, namespace, compile_only=False):
+    parser = doctest.DocTestParser()
+    test = parser.get_doctest(snippet.code, namespace, str(snippet), str(snippet.page),
+                              snippet.line - 1)
+    if compile_only:
+        for example in test.examples:
+            compile(example.source, str(snippet), "single")
+        return
+    report = []
+    runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
+    runner.run(test, out=report.append, clear_globs=False)
+    namespace.update(test.globs)  # DocTest works on a copy; later blocks see its names
+    if runner.failures:
+        raise AssertionError(f"doctest failed at {snippet}:\n" + "".join(report))
+
+
+def run_page(page, gpu):
+    """Run a page's blocks in order; return (ran, compiled_only, skipped) lists."""
+    namespace = {"__name__": f"docs_{page.stem}"}
+    ran, compiled, skipped = [], [], []
+    for snippet in extract_snippets(page):
+        missing = [m for m in snippet.needs if importlib.util.find_spec(m) is None]
+        if snippet.gpu_only and not gpu:
+            if snippet.lang == "python":
+                _compile_python(snippet)
+            else:
+                _run_pycon(snippet, namespace, compile_only=True)
+            compiled.append(snippet)
+            continue
+        if missing:
+            skipped.append((snippet, missing))
+            continue
+        try:
+            if snippet.lang == "python":
+                exec(_compile_python(snippet), namespace)  # noqa: S102 - the docs' own code
+            else:
+                _run_pycon(snippet, namespace)
+        except AssertionError as exc:
+            if str(exc).startswith("doctest failed"):
+                raise
+            raise AssertionError(f"snippet {snippet} failed:\n{traceback.format_exc()}") from exc
+        except Exception as exc:
+            raise AssertionError(f"snippet {snippet} raised:\n{traceback.format_exc()}") from exc
+        ran.append(snippet)
+    return ran, compiled, skipped
+
+
+def _page_id(page):
+    return page.name
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_snippets(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ran, compiled, _ = run_page(page, gpu=False)
+    print(f"{page.name}: ran {len(ran)}, compiled only (gpu-only) {len(compiled)}")
+    for snippet in ran:
+        print(f"  ran {snippet} ({snippet.lang})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_snippets_gpu(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ran, _, skipped = run_page(page, gpu=True)
+    print(f"{page.name}: ran {len(ran)}, skipped {len(skipped)}")
+    for snippet, missing in skipped:
+        print(f"  skipped {snippet}: {', '.join(missing)} not installed")
+
+
+def test_snippets_found():
+    """The extractor sees the pages' code: a broken parser must not pass silently."""
+    by_page = {page.name: extract_snippets(page) for page in PAGES}
+    for name in ("index.md", "getting_started.md", "semantics.md", "gradients.md",
+                 "troubleshooting.md"):
+        cpu = [s for s in by_page.get(name, []) if not s.gpu_only]
+        assert cpu, f"{name}: no CPU snippet found"
+    assert any(s.lang == "pycon" for snippets in by_page.values() for s in snippets)
+    assert any(s.gpu_only for snippets in by_page.values() for s in snippets)
+    total = sum(len(s) for s in by_page.values())
+    assert total >= 20, total
+
+
+def test_extractor_markers():
+    page = DOCS / "getting_started.md"
+    blocks = {s.line: s for s in extract_snippets(page)}
+    torch_blocks = [s for s in blocks.values() if "torch" in s.needs]
+    assert torch_blocks and all(s.gpu_only for s in torch_blocks)
+
+
+# ---------------------------------------------------------------- docstring doctests
+
+MODULES = ["cuflash"] + sorted(
+    name for _, name, _ in pkgutil.walk_packages(cuflash.__path__, "cuflash."))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:  # cuflash.gpu without CuPy
+        pytest.skip(f"{name} cannot be imported here: {exc}")
+    report = []
+    runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
+    for test in doctest.DocTestFinder(exclude_empty=True).find(module, name):
+        runner.run(test, out=report.append)
+    assert runner.failures == 0, "".join(report)
+
+
+def test_docstring_examples_exist():
+    """At least one docstring example really runs (not all skipped or missing)."""
+    runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for test in doctest.DocTestFinder(exclude_empty=True).find(module, name):
+            runner.run(test, out=lambda _: None)
+    results = runner.summarize(verbose=False)
+    assert results.attempted - getattr(results, "skipped", 0) > 0
+
+
+# ------------------------------------------------------------- the error-message table
+
+GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
+                   "the call needs about")
+
+
+def _pattern(node):
+    """A regex for the text an argument of ``InvalidArgumentError(...)`` produces."""
+    if isinstance(node, ast.Constant):
+        return re.escape(str(node.value))
+    if isinstance(node, ast.JoinedStr):
+        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.+)"
+                       for v in node.values)
+    return "(.+)"
+
+
+def error_call_sites():
+    """``{"file:line": regex}`` for every ``InvalidArgumentError(arg, reason)`` call."""
+    sites = {}
+    for path in sorted((ROOT / "cuflash").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "InvalidArgumentError"):
+                arg, reason = node.args
+                sites[f"{path.name}:{node.lineno}"] = re.compile(
+                    f"^{_pattern(arg)}: {_pattern(reason)}$", re.S)
+    return sites
+
+
+def documented_messages():
+    text = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    section = text.split("\n## Error messages", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", section, re.M)
+
+
+def bad_calls():
+    """One invalid CPU call per documented message (the GPU-only ones aside)."""
+    def a(*shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    q, kv, out, lse = a(2, 8, 16, 64), a(2, 2, 16, 64), a(2, 8, 16, 64), a(2, 8, 16)
+    f64, f16 = np.float64, np.float16
+
+    def fwd(q=q, k=kv, v=kv, num_heads=8, num_kv_heads=2, head_dim=64, **kw):
+        return lambda: cuflash.flash_attention_fwd(q, k, v, num_heads, num_kv_heads,
+                                                   head_dim, **kw)
+
+    def bwd(dout=out, output=out, lse=lse, **kw):
+        return lambda: cuflash.flash_attention_bwd(dout, q, kv, kv, output, lse, 8, 2, 64,
+                                                   **kw)
+
+    huge = a(70000, 1, 0, 8)
+    return [
+        fwd(q=q.tolist()),
+        fwd(q=a(8, 16, 64)),
+        fwd(q=a(2, 8, 16, 64, dtype=f64), k=a(2, 2, 16, 64, dtype=f64),
+            v=a(2, 2, 16, 64, dtype=f64)),
+        fwd(k=a(2, 2, 16, 64, dtype=f16)),
+        fwd(num_heads=8.0),
+        fwd(num_heads=-1),
+        fwd(num_kv_heads=0),
+        fwd(head_dim=0),
+        fwd(num_kv_heads=3),
+        fwd(q=a(2, 8, 16, 12), k=a(2, 2, 16, 12), v=a(2, 2, 16, 12), head_dim=12),
+        fwd(num_heads=4),
+        fwd(k=a(2, 2, 16, 128), v=a(2, 2, 16, 128), head_dim=128),
+        fwd(k=a(1, 2, 16, 64)),
+        fwd(k=a(2, 4, 16, 64)),
+        fwd(v=a(2, 2, 16, 32)),
+        fwd(v=a(2, 2, 12, 64)),
+        fwd(kv_seq_len=8.0),
+        fwd(kv_seq_len=-1),
+        fwd(kv_seq_len=17),
+        fwd(window_size=2.5),
+        fwd(window_size=-1),
+        fwd(window_size=(4, 0, 1)),
+        fwd(window_size=(-2, 0)),
+        fwd(causal=1),
+        fwd(softmax_scale="0.125"),
+        fwd(softmax_scale=float("nan")),
+        fwd(q=huge, k=huge, v=huge, num_heads=1, num_kv_heads=1, head_dim=8),
+        fwd(q=a(0, 1, 2**31, 8), k=a(0, 1, 8, 8), v=a(0, 1, 8, 8), num_heads=1,
+            num_kv_heads=1, head_dim=8),
+        bwd(output=a(2, 8, 16, 64, dtype=f16)),
+        bwd(dout=a(8, 16, 64)),
+        bwd(dout=a(2, 8, 64, 16)),
+        bwd(lse=a(2, 8, 16, 1)),
+        bwd(lse=a(2, 8, 8)),
+        bwd(lse=a(2, 8, 16, dtype=f16)),
+        bwd(deterministic=1),
+        bwd(synchronize=None),
+        lambda: cuflash.kernel_path("fast").__enter__(),
+    ]
+
+
+def produced_messages():
+    messages = []
+    for call in bad_calls():
+        with pytest.raises(cuflash.InvalidArgumentError) as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_error_table_covers_every_call_site():
+    documented = documented_messages()
+    assert len(documented) >= 30, documented
+    missing = [site for site, pattern in error_call_sites().items()
+               if not any(pattern.match(m) for m in documented)]
+    assert not missing, (
+        "InvalidArgumentError raised here has no row in docs/troubleshooting.md: "
+        f"{missing}")
+
+
+def test_error_table_messages_are_real():
+    produced = set(produced_messages())
+    sites = error_call_sites()
+    for message in documented_messages():
+        if any(s in message for s in GPU_ONLY_ERRORS):
+            assert any(p.match(message) for p in sites.values()), message
+        else:
+            assert message in produced, f"documented but not produced: {message!r}"
+
+
+def test_every_sample_call_is_documented():
+    documented = set(documented_messages())
+    undocumented = [m for m in produced_messages() if m not in documented]
+    assert not undocumented, undocumented

@@ -72,7 +72,8 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     Raises
     ------
     InvalidArgumentError
-        Before any kernel runs, for any argument SPEC section 4 rejects.
+        Before any kernel runs, naming the argument and the reason (every
+        message is listed in the Troubleshooting page).
 
     Notes
     -----
@@ -124,7 +125,8 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
     Raises
     ------
     InvalidArgumentError
-        Before any kernel runs, for any argument SPEC section 4 rejects.
+        Before any kernel runs, naming the argument and the reason (every
+        message is listed in the Troubleshooting page).
     """
     problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                head_dim, causal, window_size, kv_seq_len, softmax_scale,
@@ -140,7 +142,17 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """The non-array arguments of one attention call."""
+    """The non-array arguments of one attention call.
+
+    Attributes
+    ----------
+    num_heads, num_kv_heads, head_dim : int
+    causal : bool
+    window_size : int or (int, int)
+    kv_seq_len : int or None
+    softmax_scale : float or None
+        As passed to :func:`flash_attention_vjp`.
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -174,7 +186,19 @@ class AttentionVJP:
     config: AttentionConfig
 
     def __call__(self, dout, *, deterministic=False, synchronize=True):
-        """Return ``(dq, dk, dv)`` for the upstream gradient ``dout``."""
+        """Run the backward pass for the upstream gradient ``dout``.
+
+        Parameters
+        ----------
+        dout : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        deterministic, synchronize : bool
+            As in :func:`flash_attention_bwd`.
+
+        Returns
+        -------
+        dq, dk, dv : arrays
+            As returned by :func:`flash_attention_bwd`.
+        """
         c = self.config
         return flash_attention_bwd(
             dout, self.q, self.k, self.v, self.out, self.lse, c.num_heads, c.num_kv_heads,

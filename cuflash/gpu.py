@@ -22,7 +22,7 @@ def _mask_args(problem):
 
 
 def _launch(module, role, grid, args, threads=kernel_build.THREADS):
-    module.kernels[role](grid, (threads,), args, shared_mem=module.smem[role])
+    module.kernel(role)(grid, (threads,), args, shared_mem=module.smem[role])
 
 
 def _variant(problem):

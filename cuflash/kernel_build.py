@@ -14,6 +14,7 @@ sm_90a and to read the compiler's resource report.
 import dataclasses
 import functools
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -168,43 +169,61 @@ def generation(compute_capability):
     return 90 if compute_capability >= 90 else 80
 
 
-class _LoadedModule:
-    """A compiled module's kernels by role, with their shared-memory limits raised."""
+class _LoadedVariant:
+    """The kernels of one variant on one device, each compiled on first use.
+
+    Each kernel role is its own ``RawModule`` (the role is a ``-D`` option,
+    so CuPy's cache key tells them apart): a first forward call compiles the
+    forward kernel only, not the backward ones.
+    """
 
     def __init__(self, variant):
-        import cupy
-
         self.variant = variant
-        names = variant.kernel_names()
-        module = cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS,
-                                name_expressions=list(names.values()))
-        self.kernels = {role: module.get_function(name) for role, name in names.items()}
+        self.names = variant.kernel_names()
         tiles = variant.tiles
         smem = {"fwd": tiles.fwd_smem(), "delta": 0, "dkdv_atomic_dq": tiles.dkdv_smem(),
                 "dkdv": tiles.dkdv_smem(), "dq": tiles.dq_smem()}
-        if variant.has_tensor_cores:
+        if "fwd_tc" in self.names:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
-        if variant.has_tensor_cores and tiles.bwd_tc:
+        if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         self.smem = smem
-        for role, nbytes in smem.items():
-            if nbytes > 48 * 1024:
-                self.kernels[role].max_dynamic_shared_size_bytes = nbytes
+        self._kernels = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, role):
+        """The ``cupy.RawKernel`` of ``role``, compiled (or loaded from cache) once."""
+        with self._lock:
+            found = self._kernels.get(role)
+            if found is None:
+                import cupy
+
+                name = self.names[role]
+                module = cupy.RawModule(code=module_source(),
+                                        options=COMPILE_OPTIONS + (f"-DCUFLASH_ROLE_{role}",),
+                                        name_expressions=[name])
+                found = module.get_function(name)
+                if self.smem[role] > 48 * 1024:
+                    found.max_dynamic_shared_size_bytes = self.smem[role]
+                self._kernels[role] = found
+            return found
 
 
 _MODULES = {}
+_MODULES_LOCK = threading.Lock()
 
 
 def load(variant):
-    """The kernels of ``variant`` for CuPy's current device (compiled once)."""
+    """The kernels of ``variant`` for CuPy's current device."""
     import cupy
 
     device = cupy.cuda.Device()
     key = (device.id, device.compute_capability, variant)
-    module = _MODULES.get(key)
-    if module is None:
-        module = _MODULES.setdefault(key, _LoadedModule(variant))
-    return module
+    with _MODULES_LOCK:
+        loaded = _MODULES.get(key)
+        if loaded is None:
+            loaded = _MODULES[key] = _LoadedVariant(variant)
+    return loaded
 
 
 @dataclasses.dataclass

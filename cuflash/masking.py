@@ -1,4 +1,4 @@
-"""The visible-key rule shared by every path (SPEC section 3).
+"""The visible-key rule shared by every path (see the Semantics page).
 
 A query row ``i`` sits at absolute position ``p = i + kv_len - q_len``
 (bottom-right alignment). Key ``j`` is visible iff ``j < kv_len`` and

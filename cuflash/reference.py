@@ -1,8 +1,8 @@
 """The float64 oracle: the plain attention formula with explicit masks.
 
 Slow and memory-hungry (it holds the ``S_q x S_k`` matrix) on purpose: it is
-the definition the kernels are tested against, written straight from SPEC
-section 3, independent of the kernels' tiling and of :mod:`cuflash.masking`.
+the definition the kernels are tested against, written straight from the
+masking rule of the Semantics page, independent of the kernels' tiling and of :mod:`cuflash.masking`.
 NumPy arrays in, NumPy float64 arrays out.
 """
 
@@ -39,8 +39,22 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
                         softmax_scale=None):
     """Return ``(out, lse)`` in float64.
 
-    Parameters follow :func:`cuflash.flash_attention_fwd` (heads are read
-    from the shapes). Rows that see no key give zeros and ``lse = -inf``.
+    Parameters
+    ----------
+    q, k, v : array_like, ``[B, H, S_q, D]`` and ``[B, H_kv, S_k, D]``
+        Any real dtype; heads and head_dim are read from the shapes.
+    causal : bool
+    window : int or (int, int)
+        ``window_size`` of :func:`cuflash.flash_attention_fwd`.
+    kv_seq_len : int, optional
+    softmax_scale : float, optional
+
+    Returns
+    -------
+    out : numpy.ndarray, float64 ``[B, H, S_q, D]``
+        Zeros in rows that see no key.
+    lse : numpy.ndarray, float64 ``[B, H, S_q]``
+        ``-inf`` in rows that see no key.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
@@ -64,7 +78,18 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
                              softmax_scale=None):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
 
-    With GQA the gradients of query heads that share a KV head are summed.
+    Parameters
+    ----------
+    dout : array_like, ``[B, H, S_q, D]``
+        Gradient of the loss with respect to the output.
+    q, k, v, causal, window, kv_seq_len, softmax_scale
+        As in :func:`attention_reference`.
+
+    Returns
+    -------
+    dq : numpy.ndarray, float64, shape of ``q``
+    dk, dv : numpy.ndarray, float64, shape of ``k``
+        With GQA the gradients of query heads that share a KV head are summed.
     """
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]

@@ -36,7 +36,7 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md", "results"]
 templates_path = []
 
 # MyST: $...$ math, ::: fences for admonitions, anchors for ## and ### headings.

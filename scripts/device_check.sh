@@ -1,13 +1,41 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment, the GPU test suite, the demo, and
-# (with --bench) the comparison benchmark. Logs go to $OUT (or ./.gpuout).
-# Usage: bash scripts/device_check.sh [pytest -k expression] [--bench ARGS...]
+# optional extra steps. Logs go to $OUT (or ./.gpuout).
+# Usage: bash scripts/device_check.sh [step ...]
+#   steps: tests (default), demo (default), asv, bench-float32, first-call, train, sanitize
+# Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
 set -u
 OUT=${OUT:-.gpuout}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+steps=${*:-tests demo}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/env.txt"
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())" | tee -a "$OUT/env.txt"
-KEXPR=${1:-}
-set -o pipefail
-python3 -m pytest -m gpu -q -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 40
-python3 -m cuflash 2>&1 | tee "$OUT/demo.log"
+run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - start)) s"
+  tail -n "${TAIL:-6}" "$OUT/$name.log"
+}
+for step in $steps; do
+  case $step in
+    tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests 300 \
+             python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    demo) run demo 60 python3 -m cuflash ;;
+    asv) CUFLASH_ASV_GRID=small ASV_PYTHONPATH=$PWD TAIL=24 run asv 150 python3 -m asv run \
+           --python=same --quick --dry-run --launch-method spawn -b "track_(forward|backward)_tflops" ;;
+    bench-float32) TAIL=30 run bench-float32 150 python3 -m cuflash.bench --dtype float32 \
+           --head-dims 64,128 --seqlens 1024,4096 --no-first-call --no-memory --time-budget 90 \
+           --json "$OUT/h200-float32.json" ;;
+    first-call) TAIL=10 run first-call 90 python3 -m cuflash.bench --dtype bfloat16 --head-dims 128 \
+           --seqlens 1024 --no-torch --no-memory --time-budget 30 ;;
+    train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \
+           --require-target ;;
+    sanitize) TAIL=8 run sanitize 400 bash scripts/sanitize.sh ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -35,6 +35,25 @@ def _expand_kv(x, num_heads):
     return np.repeat(x, num_heads // x.shape[1], axis=1)
 
 
+def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale):
+    """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]`` and the scale."""
+    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    kv_capacity = k.shape[2]
+    kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    visible = _mask(q_len, kv_capacity, kv_len, causal, window)
+    scores = np.where(visible, scale * q @ np.swapaxes(_expand_kv(k, num_heads), -1, -2),
+                      -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        probs = np.where(total > 0, weights / total, 0.0)
+        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf)
+    return probs, lse, scale
+
+
 def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
                         softmax_scale=None):
     """Return ``(out, lse)`` in float64.
@@ -57,21 +76,8 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
         ``-inf`` in rows that see no key.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
-    kv_capacity = k.shape[2]
-    kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    k, v = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
-    visible = _mask(q_len, kv_capacity, kv_len, causal, window)
-    scores = np.where(visible, scale * q @ np.swapaxes(k, -1, -2), -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.exp(scores - row_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        probs = np.where(total > 0, weights / total, 0.0)
-        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf)
-    return probs @ v, lse
+    probs, lse, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale)
+    return probs @ _expand_kv(v, q.shape[1]), lse
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
@@ -92,19 +98,10 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
         With GQA the gradients of query heads that share a KV head are summed.
     """
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
-    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
-    kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    probs, _, scale = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale)
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
-    visible = _mask(q_len, kv_capacity, kv_len, causal, window)
-    scores = np.where(visible, scale * q @ np.swapaxes(ke, -1, -2), -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.exp(scores - row_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        probs = np.where(total > 0, weights / total, 0.0)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)
     dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))

@@ -126,6 +126,25 @@ __device__ __forceinline__ void tile_dot(const float* A, const float* B, float (
     }
 }
 
+// acc[i][e] += sum_j P[(ty + 16 i) * LDP + j] * V[j * LD + tx + 8 e]
+// (P is BM x BN, V is BN x D; each thread owns RM rows and NE = D/8 columns).
+template <int RM, int NE, int BN, int LD, int LDP>
+__device__ __forceinline__ void tile_accumulate(const float* P, const float* V,
+                                                float (&acc)[RM][NE], int ty, int tx) {
+#pragma unroll 4
+    for (int j = 0; j < BN; ++j) {
+        float p[RM];
+#pragma unroll
+        for (int i = 0; i < RM; ++i) p[i] = P[(ty + 16 * i) * LDP + j];
+#pragma unroll
+        for (int e = 0; e < NE; ++e) {
+            const float x = V[j * LD + tx + 8 * e];
+#pragma unroll
+            for (int i = 0; i < RM; ++i) acc[i][e] += p[i] * x;
+        }
+    }
+}
+
 // Reduce over the 8 lanes (tx) that share a row.
 __device__ __forceinline__ float row_max8(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

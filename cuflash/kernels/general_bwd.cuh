@@ -218,18 +218,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
         probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
                                              mask, m0, n0, scale_log2, ty, tx);
         __syncthreads();
-#pragma unroll 4
-        for (int j = 0; j < BN; ++j) {
-            float ds[RM];
-#pragma unroll
-            for (int i = 0; i < RM; ++i) ds[i] = dSs[(ty + 16 * i) * LDP + j];
-#pragma unroll
-            for (int e = 0; e < NE; ++e) {
-                const float x = Ks[j * LD + tx + 8 * e];
-#pragma unroll
-                for (int i = 0; i < RM; ++i) acc[i][e] += ds[i] * x;
-            }
-        }
+        tile_accumulate<RM, NE, BN, LD, LDP>(dSs, Ks, acc, ty, tx);
     }
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;

@@ -89,18 +89,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
         }
         __syncthreads();
 
-#pragma unroll 4
-        for (int j = 0; j < BN; ++j) {
-            float p[RM];
-#pragma unroll
-            for (int i = 0; i < RM; ++i) p[i] = Ps[(ty + 16 * i) * LDP + j];
-#pragma unroll
-            for (int e = 0; e < NE; ++e) {
-                const float x = Vs[j * LD + tx + 8 * e];
-#pragma unroll
-                for (int i = 0; i < RM; ++i) acc[i][e] += p[i] * x;
-            }
-        }
+        tile_accumulate<RM, NE, BN, LD, LDP>(Ps, Vs, acc, ty, tx);
     }
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;

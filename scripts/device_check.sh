@@ -23,8 +23,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, print its tail
 }
 for step in $steps; do
   case $step in
-    tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests 300 \
-             python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-300} \
+             python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
     demo) run demo 60 python3 -m cuflash ;;
     asv) CUFLASH_ASV_GRID=small ASV_PYTHONPATH=$PWD TAIL=24 run asv 150 python3 -m asv run \
            --python=same --quick --dry-run --launch-method spawn -b "track_(forward|backward)_tflops" ;;

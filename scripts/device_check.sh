@@ -9,7 +9,7 @@ OUT=${OUT:-.gpuout}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 steps=${*:-tests demo}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/env.txt"
@@ -26,7 +26,8 @@ for step in $steps; do
     tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-300} \
              python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
     demo) run demo 60 python3 -m cuflash ;;
-    asv) CUFLASH_ASV_GRID=small ASV_PYTHONPATH=$PWD TAIL=24 run asv 150 python3 -m asv run \
+    asv) python3 -m asv machine --yes > /dev/null 2>&1
+         CUFLASH_ASV_GRID=small ASV_PYTHONPATH=$PWD TAIL=24 run asv 150 python3 -m asv run \
            --python=same --quick --dry-run --launch-method spawn -b "track_(forward|backward)_tflops" ;;
     bench-float32) TAIL=30 run bench-float32 150 python3 -m cuflash.bench --dtype float32 \
            --head-dims 64,128 --seqlens 1024,4096 --no-first-call --no-memory --time-budget 90 \

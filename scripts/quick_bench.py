@@ -8,24 +8,15 @@ The full comparison is `python -m cuflash.bench`.
 import sys
 
 import cupy
-import numpy as np
 
 import cuflash
+from cuflash.bench import time_calls
 from cuflash.problem import BFLOAT16
 
 
-def median_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+def median_ms(fn):
+    """Median milliseconds of ``fn`` (the comparison command's timing, 0.2 s of calls)."""
+    return time_calls([fn], 0.2).median * 1e3
 
 
 def main(cases):
@@ -47,7 +38,7 @@ def main(cases):
                 fwd = median_ms(lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal))
                 out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
                 bwd = median_ms(lambda: cuflash.flash_attention_bwd(
-                    do, q, k, v, out, lse, h, h, d, causal), reps=5)
+                    do, q, k, v, out, lse, h, h, d, causal))
             rows.append((path, fwd, bwd))
         if torch is not None:
             tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
@@ -59,7 +50,7 @@ def main(cases):
                     tq.requires_grad_(True); tk.requires_grad_(True); tv.requires_grad_(True)
                     o = f(tq, tk, tv, is_causal=causal)
                     bwd = median_ms(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo,
-                                                                retain_graph=True), reps=5)
+                                                                retain_graph=True))
                     tq.requires_grad_(False); tk.requires_grad_(False); tv.requires_grad_(False)
                 rows.append((name, fwd, bwd))
         for path, fwd, bwd in rows:

@@ -52,15 +52,17 @@ def main(argv=None):
     q, k, v, dout = (xp.asarray(rng.standard_normal(shape).astype(dtype))
                      for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d)))
 
-    def timed(fn):
+    def timed(fn, repeats=10):
+        """Result of ``fn`` and its mean wall time over ``repeats`` calls after a warm-up."""
         fn()  # warm-up: compiles the kernels on first use
         if on_gpu:
             xp.cuda.Device().synchronize()
         start = time.perf_counter()
-        result = fn()
+        for _ in range(repeats):
+            result = fn()
         if on_gpu:
             xp.cuda.Device().synchronize()
-        return result, time.perf_counter() - start
+        return result, (time.perf_counter() - start) / repeats
 
     (out, vjp), t_fwd = timed(lambda: cuflash.flash_attention_vjp(q, k, v, h, hk, d, True))
     (dq, dk, dv), t_bwd = timed(lambda: vjp(dout))

@@ -48,3 +48,13 @@ def test_outputs_are_fresh_and_inputs_untouched(rng):
     cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args)
     for a, b in zip((q, k, v, dout), copies):
         assert np.array_equal(to_numpy(a).view(np.uint16), b.view(np.uint16))
+
+
+def test_demo_runs_on_the_cpu_path():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cuflash", "--cpu"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CPU path" in done.stdout and "check passed" in done.stdout

@@ -32,6 +32,12 @@ def _scores(problem, q_blk, k_blk, r0, r1, c0, c1):
     return np.where(visible, s, np.float32(-np.inf)), visible
 
 
+# Non-finite inputs propagate by IEEE rules (see the Semantics page), silently
+# as on the GPU path: no RuntimeWarning for the NaN a NaN input makes.
+QUIET = np.errstate(all="ignore")
+
+
+@QUIET
 def forward(problem, q, k, v):
     """Return ``(out, lse)`` for a validated problem on NumPy arrays."""
     out = np.empty(problem.q_shape, dtype=problem.dtype)
@@ -54,15 +60,15 @@ def forward(problem, q, k, v):
             row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + p @ _kv_block(v, c0, c1)
             row_max = new_max
-        seen = row_sum > 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            o = np.where(seen, acc / row_sum, np.float32(0))
-            block_lse = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))
+        seen = row_sum != 0  # a NaN sum (from a NaN input) counts as seen: never hidden
+        o = np.where(seen, acc / row_sum, np.float32(0))
+        block_lse = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))
         out[:, :, r0:r1] = o.reshape(problem.batch, problem.num_heads, r1 - r0, -1)
         lse[:, :, r0:r1] = block_lse.reshape(problem.batch, problem.num_heads, r1 - r0)
     return out, lse
 
 
+@QUIET
 def backward(problem, dout, q, k, v, output, lse):
     """Return ``(dq, dk, dv)`` for a validated problem on NumPy arrays."""
     scale = np.float32(problem.softmax_scale)
@@ -83,8 +89,7 @@ def backward(problem, dout, q, k, v, output, lse):
             row_lse = _grouped(lse[:, :, r0:r1, None], problem)
             delta = (do_blk * o_blk).sum(axis=-1, keepdims=True)
             s, visible = _scores(problem, q_blk, k_blk, r0, r1, c0, c1)
-            with np.errstate(invalid="ignore", over="ignore"):
-                p = np.where(visible, np.exp(s - row_lse), np.float32(0))
+            p = np.where(visible, np.exp(s - row_lse), np.float32(0))
             dp = do_blk @ np.swapaxes(v_blk, -1, -2)
             ds = p * (dp - delta)
             dv[:, :, c0:c1] += (np.swapaxes(p, -1, -2) @ do_blk).sum(axis=2)

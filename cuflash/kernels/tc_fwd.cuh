@@ -187,14 +187,16 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
             total += __shfl_xor_sync(0xffffffffu, total, 2);
             const int row = warp * WM + mt * 16 + g + 8 * r;
             if (row >= rows) continue;
-            const float inv = total > 0.f ? 1.f / total : 0.f;
+            // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
+            // from a NaN input is not 0, so it reaches out and lse, never hidden.
+            const float inv = total != 0.f ? 1.f / total : 0.f;
             unsigned* o_row = reinterpret_cast<unsigned*>(out + (row_base + m0 + row) * D);
 #pragma unroll
             for (int d = 0; d < DTILES; ++d)
                 o_row[d * 4 + t] = Op::pack(o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
             if (t == 0)
                 lse[row_base + m0 + row] =
-                    total > 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
+                    total != 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
         }
 }
 

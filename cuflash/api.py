@@ -32,7 +32,8 @@ def _path(problem):
 
 
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                        window_size=0, kv_seq_len=None, *, softmax_scale=None):
+                        window_size=0, kv_seq_len=None, *, softmax_scale=None,
+                        allow_tf32=False):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -60,6 +61,13 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         Causal and window positions use this effective length.
     softmax_scale : float, optional, keyword-only
         Multiplies ``q . k``; defaults to ``1 / sqrt(head_dim)``.
+    allow_tf32 : bool, default False, keyword-only
+        float32 only: let the GPU's tensor cores take each product in TF32
+        (operands rounded to 10 mantissa bits, one pass) instead of float32
+        accuracy (three passes), trading accuracy for speed. Ignored for
+        float16/bfloat16 and on the CPU path, which is float32 throughout.
+        (While the float32 tensor-core kernels are being validated, every
+        float32 GPU call runs the general float32 kernels.)
 
     Returns
     -------
@@ -81,7 +89,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     CPU path with the same semantics. Accumulation is always float32.
     """
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                              window_size, kv_seq_len, softmax_scale)
+                              window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32)
     if problem.is_empty:
         return _empty_forward(problem)
     return _path(problem).forward(problem, q, k, v)
@@ -89,7 +97,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
 
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                         causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
-                        deterministic=False, synchronize=True):
+                        deterministic=False, synchronize=True, allow_tf32=False):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
 
     Parameters
@@ -104,7 +112,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         The forward log-sum-exp.
     num_heads, num_kv_heads, head_dim, causal, window_size
         As passed to the forward.
-    kv_seq_len, softmax_scale : keyword-only
+    kv_seq_len, softmax_scale, allow_tf32 : keyword-only
         As passed to the forward.
     deterministic : bool, default False
         Bitwise-reproducible gradients: dQ is computed by its own pass over
@@ -130,7 +138,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
     """
     problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                head_dim, causal, window_size, kv_seq_len, softmax_scale,
-                               deterministic, synchronize)
+                               deterministic, synchronize, allow_tf32=allow_tf32)
     if problem.is_empty:
         return _empty_backward(problem)
     path = _path(problem)
@@ -151,6 +159,7 @@ class AttentionConfig:
     window_size : int or (int, int)
     kv_seq_len : int or None
     softmax_scale : float or None
+    allow_tf32 : bool
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -161,6 +170,7 @@ class AttentionConfig:
     window_size: object = 0
     kv_seq_len: object = None
     softmax_scale: object = None
+    allow_tf32: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,11 +214,12 @@ class AttentionVJP:
             dout, self.q, self.k, self.v, self.out, self.lse, c.num_heads, c.num_kv_heads,
             c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
             softmax_scale=c.softmax_scale, deterministic=deterministic,
-            synchronize=synchronize)
+            synchronize=synchronize, allow_tf32=c.allow_tf32)
 
 
 def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                        window_size=0, kv_seq_len=None, *, softmax_scale=None):
+                        window_size=0, kv_seq_len=None, *, softmax_scale=None,
+                        allow_tf32=False):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
@@ -231,7 +242,8 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
-                             kv_seq_len, softmax_scale)
+                             kv_seq_len, softmax_scale, allow_tf32)
     out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                                   window_size, kv_seq_len, softmax_scale=softmax_scale)
+                                   window_size, kv_seq_len, softmax_scale=softmax_scale,
+                                   allow_tf32=allow_tf32)
     return out, AttentionVJP(q, k, v, out, lse, config)

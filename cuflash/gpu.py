@@ -9,6 +9,15 @@ from . import dispatch, kernel_build
 from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
+# Kernel families written and compiled (the CPU suite builds them) but not yet
+# run through the GPU suite: float32 on TF32 tensor cores ("tc32", "tf32") and
+# the 16-bit backward with head_dim split across warps ("tcw"). The dispatch
+# below picks them only while RUN_PENDING_KERNELS is True; tests switch it on.
+PENDING_FAMILIES = ("tc32", "tf32", "tcw")
+RUN_PENDING_KERNELS = False
+# 16-bit backward: "tcw" for every head_dim it covers instead of only where
+# "tc" does not (for comparing the two; set by tests and benchmarks).
+PREFER_WIDE_BACKWARD = False
 
 
 def _strides(a):
@@ -39,9 +48,20 @@ def _rows_are_16_byte_aligned(arrays):
 
 def uses_tensor_cores(problem, arrays, role="fwd_tc"):
     """Whether tensor-core kernel ``role`` serves this call (see :func:`cuflash.kernel_path`)."""
+    if role.split("_")[1] in PENDING_FAMILIES and not RUN_PENDING_KERNELS:
+        return False
     return (dispatch.current() == "auto" and role in _variant(problem).kernel_names()
             and int(cupy.cuda.Device().compute_capability) >= 80
             and _rows_are_16_byte_aligned(arrays))
+
+
+def _fast_kind(problem, tiles, backward=False):
+    """The tensor-core kernel family for the call: "tc" or "tcw" (16-bit), "tc32" or "tf32"."""
+    if problem.dtype == np.float32:
+        return "tf32" if problem.allow_tf32 else "tc32"
+    if backward and (PREFER_WIDE_BACKWARD or not tiles.bwd_tc):
+        return "tcw"
+    return "tc"
 
 
 def forward(problem, q, k, v):
@@ -51,8 +71,9 @@ def forward(problem, q, k, v):
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     module = kernel_build.load(_variant(problem))
     tiles = module.variant.tiles
-    if uses_tensor_cores(problem, (q, k, v)):
-        role, rows, threads = "fwd_tc", tiles.fwd_tc[0], tiles.fwd_tc_threads()
+    fast = _fast_kind(problem, tiles)
+    if uses_tensor_cores(problem, (q, k, v), f"fwd_{fast}"):
+        role, (rows, threads) = f"fwd_{fast}", tiles.fast_fwd(fast)
     else:
         role, rows, threads = "fwd", tiles.fwd[0], kernel_build.THREADS
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
@@ -81,10 +102,11 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
              np.int32(problem.num_heads), np.int32(problem.q_len)))
 
     # dK and dV (and with atomics dQ) per key tile: tensor cores where they apply.
+    fast = _fast_kind(problem, tiles, backward=True)
     dkdv_role = "dkdv" if deterministic else "dkdv_atomic_dq"
-    tc_role = "dkdv_tc" if deterministic else "dkdv_tc_atomic_dq"
+    tc_role = f"dkdv_{fast}" if deterministic else f"dkdv_{fast}_atomic_dq"
     if uses_tensor_cores(problem, (q, k, v, dout), tc_role):
-        dkdv_role, keys, threads = tc_role, tiles.bwd_tc[1], tiles.bwd_tc_threads()
+        dkdv_role, (keys, threads) = tc_role, tiles.fast_bwd(fast)
     else:
         keys, threads = tiles.dkdv[1], kernel_build.THREADS
     dq_accum = None if deterministic else cupy.zeros(problem.q_shape, dtype=np.float32)

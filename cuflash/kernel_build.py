@@ -30,6 +30,9 @@ if BFLOAT16 is not None:
 COMPILE_OPTIONS = ("-std=c++17",)
 TENSOR_CORE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
 TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+# float32 on TF32 tensor cores: kernel role prefix -> mma passes per product
+# ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
+FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -86,9 +89,61 @@ class Tiles:
     def bwd_tc_threads(self):
         return 2 * self.bwd_tc[1]
 
+    @property
+    def bwd_tcw(self):
+        """Tensor-core dK/dV kernel with D split across 8 warps: (query rows, keys)."""
+        return {64: (64, 64), 128: (64, 64), 256: (32, 64)}.get(self.head_dim)
+
+    def bwd_tcw_smem(self, itemsize=2):
+        bm, bn = self.bwd_tcw
+        return itemsize * (2 * bn * self.head_dim + 4 * bm * self.head_dim + 2 * bn * bm) + \
+            FLOAT_BYTES * 4 * bm
+
+    @property
+    def fwd_tc32(self):
+        """float32 tensor-core forward: (query rows, keys); 16 rows per warp."""
+        d = self.head_dim
+        return (64, 64 if d <= 64 else 32 if d <= 128 else 16)
+
+    def fwd_tc32_threads(self):
+        return 2 * self.fwd_tc32[0]
+
+    def fwd_tc32_smem(self):
+        bm, bn = self.fwd_tc32
+        return FLOAT_BYTES * (bm + 4 * bn) * self._pitch()
+
+    @property
+    def bwd_tc32(self):
+        """float32 tensor-core dK/dV kernel: (query rows, keys), head_dim <= 128; 16 keys per warp."""
+        d = self.head_dim
+        if d > 128:
+            return None
+        return (64, 64) if d <= 64 else (32, 64)
+
+    def bwd_tc32_threads(self):
+        return 2 * self.bwd_tc32[1]
+
+    def bwd_tc32_smem(self):
+        bm, bn = self.bwd_tc32
+        return FLOAT_BYTES * (2 * (bm + bn) * self._pitch() + bn * (bm + 4) + 2 * bm)
+
     def bwd_tc_smem(self, itemsize=2):
         bm, bn = self.bwd_tc
         return itemsize * (2 * (bm + bn) * self.head_dim + bn * bm) + FLOAT_BYTES * 2 * bm
+
+    def fast_fwd(self, kind):
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, tc32 or tf32."""
+        if kind == "tc":
+            return self.fwd_tc[0], self.fwd_tc_threads()
+        return self.fwd_tc32[0], self.fwd_tc32_threads()
+
+    def fast_bwd(self, kind):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcw, tc32 or tf32."""
+        if kind == "tc":
+            return self.bwd_tc[1], self.bwd_tc_threads()
+        if kind == "tcw":
+            return self.bwd_tcw[1], 256
+        return self.bwd_tc32[1], self.bwd_tc32_threads()
 
     @property
     def dkdv(self):
@@ -136,8 +191,9 @@ class Variant:
         return (np.dtype(self.dtype) in TENSOR_CORE_DTYPES
                 and self.head_dim in TENSOR_CORE_HEAD_DIMS)
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - a few dozen variants per process
     def kernel_names(self):
-        """Kernel role -> C++ name expression to instantiate."""
+        """Kernel role -> C++ name expression to instantiate (one shared dict: do not modify)."""
         t, d, tiles = CXX_TYPES[np.dtype(self.dtype)], self.head_dim, self.tiles
         names = {
             "fwd": f"cuflash::attention_fwd_general<{t}, {d}, {tiles.fwd[0]}, {tiles.fwd[1]}>",
@@ -156,6 +212,19 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
+        if self.has_tensor_cores and tiles.bwd_tcw:
+            for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
+                names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
+                    t, d, *tiles.bwd_tcw, atomic)
+        if np.dtype(self.dtype) == np.float32:  # TF32 tensor cores: 3 passes or 1
+            for precision, passes in FLOAT32_PRECISIONS.items():
+                names[f"fwd_{precision}"] = "cuflash::attention_fwd_tc32<{}, {}, {}, {}>".format(
+                    d, *tiles.fwd_tc32, passes)
+                if tiles.bwd_tc32:
+                    for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
+                        names[f"dkdv_{precision}{suffix}"] = (
+                            "cuflash::attention_bwd_dkdv_tc32<{}, {}, {}, {}, {}>".format(
+                                d, *tiles.bwd_tc32, atomic, passes))
         return names
 
 
@@ -187,6 +256,14 @@ class _LoadedVariant:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
+        if "dkdv_tcw" in self.names:
+            smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
+        for precision in FLOAT32_PRECISIONS:
+            if f"fwd_{precision}" in self.names:
+                smem[f"fwd_{precision}"] = tiles.fwd_tc32_smem()
+            if f"dkdv_{precision}" in self.names:
+                smem[f"dkdv_{precision}"] = smem[f"dkdv_{precision}_atomic_dq"] = \
+                    tiles.bwd_tc32_smem()
         self.smem = smem
         self._kernels = {}
         self._lock = threading.Lock()

@@ -6,6 +6,7 @@ runs on a device before they return.
 """
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -49,6 +50,7 @@ class AttentionProblem:
     softmax_scale: float
     causal: bool
     window: tuple  # (left, right), -1 = unbounded; causal already folded in
+    allow_tf32: bool = False  # float32 products may run in TF32 (see flash_attention_fwd)
 
     @property
     def group_size(self):
@@ -117,6 +119,11 @@ def _count(name, value, minimum):
     return int(value)
 
 
+def _check_flag(name, flag):
+    if not isinstance(flag, (bool, np.bool_)):
+        raise InvalidArgumentError(name, f"expected a bool, got {type(flag).__name__}")
+
+
 def _check_rank(name, a, ndim, layout):
     if a.ndim != ndim:
         raise InvalidArgumentError(name, f"expected {ndim}-D {layout}, got {a.ndim}-D")
@@ -126,6 +133,12 @@ def _check_shape(name, a, expected):
     if tuple(a.shape) != tuple(expected):
         raise InvalidArgumentError(
             name, f"expected shape {tuple(expected)}, got {tuple(a.shape)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(device_id):
+    """Total memory of a GPU in bytes (asked once per device: it never changes)."""
+    return cupy.cuda.Device(device_id).mem_info[1]
 
 
 def _check_device_limits(problem, named_arrays):
@@ -139,7 +152,7 @@ def _check_device_limits(problem, named_arrays):
     if problem.xp is np:
         return
     needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs
-    total = cupy.cuda.Device(named_arrays[0][1].device.id).mem_info[1]
+    total = _device_memory(named_arrays[0][1].device.id)
     if needed > total:
         raise InvalidArgumentError(
             named_arrays[0][0],
@@ -148,7 +161,7 @@ def _check_device_limits(problem, named_arrays):
 
 
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                    kv_seq_len, softmax_scale, extra_arrays=()):
+                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False):
     """Validate a forward call (also the shared part of a backward call)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
@@ -201,21 +214,23 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         scale = float(softmax_scale)
         if not math.isfinite(scale):
             raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
+    _check_flag("allow_tf32", allow_tf32)
     problem = AttentionProblem(
         xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
-        softmax_scale=scale, causal=bool(causal), window=window)
+        softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32))
     _check_device_limits(problem, named)
     return problem
 
 
 def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                      causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                     synchronize):
+                     synchronize, allow_tf32=False):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                              window_size, kv_seq_len, softmax_scale, extra_arrays=extra)
+                              window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
+                              allow_tf32=allow_tf32)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:
@@ -225,9 +240,8 @@ def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_d
     _check_shape("lse", lse, problem.lse_shape)
     if lse.dtype != np.float32:
         raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
-    for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise InvalidArgumentError(name, f"expected a bool, got {type(flag).__name__}")
+    _check_flag("deterministic", deterministic)
+    _check_flag("synchronize", synchronize)
     return problem
 
 

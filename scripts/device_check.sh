@@ -2,7 +2,8 @@
 # One call on a GPU machine: environment, the GPU test suite, the demo, and
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
-#   steps: tests (default), demo (default), asv, bench-float32, first-call, train, sanitize
+#   steps: tests (default), demo (default), fuzz, quick, asv, bench-float32, first-call, train,
+#          sanitize
 # Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
 set -u
 OUT=${OUT:-.gpuout}; mkdir -p "$OUT"
@@ -26,6 +27,10 @@ for step in $steps; do
     tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-300} \
              python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
     demo) run demo 60 python3 -m cuflash ;;
+    fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \
+            python3 -m pytest -m gpu -q -p no:cacheprovider -k gpu_fuzz tests/test_fuzz.py ;;
+    quick) TAIL=40 run quick-bench 300 bash -c "python3 scripts/quick_bench.py ${QUICK_CASES:-} && \
+             python3 scripts/quick_bench.py --float32 ${QUICK_CASES_32:-64,4096,0 128,4096,0 128,1024,1}" ;;
     asv) python3 -m asv machine --yes > /dev/null 2>&1
          CUFLASH_ASV_GRID=small ASV_PYTHONPATH=$PWD TAIL=24 run asv 150 python3 -m asv run \
            --python=same --quick --dry-run --launch-method spawn -b "track_(forward|backward)_tflops" ;;

@@ -1,17 +1,43 @@
 """Kernel-development timing: cuflash (both paths) vs torch SDPA on a few cases.
 
-Usage: python scripts/quick_bench.py [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
-B*S = 16384 tokens, H = 2048/D, bfloat16; median of CUDA-event timings.
+Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
+B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
+Rows: the default dispatch ("auto"), the general kernels, the kernel families
+still pending GPU validation (see cuflash.gpu.PENDING_FAMILIES: "pending",
+and for 16 bits "wide", the split-D backward everywhere; for float32 "tf32",
+the one-pass mode), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
 """
 
+import contextlib
 import sys
 
 import cupy
 
 import cuflash
+from cuflash import gpu
 from cuflash.bench import time_calls
 from cuflash.problem import BFLOAT16
+
+# row name -> (kernel path, gpu module settings, allow_tf32)
+PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
+            "pending": ("auto", {"RUN_PENDING_KERNELS": True}, False),
+            "wide": ("auto", {"RUN_PENDING_KERNELS": True, "PREFER_WIDE_BACKWARD": True}, False)}
+PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
+            "pending": ("auto", {"RUN_PENDING_KERNELS": True}, False),
+            "tf32": ("auto", {"RUN_PENDING_KERNELS": True}, True)}
+
+
+@contextlib.contextmanager
+def gpu_settings(settings):
+    saved = {name: getattr(gpu, name) for name in settings}
+    for name, value in settings.items():
+        setattr(gpu, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(gpu, name, value)
 
 
 def median_ms(fn):
@@ -19,7 +45,7 @@ def median_ms(fn):
     return time_calls([fn], 0.2).median * 1e3
 
 
-def main(cases):
+def main(cases, float32=False):
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -29,21 +55,26 @@ def main(cases):
     for d, s, causal in cases:
         b, h = 16384 // s, 2048 // d
         rng = cupy.random.default_rng(0)
-        q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16)
+        dtype = cupy.float32 if float32 else BFLOAT16
+        q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(dtype)
                        for _ in range(4))
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         rows = []
-        for path in ("auto", "general"):
-            with cuflash.kernel_path(path):
-                fwd = median_ms(lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal))
-                out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
+        for name, (path, settings, tf32) in (PATHS_32 if float32 else PATHS_16).items():
+            with cuflash.kernel_path(path), gpu_settings(settings):
+                fwd = median_ms(lambda: cuflash.flash_attention_fwd(
+                    q, k, v, h, h, d, causal, allow_tf32=tf32))
+                out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal,
+                                                       allow_tf32=tf32)
                 bwd = median_ms(lambda: cuflash.flash_attention_bwd(
-                    do, q, k, v, out, lse, h, h, d, causal))
-            rows.append((path, fwd, bwd))
+                    do, q, k, v, out, lse, h, h, d, causal, allow_tf32=tf32))
+            rows.append((name, fwd, bwd))
         if torch is not None:
             tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
-            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            backends = ((("efficient", SDPBackend.EFFICIENT_ATTENTION),) if float32 else
+                        (("flash", SDPBackend.FLASH_ATTENTION),
+                         ("cudnn", SDPBackend.CUDNN_ATTENTION)))
+            for name, backend in backends:
                 with sdpa_kernel(backend):
                     f = torch.nn.functional.scaled_dot_product_attention
                     fwd = median_ms(lambda: f(tq, tk, tv, is_causal=causal))
@@ -59,5 +90,8 @@ def main(cases):
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:] or ["64,4096,0", "128,4096,0", "128,4096,1", "256,4096,0", "128,1024,0"]
-    main([(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)])
+    args = sys.argv[1:]
+    float32 = "--float32" in args
+    args = [a for a in args if a != "--float32"] or [
+        "64,4096,0", "128,4096,0", "128,4096,1", "256,4096,0", "128,1024,0"]
+    main([(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)], float32)

@@ -2,7 +2,9 @@
 
 Forward, backward (atomic and deterministic), each dtype, head dims across
 the fast and general kernels, causal, window and kv_seq_len cases, on both
-kernel paths. Run by scripts/sanitize.sh; exits non-zero on a wrong result.
+kernel paths, and the kernel families pending GPU validation (float32 on
+tensor cores in both precisions, the split-D 16-bit backward).
+Run by scripts/sanitize.sh; exits non-zero on a wrong result.
 """
 
 import itertools
@@ -12,7 +14,13 @@ import cupy
 import numpy as np
 
 import cuflash
+from cuflash import gpu
 from cuflash.problem import BFLOAT16
+
+# name -> (kernel path, run pending kernels, prefer the split-D backward, allow_tf32)
+SETTINGS = {"auto": ("auto", False, False, False), "general": ("general", False, False, False),
+            "pending": ("auto", True, False, False), "wide": ("auto", True, True, False),
+            "tf32": ("auto", True, False, True)}
 
 
 def main():
@@ -20,8 +28,12 @@ def main():
     failures = 0
     dtypes = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
     configs = [dict(causal=False), dict(causal=True, window_size=7), dict(kv_seq_len=50)]
-    for path, dtype, d, cfg in itertools.product(("auto", "general"), dtypes, (40, 64, 128, 256),
-                                                 configs):
+    for setting, dtype, d, cfg in itertools.product(SETTINGS, dtypes, (40, 64, 128, 256),
+                                                    configs):
+        if (setting == "wide") == (dtype == np.float32) and setting in ("wide", "tf32"):
+            continue  # the split-D backward is 16-bit only; allow_tf32 matters for float32
+        path, gpu.RUN_PENDING_KERNELS, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]
+        cfg = dict(cfg, allow_tf32=tf32)
         q = cupy.asarray(rng.standard_normal((1, 4, 70, d)).astype(dtype))
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 90, d)).astype(dtype)) for _ in "kv")
         with cuflash.kernel_path(path):

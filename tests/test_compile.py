@@ -65,4 +65,9 @@ def test_shared_memory_fits_sm80(head_dim):
         sizes.append(tiles.fwd_tc_smem())
     if tiles.bwd_tc:
         sizes.append(tiles.bwd_tc_smem())
+    if tiles.bwd_tcw:
+        sizes.append(tiles.bwd_tcw_smem())
+    sizes.append(tiles.fwd_tc32_smem())
+    if tiles.bwd_tc32:
+        sizes.append(tiles.bwd_tc32_smem())
     assert max(sizes) <= 163 * 1024

@@ -351,6 +351,7 @@ def bad_calls():
         fwd(causal=1),
         fwd(softmax_scale="0.125"),
         fwd(softmax_scale=float("nan")),
+        fwd(allow_tf32=1),
         fwd(q=huge, k=huge, v=huge, num_heads=1, num_kv_heads=1, head_dim=8),
         fwd(q=a(0, 1, 2**31, 8), k=a(0, 1, 8, 8), v=a(0, 1, 8, 8), num_heads=1,
             num_kv_heads=1, head_dim=8),

@@ -61,6 +61,7 @@ BAD_CHANGES = {
     "kv_seq_len": st.sampled_from([-1, 10**6]),
     "softmax_scale": st.sampled_from([float("nan"), float("inf"), "x"]),
     "causal": st.sampled_from(["yes", None]),
+    "allow_tf32": st.sampled_from([1, "true", None]),
     "q_rank": st.just(3), "kv_len_mismatch": st.just(1), "dtype": st.sampled_from(
         [np.float64, np.int8, np.complex64]),
 }
@@ -75,7 +76,7 @@ def test_invalid_inputs_raise_and_write_nothing(change, data):
     k = rng.standard_normal((b, hk, s, d)).astype(np.float32)
     v = rng.standard_normal((b, hk, s, d)).astype(np.float32)
     kwargs = dict(num_heads=h, num_kv_heads=hk, head_dim=d, causal=False, window_size=0,
-                  kv_seq_len=None, softmax_scale=None)
+                  kv_seq_len=None, softmax_scale=None, allow_tf32=False)
     value = data.draw(BAD_CHANGES[change])
     if change == "q_rank":
         q = q[0]
@@ -86,7 +87,7 @@ def test_invalid_inputs_raise_and_write_nothing(change, data):
     else:
         kwargs[change] = value
     before = [a.copy() for a in (q, k, v)]
-    scale = kwargs.pop("softmax_scale")
+    keywords = {name: kwargs.pop(name) for name in ("softmax_scale", "allow_tf32")}
     with pytest.raises(cuflash.InvalidArgumentError):
-        cuflash.flash_attention_fwd(q, k, v, *kwargs.values(), softmax_scale=scale)
+        cuflash.flash_attention_fwd(q, k, v, *kwargs.values(), **keywords)
     assert all(np.array_equal(a, b_) for a, b_ in zip((q, k, v), before))

@@ -68,6 +68,7 @@ def test_forward_array_errors(name):
     ((H, HK, D), {"causal": "yes"}, "causal", "expected a bool"),
     ((H, HK, D), {"softmax_scale": float("nan")}, "softmax_scale", "finite"),
     ((H, HK, D), {"softmax_scale": "1"}, "softmax_scale", "expected a float"),
+    ((H, HK, D), {"allow_tf32": 1}, "allow_tf32", "expected a bool"),
     ((4.0, HK, D), {}, "num_heads", "expected an int"),
 ])
 def test_forward_scalar_errors(args, kw, arg, fragment):
@@ -102,6 +103,7 @@ def test_backward_errors(index, bad, arg, fragment):
 
 @pytest.mark.parametrize("kw, arg", [
     ({"deterministic": 1}, "deterministic"), ({"synchronize": None}, "synchronize"),
+    ({"allow_tf32": "no"}, "allow_tf32"),
     ({"kv_seq_len": 99}, "kv_seq_len"), ({"window_size": -1}, "window_size"),
 ])
 def test_backward_option_errors(kw, arg):

@@ -4,3 +4,6 @@
 #include "general_bwd.cuh"
 #include "tc_fwd.cuh"
 #include "tc_bwd.cuh"
+#include "tc_bwd_wide.cuh"
+#include "tc32_fwd.cuh"
+#include "tc32_bwd.cuh"

@@ -13,6 +13,7 @@
 // element by element; query tiles are issued most expensive first.
 #pragma once
 #include "mma.cuh"
+#include "mma_softmax.cuh"
 
 namespace cuflash {
 
@@ -33,7 +34,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     T* Ks = Qs + BM * D;      // two buffers of BN x D
     T* Vs = Ks + 2 * BN * D;  // two buffers of BN x D
 
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
@@ -113,44 +114,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
         }
 
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row0 = m0 + warp * WM + mt * 16 + g;
-#pragma unroll
-            for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[mt][n][e] *= scale_log2;
-                    if (edge && !mask.visible(row0 + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
-                        s[mt][n][e] = neg_inf();
-                }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = neg_inf();
-#pragma unroll
-                for (int n = 0; n < NTILES; ++n)
-                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float new_max = fmaxf(row_max[mt][r], mx);
-                const float base = new_max == neg_inf() ? 0.f : new_max;
-                const float alpha = exp2f(row_max[mt][r] - base);
-                row_max[mt][r] = new_max;
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < NTILES; ++n) {
-                    s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
-                    s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
-                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-                }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-                for (int d = 0; d < DTILES; ++d) {
-                    o[mt][d][2 * r] *= alpha;
-                    o[mt][d][2 * r + 1] *= alpha;
-                }
-            }
-        }
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp * WM, n0, scale_log2);
 
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -177,27 +141,12 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
         __syncthreads();  // this buffer is refilled two iterations later
     }
 
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float total = row_sum[mt][r];
-            total += __shfl_xor_sync(0xffffffffu, total, 1);
-            total += __shfl_xor_sync(0xffffffffu, total, 2);
-            const int row = warp * WM + mt * 16 + g + 8 * r;
-            if (row >= rows) continue;
-            // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
-            // from a NaN input is not 0, so it reaches out and lse, never hidden.
-            const float inv = total != 0.f ? 1.f / total : 0.f;
-            unsigned* o_row = reinterpret_cast<unsigned*>(out + (row_base + m0 + row) * D);
-#pragma unroll
-            for (int d = 0; d < DTILES; ++d)
-                o_row[d * 4 + t] = Op::pack(o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
-            if (t == 0)
-                lse[row_base + m0 + row] =
-                    total != 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
-        }
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    finish_rows(o, row_max, row_sum, warp * WM, rows, lse + row_base,
+                [&](int row, int d, float x0, float x1) {
+                    reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                        Op::pack(x0, x1);
+                });
 }
 
 }  // namespace cuflash

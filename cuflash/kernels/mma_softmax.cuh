@@ -1,0 +1,89 @@
+// The online softmax of the tensor-core forward kernels, on scores held in
+// m16n8 accumulator fragments: lane (g = lane / 4, t = lane % 4) holds, for
+// each 8-key tile n, c0 c1 = row g, keys 2t and 2t+1 and c2 c3 = row g + 8.
+// Shared by the 16-bit kernel (mma m16n8k16) and the float32 one (m16n8k8),
+// whose accumulators have this same layout.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
+// whose first row is row0: scale to base 2, mask (only when `edge`), update
+// the running max and sum, rescale O, and leave P = exp2(s - max) in s.
+template <int MT, int NTILES, int DTILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&o)[MT][DTILES][4],
+                                             float (&row_max)[MT][2], float (&row_sum)[MT][2],
+                                             const Mask& mask, bool edge, int row0, int n0,
+                                             float scale_log2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int row = row0 + mt * 16 + g;
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[mt][n][e] *= scale_log2;
+                if (edge && !mask.visible(row + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
+                    s[mt][n][e] = neg_inf();
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int n = 0; n < NTILES; ++n)
+                mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float new_max = fmaxf(row_max[mt][r], mx);
+            const float base = new_max == neg_inf() ? 0.f : new_max;
+            const float alpha = exp2f(row_max[mt][r] - base);
+            row_max[mt][r] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NTILES; ++n) {
+                s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
+                s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
+                sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+            }
+            row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+            for (int d = 0; d < DTILES; ++d) {
+                o[mt][d][2 * r] *= alpha;
+                o[mt][d][2 * r + 1] *= alpha;
+            }
+        }
+    }
+}
+
+// The end of a row block: O / sum through store(row, d, x0, x1) (columns
+// 8d + 2t and 8d + 2t + 1 of tile row `row`, rows < rows only) and
+// lse[row] = max ln 2 + ln(sum), at lse_rows + row.
+template <int MT, int DTILES, typename Store>
+__device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
+                                            const float (&row_max)[MT][2],
+                                            const float (&row_sum)[MT][2], int row0, int rows,
+                                            float* __restrict__ lse_rows, Store store) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float total = row_sum[mt][r];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const int row = row0 + mt * 16 + g + 8 * r;
+            if (row >= rows) continue;
+            // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
+            // from a NaN input is not 0, so it reaches out and lse, never hidden.
+            const float inv = total != 0.f ? 1.f / total : 0.f;
+#pragma unroll
+            for (int d = 0; d < DTILES; ++d)
+                store(row, d, o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
+            if (t == 0)
+                lse_rows[row] = total != 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
+        }
+}
+
+}  // namespace cuflash

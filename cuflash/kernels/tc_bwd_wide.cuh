@@ -1,0 +1,225 @@
+// Tensor-core backward kernel (dK, dV and optionally the atomic dQ) for
+// float16/bfloat16 that splits head_dim across warps, so that D = 256 fits
+// in registers (tc_bwd.cuh keeps all D columns of 16 keys in one warp, which
+// stops at D = 128).
+//
+// One block of 8 warps per (key tile of BN = 64 keys, KV head, batch),
+// looping over the query heads of the group and the query tiles of BM rows
+// that see the key tile; Q, dO, lse and Delta of the next query tile load
+// (cp.async, double-buffered) while this one is computed. Per query tile:
+//   1. S^T = K Q^T, dP^T = V dO^T: warp w takes keys 16 (w % 4) and a
+//      share of the BM queries; P^T and dS^T = P^T (dP^T - Delta) go to
+//      shared memory as 16-bit.
+//   2. dV += P^T dO, dK += dS^T Q: warp w takes keys 16 (w % 4) and a
+//      share of the D columns, kept in registers for the whole block.
+//   3. (ATOMIC_DQ) dQ += dS K scale: warp w takes m16 query tile w % (BM/16)
+//      and a share of D; float32 atomics into dq_accum.
+// Only tiles that cross a mask boundary are masked element by element.
+#pragma once
+#include "mma.cuh"
+
+namespace cuflash {
+
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum,
+    T* __restrict__ dk, T* __restrict__ dv,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
+    float scale_log2) {
+    using Op = TensorOp<T>;
+    constexpr int NT = 256, NW = 8, KSTEPS = D / 16;
+    constexpr int KT = BN / 16;          // key m16 tiles; warp w has key tile w % KT
+    constexpr int SPLIT = NW / KT;       // warps sharing a key tile
+    constexpr int QN = BM / 8 / SPLIT;   // phase 1: query n8 tiles per warp
+    constexpr int DN = D / 8 / SPLIT;    // phase 2: d n8 tiles per warp
+    constexpr int QM = BM / 16;          // phase 3: query m16 tiles
+    constexpr int DQN = D / 8 / (NW / QM);  // phase 3: d n8 tiles per warp
+    static_assert(NW % KT == 0 && NW % QM == 0 && QN % 2 == 0 && DN % 2 == 0 &&
+                  DQN % 2 == 0 && D % 64 == 0 && (BM == 32 || BM == 64), "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    T* Ks = reinterpret_cast<T*>(smem4);
+    T* Vs = Ks + BN * D;
+    T* Qs = Vs + BN * D;        // two buffers of BM x D
+    T* dOs = Qs + 2 * BM * D;   // two buffers of BM x D
+    T* Ps = dOs + 2 * BM * D;   // P^T, [BN keys][BM queries]
+    T* dSs = Ps + BN * BM;      // dS^T, [BN keys][BM queries]
+    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int kw = warp % KT, share = warp / KT;
+    // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+
+    float dk_acc[DN][4], dv_acc[DN][4];
+#pragma unroll
+    for (int d = 0; d < DN; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+
+    // The (query head, query tile) pairs that see this key tile, in order.
+    int m_lo, m_hi;
+    mask.query_range(n0, n0 + BN, m_lo, m_hi);
+    const int m_first = m_lo - m_lo % BM;
+    const int per_head = m_lo < m_hi ? (m_hi - m_first + BM - 1) / BM : 0;
+    const int steps = per_head * group;
+    auto load_query_tile = [&](int step, int buf) {
+        const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
+        const int rows = min(BM, mask.q_len - m0);
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        cp_async_tile<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+        cp_async_tile<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
+                                 dout_st.s, rows);
+        for (int r = threadIdx.x; r < BM; r += NT) {
+            // Padding rows get lse = +inf, so their P is exactly 0.
+            lse_s[buf * BM + r] = r < rows ? lse[head_rows + m0 + r] * kLog2e : -neg_inf();
+            delta_s[buf * BM + r] = r < rows ? delta[head_rows + m0 + r] : 0.f;
+        }
+    };
+    if (steps > 0) {
+        const int keys = mask.kv_len - n0;
+        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        load_query_tile(0, 0);
+    }
+    cp_async_commit();
+
+    for (int step = 0; step < steps; ++step) {
+        const int buf = step & 1;
+        if (step + 1 < steps) load_query_tile(step + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
+        const int rows = min(BM, mask.q_len - m0);
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const T* Qb = Qs + buf * BM * D;
+        const T* dOb = dOs + buf * BM * D;
+        const float* lse_b = lse_s + buf * BM;
+        const float* delta_b = delta_s + buf * BM;
+
+        // 1. S^T and dP^T for keys of tile kw and queries [QN 8 share, +QN 8).
+        {
+            float st[QN][4], dpt[QN][4];
+#pragma unroll
+            for (int n = 0; n < QN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll 4
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                unsigned ka[4], va[4];
+                ldmatrix_x4(ka, Ks + swizzled<D>(kw * 16 + a_row, 2 * ks + a_chunk));
+                ldmatrix_x4(va, Vs + swizzled<D>(kw * 16 + a_row, 2 * ks + a_chunk));
+#pragma unroll
+                for (int n = 0; n < QN; n += 2) {
+                    const int qrow = (share * QN + n) * 8 + b_row;
+                    unsigned qb[4], ob[4];
+                    ldmatrix_x4(qb, Qb + swizzled<D>(qrow, 2 * ks + b_chunk));
+                    ldmatrix_x4(ob, dOb + swizzled<D>(qrow, 2 * ks + b_chunk));
+                    Op::mma(st[n], ka, qb[0], qb[1]);
+                    Op::mma(st[n + 1], ka, qb[2], qb[3]);
+                    Op::mma(dpt[n], va, ob[0], ob[1]);
+                    Op::mma(dpt[n + 1], va, ob[2], ob[3]);
+                }
+            }
+            const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+            const int key0 = n0 + kw * 16 + g;
+#pragma unroll
+            for (int n = 0; n < QN; ++n) {
+                const int chunk = share * QN + n;  // query n8 tile in the block
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = chunk * 8 + 2 * t + (e & 1);
+                    const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
+                    const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_b[col]) : 0.f;
+                    st[n][e] = p;
+                    dpt[n][e] = p * (dpt[n][e] - delta_b[col]);
+                }
+                T* p_lo = Ps + swizzled<BM>(kw * 16 + g, chunk) + 2 * t;
+                T* p_hi = Ps + swizzled<BM>(kw * 16 + g + 8, chunk) + 2 * t;
+                T* s_lo = dSs + swizzled<BM>(kw * 16 + g, chunk) + 2 * t;
+                T* s_hi = dSs + swizzled<BM>(kw * 16 + g + 8, chunk) + 2 * t;
+                *reinterpret_cast<unsigned*>(p_lo) = Op::pack(st[n][0], st[n][1]);
+                *reinterpret_cast<unsigned*>(p_hi) = Op::pack(st[n][2], st[n][3]);
+                *reinterpret_cast<unsigned*>(s_lo) = Op::pack(dpt[n][0], dpt[n][1]);
+                *reinterpret_cast<unsigned*>(s_hi) = Op::pack(dpt[n][2], dpt[n][3]);
+            }
+        }
+        __syncthreads();
+
+        // 2. dV += P^T dO and dK += dS^T Q for keys of tile kw, d tiles [DN share, +DN).
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            unsigned pa[4], sa[4];
+            ldmatrix_x4(pa, Ps + swizzled<BM>(kw * 16 + a_row, 2 * kk + a_chunk));
+            ldmatrix_x4(sa, dSs + swizzled<BM>(kw * 16 + a_row, 2 * kk + a_chunk));
+#pragma unroll
+            for (int d = 0; d < DN; d += 2) {
+                const int dchunk = share * DN + d;
+                unsigned ob[4], qb[4];
+                ldmatrix_x4_trans(ob, dOb + swizzled<D>(kk * 16 + a_row, dchunk + a_chunk));
+                ldmatrix_x4_trans(qb, Qb + swizzled<D>(kk * 16 + a_row, dchunk + a_chunk));
+                Op::mma(dv_acc[d], pa, ob[0], ob[1]);
+                Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
+                Op::mma(dk_acc[d], sa, qb[0], qb[1]);
+                Op::mma(dk_acc[d + 1], sa, qb[2], qb[3]);
+            }
+        }
+
+        // 3. dQ[m16 tile qm, d tiles [DQN ds, +DQN)] += scale * dS K.
+        if (ATOMIC_DQ) {
+            const int qm = warp % QM, d_first = (warp / QM) * DQN;
+            float dq_acc[DQN][4];
+#pragma unroll
+            for (int d = 0; d < DQN; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                unsigned da[4];  // A = dS (queries x keys) = dS^T transposed
+                ldmatrix_x4_trans(da, dSs + swizzled<BM>(kk * 16 + b_row, 2 * qm + b_chunk));
+#pragma unroll
+                for (int d = 0; d < DQN; d += 2) {
+                    unsigned kb[4];
+                    ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
+                    Op::mma(dq_acc[d], da, kb[0], kb[1]);
+                    Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = qm * 16 + g + 8 * r;
+                if (row >= rows) continue;
+                float* dst = dq_accum + (head_rows + m0 + row) * D + d_first * 8 + 2 * t;
+#pragma unroll
+                for (int d = 0; d < DQN; ++d) {
+                    atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
+                    atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
+                }
+            }
+        }
+        __syncthreads();  // P^T, dS^T and this query buffer are rewritten next
+    }
+
+    // Every key row of the tile inside the capacity is written, zeros included.
+    const long long key_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kw * 16 + g + 8 * r;
+        if (n0 + key >= kv_capacity) continue;
+        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + (key_base + key) * D + share * DN * 8);
+        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (key_base + key) * D + share * DN * 8);
+#pragma unroll
+        for (int d = 0; d < DN; ++d) {
+            dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
+            dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+        }
+    }
+}
+
+}  // namespace cuflash

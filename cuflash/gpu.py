@@ -10,10 +10,13 @@ from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
 # Kernel families written and compiled (the CPU suite builds them) but not yet
-# run through the GPU suite: float32 on TF32 tensor cores ("tc32", "tf32") and
-# the 16-bit backward with head_dim split across warps ("tcw"). The dispatch
-# below picks them only while RUN_PENDING_KERNELS is True; tests switch it on.
-PENDING_FAMILIES = ("tc32", "tf32", "tcw")
+# run through the GPU suite: float32 on TF32 tensor cores ("tc32", "tf32"),
+# the 16-bit backward with head_dim split across warps ("tcw") and the Hopper
+# wgmma forward ("wg"). The dispatch below picks them only while
+# RUN_PENDING_KERNELS is True; tests switch it on.
+PENDING_FAMILIES = ("tc32", "tf32", "tcw", "wg")
+# Families that run on exactly these compute capabilities (wgmma: sm_90a).
+FAMILY_DEVICES = {"wg": (90,)}
 RUN_PENDING_KERNELS = False
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
@@ -48,20 +51,32 @@ def _rows_are_16_byte_aligned(arrays):
 
 def uses_tensor_cores(problem, arrays, role="fwd_tc"):
     """Whether tensor-core kernel ``role`` serves this call (see :func:`cuflash.kernel_path`)."""
-    if role.split("_")[1] in PENDING_FAMILIES and not RUN_PENDING_KERNELS:
+    family = role.split("_")[1]
+    if family in PENDING_FAMILIES and not RUN_PENDING_KERNELS:
+        return False
+    capability = int(cupy.cuda.Device().compute_capability)
+    if capability not in FAMILY_DEVICES.get(family, (capability,)):
         return False
     return (dispatch.current() == "auto" and role in _variant(problem).kernel_names()
-            and int(cupy.cuda.Device().compute_capability) >= 80
-            and _rows_are_16_byte_aligned(arrays))
+            and capability >= 80 and _rows_are_16_byte_aligned(arrays))
 
 
-def _fast_kind(problem, tiles, backward=False):
-    """The tensor-core kernel family for the call: "tc" or "tcw" (16-bit), "tc32" or "tf32"."""
+def _fast_families(problem, backward=False):
+    """Tensor-core kernel families for the call, in order of preference."""
     if problem.dtype == np.float32:
-        return "tf32" if problem.allow_tf32 else "tc32"
-    if backward and (PREFER_WIDE_BACKWARD or not tiles.bwd_tc):
-        return "tcw"
-    return "tc"
+        return ("tf32",) if problem.allow_tf32 else ("tc32",)
+    if backward:
+        return ("tcw", "tc") if PREFER_WIDE_BACKWARD else ("tc", "tcw")
+    return ("wg", "tc")
+
+
+def _fast_role(problem, arrays, kind, suffix=""):
+    """The first tensor-core role ``{kind}_{family}{suffix}`` that serves the call, or None."""
+    for family in _fast_families(problem, backward=kind == "dkdv"):
+        role = f"{kind}_{family}{suffix}"
+        if uses_tensor_cores(problem, arrays, role):
+            return role, family
+    return None, None
 
 
 def forward(problem, q, k, v):
@@ -71,9 +86,9 @@ def forward(problem, q, k, v):
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     module = kernel_build.load(_variant(problem))
     tiles = module.variant.tiles
-    fast = _fast_kind(problem, tiles)
-    if uses_tensor_cores(problem, (q, k, v), f"fwd_{fast}"):
-        role, (rows, threads) = f"fwd_{fast}", tiles.fast_fwd(fast)
+    role, family = _fast_role(problem, (q, k, v), "fwd")
+    if role:
+        rows, threads = tiles.fast_fwd(family)
     else:
         role, rows, threads = "fwd", tiles.fwd[0], kernel_build.THREADS
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
@@ -102,12 +117,12 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
              np.int32(problem.num_heads), np.int32(problem.q_len)))
 
     # dK and dV (and with atomics dQ) per key tile: tensor cores where they apply.
-    fast = _fast_kind(problem, tiles, backward=True)
-    dkdv_role = "dkdv" if deterministic else "dkdv_atomic_dq"
-    tc_role = f"dkdv_{fast}" if deterministic else f"dkdv_{fast}_atomic_dq"
-    if uses_tensor_cores(problem, (q, k, v, dout), tc_role):
-        dkdv_role, (keys, threads) = tc_role, tiles.fast_bwd(fast)
+    suffix = "" if deterministic else "_atomic_dq"
+    dkdv_role, family = _fast_role(problem, (q, k, v, dout), "dkdv", suffix)
+    if dkdv_role:
+        keys, threads = tiles.fast_bwd(family)
     else:
+        dkdv_role = "dkdv" + suffix
         keys, threads = tiles.dkdv[1], kernel_build.THREADS
     dq_accum = None if deterministic else cupy.zeros(problem.q_shape, dtype=np.float32)
     dq = cupy.empty(problem.q_shape, dtype=problem.dtype) if deterministic else dq_accum

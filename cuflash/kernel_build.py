@@ -11,9 +11,15 @@ GPU, which the CPU test suite uses to build every variant for sm_80 and
 sm_90a and to read the compiler's resource report.
 """
 
+import collections
 import dataclasses
 import functools
+import os
 import re
+import shutil
+import struct
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -33,6 +39,8 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # float32 on TF32 tensor cores: kernel role prefix -> mma passes per product
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
+# Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
+ARCH_SPECIFIC_ROLES = {"fwd_wg": "sm_90a"}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -76,6 +84,17 @@ class Tiles:
             return (64, 64, 1, True)
         return {64: (128, 64, 2, False), 128: (128, 64, 2, False),
                 256: (64, 32, 1, False)}.get(self.head_dim)
+
+    @property
+    def fwd_wg(self):
+        """Hopper wgmma forward: (keys per tile, warpgroups of 64 query rows); sm 90 only."""
+        if self.sm < 90:
+            return None
+        return {64: (128, 2), 128: (128, 2), 256: (64, 2)}.get(self.head_dim)
+
+    def fwd_wg_smem(self, itemsize=2):
+        bn, wg = self.fwd_wg
+        return itemsize * self.head_dim * (64 * wg + 4 * bn) + 1024  # + alignment to 1 KB
 
     def fwd_tc_threads(self):
         rows, _, m_tiles, _ = self.fwd_tc
@@ -132,9 +151,11 @@ class Tiles:
         return itemsize * (2 * (bm + bn) * self.head_dim + bn * bm) + FLOAT_BYTES * 2 * bm
 
     def fast_fwd(self, kind):
-        """(query rows, threads) of tensor-core forward family ``kind``: tc, tc32 or tf32."""
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, tc32 or tf32."""
         if kind == "tc":
             return self.fwd_tc[0], self.fwd_tc_threads()
+        if kind == "wg":
+            return 64 * self.fwd_wg[1], 128 * self.fwd_wg[1]
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
@@ -208,6 +229,9 @@ class Variant:
             bm, bn, m_tiles, q_regs = tiles.fwd_tc
             names["fwd_tc"] = (f"cuflash::attention_fwd_tc<{t}, {d}, {bm}, {bn}, {m_tiles}, "
                                f"{str(q_regs).lower()}>")
+        if self.has_tensor_cores and tiles.fwd_wg:
+            names["fwd_wg"] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}>".format(
+                t, d, *tiles.fwd_wg)
         if self.has_tensor_cores and tiles.bwd_tc:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
@@ -254,6 +278,8 @@ class _LoadedVariant:
                 "dkdv": tiles.dkdv_smem(), "dq": tiles.dq_smem()}
         if "fwd_tc" in self.names:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
+        if "fwd_wg" in self.names:
+            smem["fwd_wg"] = tiles.fwd_wg_smem()
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         if "dkdv_tcw" in self.names:
@@ -276,8 +302,10 @@ class _LoadedVariant:
                 import cupy
 
                 name = self.names[role]
-                module = cupy.RawModule(code=module_source(),
-                                        options=COMPILE_OPTIONS + (f"-DCUFLASH_ROLE_{role}",),
+                options = COMPILE_OPTIONS + (f"-DCUFLASH_ROLE_{role}",)
+                if role in ARCH_SPECIFIC_ROLES:  # CuPy adds -arch=sm_90; NVRTC keeps sm_90a
+                    options += (f"-arch={ARCH_SPECIFIC_ROLES[role]}",)
+                module = cupy.RawModule(code=module_source(), options=options,
                                         name_expressions=[name])
                 found = module.get_function(name)
                 if self.smem[role] > 48 * 1024:
@@ -313,6 +341,34 @@ class CompileReport:
     cubin: bytes
     lowered_names: dict  # role -> mangled name
 
+    def sass_opcodes(self, cuobjdump=None):
+        """Per kernel role: a Counter of SASS opcodes (``HMMA``, ``HGMMA``, ``LDL``...).
+
+        Disassembles the cubin with ``cuobjdump -sass`` (``cuobjdump`` from
+        :func:`find_cuobjdump` unless given). Raises RuntimeError when there
+        is none or it cannot read the cubin (an older cuobjdump than NVRTC).
+        """
+        tool = cuobjdump or find_cuobjdump()
+        if tool is None:
+            raise RuntimeError("no cuobjdump found")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "variant.cubin")
+            with open(path, "wb") as f:
+                f.write(self.cubin)
+            done = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+        if done.returncode or "Function :" not in done.stdout:
+            raise RuntimeError(f"cuobjdump could not read the cubin: {done.stderr.strip()}")
+        by_name, current = {}, None
+        for line in done.stdout.splitlines():
+            m = re.search(r"Function : (\w+)", line)
+            if m:
+                current = by_name[m.group(1)] = collections.Counter()
+                continue
+            m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+            if m and current is not None:
+                current[m.group(1)] += 1
+        return {role: by_name[name] for role, name in self.lowered_names.items()}
+
     def kernels(self):
         """Per kernel role: registers, stack frame, spill stores and loads."""
         info, current = {}, None
@@ -334,6 +390,35 @@ class CompileReport:
         return {role: info[name] for role, name in self.lowered_names.items()}
 
 
+def find_cuobjdump():
+    """Path of ``cuobjdump``: on PATH, or from the ``nvidia-cuda-cuobjdump`` wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    return None
+
+
+def _complete_elf(image):
+    """``image`` padded to the end of its ELF headers.
+
+    CuPy's ``nvrtc.getCUBIN`` returns the cubin one byte short (it treats the
+    size as a C string's); the driver loads it anyway, cuobjdump refuses it.
+    """
+    if image[:4] != b"\x7fELF" or len(image) < 64:
+        return image
+    ph_off, sh_off = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", image, 0x36)
+    end = max(ph_off + ph_size * ph_count, sh_off + sh_size * sh_count)
+    return image + b"\0" * max(0, end - len(image))
+
+
 def compile_offline(variant, arch):
     """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU."""
     from cupy.cuda import nvrtc
@@ -349,7 +434,7 @@ def compile_offline(variant, arch):
             raise RuntimeError(f"{variant} for {arch} failed:\n{nvrtc.getProgramLog(prog)}") from exc
         lowered = {role: nvrtc.getLoweredName(prog, name)
                    for role, name in variant.kernel_names().items()}
-        return CompileReport(variant, arch, nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog),
-                             lowered)
+        return CompileReport(variant, arch, nvrtc.getProgramLog(prog),
+                             _complete_elf(nvrtc.getCUBIN(prog)), lowered)
     finally:
         nvrtc.destroyProgram(prog)

@@ -3,9 +3,10 @@
 Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
 Rows: the default dispatch ("auto"), the general kernels, the kernel families
-still pending GPU validation (see cuflash.gpu.PENDING_FAMILIES: "pending",
-and for 16 bits "wide", the split-D backward everywhere; for float32 "tf32",
-the one-pass mode), and torch SDPA's backends.
+still pending GPU validation (see cuflash.gpu.PENDING_FAMILIES: "pending" =
+for 16 bits the wgmma forward on Hopper and the split-D backward where "tc"
+has none, "wide" = the split-D backward everywhere; for float32 the TF32
+tensor cores, "tf32" = the one-pass mode), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
 """
 

@@ -71,3 +71,39 @@ def test_shared_memory_fits_sm80(head_dim):
     if tiles.bwd_tc32:
         sizes.append(tiles.bwd_tc32_smem())
     assert max(sizes) <= 163 * 1024
+
+
+SASS_JOBS = [("bfloat16", 128, "sm_90a"), ("float16", 256, "sm_90a"), ("float32", 64, "sm_80"),
+             ("float32", 128, "sm_90a"), ("bfloat16", 64, "sm_80")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, head_dim, arch", SASS_JOBS, ids=lambda x: str(x))
+def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
+    """The tensor-core kernels issue HMMA (mma.sync) or HGMMA (wgmma), from registers only;
+    the general kernels none; three-pass float32 issues three times the one-pass count."""
+    from support import DTYPES
+
+    variant = kernel_build.Variant(DTYPES[dtype], head_dim, ARCHS[arch])
+    report = kernel_build.compile_offline(variant, arch)
+    if kernel_build.find_cuobjdump() is None:
+        pytest.fail("cuobjdump is missing: install the test extra (nvidia-cuda-cuobjdump)")
+    try:
+        opcodes = report.sass_opcodes()
+    except RuntimeError as exc:  # an older cuobjdump than this NVRTC
+        pytest.skip(str(exc))
+    assert set(opcodes) == set(variant.kernel_names())
+    for role, ops in opcodes.items():
+        matrix = ops["HMMA"] + ops["HGMMA"]
+        if role in ("fwd", "delta", "dkdv", "dkdv_atomic_dq", "dq"):
+            assert matrix == 0, (role, matrix)
+            continue
+        assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
+        if role == "fwd_wg":  # per key tile: D / 16 for S = Q K^T, keys / 16 for O += P V
+            keys = variant.tiles.fwd_wg[0]
+            assert ops["HGMMA"] == (head_dim + keys) // 16 and ops["HMMA"] == 0, (role, ops)
+        else:
+            assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
+    for three, one in (("fwd_tc32", "fwd_tf32"), ("dkdv_tc32", "dkdv_tf32")):
+        if three in opcodes:
+            assert opcodes[three]["HMMA"] == 3 * opcodes[one]["HMMA"], (three, one)

@@ -1,7 +1,8 @@
 """Kernel families that the dispatch keeps off until these pass on a GPU
 (``gpu.RUN_PENDING_KERNELS``): float32 on TF32 tensor cores (3 passes, and
-the opt-in one-pass ``allow_tf32``) and the 16-bit backward that splits
-head_dim across warps (the tensor-core backward for D = 256)."""
+the opt-in one-pass ``allow_tf32``), the 16-bit backward that splits
+head_dim across warps (the tensor-core backward for D = 256) and the Hopper
+wgmma forward."""
 
 import numpy as np
 import pytest
@@ -42,6 +43,14 @@ def test_float32_tensor_cores_deterministic(case, rng, poisoned, pending):
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
+def test_wgmma_forward_matches_oracle(case, rng, poisoned, pending):
+    """On an H100/H200 the forward runs on wgmma (the backward as without pending kernels)."""
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("wgmma needs compute capability 9.0")
+    run_and_check(case, cupy, rng)
+
+
+@pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_wide_backward_matches_oracle(case, deterministic, rng, poisoned, pending,
                                       monkeypatch):
@@ -66,9 +75,13 @@ def test_pending_dispatch(rng, pending, monkeypatch):
                 assert not pending.uses_tensor_cores(p, (q, k, v), f"fwd_{kind}")
     case = Case(dtype="bfloat16", head_dim=256)
     q, k, v, _ = random_inputs(case, rng, cupy)
-    assert pending.uses_tensor_cores(prob(case, q, k, v), (q, k, v), "dkdv_tcw_atomic_dq")
+    p = prob(case, q, k, v)
+    hopper = int(cupy.cuda.Device().compute_capability) == 90
+    assert pending.uses_tensor_cores(p, (q, k, v), "dkdv_tcw_atomic_dq")
+    assert pending._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wg" if hopper else "fwd_tc")
     monkeypatch.setattr(pending, "RUN_PENDING_KERNELS", False)
-    assert not pending.uses_tensor_cores(prob(case, q, k, v), (q, k, v), "dkdv_tcw_atomic_dq")
+    assert not pending.uses_tensor_cores(p, (q, k, v), "dkdv_tcw_atomic_dq")
+    assert pending._fast_role(p, (q, k, v), "fwd")[0] == "fwd_tc"
 
 
 def _errors(case, arrays, refs, **kw):

@@ -3,6 +3,7 @@
 #include "general_fwd.cuh"
 #include "general_bwd.cuh"
 #include "tc_fwd.cuh"
+#include "tc_fwd_wg.cuh"
 #include "tc_bwd.cuh"
 #include "tc_bwd_wide.cuh"
 #include "tc32_fwd.cuh"

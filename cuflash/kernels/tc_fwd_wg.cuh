@@ -1,0 +1,160 @@
+// Hopper (sm_90a) forward kernel for float16/bfloat16 on wgmma.
+//
+// One block of WG warpgroups per (query tile of 64 WG rows, head, batch);
+// warpgroup w owns rows [64 w, 64 w + 64), each of its warps 16 of them.
+// Q and double-buffered K/V tiles of BN keys sit in shared memory in the
+// canonical 128-byte-swizzled layout (column blocks of 64 elements, rows of
+// 128 bytes), filled with cp.async. Per key tile:
+//   S = Q K^T    wgmma m64nBNk16, A and B from shared memory (K-major)
+//   online softmax on the S accumulators (mma_softmax.cuh: same layout)
+//   O += P V     wgmma m64nDk16, A = P from registers, B = V (N-major)
+// Only tiles that cross a mask boundary are masked element by element;
+// query tiles are issued most expensive first.
+#pragma once
+#include "mma.cuh"
+#include "mma_softmax.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cuflash {
+
+// A wgmma matrix descriptor: start address, leading and stride byte offsets,
+// 128-byte swizzle (the start must lie in a 1024-byte-aligned swizzle atom).
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* start, unsigned lead_bytes,
+                                                         unsigned stride_bytes) {
+    return static_cast<unsigned long long>((smem_addr(start) & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>((lead_bytes & 0x3FFFF) >> 4) << 16 |
+           static_cast<unsigned long long>((stride_bytes & 0x3FFFF) >> 4) << 32 |
+           1ull << 62;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// cp.async and plain stores write shared memory through the generic proxy;
+// wgmma reads it through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pin accumulator registers here: the compiler may not move their reads or
+// writes across this point (wgmma works on them behind its back).
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3]) :: "memory");
+}
+
+// Rows [0, ROWS) of a [rows][D] 16-bit tile (row stride `stride` elements) in
+// the 128-byte-swizzled layout: element (r, c) goes to column block c / 64,
+// row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Rows at or past valid_rows
+// become zeros.
+template <int ROWS, int D, int NT, typename T>
+__device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
+                                                    long long stride, int valid_rows) {
+    constexpr int CH = D / 8;
+    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
+        const int r = idx / CH, c = idx % CH;
+        const bool valid = r < valid_rows;
+        T* to = dst + (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+        cp_async_16(to, valid ? src + r * stride + c * 8 : src, valid);
+    }
+}
+
+template <typename T, int D, int BN, int WG>
+__global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    T* __restrict__ out, float* __restrict__ lse,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    using Op = TensorOp<T>;
+    constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = D / 8, KSTEPS = D / 16;
+    constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
+    static_assert(D % 64 == 0 && BN % 64 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = Qs + BM * D;      // two buffers of BN x D
+    T* Vs = Ks + 2 * BN * D;  // two buffers of BN x D
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+    const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int rows = min(BM, mask.q_len - m0);
+
+    cp_async_tile_sw128<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    int n_lo, n_hi;
+    mask.key_range(m0, m0 + rows, n_lo, n_hi);
+    const int n_start = n_lo - n_lo % BN;
+    const int tiles = n_hi > n_lo ? (n_hi - n_start + BN - 1) / BN : 0;
+    const T* k_head = k + offset_of(k_st, b, hk, 0);
+    const T* v_head = v + offset_of(v_st, b, hk, 0);
+    auto load_kv = [&](int tile, int buf) {
+        const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
+        cp_async_tile_sw128<BN, D, NT>(Ks + buf * BN * D, k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, D, NT>(Vs + buf * BN * D, v_head + n0 * v_st.s, v_st.s, keys);
+    };
+    if (tiles > 0) load_kv(0, 0);
+    cp_async_commit();
+
+    float o[1][DTILES][4], row_max[1][2], row_sum[1][2];
+    row_max[0][0] = row_max[0][1] = neg_inf();
+    row_sum[0][0] = row_sum[0][1] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) o[0][d][0] = o[0][d][1] = o[0][d][2] = o[0][d][3] = 0.f;
+
+    for (int it = 0; it < tiles; ++it) {
+        const int n0 = n_start + it * BN, buf = it & 1;
+        if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const T* Kb = Ks + buf * BN * D;
+        const T* Vb = Vs + buf * BN * D;
+
+        // S = Q K^T for this warpgroup's 64 rows: D / 16 steps of k16.
+        float s[1][NTILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const T* qa = Qs + (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const T* kb = Kb + (ks >> 2) * (BN * 64) + (ks & 3) * 16;
+            Wgmma<T, BN>::ss(s[0], wgmma_desc(qa, 16, ATOM), wgmma_desc(kb, 16, ATOM), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        pin_registers(s[0]);
+
+        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n0, scale_log2);
+
+        // O += P V: P from the S accumulators, 16 keys per step.
+        unsigned pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[kk][1] = Op::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[kk][2] = Op::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[kk][3] = Op::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        }
+        pin_registers(o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            Wgmma<T, D>::rs(o[0], pa[kk],
+                            wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+        wgmma_commit();
+        wgmma_wait_all();
+        pin_registers(o[0]);
+        __syncthreads();  // this buffer is refilled two iterations later
+    }
+    cp_async_wait<0>();  // Q's copy, when no key tile was read
+
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
+                [&](int row, int d, float x0, float x1) {
+                    reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                        Op::pack(x0, x1);
+                });
+}
+
+}  // namespace cuflash

@@ -355,7 +355,11 @@ class CompileReport:
             path = os.path.join(tmp, "variant.cubin")
             with open(path, "wb") as f:
                 f.write(self.cubin)
-            done = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+            # cuobjdump runs nvdisasm, which the wheels install next to it.
+            env = dict(os.environ, PATH=os.pathsep.join(
+                [os.path.dirname(tool), os.environ.get("PATH", "")]))
+            done = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                                  env=env)
         if done.returncode or "Function :" not in done.stdout:
             raise RuntimeError(f"cuobjdump could not read the cubin: {done.stderr.strip()}")
         by_name, current = {}, None

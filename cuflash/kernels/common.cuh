@@ -67,6 +67,16 @@ struct Mask {
         lo = static_cast<int>(a);
         hi = static_cast<int>(max(a, b));
     }
+    // The BN-key tiles (aligned to BN) that rows [row_lo, row_hi) may see:
+    // `count` tiles from key `start`.
+    template <int BN>
+    __device__ __forceinline__ void key_tiles(int row_lo, int row_hi, int& start,
+                                              int& count) const {
+        int lo, hi;
+        key_range(row_lo, row_hi, lo, hi);
+        start = lo - lo % BN;
+        count = hi > lo ? (hi - start + BN - 1) / BN : 0;
+    }
     // Rows [lo, hi) that may see any key of [key_lo, key_hi).
     __device__ __forceinline__ void query_range(int key_lo, int key_hi, int& lo, int& hi) const {
         key_hi = min(key_hi, kv_len);

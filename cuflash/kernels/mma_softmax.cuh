@@ -8,6 +8,19 @@
 
 namespace cuflash {
 
+// The running state of the rows before the first key tile: O = 0, max = -inf, sum = 0.
+template <int MT, int DTILES>
+__device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row_max)[MT][2],
+                                          float (&row_sum)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        row_max[mt][0] = row_max[mt][1] = neg_inf();
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+    }
+}
+
 // One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
 // whose first row is row0: scale to base 2, mask (only when `edge`), update
 // the running max and sum, rescale O, and leave P = exp2(s - max) in s.

@@ -36,10 +36,8 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     const int rows = min(BM, mask.q_len - m0);
 
     cp_async_tile_f32<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-    int n_lo, n_hi;
-    mask.key_range(m0, m0 + rows, n_lo, n_hi);
-    const int n_start = n_lo - n_lo % BN;
-    const int tiles = n_hi > n_lo ? (n_hi - n_start + BN - 1) / BN : 0;
+    int n_start, tiles;
+    mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const float* k_head = k + offset_of(k_st, b, hk, 0);
     const float* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
@@ -51,10 +49,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     cp_async_commit();
 
     float o[1][DTILES][4], row_max[1][2], row_sum[1][2];
-    row_max[0][0] = row_max[0][1] = neg_inf();
-    row_sum[0][0] = row_sum[0][1] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d) o[0][d][0] = o[0][d][1] = o[0][d][2] = o[0][d][3] = 0.f;
+    init_rows(o, row_max, row_sum);
 
     for (int it = 0; it < tiles; ++it) {
         const int n0 = n_start + it * BN, buf = it & 1;

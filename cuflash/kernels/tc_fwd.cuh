@@ -40,10 +40,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const int rows = min(BM, mask.q_len - m0);
 
     cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-    int n_lo, n_hi;
-    mask.key_range(m0, m0 + rows, n_lo, n_hi);
-    const int n_start = n_lo - n_lo % BN;
-    const int tiles = n_hi > n_lo ? (n_hi - n_start + BN - 1) / BN : 0;
+    int n_start, tiles;
+    mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
@@ -55,13 +53,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     cp_async_commit();
 
     float o[MT][DTILES][4], row_max[MT][2], row_sum[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        row_max[mt][0] = row_max[mt][1] = neg_inf();
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
-    }
+    init_rows(o, row_max, row_sum);
 
     // A fragment of Q for (m tile, k step): rows of the warp, columns 16 ks.
     auto load_q_fragment = [&](unsigned (&f)[4], int mt, int ks) {

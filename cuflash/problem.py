@@ -148,7 +148,7 @@ def _check_device_limits(problem, named_arrays):
             f"{MAX_GRID_YZ}, got {problem.batch} and {problem.num_heads}")
     if problem.q_len > MAX_INT32 or problem.kv_capacity > MAX_INT32:
         raise InvalidArgumentError(
-            "q", f"too large for the device: sequence lengths must be < 2**31")
+            "q", "too large for the device: sequence lengths must be < 2**31")
     if problem.xp is np:
         return
     needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs

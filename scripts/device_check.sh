@@ -24,7 +24,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, print its tail
 }
 for step in $steps; do
   case $step in
-    tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-540} \
+    tests) TAIL=2 run precompile 120 python3 -m cuflash.precompile --head-dims 8,40,64,96,128,256
+           CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-450} \
              python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
     demo) run demo 60 python3 -m cuflash ;;
     fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \

@@ -107,3 +107,20 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
     for three, one in (("fwd_tc32", "fwd_tf32"), ("dkdv_tc32", "dkdv_tf32")):
         if three in opcodes:
             assert opcodes[three]["HMMA"] == 3 * opcodes[one]["HMMA"], (three, one)
+
+
+def test_precompile_job_list():
+    """``python -m cuflash.precompile`` compiles every role of every variant asked for."""
+    from cuflash import precompile
+
+    jobs = precompile.jobs_for(["bfloat16", "float32"], [64, 136], sm=90)
+    expected = sum(len(kernel_build.Variant(precompile.DTYPE_NAMES[n], d, 90).kernel_names())
+                   for n in ("bfloat16", "float32") for d in (64, 136))
+    assert len(jobs) == expected == len(set(jobs))
+    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_tc32", "dkdv_tc"}
+    from cuflash import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="head_dim"):
+        precompile.jobs_for(["float16"], [12], sm=80)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        precompile.jobs_for(["float64"], [64], sm=80)

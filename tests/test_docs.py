@@ -308,6 +308,8 @@ def documented_messages():
 
 def bad_calls():
     """One invalid CPU call per documented message (the GPU-only ones aside)."""
+    from cuflash import precompile
+
     def a(*shape, dtype=np.float32):
         return np.zeros(shape, dtype)
 
@@ -364,6 +366,8 @@ def bad_calls():
         bwd(deterministic=1),
         bwd(synchronize=None),
         lambda: cuflash.kernel_path("fast").__enter__(),
+        lambda: precompile.jobs_for(["float64"], [64], sm=80),
+        lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]
 
 

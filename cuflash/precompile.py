@@ -1,0 +1,97 @@
+"""Compile kernel variants ahead of their first call, in parallel processes.
+
+A kernel is compiled (NVRTC) on its first call and kept in CuPy's on-disk
+cache, so a later process only loads it. ``python -m cuflash.precompile``
+fills that cache for the current GPU, one process per CPU core, so that no
+call pays the compile time: before a test run, a benchmark, or a deployment.
+For example ``python -m cuflash.precompile --dtypes bfloat16 --head-dims 64,128``.
+"""
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import time
+
+import numpy as np
+
+from . import kernel_build
+from .errors import InvalidArgumentError
+from .problem import BFLOAT16
+
+DTYPE_NAMES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+               "bfloat16": BFLOAT16}
+
+
+def jobs_for(dtypes, head_dims, sm):
+    """Every (variant, kernel role) of ``dtypes`` x ``head_dims`` for tile generation ``sm``."""
+    for name in dtypes:
+        if name not in DTYPE_NAMES:
+            raise InvalidArgumentError("dtypes", f"unknown dtype {name!r}; expected one of "
+                                                 f"{sorted(DTYPE_NAMES)}")
+    for d in head_dims:
+        if d not in kernel_build.HEAD_DIMS:
+            raise InvalidArgumentError("head_dims", f"unsupported head_dim {d}: must be a "
+                                                    "multiple of 8 from 8 to 256")
+    return [(kernel_build.Variant(DTYPE_NAMES[name], d, sm), role)
+            for name in dtypes for d in head_dims
+            for role in kernel_build.Variant(DTYPE_NAMES[name], d, sm).kernel_names()]
+
+
+def _compile(job):
+    variant, role = job
+    start = time.perf_counter()
+    kernel_build.load(variant).kernel(role)
+    return time.perf_counter() - start
+
+
+def precompile(dtypes=tuple(DTYPE_NAMES), head_dims=kernel_build.HEAD_DIMS, processes=None):
+    """Compile every kernel of ``dtypes`` x ``head_dims`` for the current GPU.
+
+    Parameters
+    ----------
+    dtypes : sequence of {"float32", "float16", "bfloat16"}
+    head_dims : sequence of int
+        Multiples of 8 from 8 to 256.
+    processes : int, optional
+        Worker processes (each holds its own CUDA context); default: the CPU count.
+
+    Returns
+    -------
+    count : int
+        Kernels compiled or found in the cache.
+    seconds : float
+        The summed time of the workers (the wall time is about this divided
+        by ``processes``).
+    """
+    import cupy
+
+    sm = kernel_build.generation(int(cupy.cuda.Device().compute_capability))
+    jobs = jobs_for(dtypes, head_dims, sm)
+    processes = processes or os.cpu_count() or 1
+    context = multiprocessing.get_context("spawn")  # CUDA contexts do not survive fork
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        times = list(pool.map(_compile, jobs))
+    return len(jobs), sum(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m cuflash.precompile",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default=",".join(DTYPE_NAMES),
+                        help="comma-separated dtypes (default: all three)")
+    parser.add_argument("--head-dims", default="64,128,256",
+                        help="comma-separated head dims, or 'all' (default: 64,128,256)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="worker processes (default: the CPU count)")
+    args = parser.parse_args(argv)
+    head_dims = (kernel_build.HEAD_DIMS if args.head_dims == "all"
+                 else [int(x) for x in args.head_dims.split(",")])
+    start = time.perf_counter()
+    count, busy = precompile(args.dtypes.split(","), head_dims, args.processes)
+    print(f"{count} kernels ready in {time.perf_counter() - start:.1f} s "
+          f"({busy:.1f} s of compile and load across the workers)")
+
+
+if __name__ == "__main__":
+    main()

@@ -111,5 +111,5 @@ def test_float32_accuracy_against_general_kernel(case, rng, pending):
     print(f"\n{case}: general {general}\n  3xTF32 {tensor_cores}\n  TF32 {tf32}")
     for name, e_gen, e_tc, e_tf32 in zip(("out", "dq", "dk", "dv"), general, tensor_cores, tf32):
         assert e_tc <= 2 * e_gen + 1e-7, f"{name}: 3xTF32 {e_tc:.3g} vs general {e_gen:.3g}"
-        assert e_tc < e_tf32 < 5e-3, f"{name}: TF32 {e_tf32:.3g}, 3xTF32 {e_tc:.3g}"
+        assert e_tc < e_tf32 < 2e-2, f"{name}: TF32 {e_tf32:.3g}, 3xTF32 {e_tc:.3g}"
         assert np.isfinite(e_tf32)

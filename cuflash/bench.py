@@ -47,7 +47,7 @@ import numpy as np
 
 from . import __version__, kernel_build
 from .api import flash_attention_bwd, flash_attention_fwd
-from .problem import BFLOAT16
+from .problem import DTYPES_BY_NAME
 
 try:  # CuPy is optional: without it (or without a GPU) the command only says so.
     import cupy
@@ -56,8 +56,7 @@ except ImportError:  # pragma: no cover - exercised only without CuPy
 
 TOKENS = 16384
 HIDDEN = 2048
-DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-          "bfloat16": BFLOAT16}
+DTYPES = DTYPES_BY_NAME
 DEFAULT_DTYPES = ("bfloat16", "float16")
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)

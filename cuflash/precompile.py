@@ -13,29 +13,24 @@ import multiprocessing
 import os
 import time
 
-import numpy as np
-
 from . import kernel_build
 from .errors import InvalidArgumentError
-from .problem import BFLOAT16
-
-DTYPE_NAMES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-               "bfloat16": BFLOAT16}
+from .problem import DTYPES_BY_NAME
 
 
 def jobs_for(dtypes, head_dims, sm):
     """Every (variant, kernel role) of ``dtypes`` x ``head_dims`` for tile generation ``sm``."""
     for name in dtypes:
-        if name not in DTYPE_NAMES:
+        if name not in DTYPES_BY_NAME:
             raise InvalidArgumentError("dtypes", f"unknown dtype {name!r}; expected one of "
-                                                 f"{sorted(DTYPE_NAMES)}")
+                                                 f"{sorted(DTYPES_BY_NAME)}")
     for d in head_dims:
         if d not in kernel_build.HEAD_DIMS:
             raise InvalidArgumentError("head_dims", f"unsupported head_dim {d}: must be a "
                                                     "multiple of 8 from 8 to 256")
-    return [(kernel_build.Variant(DTYPE_NAMES[name], d, sm), role)
+    return [(kernel_build.Variant(DTYPES_BY_NAME[name], d, sm), role)
             for name in dtypes for d in head_dims
-            for role in kernel_build.Variant(DTYPE_NAMES[name], d, sm).kernel_names()]
+            for role in kernel_build.Variant(DTYPES_BY_NAME[name], d, sm).kernel_names()]
 
 
 def _compile(job):
@@ -45,7 +40,7 @@ def _compile(job):
     return time.perf_counter() - start
 
 
-def precompile(dtypes=tuple(DTYPE_NAMES), head_dims=kernel_build.HEAD_DIMS, processes=None):
+def precompile(dtypes=tuple(DTYPES_BY_NAME), head_dims=kernel_build.HEAD_DIMS, processes=None):
     """Compile every kernel of ``dtypes`` x ``head_dims`` for the current GPU.
 
     Parameters
@@ -78,7 +73,7 @@ def precompile(dtypes=tuple(DTYPE_NAMES), head_dims=kernel_build.HEAD_DIMS, proc
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cuflash.precompile",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default=",".join(DTYPE_NAMES),
+    parser.add_argument("--dtypes", default=",".join(DTYPES_BY_NAME),
                         help="comma-separated dtypes (default: all three)")
     parser.add_argument("--head-dims", default="64,128,256",
                         help="comma-separated head dims, or 'all' (default: 64,128,256)")

@@ -27,8 +27,11 @@ try:
 except ImportError:  # pragma: no cover
     BFLOAT16 = None
 
-SUPPORTED_DTYPES = tuple(
-    d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16) if d is not None)
+# The dtypes the library computes in, by name (bfloat16 needs ml_dtypes).
+DTYPES_BY_NAME = {name: d for name, d in (("float32", np.dtype(np.float32)),
+                                          ("float16", np.dtype(np.float16)),
+                                          ("bfloat16", BFLOAT16)) if d is not None}
+SUPPORTED_DTYPES = tuple(DTYPES_BY_NAME.values())
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
 MAX_INT32 = 2**31 - 1

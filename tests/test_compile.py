@@ -114,7 +114,7 @@ def test_precompile_job_list():
     from cuflash import precompile
 
     jobs = precompile.jobs_for(["bfloat16", "float32"], [64, 136], sm=90)
-    expected = sum(len(kernel_build.Variant(precompile.DTYPE_NAMES[n], d, 90).kernel_names())
+    expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_tc32", "dkdv_tc"}

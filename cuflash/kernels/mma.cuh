@@ -74,16 +74,104 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * D + ((chunk ^ (row & MASK)) << 3);
 }
 
-// Copy rows [0, ROWS) of a tile (row stride `stride` elements) into shared
-// memory with cp.async; rows at or past `valid_rows` become zeros.
-template <int ROWS, int D, int NT, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
-                                              long long stride, int valid_rows) {
-    constexpr int CH = D / 8;
+// Copy rows [0, ROWS) of CH 16-byte chunks each (row stride `stride`
+// elements) into shared memory with cp.async, chunk c of row r at element
+// offset to(r, c); rows at or past `valid_rows` become zeros. The tile
+// layouts below are all this loop with another `to`.
+template <int ROWS, int CH, int NT, typename T, typename Layout>
+__device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src, long long stride,
+                                              int valid_rows, Layout to) {
+    constexpr int PER_CHUNK = 16 / sizeof(T);
     for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
         const int r = idx / CH, c = idx % CH;
         const bool valid = r < valid_rows;
-        cp_async_16(dst + swizzled<D>(r, c), valid ? src + r * stride + c * 8 : src, valid);
+        cp_async_16(dst + to(r, c), valid ? src + r * stride + c * PER_CHUNK : src, valid);
+    }
+}
+
+// A [ROWS][D] 16-bit tile in the swizzled layout of swizzled<D>.
+template <int ROWS, int D, int NT, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
+                                              long long stride, int valid_rows) {
+    cp_async_rows<ROWS, D / 8, NT>(dst, src, stride, valid_rows,
+                                   [](int r, int c) { return swizzled<D>(r, c); });
+}
+
+// lse (base 2) and Delta of query rows [0, BM) of a tile into shared memory,
+// from lse_rows / delta_rows (the tile's first row). Padding rows get
+// lse = +inf, so their P is exactly 0.
+template <int BM, int NT>
+__device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
+                                               const float* __restrict__ lse_rows,
+                                               const float* __restrict__ delta_rows, int rows) {
+    for (int r = threadIdx.x; r < BM; r += NT) {
+        lse_s[r] = r < rows ? lse_rows[r] * kLog2e : -neg_inf();
+        delta_s[r] = r < rows ? delta_rows[r] : 0.f;
+    }
+}
+
+// dQ[m16 query tile qm, d tiles [d_first, d_first + DQN)] += scale dS K for
+// one (query tile, key tile), added with float32 atomics to dq_rows (the
+// tile's first row, row stride D; rows < rows only). dS comes from dS^T in
+// shared memory ([BN keys][BM queries], swizzled), K from Ks ([BN][D], swizzled).
+template <typename T, int D, int BM, int BN, int DQN>
+__device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
+                                               float* __restrict__ dq_rows, int qm, int d_first,
+                                               int rows, float scale) {
+    using Op = TensorOp<T>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+    float dq_acc[DQN][4];
+#pragma unroll
+    for (int d = 0; d < DQN; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        unsigned da[4];  // A = dS (queries x keys) = dS^T transposed
+        ldmatrix_x4_trans(da, dSs + swizzled<BM>(kk * 16 + b_row, 2 * qm + b_chunk));
+#pragma unroll
+        for (int d = 0; d < DQN; d += 2) {
+            unsigned kb[4];
+            ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
+            Op::mma(dq_acc[d], da, kb[0], kb[1]);
+            Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = qm * 16 + g + 8 * r;
+        if (row >= rows) continue;
+        float* dst = dq_rows + static_cast<long long>(row) * D + d_first * 8 + 2 * t;
+#pragma unroll
+        for (int d = 0; d < DQN; ++d) {
+            atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
+            atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
+        }
+    }
+}
+
+// The end of a dK/dV block: rows g and g + 8 of a warp's 16 keys (from key
+// key0 of a tile whose first key is tile_key, `keys` keys inside the
+// capacity), DN 8-column tiles from column col0, dK times scale. Keys past
+// the capacity are skipped; every other row is written, zeros included.
+template <typename T, int D, int DN>
+__device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
+                                           long long tile_key, int key0, int keys, int col0,
+                                           const float (&dk_acc)[DN][4],
+                                           const float (&dv_acc)[DN][4], float scale) {
+    using Op = TensorOp<T>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + g + 8 * r;
+        if (key >= keys) continue;
+        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + (tile_key + key) * D + col0);
+        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (tile_key + key) * D + col0);
+#pragma unroll
+        for (int d = 0; d < DN; ++d) {
+            dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
+            dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+        }
     }
 }
 

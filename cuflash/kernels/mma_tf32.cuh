@@ -117,12 +117,8 @@ __device__ __forceinline__ void a_from_c(Tf32Frag<4, PASSES>& f, const float (&c
 template <int ROWS, int D, int NT>
 __device__ __forceinline__ void cp_async_tile_f32(float* dst, const float* __restrict__ src,
                                                   long long stride, int valid_rows) {
-    constexpr int CH = D / 4;
-    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
-        const int r = idx / CH, c = idx % CH;
-        const bool valid = r < valid_rows;
-        cp_async_16(dst + r * (D + 4) + c * 4, valid ? src + r * stride + c * 4 : src, valid);
-    }
+    cp_async_rows<ROWS, D / 4, NT>(dst, src, stride, valid_rows,
+                                   [](int r, int c) { return r * (D + 4) + c * 4; });
 }
 
 }  // namespace cuflash

@@ -72,11 +72,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
             cp_async_tile_f32<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
                                          rows);
             cp_async_commit();
-            for (int r = threadIdx.x; r < BM; r += NT) {
-                // Padding rows get lse = +inf, so their P is exactly 0.
-                lse_s[r] = r < rows ? lse[head_rows + m0 + r] * kLog2e : -neg_inf();
-                delta_s[r] = r < rows ? delta[head_rows + m0 + r] : 0.f;
-            }
+            load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
+                                   rows);
             cp_async_wait<0>();
             __syncthreads();
 

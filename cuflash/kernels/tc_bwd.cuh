@@ -70,11 +70,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
             cp_async_tile<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
             cp_async_commit();
-            for (int r = threadIdx.x; r < BM; r += NT) {
-                // Padding rows get lse = +inf, so their P is exactly 0.
-                lse_s[r] = r < rows ? lse[head_rows + m0 + r] * kLog2e : -neg_inf();
-                delta_s[r] = r < rows ? delta[head_rows + m0 + r] : 0.f;
-            }
+            load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
+                                   rows);
             cp_async_wait<0>();
             __syncthreads();
 
@@ -146,53 +143,18 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
                 }
             }
 
-            if (ATOMIC_DQ) {  // dQ[m16 tile qm, d slice] += scale * dS K
+            if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
                 __syncthreads();
-                const int qm = warp % QM, d_first = (warp / QM) * DQ_TILES;
-                float dq_acc[DQ_TILES][4];
-#pragma unroll
-                for (int d = 0; d < DQ_TILES; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk) {
-                    unsigned da[4];  // A = dS (queries x keys) = dS^T transposed
-                    ldmatrix_x4_trans(da, dSs + swizzled<BM>(kk * 16 + b_row, 2 * qm + b_chunk));
-#pragma unroll
-                    for (int d = 0; d < DQ_TILES; d += 2) {
-                        unsigned kb[4];
-                        ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
-                        Op::mma(dq_acc[d], da, kb[0], kb[1]);
-                        Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = qm * 16 + g + 8 * r;
-                    if (row >= rows) continue;
-                    float* dst = dq_accum + (head_rows + m0 + row) * D + d_first * 8 + 2 * t;
-#pragma unroll
-                    for (int d = 0; d < DQ_TILES; ++d) {
-                        atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
-                        atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
-                    }
-                }
+                atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
+                                                       warp % QM, (warp / QM) * DQ_TILES, rows,
+                                                       scale);
             }
         }
     }
 
-    // Every key row of the tile inside the capacity is written, zeros included.
-    const long long key_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = warp * 16 + g + 8 * r;
-        if (n0 + key >= kv_capacity) continue;
-        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + (key_base + key) * D);
-        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (key_base + key) * D);
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d) {
-            dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
-            dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
-        }
-    }
+    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+    store_dkdv<T, D, DTILES>(dk, dv, tile_key, warp * 16, kv_capacity - n0, 0, dk_acc, dv_acc,
+                             scale);
 }
 
 }  // namespace cuflash

@@ -48,13 +48,9 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
 template <int ROWS, int D, int NT, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
                                                     long long stride, int valid_rows) {
-    constexpr int CH = D / 8;
-    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
-        const int r = idx / CH, c = idx % CH;
-        const bool valid = r < valid_rows;
-        T* to = dst + (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-        cp_async_16(to, valid ? src + r * stride + c * 8 : src, valid);
-    }
+    cp_async_rows<ROWS, D / 8, NT>(dst, src, stride, valid_rows, [](int r, int c) {
+        return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+    });
 }
 
 template <typename T, int D, int BN, int WG>

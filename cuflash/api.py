@@ -62,12 +62,14 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     softmax_scale : float, optional, keyword-only
         Multiplies ``q . k``; defaults to ``1 / sqrt(head_dim)``.
     allow_tf32 : bool, default False, keyword-only
-        float32 only: let the GPU's tensor cores take each product in TF32
-        (operands rounded to 10 mantissa bits, one pass) instead of float32
-        accuracy (three passes), trading accuracy for speed. Ignored for
+        float32 only: let the GPU's tensor cores (compute capability 8.0 and
+        newer) take every product in TF32, operands rounded to 10 mantissa
+        bits. Measured on an H200: 3.6x the speed of the default float32
+        kernels forward and 3x to 5x backward (the backward runs on tensor
+        cores for ``head_dim <= 128``), at relative errors of about 5e-4
+        instead of 4e-7 (see the performance page). Without it, float32 keeps
+        float32 accuracy on the general kernels. Ignored for
         float16/bfloat16 and on the CPU path, which is float32 throughout.
-        (While the float32 tensor-core kernels are being validated, every
-        float32 GPU call runs the general float32 kernels.)
 
     Returns
     -------

@@ -25,9 +25,13 @@ def kernel_path(name):
     ----------
     name : {"auto", "general"}
         ``"auto"`` (the default) runs the tensor-core kernels wherever they
-        apply (float16/bfloat16, head_dim 64/128/256, compute capability 8.0
-        or newer, 16-byte aligned rows) and the general kernels elsewhere;
-        ``"general"`` runs the general kernels for every call.
+        apply and the general kernels elsewhere; ``"general"`` runs the
+        general kernels for every call. Tensor-core kernels need compute
+        capability 8.0 or newer and 16-byte aligned rows; they serve
+        float16/bfloat16 with head_dim 64, 128 or 256 (forward on ``wgmma``
+        on compute capability 9.0, ``mma.sync`` elsewhere), and float32
+        calls with ``allow_tf32=True`` (forward for every head_dim, backward
+        for head_dim <= 128).
     """
     if name not in PATHS:
         raise InvalidArgumentError("kernel_path", f"expected one of {PATHS}, got {name!r}")

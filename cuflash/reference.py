@@ -35,8 +35,12 @@ def _expand_kv(x, num_heads):
     return np.repeat(x, num_heads // x.shape[1], axis=1)
 
 
-def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale):
-    """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]`` and the scale."""
+def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None):
+    """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]`` and the scale.
+
+    With ``given_lse``, the probabilities are ``exp(score - given_lse)``, as a
+    backward computes them from the log-sum-exp it is handed.
+    """
     num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
     kv_capacity = k.shape[2]
     kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
@@ -52,6 +56,9 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale):
     with np.errstate(divide="ignore", invalid="ignore"):
         probs = np.where(seen, weights / total, 0.0)
         lse = np.where(seen[..., 0], np.log(total[..., 0]) + row_max[..., 0], -np.inf)
+        if given_lse is not None:
+            given = np.asarray(given_lse, dtype=np.float64)[..., None]
+            probs = np.where(np.isfinite(given), np.exp(scores - given), 0.0)
     return probs, lse, scale
 
 
@@ -82,7 +89,7 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
-                             softmax_scale=None, out=None):
+                             softmax_scale=None, out=None, lse=None):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
 
     Parameters
@@ -97,6 +104,9 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
         the input dtype, the result is exactly what a backward computes from
         that rounded output: its difference from the exact gradients is an
         error that every backward of this API inherits from its ``out``.
+    lse : array_like, ``[B, H, S_q]``, optional
+        A log-sum-exp to take the probabilities from (``exp(score - lse)``),
+        likewise: the backward inherits the error of the ``lse`` it is given.
 
     Returns
     -------
@@ -107,7 +117,7 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
-    probs, _, scale = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale)
+    probs, _, scale = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, lse)
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)

@@ -2,13 +2,15 @@
 # One call on a GPU machine: environment, the GPU test suite, the demo, and
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
-#   steps: tests (default), demo (default), fuzz, quick, asv, bench-float32, first-call, train,
-#          sanitize
+#   steps: precompile, tests, demo (the default), families, fuzz, quick, asv, bench-float32,
+#          first-call, train, sanitize
+# "families" runs tests/test_kernel_families.py in its own process (a kernel fault
+# there cannot spoil the rest of the suite); "tests" then leaves that file out.
 # Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
 set -u
 OUT=${OUT:-.gpuout}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${*:-tests demo}
+steps=${*:-precompile tests demo}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -24,9 +26,12 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, print its tail
 }
 for step in $steps; do
   case $step in
-    tests) TAIL=2 run precompile 120 python3 -m cuflash.precompile --head-dims 8,40,64,96,128,256
-           CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=8 run gpu-tests ${TESTS_LIMIT:-450} \
-             python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
+    precompile) TAIL=2 run precompile 120 python3 -m cuflash.precompile --head-dims 8,40,64,96,128,256 ;;
+    families) TAIL=30 run gpu-families ${FAMILIES_LIMIT:-200} python3 -m pytest -m gpu -q -rf \
+               -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/test_kernel_families.py ;;
+    tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=20 run gpu-tests ${TESTS_LIMIT:-450} \
+             python3 -m pytest -m gpu -q -rf -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
+             --ignore=tests/test_kernel_families.py tests ;;
     demo) run demo 60 python3 -m cuflash ;;
     fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \
             python3 -m pytest -m gpu -q -p no:cacheprovider -k gpu_fuzz tests/test_fuzz.py ;;
@@ -42,7 +47,7 @@ for step in $steps; do
            --seqlens 1024 --no-torch --no-memory --time-budget 30 ;;
     train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \
            --require-target ;;
-    sanitize) TAIL=8 run sanitize 400 bash scripts/sanitize.sh ;;
+    sanitize) TAIL=30 run sanitize ${SANITIZE_LIMIT:-400} bash scripts/sanitize.sh ;;
     *) echo "unknown step $step" ;;
   esac
 done

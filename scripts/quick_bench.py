@@ -2,11 +2,11 @@
 
 Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
-Rows: the default dispatch ("auto"), the general kernels, the kernel families
-still pending GPU validation (see cuflash.gpu.PENDING_FAMILIES: "pending" =
-for 16 bits the wgmma forward on Hopper and the split-D backward where "tc"
-has none, "wide" = the split-D backward everywhere; for float32 the TF32
-tensor cores, "tf32" = the one-pass mode), and torch SDPA's backends.
+Rows: the default dispatch ("auto"), the general kernels, the tensor-core
+families the default passes over on this device (see cuflash.gpu.SKIP_FAMILIES:
+for 16 bits "mma" = the mma.sync forward where Hopper takes wgmma, "wide" =
+the split-D backward everywhere; for float32 "3xtf32" = the three-pass
+kernels, "tf32" = allow_tf32), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
 """
 
@@ -22,11 +22,11 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "pending": ("auto", {"RUN_PENDING_KERNELS": True}, False),
-            "wide": ("auto", {"RUN_PENDING_KERNELS": True, "PREFER_WIDE_BACKWARD": True}, False)}
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg"})}, False),
+            "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "pending": ("auto", {"RUN_PENDING_KERNELS": True}, False),
-            "tf32": ("auto", {"RUN_PENDING_KERNELS": True}, True)}
+            "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset()}, False),
+            "tf32": ("auto", {}, True)}
 
 
 @contextlib.contextmanager

@@ -2,9 +2,11 @@
 
 Forward, backward (atomic and deterministic), each dtype, head dims across
 the fast and general kernels, causal, window and kv_seq_len cases, on both
-kernel paths, and the kernel families pending GPU validation (float32 on
-tensor cores in both precisions, the split-D 16-bit backward).
-Run by scripts/sanitize.sh; exits non-zero on a wrong result.
+kernel paths, and every tensor-core family, also those the default dispatch
+passes over (float32 on TF32 tensor cores in both precisions, the mma.sync
+forward where Hopper takes wgmma, the split-D 16-bit backward everywhere).
+Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
+settings to run (names of SETTINGS; default all).
 """
 
 import itertools
@@ -17,22 +19,30 @@ import cuflash
 from cuflash import gpu
 from cuflash.problem import BFLOAT16
 
-# name -> (kernel path, run pending kernels, prefer the split-D backward, allow_tf32)
-SETTINGS = {"auto": ("auto", False, False, False), "general": ("general", False, False, False),
-            "pending": ("auto", True, False, False), "wide": ("auto", True, True, False),
-            "tf32": ("auto", True, False, True)}
+DEFAULT_SKIP = gpu.SKIP_FAMILIES
+# name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32)
+SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
+            "general": ("general", DEFAULT_SKIP, False, False),
+            "every-family": ("auto", frozenset(), False, False),
+            "mma-sync": ("auto", frozenset({"wg"}), False, False),
+            "wide": ("auto", DEFAULT_SKIP, True, False),
+            "tf32": ("auto", DEFAULT_SKIP, False, True)}
 
 
-def main():
+def main(settings):
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise SystemExit(f"unknown settings {sorted(unknown)}; expected some of {list(SETTINGS)}")
     rng = np.random.default_rng(0)
     failures = 0
     dtypes = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
     configs = [dict(causal=False), dict(causal=True, window_size=7), dict(kv_seq_len=50)]
-    for setting, dtype, d, cfg in itertools.product(SETTINGS, dtypes, (40, 64, 128, 256),
+    for setting, dtype, d, cfg in itertools.product(settings, dtypes, (40, 64, 128, 256),
                                                     configs):
-        if (setting == "wide") == (dtype == np.float32) and setting in ("wide", "tf32"):
-            continue  # the split-D backward is 16-bit only; allow_tf32 matters for float32
-        path, gpu.RUN_PENDING_KERNELS, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]
+        float32 = dtype == np.float32
+        if (setting in ("wide", "mma-sync") and float32) or (setting == "tf32" and not float32):
+            continue  # wide and mma-sync are 16-bit kernels; allow_tf32 matters for float32
+        path, gpu.SKIP_FAMILIES, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]
         cfg = dict(cfg, allow_tf32=tf32)
         q = cupy.asarray(rng.standard_normal((1, 4, 70, d)).astype(dtype))
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 90, d)).astype(dtype)) for _ in "kv")
@@ -45,9 +55,9 @@ def main():
                     failures += 1
         if bool(cupy.isnan(out).any()):
             failures += 1
-    print(f"sanitize cases done, {failures} with NaN")
+    print(f"sanitize cases done ({', '.join(settings)}), {failures} with NaN")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:] or list(SETTINGS)))

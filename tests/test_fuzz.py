@@ -47,10 +47,12 @@ def test_cpu_fuzz_against_oracle(case, seed):
 @pytest.mark.gpu
 @settings(FUZZ, max_examples=int(os.environ.get("CUFLASH_GPU_FUZZ_EXAMPLES", 300)))
 @given(case=cases(max_len=300), seed=st.integers(0, 2**32 - 1),
-       deterministic=st.booleans(), path=st.sampled_from(["auto", "general"]))
-def test_gpu_fuzz_against_oracle(case, seed, deterministic, path):
+       deterministic=st.booleans(), path=st.sampled_from(["auto", "general"]),
+       allow_tf32=st.booleans())
+def test_gpu_fuzz_against_oracle(case, seed, deterministic, path, allow_tf32):
     with cuflash.kernel_path(path):
-        run_and_check(case, cupy, np.random.default_rng(seed), deterministic=deterministic)
+        run_and_check(case, cupy, np.random.default_rng(seed), deterministic=deterministic,
+                      allow_tf32=allow_tf32)
 
 
 BAD_CHANGES = {

@@ -58,3 +58,16 @@ def test_rows_that_see_no_key(rng):
     assert np.all(np.isfinite(lse[0, 0, 3:]))
     grads = attention_reference_grad(np.ones_like(q), q, k, k, causal=True)
     assert np.all(grads[0][0, 0, :3] == 0) and all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_given_out_and_lse_are_what_the_gradients_use(rng):
+    """The exact out and lse change nothing; a shifted lse scales P, as a backward does."""
+    q, k, v, dout = (rng.standard_normal((1, 2, 5, 8)) for _ in range(4))
+    opts = {"causal": True, "window": 3}
+    out, lse = attention_reference(q, k, v, **opts)
+    exact = attention_reference_grad(dout, q, k, v, **opts)
+    given = attention_reference_grad(dout, q, k, v, **opts, out=out, lse=lse)
+    for a, b in zip(exact, given):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+    shifted = attention_reference_grad(dout, q, k, v, **opts, out=out, lse=lse - math.log(2))
+    np.testing.assert_allclose(shifted[2], 2 * exact[2], rtol=1e-12)  # dv = P^T dout

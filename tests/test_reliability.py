@@ -117,18 +117,17 @@ def test_out_of_memory_reaches_the_caller_and_leaves_no_damage(headroom):
     case = Case(dtype="bfloat16", heads=4, kv_heads=2, q_len=300, kv_len=300, head_dim=128)
     x = _inputs(case, 0)
     want = [to_numpy(a) for a in _fwd_bwd(case, *x)]
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()
+    # A pool of its own, so that only this call's allocations count against the limit
+    # (the default pool may keep free remnants of split blocks that bypass a limit).
+    pool = cupy.cuda.MemoryPool()
     unit = x[0].nbytes  # the largest allocations are q-sized (dq in float32 is two)
-    limit = pool.get_limit()
-    pool.set_limit(size=pool.used_bytes() + headroom * unit)
+    pool.set_limit(size=headroom * unit or 1)  # size 0 would mean no limit
     try:
-        got = _fwd_bwd(case, *x)
+        with cupy.cuda.using_allocator(pool.malloc):
+            got = _fwd_bwd(case, *x)
         failed = None
     except cupy.cuda.memory.OutOfMemoryError as exc:
         failed = exc
-    finally:
-        pool.set_limit(size=limit)
     if headroom == 0:
         assert failed is not None, "no allocation failed under a zero-headroom limit"
     if failed is None:

@@ -40,7 +40,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
-ARCH_SPECIFIC_ROLES = {"fwd_wg": "sm_90a"}
+ARCH_SPECIFIC_ROLES = {"fwd_wg": "sm_90a", "fwd_wg1": "sm_90a"}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -92,8 +92,17 @@ class Tiles:
             return None
         return {64: (128, 2), 128: (128, 2), 256: (64, 2)}.get(self.head_dim)
 
-    def fwd_wg_smem(self, itemsize=2):
-        bn, wg = self.fwd_wg
+    @property
+    def fwd_wg1(self):
+        """The wgmma forward with one warpgroup per block, small enough for two blocks
+        per SM (each block's softmax can run under the other's wgmma): (keys, 1)."""
+        if self.sm < 90:
+            return None
+        return {64: (128, 1), 128: (64, 1)}.get(self.head_dim)
+
+    def fwd_wg_smem(self, shape=None, itemsize=2):
+        """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``)."""
+        bn, wg = shape or self.fwd_wg
         return itemsize * self.head_dim * (64 * wg + 4 * bn) + 1024  # + alignment to 1 KB
 
     def fwd_tc_threads(self):
@@ -146,21 +155,25 @@ class Tiles:
         bm, bn = self.bwd_tc32
         return FLOAT_BYTES * (2 * (bm + bn) * self._pitch() + bn * (bm + 4) + 2 * bm)
 
-    def bwd_tc_smem(self, itemsize=2):
+    def bwd_tc_smem(self, prefetch=False, itemsize=2):
+        """Shared memory of the tensor-core dK/dV kernel; ``prefetch``: two query buffers."""
         bm, bn = self.bwd_tc
-        return itemsize * (2 * (bm + bn) * self.head_dim + bn * bm) + FLOAT_BYTES * 2 * bm
+        buffers = 2 if prefetch else 1
+        return (itemsize * (2 * (buffers * bm + bn) * self.head_dim + bn * bm)
+                + FLOAT_BYTES * 2 * buffers * bm)
 
     def fast_fwd(self, kind):
-        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, tc32 or tf32."""
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wg1, tc32 or tf32."""
         if kind == "tc":
             return self.fwd_tc[0], self.fwd_tc_threads()
-        if kind == "wg":
-            return 64 * self.fwd_wg[1], 128 * self.fwd_wg[1]
+        if kind in ("wg", "wg1"):
+            warpgroups = (self.fwd_wg if kind == "wg" else self.fwd_wg1)[1]
+            return 64 * warpgroups, 128 * warpgroups
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcw, tc32 or tf32."""
-        if kind == "tc":
+        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcp, tcw, tc32 or tf32."""
+        if kind in ("tc", "tcp"):
             return self.bwd_tc[1], self.bwd_tc_threads()
         if kind == "tcw":
             return self.bwd_tcw[1], 256
@@ -229,13 +242,15 @@ class Variant:
             bm, bn, m_tiles, q_regs = tiles.fwd_tc
             names["fwd_tc"] = (f"cuflash::attention_fwd_tc<{t}, {d}, {bm}, {bn}, {m_tiles}, "
                                f"{str(q_regs).lower()}>")
-        if self.has_tensor_cores and tiles.fwd_wg:
-            names["fwd_wg"] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}>".format(
-                t, d, *tiles.fwd_wg)
+        for role, shape in (("fwd_wg", tiles.fwd_wg), ("fwd_wg1", tiles.fwd_wg1)):
+            if self.has_tensor_cores and shape:
+                names[role] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}>".format(t, d, *shape)
         if self.has_tensor_cores and tiles.bwd_tc:
-            for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
-                names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
-                    t, d, *tiles.bwd_tc, atomic)
+            for family, prefetch in (("tc", ""), ("tcp", ", true")):
+                for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
+                    names[f"dkdv_{family}{suffix}"] = (
+                        "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}{}>".format(
+                            t, d, *tiles.bwd_tc, atomic, prefetch))
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -280,8 +295,11 @@ class _LoadedVariant:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
         if "fwd_wg" in self.names:
             smem["fwd_wg"] = tiles.fwd_wg_smem()
+        if "fwd_wg1" in self.names:
+            smem["fwd_wg1"] = tiles.fwd_wg_smem(tiles.fwd_wg1)
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
+            smem["dkdv_tcp_atomic_dq"] = smem["dkdv_tcp"] = tiles.bwd_tc_smem(prefetch=True)
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

@@ -14,12 +14,15 @@
 //                                            warp w takes m16 tile w % (BM/16)
 //                                            and a 1/(NW/(BM/16)) slice of D)
 // Only tiles that cross a mask boundary are masked element by element.
+// PREFETCH loads Q, dO, lse and Delta of the next query tile (cp.async, two
+// buffers) while this one is computed, as tc_bwd_wide.cuh does; without it
+// each tile's load is waited for before its products.
 #pragma once
 #include "mma.cuh"
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool PREFETCH = false>
 __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -31,17 +34,18 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     using Op = TensorOp<T>;
     constexpr int NT = BN * 2, NW = BN / 16, KSTEPS = D / 16, QTILES = BM / 8, DTILES = D / 8;
     constexpr int QM = BM / 16, DQ_TILES = DTILES / (NW / QM);  // dQ work split
+    constexpr int QBUFS = PREFETCH ? 2 : 1;  // buffers of Q, dO, lse and Delta
     static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 64 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * D;
-    T* Qs = Vs + BN * D;
-    T* dOs = Qs + BM * D;
-    T* dSs = dOs + BM * D;  // dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);
-    float* delta_s = lse_s + BM;
+    T* Qs = Vs + BN * D;            // QBUFS buffers of BM x D
+    T* dOs = Qs + QBUFS * BM * D;   // QBUFS buffers of BM x D
+    T* dSs = dOs + QBUFS * BM * D;  // dS^T, [BN keys][BM queries]
+    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // QBUFS buffers of BM
+    float* delta_s = lse_s + QBUFS * BM;                      // QBUFS buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
@@ -55,100 +59,150 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
+    // One query tile: the products, the softmax and the dK, dV (and dQ) updates.
+    auto query_tile = [&](const T* Qb, const T* dOb, const float* lse_b, const float* delta_b,
+                          long long head_rows, int m0, int rows) {
+        float st[QTILES][4], dpt[QTILES][4];
+#pragma unroll
+        for (int n = 0; n < QTILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll 2
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            unsigned ka[4], va[4];
+            ldmatrix_x4(ka, Ks + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
+            ldmatrix_x4(va, Vs + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
+#pragma unroll
+            for (int n = 0; n < QTILES; n += 2) {
+                unsigned qb[4], ob[4];
+                ldmatrix_x4(qb, Qb + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
+                ldmatrix_x4(ob, dOb + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
+                Op::mma(st[n], ka, qb[0], qb[1]);
+                Op::mma(st[n + 1], ka, qb[2], qb[3]);
+                Op::mma(dpt[n], va, ob[0], ob[1]);
+                Op::mma(dpt[n + 1], va, ob[2], ob[3]);
+            }
+        }
+
+        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+        const int key0 = n0 + warp * 16 + g;
+#pragma unroll
+        for (int n = 0; n < QTILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * t + (e & 1);
+                const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
+                const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_b[col]) : 0.f;
+                st[n][e] = p;
+                dpt[n][e] = p * (dpt[n][e] - delta_b[col]);
+            }
+
+        // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            const unsigned pa[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]),
+                                    Op::pack(st[2 * kk][2], st[2 * kk][3]),
+                                    Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                    Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            const unsigned sa[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]),
+                                    Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                    Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                    Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            if (ATOMIC_DQ) {  // keep dS^T for the dQ product
+                unsigned* row_lo = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk) + 2 * t);
+                unsigned* row_hi = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk) + 2 * t);
+                unsigned* row_lo2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk + 1) + 2 * t);
+                unsigned* row_hi2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk + 1) + 2 * t);
+                *row_lo = sa[0];
+                *row_hi = sa[1];
+                *row_lo2 = sa[2];
+                *row_hi2 = sa[3];
+            }
+#pragma unroll
+            for (int d = 0; d < DTILES; d += 2) {
+                unsigned ob[4], qb[4];
+                ldmatrix_x4_trans(ob, dOb + swizzled<D>(kk * 16 + a_row, d + a_chunk));
+                ldmatrix_x4_trans(qb, Qb + swizzled<D>(kk * 16 + a_row, d + a_chunk));
+                Op::mma(dv_acc[d], pa, ob[0], ob[1]);
+                Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
+                Op::mma(dk_acc[d], sa, qb[0], qb[1]);
+                Op::mma(dk_acc[d + 1], sa, qb[2], qb[3]);
+            }
+        }
+
+        if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
+            __syncthreads();
+            atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
+                                                   warp % QM, (warp / QM) * DQ_TILES, rows,
+                                                   scale);
+        }
+    };
+
     int m_lo, m_hi;
     mask.query_range(n0, n0 + BN, m_lo, m_hi);
-    if (m_lo < m_hi) {
-        const int keys = mask.kv_len - n0;
-        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
-    }
-    for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-        for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
-            const int rows = min(BM, mask.q_len - m0);
-            __syncthreads();  // the previous query tile's readers are done
-            cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-            cp_async_tile<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
-            cp_async_commit();
-            load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
-                                   rows);
-            cp_async_wait<0>();
-            __syncthreads();
-
-            float st[QTILES][4], dpt[QTILES][4];
-#pragma unroll
-            for (int n = 0; n < QTILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
-#pragma unroll 2
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                unsigned ka[4], va[4];
-                ldmatrix_x4(ka, Ks + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
-                ldmatrix_x4(va, Vs + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
-#pragma unroll
-                for (int n = 0; n < QTILES; n += 2) {
-                    unsigned qb[4], ob[4];
-                    ldmatrix_x4(qb, Qs + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
-                    ldmatrix_x4(ob, dOs + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
-                    Op::mma(st[n], ka, qb[0], qb[1]);
-                    Op::mma(st[n + 1], ka, qb[2], qb[3]);
-                    Op::mma(dpt[n], va, ob[0], ob[1]);
-                    Op::mma(dpt[n + 1], va, ob[2], ob[3]);
-                }
-            }
-
-            const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-            const int key0 = n0 + warp * 16 + g;
-#pragma unroll
-            for (int n = 0; n < QTILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = n * 8 + 2 * t + (e & 1);
-                    const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
-                    const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_s[col]) : 0.f;
-                    st[n][e] = p;
-                    dpt[n][e] = p * (dpt[n][e] - delta_s[col]);
-                }
-
-            // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) {
-                const unsigned pa[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]),
-                                        Op::pack(st[2 * kk][2], st[2 * kk][3]),
-                                        Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                        Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-                const unsigned sa[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]),
-                                        Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                        Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                        Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-                if (ATOMIC_DQ) {  // keep dS^T for the dQ product
-                    unsigned* row_lo = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk) + 2 * t);
-                    unsigned* row_hi = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk) + 2 * t);
-                    unsigned* row_lo2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk + 1) + 2 * t);
-                    unsigned* row_hi2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk + 1) + 2 * t);
-                    *row_lo = sa[0];
-                    *row_hi = sa[1];
-                    *row_lo2 = sa[2];
-                    *row_hi2 = sa[3];
-                }
-#pragma unroll
-                for (int d = 0; d < DTILES; d += 2) {
-                    unsigned ob[4], qb[4];
-                    ldmatrix_x4_trans(ob, dOs + swizzled<D>(kk * 16 + a_row, d + a_chunk));
-                    ldmatrix_x4_trans(qb, Qs + swizzled<D>(kk * 16 + a_row, d + a_chunk));
-                    Op::mma(dv_acc[d], pa, ob[0], ob[1]);
-                    Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
-                    Op::mma(dk_acc[d], sa, qb[0], qb[1]);
-                    Op::mma(dk_acc[d + 1], sa, qb[2], qb[3]);
-                }
-            }
-
-            if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
+    if constexpr (!PREFETCH) {
+        if (m_lo < m_hi) {
+            const int keys = mask.kv_len - n0;
+            cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+            cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        }
+        for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
+            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+            for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
+                const int rows = min(BM, mask.q_len - m0);
+                __syncthreads();  // the previous query tile's readers are done
+                cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+                cp_async_tile<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
+                                         rows);
+                cp_async_commit();
+                load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0,
+                                       delta + head_rows + m0, rows);
+                cp_async_wait<0>();
                 __syncthreads();
-                atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
-                                                       warp % QM, (warp / QM) * DQ_TILES, rows,
-                                                       scale);
+                query_tile(Qs, dOs, lse_s, delta_s, head_rows, m0, rows);
             }
+        }
+    } else {
+        // The (query head, query tile) steps that see this key tile, in order.
+        const int m_first = m_lo - m_lo % BM;
+        const int per_head = m_lo < m_hi ? (m_hi - m_first + BM - 1) / BM : 0;
+        const int steps = per_head * group;
+        auto step_rows = [&](int step, int& h, int& m0, int& rows, long long& head_rows) {
+            h = hk * group + step / per_head;
+            m0 = m_first + (step % per_head) * BM;
+            rows = min(BM, mask.q_len - m0);
+            head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        };
+        auto load_query_tile = [&](int step, int buf) {
+            int h, m0, rows;
+            long long head_rows;
+            step_rows(step, h, m0, rows, head_rows);
+            cp_async_tile<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s,
+                                     rows);
+            cp_async_tile<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
+                                     dout_st.s, rows);
+            load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
+                                   delta + head_rows + m0, rows);
+        };
+        if (steps > 0) {
+            const int keys = mask.kv_len - n0;
+            cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+            cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+            load_query_tile(0, 0);
+        }
+        cp_async_commit();
+        for (int step = 0; step < steps; ++step) {
+            const int buf = step & 1;
+            if (step + 1 < steps) load_query_tile(step + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            int h, m0, rows;
+            long long head_rows;
+            step_rows(step, h, m0, rows, head_rows);
+            query_tile(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+                       delta_s + buf * BM, head_rows, m0, rows);
+            __syncthreads();  // dS^T and this query buffer are rewritten next
         }
     }
 

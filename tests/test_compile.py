@@ -100,7 +100,7 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
         if role in ("fwd_wg", "fwd_wg1"):  # per key tile: D / 16 for S, keys / 16 for P V
-            keys = getattr(variant.tiles, role[4:])[0]
+            keys = getattr(variant.tiles, role)[0]
             assert ops["HGMMA"] == (head_dim + keys) // 16 and ops["HMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)

@@ -110,6 +110,38 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
     }
 }
 
+// The steps of a backward block over its key tile [n0, n1): each query head of
+// KV head hk in turn, each with its tiles of BM query rows that see the keys.
+template <int BM>
+struct QuerySteps {
+    int h_first, m_first, per_head, count;
+
+    __device__ __forceinline__ QuerySteps(const Mask& mask, int n0, int n1, int hk, int group) {
+        int m_lo, m_hi;
+        mask.query_range(n0, n1, m_lo, m_hi);
+        h_first = hk * group;
+        m_first = m_lo - m_lo % BM;
+        per_head = m_lo < m_hi ? (m_hi - m_first + BM - 1) / BM : 0;
+        count = per_head * group;
+    }
+    __device__ __forceinline__ int head(int step) const { return h_first + step / per_head; }
+    __device__ __forceinline__ int row0(int step) const { return m_first + (step % per_head) * BM; }
+};
+
+// Q and dO (cp.async, not committed) and lse and Delta (plain loads) of the
+// query tile at rows [m0, m0 + BM) of head h into one set of buffers.
+template <int BM, int D, int NT, typename T>
+__device__ __forceinline__ void load_query_tile(
+    T* Qb, T* dOb, float* lse_b, float* delta_b, const T* __restrict__ q, const Strides& q_st,
+    const T* __restrict__ dout, const Strides& dout_st, const float* __restrict__ lse,
+    const float* __restrict__ delta, int b, int h, int m0, int num_heads, int q_len) {
+    const int rows = min(BM, q_len - m0);
+    const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
+    cp_async_tile<BM, D, NT>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile<BM, D, NT>(dOb, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+    load_row_stats<BM, NT>(lse_b, delta_b, lse + head_rows + m0, delta + head_rows + m0, rows);
+}
+
 // dQ[m16 query tile qm, d tiles [d_first, d_first + DQN)] += scale dS K for
 // one (query tile, key tile), added with float32 atomics to dq_rows (the
 // tile's first row, row stride D; rows < rows only). dS comes from dS^T in

@@ -163,45 +163,30 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             }
         }
     } else {
-        // The (query head, query tile) steps that see this key tile, in order.
-        const int m_first = m_lo - m_lo % BM;
-        const int per_head = m_lo < m_hi ? (m_hi - m_first + BM - 1) / BM : 0;
-        const int steps = per_head * group;
-        auto step_rows = [&](int step, int& h, int& m0, int& rows, long long& head_rows) {
-            h = hk * group + step / per_head;
-            m0 = m_first + (step % per_head) * BM;
-            rows = min(BM, mask.q_len - m0);
-            head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+        auto load_step = [&](int step, int buf) {
+            load_query_tile<BM, D, NT>(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+                                       delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
+                                       steps.head(step), steps.row0(step), num_heads,
+                                       mask.q_len);
         };
-        auto load_query_tile = [&](int step, int buf) {
-            int h, m0, rows;
-            long long head_rows;
-            step_rows(step, h, m0, rows, head_rows);
-            cp_async_tile<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s,
-                                     rows);
-            cp_async_tile<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
-                                     dout_st.s, rows);
-            load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
-                                   delta + head_rows + m0, rows);
-        };
-        if (steps > 0) {
+        if (steps.count > 0) {
             const int keys = mask.kv_len - n0;
             cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
             cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
-            load_query_tile(0, 0);
+            load_step(0, 0);
         }
         cp_async_commit();
-        for (int step = 0; step < steps; ++step) {
+        for (int step = 0; step < steps.count; ++step) {
             const int buf = step & 1;
-            if (step + 1 < steps) load_query_tile(step + 1, buf ^ 1);
+            if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
             __syncthreads();
-            int h, m0, rows;
-            long long head_rows;
-            step_rows(step, h, m0, rows, head_rows);
+            const int h = steps.head(step), m0 = steps.row0(step);
+            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
             query_tile(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
-                       delta_s + buf * BM, head_rows, m0, rows);
+                       delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
             __syncthreads();  // dS^T and this query buffer are rewritten next
         }
     }

@@ -9,7 +9,8 @@ Without a GPU (CuPy missing, or ``cupy.is_available()`` false) every
 ``setup`` raises ``NotImplementedError``, which asv reports as skipped.
 The module imports only NumPy at the top, so ``asv check`` runs anywhere.
 ``CUFLASH_ASV_GRID=small`` in the environment shrinks the grid to bfloat16,
-D 64/128, S 1024/4096 (causal and not) for a smoke run.
+D 64/128, S 1024/4096 (causal and not) for a smoke run. The dtype
+``"float32-tf32"`` is float32 with ``allow_tf32=True``.
 """
 
 import os
@@ -18,7 +19,8 @@ import numpy as np
 
 TOKENS = 16384
 HIDDEN = 2048
-DTYPES = ["float32", "float16", "bfloat16"]
+TF32_SUFFIX = "-tf32"  # float32 with allow_tf32=True
+DTYPES = ["float32", "float32" + TF32_SUFFIX, "float16", "bfloat16"]
 HEAD_DIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 CAUSAL = [False, True]
@@ -42,7 +44,8 @@ def gpu_modules():
 
 
 def numpy_dtype(name):
-    """The NumPy dtype called ``name``; ``"bfloat16"`` is ml_dtypes'."""
+    """The NumPy dtype of the parameter ``name``; ``"bfloat16"`` is ml_dtypes'."""
+    name = name.removesuffix(TF32_SUFFIX)
     if name == "bfloat16":
         import ml_dtypes
 
@@ -68,6 +71,7 @@ class Attention:
         self.cupy, self.cuflash = gpu_modules()
         self.batch, self.heads = TOKENS // seqlen, HIDDEN // head_dim
         self.head_dim, self.causal = head_dim, causal
+        self.allow_tf32 = dtype.endswith(TF32_SUFFIX)
         shape = (self.batch, self.heads, seqlen, head_dim)
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
@@ -83,13 +87,14 @@ class Attention:
     def forward(self):
         """Enqueue one forward pass; return ``(out, lse)``."""
         return self.cuflash.flash_attention_fwd(
-            self.q, self.k, self.v, self.heads, self.heads, self.head_dim, self.causal)
+            self.q, self.k, self.v, self.heads, self.heads, self.head_dim, self.causal,
+            allow_tf32=self.allow_tf32)
 
     def backward(self, out, lse):
         """Enqueue one backward pass (without its host synchronization)."""
         return self.cuflash.flash_attention_bwd(
             self.dout, self.q, self.k, self.v, out, lse, self.heads, self.heads,
-            self.head_dim, self.causal, synchronize=False)
+            self.head_dim, self.causal, synchronize=False, allow_tf32=self.allow_tf32)
 
     def median_seconds(self, enqueue):
         """Median GPU time of ``enqueue()`` over ``TRACK_REPEATS`` CUDA-event timings."""

@@ -4,7 +4,8 @@ Usage::
 
     python -m cuflash.bench [--quick] [--dtype bfloat16,float16] [--head-dims 64,128,256]
                             [--seqlens 512,...,16384] [--no-torch] [--no-first-call]
-                            [--no-memory] [--time-budget SECONDS] [--json PATH] [--plots DIR]
+                            [--no-memory] [--allow-tf32] [--time-budget SECONDS]
+                            [--json PATH] [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
 case, on the same inputs in one process, it times cuflash's forward and
@@ -263,20 +264,23 @@ def rotation_count(case, l2_bytes):
 
 
 class CuflashAttention:
-    """cuflash's forward and backward (residuals from an untimed forward)."""
+    """cuflash's forward and backward (residuals from an untimed forward);
+    ``allow_tf32`` is passed to both."""
 
     name = "cuflash"
     has_backward = True
 
-    def __init__(self, case):
+    def __init__(self, case, allow_tf32=False):
         self.case = case
+        self.allow_tf32 = allow_tf32
 
     def context(self):
         return contextlib.nullcontext()
 
     def _fwd(self, x):
         c = self.case
-        return flash_attention_fwd(x.q, x.k, x.v, c.heads, c.heads, c.head_dim, c.causal)
+        return flash_attention_fwd(x.q, x.k, x.v, c.heads, c.heads, c.head_dim, c.causal,
+                                   allow_tf32=self.allow_tf32)
 
     def forward_call(self, x):
         """A call that enqueues one forward pass on ``x`` and returns the output."""
@@ -287,7 +291,8 @@ class CuflashAttention:
         c = self.case
         out, lse = self._fwd(x)
         return functools.partial(flash_attention_bwd, x.dout, x.q, x.k, x.v, out, lse,
-                                 c.heads, c.heads, c.head_dim, c.causal, synchronize=False)
+                                 c.heads, c.heads, c.head_dim, c.causal, synchronize=False,
+                                 allow_tf32=self.allow_tf32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,9 +389,9 @@ class NaiveCupyAttention:
         return lambda: naive_attention(x.q, x.k, x.v, bias)
 
 
-def implementation_factories(torch):
+def implementation_factories(torch, allow_tf32=False):
     """Constructors ``case -> implementation``, cuflash first."""
-    factories = [CuflashAttention]
+    factories = [functools.partial(CuflashAttention, allow_tf32=allow_tf32)]
     if torch is not None:
         from torch.nn.attention import SDPBackend
 
@@ -790,6 +795,8 @@ def format_report(report, measurements):
     """The whole Markdown report printed on stdout."""
     parts = ["## cuflash benchmark", "", format_environment(report["environment"]), "",
              METHOD_LINE]
+    if report.get("settings", {}).get("allow_tf32"):
+        parts += ["", "cuflash ran with `allow_tf32=True`: float32 products in TF32."]
     for dtype in dict.fromkeys(m.case.dtype for m in measurements):
         for direction in DIRECTIONS:
             parts += ["", format_throughput_table(measurements, dtype, direction)]
@@ -1000,6 +1007,8 @@ def parse_args(argv=None):
                         help="skip the first-call (compile) measurement")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory sweep up to S=131072")
+    parser.add_argument("--allow-tf32", action="store_true",
+                        help="run cuflash with allow_tf32=True (float32 products in TF32)")
     parser.add_argument("--time-budget", type=float,
                         help=f"seconds for the whole run (default {DEFAULT_TIME_BUDGET:.0f}, "
                              f"quick {QUICK_TIME_BUDGET:.0f}); repeats shrink to fit and "
@@ -1039,7 +1048,7 @@ def run(args):
         _status("peak memory against S")
         report["memory"] = memory_sweep(args.dtypes[0], args.memory_seqlens, budget)
     cases = build_grid(args.dtypes, args.head_dims, args.seqlens)
-    measurements = run_grid(cases, implementation_factories(torch), budget,
+    measurements = run_grid(cases, implementation_factories(torch, args.allow_tf32), budget,
                             env["l2_bytes"], torch)
     report["measurements"] = [m.to_dict() for m in measurements]
     report["elapsed_s"] = args.time_budget - budget.remaining()

@@ -3,7 +3,7 @@
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
 #   steps: precompile, tests, demo (the default), families, fuzz, quick, asv, bench-float32,
-#          first-call, train, sanitize
+#          bench-tf32, first-call, train, sanitize
 # "families" runs tests/test_kernel_families.py in its own process (a kernel fault
 # there cannot spoil the rest of the suite); "tests" then leaves that file out.
 # Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
@@ -43,6 +43,9 @@ for step in $steps; do
     bench-float32) TAIL=30 run bench-float32 150 python3 -m cuflash.bench --dtype float32 \
            --head-dims 64,128 --seqlens 1024,4096 --no-first-call --no-memory --time-budget 90 \
            --json "$OUT/h200-float32.json" ;;
+    bench-tf32) TAIL=30 run bench-tf32 150 python3 -m cuflash.bench --dtype float32 --allow-tf32 \
+           --head-dims 64,128 --seqlens 1024,4096 --no-first-call --no-memory --time-budget 90 \
+           --json "$OUT/h200-tf32.json" ;;
     first-call) TAIL=10 run first-call 90 python3 -m cuflash.bench --dtype bfloat16 --head-dims 128 \
            --seqlens 1024 --no-torch --no-memory --time-budget 30 ;;
     train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \

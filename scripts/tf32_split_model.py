@@ -1,10 +1,18 @@
 """NumPy model of the float32 tensor-core products (docs/perf-notes.md, version 3).
 
-A q.k dot product of 128 unit normals, four ways: float32 FFMA one product at
-a time (the general kernel); three TF32 passes lo*hi + hi*lo + hi*hi; one
-pass hi*hi (allow_tf32). An mma step is modelled as 8 exact products summed
-and rounded once into the float32 accumulator. Prints the RMS and largest
-error relative to |q| |k| over 300 random pairs.
+Two sums, as the three-pass float32 kernels compute them:
+- "dot": a q.k score, 128 unit normals each side (S = Q K^T, D = 128);
+- "long": an output element, sum over 512 keys of p v with p in [0, 1) and
+  v unit normal (O += P V; dK and dV are sums of the same kind).
+Ways to compute them: float32 FFMA one product at a time (the general
+kernel); one TF32 pass hi*hi (allow_tf32); three TF32 passes lo*hi + hi*lo +
+hi*hi. An mma step is 8 exact products summed and added to the float32
+accumulator with one rounding. The tensor cores round that addition toward
+zero ("rz", what an H200 showed: three-pass errors 3-18x FFMA's); "rn"
+rounds to nearest, the model before that measurement. "fresh k" sums every
+k steps into a zeroed accumulator (rounding toward zero) and adds that to the
+running sum with one round-to-nearest FADD.
+Prints the RMS and largest error relative to sum |a b| over random trials.
 Usage: python scripts/tf32_split_model.py
 """
 
@@ -17,38 +25,75 @@ def tf32(x):
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def mma_dot(passes, n):
-    acc = np.float32(0)
-    for k0 in range(0, n, 8):
+def to_f32(x, mode):
+    """float64 ``x`` to float32, to nearest ("rn") or toward zero ("rz")."""
+    y = np.float32(x)
+    if mode == "rz" and abs(float(y)) > abs(x):
+        y = np.nextafter(y, np.float32(0))
+    return y
+
+
+def mma_sum(passes, n, mode, fresh=None):
+    """The kernels' sum: per 8-term step, each pass's 8 products into the accumulator."""
+    total, acc = np.float32(0), np.float32(0)
+    for i, k0 in enumerate(range(0, n, 8)):
         for a, b in passes:
             step = np.dot(a[k0:k0 + 8].astype(np.float64), b[k0:k0 + 8].astype(np.float64))
-            acc = np.float32(np.float64(acc) + step)
-    return acc
+            acc = to_f32(np.float64(acc) + step, mode)
+        if fresh and (i + 1) % fresh == 0:
+            total, acc = np.float32(np.float64(total) + np.float64(acc)), np.float32(0)
+    return np.float32(np.float64(total) + np.float64(acc))
 
 
-def ffma_dot(a, b):
+def ffma_sum(a, b):
     acc = np.float32(0)
     for x, y in zip(a, b):
         acc = np.float32(np.float64(acc) + np.float64(x) * np.float64(y))
     return acc
 
 
-def main(trials=300, n=128):
-    rng = np.random.default_rng(0)
-    errors = {"float32 FFMA": [], "3 x TF32": [], "1 x TF32": []}
+def split(x):
+    hi = tf32(x)
+    return hi, tf32(x - hi)
+
+
+def errors_of(kind, trials, rng):
+    n = 128 if kind == "dot" else 512
+    ways = {"float32 FFMA": None, "1 x TF32, rz": ("one", "rz", None),
+            "3 x TF32, rn": ("three", "rn", None), "3 x TF32, rz": ("three", "rz", None),
+            "3 x TF32, rz, fresh 1": ("three", "rz", 1),
+            "3 x TF32, rz, fresh 4": ("three", "rz", 4)}
+    errors = {name: [] for name in ways}
     for _ in range(trials):
-        a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+        if kind == "dot":
+            a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+        else:
+            a = rng.random(n).astype(np.float32)
+            b = rng.standard_normal(n).astype(np.float32)
         exact = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
-        a_hi, b_hi = tf32(a), tf32(b)
-        a_lo, b_lo = tf32(a - a_hi), tf32(b - b_hi)
-        results = {"float32 FFMA": ffma_dot(a, b),
-                   "3 x TF32": mma_dot([(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)], n),
-                   "1 x TF32": mma_dot([(a_hi, b_hi)], n)}
-        scale = np.linalg.norm(a) * np.linalg.norm(b)
-        for name, value in results.items():
+        scale = float(np.dot(np.abs(a.astype(np.float64)), np.abs(b.astype(np.float64))))
+        (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
+        for name, way in ways.items():
+            if way is None:
+                value = ffma_sum(a, b)
+            else:
+                passes, mode, fresh = way
+                pairs = ([(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)] if passes == "three"
+                         else [(a_hi, b_hi)])
+                value = mma_sum(pairs, n, mode, fresh)
             errors[name].append(abs(float(value) - exact) / scale)
-    for name, errs in errors.items():
-        print(f"{name:>13}: rms {np.sqrt(np.mean(np.square(errs))):.3g}, max {max(errs):.3g}")
+    return errors
+
+
+def main(trials=300):
+    rng = np.random.default_rng(0)
+    for kind in ("dot", "long"):
+        errors = errors_of(kind, trials, rng)
+        base = np.sqrt(np.mean(np.square(errors["float32 FFMA"])))
+        print(f"{kind}:")
+        for name, errs in errors.items():
+            rms = np.sqrt(np.mean(np.square(errs)))
+            print(f"  {name:>22}: rms {rms:.3g} ({rms / base:.2f}x FFMA), max {max(errs):.3g}")
 
 
 if __name__ == "__main__":

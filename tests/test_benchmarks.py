@@ -102,6 +102,20 @@ def test_report_is_markdown_and_json(case, tmp_path):
     assert rows[1].to_dict()["tflops"] == pytest.approx(2.5 * case.flops("fwd") / 3e-3 / 1e12)
 
 
+def test_allow_tf32_reaches_cuflash_and_the_report(case):
+    args = bench.parse_args(["--allow-tf32", "--dtype", "float32"])
+    assert args.allow_tf32 and args.dtypes == ("float32",)
+    assert not bench.parse_args([]).allow_tf32
+    impl = bench.implementation_factories(None, allow_tf32=True)[0](case)
+    assert impl.name == "cuflash" and impl.allow_tf32
+    assert not bench.implementation_factories(None)[0](case).allow_tf32
+    rows = [fake(case, "cuflash", "fwd", 1e-3)]
+    report = {"environment": {"gpu": "NVIDIA H200"}, "settings": {"allow_tf32": True}}
+    assert "`allow_tf32=True`" in bench.format_report(report, rows)
+    report["settings"]["allow_tf32"] = False
+    assert "allow_tf32" not in bench.format_report(report, rows)
+
+
 def test_plots_are_written(case, tmp_path):
     pytest.importorskip("matplotlib")
     rows = [fake(bench.Case.in_grid("float16", d, s, c), impl, "fwd", t)

@@ -8,10 +8,11 @@
 // Measured on an H200, the three-pass kernels' errors are 3-18x the FFMA
 // kernel's, not the 0.7x the split predicts: the tensor cores add into their
 // accumulator with truncation, so a long sum drifts by up to 2^-23 of itself
-// per mma, always towards zero. Summing each step into a fresh accumulator
-// (and adding that with FADD) would remove the bias, but it raised the
-// kernels from 160-240 registers to 255 with spills; the dispatch passes
-// over "tc32" (gpu.SKIP_FAMILIES) until that is solved.
+// per mma, always towards zero. Summing a few steps into a fresh accumulator
+// and adding that with one FADD (round to nearest) removes most of the bias
+// (scripts/tf32_split_model.py: chunks of 4 steps, 0.9-1.3x FFMA's error);
+// tc32_fwd.cuh does that (add_tile below), the backward not yet. The dispatch
+// passes over "tc32" (gpu.SKIP_FAMILIES) until the GPU measures both.
 //
 // Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4):
 //   A (16 x 8, row):  a0 (g, t)  a1 (g + 8, t)  a2 (g, t + 4)  a3 (g + 8, t + 4)
@@ -59,6 +60,17 @@ __device__ __forceinline__ void mma_f32(float (&c)[4], const Tf32Frag<4, PASSES>
         mma_tf32(c, a.hi, b.lo[0], b.lo[1]);
     }
     mma_tf32(c, a.hi, b.hi[0], b.hi[1]);
+}
+
+// acc += part, element by element, rounded to nearest (FADD).
+__device__ __forceinline__ void add_tile(float (&acc)[4], const float (&part)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += part[e];
+}
+template <int N>
+__device__ __forceinline__ void add_tile(float (&acc)[N][4], const float (&part)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) add_tile(acc[n], part[n]);
 }
 
 // A fragment of rows [row0, row0 + 16), columns [col0, col0 + 8) of a pitched tile.

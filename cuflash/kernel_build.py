@@ -40,7 +40,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
-ARCH_SPECIFIC_ROLES = {"fwd_wg": "sm_90a", "fwd_wg1": "sm_90a"}
+ARCH_SPECIFIC_ROLES = {"fwd_wg": "sm_90a", "fwd_wg1": "sm_90a", "fwd_wgp": "sm_90a"}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -163,11 +163,12 @@ class Tiles:
                 + FLOAT_BYTES * 2 * buffers * bm)
 
     def fast_fwd(self, kind):
-        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wg1, tc32 or tf32."""
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wgp, wg1, tc32
+        or tf32."""
         if kind == "tc":
             return self.fwd_tc[0], self.fwd_tc_threads()
-        if kind in ("wg", "wg1"):
-            warpgroups = (self.fwd_wg if kind == "wg" else self.fwd_wg1)[1]
+        if kind in ("wg", "wgp", "wg1"):
+            warpgroups = (self.fwd_wg1 if kind == "wg1" else self.fwd_wg)[1]
             return 64 * warpgroups, 128 * warpgroups
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
@@ -242,9 +243,12 @@ class Variant:
             bm, bn, m_tiles, q_regs = tiles.fwd_tc
             names["fwd_tc"] = (f"cuflash::attention_fwd_tc<{t}, {d}, {bm}, {bn}, {m_tiles}, "
                                f"{str(q_regs).lower()}>")
-        for role, shape in (("fwd_wg", tiles.fwd_wg), ("fwd_wg1", tiles.fwd_wg1)):
+        for role, shape, pipeline in (("fwd_wg", tiles.fwd_wg, ""),
+                                      ("fwd_wgp", tiles.fwd_wg, ", true"),
+                                      ("fwd_wg1", tiles.fwd_wg1, "")):
             if self.has_tensor_cores and shape:
-                names[role] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}>".format(t, d, *shape)
+                names[role] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}{}>".format(
+                    t, d, *shape, pipeline)
         if self.has_tensor_cores and tiles.bwd_tc:
             for family, prefetch in (("tc", ""), ("tcp", ", true")):
                 for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
@@ -294,7 +298,7 @@ class _LoadedVariant:
         if "fwd_tc" in self.names:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
         if "fwd_wg" in self.names:
-            smem["fwd_wg"] = tiles.fwd_wg_smem()
+            smem["fwd_wg"] = smem["fwd_wgp"] = tiles.fwd_wg_smem()
         if "fwd_wg1" in self.names:
             smem["fwd_wg1"] = tiles.fwd_wg_smem(tiles.fwd_wg1)
         if "dkdv_tc" in self.names:

@@ -4,7 +4,8 @@ Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,409
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
 Rows: the default dispatch ("auto"), the general kernels, the tensor-core
 families the default passes over on this device (see cuflash.gpu.SKIP_FAMILIES:
-for 16 bits "mma" = the mma.sync forward where Hopper takes wgmma, "wg1" =
+for 16 bits "mma" = the mma.sync forward where Hopper takes wgmma, "wgp" =
+the wgmma forward with its softmax pipelined under the matrix units, "wg1" =
 the wgmma forward with one warpgroup a block, "tcp" = the mma.sync backward
 with the next query tile prefetched, "wide" = the split-D backward everywhere; for float32 "3xtf32" = the three-pass
 kernels, "tf32" = allow_tf32), and torch SDPA's backends.
@@ -23,7 +24,8 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wg1"})}, False),
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wg1"})}, False),
+            "wgp": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgp"}}, False),
             "wg1": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wg1"}}, False),
             "tcp": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"tcp"}}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}

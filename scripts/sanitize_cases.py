@@ -24,7 +24,7 @@ DEFAULT_SKIP = gpu.SKIP_FAMILIES
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
             "every-family": ("auto", frozenset(), False, False),
-            "mma-sync": ("auto", frozenset({"wg", "wg1"}), False, False),
+            "mma-sync": ("auto", frozenset({"wg", "wgp", "wg1"}), False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),
             "tf32": ("auto", DEFAULT_SKIP, False, True)}
 

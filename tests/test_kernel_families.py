@@ -3,7 +3,7 @@ dispatch passes over on this device (``gpu.SKIP_FAMILIES``, ``gpu.FAMILY_DEVICES
 ``gpu.PREFER_WIDE_BACKWARD``): float32 on TF32 tensor cores (three passes, and
 the opt-in one-pass ``allow_tf32``), the mma.sync forward where the wgmma
 forward serves by default (H100/H200), the Hopper wgmma forward (two
-warpgroups a block, and one), the 16-bit backward that prefetches query
+warpgroups a block, pipelined or not, and one), the 16-bit backward that prefetches query
 tiles, and the one that splits head_dim across warps."""
 
 import pytest
@@ -58,18 +58,19 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 def test_mma_sync_forward_matches_oracle(case, rng, poisoned, skip_families):
     """The forward of A100-class GPUs, on D = 64/128/256 where Hopper takes wgmma."""
-    skip_families("wg", "wg1")
+    skip_families("wg", "wgp", "wg1")
     run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
-@pytest.mark.parametrize("one_warpgroup", [False, True])
-def test_wgmma_forward_matches_oracle(case, one_warpgroup, rng, poisoned, skip_families):
-    """On an H100/H200 the default forward runs on wgmma for these head dims (and, with
-    "wg1" let in, on the one-warpgroup blocks where they exist: D = 64 and 128)."""
+@pytest.mark.parametrize("family", ["wg", "wgp", "wg1"])
+def test_wgmma_forward_matches_oracle(case, family, rng, poisoned, skip_families):
+    """On an H100/H200 the default forward runs on wgmma for these head dims ("wg");
+    let in, the pipelined one ("wgp") and the one-warpgroup blocks ("wg1", D = 64 and
+    128; D = 256 falls back to "wg")."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
-    skip_families(*(gpu.SKIP_FAMILIES - {"wg1"} if one_warpgroup else gpu.SKIP_FAMILIES))
+    skip_families(*gpu.SKIP_FAMILIES - {family})
     run_and_check(case, cupy, rng)
 
 
@@ -113,14 +114,17 @@ def test_dispatch_picks_families(rng, skip_families):
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = prob(case, q, k, v)
     assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == "dkdv_tcw_atomic_dq"
-    assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wg" if _hopper() else "fwd_tc")
+    assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wgp" if _hopper() else "fwd_tc")
     case = Case(dtype="bfloat16", head_dim=128)
     q128, k128, v128, _ = random_inputs(case, rng, cupy)
     p128 = prob(case, q128, k128, v128)
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
-        "fwd_wg1" if _hopper() else "fwd_tc")
+        "fwd_wgp" if _hopper() else "fwd_tc")
     assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcp"
-    skip_families("tcw", "wg", "wg1", "tcp")
+    skip_families("tc32", "wgp")
+    assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
+        "fwd_wg1" if _hopper() else "fwd_tc")
+    skip_families("tcw", "wg", "wgp", "wg1", "tcp")
     assert not gpu.uses_tensor_cores(p, (q, k, v), "dkdv_tcw_atomic_dq")
     assert gpu._fast_role(p, (q, k, v), "fwd")[0] == "fwd_tc"
 

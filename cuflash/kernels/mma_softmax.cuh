@@ -21,6 +21,61 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
     }
 }
 
+// The pieces of softmax_tile, for kernels that rescale O later (while a
+// product that accumulates into O is still in flight).
+// 1. Scores of m16 tile mt to base 2, masked (only when `edge`).
+template <int MT, int NTILES>
+__device__ __forceinline__ void scale_and_mask(float (&s)[MT][NTILES][4], int mt,
+                                               const Mask& mask, bool edge, int row0, int n0,
+                                               float scale_log2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row = row0 + mt * 16 + g;
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[mt][n][e] *= scale_log2;
+            if (edge && !mask.visible(row + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
+                s[mt][n][e] = neg_inf();
+        }
+}
+
+// 2. Row r (g or g + 8) of m16 tile mt: update the running max and sum, leave
+// P = exp2(s - max) in s, and return alpha, the factor O's row must take.
+template <int MT, int NTILES>
+__device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
+                                         float (&row_sum)[MT][2], int mt, int r) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float new_max = fmaxf(row_max[mt][r], mx);
+    const float base = new_max == neg_inf() ? 0.f : new_max;
+    const float alpha = exp2f(row_max[mt][r] - base);
+    row_max[mt][r] = new_max;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n) {
+        s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
+        s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
+        sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+    }
+    row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+    return alpha;
+}
+
+// 3. O's row r of m16 tile mt times alpha.
+template <int MT, int DTILES>
+__device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, int r,
+                                            float alpha) {
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) {
+        o[mt][d][2 * r] *= alpha;
+        o[mt][d][2 * r + 1] *= alpha;
+    }
+}
+
 // One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
 // whose first row is row0: scale to base 2, mask (only when `edge`), update
 // the running max and sum, rescale O, and leave P = exp2(s - max) in s.
@@ -29,44 +84,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&
                                              float (&row_max)[MT][2], float (&row_sum)[MT][2],
                                              const Mask& mask, bool edge, int row0, int n0,
                                              float scale_log2) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int row = row0 + mt * 16 + g;
+        scale_and_mask(s, mt, mask, edge, row0, n0, scale_log2);
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[mt][n][e] *= scale_log2;
-                if (edge && !mask.visible(row + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
-                    s[mt][n][e] = neg_inf();
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = neg_inf();
-#pragma unroll
-            for (int n = 0; n < NTILES; ++n)
-                mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float new_max = fmaxf(row_max[mt][r], mx);
-            const float base = new_max == neg_inf() ? 0.f : new_max;
-            const float alpha = exp2f(row_max[mt][r] - base);
-            row_max[mt][r] = new_max;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NTILES; ++n) {
-                s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
-                s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
-                sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-            }
-            row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-            for (int d = 0; d < DTILES; ++d) {
-                o[mt][d][2 * r] *= alpha;
-                o[mt][d][2 * r + 1] *= alpha;
-            }
-        }
+        for (int r = 0; r < 2; ++r) rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r));
     }
 }
 

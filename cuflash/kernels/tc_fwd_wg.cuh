@@ -28,7 +28,10 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* start, unsi
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 // cp.async and plain stores write shared memory through the generic proxy;
 // wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -54,8 +57,12 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 }
 
 // WG = 1 asks for two blocks per SM (at most 255 registers a thread), so
-// that one block's softmax can overlap the other's wgmma.
-template <typename T, int D, int BN, int WG>
+// that one block's softmax can overlap the other's wgmma. PIPELINE overlaps
+// them within a warpgroup instead: S of the next key tile and P V of this
+// one are issued together, and the next tile's softmax runs while P V does
+// (O is rescaled once P V is done); K and V tiles load on their own
+// schedules (K two tiles ahead once its S is done, V once its P V is).
+template <typename T, int D, int BN, int WG, bool PIPELINE = false>
 __global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
@@ -83,10 +90,17 @@ __global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
-    auto load_kv = [&](int tile, int buf) {
+    auto load_k = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
         cp_async_tile_sw128<BN, D, NT>(Ks + buf * BN * D, k_head + n0 * k_st.s, k_st.s, keys);
+    };
+    auto load_v = [&](int tile, int buf) {
+        const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
         cp_async_tile_sw128<BN, D, NT>(Vs + buf * BN * D, v_head + n0 * v_st.s, v_st.s, keys);
+    };
+    auto load_kv = [&](int tile, int buf) {
+        load_k(tile, buf);
+        load_v(tile, buf);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -94,19 +108,10 @@ __global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma
     float o[1][DTILES][4], row_max[1][2], row_sum[1][2];
     init_rows(o, row_max, row_sum);
 
-    for (int it = 0; it < tiles; ++it) {
-        const int n0 = n_start + it * BN, buf = it & 1;
-        if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();
+    // S = Q K^T of key buffer `buf` for this warpgroup's 64 rows (D / 16 steps
+    // of k16), committed as one group, not waited for.
+    auto issue_scores = [&](int buf, float (&s)[1][NTILES][4]) {
         const T* Kb = Ks + buf * BN * D;
-        const T* Vb = Vs + buf * BN * D;
-
-        // S = Q K^T for this warpgroup's 64 rows: D / 16 steps of k16.
-        float s[1][NTILES][4];
-        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const T* qa = Qs + (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
@@ -114,14 +119,10 @@ __global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma
             Wgmma<T, BN>::ss(s[0], wgmma_desc(qa, 16, ATOM), wgmma_desc(kb, 16, ATOM), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait_all();
         pin_registers(s[0]);
-
-        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n0, scale_log2);
-
-        // O += P V: P from the S accumulators, 16 keys per step.
-        unsigned pa[BN / 16][4];
+    };
+    // P from the S accumulators as the A fragments of P V, 16 keys per step.
+    auto pack_probs = [&](const float (&s)[1][NTILES][4], unsigned (&pa)[BN / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -129,16 +130,108 @@ __global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma
             pa[kk][2] = Op::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
             pa[kk][3] = Op::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
         }
-        pin_registers(o[0]);
-        wgmma_fence();
+    };
+    // O += P V of value buffer `buf`, committed as one group, not waited for.
+    auto issue_pv = [&](int buf, const unsigned (&pa)[BN / 16][4]) {
+        const T* Vb = Vs + buf * BN * D;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             Wgmma<T, D>::rs(o[0], pa[kk],
                             wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
-        wgmma_wait_all();
         pin_registers(o[0]);
-        __syncthreads();  // this buffer is refilled two iterations later
+    };
+    auto edge_tile = [&](int tile) {
+        const int n0 = n_start + tile * BN;
+        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+    };
+
+    if constexpr (!PIPELINE) {
+        for (int it = 0; it < tiles; ++it) {
+            const int n0 = n_start + it * BN, buf = it & 1;
+            if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            fence_proxy_async();
+            __syncthreads();
+
+            float s[1][NTILES][4];
+            wgmma_fence();
+            issue_scores(buf, s);
+            wgmma_wait_all();
+            pin_registers(s[0]);
+            softmax_tile(s, o, row_max, row_sum, mask, edge_tile(it), m0 + warp_row, n0,
+                         scale_log2);
+
+            unsigned pa[BN / 16][4];
+            pack_probs(s, pa);
+            pin_registers(o[0]);
+            wgmma_fence();
+            issue_pv(buf, pa);
+            wgmma_wait_all();
+            pin_registers(o[0]);
+            __syncthreads();  // this buffer is refilled two iterations later
+        }
+    } else {
+        // cp.async groups from here: K(1), V(1), then per tile K(it + 2), V(it + 2)
+        // (empty past the last tile), so that "all but the newest" is always what
+        // the next step needs.
+        if (tiles > 1) load_k(1, 1);
+        cp_async_commit();
+        if (tiles > 1) load_v(1, 1);
+        cp_async_commit();
+        float s[1][NTILES][4];
+        unsigned pa[BN / 16][4];
+        if (tiles > 0) {
+            cp_async_wait<2>();  // Q, K(0), V(0)
+            fence_proxy_async();
+            __syncthreads();
+            wgmma_fence();
+            issue_scores(0, s);
+            wgmma_wait_all();
+            pin_registers(s[0]);
+            softmax_tile(s, o, row_max, row_sum, mask, edge_tile(0), m0 + warp_row, n_start,
+                         scale_log2);
+            pack_probs(s, pa);
+        }
+        // Every tile but the last: S(it + 1) and P V(it) in flight together.
+        for (int it = 0; it + 1 < tiles; ++it) {
+            const int buf = it & 1;
+            cp_async_wait<1>();  // K(it + 1) and V(it)
+            fence_proxy_async();
+            __syncthreads();     // also: every warpgroup's S(it) is done, so K buffer `buf` is free
+            if (it + 2 < tiles) load_k(it + 2, buf);
+            cp_async_commit();
+
+            pin_registers(o[0]);
+            wgmma_fence();
+            issue_scores(buf ^ 1, s);
+            issue_pv(buf, pa);
+            wgmma_wait<1>();  // S(it + 1) is done; P V(it) may still run
+            pin_registers(s[0]);
+            scale_and_mask(s, 0, mask, edge_tile(it + 1), m0 + warp_row, n_start + (it + 1) * BN,
+                           scale_log2);
+            const float alpha0 = exp_row(s, row_max, row_sum, 0, 0);
+            const float alpha1 = exp_row(s, row_max, row_sum, 0, 1);
+            wgmma_wait_all();
+            pin_registers(o[0]);
+            __syncthreads();  // every warpgroup's P V(it) is done: V buffer `buf` is free
+            if (it + 2 < tiles) load_v(it + 2, buf);
+            cp_async_commit();
+            rescale_row(o, 0, 0, alpha0);
+            rescale_row(o, 0, 1, alpha1);
+            pack_probs(s, pa);
+        }
+        if (tiles > 0) {  // P V of the last tile
+            cp_async_wait<1>();  // V(tiles - 1)
+            fence_proxy_async();
+            __syncthreads();
+            pin_registers(o[0]);
+            wgmma_fence();
+            issue_pv((tiles - 1) & 1, pa);
+            wgmma_wait_all();
+            pin_registers(o[0]);
+        }
     }
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 

@@ -62,6 +62,12 @@ __device__ __forceinline__ void mma_f32(float (&c)[4], const Tf32Frag<4, PASSES>
     mma_tf32(c, a.hi, b.hi[0], b.hi[1]);
 }
 
+template <int N>
+__device__ __forceinline__ void zero_tile(float (&acc)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
 // acc += part, element by element, rounded to nearest (FADD).
 __device__ __forceinline__ void add_tile(float (&acc)[4], const float (&part)[4]) {
 #pragma unroll

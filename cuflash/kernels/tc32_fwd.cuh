@@ -65,43 +65,32 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
         const float* Kb = Ks + buf * BN * P;
         const float* Vb = Vs + buf * BN * P;
 
-        float s[1][NTILES][4];
+        // One k-step of S = Q K^T into acc.
+        auto score_step = [&](int ks, float (&acc)[NTILES][4]) {
+            FragA a;
+            load_a_f32<P>(a, Qs, warp * 16, ks * 8);
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
+            for (int n = 0; n < NTILES; ++n) {
+                FragB kb;
+                load_b_f32<P>(kb, Kb, n * 8, ks * 8);
+                mma_f32(acc[n], a, kb);
+            }
+        };
+        float s[1][NTILES][4];
+        zero_tile(s[0]);
         if constexpr (CHUNKED) {
             // S in chunks of CHUNK k-steps, each in a zeroed accumulator.
 #pragma unroll 1
             for (int k0 = 0; k0 < KSTEPS; k0 += CHUNK) {
                 float part[NTILES][4];
+                zero_tile(part);
 #pragma unroll
-                for (int n = 0; n < NTILES; ++n)
-                    part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
-#pragma unroll
-                for (int ks = k0; ks < k0 + CHUNK; ++ks) {
-                    if (ks >= KSTEPS) break;
-                    FragA a;
-                    load_a_f32<P>(a, Qs, warp * 16, ks * 8);
-#pragma unroll
-                    for (int n = 0; n < NTILES; ++n) {
-                        FragB kb;
-                        load_b_f32<P>(kb, Kb, n * 8, ks * 8);
-                        mma_f32(part[n], a, kb);
-                    }
-                }
+                for (int ks = k0; ks < k0 + CHUNK && ks < KSTEPS; ++ks) score_step(ks, part);
                 add_tile(s[0], part);
             }
         } else {
 #pragma unroll(D <= 64 ? 2 : 1)  // bounds register pressure
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                FragA a;
-                load_a_f32<P>(a, Qs, warp * 16, ks * 8);
-#pragma unroll
-                for (int n = 0; n < NTILES; ++n) {
-                    FragB kb;
-                    load_b_f32<P>(kb, Kb, n * 8, ks * 8);
-                    mma_f32(s[0][n], a, kb);
-                }
-            }
+            for (int ks = 0; ks < KSTEPS; ++ks) score_step(ks, s[0]);
         }
 
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);

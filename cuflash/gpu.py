@@ -11,9 +11,10 @@ from .problem import unit_last_stride
 LOG2E = 1.4426950408889634
 # Tensor-core kernel families (the middle word of a role): "tc" (16-bit
 # mma.sync), "wg" (16-bit Hopper wgmma forward, two warpgroups a block), "wgp"
-# (the same with the softmax under the wgmma, pipelined), "wg1" (one warpgroup
-# a block, two blocks an SM), "tcp" (the "tc"
-# backward with the next query tile prefetched), "tcw" (16-bit backward with
+# (the same with the softmax under the wgmma, pipelined), "wg1" and "wg1p" (one
+# warpgroup a block, two blocks an SM; not pipelined and pipelined), "tcp" (the "tc"
+# backward with the next query tile prefetched), "tcb" (that on key tiles twice as
+# big, 8 warps a block), "tcw" (16-bit backward with
 # head_dim split across warps), "tc32" and "tf32" (float32 on TF32 tensor
 # cores: three passes, float32 accuracy; one pass, opt-in TF32 accuracy).
 # The dispatch passes over the families named in SKIP_FAMILIES: a family in
@@ -21,10 +22,11 @@ LOG2E = 1.4426950408889634
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
 # kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32. "wgp", "wg1" and "tcp" are there until the GPU suite has run them.
-SKIP_FAMILIES = frozenset({"tc32", "wgp", "wg1", "tcp"})
+# allows TF32. "wgp", "wg1", "wg1p", "tcp" and "tcb" are there until the GPU
+# suite has run them.
+SKIP_FAMILIES = frozenset({"tc32", "wgp", "wg1", "wg1p", "tcp", "tcb"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
-FAMILY_DEVICES = {"wg": (90,), "wgp": (90,), "wg1": (90,)}
+FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wg1", "wg1p")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
 PREFER_WIDE_BACKWARD = False
@@ -73,8 +75,9 @@ def _fast_families(problem, backward=False):
     if problem.dtype == np.float32:
         return ("tf32",) if problem.allow_tf32 else ("tc32",)
     if backward:
-        return ("tcw", "tcp", "tc") if PREFER_WIDE_BACKWARD else ("tcp", "tc", "tcw")
-    return ("wgp", "wg1", "wg", "tc")
+        mma_sync = ("tcb", "tcp", "tc")
+        return ("tcw",) + mma_sync if PREFER_WIDE_BACKWARD else mma_sync + ("tcw",)
+    return ("wg1p", "wgp", "wg1", "wg", "tc")
 
 
 def _fast_role(problem, arrays, kind, suffix=""):

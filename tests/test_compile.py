@@ -101,8 +101,9 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
         if role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
-            keys = (variant.tiles.fwd_wg1 if role == "fwd_wg1" else variant.tiles.fwd_wg)[0]
-            sites = 2 if role == "fwd_wgp" else 1  # pipelined: S and P V each in two places
+            keys = (variant.tiles.fwd_wg1 if role.startswith("fwd_wg1") else
+                    variant.tiles.fwd_wg)[0]
+            sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
         else:
@@ -123,7 +124,7 @@ def test_precompile_job_list():
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_wg1",
-                                          "fwd_tc32", "dkdv_tc", "dkdv_tcp"}
+                                          "fwd_tc32", "dkdv_tc", "dkdv_tcp", "dkdv_tcb"}
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

@@ -1,10 +1,10 @@
-"""Every tensor-core kernel family on the GPU, including the ones the default
-dispatch passes over on this device (``gpu.SKIP_FAMILIES``, ``gpu.FAMILY_DEVICES``,
-``gpu.PREFER_WIDE_BACKWARD``): float32 on TF32 tensor cores (three passes, and
-the opt-in one-pass ``allow_tf32``), the mma.sync forward where the wgmma
-forward serves by default (H100/H200), the Hopper wgmma forward (two
-warpgroups a block, pipelined or not, and one), the 16-bit backward that prefetches query
-tiles, and the one that splits head_dim across warps."""
+"""Every tensor-core kernel family on the GPU, including the ones the default dispatch
+passes over on this device (``gpu.SKIP_FAMILIES``, ``gpu.FAMILY_DEVICES``,
+``gpu.PREFER_WIDE_BACKWARD``): float32 on TF32 tensor cores (three passes, and the
+opt-in one-pass ``allow_tf32``), the mma.sync forward where the wgmma forward serves by
+default (H100/H200), the Hopper wgmma forward (two warpgroups a block, pipelined or not,
+and one), the 16-bit backward that prefetches query tiles (64 and 128 keys a block), and
+the one that splits head_dim across warps."""
 
 import pytest
 
@@ -58,16 +58,16 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 def test_mma_sync_forward_matches_oracle(case, rng, poisoned, skip_families):
     """The forward of A100-class GPUs, on D = 64/128/256 where Hopper takes wgmma."""
-    skip_families("wg", "wgp", "wg1")
+    skip_families("wg", "wgp", "wg1", "wg1p")
     run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
-@pytest.mark.parametrize("family", ["wg", "wgp", "wg1"])
+@pytest.mark.parametrize("family", ["wg", "wgp", "wg1", "wg1p"])
 def test_wgmma_forward_matches_oracle(case, family, rng, poisoned, skip_families):
     """On an H100/H200 the default forward runs on wgmma for these head dims ("wg");
-    let in, the pipelined one ("wgp") and the one-warpgroup blocks ("wg1", D = 64 and
-    128; D = 256 falls back to "wg")."""
+    let in, the pipelined one ("wgp") and the one-warpgroup blocks ("wg1", "wg1p";
+    D = 64 and 128, D = 256 falls back to "wg")."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     skip_families(*gpu.SKIP_FAMILIES - {family})
@@ -76,9 +76,12 @@ def test_wgmma_forward_matches_oracle(case, family, rng, poisoned, skip_families
 
 @pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim != 256], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_prefetching_backward_matches_oracle(case, deterministic, rng, poisoned, skip_families):
-    """The mma.sync backward that loads the next query tile during this one ("tcp")."""
-    skip_families(*gpu.SKIP_FAMILIES - {"tcp"})
+@pytest.mark.parametrize("family", ["tcp", "tcb"])
+def test_prefetching_backward_matches_oracle(case, deterministic, family, rng, poisoned,
+                                             skip_families):
+    """The mma.sync backward that loads the next query tile during this one ("tcp"), and
+    that on key tiles of 128 with 8 warps ("tcb")."""
+    skip_families(*gpu.SKIP_FAMILIES - {family})
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
@@ -119,12 +122,13 @@ def test_dispatch_picks_families(rng, skip_families):
     q128, k128, v128, _ = random_inputs(case, rng, cupy)
     p128 = prob(case, q128, k128, v128)
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
-        "fwd_wgp" if _hopper() else "fwd_tc")
-    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcp"
-    skip_families("tc32", "wgp")
+        "fwd_wg1p" if _hopper() else "fwd_tc")
+    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcb"
+    skip_families("tc32", "wg1p", "wgp", "tcb")
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
         "fwd_wg1" if _hopper() else "fwd_tc")
-    skip_families("tcw", "wg", "wgp", "wg1", "tcp")
+    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcp"
+    skip_families("tcw", "wg", "wgp", "wg1", "wg1p", "tcp", "tcb")
     assert not gpu.uses_tensor_cores(p, (q, k, v), "dkdv_tcw_atomic_dq")
     assert gpu._fast_role(p, (q, k, v), "fwd")[0] == "fwd_tc"
 

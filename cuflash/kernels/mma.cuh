@@ -110,6 +110,27 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
     }
 }
 
+// In place on a warp's S^T and dP^T accumulators (16 keys from key0, rows g
+// and g + 8; QTILES tiles of 8 queries from m0; t = lane % 4): P^T =
+// exp2(S^T scale_log2 - lse) and dS^T = P^T (dP^T - Delta), with lse (base 2)
+// and Delta per query column from lse_s / delta_s; masked only when `edge`.
+template <int QTILES>
+__device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float (&dpt)[QTILES][4],
+                                                  const Mask& mask, bool edge, int m0, int key0,
+                                                  int t, const float* lse_s,
+                                                  const float* delta_s, float scale_log2) {
+#pragma unroll
+    for (int n = 0; n < QTILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * t + (e & 1);
+            const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
+            const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_s[col]) : 0.f;
+            st[n][e] = p;
+            dpt[n][e] = p * (dpt[n][e] - delta_s[col]);
+        }
+}
+
 // The steps of a backward block over its key tile [n0, n1): each query head of
 // KV head hk in turn, each with its tiles of BM query rows that see the keys.
 template <int BM>

@@ -84,18 +84,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             }
         }
 
-        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-        const int key0 = n0 + warp * 16 + g;
-#pragma unroll
-        for (int n = 0; n < QTILES; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + 2 * t + (e & 1);
-                const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
-                const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_b[col]) : 0.f;
-                st[n][e] = p;
-                dpt[n][e] = p * (dpt[n][e] - delta_b[col]);
-            }
+        probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
+                          m0, n0 + warp * 16 + g, t, lse_b, delta_b, scale_log2);
 
         // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
 #pragma unroll

@@ -10,23 +10,21 @@ from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
 # Tensor-core kernel families (the middle word of a role): "tc" (16-bit
-# mma.sync), "wg" (16-bit Hopper wgmma forward, two warpgroups a block), "wgp"
-# (the same with the softmax under the wgmma, pipelined), "wg1" and "wg1p" (one
-# warpgroup a block, two blocks an SM; not pipelined and pipelined), "tcp" (the "tc"
-# backward with the next query tile prefetched), "tcb" (that on key tiles twice as
-# big, 8 warps a block), "tcw" (16-bit backward with
-# head_dim split across warps), "tc32" and "tf32" (float32 on TF32 tensor
-# cores: three passes, float32 accuracy; one pass, opt-in TF32 accuracy).
+# mma.sync; its backward prefetches the next query tile, 8 warps on 128 keys),
+# "wg" (16-bit Hopper wgmma forward, two warpgroups a block), "wgp" (the same
+# with the softmax under the wgmma, pipelined; D = 64 and 128), "tcw" (16-bit
+# backward with head_dim split across warps), "tc32" and "tf32" (float32 on
+# TF32 tensor cores: three passes, float32 accuracy; one pass, opt-in TF32
+# accuracy).
 # The dispatch passes over the families named in SKIP_FAMILIES: a family in
 # development stays there until the GPU suite has run it, and tests and
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
 # kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32. "wgp", "wg1", "wg1p", "tcp" and "tcb" are there until the GPU
-# suite has run them.
-SKIP_FAMILIES = frozenset({"tc32", "wgp", "wg1", "wg1p", "tcp", "tcb"})
+# allows TF32.
+SKIP_FAMILIES = frozenset({"tc32"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
-FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wg1", "wg1p")}
+FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
 PREFER_WIDE_BACKWARD = False
@@ -75,9 +73,8 @@ def _fast_families(problem, backward=False):
     if problem.dtype == np.float32:
         return ("tf32",) if problem.allow_tf32 else ("tc32",)
     if backward:
-        mma_sync = ("tcb", "tcp", "tc")
-        return ("tcw",) + mma_sync if PREFER_WIDE_BACKWARD else mma_sync + ("tcw",)
-    return ("wg1p", "wgp", "wg1", "wg", "tc")
+        return ("tcw", "tc") if PREFER_WIDE_BACKWARD else ("tc", "tcw")
+    return ("wgp", "wg", "tc")
 
 
 def _fast_role(problem, arrays, kind, suffix=""):

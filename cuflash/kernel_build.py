@@ -40,7 +40,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
-ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp", "fwd_wg1", "fwd_wg1p")}
+ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp")}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -93,12 +93,10 @@ class Tiles:
         return {64: (128, 2), 128: (128, 2), 256: (64, 2)}.get(self.head_dim)
 
     @property
-    def fwd_wg1(self):
-        """The wgmma forward with one warpgroup per block, small enough for two blocks
-        per SM (each block's softmax can run under the other's wgmma): (keys, 1)."""
-        if self.sm < 90:
-            return None
-        return {64: (128, 1), 128: (64, 1)}.get(self.head_dim)
+    def fwd_wgp(self):
+        """The wgmma forward with the softmax pipelined under the matrix units: the
+        ``fwd_wg`` shape where it beats ``fwd_wg`` (D = 64, 128; not D = 256)."""
+        return self.fwd_wg if self.head_dim <= 128 else None
 
     def fwd_wg_smem(self, shape=None, itemsize=2):
         """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``)."""
@@ -111,17 +109,12 @@ class Tiles:
 
     @property
     def bwd_tc(self):
-        """Tensor-core dK/dV kernel: (query rows, keys); 16 keys per warp."""
-        return {64: (64, 64), 128: (32, 64)}.get(self.head_dim)
+        """Tensor-core dK/dV kernel: (query rows, keys); 16 keys per warp, the next query
+        tile prefetched."""
+        return {64: (64, 128), 128: (32, 128)}.get(self.head_dim)
 
     def bwd_tc_threads(self):
         return 2 * self.bwd_tc[1]
-
-    @property
-    def bwd_tcb(self):
-        """The tensor-core dK/dV kernel on key tiles twice as big (8 warps), prefetching:
-        (query rows, keys)."""
-        return {64: (64, 128), 128: (32, 128)}.get(self.head_dim)
 
     @property
     def bwd_tcw(self):
@@ -161,31 +154,27 @@ class Tiles:
         bm, bn = self.bwd_tc32
         return FLOAT_BYTES * (2 * (bm + bn) * self._pitch() + bn * (bm + 4) + 2 * bm)
 
-    def bwd_tc_smem(self, prefetch=False, shape=None, itemsize=2):
-        """Shared memory of the tensor-core dK/dV kernel of ``shape`` (default ``bwd_tc``);
-        ``prefetch``: two query buffers."""
-        bm, bn = shape or self.bwd_tc
-        buffers = 2 if prefetch else 1
-        return (itemsize * (2 * (buffers * bm + bn) * self.head_dim + bn * bm)
-                + FLOAT_BYTES * 2 * buffers * bm)
+    def bwd_tc_smem(self, itemsize=2):
+        """Shared memory of the tensor-core dK/dV kernel: K, V, two buffers of Q, dO, lse
+        and Delta, dS^T."""
+        bm, bn = self.bwd_tc
+        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + bn * bm)
+                + FLOAT_BYTES * 2 * 2 * bm)
 
     def fast_fwd(self, kind):
-        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wgp, wg1,
-        wg1p, tc32 or tf32."""
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wgp, tc32
+        or tf32."""
         if kind == "tc":
             return self.fwd_tc[0], self.fwd_tc_threads()
-        if kind.startswith("wg"):
-            warpgroups = (self.fwd_wg1 if kind.startswith("wg1") else self.fwd_wg)[1]
+        if kind in ("wg", "wgp"):
+            warpgroups = (self.fwd_wgp if kind == "wgp" else self.fwd_wg)[1]
             return 64 * warpgroups, 128 * warpgroups
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcp, tcb, tcw, tc32 or
-        tf32."""
-        if kind in ("tc", "tcp"):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcw, tc32 or tf32."""
+        if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
-        if kind == "tcb":
-            return self.bwd_tcb[1], 2 * self.bwd_tcb[1]
         if kind == "tcw":
             return self.bwd_tcw[1], 256
         return self.bwd_tc32[1], self.bwd_tc32_threads()
@@ -254,20 +243,14 @@ class Variant:
             names["fwd_tc"] = (f"cuflash::attention_fwd_tc<{t}, {d}, {bm}, {bn}, {m_tiles}, "
                                f"{str(q_regs).lower()}>")
         for role, shape, pipeline in (("fwd_wg", tiles.fwd_wg, ""),
-                                      ("fwd_wgp", tiles.fwd_wg, ", true"),
-                                      ("fwd_wg1", tiles.fwd_wg1, ""),
-                                      ("fwd_wg1p", tiles.fwd_wg1, ", true")):
+                                      ("fwd_wgp", tiles.fwd_wgp, ", true")):
             if self.has_tensor_cores and shape:
                 names[role] = "cuflash::attention_fwd_wgmma<{}, {}, {}, {}{}>".format(
                     t, d, *shape, pipeline)
         if self.has_tensor_cores and tiles.bwd_tc:
-            for family, shape, prefetch in (("tc", tiles.bwd_tc, ""),
-                                            ("tcp", tiles.bwd_tc, ", true"),
-                                            ("tcb", tiles.bwd_tcb, ", true")):
-                for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
-                    names[f"dkdv_{family}{suffix}"] = (
-                        "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}{}>".format(
-                            t, d, *shape, atomic, prefetch))
+            for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
+                names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
+                    t, d, *tiles.bwd_tc, atomic)
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -311,14 +294,11 @@ class _LoadedVariant:
         if "fwd_tc" in self.names:
             smem["fwd_tc"] = tiles.fwd_tc_smem()
         if "fwd_wg" in self.names:
-            smem["fwd_wg"] = smem["fwd_wgp"] = tiles.fwd_wg_smem()
-        if "fwd_wg1" in self.names:
-            smem["fwd_wg1"] = smem["fwd_wg1p"] = tiles.fwd_wg_smem(tiles.fwd_wg1)
+            smem["fwd_wg"] = tiles.fwd_wg_smem()
+        if "fwd_wgp" in self.names:
+            smem["fwd_wgp"] = tiles.fwd_wg_smem(tiles.fwd_wgp)
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
-            smem["dkdv_tcp_atomic_dq"] = smem["dkdv_tcp"] = tiles.bwd_tc_smem(prefetch=True)
-            smem["dkdv_tcb_atomic_dq"] = smem["dkdv_tcb"] = tiles.bwd_tc_smem(
-                prefetch=True, shape=tiles.bwd_tcb)
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

@@ -3,13 +3,11 @@
 Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
 Rows: the default dispatch ("auto"), the general kernels, the tensor-core
-families the default passes over on this device (see
-cuflash.gpu.SKIP_FAMILIES: for 16 bits "mma" = the mma.sync forward where
-Hopper takes wgmma, "wgp" = the wgmma forward with its softmax pipelined under
-the matrix units, "wg1" = the wgmma forward with one warpgroup a block
-("wg1p": pipelined), "tcp" = the mma.sync backward with the next query tile
-prefetched ("tcb": on 128-key tiles), "wide" = the split-D backward
-everywhere; for float32 "3xtf32" = the three-pass kernels, "tf32" =
+families the default passes over on this device (see cuflash.gpu: for 16 bits
+"mma" = the mma.sync forward where Hopper takes wgmma, "wg" = the wgmma
+forward without the pipelined softmax where the pipelined one serves
+(D = 64, 128), "wide" = the split-D backward everywhere; for float32
+"3xtf32" = the three-pass kernels held back in SKIP_FAMILIES, "tf32" =
 allow_tf32), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
 """
@@ -26,12 +24,8 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wg1", "wg1p"})}, False),
-            "wgp": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgp"}}, False),
-            "wg1": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wg1"}}, False),
-            "wg1p": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wg1p"}}, False),
-            "tcp": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"tcp"}}, False),
-            "tcb": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"tcb"}}, False),
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp"})}, False),
+            "wg": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgp"}}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
             "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset()}, False),

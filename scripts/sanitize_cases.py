@@ -4,8 +4,9 @@ Forward, backward (atomic and deterministic), each dtype, head dims across
 the fast and general kernels, causal, window and kv_seq_len cases, on both
 kernel paths, and every tensor-core family, also those the default dispatch
 passes over (float32 on TF32 tensor cores in both precisions, the mma.sync
-forward where Hopper takes wgmma, the split-D 16-bit backward everywhere, and
-each family held back in gpu.SKIP_FAMILIES).
+forward where Hopper takes wgmma, the wgmma forward without the pipelined
+softmax where the pipelined one serves, the split-D 16-bit backward
+everywhere).
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
 settings to run (names of SETTINGS; default all).
 """
@@ -21,15 +22,15 @@ from cuflash import gpu
 from cuflash.problem import BFLOAT16
 
 DEFAULT_SKIP = gpu.SKIP_FAMILIES
-# name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32)
+# name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32).
+# Each family runs in one: "auto" the defaults (forward wgp, and wg at D = 256, on
+# Hopper; backward tc, and tcw at D = 256), "mma-sync" the tc forward, "wg" wg at
+# D = 64 and 128, "wide" tcw everywhere, "tc32" and "tf32" the float32 ones.
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
-            # The families held back, by the dispatch's order of preference: the
-            # first choice of each (nothing skipped), then the second and third.
-            "every-family": ("auto", frozenset(), False, False),
-            "second-choice": ("auto", frozenset({"wg1p", "tcb"}), False, False),
-            "third-choice": ("auto", frozenset({"wg1p", "wgp", "tcb", "tcp"}), False, False),
-            "mma-sync": ("auto", frozenset({"wg", "wgp", "wg1", "wg1p"}), False, False),
+            "tc32": ("auto", frozenset(), False, False),
+            "mma-sync": ("auto", frozenset({"wg", "wgp"}), False, False),
+            "wg": ("auto", DEFAULT_SKIP | {"wgp"}, False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),
             "tf32": ("auto", DEFAULT_SKIP, False, True)}
 
@@ -45,9 +46,9 @@ def main(settings):
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, (40, 64, 128, 256),
                                                     configs):
         float32 = dtype == np.float32
-        sixteen_bit_only = setting in ("wide", "mma-sync", "second-choice", "third-choice")
-        if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
-            continue  # 16-bit kernel families; allow_tf32 matters for float32 only
+        sixteen_bit_only = setting in ("wide", "mma-sync", "wg")
+        if (sixteen_bit_only and float32) or (setting in ("tc32", "tf32") and not float32):
+            continue  # 16-bit kernel families; float32 kernel families
         path, gpu.SKIP_FAMILIES, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]
         cfg = dict(cfg, allow_tf32=tf32)
         q = cupy.asarray(rng.standard_normal((1, 4, 70, d)).astype(dtype))

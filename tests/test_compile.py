@@ -101,8 +101,7 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
         if role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
-            keys = (variant.tiles.fwd_wg1 if role.startswith("fwd_wg1") else
-                    variant.tiles.fwd_wg)[0]
+            keys = getattr(variant.tiles, role)[0]  # Tiles.fwd_wg or Tiles.fwd_wgp
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
@@ -123,8 +122,8 @@ def test_precompile_job_list():
     expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
-    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_wg1",
-                                          "fwd_tc32", "dkdv_tc", "dkdv_tcp", "dkdv_tcb"}
+    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_tc32",
+                                          "dkdv_tc", "dkdv_tcw"}
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

@@ -2,9 +2,8 @@
 passes over on this device (``gpu.SKIP_FAMILIES``, ``gpu.FAMILY_DEVICES``,
 ``gpu.PREFER_WIDE_BACKWARD``): float32 on TF32 tensor cores (three passes, and the
 opt-in one-pass ``allow_tf32``), the mma.sync forward where the wgmma forward serves by
-default (H100/H200), the Hopper wgmma forward (two warpgroups a block, pipelined or not,
-and one), the 16-bit backward that prefetches query tiles (64 and 128 keys a block), and
-the one that splits head_dim across warps."""
+default (H100/H200), the Hopper wgmma forward not pipelined where the pipelined one serves
+by default (D = 64 and 128), and the 16-bit backward that splits head_dim across warps."""
 
 import pytest
 
@@ -58,31 +57,18 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 def test_mma_sync_forward_matches_oracle(case, rng, poisoned, skip_families):
     """The forward of A100-class GPUs, on D = 64/128/256 where Hopper takes wgmma."""
-    skip_families("wg", "wgp", "wg1", "wg1p")
-    run_and_check(case, cupy, rng)
-
-
-@pytest.mark.parametrize("case", WIDE_CASES, ids=str)
-@pytest.mark.parametrize("family", ["wg", "wgp", "wg1", "wg1p"])
-def test_wgmma_forward_matches_oracle(case, family, rng, poisoned, skip_families):
-    """On an H100/H200 the default forward runs on wgmma for these head dims ("wg");
-    let in, the pipelined one ("wgp") and the one-warpgroup blocks ("wg1", "wg1p";
-    D = 64 and 128, D = 256 falls back to "wg")."""
-    if not _hopper():
-        pytest.skip("wgmma needs compute capability 9.0")
-    skip_families(*gpu.SKIP_FAMILIES - {family})
+    skip_families("wg", "wgp")
     run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim != 256], ids=str)
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("family", ["tcp", "tcb"])
-def test_prefetching_backward_matches_oracle(case, deterministic, family, rng, poisoned,
-                                             skip_families):
-    """The mma.sync backward that loads the next query tile during this one ("tcp"), and
-    that on key tiles of 128 with 8 warps ("tcb")."""
-    skip_families(*gpu.SKIP_FAMILIES - {family})
-    run_and_check(case, cupy, rng, deterministic=deterministic)
+def test_unpipelined_wgmma_forward_matches_oracle(case, rng, poisoned, skip_families):
+    """On an H100/H200 the default forward is the pipelined wgmma one ("wgp") at D = 64
+    and 128, the one without the pipeline ("wg") at D = 256; this runs "wg" at 64 and 128."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    skip_families(*gpu.SKIP_FAMILIES, "wgp")
+    run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
@@ -92,7 +78,7 @@ def test_wide_backward_matches_oracle(case, deterministic, rng, poisoned, monkey
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
-def test_dispatch_picks_families(rng, skip_families):
+def test_dispatch_picks_families(rng, skip_families, monkeypatch):
     from cuflash import problem
 
     def prob(case, q, k, v, **kw):
@@ -117,18 +103,20 @@ def test_dispatch_picks_families(rng, skip_families):
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = prob(case, q, k, v)
     assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == "dkdv_tcw_atomic_dq"
-    assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wgp" if _hopper() else "fwd_tc")
+    assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wg" if _hopper() else "fwd_tc")
     case = Case(dtype="bfloat16", head_dim=128)
     q128, k128, v128, _ = random_inputs(case, rng, cupy)
     p128 = prob(case, q128, k128, v128)
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
-        "fwd_wg1p" if _hopper() else "fwd_tc")
-    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcb"
-    skip_families("tc32", "wg1p", "wgp", "tcb")
+        "fwd_wgp" if _hopper() else "fwd_tc")
+    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tc"
+    monkeypatch.setattr(gpu, "PREFER_WIDE_BACKWARD", True)
+    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcw"
+    monkeypatch.setattr(gpu, "PREFER_WIDE_BACKWARD", False)
+    skip_families("tc32", "wgp")
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
-        "fwd_wg1" if _hopper() else "fwd_tc")
-    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcp"
-    skip_families("tcw", "wg", "wgp", "wg1", "wg1p", "tcp", "tcb")
+        "fwd_wg" if _hopper() else "fwd_tc")
+    skip_families("tcw", "wg", "wgp")
     assert not gpu.uses_tensor_cores(p, (q, k, v), "dkdv_tcw_atomic_dq")
     assert gpu._fast_role(p, (q, k, v), "fwd")[0] == "fwd_tc"
 

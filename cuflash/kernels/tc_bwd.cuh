@@ -4,8 +4,10 @@
 // One block of BN/16 warps per (key tile of BN keys, KV head, batch); each
 // warp owns 16 keys and keeps their dK and dV in registers for the whole
 // block, looping over the query heads of the group and the query tiles
-// (BM = BN rows) that can see the key tile. Per query tile, with K and V
-// resident in swizzled shared memory and Q, dO loaded by cp.async:
+// (BM rows) that can see the key tile. K and V stay resident in swizzled
+// shared memory; Q, dO, lse and Delta of the next query tile load by
+// cp.async into a second buffer while this one is computed (as
+// tc_bwd_wide.cuh does). Per query tile:
 //   S^T = K Q^T and dP^T = V dO^T           (mma, A from K/V, B from Q/dO)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
 //   dV += P^T dO and dK += dS^T Q            (A straight from the registers)
@@ -14,15 +16,12 @@
 //                                            warp w takes m16 tile w % (BM/16)
 //                                            and a 1/(NW/(BM/16)) slice of D)
 // Only tiles that cross a mask boundary are masked element by element.
-// PREFETCH loads Q, dO, lse and Delta of the next query tile (cp.async, two
-// buffers) while this one is computed, as tc_bwd_wide.cuh does; without it
-// each tile's load is waited for before its products.
 #pragma once
 #include "mma.cuh"
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool PREFETCH = false>
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -34,18 +33,17 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     using Op = TensorOp<T>;
     constexpr int NT = BN * 2, NW = BN / 16, KSTEPS = D / 16, QTILES = BM / 8, DTILES = D / 8;
     constexpr int QM = BM / 16, DQ_TILES = DTILES / (NW / QM);  // dQ work split
-    constexpr int QBUFS = PREFETCH ? 2 : 1;  // buffers of Q, dO, lse and Delta
     static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 64 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * D;
-    T* Qs = Vs + BN * D;            // QBUFS buffers of BM x D
-    T* dOs = Qs + QBUFS * BM * D;   // QBUFS buffers of BM x D
-    T* dSs = dOs + QBUFS * BM * D;  // dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // QBUFS buffers of BM
-    float* delta_s = lse_s + QBUFS * BM;                      // QBUFS buffers of BM
+    T* Qs = Vs + BN * D;        // two buffers of BM x D
+    T* dOs = Qs + 2 * BM * D;   // two buffers of BM x D
+    T* dSs = dOs + 2 * BM * D;  // dS^T, [BN keys][BM queries]
+    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
@@ -128,57 +126,30 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         }
     };
 
-    int m_lo, m_hi;
-    mask.query_range(n0, n0 + BN, m_lo, m_hi);
-    if constexpr (!PREFETCH) {
-        if (m_lo < m_hi) {
-            const int keys = mask.kv_len - n0;
-            cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-            cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
-        }
-        for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
-            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-            for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
-                const int rows = min(BM, mask.q_len - m0);
-                __syncthreads();  // the previous query tile's readers are done
-                cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-                cp_async_tile<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
-                                         rows);
-                cp_async_commit();
-                load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0,
-                                       delta + head_rows + m0, rows);
-                cp_async_wait<0>();
-                __syncthreads();
-                query_tile(Qs, dOs, lse_s, delta_s, head_rows, m0, rows);
-            }
-        }
-    } else {
-        const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
-        auto load_step = [&](int step, int buf) {
-            load_query_tile<BM, D, NT>(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
-                                       delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
-                                       steps.head(step), steps.row0(step), num_heads,
-                                       mask.q_len);
-        };
-        if (steps.count > 0) {
-            const int keys = mask.kv_len - n0;
-            cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-            cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
-            load_step(0, 0);
-        }
+    const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+    auto load_step = [&](int step, int buf) {
+        load_query_tile<BM, D, NT>(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+                                   delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
+                                   steps.head(step), steps.row0(step), num_heads, mask.q_len);
+    };
+    if (steps.count > 0) {
+        const int keys = mask.kv_len - n0;
+        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        load_step(0, 0);
+    }
+    cp_async_commit();
+    for (int step = 0; step < steps.count; ++step) {
+        const int buf = step & 1;
+        if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
         cp_async_commit();
-        for (int step = 0; step < steps.count; ++step) {
-            const int buf = step & 1;
-            if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-            const int h = steps.head(step), m0 = steps.row0(step);
-            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-            query_tile(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
-                       delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
-            __syncthreads();  // dS^T and this query buffer are rewritten next
-        }
+        cp_async_wait<1>();
+        __syncthreads();
+        const int h = steps.head(step), m0 = steps.row0(step);
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        query_tile(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+                   delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
+        __syncthreads();  // dS^T and this query buffer are rewritten next
     }
 
     const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;

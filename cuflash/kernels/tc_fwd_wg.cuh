@@ -56,14 +56,13 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
     });
 }
 
-// WG = 1 asks for two blocks per SM (at most 255 registers a thread), so
-// that one block's softmax can overlap the other's wgmma. PIPELINE overlaps
-// them within a warpgroup instead: S of the next key tile and P V of this
-// one are issued together, and the next tile's softmax runs while P V does
-// (O is rescaled once P V is done); K and V tiles load on their own
-// schedules (K two tiles ahead once its S is done, V once its P V is).
+// PIPELINE overlaps the softmax with the wgmma within a warpgroup: S of the
+// next key tile and P V of this one are issued together, and the next
+// tile's softmax runs while P V does (O is rescaled once P V is done); K and
+// V tiles load on their own schedules (K two tiles ahead once its S is done,
+// V once its P V is).
 template <typename T, int D, int BN, int WG, bool PIPELINE = false>
-__global__ void __launch_bounds__(128 * WG, WG == 1 ? 2 : 1) attention_fwd_wgmma(
+__global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),

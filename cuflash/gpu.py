@@ -12,7 +12,8 @@ LOG2E = 1.4426950408889634
 # Tensor-core kernel families (the middle word of a role): "tc" (16-bit
 # mma.sync; its backward prefetches the next query tile, 8 warps on 128 keys),
 # "wg" (16-bit Hopper wgmma forward, two warpgroups a block), "wgp" (the same
-# with the softmax under the wgmma, pipelined; D = 64 and 128), "tcw" (16-bit
+# with the softmax under the wgmma, pipelined; D = 64 and 128), "wgb" (16-bit
+# Hopper wgmma backward; D = 64 and 128), "tcw" (16-bit
 # backward with head_dim split across warps), "tc32" and "tf32" (float32 on
 # TF32 tensor cores: three passes, float32 accuracy; one pass, opt-in TF32
 # accuracy).
@@ -24,7 +25,7 @@ LOG2E = 1.4426950408889634
 # allows TF32.
 SKIP_FAMILIES = frozenset({"tc32"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
-FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp")}
+FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
 PREFER_WIDE_BACKWARD = False
@@ -73,7 +74,7 @@ def _fast_families(problem, backward=False):
     if problem.dtype == np.float32:
         return ("tf32",) if problem.allow_tf32 else ("tc32",)
     if backward:
-        return ("tcw", "tc") if PREFER_WIDE_BACKWARD else ("tc", "tcw")
+        return ("tcw", "wgb", "tc") if PREFER_WIDE_BACKWARD else ("wgb", "tc", "tcw")
     return ("wgp", "wg", "tc")
 
 

@@ -40,7 +40,8 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
-ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp")}
+ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp", "dkdv_wgb",
+                                                   "dkdv_wgb_atomic_dq")}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -117,6 +118,20 @@ class Tiles:
         return 2 * self.bwd_tc[1]
 
     @property
+    def bwd_wgb(self):
+        """Hopper wgmma dK/dV kernel: (query rows, keys); two warpgroups of 64 keys; sm 90
+        only, D = 64 and 128 (dK and dV of D = 256 do not fit in the registers)."""
+        if self.sm < 90:
+            return None
+        return {64: (64, 128), 128: (64, 128)}.get(self.head_dim)
+
+    def bwd_wgb_smem(self, itemsize=2):
+        """K, V, two buffers of Q, dO, lse and Delta, dS^T; + alignment to 1 KB."""
+        bm, bn = self.bwd_wgb
+        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + bn * bm)
+                + FLOAT_BYTES * 2 * 2 * bm + 1024)
+
+    @property
     def bwd_tcw(self):
         """Tensor-core dK/dV kernel with D split across 8 warps: (query rows, keys)."""
         return {64: (64, 64), 128: (64, 64), 256: (32, 64)}.get(self.head_dim)
@@ -172,7 +187,10 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: tc, tcw, tc32 or tf32."""
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, tc, tcw, tc32 or
+        tf32."""
+        if kind == "wgb":
+            return self.bwd_wgb[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
         if kind == "tcw":
@@ -251,6 +269,10 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
+        if self.has_tensor_cores and tiles.bwd_wgb:
+            for role, atomic in (("dkdv_wgb_atomic_dq", "true"), ("dkdv_wgb", "false")):
+                names[role] = "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}>".format(
+                    t, d, tiles.bwd_wgb[0], atomic)
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -299,6 +321,8 @@ class _LoadedVariant:
             smem["fwd_wgp"] = tiles.fwd_wg_smem(tiles.fwd_wgp)
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
+        if "dkdv_wgb" in self.names:
+            smem["dkdv_wgb_atomic_dq"] = smem["dkdv_wgb"] = tiles.bwd_wgb_smem()
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

@@ -24,7 +24,7 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp"})}, False),
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb"})}, False),
             "wg": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgp"}}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),

@@ -24,12 +24,13 @@ from cuflash.problem import BFLOAT16
 DEFAULT_SKIP = gpu.SKIP_FAMILIES
 # name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32).
 # Each family runs in one: "auto" the defaults (forward wgp, and wg at D = 256, on
-# Hopper; backward tc, and tcw at D = 256), "mma-sync" the tc forward, "wg" wg at
+# Hopper; backward wgb on Hopper, tc elsewhere, tcw at D = 256), "mma-sync" the tc
+# forward and backward, "wg" wg at
 # D = 64 and 128, "wide" tcw everywhere, "tc32" and "tf32" the float32 ones.
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
             "tc32": ("auto", frozenset(), False, False),
-            "mma-sync": ("auto", frozenset({"wg", "wgp"}), False, False),
+            "mma-sync": ("auto", frozenset({"wg", "wgp", "wgb"}), False, False),
             "wg": ("auto", DEFAULT_SKIP | {"wgp"}, False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),
             "tf32": ("auto", DEFAULT_SKIP, False, True)}

@@ -105,6 +105,12 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
+        elif role.startswith("dkdv_wgb"):  # per query tile: D / 16 each for S^T and dP^T,
+            # BM / 16 each for dV and dK, and for dQ 128 keys (D = 128) or 64 (D = 64) / 16
+            rows = variant.tiles.bwd_wgb[0]
+            dq = (8 if head_dim == 128 else 4) if role.endswith("atomic_dq") else 0
+            assert ops["HGMMA"] == 2 * head_dim // 16 + 2 * rows // 16 + dq, (role, ops)
+            assert ops["HMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
     if "dkdv_tc32" in opcodes:
@@ -122,7 +128,7 @@ def test_precompile_job_list():
     expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
-    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_tc32",
+    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_tc32", "dkdv_wgb",
                                           "dkdv_tc", "dkdv_tcw"}
     from cuflash import InvalidArgumentError
 

@@ -1,8 +1,8 @@
 """Every tensor-core kernel family on the GPU, including the ones the default dispatch
 passes over on this device (``gpu.SKIP_FAMILIES``, ``gpu.FAMILY_DEVICES``,
 ``gpu.PREFER_WIDE_BACKWARD``): float32 on TF32 tensor cores (three passes, and the
-opt-in one-pass ``allow_tf32``), the mma.sync forward where the wgmma forward serves by
-default (H100/H200), the Hopper wgmma forward not pipelined where the pipelined one serves
+opt-in one-pass ``allow_tf32``), the mma.sync forward and backward where the wgmma ones
+serve by default (H100/H200), the Hopper wgmma forward not pipelined where the pipelined one serves
 by default (D = 64 and 128), and the 16-bit backward that splits head_dim across warps."""
 
 import pytest
@@ -55,10 +55,12 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
-def test_mma_sync_forward_matches_oracle(case, rng, poisoned, skip_families):
-    """The forward of A100-class GPUs, on D = 64/128/256 where Hopper takes wgmma."""
-    skip_families("wg", "wgp")
-    run_and_check(case, cupy, rng)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned, skip_families):
+    """The forward and backward of A100-class GPUs, on D = 64/128/256 where Hopper takes
+    wgmma (the backward at D = 64 and 128)."""
+    skip_families("wg", "wgp", "wgb")
+    run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim != 256], ids=str)
@@ -109,6 +111,9 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
     p128 = prob(case, q128, k128, v128)
     assert gpu._fast_role(p128, (q128, k128, v128), "fwd")[0] == (
         "fwd_wgp" if _hopper() else "fwd_tc")
+    assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == (
+        "dkdv_wgb" if _hopper() else "dkdv_tc")
+    skip_families("tc32", "wgb")
     assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tc"
     monkeypatch.setattr(gpu, "PREFER_WIDE_BACKWARD", True)
     assert gpu._fast_role(p128, (q128, k128, v128, q128), "dkdv")[0] == "dkdv_tcw"

@@ -1,0 +1,200 @@
+// Hopper (sm_90a) backward kernel (dK, dV and optionally the atomic dQ) for
+// float16/bfloat16 on wgmma.
+//
+// One block of two warpgroups per (key tile of BN = 128 keys, KV head,
+// batch); warpgroup w owns keys [64 w, 64 w + 64), each of its warps 16 of
+// them, and keeps their dK and dV in registers while the block walks the
+// query heads of the group and the query tiles (BM = 64 rows) that see the
+// key tile. K and V stay in shared memory; Q, dO, lse and Delta of the next
+// query tile load (cp.async, two buffers) while this one is computed. All
+// 16-bit tiles use the 128-byte-swizzled layout of tc_fwd_wg.cuh. Per query
+// tile, for each warpgroup (M = its 64 keys):
+//   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
+//   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
+//   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers,
+//                                    B = dO / Q N-major (smem)
+//   dQ += dS K scale (ATOMIC_DQ)     dS^T to shared memory (16-bit), then
+//                                    wgmma m64n64k16 with A = dS M-major and
+//                                    B = K N-major, float32 atomics into
+//                                    dq_accum: at D = 128 warpgroup w takes
+//                                    columns [64 w, 64 w + 64) over all 128
+//                                    keys; at D = 64 all columns over its own
+//                                    64 keys (two atomics per element).
+// Only tiles that cross a mask boundary are masked element by element.
+#pragma once
+#include "tc_fwd_wg.cuh"
+
+namespace cuflash {
+
+template <typename T, int D, int BM, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum,
+    T* __restrict__ dk, T* __restrict__ dv,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
+    float scale_log2) {
+    using Op = TensorOp<T>;
+    constexpr int BN = 128, NT = 256, QTILES = BM / 8, DTILES = D / 8, KSTEPS = D / 16;
+    constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
+    // dQ per warpgroup: keys split at D = 64 (N = 64 = D), columns split at D = 128.
+    constexpr bool DQ_SPLIT_KEYS = D == 64;
+    constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : 8;
+    static_assert(BM == 64 && (D == 64 || D == 128), "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Vs = Ks + BN * D;
+    T* Qs = Vs + BN * D;            // two buffers of BM x D
+    T* dOs = Qs + 2 * BM * D;       // two buffers of BM x D
+    T* dSs = dOs + 2 * BM * D;      // dS^T, [BN keys][BM queries]
+    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2, warp_row = (warp & 3) * 16, key_row = wg * 64 + warp_row;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+
+    const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+    auto load_step = [&](int step, int buf) {
+        const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        cp_async_tile_sw128<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s,
+                                       rows);
+        cp_async_tile_sw128<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
+                                       dout_st.s, rows);
+        load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
+                               delta + head_rows + m0, rows);
+    };
+    if (steps.count > 0) {
+        const int keys = mask.kv_len - n0;
+        cp_async_tile_sw128<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile_sw128<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        load_step(0, 0);
+    }
+    cp_async_commit();
+
+    float dk_acc[DTILES][4], dv_acc[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+
+    for (int step = 0; step < steps.count; ++step) {
+        const int buf = step & 1;
+        if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
+        const T* Qb = Qs + buf * BM * D;
+        const T* dOb = dOs + buf * BM * D;
+
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+        float st[QTILES][4], dpt[QTILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const int kv_at = (ks >> 2) * (BN * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
+            Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
+                             ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const int kv_at = (ks >> 2) * (BN * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
+            Wgmma<T, BM>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
+                             wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        pin_registers(st);
+        pin_registers(dpt);
+
+        const int key_lo = n0 + wg * 64;
+        probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64),
+                          m0, n0 + key_row + g, t, lse_s + buf * BM, delta_s + buf * BM,
+                          scale_log2);
+
+        // P^T and dS^T as A fragments (16 queries a step), dS^T also to shared memory.
+        unsigned pa[BM / 16][4], sa[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int j = 2 * kk + half;
+                pa[kk][2 * half] = Op::pack(st[j][0], st[j][1]);
+                pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
+                sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
+                sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
+                if (ATOMIC_DQ) {  // element (key, query) at key * BM + swizzled chunk
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int key = key_row + g + 8 * r;
+                        *reinterpret_cast<unsigned*>(dSs + key * BM + ((j ^ (key & 7)) << 3) +
+                                                     2 * t) = sa[kk][2 * half + r];
+                    }
+                }
+            }
+        }
+
+        // dV += P^T dO and dK += dS^T Q (16 queries a step).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, D>::rs(dv_acc, pa[kk],
+                            wgmma_desc(dOb + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, D>::rs(dk_acc, sa[kk],
+                            wgmma_desc(Qb + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+        wgmma_commit();
+
+        if (ATOMIC_DQ) {  // dQ = dS K: both warpgroups' dS^T are needed at D = 128
+            fence_proxy_async();
+            __syncthreads();
+            constexpr int COLS = DQ_SPLIT_KEYS ? D : 64;
+            const int col_block = DQ_SPLIT_KEYS ? 0 : wg, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
+            float dq[COLS / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < DQ_KSTEPS; ++kk)
+                Wgmma<T, COLS>::ss_mn(
+                    dq, wgmma_desc(dSs + (key16 + kk) * 16 * BM, BN * BM * sizeof(T), ATOM),
+                    wgmma_desc(Ks + col_block * (BN * 64) + (key16 + kk) * 16 * 64,
+                               BN * 64 * sizeof(T), ATOM),
+                    kk > 0);
+            wgmma_commit();
+            wgmma_wait_all();
+            pin_registers(dq);
+            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row + g + 8 * r;
+                if (row >= rows) continue;
+                float* dst = dq_accum + (head_rows + m0 + row) * D + col_block * 64 + 2 * t;
+#pragma unroll
+                for (int j = 0; j < COLS / 8; ++j) {
+                    atomicAdd(dst + j * 8, dq[j][2 * r] * scale);
+                    atomicAdd(dst + j * 8 + 1, dq[j][2 * r + 1] * scale);
+                }
+            }
+        } else {
+            wgmma_wait_all();
+        }
+        pin_registers(dv_acc);
+        pin_registers(dk_acc);
+        __syncthreads();  // this query buffer and dS^T are rewritten next
+    }
+    cp_async_wait<0>();
+
+    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+    store_dkdv<T, D, DTILES>(dk, dv, tile_key, key_row, kv_capacity - n0, 0, dk_acc, dv_acc,
+                             scale);
+}
+
+}  // namespace cuflash

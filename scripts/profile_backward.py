@@ -26,7 +26,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
     q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16)
                    for _ in range(4))
     out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
-    problem = backward_problem(do, q, k, v, out, lse, h, h, d, causal, None, None, None,
+    problem = backward_problem(do, q, k, v, out, lse, h, h, d, causal, 0, None, None,
                                False, False)
     module = kernel_build.load(gpu._variant(problem))
     tiles = module.variant.tiles

@@ -110,25 +110,57 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
     }
 }
 
+// 2^x in one instruction (MUFU.EX2); results below 2^-126 flush to zero,
+// which no probability of the backward notices (exp2f adds a scaling path).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two consecutive floats of shared memory (8-byte aligned) through ld.shared:
+// the compiler does not always see that a pointer into the dynamic shared
+// array is one, and then issues generic loads.
+__device__ __forceinline__ float2 load_shared_float2(const float* p) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
+    return v;
+}
+
 // In place on a warp's S^T and dP^T accumulators (16 keys from key0, rows g
 // and g + 8; QTILES tiles of 8 queries from m0; t = lane % 4): P^T =
 // exp2(S^T scale_log2 - lse) and dS^T = P^T (dP^T - Delta), with lse (base 2)
-// and Delta per query column from lse_s / delta_s; masked only when `edge`.
+// and Delta per query column from shared memory (lse_s / delta_s, 8-byte
+// aligned); masked only when `edge` (two straight-line versions, so that
+// the unmasked one has no per-element branch).
+template <bool EDGE, int QTILES>
+__device__ __forceinline__ void probs_and_dscores_of(float (&st)[QTILES][4],
+                                                     float (&dpt)[QTILES][4], const Mask& mask,
+                                                     int m0, int key0, int t, const float* lse_s,
+                                                     const float* delta_s, float scale_log2) {
+#pragma unroll
+    for (int n = 0; n < QTILES; ++n) {
+        const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
+        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * t + (e & 1);
+            float p = fast_exp2(st[n][e] * scale_log2 - ((e & 1) ? lse2.y : lse2.x));
+            if (EDGE && !mask.visible(m0 + col, key0 + 8 * (e >> 1))) p = 0.f;
+            st[n][e] = p;
+            dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
+        }
+    }
+}
 template <int QTILES>
 __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float (&dpt)[QTILES][4],
                                                   const Mask& mask, bool edge, int m0, int key0,
                                                   int t, const float* lse_s,
                                                   const float* delta_s, float scale_log2) {
-#pragma unroll
-    for (int n = 0; n < QTILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = n * 8 + 2 * t + (e & 1);
-            const bool keep = !edge || mask.visible(m0 + col, key0 + 8 * (e >> 1));
-            const float p = keep ? exp2f(st[n][e] * scale_log2 - lse_s[col]) : 0.f;
-            st[n][e] = p;
-            dpt[n][e] = p * (dpt[n][e] - delta_s[col]);
-        }
+    if (edge)
+        probs_and_dscores_of<true>(st, dpt, mask, m0, key0, t, lse_s, delta_s, scale_log2);
+    else
+        probs_and_dscores_of<false>(st, dpt, mask, m0, key0, t, lse_s, delta_s, scale_log2);
 }
 
 // The steps of a backward block over its key tile [n0, n1): each query head of
@@ -161,6 +193,17 @@ __device__ __forceinline__ void load_query_tile(
     cp_async_tile<BM, D, NT>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     cp_async_tile<BM, D, NT>(dOb, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     load_row_stats<BM, NT>(lse_b, delta_b, lse + head_rows + m0, delta + head_rows + m0, rows);
+}
+
+// dst[0] += x, dst[1] += y in float32 atomics (dst 8-byte aligned): one
+// vector reduction on sm_90 and newer, two scalar ones before.
+__device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(dst), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(dst, x);
+    atomicAdd(dst + 1, y);
+#endif
 }
 
 // dQ[m16 query tile qm, d tiles [d_first, d_first + DQN)] += scale dS K for
@@ -197,8 +240,7 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
         float* dst = dq_rows + static_cast<long long>(row) * D + d_first * 8 + 2 * t;
 #pragma unroll
         for (int d = 0; d < DQN; ++d) {
-            atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
-            atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
+            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale);
         }
     }
 }

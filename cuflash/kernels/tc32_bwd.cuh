@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
 #pragma unroll
                         for (int d = 0; d < DQ_CHUNK; ++d) {
                             if (c0 + d >= d_count) break;
-                            atomicAdd(dst + d * 8, dq_acc[d][2 * r] * scale);
-                            atomicAdd(dst + d * 8 + 1, dq_acc[d][2 * r + 1] * scale);
+                            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale,
+                                              dq_acc[d][2 * r + 1] * scale);
                         }
                     }
                 }

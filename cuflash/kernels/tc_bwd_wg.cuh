@@ -179,8 +179,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                 float* dst = dq_accum + (head_rows + m0 + row) * D + col_block * 64 + 2 * t;
 #pragma unroll
                 for (int j = 0; j < COLS / 8; ++j) {
-                    atomicAdd(dst + j * 8, dq[j][2 * r] * scale);
-                    atomicAdd(dst + j * 8 + 1, dq[j][2 * r + 1] * scale);
+                    atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
                 }
             }
         } else {

@@ -81,9 +81,9 @@ class Tiles:
     @property
     def fwd_tc(self):
         """Tensor-core forward: (query rows, keys, m16 tiles per warp, Q in registers)."""
-        if self.head_dim == 128 and self.sm < 90:  # two m16 tiles per warp spill on sm_80
-            return (64, 64, 1, True)
-        return {64: (128, 64, 2, False), 128: (128, 64, 2, False),
+        # At D = 128 two m16 tiles per warp spill (sm_80; on sm_90 too since the
+        # softmax's exp2 is one MUFU instruction), so one m16 tile and Q in registers.
+        return {64: (128, 64, 2, False), 128: (64, 64, 1, True),
                 256: (64, 32, 1, False)}.get(self.head_dim)
 
     @property

@@ -110,14 +110,6 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
     }
 }
 
-// 2^x in one instruction (MUFU.EX2); results below 2^-126 flush to zero,
-// which no probability of the backward notices (exp2f adds a scaling path).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Two consecutive floats of shared memory (8-byte aligned) through ld.shared:
 // the compiler does not always see that a pointer into the dynamic shared
 // array is one, and then issues generic loads.
@@ -127,40 +119,56 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
     return v;
 }
 
-// In place on a warp's S^T and dP^T accumulators (16 keys from key0, rows g
-// and g + 8; QTILES tiles of 8 queries from m0; t = lane % 4): P^T =
-// exp2(S^T scale_log2 - lse) and dS^T = P^T (dP^T - Delta), with lse (base 2)
-// and Delta per query column from shared memory (lse_s / delta_s, 8-byte
-// aligned); masked only when `edge` (two straight-line versions, so that
-// the unmasked one has no per-element branch).
+// In place on a warp's S^T accumulators (16 keys from key0, rows g and g + 8;
+// QTILES tiles of 8 queries from m0; t = lane % 4): P^T = exp2(S^T
+// scale_log2 - lse), with lse (base 2) per query column from shared memory
+// (lse_s, 8-byte aligned); masked only when `edge` (two straight-line
+// versions, so that the unmasked one has no per-element branch).
 template <bool EDGE, int QTILES>
-__device__ __forceinline__ void probs_and_dscores_of(float (&st)[QTILES][4],
-                                                     float (&dpt)[QTILES][4], const Mask& mask,
-                                                     int m0, int key0, int t, const float* lse_s,
-                                                     const float* delta_s, float scale_log2) {
+__device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
+                                         int key0, int t, const float* lse_s, float scale_log2) {
 #pragma unroll
     for (int n = 0; n < QTILES; ++n) {
         const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
-        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = n * 8 + 2 * t + (e & 1);
             float p = fast_exp2(st[n][e] * scale_log2 - ((e & 1) ? lse2.y : lse2.x));
-            if (EDGE && !mask.visible(m0 + col, key0 + 8 * (e >> 1))) p = 0.f;
+            if (EDGE && !mask.visible(m0 + n * 8 + 2 * t + (e & 1), key0 + 8 * (e >> 1)))
+                p = 0.f;
             st[n][e] = p;
-            dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
         }
     }
 }
+template <int QTILES>
+__device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
+                                      int m0, int key0, int t, const float* lse_s,
+                                      float scale_log2) {
+    if (edge)
+        probs_of<true>(st, mask, m0, key0, t, lse_s, scale_log2);
+    else
+        probs_of<false>(st, mask, m0, key0, t, lse_s, scale_log2);
+}
+// Then dS^T = P^T (dP^T - Delta) in place on the dP^T accumulators, Delta per
+// query column from delta_s (8-byte aligned).
+template <int QTILES>
+__device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dpt)[QTILES][4],
+                                        int t, const float* delta_s) {
+#pragma unroll
+    for (int n = 0; n < QTILES; ++n) {
+        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dpt[n][e] = pt[n][e] * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
+    }
+}
+// Both steps.
 template <int QTILES>
 __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float (&dpt)[QTILES][4],
                                                   const Mask& mask, bool edge, int m0, int key0,
                                                   int t, const float* lse_s,
                                                   const float* delta_s, float scale_log2) {
-    if (edge)
-        probs_and_dscores_of<true>(st, dpt, mask, m0, key0, t, lse_s, delta_s, scale_log2);
-    else
-        probs_and_dscores_of<false>(st, dpt, mask, m0, key0, t, lse_s, delta_s, scale_log2);
+    probs(st, mask, edge, m0, key0, t, lse_s, scale_log2);
+    dscores(st, dpt, t, delta_s);
 }
 
 // The steps of a backward block over its key tile [n0, n1): each query head of
@@ -195,14 +203,20 @@ __device__ __forceinline__ void load_query_tile(
     load_row_stats<BM, NT>(lse_b, delta_b, lse + head_rows + m0, delta + head_rows + m0, rows);
 }
 
-// dst[0] += x, dst[1] += y in float32 atomics (dst 8-byte aligned): one
-// vector reduction on sm_90 and newer, two scalar ones before.
-__device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y) {
+// dst[0] += x, dst[1] += y in float32 atomics (dst 8-byte aligned) where
+// `pred`, without a branch: one predicated vector reduction on sm_90 and
+// newer, two scalar ones before.
+__device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y,
+                                                  bool pred = true) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(dst), "f"(x), "f"(y) : "memory");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n"
+                 "@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
+                 :: "l"(dst), "f"(x), "f"(y), "r"(static_cast<int>(pred)) : "memory");
 #else
-    atomicAdd(dst, x);
-    atomicAdd(dst + 1, y);
+    if (pred) {
+        atomicAdd(dst, x);
+        atomicAdd(dst + 1, y);
+    }
 #endif
 }
 

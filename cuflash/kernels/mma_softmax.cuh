@@ -52,13 +52,13 @@ __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float new_max = fmaxf(row_max[mt][r], mx);
     const float base = new_max == neg_inf() ? 0.f : new_max;
-    const float alpha = exp2f(row_max[mt][r] - base);
+    const float alpha = fast_exp2(row_max[mt][r] - base);
     row_max[mt][r] = new_max;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NTILES; ++n) {
-        s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - base);
-        s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - base);
+        s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - base);
+        s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - base);
         sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
     }
     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;

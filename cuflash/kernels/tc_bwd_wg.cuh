@@ -82,13 +82,22 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
+    // dQ: this warpgroup's columns [64 col_block, + COLS) over keys [16 key16, + 16 DQ_KSTEPS).
+    constexpr int COLS = DQ_SPLIT_KEYS ? D : 64;
+    const int col_block = DQ_SPLIT_KEYS ? 0 : wg, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
+
+    // Per step: the next step's query tile starts loading, S^T and dP^T are
+    // computed, then dQ and dV, dK are issued together and dQ is added to
+    // dq_accum while dV and dK run. Every product of a step is waited for
+    // within the step: a wgmma in flight across the loop's back edge, or an
+    // accumulator read in the next step, makes ptxas serialize them all.
     for (int step = 0; step < steps.count; ++step) {
         const int buf = step & 1;
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // this step's tile is in shared memory; the previous step is done
         if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
         const T* Qb = Qs + buf * BM * D;
         const T* dOb = dOs + buf * BM * D;
@@ -103,6 +112,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
                              ks > 0);
         }
+        wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int kv_at = (ks >> 2) * (BN * 64) + wg * (64 * 64) + (ks & 3) * 16;
@@ -111,14 +121,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                              wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
         pin_registers(st);
-        pin_registers(dpt);
-
         const int key_lo = n0 + wg * 64;
-        probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64),
-                          m0, n0 + key_row + g, t, lse_s + buf * BM, delta_s + buf * BM,
-                          scale_log2);
+        probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0,
+              n0 + key_row + g, t, lse_s + buf * BM, scale_log2);
+        wgmma_wait<0>();
+        pin_registers(dpt);
+        dscores(st, dpt, t, delta_s + buf * BM);
 
         // P^T and dS^T as A fragments (16 queries a step), dS^T also to shared memory.
         unsigned pa[BM / 16][4], sa[BM / 16][4];
@@ -142,6 +152,24 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             }
         }
 
+        float dq[COLS / 8][4];
+        if (ATOMIC_DQ) {  // dQ = dS K, from dS^T in shared memory
+            fence_proxy_async();
+            if (DQ_SPLIT_KEYS)  // this warpgroup's own keys: its own dS^T rows
+                warpgroup_sync(wg);
+            else                // all 128 keys: both warpgroups' dS^T
+                __syncthreads();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < DQ_KSTEPS; ++kk)
+                Wgmma<T, COLS>::ss_mn(
+                    dq, wgmma_desc(dSs + (key16 + kk) * 16 * BM, BN * BM * sizeof(T), ATOM),
+                    wgmma_desc(Ks + col_block * (BN * 64) + (key16 + kk) * 16 * 64,
+                               BN * 64 * sizeof(T), ATOM),
+                    kk > 0);
+            wgmma_commit();
+        }
+
         // dV += P^T dO and dK += dS^T Q (16 queries a step).
         wgmma_fence();
 #pragma unroll
@@ -154,40 +182,24 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                             wgmma_desc(Qb + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
 
-        if (ATOMIC_DQ) {  // dQ = dS K: both warpgroups' dS^T are needed at D = 128
-            fence_proxy_async();
-            __syncthreads();
-            constexpr int COLS = DQ_SPLIT_KEYS ? D : 64;
-            const int col_block = DQ_SPLIT_KEYS ? 0 : wg, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
-            float dq[COLS / 8][4];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < DQ_KSTEPS; ++kk)
-                Wgmma<T, COLS>::ss_mn(
-                    dq, wgmma_desc(dSs + (key16 + kk) * 16 * BM, BN * BM * sizeof(T), ATOM),
-                    wgmma_desc(Ks + col_block * (BN * 64) + (key16 + kk) * 16 * 64,
-                               BN * 64 * sizeof(T), ATOM),
-                    kk > 0);
-            wgmma_commit();
-            wgmma_wait_all();
+        if (ATOMIC_DQ) {  // dQ is done (dV, dK may still run): add it to dq_accum
+            wgmma_wait<1>();
             pin_registers(dq);
-            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+            float* dq_rows =
+                dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = warp_row + g + 8 * r;
-                if (row >= rows) continue;
-                float* dst = dq_accum + (head_rows + m0 + row) * D + col_block * 64 + 2 * t;
+                float* dst = dq_rows + static_cast<long long>(row) * D + col_block * 64 + 2 * t;
 #pragma unroll
-                for (int j = 0; j < COLS / 8; ++j) {
-                    atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
-                }
+                for (int j = 0; j < COLS / 8; ++j)
+                    atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale,
+                                      row < rows);
             }
-        } else {
-            wgmma_wait_all();
         }
+        wgmma_wait<0>();
         pin_registers(dv_acc);
         pin_registers(dk_acc);
-        __syncthreads();  // this query buffer and dS^T are rewritten next
     }
     cp_async_wait<0>();
 

@@ -32,6 +32,10 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
+// A barrier of the 128 threads of warpgroup wg only (named barrier 1 + wg).
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
+}
 // cp.async and plain stores write shared memory through the generic proxy;
 // wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -41,7 +41,8 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
 ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp", "dkdv_wgb",
-                                                   "dkdv_wgb_atomic_dq")}
+                                                   "dkdv_wgb_atomic_dq", "dkdv_wgd",
+                                                   "dkdv_wgd_atomic_dq")}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -125,9 +126,18 @@ class Tiles:
             return None
         return {64: (64, 128), 128: (64, 128)}.get(self.head_dim)
 
-    def bwd_wgb_smem(self, itemsize=2):
-        """K, V, two buffers of Q, dO, lse and Delta, dS^T; + alignment to 1 KB."""
-        bm, bn = self.bwd_wgb
+    @property
+    def bwd_wgd(self):
+        """The Hopper wgmma dK/dV kernel with head_dim split between its two warpgroups:
+        (query rows, keys); sm 90 only, D = 256."""
+        if self.sm < 90:
+            return None
+        return {256: (64, 64)}.get(self.head_dim)
+
+    def bwd_wgb_smem(self, shape=None, itemsize=2):
+        """K, V, two buffers of Q, dO, lse and Delta, dS^T; + alignment to 1 KB
+        (``shape``: default ``bwd_wgb``)."""
+        bm, bn = shape or self.bwd_wgb
         return (itemsize * (2 * (2 * bm + bn) * self.head_dim + bn * bm)
                 + FLOAT_BYTES * 2 * 2 * bm + 1024)
 
@@ -187,10 +197,10 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, tc, tcw, tc32 or
-        tf32."""
-        if kind == "wgb":
-            return self.bwd_wgb[1], 256
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, tc, tcw, tc32
+        or tf32."""
+        if kind in ("wgb", "wgd"):
+            return getattr(self, f"bwd_{kind}")[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
         if kind == "tcw":
@@ -269,10 +279,12 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
-        if self.has_tensor_cores and tiles.bwd_wgb:
-            for role, atomic in (("dkdv_wgb_atomic_dq", "true"), ("dkdv_wgb", "false")):
-                names[role] = "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}>".format(
-                    t, d, tiles.bwd_wgb[0], atomic)
+        for family, shape in (("wgb", tiles.bwd_wgb), ("wgd", tiles.bwd_wgd)):
+            if self.has_tensor_cores and shape:
+                for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
+                    names[f"dkdv_{family}{suffix}"] = (
+                        "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}>".format(
+                            t, d, shape[0], atomic))
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -323,6 +335,8 @@ class _LoadedVariant:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         if "dkdv_wgb" in self.names:
             smem["dkdv_wgb_atomic_dq"] = smem["dkdv_wgb"] = tiles.bwd_wgb_smem()
+        if "dkdv_wgd" in self.names:
+            smem["dkdv_wgd_atomic_dq"] = smem["dkdv_wgd"] = tiles.bwd_wgb_smem(tiles.bwd_wgd)
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

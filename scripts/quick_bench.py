@@ -4,9 +4,10 @@ Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,409
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
 Rows: the default dispatch ("auto"), the general kernels, the tensor-core
 families the default passes over on this device (see cuflash.gpu: for 16 bits
-"mma" = the mma.sync forward where Hopper takes wgmma, "wg" = the wgmma
-forward without the pipelined softmax where the pipelined one serves
-(D = 64, 128), "wide" = the split-D backward everywhere; for float32
+"mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" =
+the wgmma forward without the pipelined softmax where the pipelined one
+serves (D = 64, 128), "wgd" = the wgmma backward for D = 256 (held back),
+"wide" = the split-D mma.sync backward everywhere; for float32
 "3xtf32" = the three-pass kernels held back in SKIP_FAMILIES, "tf32" =
 allow_tf32), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
@@ -24,8 +25,9 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb"})}, False),
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb", "wgd"})}, False),
             "wg": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgp"}}, False),
+            "wgd": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgd"}}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
             "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset()}, False),

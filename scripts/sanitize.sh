@@ -7,7 +7,8 @@ set -u
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-.gpuout}; mkdir -p "$OUT"
 tools=${*:-memcheck racecheck synccheck initcheck}
-settings=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import sanitize_cases; print(*sanitize_cases.SETTINGS)")
+# SANITIZE_SETTINGS (names of sanitize_cases.SETTINGS) narrows the run; default all.
+settings=${SANITIZE_SETTINGS:-$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import sanitize_cases; print(*sanitize_cases.SETTINGS)")}
 logs=$(mktemp -d)
 start=$SECONDS
 for tool in $tools; do

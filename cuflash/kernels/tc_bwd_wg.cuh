@@ -1,25 +1,33 @@
 // Hopper (sm_90a) backward kernel (dK, dV and optionally the atomic dQ) for
 // float16/bfloat16 on wgmma.
 //
-// One block of two warpgroups per (key tile of BN = 128 keys, KV head,
-// batch); warpgroup w owns keys [64 w, 64 w + 64), each of its warps 16 of
-// them, and keeps their dK and dV in registers while the block walks the
-// query heads of the group and the query tiles (BM = 64 rows) that see the
-// key tile. K and V stay in shared memory; Q, dO, lse and Delta of the next
-// query tile load (cp.async, two buffers) while this one is computed. All
-// 16-bit tiles use the 128-byte-swizzled layout of tc_fwd_wg.cuh. Per query
-// tile, for each warpgroup (M = its 64 keys):
+// One block of two warpgroups per (key tile, KV head, batch), looping over
+// the query heads of the group and the query tiles (BM = 64 rows) that see
+// the key tile; each warp owns 16 keys and keeps their dK and dV (or its
+// warpgroup's columns of them) in registers. K and V stay in shared memory;
+// Q, dO, lse and Delta of the next query tile load (cp.async, two buffers)
+// while this one is computed. All 16-bit tiles use the 128-byte-swizzled
+// layout of tc_fwd_wg.cuh. Two shapes:
+// - D = 64 and 128: BN = 128 keys, warpgroup w owns keys [64 w, 64 w + 64)
+//   and all D columns of their dK and dV.
+// - D = 256 (SPLIT_D): dK and dV of 64 keys by 256 columns do not fit one
+//   warpgroup's registers, so BN = 64 keys and warpgroup w owns columns
+//   [128 w, 128 w + 128) of all 64 keys' dK and dV; both warpgroups compute
+//   the same S^T and dP^T (40% more matrix work than the minimum, no
+//   exchange of P through shared memory).
+// Per query tile, for each warpgroup (M = 64 keys):
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
-//   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers,
-//                                    B = dO / Q N-major (smem)
+//   dV += P^T dO, dK += dS^T Q       wgmma m64n{D or 128}k16, A from the
+//                                    registers, B = dO / Q N-major (smem)
 //   dQ += dS K scale (ATOMIC_DQ)     dS^T to shared memory (16-bit), then
-//                                    wgmma m64n64k16 with A = dS M-major and
-//                                    B = K N-major, float32 atomics into
-//                                    dq_accum: at D = 128 warpgroup w takes
-//                                    columns [64 w, 64 w + 64) over all 128
-//                                    keys; at D = 64 all columns over its own
-//                                    64 keys (two atomics per element).
+//                                    wgmma with A = dS M-major and B = K
+//                                    N-major, float32 atomics into dq_accum:
+//                                    at D = 128 warpgroup w takes columns
+//                                    [64 w, 64 w + 64) over all 128 keys, at
+//                                    D = 256 columns [128 w, 128 w + 128) over
+//                                    the 64 keys, at D = 64 all columns over
+//                                    its own 64 keys (two atomics an element).
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
 #include "tc_fwd_wg.cuh"
@@ -36,12 +44,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr int BN = 128, NT = 256, QTILES = BM / 8, DTILES = D / 8, KSTEPS = D / 16;
+    constexpr bool SPLIT_D = D == 256;  // warpgroups split the columns, not the keys
+    constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = D / 16;
+    constexpr int DN = SPLIT_D ? 128 : D, DTILES = DN / 8;  // dK, dV columns a warpgroup
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    // dQ per warpgroup: keys split at D = 64 (N = 64 = D), columns split at D = 128.
+    // dQ per warpgroup: keys split at D = 64 (N = 64 = D), columns split at D = 128, 256.
     constexpr bool DQ_SPLIT_KEYS = D == 64;
-    constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : 8;
-    static_assert(BM == 64 && (D == 64 || D == 128), "tile shape");
+    constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : BN / 16;
+    static_assert(BM == 64 && (D == 64 || D == 128 || D == 256), "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
@@ -54,7 +64,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wg = warp >> 2, warp_row = (warp & 3) * 16, key_row = wg * 64 + warp_row;
+    const int wg = warp >> 2, warp_row = (warp & 3) * 16;
+    const int wg_key0 = SPLIT_D ? 0 : wg * 64;  // the warpgroup's first key in the tile
+    const int key_row = wg_key0 + warp_row;     // the warp's
+    const int col0 = SPLIT_D ? wg * DN : 0;                  // its first dK, dV column
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
 
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
@@ -82,9 +95,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
-    // dQ: this warpgroup's columns [64 col_block, + COLS) over keys [16 key16, + 16 DQ_KSTEPS).
-    constexpr int COLS = DQ_SPLIT_KEYS ? D : 64;
-    const int col_block = DQ_SPLIT_KEYS ? 0 : wg, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
+    // dQ: this warpgroup's columns [64 col_block, + 64 DQ_CHUNKS) over keys
+    // [16 key16, + 16 DQ_KSTEPS), DQ_COLS = 64 columns a chunk.
+    constexpr int DQ_COLS = 64, DQ_CHUNKS = DQ_SPLIT_KEYS ? 1 : D / 2 / DQ_COLS;
+    const int col_block = DQ_SPLIT_KEYS ? 0 : wg * DQ_CHUNKS, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
 
     // Per step: the next step's query tile starts loading, S^T and dP^T are
     // computed, then dQ and dV, dK are issued together and dQ is added to
@@ -107,7 +121,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            const int kv_at = (ks >> 2) * (BN * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
             const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
             Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
                              ks > 0);
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            const int kv_at = (ks >> 2) * (BN * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
             const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
             Wgmma<T, BM>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
                              wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
@@ -123,7 +137,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         wgmma_commit();
         wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
         pin_registers(st);
-        const int key_lo = n0 + wg * 64;
+        const int key_lo = n0 + wg_key0;
         probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0,
               n0 + key_row + g, t, lse_s + buf * BM, scale_log2);
         wgmma_wait<0>();
@@ -141,7 +155,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                 pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
                 sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
                 sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
-                if (ATOMIC_DQ) {  // element (key, query) at key * BM + swizzled chunk
+                // element (key, query) at key * BM + swizzled chunk; at D = 256 both
+                // warpgroups hold every key's dS^T: each writes half of the keys
+                if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int key = key_row + g + 8 * r;
@@ -152,49 +168,67 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             }
         }
 
-        float dq[COLS / 8][4];
-        if (ATOMIC_DQ) {  // dQ = dS K, from dS^T in shared memory
-            fence_proxy_async();
-            if (DQ_SPLIT_KEYS)  // this warpgroup's own keys: its own dS^T rows
-                warpgroup_sync(wg);
-            else                // all 128 keys: both warpgroups' dS^T
-                __syncthreads();
+        // dQ = dS K from dS^T in shared memory, in chunks of 64 columns (one at
+        // D = 64, 128; two at 256, where 128 columns of accumulators next to dK
+        // and dV would leave too few registers and ptxas would serialize).
+        float dq[DQ_COLS / 8][4];
+        float* dq_rows =
+            dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
+        auto issue_dq = [&](int chunk) {
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < DQ_KSTEPS; ++kk)
-                Wgmma<T, COLS>::ss_mn(
+                Wgmma<T, DQ_COLS>::ss_mn(
                     dq, wgmma_desc(dSs + (key16 + kk) * 16 * BM, BN * BM * sizeof(T), ATOM),
-                    wgmma_desc(Ks + col_block * (BN * 64) + (key16 + kk) * 16 * 64,
+                    wgmma_desc(Ks + (col_block + chunk) * (BN * 64) + (key16 + kk) * 16 * 64,
                                BN * 64 * sizeof(T), ATOM),
                     kk > 0);
             wgmma_commit();
-        }
-
-        // dV += P^T dO and dK += dS^T Q (16 queries a step).
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::rs(dv_acc, pa[kk],
-                            wgmma_desc(dOb + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::rs(dk_acc, sa[kk],
-                            wgmma_desc(Qb + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
-        wgmma_commit();
-
-        if (ATOMIC_DQ) {  // dQ is done (dV, dK may still run): add it to dq_accum
-            wgmma_wait<1>();
+        };
+        auto add_dq = [&](int chunk) {  // once the chunk's wgmma is done
             pin_registers(dq);
-            float* dq_rows =
-                dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = warp_row + g + 8 * r;
-                float* dst = dq_rows + static_cast<long long>(row) * D + col_block * 64 + 2 * t;
+                float* dst = dq_rows + static_cast<long long>(row) * D +
+                             (col_block + chunk) * 64 + 2 * t;
 #pragma unroll
-                for (int j = 0; j < COLS / 8; ++j)
+                for (int j = 0; j < DQ_COLS / 8; ++j)
                     atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale,
                                       row < rows);
+            }
+        };
+        if (ATOMIC_DQ) {
+            fence_proxy_async();
+            if (DQ_SPLIT_KEYS)  // this warpgroup's own keys: its own dS^T rows
+                warpgroup_sync(wg);
+            else                // all keys: dS^T from both warpgroups
+                __syncthreads();
+            issue_dq(0);
+        }
+
+        // dV += P^T dO and dK += dS^T Q (16 queries a step; columns from col0).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, DN>::rs(dv_acc, pa[kk],
+                             wgmma_desc(dOb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
+                                        BM * 64 * sizeof(T), ATOM), 1);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, DN>::rs(dk_acc, sa[kk],
+                             wgmma_desc(Qb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
+                                        BM * 64 * sizeof(T), ATOM), 1);
+        wgmma_commit();
+
+        if (ATOMIC_DQ) {  // the first chunk is done (dV, dK may still run): add it
+            wgmma_wait<1>();
+            add_dq(0);
+#pragma unroll
+            for (int chunk = 1; chunk < DQ_CHUNKS; ++chunk) {
+                issue_dq(chunk);
+                wgmma_wait<0>();
+                add_dq(chunk);
             }
         }
         wgmma_wait<0>();
@@ -204,7 +238,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     cp_async_wait<0>();
 
     const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
-    store_dkdv<T, D, DTILES>(dk, dv, tile_key, key_row, kv_capacity - n0, 0, dk_acc, dv_acc,
+    store_dkdv<T, D, DTILES>(dk, dv, tile_key, key_row, kv_capacity - n0, col0, dk_acc, dv_acc,
                              scale);
 }
 

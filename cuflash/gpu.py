@@ -23,8 +23,8 @@ LOG2E = 1.4426950408889634
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
 # kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32. "wgd" is there until the GPU suite has run it.
-SKIP_FAMILIES = frozenset({"tc32", "wgd"})
+# allows TF32.
+SKIP_FAMILIES = frozenset({"tc32"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
 FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb", "wgd")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where

@@ -40,9 +40,9 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # ("tc32": hi/lo split, float32 accuracy; "tf32": one pass, TF32 accuracy).
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
-ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in ("fwd_wg", "fwd_wgp", "dkdv_wgb",
-                                                   "dkdv_wgb_atomic_dq", "dkdv_wgd",
-                                                   "dkdv_wgd_atomic_dq")}
+ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in (
+    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd", "wgx")
+                           for suffix in ("", "_atomic_dq")))}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -134,11 +134,17 @@ class Tiles:
             return None
         return {256: (64, 64)}.get(self.head_dim)
 
-    def bwd_wgb_smem(self, shape=None, itemsize=2):
-        """K, V, two buffers of Q, dO, lse and Delta, dS^T; + alignment to 1 KB
-        (``shape``: default ``bwd_wgb``)."""
+    @property
+    def bwd_wgx(self):
+        """``bwd_wgd`` with S^T and dP^T split between the warpgroups by query columns
+        and P^T, dS^T exchanged through shared memory (no duplicated products)."""
+        return self.bwd_wgd
+
+    def bwd_wgb_smem(self, shape=None, itemsize=2, exchange=False):
+        """K, V, two buffers of Q, dO, lse and Delta, dS^T (and P^T with ``exchange``);
+        + alignment to 1 KB (``shape``: default ``bwd_wgb``)."""
         bm, bn = shape or self.bwd_wgb
-        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + bn * bm)
+        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + (2 if exchange else 1) * bn * bm)
                 + FLOAT_BYTES * 2 * 2 * bm + 1024)
 
     @property
@@ -197,9 +203,9 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, tc, tcw, tc32
-        or tf32."""
-        if kind in ("wgb", "wgd"):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, wgx, tc, tcw,
+        tc32 or tf32."""
+        if kind in ("wgb", "wgd", "wgx"):
             return getattr(self, f"bwd_{kind}")[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
@@ -279,12 +285,13 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
-        for family, shape in (("wgb", tiles.bwd_wgb), ("wgd", tiles.bwd_wgd)):
+        for family, shape, exchange in (("wgb", tiles.bwd_wgb, ""), ("wgd", tiles.bwd_wgd, ""),
+                                        ("wgx", tiles.bwd_wgx, ", true")):
             if self.has_tensor_cores and shape:
                 for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
                     names[f"dkdv_{family}{suffix}"] = (
-                        "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}>".format(
-                            t, d, shape[0], atomic))
+                        "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}{}>".format(
+                            t, d, shape[0], atomic, exchange))
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -337,6 +344,9 @@ class _LoadedVariant:
             smem["dkdv_wgb_atomic_dq"] = smem["dkdv_wgb"] = tiles.bwd_wgb_smem()
         if "dkdv_wgd" in self.names:
             smem["dkdv_wgd_atomic_dq"] = smem["dkdv_wgd"] = tiles.bwd_wgb_smem(tiles.bwd_wgd)
+        if "dkdv_wgx" in self.names:
+            smem["dkdv_wgx_atomic_dq"] = smem["dkdv_wgx"] = tiles.bwd_wgb_smem(
+                tiles.bwd_wgx, exchange=True)
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

@@ -8,9 +8,10 @@ shapes below: python scripts/gen_wgmma_ops.py
 from pathlib import Path
 
 TYPES = {"bf16_t": "bf16", "half_t": "f16"}
-N_SS = (64, 128)       # S = Q K^T: N = keys per tile
+N_SS = (32, 64, 128)   # S = Q K^T: N = keys per tile (32: half a backward query tile)
 N_RS = (64, 128, 256)  # O += P V: N = head_dim
 N_SS_MN = (64,)        # dQ = dS K in the backward: N = 64 columns of head_dim
+N_SS_NB = (128,)       # dV, dK with P^T, dS^T from shared memory: N = 128 columns of head_dim
 OUT = Path(__file__).resolve().parent.parent / "cuflash" / "kernels" / "wgmma_ops.cuh"
 
 
@@ -53,6 +54,22 @@ def ss_mn(ptx_type, n):
 '''
 
 
+def ss_nb(ptx_type, n):
+    acc = n // 2
+    return f'''    // D (64 x {n}) += A (64 x 16, shared memory, K-major) B (16 x {n}, shared memory,
+    // N-major).
+    static __device__ __forceinline__ void ss_nb(float (&d)[{n // 8}][4], unsigned long long a,
+                                                 unsigned long long b, int accumulate) {{
+        asm volatile(
+            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
+            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
+            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 1;\\n}}\\n"
+            : {operands(n)}
+            : "l"(a), "l"(b), "r"(accumulate));
+    }}
+'''
+
+
 def rs(ptx_type, n):
     acc = n // 2
     return f'''    // D (64 x {n}) += A (64 x 16, registers) B (16 x {n}, shared memory, N-major).
@@ -74,9 +91,10 @@ def main():
 // wgmma.mma_async (sm_90a) with float32 accumulators for one warpgroup:
 // Wgmma<T, N>::ss takes A and B from shared memory through matrix
 // descriptors (both K-major), ::ss_mn the same with A M-major and B N-major,
-// ::rs takes A from registers (the mma.sync m16n8k16 A layout, per warp) and
-// B N-major. The accumulator d[j][e] is
-// n8 tile j in the mma.sync C layout (e = 0, 1: row g; e = 2, 3: row g + 8).
+// ::ss_nb with A K-major and B N-major; ::rs takes A from registers (the
+// mma.sync m16n8k16 A layout, per warp) and B N-major. The accumulator
+// d[j][e] is n8 tile j in the mma.sync C layout (e = 0, 1: row g; e = 2, 3:
+// row g + 8).
 // `accumulate` = 0 overwrites d.
 #pragma once
 #include "common.cuh"
@@ -86,9 +104,10 @@ namespace cuflash {
 template <typename T, int N> struct Wgmma;
 ''']
     for cxx, ptx_type in TYPES.items():
-        for n in sorted(set(N_SS) | set(N_RS) | set(N_SS_MN)):
+        for n in sorted(set(N_SS) | set(N_RS) | set(N_SS_MN) | set(N_SS_NB)):
             body = ((ss(ptx_type, n) if n in N_SS else "")
                     + (ss_mn(ptx_type, n) if n in N_SS_MN else "")
+                    + (ss_nb(ptx_type, n) if n in N_SS_NB else "")
                     + (rs(ptx_type, n) if n in N_RS else ""))
             parts.append(f"\ntemplate <> struct Wgmma<{cxx}, {n}> {{\n{body}}};\n")
     parts.append("\n}  // namespace cuflash\n")

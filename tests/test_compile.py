@@ -105,7 +105,7 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
-        elif role.startswith(("dkdv_wgb", "dkdv_wgd")):  # per query tile: D / 16 each for
+        elif role.startswith(("dkdv_wgb", "dkdv_wgd", "dkdv_wgx")):  # per query tile: D / 16 each for
             # S^T and dP^T, BM / 16 each for dV and dK, and for dQ 16-key steps: 64 keys at
             # D = 64, 128 keys at 128, 64 keys in two column chunks at 256
             rows = getattr(variant.tiles, "bwd_" + role.split("_")[1])[0]

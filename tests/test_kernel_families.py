@@ -59,7 +59,7 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned, skip_families):
     """The forward and backward of A100-class GPUs, on D = 64/128/256 where Hopper takes
     wgmma (the backward at D = 64 and 128)."""
-    skip_families("wg", "wgp", "wgb", "wgd")
+    skip_families("wg", "wgp", "wgb", "wgd", "wgx")
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
@@ -75,12 +75,14 @@ def test_unpipelined_wgmma_forward_matches_oracle(case, rng, poisoned, skip_fami
 
 @pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim == 256], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_split_d_wgmma_backward_matches_oracle(case, deterministic, rng, poisoned,
+@pytest.mark.parametrize("family", ["wgd", "wgx"])
+def test_split_d_wgmma_backward_matches_oracle(case, deterministic, family, rng, poisoned,
                                                skip_families):
-    """The wgmma backward with head_dim split between its warpgroups ("wgd", D = 256)."""
+    """The wgmma backwards with head_dim split between the warpgroups (D = 256): both
+    computing S^T and dP^T ("wgd"), or each half of them, P^T and dS^T exchanged ("wgx")."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
-    skip_families(*gpu.SKIP_FAMILIES - {"wgd"})
+    skip_families(*(gpu.SKIP_FAMILIES | {"wgd", "wgx"}) - {family})
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
@@ -116,9 +118,12 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = prob(case, q, k, v)
     assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == "dkdv_tcw_atomic_dq"
-    skip_families("tc32")
+    skip_families("tc32", "wgx")
     assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == (
         "dkdv_wgd_atomic_dq" if _hopper() else "dkdv_tcw_atomic_dq")
+    skip_families("tc32")
+    assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == (
+        "dkdv_wgx_atomic_dq" if _hopper() else "dkdv_tcw_atomic_dq")
     skip_families("tc32", "wgd")
     assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wg" if _hopper() else "fwd_tc")
     case = Case(dtype="bfloat16", head_dim=128)

@@ -14,7 +14,9 @@
 //   warpgroup's registers, so BN = 64 keys and warpgroup w owns columns
 //   [128 w, 128 w + 128) of all 64 keys' dK and dV; both warpgroups compute
 //   the same S^T and dP^T (40% more matrix work than the minimum, no
-//   exchange of P through shared memory).
+//   exchange of P through shared memory). With EXCHANGE, warpgroup w computes
+//   S^T and dP^T for query columns [32 w, 32 w + 32) only, both write their
+//   P^T and dS^T halves to shared memory, and dV, dK take A from there.
 // Per query tile, for each warpgroup (M = 64 keys):
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
@@ -34,7 +36,7 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BM, bool ATOMIC_DQ>
+template <typename T, int D, int BM, bool ATOMIC_DQ, bool EXCHANGE = false>
 __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -52,6 +54,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     constexpr bool DQ_SPLIT_KEYS = D == 64;
     constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : BN / 16;
     static_assert(BM == 64 && (D == 64 || D == 128 || D == 256), "tile shape");
+    static_assert(!EXCHANGE || SPLIT_D, "the exchange of P^T and dS^T is for split columns");
+    // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
+    // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
+    constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
@@ -60,14 +66,16 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     T* Qs = Vs + BN * D;            // two buffers of BM x D
     T* dOs = Qs + 2 * BM * D;       // two buffers of BM x D
     T* dSs = dOs + 2 * BM * D;      // dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
+    T* Ps = dSs + BN * BM;          // P^T, [BN keys][BM queries] (EXCHANGE only)
+    float* lse_s = reinterpret_cast<float*>(Ps + (EXCHANGE ? BN * BM : 0));  // two buffers of BM
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;
     const int wg_key0 = SPLIT_D ? 0 : wg * 64;  // the warpgroup's first key in the tile
     const int key_row = wg_key0 + warp_row;     // the warp's
-    const int col0 = SPLIT_D ? wg * DN : 0;                  // its first dK, dV column
+    const int col0 = SPLIT_D ? wg * DN : 0;     // the warpgroup's first dK, dV column
+    const int q0 = EXCHANGE ? wg * SN : 0;      // and first S^T query column
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
 
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
@@ -116,38 +124,45 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         const T* Qb = Qs + buf * BM * D;
         const T* dOb = dOs + buf * BM * D;
 
-        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
-        float st[QTILES][4], dpt[QTILES][4];
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (queries from q0).
+        float st[STILES][4], dpt[STILES][4];
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
-            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
-            Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
+            const int q_at = (ks >> 2) * (BM * 64) + q0 * 64 + (ks & 3) * 16;
+            Wgmma<T, SN>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
                              ks > 0);
         }
         wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
-            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
-            Wgmma<T, BM>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
+            const int q_at = (ks >> 2) * (BM * 64) + q0 * 64 + (ks & 3) * 16;
+            Wgmma<T, SN>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
                              wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
         }
         wgmma_commit();
         wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
         pin_registers(st);
         const int key_lo = n0 + wg_key0;
-        probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0,
-              n0 + key_row + g, t, lse_s + buf * BM, scale_log2);
+        probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0 + q0,
+              n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2);
         wgmma_wait<0>();
         pin_registers(dpt);
-        dscores(st, dpt, t, delta_s + buf * BM);
+        dscores(st, dpt, t, delta_s + buf * BM + q0);
 
-        // P^T and dS^T as A fragments (16 queries a step), dS^T also to shared memory.
-        unsigned pa[BM / 16][4], sa[BM / 16][4];
+        // Element (key, query) of a [keys][BM queries] tile: key * BM + swizzled chunk.
+        auto store_pair = [&](T* tile, int key, int chunk, unsigned pair) {
+            *reinterpret_cast<unsigned*>(tile + key * BM + ((chunk ^ (key & 7)) << 3) + 2 * t) =
+                pair;
+        };
+        // P^T and dS^T as A fragments (16 queries a step); dS^T (and with
+        // EXCHANGE P^T) also to shared memory. Without EXCHANGE at D = 256 both
+        // warpgroups hold every key's dS^T: each writes half of the keys.
+        unsigned pa[SN / 16][4], sa[SN / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
+        for (int kk = 0; kk < SN / 16; ++kk) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int j = 2 * kk + half;
@@ -155,14 +170,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                 pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
                 sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
                 sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
-                // element (key, query) at key * BM + swizzled chunk; at D = 256 both
-                // warpgroups hold every key's dS^T: each writes half of the keys
-                if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int key = key_row + g + 8 * r;
-                        *reinterpret_cast<unsigned*>(dSs + key * BM + ((j ^ (key & 7)) << 3) +
-                                                     2 * t) = sa[kk][2 * half + r];
+                for (int r = 0; r < 2; ++r) {
+                    const int key = key_row + g + 8 * r;
+                    if (EXCHANGE) {
+                        store_pair(Ps, key, q0 / 8 + j, pa[kk][2 * half + r]);
+                        store_pair(dSs, key, q0 / 8 + j, sa[kk][2 * half + r]);
+                    } else if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
+                        store_pair(dSs, key, j, sa[kk][2 * half + r]);
                     }
                 }
             }
@@ -198,27 +213,42 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                                       row < rows);
             }
         };
-        if (ATOMIC_DQ) {
+        if (ATOMIC_DQ || EXCHANGE) {
             fence_proxy_async();
             if (DQ_SPLIT_KEYS)  // this warpgroup's own keys: its own dS^T rows
                 warpgroup_sync(wg);
-            else                // all keys: dS^T from both warpgroups
+            else                // all keys (or all queries): both warpgroups' halves
                 __syncthreads();
-            issue_dq(0);
         }
+        if (ATOMIC_DQ) issue_dq(0);
 
-        // dV += P^T dO and dK += dS^T Q (16 queries a step; columns from col0).
+        // dV += P^T dO and dK += dS^T Q (16 queries a step; columns from col0):
+        // A from the registers, or with EXCHANGE from shared memory (all BM
+        // queries, both warpgroups' halves).
         wgmma_fence();
+        const T* dO_cols = dOb + (col0 / 64) * (BM * 64);
+        const T* Q_cols = Qb + (col0 / 64) * (BM * 64);
+        if constexpr (EXCHANGE) {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DN>::rs(dv_acc, pa[kk],
-                             wgmma_desc(dOb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
-                                        BM * 64 * sizeof(T), ATOM), 1);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DN>::ss_nb(dv_acc, wgmma_desc(Ps + kk * 16, 16, ATOM),
+                                    wgmma_desc(dO_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM),
+                                    1);
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DN>::rs(dk_acc, sa[kk],
-                             wgmma_desc(Qb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
-                                        BM * 64 * sizeof(T), ATOM), 1);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DN>::ss_nb(dk_acc, wgmma_desc(dSs + kk * 16, 16, ATOM),
+                                    wgmma_desc(Q_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM),
+                                    1);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DN>::rs(dv_acc, pa[kk],
+                                 wgmma_desc(dO_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DN>::rs(dk_acc, sa[kk],
+                                 wgmma_desc(Q_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+        }
         wgmma_commit();
 
         if (ATOMIC_DQ) {  // the first chunk is done (dV, dK may still run): add it

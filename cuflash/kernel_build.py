@@ -41,7 +41,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
 ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in (
-    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd", "wgx")
+    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgm", "wgd", "wgx")
                            for suffix in ("", "_atomic_dq")))}
 THREADS = 128
 FLOAT_BYTES = 4
@@ -127,6 +127,14 @@ class Tiles:
         return {64: (64, 128), 128: (64, 128)}.get(self.head_dim)
 
     @property
+    def bwd_wgm(self):
+        """The Hopper wgmma dK/dV kernel on query tiles of 128 rows (twice the work per
+        barrier, dQ split by queries): (query rows, keys); sm 90 only, D = 64."""
+        if self.sm < 90:
+            return None
+        return {64: (128, 128)}.get(self.head_dim)
+
+    @property
     def bwd_wgd(self):
         """The Hopper wgmma dK/dV kernel with head_dim split between its two warpgroups:
         (query rows, keys); sm 90 only, D = 256."""
@@ -203,9 +211,9 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, wgx, tc, tcw,
-        tc32 or tf32."""
-        if kind in ("wgb", "wgd", "wgx"):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgm, wgd, wgx, tc,
+        tcw, tc32 or tf32."""
+        if kind in ("wgb", "wgm", "wgd", "wgx"):
             return getattr(self, f"bwd_{kind}")[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
@@ -285,7 +293,8 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
-        for family, shape, exchange in (("wgb", tiles.bwd_wgb, ""), ("wgd", tiles.bwd_wgd, ""),
+        for family, shape, exchange in (("wgb", tiles.bwd_wgb, ""), ("wgm", tiles.bwd_wgm, ""),
+                                        ("wgd", tiles.bwd_wgd, ""),
                                         ("wgx", tiles.bwd_wgx, ", true")):
             if self.has_tensor_cores and shape:
                 for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
@@ -342,6 +351,8 @@ class _LoadedVariant:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         if "dkdv_wgb" in self.names:
             smem["dkdv_wgb_atomic_dq"] = smem["dkdv_wgb"] = tiles.bwd_wgb_smem()
+        if "dkdv_wgm" in self.names:
+            smem["dkdv_wgm_atomic_dq"] = smem["dkdv_wgm"] = tiles.bwd_wgb_smem(tiles.bwd_wgm)
         if "dkdv_wgd" in self.names:
             smem["dkdv_wgd_atomic_dq"] = smem["dkdv_wgd"] = tiles.bwd_wgb_smem(tiles.bwd_wgd)
         if "dkdv_wgx" in self.names:

@@ -41,7 +41,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
             np.int32(h), np.int32(1), np.int32(s), *gpu._mask_args(problem),
             np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * gpu.LOG2E))
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
-    for family in ("wgb", "wgd", "wgx", "tc", "tcw"):
+    for family in ("wgb", "wgm", "wgd", "wgx", "tc", "tcw"):
         for suffix, passes in (("", 4), ("_atomic_dq", 5)):
             role = f"dkdv_{family}{suffix}"
             if role not in module.names:

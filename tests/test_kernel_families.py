@@ -59,7 +59,7 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned, skip_families):
     """The forward and backward of A100-class GPUs, on D = 64/128/256 where Hopper takes
     wgmma (the backward at D = 64 and 128)."""
-    skip_families("wg", "wgp", "wgb", "wgd", "wgx")
+    skip_families("wg", "wgp", "wgb", "wgm", "wgd", "wgx")
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
@@ -71,6 +71,17 @@ def test_unpipelined_wgmma_forward_matches_oracle(case, rng, poisoned, skip_fami
         pytest.skip("wgmma needs compute capability 9.0")
     skip_families(*gpu.SKIP_FAMILIES, "wgp")
     run_and_check(case, cupy, rng)
+
+
+@pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim == 64], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wide_query_tile_wgmma_backward_matches_oracle(case, deterministic, rng, poisoned,
+                                                       skip_families):
+    """The wgmma backward on query tiles of 128 rows ("wgm", D = 64)."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    skip_families(*gpu.SKIP_FAMILIES - {"wgm"})
+    run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim == 256], ids=str)

@@ -2,9 +2,10 @@
 // float16/bfloat16 on wgmma.
 //
 // One block of two warpgroups per (key tile, KV head, batch), looping over
-// the query heads of the group and the query tiles (BM = 64 rows) that see
-// the key tile; each warp owns 16 keys and keeps their dK and dV (or its
-// warpgroup's columns of them) in registers. K and V stay in shared memory;
+// the query heads of the group and the query tiles (BM = 64 rows; 128 in a
+// variant for D = 64, below) that see the key tile; each warp owns 16 keys
+// and keeps their dK and dV (or its warpgroup's columns of them) in
+// registers. K and V stay in shared memory;
 // Q, dO, lse and Delta of the next query tile load (cp.async, two buffers)
 // while this one is computed. All 16-bit tiles use the 128-byte-swizzled
 // layout of tc_fwd_wg.cuh. Two shapes:
@@ -30,6 +31,9 @@
 //                                    D = 256 columns [128 w, 128 w + 128) over
 //                                    the 64 keys, at D = 64 all columns over
 //                                    its own 64 keys (two atomics an element).
+// With BM = 128 (D = 64 only) each query tile carries twice the work per
+// barrier, and dQ splits by queries: warpgroup w adds rows [64 w, 64 w + 64)
+// over all 128 keys (one atomic an element).
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
 #include "tc_fwd_wg.cuh"
@@ -50,10 +54,12 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = D / 16;
     constexpr int DN = SPLIT_D ? 128 : D, DTILES = DN / 8;  // dK, dV columns a warpgroup
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    // dQ per warpgroup: keys split at D = 64 (N = 64 = D), columns split at D = 128, 256.
-    constexpr bool DQ_SPLIT_KEYS = D == 64;
+    // dQ per warpgroup: at D = 64 with BM = 64 split by keys (N = 64 = D), with
+    // BM = 128 by queries (M = 64 of them); at D = 128, 256 by columns.
+    constexpr bool DQ_SPLIT_QUERIES = BM == 128, DQ_SPLIT_KEYS = D == 64 && !DQ_SPLIT_QUERIES;
     constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : BN / 16;
-    static_assert(BM == 64 && (D == 64 || D == 128 || D == 256), "tile shape");
+    static_assert((BM == 64 || (BM == 128 && D == 64 && !EXCHANGE)) &&
+                  (D == 64 || D == 128 || D == 256), "tile shape");
     static_assert(!EXCHANGE || SPLIT_D, "the exchange of P^T and dS^T is for split columns");
     // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
@@ -104,9 +110,12 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
     // dQ: this warpgroup's columns [64 col_block, + 64 DQ_CHUNKS) over keys
-    // [16 key16, + 16 DQ_KSTEPS), DQ_COLS = 64 columns a chunk.
-    constexpr int DQ_COLS = 64, DQ_CHUNKS = DQ_SPLIT_KEYS ? 1 : D / 2 / DQ_COLS;
-    const int col_block = DQ_SPLIT_KEYS ? 0 : wg * DQ_CHUNKS, key16 = DQ_SPLIT_KEYS ? 4 * wg : 0;
+    // [16 key16, + 16 DQ_KSTEPS) for queries [64 dq_block, + 64) of the tile,
+    // DQ_COLS = 64 columns a chunk.
+    constexpr int DQ_COLS = 64;
+    constexpr int DQ_CHUNKS = (DQ_SPLIT_KEYS || DQ_SPLIT_QUERIES) ? 1 : D / 2 / DQ_COLS;
+    const int col_block = (DQ_SPLIT_KEYS || DQ_SPLIT_QUERIES) ? 0 : wg * DQ_CHUNKS;
+    const int key16 = DQ_SPLIT_KEYS ? 4 * wg : 0, dq_block = DQ_SPLIT_QUERIES ? wg : 0;
 
     // Per step: the next step's query tile starts loading, S^T and dP^T are
     // computed, then dQ and dV, dK are issued together and dQ is added to
@@ -152,10 +161,11 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         pin_registers(dpt);
         dscores(st, dpt, t, delta_s + buf * BM + q0);
 
-        // Element (key, query) of a [keys][BM queries] tile: key * BM + swizzled chunk.
+        // Element (key, query) of a [BN keys][BM queries] tile in the swizzled
+        // layout (column blocks of 64 queries); chunk = query / 8.
         auto store_pair = [&](T* tile, int key, int chunk, unsigned pair) {
-            *reinterpret_cast<unsigned*>(tile + key * BM + ((chunk ^ (key & 7)) << 3) + 2 * t) =
-                pair;
+            *reinterpret_cast<unsigned*>(tile + (chunk >> 3) * (BN * 64) + key * 64 +
+                                         (((chunk & 7) ^ (key & 7)) << 3) + 2 * t) = pair;
         };
         // P^T and dS^T as A fragments (16 queries a step); dS^T (and with
         // EXCHANGE P^T) also to shared memory. Without EXCHANGE at D = 256 both
@@ -170,15 +180,16 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                 pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
                 sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
                 sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
+                if (EXCHANGE) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int key = key_row + g + 8 * r;
-                    if (EXCHANGE) {
-                        store_pair(Ps, key, q0 / 8 + j, pa[kk][2 * half + r]);
-                        store_pair(dSs, key, q0 / 8 + j, sa[kk][2 * half + r]);
-                    } else if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
-                        store_pair(dSs, key, j, sa[kk][2 * half + r]);
+                    for (int r = 0; r < 2; ++r) {
+                        store_pair(Ps, key_row + g + 8 * r, q0 / 8 + j, pa[kk][2 * half + r]);
+                        store_pair(dSs, key_row + g + 8 * r, q0 / 8 + j, sa[kk][2 * half + r]);
                     }
+                } else if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        store_pair(dSs, key_row + g + 8 * r, j, sa[kk][2 * half + r]);
                 }
             }
         }
@@ -194,7 +205,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
             for (int kk = 0; kk < DQ_KSTEPS; ++kk)
                 Wgmma<T, DQ_COLS>::ss_mn(
-                    dq, wgmma_desc(dSs + (key16 + kk) * 16 * BM, BN * BM * sizeof(T), ATOM),
+                    dq, wgmma_desc(dSs + dq_block * (BN * 64) + (key16 + kk) * 16 * 64,
+                                   BN * 64 * sizeof(T), ATOM),
                     wgmma_desc(Ks + (col_block + chunk) * (BN * 64) + (key16 + kk) * 16 * 64,
                                BN * 64 * sizeof(T), ATOM),
                     kk > 0);
@@ -204,7 +216,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             pin_registers(dq);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = warp_row + g + 8 * r;
+                const int row = dq_block * 64 + warp_row + g + 8 * r;
                 float* dst = dq_rows + static_cast<long long>(row) * D +
                              (col_block + chunk) * 64 + 2 * t;
 #pragma unroll
@@ -220,15 +232,18 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             else                // all keys (or all queries): both warpgroups' halves
                 __syncthreads();
         }
-        if (ATOMIC_DQ) issue_dq(0);
+        // With BM = 128 dQ goes after dV and dK: P^T and dS^T of 128 queries in
+        // registers next to dQ's accumulators spill.
+        constexpr bool DQ_AFTER = DQ_SPLIT_QUERIES;
+        if (ATOMIC_DQ && !DQ_AFTER) issue_dq(0);
 
         // dV += P^T dO and dK += dS^T Q (16 queries a step; columns from col0):
         // A from the registers, or with EXCHANGE from shared memory (all BM
         // queries, both warpgroups' halves).
         wgmma_fence();
-        const T* dO_cols = dOb + (col0 / 64) * (BM * 64);
-        const T* Q_cols = Qb + (col0 / 64) * (BM * 64);
         if constexpr (EXCHANGE) {
+            const T* dO_cols = dOb + (col0 / 64) * (BM * 64);
+            const T* Q_cols = Qb + (col0 / 64) * (BM * 64);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
                 Wgmma<T, DN>::ss_nb(dv_acc, wgmma_desc(Ps + kk * 16, 16, ATOM),
@@ -243,15 +258,21 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
                 Wgmma<T, DN>::rs(dv_acc, pa[kk],
-                                 wgmma_desc(dO_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+                                 wgmma_desc(dOb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
+                                            BM * 64 * sizeof(T), ATOM), 1);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
                 Wgmma<T, DN>::rs(dk_acc, sa[kk],
-                                 wgmma_desc(Q_cols + kk * 16 * 64, BM * 64 * sizeof(T), ATOM), 1);
+                                 wgmma_desc(Qb + (col0 / 64) * (BM * 64) + kk * 16 * 64,
+                                            BM * 64 * sizeof(T), ATOM), 1);
         }
         wgmma_commit();
 
-        if (ATOMIC_DQ) {  // the first chunk is done (dV, dK may still run): add it
+        if (ATOMIC_DQ && DQ_AFTER) {
+            issue_dq(0);
+            wgmma_wait<0>();
+            add_dq(0);
+        } else if (ATOMIC_DQ) {  // the first chunk is done (dV, dK may still run): add it
             wgmma_wait<1>();
             add_dq(0);
 #pragma unroll

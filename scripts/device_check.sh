@@ -3,7 +3,8 @@
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
 #   steps: precompile, tests, demo (the default), families, fuzz, quick, asv, bench-float32,
-#          bench-tf32, first-call, train, sanitize
+#          bench-tf32, first-call, train, sanitize, ncu (Nsight Compute on the first launch of
+#          NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall reasons, tensor pipe use)
 # "families" runs tests/test_kernel_families.py in its own process (a kernel fault
 # there cannot spoil the rest of the suite); "tests" then leaves that file out.
 # Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
@@ -51,6 +52,10 @@ for step in $steps; do
     train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \
            --require-target ;;
     sanitize) TAIL=30 run sanitize ${SANITIZE_LIMIT:-400} bash scripts/sanitize.sh ;;
+    ncu) TAIL=60 run ncu 240 ncu --kernel-name "regex:${NCU_KERNEL:-attention_fwd_wgmma}" \
+           --launch-count 1 --section SpeedOfLight --section SchedulerStats \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
+           python3 scripts/quick_bench.py ${NCU_CASE:-64,4096,0} ;;
     *) echo "unknown step $step" ;;
   esac
 done

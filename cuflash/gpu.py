@@ -111,6 +111,31 @@ def forward(problem, q, k, v):
     return out, lse
 
 
+def backward_delta(module, problem, dout, output):
+    """Delta = rowsum(dO * O) per query row (float32, the lse's shape)."""
+    delta = cupy.empty(problem.lse_shape, dtype=np.float32)
+    _launch(module, "delta", (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
+            (dout, output, delta, *_strides(dout), *_strides(output),
+             np.int32(problem.num_heads), np.int32(problem.q_len)))
+    return delta
+
+
+def _backward_shape_args(problem, q, k, v, dout):
+    """Strides of q, k, v and dout, then the head counts."""
+    return (*_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            np.int32(problem.num_heads), np.int32(problem.group_size))
+
+
+def _backward_scales(problem):
+    return np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E)
+
+
+def dkdv_args(problem, q, k, v, dout, lse, delta, dq, dk, dv):
+    """The arguments of every dK/dV kernel role (``dq``: dq_accum, or dQ when unused)."""
+    return (q, k, v, dout, lse, delta, dq, dk, dv, *_backward_shape_args(problem, q, k, v, dout),
+            np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
+
+
 def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     """Return ``(dq, dk, dv)``; see :func:`cuflash.flash_attention_bwd`."""
     dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
@@ -119,14 +144,7 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
     module = kernel_build.load(_variant(problem))
     tiles = module.variant.tiles
-    heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
-    scales = (np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E))
-    qkv_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-
-    delta = cupy.empty(problem.lse_shape, dtype=np.float32)
-    _launch(module, "delta", (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-            (dout, output, delta, *_strides(dout), *_strides(output),
-             np.int32(problem.num_heads), np.int32(problem.q_len)))
+    delta = backward_delta(module, problem, dout, output)
 
     # dK and dV (and with atomics dQ) per key tile: tensor cores where they apply.
     suffix = "" if deterministic else "_atomic_dq"
@@ -141,14 +159,12 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     if problem.kv_capacity:
         _launch(module, dkdv_role,
                 (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch),
-                threads=threads, args=(
-                    q, k, v, dout, lse, delta, dq, dk, dv, *qkv_strides, *heads,
-                    np.int32(problem.kv_capacity), *_mask_args(problem), *scales))
+                threads=threads, args=dkdv_args(problem, q, k, v, dout, lse, delta, dq, dk, dv))
     if deterministic:  # dQ by its own pass over the keys, no atomics
         _launch(module, "dq", (math.ceil(problem.q_len / tiles.dq[0]), problem.num_heads,
                                problem.batch), (
-            q, k, v, dout, lse, delta, dq, *qkv_strides, *heads, *_mask_args(problem),
-            *scales))
+            q, k, v, dout, lse, delta, dq, *_backward_shape_args(problem, q, k, v, dout),
+            *_mask_args(problem), *_backward_scales(problem)))
     elif problem.dtype != np.float32:
         dq = dq_accum.astype(problem.dtype)
     if synchronize:

@@ -31,15 +31,10 @@ def main(d=128, s=4096, causal=False, ncu=False):
     module = kernel_build.load(gpu._variant(problem))
     tiles = module.variant.tiles
     flops = 4 * b * h * s * s * d / (2 if causal else 1)  # one product pass
-    delta = cupy.empty(problem.lse_shape, dtype=np.float32)
-    gpu._launch(module, "delta", (math.ceil(s / 4), h, b),
-                (do, out, delta, *gpu._strides(do), *gpu._strides(out), np.int32(h), np.int32(s)))
+    delta = gpu.backward_delta(module, problem, do, out)
     dk, dv = cupy.empty_like(k), cupy.empty_like(v)
     dq_accum = cupy.zeros(q.shape, dtype=np.float32)
-    args = (q, k, v, do, lse, delta, dq_accum, dk, dv,
-            *gpu._strides(q), *gpu._strides(k), *gpu._strides(v), *gpu._strides(do),
-            np.int32(h), np.int32(1), np.int32(s), *gpu._mask_args(problem),
-            np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * gpu.LOG2E))
+    args = gpu.dkdv_args(problem, q, k, v, do, lse, delta, dq_accum, dk, dv)
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
     for family in ("wgb", "wgm", "wgd", "wgx", "tc", "tcw"):
         for suffix, passes in (("", 4), ("_atomic_dq", 5)):

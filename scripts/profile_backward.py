@@ -8,6 +8,7 @@ its share of the products (dK, dV: 4 of the 5; with dQ: all 5). With --ncu it
 runs each role once more for Nsight Compute (use under `ncu`).
 """
 
+import functools
 import math
 import sys
 
@@ -44,8 +45,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
             keys, threads = tiles.fast_bwd(family)
             grid = (math.ceil(s / keys), h, b)
 
-            def call():
-                gpu._launch(module, role, grid, args, threads=threads)
+            call = functools.partial(gpu._launch, module, role, grid, args, threads=threads)
             if ncu:
                 call()
                 continue

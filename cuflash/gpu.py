@@ -13,10 +13,9 @@ LOG2E = 1.4426950408889634
 # mma.sync; its backward prefetches the next query tile, 8 warps on 128 keys),
 # "wg" (16-bit Hopper wgmma forward, two warpgroups a block), "wgp" (the same
 # with the softmax under the wgmma, pipelined; D = 64 and 128), "wgb" (16-bit
-# Hopper wgmma backward; D = 64 and 128), "wgm" (the same on 128-row query
-# tiles; D = 64), "wgd" (the same with head_dim split
-# between the warpgroups; D = 256), "wgx" ("wgd" with S^T and dP^T split too,
-# P^T and dS^T exchanged through shared memory), "tcw" (16-bit
+# Hopper wgmma backward; D = 64 and 128), "wgd" (the same with head_dim split
+# between the warpgroups, S^T and dP^T split by queries and P^T, dS^T
+# exchanged through shared memory; D = 256), "tcw" (16-bit
 # backward with head_dim split across warps), "tc32" and "tf32" (float32 on
 # TF32 tensor cores: three passes, float32 accuracy; one pass, opt-in TF32
 # accuracy).
@@ -25,10 +24,10 @@ LOG2E = 1.4426950408889634
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
 # kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32. "wgm" and "wgx" are there until the GPU suite has run them.
-SKIP_FAMILIES = frozenset({"tc32", "wgm", "wgx"})
+# allows TF32.
+SKIP_FAMILIES = frozenset({"tc32"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
-FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgm", "wgb", "wgx", "wgd")}
+FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb", "wgd")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
 PREFER_WIDE_BACKWARD = False
@@ -77,7 +76,7 @@ def _fast_families(problem, backward=False):
     if problem.dtype == np.float32:
         return ("tf32",) if problem.allow_tf32 else ("tc32",)
     if backward:
-        wgmma = ("wgm", "wgb", "wgx", "wgd")
+        wgmma = ("wgb", "wgd")
         return ("tcw",) + wgmma + ("tc",) if PREFER_WIDE_BACKWARD else wgmma + ("tc", "tcw")
     return ("wgp", "wg", "tc")
 

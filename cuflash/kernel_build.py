@@ -41,7 +41,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
 ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in (
-    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgm", "wgd", "wgx")
+    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd")
                            for suffix in ("", "_atomic_dq")))}
 THREADS = 128
 FLOAT_BYTES = 4
@@ -101,9 +101,10 @@ class Tiles:
         return self.fwd_wg if self.head_dim <= 128 else None
 
     def fwd_wg_smem(self, shape=None, itemsize=2):
-        """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``)."""
+        """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``): Q, two
+        buffers of K and V, a float a thread (ordering stores) and alignment to 1 KB."""
         bn, wg = shape or self.fwd_wg
-        return itemsize * self.head_dim * (64 * wg + 4 * bn) + 1024  # + alignment to 1 KB
+        return itemsize * self.head_dim * (64 * wg + 4 * bn) + FLOAT_BYTES * 128 * wg + 1024
 
     def fwd_tc_threads(self):
         rows, _, m_tiles, _ = self.fwd_tc
@@ -121,38 +122,27 @@ class Tiles:
     @property
     def bwd_wgb(self):
         """Hopper wgmma dK/dV kernel: (query rows, keys); two warpgroups of 64 keys; sm 90
-        only, D = 64 and 128 (dK and dV of D = 256 do not fit in the registers)."""
+        only, D = 64 (128-row query tiles, dQ split by queries) and 128 (dK and dV of
+        D = 256 do not fit in the registers)."""
         if self.sm < 90:
             return None
-        return {64: (64, 128), 128: (64, 128)}.get(self.head_dim)
-
-    @property
-    def bwd_wgm(self):
-        """The Hopper wgmma dK/dV kernel on query tiles of 128 rows (twice the work per
-        barrier, dQ split by queries): (query rows, keys); sm 90 only, D = 64."""
-        if self.sm < 90:
-            return None
-        return {64: (128, 128)}.get(self.head_dim)
+        return {64: (128, 128), 128: (64, 128)}.get(self.head_dim)
 
     @property
     def bwd_wgd(self):
-        """The Hopper wgmma dK/dV kernel with head_dim split between its two warpgroups:
-        (query rows, keys); sm 90 only, D = 256."""
+        """The Hopper wgmma dK/dV kernel with head_dim split between its two warpgroups,
+        S^T and dP^T split by query columns and P^T, dS^T exchanged through shared
+        memory: (query rows, keys); sm 90 only, D = 256."""
         if self.sm < 90:
             return None
         return {256: (64, 64)}.get(self.head_dim)
 
-    @property
-    def bwd_wgx(self):
-        """``bwd_wgd`` with S^T and dP^T split between the warpgroups by query columns
-        and P^T, dS^T exchanged through shared memory (no duplicated products)."""
-        return self.bwd_wgd
-
-    def bwd_wgb_smem(self, shape=None, itemsize=2, exchange=False):
-        """K, V, two buffers of Q, dO, lse and Delta, dS^T (and P^T with ``exchange``);
-        + alignment to 1 KB (``shape``: default ``bwd_wgb``)."""
-        bm, bn = shape or self.bwd_wgb
-        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + (2 if exchange else 1) * bn * bm)
+    def bwd_wg_smem(self, family, itemsize=2):
+        """Shared memory of wgmma dK/dV family ``family`` (wgb or wgd): K, V, two buffers
+        of Q, dO, lse and Delta, dS^T (and P^T for wgd's exchange); + alignment to 1 KB."""
+        bm, bn = getattr(self, f"bwd_{family}")
+        exchanged = 2 if family == "wgd" else 1
+        return (itemsize * (2 * (2 * bm + bn) * self.head_dim + exchanged * bn * bm)
                 + FLOAT_BYTES * 2 * 2 * bm + 1024)
 
     @property
@@ -211,9 +201,9 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgm, wgd, wgx, tc,
-        tcw, tc32 or tf32."""
-        if kind in ("wgb", "wgm", "wgd", "wgx"):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, tc, tcw, tc32
+        or tf32."""
+        if kind in ("wgb", "wgd"):
             return getattr(self, f"bwd_{kind}")[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
@@ -293,14 +283,12 @@ class Variant:
             for role, atomic in (("dkdv_tc_atomic_dq", "true"), ("dkdv_tc", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tc, atomic)
-        for family, shape, exchange in (("wgb", tiles.bwd_wgb, ""), ("wgm", tiles.bwd_wgm, ""),
-                                        ("wgd", tiles.bwd_wgd, ""),
-                                        ("wgx", tiles.bwd_wgx, ", true")):
+        for family, shape in (("wgb", tiles.bwd_wgb), ("wgd", tiles.bwd_wgd)):
             if self.has_tensor_cores and shape:
                 for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
                     names[f"dkdv_{family}{suffix}"] = (
-                        "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}{}>".format(
-                            t, d, shape[0], atomic, exchange))
+                        "cuflash::attention_bwd_dkdv_wgmma<{}, {}, {}, {}>".format(
+                            t, d, shape[0], atomic))
         if self.has_tensor_cores and tiles.bwd_tcw:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
@@ -349,15 +337,10 @@ class _LoadedVariant:
             smem["fwd_wgp"] = tiles.fwd_wg_smem(tiles.fwd_wgp)
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
-        if "dkdv_wgb" in self.names:
-            smem["dkdv_wgb_atomic_dq"] = smem["dkdv_wgb"] = tiles.bwd_wgb_smem()
-        if "dkdv_wgm" in self.names:
-            smem["dkdv_wgm_atomic_dq"] = smem["dkdv_wgm"] = tiles.bwd_wgb_smem(tiles.bwd_wgm)
-        if "dkdv_wgd" in self.names:
-            smem["dkdv_wgd_atomic_dq"] = smem["dkdv_wgd"] = tiles.bwd_wgb_smem(tiles.bwd_wgd)
-        if "dkdv_wgx" in self.names:
-            smem["dkdv_wgx_atomic_dq"] = smem["dkdv_wgx"] = tiles.bwd_wgb_smem(
-                tiles.bwd_wgx, exchange=True)
+        for family in ("wgb", "wgd"):
+            if f"dkdv_{family}" in self.names:
+                smem[f"dkdv_{family}_atomic_dq"] = smem[f"dkdv_{family}"] = (
+                    tiles.bwd_wg_smem(family))
         if "dkdv_tcw" in self.names:
             smem["dkdv_tcw_atomic_dq"] = smem["dkdv_tcw"] = tiles.bwd_tcw_smem()
         for precision in FLOAT32_PRECISIONS:

@@ -37,7 +37,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
     dq_accum = cupy.zeros(q.shape, dtype=np.float32)
     args = gpu.dkdv_args(problem, q, k, v, do, lse, delta, dq_accum, dk, dv)
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
-    for family in ("wgb", "wgm", "wgd", "wgx", "tc", "tcw"):
+    for family in ("wgb", "wgd", "tc", "tcw"):
         for suffix, passes in (("", 4), ("_atomic_dq", 5)):
             role = f"dkdv_{family}{suffix}"
             if role not in module.names:

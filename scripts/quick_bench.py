@@ -6,9 +6,7 @@ Rows: the default dispatch ("auto"), the general kernels, the tensor-core
 families the default passes over on this device (see cuflash.gpu: for 16 bits
 "mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" =
 the wgmma forward without the pipelined softmax where the pipelined one
-serves (D = 64, 128), "wgm" = the D = 64 wgmma backward on 128-row query
-tiles (held back), "wgd" = the wgmma backward for D = 256 with S^T, dP^T in
-both warpgroups, "wgx" = the one with them split (held back),
+serves (D = 64, 128),
 "wide" = the split-D mma.sync backward everywhere; for float32
 "3xtf32" = the three-pass kernels held back in SKIP_FAMILIES, "tf32" =
 allow_tf32), and torch SDPA's backends.
@@ -27,12 +25,8 @@ from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, gpu module settings, allow_tf32)
 PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb", "wgm", "wgd", "wgx"})},
-                    False),
+            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb", "wgd"})}, False),
             "wg": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgp"}}, False),
-            "wgm": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgm"}}, False),
-            "wgd": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgx"}}, False),
-            "wgx": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgx"}}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
             "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset()}, False),

@@ -25,16 +25,11 @@ DEFAULT_SKIP = gpu.SKIP_FAMILIES
 # name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32).
 # Each family runs in one: "auto" the defaults (forward wgp, and wg at D = 256, on
 # Hopper; backward wgb on Hopper, tc elsewhere, tcw at D = 256), "mma-sync" the tc
-# forward and backward, "wgm" the D = 64 wgmma backward on 128-row query tiles,
-# "wgd" and "wgx" the D = 256 wgmma backwards, "wg" wg at
-# D = 64 and 128, "wide" tcw everywhere, "tc32" and "tf32" the float32 ones.
+# forward and backward, "wg" wg at D = 64 and 128, "wide" tcw everywhere, "tc32" and "tf32" the float32 ones.
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
             "tc32": ("auto", frozenset(), False, False),
-            "mma-sync": ("auto", frozenset({"wg", "wgp", "wgb", "wgm", "wgd", "wgx"}), False, False),
-            "wgm": ("auto", DEFAULT_SKIP - {"wgm"}, False, False),
-            "wgd": ("auto", DEFAULT_SKIP - {"wgd"}, False, False),
-            "wgx": ("auto", DEFAULT_SKIP - {"wgx"}, False, False),
+            "mma-sync": ("auto", frozenset({"wg", "wgp", "wgb", "wgd"}), False, False),
             "wg": ("auto", DEFAULT_SKIP | {"wgp"}, False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),
             "tf32": ("auto", DEFAULT_SKIP, False, True)}
@@ -51,7 +46,7 @@ def main(settings):
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, (40, 64, 128, 256),
                                                     configs):
         float32 = dtype == np.float32
-        sixteen_bit_only = setting in ("wide", "mma-sync", "wg", "wgm", "wgd", "wgx")
+        sixteen_bit_only = setting in ("wide", "mma-sync", "wg")
         if (sixteen_bit_only and float32) or (setting in ("tc32", "tf32") and not float32):
             continue  # 16-bit kernel families; float32 kernel families
         path, gpu.SKIP_FAMILIES, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]

@@ -105,12 +105,11 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
-        elif role.startswith(("dkdv_wgb", "dkdv_wgm", "dkdv_wgd", "dkdv_wgx")):  # per query tile: D / 16 each for
-            # S^T and dP^T, BM / 16 each for dV and dK, and for dQ 16-key steps: 64 keys at
-            # D = 64 (128 keys with BM = 128), 128 keys at 128, 64 keys in two column
-            # chunks at 256
+        elif role.startswith(("dkdv_wgb", "dkdv_wgd")):  # per query tile: D / 16 each for
+            # S^T and dP^T, BM / 16 each for dV and dK, and for dQ 8 16-key steps: 128 keys
+            # at D = 64 and 128, 64 keys in two column chunks at 256
             rows = getattr(variant.tiles, "bwd_" + role.split("_")[1])[0]
-            dq = (4 if head_dim == 64 and rows == 64 else 8) if role.endswith("atomic_dq") else 0
+            dq = 8 if role.endswith("atomic_dq") else 0
             assert ops["HGMMA"] == 2 * head_dim // 16 + 2 * rows // 16 + dq, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
         else:

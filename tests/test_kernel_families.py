@@ -59,7 +59,7 @@ def test_tf32_matches_oracle_in_tf32(case, deterministic, rng, poisoned):
 def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned, skip_families):
     """The forward and backward of A100-class GPUs, on D = 64/128/256 where Hopper takes
     wgmma (the backward at D = 64 and 128)."""
-    skip_families("wg", "wgp", "wgb", "wgm", "wgd", "wgx")
+    skip_families("wg", "wgp", "wgb", "wgd")
     run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
@@ -71,30 +71,6 @@ def test_unpipelined_wgmma_forward_matches_oracle(case, rng, poisoned, skip_fami
         pytest.skip("wgmma needs compute capability 9.0")
     skip_families(*gpu.SKIP_FAMILIES, "wgp")
     run_and_check(case, cupy, rng)
-
-
-@pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim == 64], ids=str)
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_wide_query_tile_wgmma_backward_matches_oracle(case, deterministic, rng, poisoned,
-                                                       skip_families):
-    """The wgmma backward on query tiles of 128 rows ("wgm", D = 64)."""
-    if not _hopper():
-        pytest.skip("wgmma needs compute capability 9.0")
-    skip_families(*gpu.SKIP_FAMILIES - {"wgm"})
-    run_and_check(case, cupy, rng, deterministic=deterministic)
-
-
-@pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim == 256], ids=str)
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("family", ["wgd", "wgx"])
-def test_split_d_wgmma_backward_matches_oracle(case, deterministic, family, rng, poisoned,
-                                               skip_families):
-    """The wgmma backwards with head_dim split between the warpgroups (D = 256): both
-    computing S^T and dP^T ("wgd"), or each half of them, P^T and dS^T exchanged ("wgx")."""
-    if not _hopper():
-        pytest.skip("wgmma needs compute capability 9.0")
-    skip_families(*(gpu.SKIP_FAMILIES | {"wgd", "wgx"}) - {family})
-    run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
@@ -120,7 +96,7 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
             assert gpu.uses_tensor_cores(p, (q, k, v), f"dkdv_{kind}_atomic_dq") is bwd
             with cuflash.kernel_path("general"):
                 assert not gpu.uses_tensor_cores(p, (q, k, v), f"fwd_{kind}")
-    skip_families("tc32", "wgd")  # float32 without allow_tf32 runs the general kernel
+    skip_families("tc32")  # float32 without allow_tf32 runs the general kernel
     case = Case(head_dim=64)
     q, k, v, _ = random_inputs(case, rng, cupy)
     assert gpu._fast_role(prob(case, q, k, v), (q, k, v), "fwd") == (None, None)
@@ -128,14 +104,10 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
     case = Case(dtype="bfloat16", head_dim=256)
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = prob(case, q, k, v)
-    assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == "dkdv_tcw_atomic_dq"
-    skip_families("tc32", "wgx")
     assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == (
         "dkdv_wgd_atomic_dq" if _hopper() else "dkdv_tcw_atomic_dq")
-    skip_families("tc32")
-    assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == (
-        "dkdv_wgx_atomic_dq" if _hopper() else "dkdv_tcw_atomic_dq")
     skip_families("tc32", "wgd")
+    assert gpu._fast_role(p, (q, k, v, q), "dkdv", "_atomic_dq")[0] == "dkdv_tcw_atomic_dq"
     assert gpu._fast_role(p, (q, k, v), "fwd")[0] == ("fwd_wg" if _hopper() else "fwd_tc")
     case = Case(dtype="bfloat16", head_dim=128)
     q128, k128, v128, _ = random_inputs(case, rng, cupy)

@@ -85,6 +85,17 @@ struct Mask {
         start = lo - lo % BN;
         count = hi > lo ? (hi - start + BN - 1) / BN : 0;
     }
+    // Keys [lo, hi) that row i sees, none past q_len: for j >= 0,
+    // visible(i, j) is lo <= j < hi (two compares an element on edge tiles).
+    __device__ __forceinline__ void row_keys(int i, int& lo, int& hi) const {
+        key_range(i, i + 1, lo, hi);
+        if (i >= q_len) hi = lo;
+    }
+    // Rows [lo, hi) that see key j, none past kv_len: for i >= 0, visible(i, j)
+    // is lo <= i < hi.
+    __device__ __forceinline__ void key_rows(int j, int& lo, int& hi) const {
+        query_range(j, j + 1, lo, hi);
+    }
     // Rows [lo, hi) that may see any key of [key_lo, key_hi).
     __device__ __forceinline__ void query_range(int key_lo, int key_hi, int& lo, int& hi) const {
         key_hi = min(key_hi, kv_len);

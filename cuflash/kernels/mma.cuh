@@ -77,15 +77,30 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 // Copy rows [0, ROWS) of CH 16-byte chunks each (row stride `stride`
 // elements) into shared memory with cp.async, chunk c of row r at element
 // offset to(r, c); rows at or past `valid_rows` become zeros. The tile
-// layouts below are all this loop with another `to`.
+// layouts below are all this loop with another `to`. When the NT threads
+// cover whole rows a pass, each thread keeps its chunk column and steps
+// NT / CH rows at a time: one address add a chunk, the loop unrolled.
 template <int ROWS, int CH, int NT, typename T, typename Layout>
 __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src, long long stride,
                                               int valid_rows, Layout to) {
     constexpr int PER_CHUNK = 16 / sizeof(T);
-    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
-        const int r = idx / CH, c = idx % CH;
-        const bool valid = r < valid_rows;
-        cp_async_16(dst + to(r, c), valid ? src + r * stride + c * PER_CHUNK : src, valid);
+    if constexpr (NT % CH == 0 && (ROWS * CH) % NT == 0) {
+        constexpr int ROW_STEP = NT / CH;
+        const int r0 = threadIdx.x / CH, c = threadIdx.x % CH;
+        const T* from = src + r0 * stride + c * PER_CHUNK;
+#pragma unroll
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const int r = r0 + i * ROW_STEP;
+            const bool valid = r < valid_rows;
+            cp_async_16(dst + to(r, c), valid ? from : src, valid);
+            from += ROW_STEP * stride;
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
+            const int r = idx / CH, c = idx % CH;
+            const bool valid = r < valid_rows;
+            cp_async_16(dst + to(r, c), valid ? src + r * stride + c * PER_CHUNK : src, valid);
+        }
     }
 }
 
@@ -127,14 +142,19 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 template <bool EDGE, int QTILES>
 __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
                                          int key0, int t, const float* lse_s, float scale_log2) {
+    int lo[2] = {0, 0}, hi[2] = {0, 0};  // the queries keys key0 and key0 + 8 are seen by
+    if (EDGE) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
+    }
 #pragma unroll
     for (int n = 0; n < QTILES; ++n) {
         const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float p = fast_exp2(st[n][e] * scale_log2 - ((e & 1) ? lse2.y : lse2.x));
-            if (EDGE && !mask.visible(m0 + n * 8 + 2 * t + (e & 1), key0 + 8 * (e >> 1)))
-                p = 0.f;
+            const int query = m0 + n * 8 + 2 * t + (e & 1);
+            if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1])) p = 0.f;
             st[n][e] = p;
         }
     }

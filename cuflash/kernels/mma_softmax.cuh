@@ -23,42 +23,60 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 
 // The pieces of softmax_tile, for kernels that rescale O later (while a
 // product that accumulates into O is still in flight).
-// 1. Scores of m16 tile mt to base 2, masked (only when `edge`).
+// 1. Scores of m16 tile mt, masked (only when `edge`). Returns the factor that
+// takes them to base 2 in exp_row: on an edge tile they are scaled here (and
+// masked with -inf), so 1; elsewhere they stay raw and exp_row folds the
+// scale into the FFMA before each exp2 (one instruction a score fewer).
 template <int MT, int NTILES>
-__device__ __forceinline__ void scale_and_mask(float (&s)[MT][NTILES][4], int mt,
-                                               const Mask& mask, bool edge, int row0, int n0,
-                                               float scale_log2) {
+__device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
+                                             const Mask& mask, bool edge, int row0, int n0,
+                                             float scale_log2) {
+    if (!edge) return scale_log2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row = row0 + mt * 16 + g;
+    int lo[2], hi[2];  // the keys rows g and g + 8 see
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask.row_keys(row0 + mt * 16 + g + 8 * r, lo[r], hi[r]);
 #pragma unroll
     for (int n = 0; n < NTILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            const int key = n0 + n * 8 + 2 * t + (e & 1);
             s[mt][n][e] *= scale_log2;
-            if (edge && !mask.visible(row + 8 * (e >> 1), n0 + n * 8 + 2 * t + (e & 1)))
-                s[mt][n][e] = neg_inf();
+            if (key < lo[e >> 1] || key >= hi[e >> 1]) s[mt][n][e] = neg_inf();
         }
+    return 1.f;
 }
 
-// 2. Row r (g or g + 8) of m16 tile mt: update the running max and sum, leave
-// P = exp2(s - max) in s, and return alpha, the factor O's row must take.
+// 2. Row r (g or g + 8) of m16 tile mt, scores times `score_scale` (from
+// mask_scores) in base 2: update the running max and sum, leave
+// P = exp2(s score_scale - max) in s, and return alpha, the factor O's row
+// must take. The row's largest scaled score is the largest raw score times a
+// positive scale, or the smallest times a negative one.
 template <int MT, int NTILES>
 __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
-                                         float (&row_sum)[MT][2], int mt, int r) {
+                                         float (&row_sum)[MT][2], int mt, int r,
+                                         float score_scale) {
     float mx = neg_inf();
+    if (score_scale >= 0.f) {
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        for (int n = 0; n < NTILES; ++n)
+            mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+    } else {
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n)
+            mx = fmaxf(mx, fmaxf(-s[mt][n][2 * r], -s[mt][n][2 * r + 1]));
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float new_max = fmaxf(row_max[mt][r], mx);
+    const float new_max = fmaxf(row_max[mt][r], fabsf(score_scale) * mx);
     const float base = new_max == neg_inf() ? 0.f : new_max;
     const float alpha = fast_exp2(row_max[mt][r] - base);
     row_max[mt][r] = new_max;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NTILES; ++n) {
-        s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - base);
-        s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - base);
+        s[mt][n][2 * r] = fast_exp2(fmaf(s[mt][n][2 * r], score_scale, -base));
+        s[mt][n][2 * r + 1] = fast_exp2(fmaf(s[mt][n][2 * r + 1], score_scale, -base));
         sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
     }
     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
@@ -77,7 +95,7 @@ __device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, i
 }
 
 // One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
-// whose first row is row0: scale to base 2, mask (only when `edge`), update
+// whose first row is row0: mask (only when `edge`), scale to base 2, update
 // the running max and sum, rescale O, and leave P = exp2(s - max) in s.
 template <int MT, int NTILES, int DTILES>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&o)[MT][DTILES][4],
@@ -86,9 +104,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&
                                              float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        scale_and_mask(s, mt, mask, edge, row0, n0, scale_log2);
+        const float score_scale = mask_scores(s, mt, mask, edge, row0, n0, scale_log2);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r));
+        for (int r = 0; r < 2; ++r)
+            rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r, score_scale));
     }
 }
 

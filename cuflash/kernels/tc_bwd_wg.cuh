@@ -2,8 +2,8 @@
 // float16/bfloat16 on wgmma.
 //
 // One block of two warpgroups per (key tile, KV head, batch), looping over
-// the query heads of the group and the query tiles (BM = 64 rows; 128 in a
-// variant for D = 64, below) that see the key tile; each warp owns 16 keys
+// the query heads of the group and the query tiles (BM = 128 rows at D = 64,
+// 64 at D = 128 and 256) that see the key tile; each warp owns 16 keys
 // and keeps their dK and dV (or its warpgroup's columns of them) in
 // registers. K and V stay in shared memory;
 // Q, dO, lse and Delta of the next query tile load (cp.async, two buffers)
@@ -13,11 +13,10 @@
 //   and all D columns of their dK and dV.
 // - D = 256 (SPLIT_D): dK and dV of 64 keys by 256 columns do not fit one
 //   warpgroup's registers, so BN = 64 keys and warpgroup w owns columns
-//   [128 w, 128 w + 128) of all 64 keys' dK and dV; both warpgroups compute
-//   the same S^T and dP^T (40% more matrix work than the minimum, no
-//   exchange of P through shared memory). With EXCHANGE, warpgroup w computes
-//   S^T and dP^T for query columns [32 w, 32 w + 32) only, both write their
-//   P^T and dS^T halves to shared memory, and dV, dK take A from there.
+//   [128 w, 128 w + 128) of all 64 keys' dK and dV. Warpgroup w computes
+//   S^T and dP^T for query columns [32 w, 32 w + 32) only (EXCHANGE), both
+//   write their P^T and dS^T halves to shared memory, and dV, dK take A
+//   from there.
 // Per query tile, for each warpgroup (M = 64 keys):
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
@@ -29,18 +28,17 @@
 //                                    at D = 128 warpgroup w takes columns
 //                                    [64 w, 64 w + 64) over all 128 keys, at
 //                                    D = 256 columns [128 w, 128 w + 128) over
-//                                    the 64 keys, at D = 64 all columns over
-//                                    its own 64 keys (two atomics an element).
-// With BM = 128 (D = 64 only) each query tile carries twice the work per
-// barrier, and dQ splits by queries: warpgroup w adds rows [64 w, 64 w + 64)
-// over all 128 keys (one atomic an element).
+//                                    the 64 keys.
+// At D = 64 (BM = 128) each query tile carries twice the work per barrier of
+// 64-row tiles, and dQ splits by queries: warpgroup w adds rows
+// [64 w, 64 w + 64) over all 128 keys (one atomic an element).
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
 
-template <typename T, int D, int BM, bool ATOMIC_DQ, bool EXCHANGE = false>
+template <typename T, int D, int BM, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -51,16 +49,15 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     float scale_log2) {
     using Op = TensorOp<T>;
     constexpr bool SPLIT_D = D == 256;  // warpgroups split the columns, not the keys
+    constexpr bool EXCHANGE = SPLIT_D;   // and S^T, dP^T by queries, P^T, dS^T via smem
     constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = D / 16;
     constexpr int DN = SPLIT_D ? 128 : D, DTILES = DN / 8;  // dK, dV columns a warpgroup
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    // dQ per warpgroup: at D = 64 with BM = 64 split by keys (N = 64 = D), with
-    // BM = 128 by queries (M = 64 of them); at D = 128, 256 by columns.
-    constexpr bool DQ_SPLIT_QUERIES = BM == 128, DQ_SPLIT_KEYS = D == 64 && !DQ_SPLIT_QUERIES;
-    constexpr int DQ_KSTEPS = DQ_SPLIT_KEYS ? 4 : BN / 16;
-    static_assert((BM == 64 || (BM == 128 && D == 64 && !EXCHANGE)) &&
-                  (D == 64 || D == 128 || D == 256), "tile shape");
-    static_assert(!EXCHANGE || SPLIT_D, "the exchange of P^T and dS^T is for split columns");
+    // dQ per warpgroup: at D = 64 (BM = 128) split by queries (M = 64 of them);
+    // at D = 128, 256 by columns.
+    constexpr bool DQ_SPLIT_QUERIES = BM == 128;
+    constexpr int DQ_KSTEPS = BN / 16;
+    static_assert((D == 64 && BM == 128) || ((D == 128 || D == 256) && BM == 64), "tile shape");
     // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
     constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;
@@ -109,13 +106,13 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
-    // dQ: this warpgroup's columns [64 col_block, + 64 DQ_CHUNKS) over keys
-    // [16 key16, + 16 DQ_KSTEPS) for queries [64 dq_block, + 64) of the tile,
-    // DQ_COLS = 64 columns a chunk.
+    // dQ: this warpgroup's columns [64 col_block, + 64 DQ_CHUNKS) over all BN
+    // keys for queries [64 dq_block, + 64) of the tile, DQ_COLS = 64 columns a
+    // chunk.
     constexpr int DQ_COLS = 64;
-    constexpr int DQ_CHUNKS = (DQ_SPLIT_KEYS || DQ_SPLIT_QUERIES) ? 1 : D / 2 / DQ_COLS;
-    const int col_block = (DQ_SPLIT_KEYS || DQ_SPLIT_QUERIES) ? 0 : wg * DQ_CHUNKS;
-    const int key16 = DQ_SPLIT_KEYS ? 4 * wg : 0, dq_block = DQ_SPLIT_QUERIES ? wg : 0;
+    constexpr int DQ_CHUNKS = DQ_SPLIT_QUERIES ? 1 : D / 2 / DQ_COLS;
+    const int col_block = DQ_SPLIT_QUERIES ? 0 : wg * DQ_CHUNKS;
+    const int dq_block = DQ_SPLIT_QUERIES ? wg : 0;
 
     // Per step: the next step's query tile starts loading, S^T and dP^T are
     // computed, then dQ and dV, dK are issued together and dQ is added to
@@ -168,8 +165,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                                          (((chunk & 7) ^ (key & 7)) << 3) + 2 * t) = pair;
         };
         // P^T and dS^T as A fragments (16 queries a step); dS^T (and with
-        // EXCHANGE P^T) also to shared memory. Without EXCHANGE at D = 256 both
-        // warpgroups hold every key's dS^T: each writes half of the keys.
+        // EXCHANGE P^T) also to shared memory.
         unsigned pa[SN / 16][4], sa[SN / 16][4];
 #pragma unroll
         for (int kk = 0; kk < SN / 16; ++kk) {
@@ -186,7 +182,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                         store_pair(Ps, key_row + g + 8 * r, q0 / 8 + j, pa[kk][2 * half + r]);
                         store_pair(dSs, key_row + g + 8 * r, q0 / 8 + j, sa[kk][2 * half + r]);
                     }
-                } else if (ATOMIC_DQ && (!SPLIT_D || (warp & 3) / 2 == wg)) {
+                } else if (ATOMIC_DQ) {
 #pragma unroll
                     for (int r = 0; r < 2; ++r)
                         store_pair(dSs, key_row + g + 8 * r, j, sa[kk][2 * half + r]);
@@ -205,9 +201,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
             for (int kk = 0; kk < DQ_KSTEPS; ++kk)
                 Wgmma<T, DQ_COLS>::ss_mn(
-                    dq, wgmma_desc(dSs + dq_block * (BN * 64) + (key16 + kk) * 16 * 64,
+                    dq, wgmma_desc(dSs + dq_block * (BN * 64) + kk * 16 * 64,
                                    BN * 64 * sizeof(T), ATOM),
-                    wgmma_desc(Ks + (col_block + chunk) * (BN * 64) + (key16 + kk) * 16 * 64,
+                    wgmma_desc(Ks + (col_block + chunk) * (BN * 64) + kk * 16 * 64,
                                BN * 64 * sizeof(T), ATOM),
                     kk > 0);
             wgmma_commit();
@@ -225,12 +221,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                                       row < rows);
             }
         };
-        if (ATOMIC_DQ || EXCHANGE) {
+        if (ATOMIC_DQ || EXCHANGE) {  // both warpgroups' halves are read
             fence_proxy_async();
-            if (DQ_SPLIT_KEYS)  // this warpgroup's own keys: its own dS^T rows
-                warpgroup_sync(wg);
-            else                // all keys (or all queries): both warpgroups' halves
-                __syncthreads();
+            __syncthreads();
         }
         // With BM = 128 dQ goes after dV and dK: P^T and dS^T of 128 queries in
         // registers next to dQ's accumulators spill.

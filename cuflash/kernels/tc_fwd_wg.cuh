@@ -32,6 +32,14 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
+// ptxas moves register-only arithmetic freely across a wgmma wait and a
+// barrier: it sank the pipelined forward's softmax below the wait for P V,
+// which serialized the two. A shared-memory store of a value that depends on
+// that work keeps the work before the next wait (`slot`: this thread's own
+// scratch word, never read).
+__device__ __forceinline__ void complete_before_wait(float* slot, float value) {
+    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(smem_addr(slot)), "f"(value) : "memory");
+}
 // A barrier of the 128 threads of warpgroup wg only (named barrier 1 + wg).
 __device__ __forceinline__ void warpgroup_sync(int wg) {
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
@@ -62,9 +70,9 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 
 // PIPELINE overlaps the softmax with the wgmma within a warpgroup: S of the
 // next key tile and P V of this one are issued together, and the next
-// tile's softmax runs while P V does (O is rescaled once P V is done); K and
-// V tiles load on their own schedules (K two tiles ahead once its S is done,
-// V once its P V is).
+// tile's softmax runs while P V does (O is rescaled once P V is done). One
+// barrier a key tile: after it, K(it + 2) and V(it + 1) load into the buffers
+// that S(it) and P V(it - 1), done by then, have released.
 template <typename T, int D, int BN, int WG, bool PIPELINE = false>
 __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -81,6 +89,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * D;      // two buffers of BN x D
     T* Vs = Ks + 2 * BN * D;  // two buffers of BN x D
+    float* order_slots = reinterpret_cast<float*>(Vs + 2 * BN * D);  // NT, see complete_before_wait
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -176,17 +185,14 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             __syncthreads();  // this buffer is refilled two iterations later
         }
     } else {
-        // cp.async groups from here: K(1), V(1), then per tile K(it + 2), V(it + 2)
-        // (empty past the last tile), so that "all but the newest" is always what
-        // the next step needs.
+        // cp.async groups from here: K(1), then per tile K(it + 2) and V(it + 1),
+        // each waited for at the start of the next tile.
         if (tiles > 1) load_k(1, 1);
-        cp_async_commit();
-        if (tiles > 1) load_v(1, 1);
         cp_async_commit();
         float s[1][NTILES][4];
         unsigned pa[BN / 16][4];
         if (tiles > 0) {
-            cp_async_wait<2>();  // Q, K(0), V(0)
+            cp_async_wait<1>();  // Q, K(0), V(0)
             fence_proxy_async();
             __syncthreads();
             wgmma_fence();
@@ -200,10 +206,13 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
         // Every tile but the last: S(it + 1) and P V(it) in flight together.
         for (int it = 0; it + 1 < tiles; ++it) {
             const int buf = it & 1;
-            cp_async_wait<1>();  // K(it + 1) and V(it)
+            cp_async_wait<0>();  // K(it + 1) and V(it)
             fence_proxy_async();
-            __syncthreads();     // also: every warpgroup's S(it) is done, so K buffer `buf` is free
+            // Every warpgroup is done with S(it) and P V(it - 1): K buffer `buf` and
+            // V buffer `buf ^ 1` are free.
+            __syncthreads();
             if (it + 2 < tiles) load_k(it + 2, buf);
+            load_v(it + 1, buf ^ 1);
             cp_async_commit();
 
             pin_registers(o[0]);
@@ -212,21 +221,19 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             issue_pv(buf, pa);
             wgmma_wait<1>();  // S(it + 1) is done; P V(it) may still run
             pin_registers(s[0]);
-            scale_and_mask(s, 0, mask, edge_tile(it + 1), m0 + warp_row, n_start + (it + 1) * BN,
-                           scale_log2);
-            const float alpha0 = exp_row(s, row_max, row_sum, 0, 0);
-            const float alpha1 = exp_row(s, row_max, row_sum, 0, 1);
+            const float score_scale = mask_scores(s, 0, mask, edge_tile(it + 1), m0 + warp_row,
+                                                  n_start + (it + 1) * BN, scale_log2);
+            const float alpha0 = exp_row(s, row_max, row_sum, 0, 0, score_scale);
+            const float alpha1 = exp_row(s, row_max, row_sum, 0, 1, score_scale);
+            complete_before_wait(order_slots + threadIdx.x, row_sum[0][0] + row_sum[0][1]);
             wgmma_wait_all();
             pin_registers(o[0]);
-            __syncthreads();  // every warpgroup's P V(it) is done: V buffer `buf` is free
-            if (it + 2 < tiles) load_v(it + 2, buf);
-            cp_async_commit();
             rescale_row(o, 0, 0, alpha0);
             rescale_row(o, 0, 1, alpha1);
             pack_probs(s, pa);
         }
         if (tiles > 0) {  // P V of the last tile
-            cp_async_wait<1>();  // V(tiles - 1)
+            cp_async_wait<0>();  // V(tiles - 1)
             fence_proxy_async();
             __syncthreads();
             pin_registers(o[0]);

@@ -6,6 +6,7 @@ Usage::
                             [--seqlens 512,...,16384] [--no-torch] [--no-first-call]
                             [--no-memory] [--allow-tf32] [--time-budget SECONDS]
                             [--json PATH] [--plots DIR]
+    python -m cuflash.bench --from-json PATH [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
 case, on the same inputs in one process, it times cuflash's forward and
@@ -24,7 +25,9 @@ empty CuPy kernel cache, then with a warm one, each in a fresh process) and
 the peak memory of a forward pass against ``S`` up to 131072.
 
 Output: Markdown tables on stdout, a JSON report (``--json``), PNG plots
-(``--plots``). Without a GPU it prints why and exits 0. See
+(``--plots``). ``--from-json`` prints the tables and draws the plots of a saved
+report again, without measuring (no GPU needed). Without a GPU a measuring
+run prints why and exits 0. See
 ``docs/performance.md``.
 """
 
@@ -431,6 +434,16 @@ class Measurement:
         if self.timing is not None:
             record.update(self.timing.summary())
         return record
+
+    @classmethod
+    def from_dict(cls, record):
+        """The measurement of a :meth:`to_dict` record, its timing reduced to the median."""
+        case = Case(record["dtype"], record["head_dim"], record["seqlen"], record["causal"],
+                    record["batch"], record["heads"])
+        median = record.get("median_s")
+        return cls(case, record["impl"], record["direction"],
+                   None if median is None else Timing((median,)), record["note"],
+                   record["rel_error"])
 
 
 def _first_line(text):
@@ -1015,6 +1028,8 @@ def parse_args(argv=None):
                              "cases past it are reported as not run")
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
+    parser.add_argument("--from-json", type=Path,
+                        help="no measuring: the tables and plots of this saved report")
     args = parser.parse_args(argv)
     quick = args.quick
     args.dtypes = args.dtypes or (QUICK_DTYPES if quick else DEFAULT_DTYPES)
@@ -1035,7 +1050,7 @@ def run(args):
     torch, torch_note = import_torch(not args.no_torch)
     env = environment(torch)
     settings = {key: value for key, value in vars(args).items()
-                if key not in ("json", "plots")}
+                if key not in ("json", "plots", "from_json")}
     settings.update(torch=torch_note, tokens=TOKENS, hidden=HIDDEN,
                     flop_convention="fwd 4*B*H*S*S*D (halved when causal), bwd 2.5x fwd")
     report = {"environment": env, "settings": settings}
@@ -1059,13 +1074,17 @@ def run(args):
 def main(argv=None):
     """Entry point of ``python -m cuflash.bench``; returns the exit status."""
     args = parse_args(argv)
-    reason = gpu_unavailable_reason()
-    if reason is not None:
-        print(NO_GPU_MESSAGE.format(reason), file=sys.stderr)
-        return 0
-    report, measurements = run(args)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        measurements = [Measurement.from_dict(r) for r in report["measurements"]]
+    else:
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            print(NO_GPU_MESSAGE.format(reason), file=sys.stderr)
+            return 0
+        report, measurements = run(args)
     print(format_report(report, measurements))
-    if args.json:
+    if args.json and not args.from_json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         _status(f"wrote {args.json}")

@@ -110,13 +110,15 @@ def forward(problem, q, k, v):
     return out, lse
 
 
-def backward_delta(module, problem, dout, output):
-    """Delta = rowsum(dO * O) per query row (float32, the lse's shape)."""
+def backward_delta(module, problem, dout, output, lse):
+    """``(delta, lse_log2)``: Delta = rowsum(dO * O) per query row and lse * log2(e), the
+    lse the dK/dV and dQ kernels take (float32, the lse's shape; ``lse`` contiguous)."""
     delta = cupy.empty(problem.lse_shape, dtype=np.float32)
+    lse_log2 = cupy.empty(problem.lse_shape, dtype=np.float32)
     _launch(module, "delta", (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-            (dout, output, delta, *_strides(dout), *_strides(output),
+            (dout, output, lse, delta, lse_log2, *_strides(dout), *_strides(output),
              np.int32(problem.num_heads), np.int32(problem.q_len)))
-    return delta
+    return delta, lse_log2
 
 
 def _backward_shape_args(problem, q, k, v, dout):
@@ -129,9 +131,9 @@ def _backward_scales(problem):
     return np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E)
 
 
-def dkdv_args(problem, q, k, v, dout, lse, delta, dq, dk, dv):
+def dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv):
     """The arguments of every dK/dV kernel role (``dq``: dq_accum, or dQ when unused)."""
-    return (q, k, v, dout, lse, delta, dq, dk, dv, *_backward_shape_args(problem, q, k, v, dout),
+    return (q, k, v, dout, lse_log2, delta, dq, dk, dv, *_backward_shape_args(problem, q, k, v, dout),
             np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
 
 
@@ -143,7 +145,7 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
     module = kernel_build.load(_variant(problem))
     tiles = module.variant.tiles
-    delta = backward_delta(module, problem, dout, output)
+    delta, lse_log2 = backward_delta(module, problem, dout, output, lse)
 
     # dK and dV (and with atomics dQ) per key tile: tensor cores where they apply.
     suffix = "" if deterministic else "_atomic_dq"
@@ -158,11 +160,12 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     if problem.kv_capacity:
         _launch(module, dkdv_role,
                 (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch),
-                threads=threads, args=dkdv_args(problem, q, k, v, dout, lse, delta, dq, dk, dv))
+                threads=threads,
+                args=dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv))
     if deterministic:  # dQ by its own pass over the keys, no atomics
         _launch(module, "dq", (math.ceil(problem.q_len / tiles.dq[0]), problem.num_heads,
                                problem.batch), (
-            q, k, v, dout, lse, delta, dq, *_backward_shape_args(problem, q, k, v, dout),
+            q, k, v, dout, lse_log2, delta, dq, *_backward_shape_args(problem, q, k, v, dout),
             *_mask_args(problem), *_backward_scales(problem)))
     elif problem.dtype != np.float32:
         dq = dq_accum.astype(problem.dtype)

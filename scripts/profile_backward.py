@@ -32,10 +32,10 @@ def main(d=128, s=4096, causal=False, ncu=False):
     module = kernel_build.load(gpu._variant(problem))
     tiles = module.variant.tiles
     flops = 4 * b * h * s * s * d / (2 if causal else 1)  # one product pass
-    delta = gpu.backward_delta(module, problem, do, out)
+    delta, lse_log2 = gpu.backward_delta(module, problem, do, out, lse)
     dk, dv = cupy.empty_like(k), cupy.empty_like(v)
     dq_accum = cupy.zeros(q.shape, dtype=np.float32)
-    args = gpu.dkdv_args(problem, q, k, v, do, lse, delta, dq_accum, dk, dv)
+    args = gpu.dkdv_args(problem, q, k, v, do, lse_log2, delta, dq_accum, dk, dv)
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
     for family in ("wgb", "wgd", "tc", "tcw"):
         for suffix, passes in (("", 4), ("_atomic_dq", 5)):

@@ -102,6 +102,21 @@ def test_report_is_markdown_and_json(case, tmp_path):
     assert rows[1].to_dict()["tflops"] == pytest.approx(2.5 * case.flops("fwd") / 3e-3 / 1e12)
 
 
+def test_saved_report_gives_the_same_tables(case, tmp_path, capsys):
+    """``--from-json`` rebuilds the measurements of a saved report: same Markdown."""
+    rows = [fake(case, "cuflash", "fwd", 1e-3), fake(case, "torch-flash", "fwd", 2e-3),
+            bench.Measurement(case, "torch-math", "fwd", note="out of memory")]
+    report = {"environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
+              "settings": {"allow_tf32": False},
+              "measurements": [m.to_dict() for m in rows]}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() == bench.format_report(report, rows).strip()
+    assert "(2.00x)" in printed and "out of memory" in printed
+
+
 def test_allow_tf32_reaches_cuflash_and_the_report(case):
     args = bench.parse_args(["--allow-tf32", "--dtype", "float32"])
     assert args.allow_tf32 and args.dtypes == ("float32",)

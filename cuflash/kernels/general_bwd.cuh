@@ -1,6 +1,8 @@
 // General backward kernels (every dtype, every head_dim multiple of 8 to 256).
 //
-//   attention_bwd_delta    Delta = rowsum(dO * O), float32 [B, H, S_q].
+//   attention_bwd_delta    Delta = rowsum(dO * O) and lse in base 2 (lse
+//                          log2 e), float32 [B, H, S_q] each: the lse every
+//                          dK/dV and dQ kernel takes.
 //   attention_bwd_dkdv     one block per (key tile, KV head, batch): loops over
 //                          the query heads sharing the KV head and over the
 //                          query tiles that can see the key tile, keeps dK and
@@ -19,8 +21,9 @@ namespace cuflash {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128) attention_bwd_delta(
-    const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
-    CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len) {
+    const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
+    float* __restrict__ delta, float* __restrict__ lse_log2, CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(out), int num_heads, int q_len) {
     CUFLASH_STRIDES_OF(dout); CUFLASH_STRIDES_OF(out);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
@@ -31,7 +34,11 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
     for (int d = lane; d < D; d += 32) sum += to_float(dO[d]) * to_float(O[d]);
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-    if (lane == 0) delta[(static_cast<long long>(b) * num_heads + h) * q_len + row] = sum;
+    if (lane == 0) {
+        const long long at = (static_cast<long long>(b) * num_heads + h) * q_len + row;
+        delta[at] = sum;
+        lse_log2[at] = lse[at] * kLog2e;
+    }
 }
 
 // Scores and dP of one (query tile, key tile) pair, turned into P and dS in
@@ -75,7 +82,7 @@ __device__ __forceinline__ void load_query_side(
     load_tile<BM, D, LD, 128>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     for (int r = threadIdx.x; r < BM; r += 128) {
-        lse_s[r] = r < rows ? lse[row_base + r] * kLog2e : 0.f;
+        lse_s[r] = r < rows ? lse[row_base + r] : 0.f;
         delta_s[r] = r < rows ? delta[row_base + r] : 0.f;
     }
 }

@@ -15,6 +15,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
+// 4 bytes through L1; zeros, and `src` not read, where !valid.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+    asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
+                 " cp.async.ca.shared.global [%0], [%1], 4, ignore;\n}\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(static_cast<unsigned>(valid)));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -112,16 +118,19 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
                                    [](int r, int c) { return swizzled<D>(r, c); });
 }
 
-// lse (base 2) and Delta of query rows [0, BM) of a tile into shared memory,
-// from lse_rows / delta_rows (the tile's first row). Padding rows get
-// lse = +inf, so their P is exactly 0.
+// lse (base 2, from the Delta pass) and Delta of query rows [0, BM) of a tile
+// into shared memory with cp.async (in the caller's group), from lse_rows /
+// delta_rows (the tile's first row). Plain loads stalled the warps that
+// issued them until the values came back (a store waits for its load).
+// Padding rows get zeros: their Q and dO rows are zeros too, so their
+// P^T = 1 meets dO = 0 in dV and dP^T - Delta = 0 in dS^T.
 template <int BM, int NT>
 __device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s,
                                                const float* __restrict__ lse_rows,
                                                const float* __restrict__ delta_rows, int rows) {
     for (int r = threadIdx.x; r < BM; r += NT) {
-        lse_s[r] = r < rows ? lse_rows[r] * kLog2e : -neg_inf();
-        delta_s[r] = r < rows ? delta_rows[r] : 0.f;
+        cp_async_4(lse_s + r, lse_rows + r, r < rows);
+        cp_async_4(delta_s + r, delta_rows + r, r < rows);
     }
 }
 
@@ -209,7 +218,7 @@ struct QuerySteps {
     __device__ __forceinline__ int row0(int step) const { return m_first + (step % per_head) * BM; }
 };
 
-// Q and dO (cp.async, not committed) and lse and Delta (plain loads) of the
+// Q and dO, lse and Delta (cp.async, not committed) of the
 // query tile at rows [m0, m0 + BM) of head h into one set of buffers.
 template <int BM, int D, int NT, typename T>
 __device__ __forceinline__ void load_query_tile(

@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
             cp_async_tile_f32<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
             cp_async_tile_f32<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
                                          rows);
-            cp_async_commit();
             load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
                                    rows);
+            cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
 

@@ -85,12 +85,12 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     auto load_step = [&](int step, int buf) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
+                               delta + head_rows + m0, rows);
         cp_async_tile_sw128<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s,
                                        rows);
         cp_async_tile_sw128<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
                                        dout_st.s, rows);
-        load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
-                               delta + head_rows + m0, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;

@@ -28,8 +28,8 @@ def kernel_path(name):
         apply and the general kernels elsewhere; ``"general"`` runs the
         general kernels for every call. Tensor-core kernels need compute
         capability 8.0 or newer and 16-byte aligned rows; they serve
-        float16/bfloat16 with head_dim 64, 128 or 256 (forward on ``wgmma``
-        on compute capability 9.0, ``mma.sync`` elsewhere), and float32
+        float16/bfloat16 with head_dim 64, 128 or 256 (forward and backward
+        on ``wgmma`` on compute capability 9.0, ``mma.sync`` elsewhere), and float32
         calls with ``allow_tf32=True`` (forward for every head_dim, backward
         for head_dim <= 128).
     """

@@ -1,4 +1,4 @@
-"""NumPy model of the float32 tensor-core products (docs/perf-notes.md, version 3).
+"""NumPy model of float32 products on tensor cores (docs/perf-notes.md, versions 3 and 8).
 
 Two sums, as the three-pass float32 kernels compute them:
 - "dot": a q.k score, 128 unit normals each side (S = Q K^T, D = 128);
@@ -12,6 +12,11 @@ zero ("rz", what an H200 showed: three-pass errors 3-18x FFMA's); "rn"
 rounds to nearest, the model before that measurement. "fresh k" sums every
 k steps into a zeroed accumulator (rounding toward zero) and adds that to the
 running sum with one round-to-nearest FADD.
+Candidates for a faster float32 path, each with "fresh 4": two float16
+pieces (hi = fp16(x), lo = fp16(x - hi): 22 significant bits, products
+lo*hi + hi*lo + hi*hi at the 16-bit rate, twice TF32's), and three bfloat16
+pieces (24 bits, the six products down to 2^-16 of the leading one); 16-bit
+products sum 16 terms a step (m64nNk16).
 Prints the RMS and largest error relative to sum |a b| over random trials.
 Usage: python scripts/tf32_split_model.py
 """
@@ -33,12 +38,24 @@ def to_f32(x, mode):
     return y
 
 
-def mma_sum(passes, n, mode, fresh=None):
-    """The kernels' sum: per 8-term step, each pass's 8 products into the accumulator."""
+def bf16(x):
+    """Round float32 to bfloat16 (8 significant bits), to nearest even."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(
+        np.float32)
+
+
+def fp16(x):
+    """Round float32 to float16 (11 significant bits, subnormals below 2^-14), as float32."""
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def mma_sum(passes, n, mode, fresh=None, k=8):
+    """The kernels' sum: per k-term step, each pass's k products into the accumulator."""
     total, acc = np.float32(0), np.float32(0)
-    for i, k0 in enumerate(range(0, n, 8)):
+    for i, k0 in enumerate(range(0, n, k)):
         for a, b in passes:
-            step = np.dot(a[k0:k0 + 8].astype(np.float64), b[k0:k0 + 8].astype(np.float64))
+            step = np.dot(a[k0:k0 + k].astype(np.float64), b[k0:k0 + k].astype(np.float64))
             acc = to_f32(np.float64(acc) + step, mode)
         if fresh and (i + 1) % fresh == 0:
             total, acc = np.float32(np.float64(total) + np.float64(acc)), np.float32(0)
@@ -52,9 +69,13 @@ def ffma_sum(a, b):
     return acc
 
 
-def split(x):
-    hi = tf32(x)
-    return hi, tf32(x - hi)
+def split(x, rounding=tf32, pieces=2):
+    """x as the sum of ``pieces`` values rounded by ``rounding`` (each the rest's rounding)."""
+    parts, rest = [], np.asarray(x, np.float32)
+    for _ in range(pieces):
+        parts.append(rounding(rest))
+        rest = (rest - parts[-1]).astype(np.float32)
+    return parts
 
 
 def errors_of(kind, trials, rng):
@@ -62,7 +83,9 @@ def errors_of(kind, trials, rng):
     ways = {"float32 FFMA": None, "1 x TF32, rz": ("one", "rz", None),
             "3 x TF32, rn": ("three", "rn", None), "3 x TF32, rz": ("three", "rz", None),
             "3 x TF32, rz, fresh 1": ("three", "rz", 1),
-            "3 x TF32, rz, fresh 4": ("three", "rz", 4)}
+            "3 x TF32, rz, fresh 4": ("three", "rz", 4),
+            "2 x fp16 (3), rz, fresh 4": ("fp16", "rz", 4),
+            "3 x bf16 (6), rz, fresh 4": ("bf16", "rz", 4)}
     errors = {name: [] for name in ways}
     for _ in range(trials):
         if kind == "dot":
@@ -73,14 +96,19 @@ def errors_of(kind, trials, rng):
         exact = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
         scale = float(np.dot(np.abs(a.astype(np.float64)), np.abs(b.astype(np.float64))))
         (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
+        (h_a, l_a), (h_b, l_b) = split(a, fp16), split(b, fp16)
+        a3, b3 = split(a, bf16, 3), split(b, bf16, 3)
+        pairs_of = {"one": [(a_hi, b_hi)], "three": [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)],
+                    "fp16": [(l_a, h_b), (h_a, l_b), (h_a, h_b)],
+                    "bf16": [(a3[i], b3[j]) for i, j in ((2, 0), (1, 1), (0, 2), (1, 0),
+                                                          (0, 1), (0, 0))]}
         for name, way in ways.items():
             if way is None:
                 value = ffma_sum(a, b)
             else:
                 passes, mode, fresh = way
-                pairs = ([(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)] if passes == "three"
-                         else [(a_hi, b_hi)])
-                value = mma_sum(pairs, n, mode, fresh)
+                k = 8 if passes in ("one", "three") else 16
+                value = mma_sum(pairs_of[passes], n, mode, fresh and fresh * 8 // k, k)
             errors[name].append(abs(float(value) - exact) / scale)
     return errors
 

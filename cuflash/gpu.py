@@ -18,16 +18,17 @@ LOG2E = 1.4426950408889634
 # exchanged through shared memory; D = 256), "tcw" (16-bit
 # backward with head_dim split across warps), "tc32" and "tf32" (float32 on
 # TF32 tensor cores: three passes, float32 accuracy; one pass, opt-in TF32
-# accuracy).
+# accuracy), "wgs" (the float32 forward on two float16 pieces of each operand
+# and the 16-bit wgmma, three products each; D = 64 and 128).
 # The dispatch passes over the families named in SKIP_FAMILIES: a family in
 # development stays there until the GPU suite has run it, and tests and
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
 # kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32.
-SKIP_FAMILIES = frozenset({"tc32"})
+# allows TF32. "wgs" is there until the GPU suite has run it.
+SKIP_FAMILIES = frozenset({"tc32", "wgs"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
-FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb", "wgd")}
+FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb", "wgd", "wgs")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
 # "tc" does not (for comparing the two; set by tests and benchmarks).
 PREFER_WIDE_BACKWARD = False
@@ -74,7 +75,7 @@ def uses_tensor_cores(problem, arrays, role="fwd_tc"):
 def _fast_families(problem, backward=False):
     """Tensor-core kernel families for the call, in order of preference."""
     if problem.dtype == np.float32:
-        return ("tf32",) if problem.allow_tf32 else ("tc32",)
+        return ("tf32",) if problem.allow_tf32 else ("wgs", "tc32")
     if backward:
         wgmma = ("wgb", "wgd")
         return ("tcw",) + wgmma + ("tc",) if PREFER_WIDE_BACKWARD else wgmma + ("tc", "tcw")
@@ -103,11 +104,36 @@ def forward(problem, q, k, v):
     else:
         role, rows, threads = "fwd", tiles.fwd[0], kernel_build.THREADS
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
+    if family == "wgs":  # the kernel reads float16 pieces and their scales
+        scales = cupy.empty(3, dtype=np.float32)
+        (q, q_lo), (k, k_lo), (v, v_lo) = (
+            float16_pieces(module, x, valid_rows, scales[i:])
+            for i, (x, valid_rows) in enumerate(((q, problem.q_len), (k, problem.kv_len),
+                                                 (v, problem.kv_len))))
+        arrays, extra = (q, q_lo, k, k_lo, v, v_lo), (scales,)
+    else:
+        arrays, extra = (q, k, v), ()
     _launch(module, role, grid, threads=threads, args=(
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
+        *arrays, out, lse, *_strides(q), *_strides(k), *_strides(v), *extra,
         np.int32(problem.num_heads), np.int32(problem.group_size), *_mask_args(problem),
         np.float32(problem.softmax_scale * LOG2E)))
     return out, lse
+
+
+def float16_pieces(module, x, valid_rows, scale_slot):
+    """``(hi, lo)``: float16 arrays of ``x``'s shape with hi + lo = x * scale on the first
+    ``valid_rows`` rows of each head (22 significant bits), scale a power of two that puts
+    max |x| in [2^13, 2^14); the scale goes to ``scale_slot[0]`` (a float32 device array)."""
+    batch, heads, seq_len, _ = x.shape
+    abs_max = cupy.zeros(1, dtype=np.float32)
+    _launch(module, "abs_max", (max(1, math.ceil(valid_rows / 32)), heads, batch),
+            (x, *_strides(x), abs_max, np.int32(valid_rows)))
+    hi = cupy.empty(x.shape, dtype=np.float16)
+    lo = cupy.empty(x.shape, dtype=np.float16)
+    _launch(module, "split_f16", (max(1, math.ceil(valid_rows / 4)), heads, batch),
+            (x, *_strides(x), abs_max, hi, lo, scale_slot, np.int32(heads), np.int32(seq_len),
+             np.int32(valid_rows)))
+    return hi, lo
 
 
 def backward_delta(module, problem, dout, output, lse):

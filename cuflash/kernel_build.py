@@ -41,7 +41,7 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
 ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in (
-    "fwd_wg", "fwd_wgp", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd")
+    "fwd_wg", "fwd_wgp", "fwd_wgs", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd")
                            for suffix in ("", "_atomic_dq")))}
 THREADS = 128
 FLOAT_BYTES = 4
@@ -99,6 +99,19 @@ class Tiles:
         """The wgmma forward with the softmax pipelined under the matrix units: the
         ``fwd_wg`` shape where it beats ``fwd_wg`` (D = 64, 128; not D = 256)."""
         return self.fwd_wg if self.head_dim <= 128 else None
+
+    @property
+    def fwd_wgs(self):
+        """float32 forward on float16 pieces with the wgmma (keys per tile); sm 90 only,
+        D = 64 and 128."""
+        if self.sm < 90:
+            return None
+        return {64: 64, 128: 64}.get(self.head_dim)
+
+    def fwd_wgs_smem(self):
+        """Q's two float16 pieces (128 rows) and two buffers of K's and V's (+ 1 KB
+        alignment)."""
+        return 2 * self.head_dim * (2 * 128 + 8 * self.fwd_wgs) + 1024
 
     def fwd_wg_smem(self, shape=None, itemsize=2):
         """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``): Q, two
@@ -191,13 +204,15 @@ class Tiles:
                 + FLOAT_BYTES * 2 * 2 * bm)
 
     def fast_fwd(self, kind):
-        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wgp, tc32
-        or tf32."""
+        """(query rows, threads) of tensor-core forward family ``kind``: tc, wg, wgp, wgs,
+        tc32 or tf32."""
         if kind == "tc":
             return self.fwd_tc[0], self.fwd_tc_threads()
         if kind in ("wg", "wgp"):
             warpgroups = (self.fwd_wgp if kind == "wgp" else self.fwd_wg)[1]
             return 64 * warpgroups, 128 * warpgroups
+        if kind == "wgs":
+            return 128, 256
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
@@ -293,6 +308,10 @@ class Variant:
             for role, atomic in (("dkdv_tcw_atomic_dq", "true"), ("dkdv_tcw", "false")):
                 names[role] = "cuflash::attention_bwd_dkdv_tc_wide<{}, {}, {}, {}, {}>".format(
                     t, d, *tiles.bwd_tcw, atomic)
+        if np.dtype(self.dtype) == np.float32 and tiles.fwd_wgs:  # float16 pieces, wgmma
+            names["abs_max"] = f"cuflash::attention_abs_max<{d}>"
+            names["split_f16"] = f"cuflash::attention_split_f16<{d}>"
+            names["fwd_wgs"] = f"cuflash::attention_fwd_split<{d}, {tiles.fwd_wgs}>"
         if np.dtype(self.dtype) == np.float32:  # TF32 tensor cores: 3 passes or 1
             for precision, passes in FLOAT32_PRECISIONS.items():
                 names[f"fwd_{precision}"] = "cuflash::attention_fwd_tc32<{}, {}, {}, {}>".format(
@@ -337,6 +356,8 @@ class _LoadedVariant:
             smem["fwd_wgp"] = tiles.fwd_wg_smem(tiles.fwd_wgp)
         if "dkdv_tc" in self.names:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
+        if "fwd_wgs" in self.names:
+            smem.update(fwd_wgs=tiles.fwd_wgs_smem(), abs_max=0, split_f16=0)
         for family in ("wgb", "wgd"):
             if f"dkdv_{family}" in self.names:
                 smem[f"dkdv_{family}_atomic_dq"] = smem[f"dkdv_{family}"] = (

@@ -25,10 +25,12 @@ DEFAULT_SKIP = gpu.SKIP_FAMILIES
 # name -> (kernel path, families skipped, prefer the split-D backward, allow_tf32).
 # Each family runs in one: "auto" the defaults (forward wgp, and wg at D = 256, on
 # Hopper; backward wgb on Hopper, tc elsewhere, tcw at D = 256), "mma-sync" the tc
-# forward and backward, "wg" wg at D = 64 and 128, "wide" tcw everywhere, "tc32" and "tf32" the float32 ones.
+# forward and backward, "wg" wg at D = 64 and 128, "wide" tcw everywhere, "tc32", "tf32"
+# and "wgs" (the forward on float16 pieces) the float32 ones.
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
-            "tc32": ("auto", frozenset(), False, False),
+            "tc32": ("auto", frozenset({"wgs"}), False, False),
+            "wgs": ("auto", DEFAULT_SKIP - {"wgs"}, False, False),
             "mma-sync": ("auto", frozenset({"wg", "wgp", "wgb", "wgd"}), False, False),
             "wg": ("auto", DEFAULT_SKIP | {"wgp"}, False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),
@@ -47,7 +49,7 @@ def main(settings):
                                                     configs):
         float32 = dtype == np.float32
         sixteen_bit_only = setting in ("wide", "mma-sync", "wg")
-        if (sixteen_bit_only and float32) or (setting in ("tc32", "tf32") and not float32):
+        if (sixteen_bit_only and float32) or (setting in ("tc32", "tf32", "wgs") and not float32):
             continue  # 16-bit kernel families; float32 kernel families
         path, gpu.SKIP_FAMILIES, gpu.PREFER_WIDE_BACKWARD, tf32 = SETTINGS[setting]
         cfg = dict(cfg, allow_tf32=tf32)

@@ -96,11 +96,14 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
     assert set(opcodes) == set(variant.kernel_names())
     for role, ops in opcodes.items():
         matrix = ops["HMMA"] + ops["HGMMA"]
-        if role in ("fwd", "delta", "dkdv", "dkdv_atomic_dq", "dq"):
+        if role in ("fwd", "delta", "dkdv", "dkdv_atomic_dq", "dq", "abs_max", "split_f16"):
             assert matrix == 0, (role, matrix)
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
-        if role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
+        if role == "fwd_wgs":  # per key tile three products each: D / 16 for S, keys / 16
+            assert ops["HGMMA"] == 3 * (head_dim + variant.tiles.fwd_wgs) // 16, (role, ops)
+            assert ops["HMMA"] == 0, (role, ops)
+        elif role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
             keys = getattr(variant.tiles, role)[0]  # Tiles.fwd_wg or Tiles.fwd_wgp
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
             assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)

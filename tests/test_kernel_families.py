@@ -8,7 +8,7 @@ by default (D = 64 and 128), and the 16-bit backward that splits head_dim across
 import pytest
 
 import cuflash
-from cuflash import gpu
+from cuflash import gpu, problem
 from support import Case, cupy, grid_cases, oracle, random_inputs, rel_error, run_and_check
 
 pytestmark = pytest.mark.gpu
@@ -38,14 +38,24 @@ def skip_families(monkeypatch):
 
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
 def test_float32_three_pass_matches_oracle(case, rng, poisoned, skip_families):
-    skip_families()
+    skip_families("wgs")  # the three TF32 passes, not the float16 pieces
     run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES[::3], ids=str)
 def test_float32_three_pass_deterministic(case, rng, poisoned, skip_families):
-    skip_families()
+    skip_families("wgs")  # the three TF32 passes, not the float16 pieces
     run_and_check(case, cupy, rng, deterministic=True)
+
+
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
+def test_float32_on_float16_pieces_matches_oracle(case, rng, poisoned, skip_families):
+    """The float32 forward on two float16 pieces and wgmma ("wgs", D = 64 and 128 on
+    H100/H200; held back in gpu.SKIP_FAMILIES until this has run)."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    skip_families(*gpu.SKIP_FAMILIES - {"wgs"})
+    run_and_check(case, cupy, rng)
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
@@ -81,8 +91,6 @@ def test_wide_backward_matches_oracle(case, deterministic, rng, poisoned, monkey
 
 
 def test_dispatch_picks_families(rng, skip_families, monkeypatch):
-    from cuflash import problem
-
     def prob(case, q, k, v, **kw):
         return problem.forward_problem(q, k, v, *case.args, None, None, **kw)
 
@@ -96,10 +104,14 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
             assert gpu.uses_tensor_cores(p, (q, k, v), f"dkdv_{kind}_atomic_dq") is bwd
             with cuflash.kernel_path("general"):
                 assert not gpu.uses_tensor_cores(p, (q, k, v), f"fwd_{kind}")
-    skip_families("tc32")  # float32 without allow_tf32 runs the general kernel
+    skip_families("tc32", "wgs")  # float32 without allow_tf32 runs the general kernel
     case = Case(head_dim=64)
     q, k, v, _ = random_inputs(case, rng, cupy)
     assert gpu._fast_role(prob(case, q, k, v), (q, k, v), "fwd") == (None, None)
+    skip_families("tc32")  # or, on Hopper at D = 64 and 128, the float16 pieces
+    assert gpu._fast_role(prob(case, q, k, v), (q, k, v), "fwd")[0] == (
+        "fwd_wgs" if _hopper() else None)
+    skip_families("tc32", "wgs")
     assert gpu._fast_role(prob(case, q, k, v, allow_tf32=True), (q, k, v), "fwd")[0] == "fwd_tf32"
     case = Case(dtype="bfloat16", head_dim=256)
     q, k, v, _ = random_inputs(case, rng, cupy)
@@ -143,6 +155,26 @@ ACCURACY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("case", ACCURACY_CASES[:2], ids=str)  # D = 64, 128: where it serves
+def test_float32_pieces_forward_accuracy_target(case, rng, skip_families):
+    """The float16-pieces forward's output error: at most 2x the general kernel's."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    arrays = random_inputs(case, rng, cupy)
+    refs = oracle(case, *arrays)
+    ref_out = refs[0]
+    q, k, v, _ = arrays
+    errors = {}
+    for name, skipped in (("general", gpu.SKIP_FAMILIES), ("pieces", gpu.SKIP_FAMILIES - {"wgs"})):
+        skip_families(*skipped)
+        p = problem.forward_problem(q, k, v, *case.args, None, None)
+        assert (gpu._fast_role(p, (q, k, v), "fwd")[0] == "fwd_wgs") is (name == "pieces")
+        out, _ = cuflash.flash_attention_fwd(q, k, v, *case.args)
+        errors[name] = rel_error(out, ref_out)
+    print(f"\n{case}: out error general {errors['general']:.3g}, pieces {errors['pieces']:.3g}")
+    assert errors["pieces"] <= 2 * errors["general"] + 1e-7, errors
+
+
 def _three_errors(case, rng):
     """Relative errors (out, dq, dk, dv) of the general, 3xTF32 and TF32 kernels."""
     arrays = random_inputs(case, rng, cupy)
@@ -159,7 +191,7 @@ def _three_errors(case, rng):
 @pytest.mark.parametrize("case", ACCURACY_CASES, ids=str)
 def test_float32_tensor_core_errors(case, rng, skip_families):
     """3xTF32 beats one pass; TF32 stays within a sanity bound (errors printed for the docs)."""
-    skip_families()
+    skip_families("wgs")  # the three TF32 passes, not the float16 pieces
     _, three_pass, tf32 = _three_errors(case, rng)
     for name, e_3, e_1 in zip(("out", "dq", "dk", "dv"), three_pass, tf32):
         assert e_3 < e_1 < 2e-2, f"{name}: TF32 {e_1:.3g}, 3xTF32 {e_3:.3g}"
@@ -170,7 +202,7 @@ def test_float32_tensor_core_errors(case, rng, skip_families):
 @pytest.mark.parametrize("case", ACCURACY_CASES, ids=str)
 def test_float32_three_pass_accuracy_target(case, rng, skip_families):
     """The target: error at most 2x the general float32 kernel's."""
-    skip_families()
+    skip_families("wgs")  # the three TF32 passes, not the float16 pieces
     general, three_pass, _ = _three_errors(case, rng)
     for name, e_gen, e_3 in zip(("out", "dq", "dk", "dv"), general, three_pass):
         assert e_3 <= 2 * e_gen + 1e-7, f"{name}: 3xTF32 {e_3:.3g} vs general {e_gen:.3g}"

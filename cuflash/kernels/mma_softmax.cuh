@@ -49,10 +49,11 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
 
 // 2. Row r (g or g + 8) of m16 tile mt, scores times `score_scale` (from
 // mask_scores) in base 2: update the running max and sum, leave
-// P = exp2(s score_scale - max) in s, and return alpha, the factor O's row
-// must take. The row's largest scaled score is the largest raw score times a
-// positive scale, or the smallest times a negative one.
-template <int MT, int NTILES>
+// P = exp2(s score_scale - max) in s (times 2^LOG2_GAIN, in the sum too),
+// and return alpha, the factor O's row must take. The row's largest scaled
+// score is the largest raw score times a positive scale, or the smallest
+// times a negative one.
+template <int MT, int NTILES, int LOG2_GAIN = 0>
 __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
                                          float (&row_sum)[MT][2], int mt, int r,
                                          float score_scale) {
@@ -72,11 +73,12 @@ __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_
     const float base = new_max == neg_inf() ? 0.f : new_max;
     const float alpha = fast_exp2(row_max[mt][r] - base);
     row_max[mt][r] = new_max;
+    const float shift = LOG2_GAIN ? static_cast<float>(LOG2_GAIN) - base : -base;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NTILES; ++n) {
-        s[mt][n][2 * r] = fast_exp2(fmaf(s[mt][n][2 * r], score_scale, -base));
-        s[mt][n][2 * r + 1] = fast_exp2(fmaf(s[mt][n][2 * r + 1], score_scale, -base));
+        s[mt][n][2 * r] = fast_exp2(fmaf(s[mt][n][2 * r], score_scale, shift));
+        s[mt][n][2 * r + 1] = fast_exp2(fmaf(s[mt][n][2 * r + 1], score_scale, shift));
         sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
     }
     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;

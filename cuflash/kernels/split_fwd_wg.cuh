@@ -1,0 +1,248 @@
+// float32 attention forward on the 16-bit wgmma (sm_90a) with float32
+// accuracy: every float32 operand x is scaled by a power of two and split
+// into two float16 pieces, hi = fp16(x) and lo = fp16(x - hi) (22
+// significant bits), and each product runs as three: hi*hi + hi*lo + lo*hi.
+// The tensor cores round each accumulation toward zero, so sums run in
+// short chunks in fresh accumulators added with round-to-nearest FADDs
+// (docs/perf-notes.md, versions 3 and 9; scripts/tf32_split_model.py):
+// S in two halves of D, O one key tile (64 keys) at a time.
+//
+// Three kernels a call (cuflash.gpu.forward):
+//   attention_abs_max      max |x| of a float32 [B, H, S, D] tensor over its
+//                          first `rows` rows a head (the keys past kv_seq_len
+//                          are never read, whatever they hold; atomicMax on
+//                          the bits, into a zeroed float)
+//   attention_split_f16    x * scale -> hi, lo float16 [B, H, S, D]
+//                          (contiguous, the same first rows), scale =
+//                          2^(14 - e) for max |x| in
+//                          [2^(e - 1), 2^e), so the pieces stay in float16's
+//                          normal range; the scale is written for the next kernel
+//   attention_fwd_split    the forward on the pieces: one block of two
+//                          warpgroups (64 query rows each) per query tile, 64-key
+//                          tiles, K and V pieces double-buffered, not pipelined
+// The probabilities are computed times 2^14 (a gain folded into the exp2) so
+// that small ones keep a normal second piece; the row sums carry the same
+// gain, which cancels in O, and lse takes it back.
+#pragma once
+#include "tc_fwd_wg.cuh"
+
+namespace cuflash {
+
+// 2^(14 - e) for amax in [2^(e - 1), 2^e), within 2^+-100; 1 for zeros and
+// infinities (their pieces are then the values themselves, inf or NaN
+// included).
+__device__ __forceinline__ float pow2_scale(float amax) {
+    if (!(amax > 0.f) || isinf(amax)) return 1.f;
+    int e;
+    frexpf(amax, &e);
+    return ldexpf(1.f, max(-100, min(100, 14 - e)));
+}
+
+// x ~ hi + lo as float16 pairs (x0 in the low half, the lower column).
+__device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = TensorOp<half_t>::pack(x0, x1);
+    float h0, h1;
+    asm("{\n.reg .f16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n"
+        : "=f"(h0), "=f"(h1) : "r"(hi));
+    lo = TensorOp<half_t>::pack(x0 - h0, x1 - h1);
+}
+
+// 32 rows a block (8 a warp), one atomic a warp.
+template <int D>
+__global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict__ x,
+                                                         CUFLASH_STRIDES(x),
+                                                         unsigned* __restrict__ abs_max_bits,
+                                                         int rows) {
+    CUFLASH_STRIDES_OF(x);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float m = 0.f;
+    for (int r = 0; r < 8; ++r) {
+        const int row = blockIdx.x * 32 + warp * 8 + r;
+        if (row >= rows) break;
+        const float* src = x + offset_of(x_st, blockIdx.z, blockIdx.y, row);
+#pragma unroll
+        for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(src[d]));
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
+    if (lane == 0) atomicMax(abs_max_bits, __float_as_uint(m));  // m >= 0: bits order as values
+}
+
+// One warp a row, 4 rows a block; pieces written [B, H, seq_len, D]
+// contiguous, rows [0, rows) of each head.
+template <int D>
+__global__ void __launch_bounds__(128) attention_split_f16(
+    const float* __restrict__ x, CUFLASH_STRIDES(x), const float* __restrict__ abs_max,
+    half_t* __restrict__ hi, half_t* __restrict__ lo, float* __restrict__ scale_out,
+    int num_heads, int seq_len, int rows) {
+    CUFLASH_STRIDES_OF(x);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
+    const float scale = pow2_scale(*abs_max);
+    if (blockIdx.x == 0 && h == 0 && b == 0 && threadIdx.x == 0) *scale_out = scale;
+    if (row >= rows) return;
+    const float* src = x + offset_of(x_st, b, h, row);
+    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * D;
+#pragma unroll
+    for (int d = 2 * lane; d < D; d += 64) {
+        unsigned pair_hi, pair_lo;
+        split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
+        *reinterpret_cast<unsigned*>(hi + at + d) = pair_hi;
+        *reinterpret_cast<unsigned*>(lo + at + d) = pair_lo;
+    }
+}
+
+// The forward on the pieces. scales = (s_q, s_k, s_v) from the split kernels;
+// scale_log2 = softmax_scale log2 e for the unscaled inputs.
+template <int D, int BN>
+__global__ void __launch_bounds__(256, 1) attention_fwd_split(
+    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
+    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
+    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+    float* __restrict__ out, float* __restrict__ lse, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
+    CUFLASH_STRIDES(v), const float* __restrict__ scales, int num_heads, int group,
+    CUFLASH_MASK_PARAMS, float scale_log2) {
+    using T = half_t;
+    constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = D / 8;
+    constexpr int KSTEPS = D / 16, HALF = KSTEPS / 2;
+    constexpr int LOG2_GAIN = 14;          // P is computed times 2^14
+    constexpr unsigned ATOM = 1024;
+    static_assert((D == 64 || D == 128) && BN == 64, "tile shape");
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
+    CUFLASH_MASK_OF;
+    extern __shared__ float4 smem4[];
+    T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ql = Qh + BM * D;
+    T* Ks = Ql + BM * D;       // two buffers of (hi, lo), BN x D each
+    T* Vs = Ks + 4 * BN * D;   // two buffers of (hi, lo)
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+    const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int rows = min(BM, mask.q_len - m0);
+    const float s_q = scales[0], s_k = scales[1], s_v = scales[2];
+
+    cp_async_tile_sw128<BM, D, NT>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, D, NT>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
+    int n_start, tiles;
+    mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
+    const long long k_head = offset_of(k_st, b, hk, 0), v_head = offset_of(v_st, b, hk, 0);
+    auto load_kv = [&](int tile, int buf) {  // buffer `buf`: K hi, K lo, V hi, V lo
+        const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
+        T* kb = Ks + buf * 2 * BN * D;
+        T* vb = Vs + buf * 2 * BN * D;
+        cp_async_tile_sw128<BN, D, NT>(kb, kh + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, D, NT>(kb + BN * D, kl + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, D, NT>(vb, vh + v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, D, NT>(vb + BN * D, vl + v_head + n0 * v_st.s, v_st.s, keys);
+    };
+    if (tiles > 0) load_kv(0, 0);
+    cp_async_commit();
+
+    float o[1][DTILES][4], row_max[1][2], row_sum[1][2];
+    init_rows(o, row_max, row_sum);
+    // Scores of the scaled inputs are s_q s_k times the true ones.
+    const float score_log2 = scale_log2 / (s_q * s_k);
+
+    for (int it = 0; it < tiles; ++it) {
+        const int n0 = n_start + it * BN, buf = it & 1;
+        if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const T* Kh = Ks + buf * 2 * BN * D;
+        const T* Kl = Kh + BN * D;
+        const T* Vh = Vs + buf * 2 * BN * D;
+        const T* Vl = Vh + BN * D;
+
+        // S = Q K^T in two chunks of D / 2, each in a fresh accumulator.
+        float s[1][NTILES][4], s_rest[1][NTILES][4];
+        auto score_step = [&](float (&acc)[NTILES][4], int ks, bool first) {
+            const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
+            const int k_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
+            Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM), wgmma_desc(Kh + k_at, 16, ATOM),
+                             !first);
+            Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM), wgmma_desc(Kl + k_at, 16, ATOM),
+                             1);
+            Wgmma<T, BN>::ss(acc, wgmma_desc(Ql + q_at, 16, ATOM), wgmma_desc(Kh + k_at, 16, ATOM),
+                             1);
+        };
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HALF; ++ks) score_step(s[0], ks, ks == 0);
+#pragma unroll
+        for (int ks = HALF; ks < KSTEPS; ++ks) score_step(s_rest[0], ks, ks == HALF);
+        wgmma_commit();
+        wgmma_wait_all();
+        pin_registers(s[0]);
+        pin_registers(s_rest[0]);
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][n][e] += s_rest[0][n][e];
+
+        const float score_scale = mask_scores(s, 0, mask,
+                                              !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
+                                              m0 + warp_row, n0, score_log2);
+        const float alpha0 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 0, score_scale);
+        const float alpha1 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 1, score_scale);
+
+        // P (times 2^14) as hi and lo A fragments, 16 keys a step.
+        unsigned p_hi[BN / 16][4], p_lo[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                split_pack(s[0][2 * kk + j][0], s[0][2 * kk + j][1], p_hi[kk][2 * j],
+                           p_lo[kk][2 * j]);
+                split_pack(s[0][2 * kk + j][2], s[0][2 * kk + j][3], p_hi[kk][2 * j + 1],
+                           p_lo[kk][2 * j + 1]);
+            }
+
+        // This tile's P V in a fresh accumulator, then O = O alpha + it.
+        float o_tile[DTILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const unsigned long long vh_desc =
+                wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM);
+            const unsigned long long vl_desc =
+                wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM);
+            Wgmma<T, D>::rs(o_tile, p_hi[kk], vh_desc, kk > 0);
+            Wgmma<T, D>::rs(o_tile, p_hi[kk], vl_desc, 1);
+            Wgmma<T, D>::rs(o_tile, p_lo[kk], vh_desc, 1);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        pin_registers(o_tile);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+            o[0][d][0] = fmaf(o[0][d][0], alpha0, o_tile[d][0]);
+            o[0][d][1] = fmaf(o[0][d][1], alpha0, o_tile[d][1]);
+            o[0][d][2] = fmaf(o[0][d][2], alpha1, o_tile[d][2]);
+            o[0][d][3] = fmaf(o[0][d][3], alpha1, o_tile[d][3]);
+        }
+        __syncthreads();  // this buffer is refilled two iterations later
+    }
+    cp_async_wait<0>();  // Q's copy, when no key tile was read
+
+    // O carries 2^14 s_v and the sums 2^14. finish_rows writes o / total and
+    // lse = max ln 2 + ln(total): the sums take s_v (o / total is then O) and
+    // the max gives back log2(s_v) + 14 (lse is then the unscaled one).
+    const float max_shift = static_cast<float>(ilogbf(s_v) + LOG2_GAIN);  // s_v = 2^k
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[0][r] *= s_v;
+        row_max[0][r] -= max_shift;
+    }
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
+                [&](int row, int d, float x0, float x1) {
+                    reinterpret_cast<float2*>(out + (row_base + row) * D)[d * 4 + t] =
+                        make_float2(x0, x1);
+                });
+}
+
+}  // namespace cuflash

@@ -109,14 +109,15 @@ def errors_of(kind, trials, rng):
         scale = float(np.dot(np.abs(a.astype(np.float64)), np.abs(b.astype(np.float64))))
         (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
         (h_a, l_a), (h_b, l_b) = split(a, fp16), split(b, fp16)
-        # a scaled by 2^14 before the split (p <= 1 stays below float16's 65504),
-        # the sum scaled back after: small p keep their second piece normal
-        if kind != "dot":
-            hs_a, ls_a = (x / 2.0**14 for x in split(a * np.float32(2.0**14), fp16))
+        # probabilities scaled by 2^14 before the split (p <= 1 stays below
+        # float16's 65504), the sum scaled back after: small p keep their second
+        # piece normal (unit normals are not scaled: that way is not run on them)
+        gain = np.float32(1.0 if kind == "dot" else 2.0**14)
+        hs_a, ls_a = (x / gain for x in split(a * gain, fp16))
         a3, b3 = split(a, bf16, 3), split(b, bf16, 3)
         pairs_of = {"one": [(a_hi, b_hi)], "three": [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)],
                     "fp16": [(l_a, h_b), (h_a, l_b), (h_a, h_b)],
-                    "fp16s": [(ls_a, h_b), (hs_a, l_b), (hs_a, h_b)] if kind != "dot" else [],
+                    "fp16s": [(ls_a, h_b), (hs_a, l_b), (hs_a, h_b)],
                     "bf16": [(a3[i], b3[j]) for i, j in ((2, 0), (1, 1), (0, 2), (1, 0),
                                                           (0, 1), (0, 0))]}
         for name, way in ways.items():

@@ -64,12 +64,13 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     allow_tf32 : bool, default False, keyword-only
         float32 only: let the GPU's tensor cores (compute capability 8.0 and
         newer) take every product in TF32, operands rounded to 10 mantissa
-        bits. Measured on an H200: 3.6x the speed of the default float32
-        kernels forward and 3x to 5x backward (the backward runs on tensor
-        cores for ``head_dim <= 128``), at relative errors of about 5e-4
-        instead of 4e-7 (see the performance page). Without it, float32 keeps
-        float32 accuracy on the general kernels. Ignored for
-        float16/bfloat16 and on the CPU path, which is float32 throughout.
+        bits, at relative errors of about 5e-4 instead of 4e-7 (see the
+        performance page). Without it, float32 keeps float32 accuracy: on
+        H100/H200 at ``head_dim`` 64 and 128 on the 16-bit tensor cores (each
+        operand as two float16 pieces, three products each; 2x-4x torch's
+        efficient float32 attention), elsewhere on the general kernels.
+        Ignored for float16/bfloat16 and on the CPU path, which is float32
+        throughout.
 
     Returns
     -------

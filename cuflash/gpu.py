@@ -18,15 +18,16 @@ LOG2E = 1.4426950408889634
 # exchanged through shared memory; D = 256), "tcw" (16-bit
 # backward with head_dim split across warps), "tc32" and "tf32" (float32 on
 # TF32 tensor cores: three passes, float32 accuracy; one pass, opt-in TF32
-# accuracy), "wgs" (the float32 forward on two float16 pieces of each operand
-# and the 16-bit wgmma, three products each; D = 64 and 128).
+# accuracy), "wgs" (float32 forward and backward on two float16 pieces of each
+# operand and the 16-bit wgmma, three products each, float32 accuracy; D = 64
+# and 128 on Hopper).
 # The dispatch passes over the families named in SKIP_FAMILIES: a family in
 # development stays there until the GPU suite has run it, and tests and
 # benchmarks add one to compare or test the next in line. "tc32" is there
 # because its errors are 3-18x the general float32 kernel's (see
-# kernels/mma_tf32.cuh): float32 runs on the general kernel unless the call
-# allows TF32. "wgs" is there until the GPU suite has run it.
-SKIP_FAMILIES = frozenset({"tc32", "wgs"})
+# kernels/mma_tf32.cuh): float32 runs on "wgs" where it serves, else on the
+# general kernel, unless the call allows TF32.
+SKIP_FAMILIES = frozenset({"tc32"})
 # Families that run on exactly these compute capabilities (wgmma: sm_90a).
 FAMILY_DEVICES = {family: (90,) for family in ("wg", "wgp", "wgb", "wgd", "wgs")}
 # 16-bit backward: "tcw" for every head_dim it covers instead of only where
@@ -105,12 +106,10 @@ def forward(problem, q, k, v):
         role, rows, threads = "fwd", tiles.fwd[0], kernel_build.THREADS
     grid = (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch)
     if family == "wgs":  # the kernel reads float16 pieces and their scales
-        scales = cupy.empty(3, dtype=np.float32)
-        (q, q_lo), (k, k_lo), (v, v_lo) = (
-            float16_pieces(module, x, valid_rows, scales[i:])
-            for i, (x, valid_rows) in enumerate(((q, problem.q_len), (k, problem.kv_len),
-                                                 (v, problem.kv_len))))
-        arrays, extra = (q, q_lo, k, k_lo, v, v_lo), (scales,)
+        (q, q_lo, q_scales), (k, k_lo, k_scales), (v, v_lo, v_scales) = (
+            float16_pieces(module, x, valid_rows)
+            for x, valid_rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len)))
+        arrays, extra = (q, q_lo, k, k_lo, v, v_lo), (q_scales, k_scales, v_scales)
     else:
         arrays, extra = (q, k, v), ()
     _launch(module, role, grid, threads=threads, args=(
@@ -120,20 +119,22 @@ def forward(problem, q, k, v):
     return out, lse
 
 
-def float16_pieces(module, x, valid_rows, scale_slot):
-    """``(hi, lo)``: float16 arrays of ``x``'s shape with hi + lo = x * scale on the first
-    ``valid_rows`` rows of each head (22 significant bits), scale a power of two that puts
-    max |x| in [2^13, 2^14); the scale goes to ``scale_slot[0]`` (a float32 device array)."""
+def float16_pieces(module, x, valid_rows):
+    """``(hi, lo, scales)``: float16 arrays of ``x``'s shape with hi + lo = x * scale on the
+    first ``valid_rows`` rows of each head (22 significant bits), and float32 ``scales`` of
+    shape ``[batch, heads]``: for each head the power of two that puts its max |x| in
+    [2^13, 2^14)."""
     batch, heads, seq_len, _ = x.shape
-    abs_max = cupy.zeros(1, dtype=np.float32)
+    abs_max = cupy.zeros((batch, heads), dtype=np.float32)
     _launch(module, "abs_max", (max(1, math.ceil(valid_rows / 32)), heads, batch),
             (x, *_strides(x), abs_max, np.int32(valid_rows)))
     hi = cupy.empty(x.shape, dtype=np.float16)
     lo = cupy.empty(x.shape, dtype=np.float16)
+    scales = cupy.empty((batch, heads), dtype=np.float32)
     _launch(module, "split_f16", (max(1, math.ceil(valid_rows / 4)), heads, batch),
-            (x, *_strides(x), abs_max, hi, lo, scale_slot, np.int32(heads), np.int32(seq_len),
+            (x, *_strides(x), abs_max, hi, lo, scales, np.int32(heads), np.int32(seq_len),
              np.int32(valid_rows)))
-    return hi, lo
+    return hi, lo, scales
 
 
 def backward_delta(module, problem, dout, output, lse):
@@ -163,6 +164,19 @@ def dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv):
             np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
 
 
+def _split_dkdv_args(module, problem, q, k, v, dout, lse_log2, delta, dq, dk, dv):
+    """The arguments of the dK/dV kernel on float16 pieces ("wgs"): each of q, k, v and
+    dout replaced by its two pieces, their scales (one a head) after the strides."""
+    valid_rows = (problem.q_len, problem.kv_len, problem.kv_len, problem.q_len)
+    pieces = [float16_pieces(module, x, rows) for x, rows in zip((q, k, v, dout), valid_rows)]
+    q_hi, k_hi, v_hi, dout_hi = (hi for hi, _, _ in pieces)
+    return (*(piece for hi, lo, _ in pieces for piece in (hi, lo)), lse_log2, delta, dq, dk, dv,
+            *_strides(q_hi), *_strides(k_hi), *_strides(v_hi), *_strides(dout_hi),
+            *(scales for _, _, scales in pieces),
+            np.int32(problem.num_heads), np.int32(problem.group_size),
+            np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
+
+
 def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     """Return ``(dq, dk, dv)``; see :func:`cuflash.flash_attention_bwd`."""
     dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
@@ -184,10 +198,13 @@ def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
     dq_accum = None if deterministic else cupy.zeros(problem.q_shape, dtype=np.float32)
     dq = cupy.empty(problem.q_shape, dtype=problem.dtype) if deterministic else dq_accum
     if problem.kv_capacity:
+        if family == "wgs":  # float16 pieces of q, k, v and dout, and their scales
+            args = _split_dkdv_args(module, problem, q, k, v, dout, lse_log2, delta, dq, dk, dv)
+        else:
+            args = dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv)
         _launch(module, dkdv_role,
                 (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch),
-                threads=threads,
-                args=dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv))
+                threads=threads, args=args)
     if deterministic:  # dQ by its own pass over the keys, no atomics
         _launch(module, "dq", (math.ceil(problem.q_len / tiles.dq[0]), problem.num_heads,
                                problem.batch), (

@@ -41,8 +41,9 @@ TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 FLOAT32_PRECISIONS = {"tc32": 3, "tf32": 1}
 # Kernel roles that need an arch-specific target (wgmma exists on sm_90a only).
 ARCH_SPECIFIC_ROLES = {role: "sm_90a" for role in (
-    "fwd_wg", "fwd_wgp", "fwd_wgs", *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd")
-                           for suffix in ("", "_atomic_dq")))}
+    "fwd_wg", "fwd_wgp", "fwd_wgs",
+    *(f"dkdv_{family}{suffix}" for family in ("wgb", "wgd", "wgs")
+      for suffix in ("", "_atomic_dq")))}
 THREADS = 128
 FLOAT_BYTES = 4
 
@@ -112,6 +113,23 @@ class Tiles:
         """Q's two float16 pieces (128 rows) and two buffers of K's and V's (+ 1 KB
         alignment)."""
         return 2 * self.head_dim * (2 * 128 + 8 * self.fwd_wgs) + 1024
+
+    @property
+    def bwd_wgs(self):
+        """float32 dK/dV kernel on float16 pieces with the wgmma: (query rows, keys); sm 90
+        only, D = 64 and 128."""
+        if self.sm < 90 or self.head_dim not in (64, 128):
+            return None
+        return (64, 64)
+
+    def bwd_wgs_smem(self):
+        """K's and V's two float16 pieces, buffers of Q's and dO's (one at D = 64, where
+        two blocks share an SM; two at 128), P^T's and dS^T's pieces, as many buffers of
+        lse and Delta, 8 floats of warp maxima (+ 1 KB alignment)."""
+        bm, bn = self.bwd_wgs
+        buffers = 1 if self.head_dim == 64 else 2
+        return (2 * (self.head_dim * (4 * bn + 4 * buffers * bm) + 4 * bn * bm)
+                + FLOAT_BYTES * (2 * buffers * bm + 8) + 1024)
 
     def fwd_wg_smem(self, shape=None, itemsize=2):
         """Shared memory of the wgmma forward of ``shape`` (default: ``fwd_wg``): Q, two
@@ -216,9 +234,9 @@ class Tiles:
         return self.fwd_tc32[0], self.fwd_tc32_threads()
 
     def fast_bwd(self, kind):
-        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, tc, tcw, tc32
-        or tf32."""
-        if kind in ("wgb", "wgd"):
+        """(keys, threads) of tensor-core dK/dV family ``kind``: wgb, wgd, wgs, tc, tcw,
+        tc32 or tf32."""
+        if kind in ("wgb", "wgd", "wgs"):
             return getattr(self, f"bwd_{kind}")[1], 256
         if kind == "tc":
             return self.bwd_tc[1], self.bwd_tc_threads()
@@ -312,6 +330,8 @@ class Variant:
             names["abs_max"] = f"cuflash::attention_abs_max<{d}>"
             names["split_f16"] = f"cuflash::attention_split_f16<{d}>"
             names["fwd_wgs"] = f"cuflash::attention_fwd_split<{d}, {tiles.fwd_wgs}>"
+            for suffix, atomic in (("_atomic_dq", "true"), ("", "false")):
+                names[f"dkdv_wgs{suffix}"] = f"cuflash::attention_bwd_split<{d}, {atomic}>"
         if np.dtype(self.dtype) == np.float32:  # TF32 tensor cores: 3 passes or 1
             for precision, passes in FLOAT32_PRECISIONS.items():
                 names[f"fwd_{precision}"] = "cuflash::attention_fwd_tc32<{}, {}, {}, {}>".format(
@@ -358,6 +378,7 @@ class _LoadedVariant:
             smem["dkdv_tc_atomic_dq"] = smem["dkdv_tc"] = tiles.bwd_tc_smem()
         if "fwd_wgs" in self.names:
             smem.update(fwd_wgs=tiles.fwd_wgs_smem(), abs_max=0, split_f16=0)
+            smem["dkdv_wgs"] = smem["dkdv_wgs_atomic_dq"] = tiles.bwd_wgs_smem()
         for family in ("wgb", "wgd"):
             if f"dkdv_{family}" in self.names:
                 smem[f"dkdv_{family}_atomic_dq"] = smem[f"dkdv_{family}"] = (

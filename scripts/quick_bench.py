@@ -8,9 +8,8 @@ families the default passes over on this device (see cuflash.gpu: for 16 bits
 the wgmma forward without the pipelined softmax where the pipelined one
 serves (D = 64, 128),
 "wide" = the split-D mma.sync backward everywhere; for float32
-"3xtf32" = the three-pass kernels held back in SKIP_FAMILIES, "pieces" = the
-forward on two float16 pieces (held back; the backward there is the
-general one), "tf32" = allow_tf32), and torch SDPA's backends.
+"3xtf32" = the three-pass kernels held back in SKIP_FAMILIES (auto is the
+float16 pieces on Hopper), "tf32" = allow_tf32), and torch SDPA's backends.
 The full comparison is `python -m cuflash.bench`.
 """
 
@@ -31,7 +30,6 @@ PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
             "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
 PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
             "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset({"wgs"})}, False),
-            "pieces": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES - {"wgs"}}, False),
             "tf32": ("auto", {}, True)}
 
 

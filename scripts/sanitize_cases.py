@@ -26,11 +26,12 @@ DEFAULT_SKIP = gpu.SKIP_FAMILIES
 # Each family runs in one: "auto" the defaults (forward wgp, and wg at D = 256, on
 # Hopper; backward wgb on Hopper, tc elsewhere, tcw at D = 256), "mma-sync" the tc
 # forward and backward, "wg" wg at D = 64 and 128, "wide" tcw everywhere, "tc32", "tf32"
-# and "wgs" (the forward on float16 pieces) the float32 ones.
+# and "wgs" (forward and backward on float16 pieces, float32's default on Hopper) the
+# float32 ones.
 SETTINGS = {"auto": ("auto", DEFAULT_SKIP, False, False),
             "general": ("general", DEFAULT_SKIP, False, False),
             "tc32": ("auto", frozenset({"wgs"}), False, False),
-            "wgs": ("auto", DEFAULT_SKIP - {"wgs"}, False, False),
+            "wgs": ("auto", DEFAULT_SKIP, False, False),
             "mma-sync": ("auto", frozenset({"wg", "wgp", "wgb", "wgd"}), False, False),
             "wg": ("auto", DEFAULT_SKIP | {"wgp"}, False, False),
             "wide": ("auto", DEFAULT_SKIP, True, False),

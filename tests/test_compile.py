@@ -103,6 +103,11 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
         if role == "fwd_wgs":  # per key tile three products each: D / 16 for S, keys / 16
             assert ops["HGMMA"] == 3 * (head_dim + variant.tiles.fwd_wgs) // 16, (role, ops)
             assert ops["HMMA"] == 0, (role, ops)
+        elif role.startswith("dkdv_wgs"):  # per query tile three products each: D / 16
+            # for S^T and for dP^T, 64 queries / 16 for dV or dK, and for dQ 2 key steps
+            dq = 2 if role.endswith("atomic_dq") else 0
+            assert ops["HGMMA"] == 3 * (2 * head_dim // 16 + 64 // 16 + dq), (role, ops)
+            assert ops["HMMA"] == 0, (role, ops)
         elif role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
             keys = getattr(variant.tiles, role)[0]  # Tiles.fwd_wg or Tiles.fwd_wgp
             sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
@@ -124,6 +129,19 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
         assert three % 3 == 0 and three > one, (three, one)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_shared_memory_fits_sm90(head_dim):
+    """Every Hopper kernel's shared memory within the 227 KB a block may opt into."""
+    tiles = kernel_build.Tiles(head_dim, sm=90)
+    sizes = [tiles.fwd_wg_smem(), tiles.fwd_wg_smem(tiles.fwd_wgp) if tiles.fwd_wgp else 0]
+    sizes += [tiles.bwd_wg_smem(family) for family in ("wgb", "wgd")
+              if getattr(tiles, f"bwd_{family}")]
+    if tiles.fwd_wgs:
+        sizes += [tiles.fwd_wgs_smem(), tiles.bwd_wgs_smem()]
+    assert (tiles.fwd_wgs is None) is (tiles.bwd_wgs is None) is (head_dim == 256)
+    assert 0 < max(sizes) <= 227 * 1024
+
+
 def test_precompile_job_list():
     """``python -m cuflash.precompile`` compiles every role of every variant asked for."""
     from cuflash import precompile
@@ -133,7 +151,7 @@ def test_precompile_job_list():
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_tc32", "dkdv_wgb",
-                                          "dkdv_tc", "dkdv_tcw"}
+                                          "dkdv_tc", "dkdv_tcw", "fwd_wgs", "dkdv_wgs"}
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

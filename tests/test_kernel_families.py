@@ -49,13 +49,15 @@ def test_float32_three_pass_deterministic(case, rng, poisoned, skip_families):
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
-def test_float32_on_float16_pieces_matches_oracle(case, rng, poisoned, skip_families):
-    """The float32 forward on two float16 pieces and wgmma ("wgs", D = 64 and 128 on
-    H100/H200; held back in gpu.SKIP_FAMILIES until this has run)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float32_on_float16_pieces_matches_oracle(case, deterministic, rng, poisoned,
+                                                  skip_families):
+    """The float32 forward and backward on two float16 pieces and wgmma ("wgs", D = 64
+    and 128 on H100/H200)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     skip_families(*gpu.SKIP_FAMILIES - {"wgs"})
-    run_and_check(case, cupy, rng)
+    run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
@@ -111,6 +113,8 @@ def test_dispatch_picks_families(rng, skip_families, monkeypatch):
     skip_families("tc32")  # or, on Hopper at D = 64 and 128, the float16 pieces
     assert gpu._fast_role(prob(case, q, k, v), (q, k, v), "fwd")[0] == (
         "fwd_wgs" if _hopper() else None)
+    assert gpu._fast_role(prob(case, q, k, v), (q, k, v, q), "dkdv", "_atomic_dq")[0] == (
+        "dkdv_wgs_atomic_dq" if _hopper() else None)
     skip_families("tc32", "wgs")
     assert gpu._fast_role(prob(case, q, k, v, allow_tf32=True), (q, k, v), "fwd")[0] == "fwd_tf32"
     case = Case(dtype="bfloat16", head_dim=256)
@@ -156,23 +160,27 @@ ACCURACY_CASES = [
 
 
 @pytest.mark.parametrize("case", ACCURACY_CASES[:2], ids=str)  # D = 64, 128: where it serves
-def test_float32_pieces_forward_accuracy_target(case, rng, skip_families):
-    """The float16-pieces forward's output error: at most 2x the general kernel's."""
+def test_float32_pieces_accuracy_target(case, rng, skip_families):
+    """The float16-pieces kernels' errors (out, dq, dk, dv): at most 2x the general
+    kernel's (printed for the docs)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     arrays = random_inputs(case, rng, cupy)
-    refs = oracle(case, *arrays)
-    ref_out = refs[0]
-    q, k, v, _ = arrays
+    ref_out, _, ref_grads = oracle(case, *arrays)
+    q, k, v, dout = arrays
     errors = {}
-    for name, skipped in (("general", gpu.SKIP_FAMILIES), ("pieces", gpu.SKIP_FAMILIES - {"wgs"})):
+    for name, skipped in (("general", gpu.SKIP_FAMILIES | {"wgs"}),
+                          ("pieces", gpu.SKIP_FAMILIES - {"wgs"})):
         skip_families(*skipped)
         p = problem.forward_problem(q, k, v, *case.args, None, None)
         assert (gpu._fast_role(p, (q, k, v), "fwd")[0] == "fwd_wgs") is (name == "pieces")
-        out, _ = cuflash.flash_attention_fwd(q, k, v, *case.args)
-        errors[name] = rel_error(out, ref_out)
-    print(f"\n{case}: out error general {errors['general']:.3g}, pieces {errors['pieces']:.3g}")
-    assert errors["pieces"] <= 2 * errors["general"] + 1e-7, errors
+        assert (gpu._fast_role(p, (q, k, v, dout), "dkdv", "_atomic_dq")[0]
+                == "dkdv_wgs_atomic_dq") is (name == "pieces")
+        errors[name] = _errors(case, arrays, (ref_out, *ref_grads))
+    print(f"\n{case}: general {errors['general']}\n  pieces {errors['pieces']}")
+    for what, general, pieces in zip(("out", "dq", "dk", "dv"), errors["general"],
+                                     errors["pieces"]):
+        assert pieces <= 2 * general, f"{what}: pieces {pieces:.3g}, general {general:.3g}"
 
 
 def _three_errors(case, rng):

@@ -147,8 +147,9 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 // QTILES tiles of 8 queries from m0; t = lane % 4): P^T = exp2(S^T
 // scale_log2 - lse), with lse (base 2) per query column from shared memory
 // (lse_s, 8-byte aligned); masked only when `edge` (two straight-line
-// versions, so that the unmasked one has no per-element branch).
-template <bool EDGE, int QTILES>
+// versions, so that the unmasked one has no per-element branch). With
+// LOG2_GAIN, P^T comes times 2^LOG2_GAIN.
+template <bool EDGE, int QTILES, int LOG2_GAIN = 0>
 __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
                                          int key0, int t, const float* lse_s, float scale_log2) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // the queries keys key0 and key0 + 8 are seen by
@@ -161,21 +162,23 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
         const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float p = fast_exp2(st[n][e] * scale_log2 - ((e & 1) ? lse2.y : lse2.x));
+            float lse_e = (e & 1) ? lse2.y : lse2.x;
+            if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
+            float p = fast_exp2(st[n][e] * scale_log2 - lse_e);
             const int query = m0 + n * 8 + 2 * t + (e & 1);
             if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1])) p = 0.f;
             st[n][e] = p;
         }
     }
 }
-template <int QTILES>
+template <int QTILES, int LOG2_GAIN = 0>
 __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
                                       int m0, int key0, int t, const float* lse_s,
                                       float scale_log2) {
     if (edge)
-        probs_of<true>(st, mask, m0, key0, t, lse_s, scale_log2);
+        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2);
     else
-        probs_of<false>(st, mask, m0, key0, t, lse_s, scale_log2);
+        probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2);
 }
 // Then dS^T = P^T (dP^T - Delta) in place on the dP^T accumulators, Delta per
 // query column from delta_s (8-byte aligned).

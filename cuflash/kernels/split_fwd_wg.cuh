@@ -2,41 +2,48 @@
 // accuracy: every float32 operand x is scaled by a power of two and split
 // into two float16 pieces, hi = fp16(x) and lo = fp16(x - hi) (22
 // significant bits), and each product runs as three: hi*hi + hi*lo + lo*hi.
-// The tensor cores round each accumulation toward zero, so sums run in
-// short chunks in fresh accumulators added with round-to-nearest FADDs
-// (docs/perf-notes.md, versions 3 and 9; scripts/tf32_split_model.py):
-// S in two halves of D, O one key tile (64 keys) at a time.
+// The tensor cores round each accumulation toward zero at the scale of the
+// largest addend, the accumulator included, so sums run in short chunks in
+// fresh accumulators added with round-to-nearest FADDs (docs/perf-notes.md,
+// versions 3, 9 and 10; scripts/tf32_split_model.py): S in two halves of D,
+// O one key tile (64 keys) at a time; and within a chunk the small cross
+// products (hi*lo, lo*hi) go first, while the accumulator is small, so that
+// only the hi*hi steps round at the scale of the sum.
 //
 // Three kernels a call (cuflash.gpu.forward):
-//   attention_abs_max      max |x| of a float32 [B, H, S, D] tensor over its
-//                          first `rows` rows a head (the keys past kv_seq_len
-//                          are never read, whatever they hold; atomicMax on
-//                          the bits, into a zeroed float)
+//   attention_abs_max      max |x| of each head of a float32 [B, H, S, D]
+//                          tensor over its first `rows` rows (the keys past
+//                          kv_seq_len are never read, whatever they hold;
+//                          atomicMax on the bits, into zeroed floats [B, H]).
+//                          Scales a head apiece: a non-finite value reaches
+//                          no other head's results
 //   attention_split_f16    x * scale -> hi, lo float16 [B, H, S, D]
 //                          (contiguous, the same first rows), scale =
-//                          2^(14 - e) for max |x| in
+//                          2^(14 - e) for the head's max |x| in
 //                          [2^(e - 1), 2^e), so the pieces stay in float16's
-//                          normal range; the scale is written for the next kernel
+//                          normal range; the scales [B, H] are written for the
+//                          next kernel
 //   attention_fwd_split    the forward on the pieces: one block of two
 //                          warpgroups (64 query rows each) per query tile, 64-key
 //                          tiles, K and V pieces double-buffered, not pipelined
 // The probabilities are computed times 2^14 (a gain folded into the exp2) so
-// that small ones keep a normal second piece; the row sums carry the same
-// gain, which cancels in O, and lse takes it back.
+// that small ones keep a normal second piece; the row sums drop that gain
+// before lse is formed, and O drops it and s_v as it is stored.
 #pragma once
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
 
-// 2^(14 - e) for amax in [2^(e - 1), 2^e), within 2^+-100; 1 for zeros and
-// infinities (their pieces are then the values themselves, inf or NaN
-// included).
-__device__ __forceinline__ float pow2_scale(float amax) {
-    if (!(amax > 0.f) || isinf(amax)) return 1.f;
+// k = 14 - e for amax in [2^(e - 1), 2^e), within +-100, so that amax 2^k
+// lies in [2^13, 2^14); 0 for zeros and infinities (their pieces are then
+// the values themselves, inf or NaN included).
+__device__ __forceinline__ int pow2_exponent(float amax) {
+    if (!(amax > 0.f) || isinf(amax)) return 0;
     int e;
     frexpf(amax, &e);
-    return ldexpf(1.f, max(-100, min(100, 14 - e)));
+    return max(-100, min(100, 14 - e));
 }
+__device__ __forceinline__ float pow2_scale(float amax) { return ldexpf(1.f, pow2_exponent(amax)); }
 
 // x ~ hi + lo as float16 pairs (x0 in the low half, the lower column).
 __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, unsigned& lo) {
@@ -65,7 +72,8 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
     }
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
-    if (lane == 0) atomicMax(abs_max_bits, __float_as_uint(m));  // m >= 0: bits order as values
+    if (lane == 0)  // m >= 0: bits order as values; one maximum a head
+        atomicMax(abs_max_bits + blockIdx.z * gridDim.y + blockIdx.y, __float_as_uint(m));
 }
 
 // One warp a row, 4 rows a block; pieces written [B, H, seq_len, D]
@@ -78,8 +86,8 @@ __global__ void __launch_bounds__(128) attention_split_f16(
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
-    const float scale = pow2_scale(*abs_max);
-    if (blockIdx.x == 0 && h == 0 && b == 0 && threadIdx.x == 0) *scale_out = scale;
+    const float scale = pow2_scale(abs_max[b * num_heads + h]);  // a head's own
+    if (blockIdx.x == 0 && threadIdx.x == 0) scale_out[b * num_heads + h] = scale;
     if (row >= rows) return;
     const float* src = x + offset_of(x_st, b, h, row);
     const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * D;
@@ -92,15 +100,17 @@ __global__ void __launch_bounds__(128) attention_split_f16(
     }
 }
 
-// The forward on the pieces. scales = (s_q, s_k, s_v) from the split kernels;
+// The forward on the pieces. q_scales, k_scales, v_scales: each head's scale
+// from the split kernels ([B, H] and [B, H_kv]);
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
-__global__ void __launch_bounds__(256, 1) attention_fwd_split(
+__global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
     const half_t* __restrict__ qh, const half_t* __restrict__ ql,
     const half_t* __restrict__ kh, const half_t* __restrict__ kl,
     const half_t* __restrict__ vh, const half_t* __restrict__ vl,
     float* __restrict__ out, float* __restrict__ lse, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
-    CUFLASH_STRIDES(v), const float* __restrict__ scales, int num_heads, int group,
+    CUFLASH_STRIDES(v), const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, int num_heads, int group,
     CUFLASH_MASK_PARAMS, float scale_log2) {
     using T = half_t;
     constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = D / 8;
@@ -121,7 +131,9 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split(
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
-    const float s_q = scales[0], s_k = scales[1], s_v = scales[2];
+    const int kv_head = b * (num_heads / group) + hk;
+    const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
+                s_v = v_scales[kv_head];
 
     cp_async_tile_sw128<BM, D, NT>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
     cp_async_tile_sw128<BM, D, NT>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -157,23 +169,30 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split(
         const T* Vh = Vs + buf * 2 * BN * D;
         const T* Vl = Vh + BN * D;
 
-        // S = Q K^T in two chunks of D / 2, each in a fresh accumulator.
+        // S = Q K^T in two chunks of D / 2, each in a fresh accumulator: the
+        // small cross products of a chunk first, then hi * hi (see the top).
         float s[1][NTILES][4], s_rest[1][NTILES][4];
-        auto score_step = [&](float (&acc)[NTILES][4], int ks, bool first) {
-            const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
-            const int k_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
-            Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM), wgmma_desc(Kh + k_at, 16, ATOM),
-                             !first);
-            Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM), wgmma_desc(Kl + k_at, 16, ATOM),
-                             1);
-            Wgmma<T, BN>::ss(acc, wgmma_desc(Ql + q_at, 16, ATOM), wgmma_desc(Kh + k_at, 16, ATOM),
-                             1);
+        auto score_chunk = [&](float (&acc)[NTILES][4], int ks0) {
+#pragma unroll
+            for (int ks = ks0; ks < ks0 + HALF; ++ks) {
+                const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
+                const int k_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
+                Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM),
+                                 wgmma_desc(Kl + k_at, 16, ATOM), ks > ks0);
+                Wgmma<T, BN>::ss(acc, wgmma_desc(Ql + q_at, 16, ATOM),
+                                 wgmma_desc(Kh + k_at, 16, ATOM), 1);
+            }
+#pragma unroll
+            for (int ks = ks0; ks < ks0 + HALF; ++ks) {
+                const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
+                const int k_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
+                Wgmma<T, BN>::ss(acc, wgmma_desc(Qh + q_at, 16, ATOM),
+                                 wgmma_desc(Kh + k_at, 16, ATOM), 1);
+            }
         };
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HALF; ++ks) score_step(s[0], ks, ks == 0);
-#pragma unroll
-        for (int ks = HALF; ks < KSTEPS; ++ks) score_step(s_rest[0], ks, ks == HALF);
+        score_chunk(s[0], 0);
+        score_chunk(s_rest[0], HALF);
         wgmma_commit();
         wgmma_wait_all();
         pin_registers(s[0]);
@@ -201,19 +220,21 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split(
                            p_lo[kk][2 * j + 1]);
             }
 
-        // This tile's P V in a fresh accumulator, then O = O alpha + it.
+        // This tile's P V in a fresh accumulator (cross products first), then
+        // O = O alpha + it.
         float o_tile[DTILES][4];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned long long vh_desc =
-                wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM);
-            const unsigned long long vl_desc =
-                wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM);
-            Wgmma<T, D>::rs(o_tile, p_hi[kk], vh_desc, kk > 0);
-            Wgmma<T, D>::rs(o_tile, p_hi[kk], vl_desc, 1);
-            Wgmma<T, D>::rs(o_tile, p_lo[kk], vh_desc, 1);
+            Wgmma<T, D>::rs(o_tile, p_hi[kk],
+                            wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), kk > 0);
+            Wgmma<T, D>::rs(o_tile, p_lo[kk],
+                            wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            Wgmma<T, D>::rs(o_tile, p_hi[kk],
+                            wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
         wgmma_wait_all();
         pin_registers(o_tile);
@@ -228,20 +249,19 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split(
     }
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 
-    // O carries 2^14 s_v and the sums 2^14. finish_rows writes o / total and
-    // lse = max ln 2 + ln(total): the sums take s_v (o / total is then O) and
-    // the max gives back log2(s_v) + 14 (lse is then the unscaled one).
-    const float max_shift = static_cast<float>(ilogbf(s_v) + LOG2_GAIN);  // s_v = 2^k
+    // O carries 2^14 s_v and the sums 2^14. The sums drop their gain
+    // (exactly: a power of two), so that finish_rows writes lse = max ln 2 +
+    // ln(sum) with no large terms that cancel (their rounding would reach
+    // every gradient through P in the backward), and O drops 2^14 s_v as
+    // it is stored.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        row_sum[0][r] *= s_v;
-        row_max[0][r] -= max_shift;
-    }
+    for (int r = 0; r < 2; ++r) row_sum[0][r] *= 1.f / (1 << LOG2_GAIN);
+    const float out_scale = ldexpf(1.f, -(LOG2_GAIN + ilogbf(s_v)));  // s_v = 2^k
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
     finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
                     reinterpret_cast<float2*>(out + (row_base + row) * D)[d * 4 + t] =
-                        make_float2(x0, x1);
+                        make_float2(x0 * out_scale, x1 * out_scale);
                 });
 }
 

@@ -148,9 +148,10 @@ def backward_delta(module, problem, dout, output, lse):
     return delta, lse_log2
 
 
-def _backward_shape_args(problem, q, k, v, dout):
-    """Strides of q, k, v and dout, then the head counts."""
-    return (*_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+def _backward_shape_args(problem, q, k, v, dout, scales=()):
+    """Strides of q, k, v and dout, then ``scales`` (the float16 pieces' device arrays),
+    then the head counts."""
+    return (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *scales,
             np.int32(problem.num_heads), np.int32(problem.group_size))
 
 
@@ -158,23 +159,30 @@ def _backward_scales(problem):
     return np.float32(problem.softmax_scale), np.float32(problem.softmax_scale * LOG2E)
 
 
-def dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv):
-    """The arguments of every dK/dV kernel role (``dq``: dq_accum, or dQ when unused)."""
-    return (q, k, v, dout, lse_log2, delta, dq, dk, dv, *_backward_shape_args(problem, q, k, v, dout),
+def dkdv_args(problem, q, k, v, dout, lse_log2, delta, dq, dk, dv, pieces=None):
+    """The arguments of every dK/dV kernel role (``dq``: dq_accum, or dQ when unused). For
+    the kernel on float16 pieces ("wgs"), ``pieces`` holds ``(lo, scales)`` of each of q,
+    k, v and dout (see :func:`float16_pieces`), and q, k, v, dout are their hi pieces."""
+    inputs = (q, k, v, dout)
+    scales = ()
+    if pieces is not None:
+        inputs = tuple(x for hi, (lo, _) in zip(inputs, pieces) for x in (hi, lo))
+        scales = tuple(s for _, s in pieces)
+    return (*inputs, lse_log2, delta, dq, dk, dv,
+            *_backward_shape_args(problem, q, k, v, dout, scales),
             np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
 
 
 def _split_dkdv_args(module, problem, q, k, v, dout, lse_log2, delta, dq, dk, dv):
-    """The arguments of the dK/dV kernel on float16 pieces ("wgs"): each of q, k, v and
-    dout replaced by its two pieces, their scales (one a head) after the strides."""
+    """:func:`dkdv_args` of the dK/dV kernel on float16 pieces ("wgs"): each of q, k, v and
+    dout split first."""
     valid_rows = (problem.q_len, problem.kv_len, problem.kv_len, problem.q_len)
-    pieces = [float16_pieces(module, x, rows) for x, rows in zip((q, k, v, dout), valid_rows)]
-    q_hi, k_hi, v_hi, dout_hi = (hi for hi, _, _ in pieces)
-    return (*(piece for hi, lo, _ in pieces for piece in (hi, lo)), lse_log2, delta, dq, dk, dv,
-            *_strides(q_hi), *_strides(k_hi), *_strides(v_hi), *_strides(dout_hi),
-            *(scales for _, _, scales in pieces),
-            np.int32(problem.num_heads), np.int32(problem.group_size),
-            np.int32(problem.kv_capacity), *_mask_args(problem), *_backward_scales(problem))
+    his, pieces = [], []
+    for x, rows in zip((q, k, v, dout), valid_rows):
+        hi, lo, scales = float16_pieces(module, x, rows)
+        his.append(hi)
+        pieces.append((lo, scales))
+    return dkdv_args(problem, *his, lse_log2, delta, dq, dk, dv, pieces=pieces)
 
 
 def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):

@@ -543,3 +543,49 @@ def compile_offline(variant, arch):
                              _complete_elf(nvrtc.getCUBIN(prog)), lowered)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+_SINGLE_KERNELS = {}
+
+
+def load_kernel(source_file, name_expression, shared_bytes=0, arch=None):
+    """A kernel of another ``.cu`` file of ``kernels/`` (local includes inlined), compiled
+    through NVRTC once per (device, source, name, arch) and cached: the loader for kernels
+    outside the per-(dtype, head_dim) variants. ``arch`` (e.g. ``"sm_90a"``) for kernels
+    that need an arch-specific target; ``shared_bytes`` above 48 KB raises the kernel's
+    dynamic shared-memory limit."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, source_file, name_expression, arch, shared_bytes)
+    with _MODULES_LOCK:
+        found = _SINGLE_KERNELS.get(key)
+        if found is None:
+            options = COMPILE_OPTIONS + ((f"-arch={arch}",) if arch else ())
+            module = cupy.RawModule(code=module_source(source_file), options=options,
+                                    name_expressions=[name_expression])
+            found = module.get_function(name_expression)
+            if shared_bytes > 48 * 1024:
+                found.max_dynamic_shared_size_bytes = shared_bytes
+            _SINGLE_KERNELS[key] = found
+    return found
+
+
+def compile_source_offline(source_file, name_expressions, arch):
+    """Compile ``name_expressions`` of ``kernels/source_file`` for ``arch`` without a GPU:
+    ``(log, cubin, lowered names)``, for the compile tests of kernels outside the variants."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(module_source(source_file), source_file, (), ())
+    try:
+        for name in name_expressions:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, COMPILE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v"))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{source_file} for {arch} failed:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
+        return nvrtc.getProgramLog(prog), _complete_elf(nvrtc.getCUBIN(prog)), lowered
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -11,6 +11,11 @@ The module imports only NumPy at the top, so ``asv check`` runs anywhere.
 ``CUFLASH_ASV_GRID=small`` in the environment shrinks the grid to bfloat16,
 D 64/128, S 1024/4096 (causal and not) for a smoke run. The dtype
 ``"float32-tf32"`` is float32 with ``allow_tf32=True``.
+
+Beside the grid: :class:`HostTime` times one tiny call with nothing
+synchronized (the host's cost per call, SPEC section 5), and :class:`Decode`
+two decoding steps from a KV cache (SPEC section 6), skipped while cuflash
+has no ``flash_attention_with_kvcache``.
 """
 
 import os
@@ -28,6 +33,10 @@ if os.environ.get("CUFLASH_ASV_GRID") == "small":  # a smoke run: 8 cases per be
     DTYPES, HEAD_DIMS, SEQLENS = ["bfloat16"], [64, 128], [1024, 4096]
 BACKWARD_FLOP_FACTOR = 2.5
 TRACK_REPEATS = 10
+HOST_TIME_SHAPE = (1, 1, 16, 64)  # B, H, S, D: the GPU work is a few microseconds
+# name: (batch, cache length, block size; 0 is a contiguous cache); bfloat16, D=128, H=32/8.
+DECODE_CASES = {"b16-cache8192-contiguous": (16, 8192, 0),
+                "b1-cache32768-paged256": (1, 32768, 256)}
 
 
 def gpu_modules():
@@ -41,6 +50,21 @@ def gpu_modules():
     import cuflash
 
     return cupy, cuflash
+
+
+def median_gpu_seconds(cupy, enqueue, repeats=TRACK_REPEATS):
+    """Median GPU time of ``enqueue()`` over ``repeats`` CUDA-event timings, after one warm-up."""
+    cuda = cupy.cuda
+    enqueue()
+    seconds = []
+    for _ in range(repeats):
+        start, end = cuda.Event(), cuda.Event()
+        start.record()
+        enqueue()
+        end.record()
+        end.synchronize()
+        seconds.append(cuda.get_elapsed_time(start, end) / 1e3)
+    return float(np.median(seconds))
 
 
 def numpy_dtype(name):
@@ -98,17 +122,7 @@ class Attention:
 
     def median_seconds(self, enqueue):
         """Median GPU time of ``enqueue()`` over ``TRACK_REPEATS`` CUDA-event timings."""
-        cuda = self.cupy.cuda
-        enqueue()
-        seconds = []
-        for _ in range(TRACK_REPEATS):
-            start, end = cuda.Event(), cuda.Event()
-            start.record()
-            enqueue()
-            end.record()
-            end.synchronize()
-            seconds.append(cuda.get_elapsed_time(start, end) / 1e3)
-        return float(np.median(seconds))
+        return median_gpu_seconds(self.cupy, enqueue)
 
     def forward_flop_count(self):
         """FLOPs of this case's forward pass."""
@@ -154,3 +168,81 @@ class Attention:
         return pool.total_bytes() - before
 
     track_peak_memory.unit = "bytes"
+
+
+class HostTime:
+    """Host time of one tiny bfloat16 call, nothing synchronized (targets: 15 us, 30 us).
+
+    The GPU work of a call is a few microseconds, so the wall time asv
+    measures is the host's: validation, kernel lookup, allocations, launches.
+    ``teardown`` waits for the queued GPU work.
+    """
+
+    timeout = 120
+
+    def setup(self):
+        self.cupy, self.cuflash = gpu_modules()
+        batch, self.heads, seqlen, self.head_dim = HOST_TIME_SHAPE
+        rng = self.cupy.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = (
+            rng.standard_normal(HOST_TIME_SHAPE, dtype=np.float32)
+            .astype(numpy_dtype("bfloat16")) for _ in range(4))
+        self.out, self.lse = self.time_forward_call()
+        self.time_backward_call()
+        self.teardown()
+
+    def teardown(self):
+        self.cupy.cuda.Device().synchronize()
+
+    def time_forward_call(self):
+        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, self.heads, self.heads,
+                                                self.head_dim, True)
+
+    def time_backward_call(self):
+        return self.cuflash.flash_attention_bwd(
+            self.dout, self.q, self.k, self.v, self.out, self.lse, self.heads, self.heads,
+            self.head_dim, True, synchronize=False)
+
+
+class Decode:
+    """One decoding step (S_q = 1) from a KV cache with ``flash_attention_with_kvcache``.
+
+    bfloat16, D = 128, 32 query heads on 8 KV heads, every sequence's cache
+    full; the inputs are those of ``python -m cuflash.bench --decode``.
+    """
+
+    params = (list(DECODE_CASES),)
+    param_names = ("case",)
+    timeout = 300
+
+    def setup(self, case):
+        """Draw the cache (paged: in shuffled blocks) and run one step."""
+        self.cupy, cuflash = gpu_modules()
+        self.function = getattr(cuflash, "flash_attention_with_kvcache", None)
+        if self.function is None:
+            raise NotImplementedError("cuflash has no flash_attention_with_kvcache")
+        from cuflash.bench import DecodeCase, make_decode_sets, paged_input_set
+
+        batch, cache_len, block_size = DECODE_CASES[case]
+        self.case = DecodeCase(batch, cache_len, block_size=block_size)
+        self.x = make_decode_sets(self.case, 1)[0]
+        if block_size:
+            self.x = paged_input_set(self.x, block_size)
+        self.decode()
+        self.cupy.cuda.Device().synchronize()
+
+    def decode(self):
+        """Enqueue one step; return the output."""
+        c, x = self.case, self.x
+        return self.function(x.q, x.k_cache, x.v_cache, c.heads, c.kv_heads, c.head_dim, True,
+                             cache_seqlens=x.cache_seqlens, block_table=x.block_table)
+
+    def time_decode(self, case):
+        self.decode()
+        self.cupy.cuda.Device().synchronize()
+
+    def track_cache_tb_per_s(self, case):
+        """Cache bytes read per second: ``2 * B * H_kv * L * D * 2`` over the median time."""
+        return self.case.cache_bytes / median_gpu_seconds(self.cupy, self.decode) / 1e12
+
+    track_cache_tb_per_s.unit = "TB/s"

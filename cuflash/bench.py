@@ -6,6 +6,7 @@ Usage::
                             [--seqlens 512,...,16384] [--no-torch] [--no-first-call]
                             [--no-memory] [--allow-tf32] [--time-budget SECONDS]
                             [--json PATH] [--plots DIR]
+    python -m cuflash.bench [--head-dim-sweep] [--small-calls] [--decode] [options above]
     python -m cuflash.bench --from-json PATH [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
@@ -19,6 +20,22 @@ Timing: CUDA events around every call after a warm-up, the median of many
 calls, rotating among several input sets so that no call finds its inputs
 in the L2 cache. TFLOP/s follow SPEC section 5: forward ``4*B*H*S*S*D``,
 halved when causal; backward 2.5 times that.
+
+Instead of the grid, any of three other tables (each with torch's peers on
+the same inputs in the same run, and the ratios):
+
+- ``--head-dim-sweep``: every head dim of ``SWEEP_HEAD_DIMS`` (float32:
+  ``FLOAT32_SWEEP_HEAD_DIMS``), S 1024 and 4096, causal and not, on the
+  grid's shapes, against torch flash and cuDNN (float32: efficient), with the
+  cases below target named. ``--dtype`` (default bfloat16, float16,
+  float32), ``--head-dims`` and ``--seqlens`` narrow it.
+- ``--small-calls``: GPU time per call of three small causal bfloat16 shapes
+  of a training loop, forward, backward and their sum; and the host time per
+  call (wall time of 1000 back-to-back calls of a tiny problem, cuflash's
+  backward with ``synchronize=False``).
+- ``--decode``: ``flash_attention_with_kvcache`` decoding from contiguous and
+  paged caches (SPEC section 6): time, cache bytes read per second, torch
+  flash and cuDNN on a contiguous cache of the same keys and values.
 
 Also measured: the first-call cost of one kernel variant (compile with an
 empty CuPy kernel cache, then with a warm one, each in a fresh process) and
@@ -88,6 +105,36 @@ PROBE_SEQLEN = 256
 PROBE_TIMEOUT = 120  # seconds for one first-call process, within the time budget
 MAX_NOTE_CHARS = 300
 
+# Head-dim sweep (issue 14): B * S = 16384 and H = max(1, 2048 // D) as in the grid.
+SWEEP_DTYPES = ("bfloat16", "float16", "float32")
+SWEEP_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+FLOAT32_SWEEP_HEAD_DIMS = (32, 64, 96, 128, 160, 256)
+SWEEP_SEQLENS = (1024, 4096)
+SWEEP_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+FLOAT32_SWEEP_PEERS = ("EFFICIENT_ATTENTION",)
+SWEEP_TARGET = ("torch-flash", 1.0)  # cuflash / peer TFLOP/s at least this
+FLOAT32_SWEEP_TARGET = ("torch-efficient", 2.0)
+
+# Small calls (issue 14): GPU time per call of small training shapes, and host time per call.
+SMALL_CALL_SHAPES = ((1, 8, 128, 64), (4, 12, 256, 64), (8, 16, 512, 128))  # B, H, S, D
+SMALL_CALL_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+SMALL_CALL_TARGET_PEER = "torch-flash"  # cuflash fwd + bwd at most its time
+HOST_TIME_SHAPE = (1, 1, 16, 64)
+HOST_TIME_CALLS = 1000
+HOST_TIME_TARGET_US = {"fwd": 15.0, "bwd": 30.0}
+
+# Decoding from a KV cache (issue 15, SPEC section 6): bfloat16, D=128, H=32, H_kv=8.
+DECODE_BATCH_CACHE = ((1, 32768), (16, 8192), (64, 2048), (256, 512))  # S_q = 1
+DECODE_BLOCK_SIZES = (0, 16, 256)  # 0: contiguous
+DECODE_LONG_QUERY_CACHE = (16, 8192)  # B, cache length of the longer query blocks
+DECODE_LONG_QUERY_LENS = (4, 512)  # speculative decoding, chunked prefill
+DECODE_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+DECODE_TARGET_TB_PER_S = 3.4  # 80% of the H200's copy rate, where the cache is >= 256 MB
+DECODE_TARGET_MIN_BYTES = 256e6
+
+# Default --time-budget of each measured part; a run's default is the sum of its parts.
+MODE_TIME_BUDGETS = {"head_dim_sweep": 1500.0, "small_calls": 60.0, "decode": 120.0}
+
 TORCH_BACKENDS = {"FLASH_ATTENTION": "torch-flash", "CUDNN_ATTENTION": "torch-cudnn",
                   "EFFICIENT_ATTENTION": "torch-efficient", "MATH": "torch-math"}
 METHOD_LINE = ("Median GPU time (CUDA events) of calls rotating among input sets larger than "
@@ -149,6 +196,12 @@ class Case:
         """FLOPs of one pass in ``direction`` ("fwd" or "bwd")."""
         return attention_flops(self.batch, self.heads, self.seqlen, self.head_dim,
                                self.causal, direction)
+
+
+SMALL_CALL_CASES = tuple(Case("bfloat16", d, s, True, batch=b, heads=h)
+                         for b, h, s, d in SMALL_CALL_SHAPES)
+HOST_TIME_CASE = Case("bfloat16", HOST_TIME_SHAPE[3], HOST_TIME_SHAPE[2], True,
+                      batch=HOST_TIME_SHAPE[0], heads=HOST_TIME_SHAPE[1])
 
 
 def build_grid(dtypes, head_dims, seqlens):
@@ -259,7 +312,11 @@ def make_input_sets(case, count, seed=0):
 
 def rotation_count(case, l2_bytes):
     """Input sets to rotate among so that one round spans several L2 caches."""
-    set_bytes = 4 * math.prod(case.shape) * case.numpy_dtype.itemsize
+    return sets_spanning_l2(4 * math.prod(case.shape) * case.numpy_dtype.itemsize, l2_bytes)
+
+
+def sets_spanning_l2(set_bytes, l2_bytes):
+    """Input sets of ``set_bytes`` each whose round spans several L2 caches (2 at least)."""
     return int(np.clip(math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes), 2, MAX_INPUT_SETS))
 
 
@@ -308,6 +365,17 @@ class StreamPointer:
         return (0, self.ptr)
 
 
+def forced_backend(torch, backend):
+    """A context forcing SDPA's ``backend``, with CuPy's events on torch's current stream."""
+    from torch.nn.attention import sdpa_kernel
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(sdpa_kernel([backend]))
+    stack.enter_context(cupy.cuda.Stream.from_external(
+        StreamPointer(torch.cuda.current_stream().cuda_stream)))
+    return stack
+
+
 class TorchSDPA:
     """``torch.nn.functional.scaled_dot_product_attention`` with one forced backend."""
 
@@ -318,14 +386,7 @@ class TorchSDPA:
         self.name = TORCH_BACKENDS[backend.name]
 
     def context(self):
-        """Force the backend; make CuPy's events run on torch's current stream."""
-        from torch.nn.attention import sdpa_kernel
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(sdpa_kernel([self.backend]))
-        stack.enter_context(cupy.cuda.Stream.from_external(
-            StreamPointer(self.torch.cuda.current_stream().cuda_stream)))
-        return stack
+        return forced_backend(self.torch, self.backend)
 
     def _leaves(self, x):
         return [self.torch.from_dlpack(a).requires_grad_() for a in (x.q, x.k, x.v)]
@@ -392,15 +453,22 @@ class NaiveCupyAttention:
         return lambda: naive_attention(x.q, x.k, x.v, bias)
 
 
-def implementation_factories(torch, allow_tf32=False):
-    """Constructors ``case -> implementation``, cuflash first."""
-    factories = [functools.partial(CuflashAttention, allow_tf32=allow_tf32)]
-    if torch is not None:
-        from torch.nn.attention import SDPBackend
+def sdpa_backends(torch, names):
+    """The ``SDPBackend`` members of ``names`` (keys of ``TORCH_BACKENDS``) torch has."""
+    if torch is None:
+        return []
+    from torch.nn.attention import SDPBackend
 
-        factories += [functools.partial(TorchSDPA, torch=torch, backend=getattr(SDPBackend, b))
-                      for b in TORCH_BACKENDS if hasattr(SDPBackend, b)]
-    return factories + [NaiveCupyAttention]
+    return [getattr(SDPBackend, name) for name in names if hasattr(SDPBackend, name)]
+
+
+def implementation_factories(torch, allow_tf32=False, torch_backends=tuple(TORCH_BACKENDS),
+                             naive=True):
+    """Constructors ``case -> implementation``: cuflash, torch's ``torch_backends``, naive CuPy."""
+    factories = [functools.partial(CuflashAttention, allow_tf32=allow_tf32)]
+    factories += [functools.partial(TorchSDPA, torch=torch, backend=backend)
+                  for backend in sdpa_backends(torch, torch_backends)]
+    return factories + ([NaiveCupyAttention] if naive else [])
 
 
 # ---------------------------------------------------------------- measuring
@@ -459,17 +527,23 @@ def failure_reason(exc, caught_warnings):
     return "; ".join(dict.fromkeys(lines))[:MAX_NOTE_CHARS]
 
 
-def measure_direction(impl, direction, input_sets, target_seconds):
-    """Time ``impl`` in ``direction`` over ``input_sets``; a failure becomes a note."""
-    make_call = impl.forward_call if direction == "fwd" else impl.backward_call
+def run_or_reason(impl, work):
+    """``(work(), "")`` run inside ``impl.context()``, or ``(None, reason)`` when it raises."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with impl.context():
-                timing = time_calls([make_call(x) for x in input_sets], target_seconds)
+                return work(), ""
         except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised
-            return Measurement(impl.case, impl.name, direction, note=failure_reason(exc, caught))
-    return Measurement(impl.case, impl.name, direction, timing=timing)
+            return None, failure_reason(exc, caught)
+
+
+def measure_direction(impl, direction, input_sets, target_seconds):
+    """Time ``impl`` in ``direction`` over ``input_sets``; a failure becomes a note."""
+    make_call = impl.forward_call if direction == "fwd" else impl.backward_call
+    timing, note = run_or_reason(
+        impl, lambda: time_calls([make_call(x) for x in input_sets], target_seconds))
+    return Measurement(impl.case, impl.name, direction, timing=timing, note=note)
 
 
 def forward_output(impl, x):
@@ -541,14 +615,19 @@ def measure_case(case, factories, budget, measurements_left, l2_bytes, torch):
     return results
 
 
-def run_grid(cases, factories, budget, l2_bytes, torch):
-    """Measurements of every case, with a progress bar on stderr."""
+def run_grid(cases, factories_for, budget, l2_bytes, torch):
+    """Measurements of every case, with a progress bar on stderr.
+
+    ``factories_for(case)`` gives the implementations' constructors for a case.
+    """
     measurements = []
     bar = progress_bar(len(cases), "cases")
+    measurements_per_case = [2 * len(factories_for(case)) for case in cases]
     for index, case in enumerate(cases):
         bar.set_postfix_str(f"{case.dtype} D={case.head_dim} S={case.seqlen} "
                             f"causal={case.causal}")
-        left = 2 * len(factories) * (len(cases) - index)
+        factories = factories_for(case)
+        left = sum(measurements_per_case[index:])
         if budget.remaining() <= 0:
             measurements += [m for make in factories
                              for m in skipped(make(case), "time budget exhausted")]
@@ -703,6 +782,313 @@ def memory_sweep(dtype, seqlens, budget):
     return records
 
 
+# ---------------------------------------------------------- head-dim sweep
+
+
+def sweep_peer_backends(dtype):
+    """The torch backends a head-dim sweep case of ``dtype`` is compared with."""
+    return FLOAT32_SWEEP_PEERS if dtype == "float32" else SWEEP_PEERS
+
+
+def sweep_target(dtype):
+    """``(peer, ratio)``: the sweep's target is cuflash / peer >= ratio."""
+    return FLOAT32_SWEEP_TARGET if dtype == "float32" else SWEEP_TARGET
+
+
+def head_dim_sweep_cases(dtypes, head_dims=None, seqlens=None):
+    """The head-dim sweep: every dtype, head dim, causal flag and S with B*S and H*D fixed.
+
+    Without ``head_dims``, 16-bit dtypes take ``SWEEP_HEAD_DIMS`` and float32
+    ``FLOAT32_SWEEP_HEAD_DIMS``; without ``seqlens``, ``SWEEP_SEQLENS``.
+    """
+    cases = []
+    for dtype in dtypes:
+        dims = head_dims or (FLOAT32_SWEEP_HEAD_DIMS if dtype == "float32" else SWEEP_HEAD_DIMS)
+        cases += build_grid([dtype], dims, seqlens or SWEEP_SEQLENS)
+    return cases
+
+
+def head_dim_sweep(cases, torch, allow_tf32, budget, l2_bytes):
+    """cuflash and torch's peers of each dtype (``sweep_peer_backends``) on ``cases``."""
+    factories = {dtype: implementation_factories(torch, allow_tf32, sweep_peer_backends(dtype),
+                                                 naive=False)
+                 for dtype in dict.fromkeys(c.dtype for c in cases)}
+    return run_grid(cases, lambda case: factories[case.dtype], budget, l2_bytes, torch)
+
+
+# -------------------------------------------------------------- small calls
+
+
+def host_seconds_per_call(call, count):
+    """Wall seconds per call of ``count`` back-to-back calls, nothing synchronized between.
+
+    One untimed call warms up and the device is idle when the clock starts;
+    the clock stops when the last call returns (its GPU work may still run).
+    """
+    call()
+    cupy.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    seconds = time.perf_counter() - start
+    cupy.cuda.Device().synchronize()
+    return seconds / count
+
+
+def host_time_records(factories, case=HOST_TIME_CASE, count=HOST_TIME_CALLS):
+    """Host microseconds per call of each implementation, forward and backward, on ``case``."""
+    x = make_input_sets(case, 1)[0]
+    records = []
+    for make in factories:
+        impl = make(case)
+        for direction in DIRECTIONS:
+            make_call = impl.forward_call if direction == "fwd" else impl.backward_call
+            seconds, note = run_or_reason(
+                impl, lambda make_call=make_call: host_seconds_per_call(make_call(x), count))
+            records.append({"impl": impl.name, "direction": direction, "calls": count,
+                            **dataclasses.asdict(case),
+                            "us_per_call": None if seconds is None else 1e6 * seconds,
+                            "note": note})
+    return records
+
+
+def small_call_sweep(torch, budget, l2_bytes):
+    """GPU time per call of the small cases, and host time per call of a tiny one."""
+    factories = implementation_factories(torch, torch_backends=SMALL_CALL_PEERS, naive=False)
+    measurements = run_grid(list(SMALL_CALL_CASES), lambda case: factories, budget, l2_bytes,
+                            torch)
+    _status(f"host time per call ({HOST_TIME_CALLS} calls)")
+    return {"measurements": [m.to_dict() for m in measurements],
+            "host_time": host_time_records(factories)}
+
+
+# ----------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decoding step from a KV cache of ``cache_len`` keys a sequence (SPEC section 6).
+
+    ``block_size`` 0 is a contiguous cache ``[B, H_kv, L, D]``; otherwise the
+    cache is paged in blocks of that many keys.
+    """
+
+    batch: int
+    cache_len: int
+    q_len: int = 1
+    block_size: int = 0
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def layout(self):
+        return "contiguous" if self.block_size == 0 else f"paged {self.block_size}"
+
+    @property
+    def group(self):
+        """The same step on a contiguous cache: the case torch is timed on."""
+        return dataclasses.replace(self, block_size=0)
+
+    @property
+    def cache_bytes(self):
+        """Bytes of keys and values the step reads: ``2 * B * H_kv * L * D * itemsize``."""
+        return (2 * self.batch * self.kv_heads * self.cache_len * self.head_dim
+                * DTYPES[self.dtype].itemsize)
+
+
+def decode_cases():
+    """The decode table: S_q = 1 on every layout, then longer query blocks (contiguous)."""
+    cases = [DecodeCase(batch, cache_len, block_size=block_size)
+             for batch, cache_len in DECODE_BATCH_CACHE for block_size in DECODE_BLOCK_SIZES]
+    batch, cache_len = DECODE_LONG_QUERY_CACHE
+    return cases + [DecodeCase(batch, cache_len, q_len) for q_len in DECODE_LONG_QUERY_LENS]
+
+
+def kvcache_function():
+    """``(flash_attention_with_kvcache, "")``, or ``(None, why)`` while cuflash has none."""
+    import cuflash
+
+    function = getattr(cuflash, "flash_attention_with_kvcache", None)
+    if function is not None:
+        return function, ""
+    try:
+        from .kvcache import flash_attention_with_kvcache
+    except Exception as exc:  # noqa: BLE001 - absent or broken: the table is skipped
+        return None, (f"cuflash.flash_attention_with_kvcache is not available "
+                      f"({type(exc).__name__}: {_first_line(exc)})")
+    return flash_attention_with_kvcache, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputSet:
+    """Queries, the cache as cuflash reads it, and the same keys and values contiguous."""
+
+    q: object
+    k: object  # [B, H_kv, L, D], contiguous: what torch reads
+    v: object
+    cache_seqlens: object  # int32 [B] on the device
+    k_cache: object  # k itself, or its paged copy
+    v_cache: object
+    block_table: object = None
+
+
+def make_decode_sets(case, count, seed=0):
+    """``count`` standard-normal input sets of ``case`` on a contiguous cache."""
+    rng = cupy.random.default_rng(seed)
+    dtype = DTYPES[case.dtype]
+
+    def draw(heads, rows):
+        shape = (case.batch, heads, rows, case.head_dim)
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    sets = []
+    for _ in range(count):
+        k, v = draw(case.kv_heads, case.cache_len), draw(case.kv_heads, case.cache_len)
+        sets.append(DecodeInputSet(draw(case.heads, case.q_len), k, v,
+                                   cupy.full(case.batch, case.cache_len, dtype=np.int32), k, v))
+    return sets
+
+
+def paged_input_set(x, block_size, seed=0):
+    """``x`` with its cache copied into shuffled blocks of ``block_size`` keys.
+
+    Blocks ``[num_blocks, H_kv, block_size, D]``; ``block_table[b, j]`` holds
+    keys ``j * block_size ..`` of sequence ``b``. The cache length must be a
+    multiple of ``block_size``.
+    """
+    xp = cupy.get_array_module(x.k)  # NumPy arrays work too
+    batch, kv_heads, cache_len, head_dim = x.k.shape
+    if cache_len % block_size:
+        raise ValueError(f"cache length {cache_len} is not a multiple of {block_size}")
+    per_sequence = cache_len // block_size
+    order = xp.asarray(np.random.default_rng(seed).permutation(batch * per_sequence))
+    block_table = order.astype(np.int32).reshape(batch, per_sequence)
+
+    def paged(cache):
+        blocks = cache.reshape(batch, kv_heads, per_sequence, block_size, head_dim)
+        blocks = blocks.transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads, block_size, head_dim)
+        out = xp.empty_like(blocks)
+        out[order] = blocks
+        return out
+
+    return dataclasses.replace(x, k_cache=paged(x.k), v_cache=paged(x.v),
+                               block_table=block_table)
+
+
+class CuflashDecode:
+    """``cuflash.flash_attention_with_kvcache``: bottom-right causal, no appended rows."""
+
+    name = "cuflash"
+
+    def __init__(self, case, function):
+        self.case, self.function = case, function
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def forward_call(self, x):
+        c = self.case
+        return functools.partial(self.function, x.q, x.k_cache, x.v_cache, c.heads, c.kv_heads,
+                                 c.head_dim, True, cache_seqlens=x.cache_seqlens,
+                                 block_table=x.block_table)
+
+
+class TorchDecode:
+    """SDPA with one forced backend on the contiguous cache, bottom-right causal.
+
+    ``S_q = 1`` sees every key (no mask); longer query blocks take
+    ``causal_lower_right``. GQA by ``enable_gqa=True``, or, when the backend
+    refuses it, by k and v repeated to the query heads (copied once, untimed);
+    ``gqa`` says which.
+    """
+
+    def __init__(self, case, torch, backend):
+        self.case, self.torch, self.backend = case, torch, backend
+        self.name = TORCH_BACKENDS[backend.name]
+        self.gqa = None
+
+    def context(self):
+        return forced_backend(self.torch, self.backend)
+
+    def forward_call(self, x):
+        torch, c = self.torch, self.case
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        q, k, v = (torch.from_dlpack(a) for a in (x.q, x.k, x.v))
+        mask = None
+        if c.q_len > 1:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(c.q_len, c.cache_len)
+        try:
+            sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+            self.gqa = "enable_gqa=True"
+            return lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        except Exception:  # noqa: BLE001 - the backend's refusal; repeat k/v instead
+            group = c.heads // c.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            self.gqa = "k/v repeated"
+            return lambda: sdpa(q, k, v, attn_mask=mask)
+
+
+def decode_record(case, impl, timing, note, rel_error=None):
+    """A JSON-ready record of one decode measurement."""
+    record = {"impl": impl.name, **dataclasses.asdict(case), "layout": case.layout,
+              "cache_bytes": case.cache_bytes, "note": note, "rel_error": rel_error,
+              "gqa": getattr(impl, "gqa", None), "median_s": None}
+    if timing is not None:
+        record.update(timing.summary())
+    return record
+
+
+def decode_table(function, torch, budget, l2_bytes):
+    """Decode records: cuflash on every case, torch's peers once a contiguous group."""
+    cases = decode_cases()
+    groups = list(dict.fromkeys(c.group for c in cases))
+    peers = sdpa_backends(torch, DECODE_PEERS)
+    left = len(cases) + len(groups) * len(peers)
+    records = []
+    bar = progress_bar(len(cases), "decode cases")
+    for group in groups:
+        if budget.remaining() <= 0:
+            records += [decode_record(c, CuflashDecode(c, function), None,
+                                      "time budget exhausted") for c in cases if c.group == group]
+            bar.update(sum(c.group == group for c in cases))
+            continue
+        set_bytes = 2 * group.cache_bytes  # q is small; out too
+        contiguous_sets = make_decode_sets(group, sets_spanning_l2(set_bytes, l2_bytes))
+        reference = None
+        for case in (c for c in cases if c.group == group):
+            bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} "
+                                f"{case.layout}")
+            impls = [CuflashDecode(case, function)]
+            if case.block_size == 0:
+                impls += [TorchDecode(case, torch, backend) for backend in peers]
+            inputs = contiguous_sets if case.block_size == 0 else [
+                paged_input_set(x, case.block_size) for x in contiguous_sets]
+            for impl in impls:
+                timing, note = None, "time budget exhausted"
+                if budget.remaining() > 0:
+                    timing, note = run_or_reason(impl, lambda impl=impl: time_calls(
+                        [impl.forward_call(x) for x in inputs], budget.target_for(left)))
+                left -= 1
+                rel_error = None
+                if timing is not None and reference is not None:
+                    rel_error = agreement(impl, inputs[0], reference)
+                elif timing is not None:  # the first output of the group is the reference
+                    reference, _ = run_or_reason(impl, lambda impl=impl: forward_output(
+                        impl, inputs[0]))
+                records.append(decode_record(case, impl, timing, note, rel_error))
+            del inputs
+            free_memory(torch)
+            bar.update(1)
+        del contiguous_sets, reference
+        free_memory(torch)
+    bar.close()
+    return records
+
+
 # ----------------------------------------------------------------- reporting
 
 
@@ -764,6 +1150,208 @@ def format_notes(rows):
         for (impl, note), count in notes.items()]
 
 
+def _ratio(measurement, peer):
+    """cuflash's throughput over ``peer``'s (peer time / cuflash time), or None."""
+    if measurement is None or peer is None or measurement.seconds is None \
+            or peer.seconds is None:
+        return None
+    return peer.seconds / measurement.seconds
+
+
+def _format_ratio(ratio):
+    return "–" if ratio is None else f"{ratio:.2f}x"
+
+
+def _case_label(case):
+    return f"D={case.head_dim} S={case.seqlen}{' causal' if case.causal else ''}"
+
+
+def format_head_dim_sweep_table(measurements, dtype, direction):
+    """Head-dim sweep, one dtype and direction: TFLOP/s, cuflash / peer, cases below target."""
+    rows = [m for m in measurements if m.case.dtype == dtype and m.direction == direction]
+    impls = list(dict.fromkeys(m.impl for m in rows))
+    peers = [impl for impl in impls if impl != CuflashAttention.name]
+    by_key = {(m.case, m.impl): m for m in rows}
+    cases = sorted({m.case for m in rows}, key=lambda c: (c.head_dim, c.causal, c.seqlen))
+    target_peer, target_ratio = sweep_target(dtype)
+    title = {"fwd": "forward", "bwd": "backward"}[direction]
+    lines = [f"### Head-dim sweep, {title}, {dtype}: TFLOP/s and cuflash / peer "
+             f"(target: cuflash / {target_peer} >= {target_ratio:g})", "",
+             "| D | S | causal | B | H | " + " | ".join(impls) + " | "
+             + " | ".join(f"cuflash / {peer}" for peer in peers) + " |",
+             "|---|---|---|---|---|" + "---|" * (len(impls) + len(peers))]
+    below, target_measured = [], False
+    for case in cases:
+        baseline = by_key.get((case, CuflashAttention.name))
+        throughput = [by_key.get((case, impl)) for impl in impls]
+        ratios = {peer: _ratio(baseline, by_key.get((case, peer))) for peer in peers}
+        lines.append(f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
+                     f"{case.heads} | "
+                     + " | ".join("–" if m is None or m.tflops is None
+                                  else _format_tflops(m.tflops) for m in throughput) + " | "
+                     + " | ".join(_format_ratio(r) for r in ratios.values()) + " |")
+        ratio = ratios.get(target_peer)
+        target_measured = target_measured or ratio is not None
+        if ratio is not None and ratio < target_ratio:
+            below.append(f"{_case_label(case)} ({ratio:.2f}x)")
+    if target_measured:
+        lines += ["", f"Below target (cuflash / {target_peer} < {target_ratio:g}): "
+                  + (", ".join(below) if below else "none") + "."]
+    return "\n".join(lines + format_agreement(rows) + format_notes(rows))
+
+
+def format_head_dim_sweep(records):
+    """Every table of a head-dim sweep's JSON records."""
+    measurements = [Measurement.from_dict(r) for r in records]
+    return "\n\n".join(format_head_dim_sweep_table(measurements, dtype, direction)
+                       for dtype in dict.fromkeys(m.case.dtype for m in measurements)
+                       for direction in DIRECTIONS)
+
+
+def _format_us(seconds):
+    return "–" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def format_small_calls(record):
+    """GPU time per call of the small cases (fwd, bwd, sum, ratio) and the host time table."""
+    measurements = [Measurement.from_dict(r) for r in record["measurements"]]
+    by_key = {(m.case, m.impl, m.direction): m for m in measurements}
+    cases = list(dict.fromkeys(m.case for m in measurements))
+    impls = list(dict.fromkeys(m.impl for m in measurements))
+
+    def total(case, impl):
+        seconds = [getattr(by_key.get((case, impl, d)), "seconds", None) for d in DIRECTIONS]
+        return None if None in seconds else sum(seconds)
+
+    lines = ["### Small calls, causal: time per call in us (median of CUDA events around "
+             "back-to-back calls: the GPU's time, or the host's where that is longer)", "",
+             "| dtype | B | H | S | D | impl | fwd | bwd | fwd+bwd | peer / cuflash (fwd+bwd) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    below = []
+    for case in cases:
+        mine = total(case, CuflashAttention.name)
+        for impl in impls:
+            fwd, bwd = (getattr(by_key.get((case, impl, d)), "seconds", None)
+                        for d in DIRECTIONS)
+            theirs = total(case, impl)
+            ratio = None if impl == CuflashAttention.name or mine is None or theirs is None \
+                else theirs / mine
+            lines.append(f"| {case.dtype} | {case.batch} | {case.heads} | {case.seqlen} | "
+                         f"{case.head_dim} | {impl} | {_format_us(fwd)} | {_format_us(bwd)} | "
+                         f"{_format_us(theirs)} | {_format_ratio(ratio)} |")
+            if impl == SMALL_CALL_TARGET_PEER and ratio is not None and ratio < 1:
+                below.append(f"B={case.batch} H={case.heads} S={case.seqlen} D={case.head_dim} "
+                             f"({ratio:.2f}x)")
+    lines += ["", f"Target: cuflash fwd+bwd <= {SMALL_CALL_TARGET_PEER}'s (ratio >= 1). "
+              f"Below target: {', '.join(below) if below else 'none'}."]
+    lines += format_notes(measurements)
+    if record.get("host_time"):
+        lines += ["", format_host_time(record["host_time"])]
+    return "\n".join(lines)
+
+
+def format_host_time(records):
+    """Host microseconds per call, forward and backward, with cuflash's targets."""
+    first = records[0]
+    by_key = {(r["impl"], r["direction"]): r for r in records}
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    lines = [f"### Host time per call in us: wall time of {first['calls']} back-to-back calls "
+             f"(B={first['batch']} H={first['heads']} S={first['seqlen']} D={first['head_dim']} "
+             f"{first['dtype']}{' causal' if first['causal'] else ''}; cuflash's backward with "
+             "synchronize=False)", "", "| impl | fwd | bwd |", "|---|---|---|"]
+    verdicts = []
+    for impl in impls:
+        cells = []
+        for direction in DIRECTIONS:
+            r = by_key.get((impl, direction))
+            cells.append("–" if r is None or r["us_per_call"] is None
+                         else f"{r['us_per_call']:.1f}")
+            if impl == CuflashAttention.name and r is not None and r["us_per_call"] is not None:
+                target = HOST_TIME_TARGET_US[direction]
+                verdicts.append(f"{direction} <= {target:g} us "
+                                f"({'met' if r['us_per_call'] <= target else 'missed'})")
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    if verdicts:
+        lines += ["", "cuflash's targets: " + ", ".join(verdicts) + "."]
+    failed = [f"- {r['impl']} {r['direction']}: {r['note']}" for r in records
+              if r["us_per_call"] is None]
+    return "\n".join(lines + (["", "Not measured (–):", ""] + failed if failed else []))
+
+
+def format_decode(record):
+    """The decode table: time, cache bytes per second, torch's times and the ratio."""
+    title = ("### Decoding from a KV cache (forward time in us; TB/s = cache bytes read / "
+             "cuflash time)")
+    if not record.get("records"):
+        return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
+    records = record["records"]
+    peers = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "cuflash"))
+    torch_by_group = {}
+    for r in records:
+        if r["impl"] != "cuflash":
+            torch_by_group[(r["batch"], r["cache_len"], r["q_len"], r["impl"])] = r
+    first = records[0]
+    lines = [title, "",
+             f"{first['dtype']}, D={first['head_dim']}, H={first['heads']}, "
+             f"H_kv={first['kv_heads']}, causal (bottom-right); torch SDPA on a contiguous "
+             "cache of the same keys and values, without a mask at S_q = 1 (every key "
+             "visible), with `causal_lower_right(S_q, L)` above.", "",
+             "| B | cache | S_q | layout | cuflash | TB/s | " + " | ".join(peers)
+             + " | faster torch / cuflash |", "|---|---|---|---|---|---|" + "---|" * len(peers)
+             + "---|"]
+    below = []
+    for r in (r for r in records if r["impl"] == "cuflash"):
+        mine = r["median_s"]
+        theirs = [torch_by_group.get((r["batch"], r["cache_len"], r["q_len"], peer), {})
+                  .get("median_s") for peer in peers]
+        measured = [t for t in theirs if t is not None]
+        ratio = min(measured) / mine if measured and mine is not None else None
+        rate = None if mine is None else r["cache_bytes"] / mine / 1e12
+        lines.append(f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {r['layout']} | "
+                     f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
+                     + " | ".join(_format_us(t) for t in theirs)
+                     + f" | {_format_ratio(ratio)} |")
+        misses = [f"{ratio:.2f}x"] if ratio is not None and ratio < 1 else []
+        if rate is not None and r["q_len"] == 1 and r["cache_bytes"] >= DECODE_TARGET_MIN_BYTES \
+                and rate < DECODE_TARGET_TB_PER_S:
+            misses.append(f"{rate:.2f} TB/s")
+        if misses:
+            below.append(f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {r['layout']} "
+                         f"({', '.join(misses)})")
+    lines += ["", "Targets: cuflash time <= the faster torch backend's (ratio >= 1); "
+              f">= {DECODE_TARGET_TB_PER_S:g} TB/s where the cache is >= "
+              f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB. Below target: "
+              + (", ".join(below) if below else "none") + "."]
+    modes = {}
+    for r in records:
+        if r.get("gqa"):
+            modes.setdefault(r["impl"], {}).setdefault(r["gqa"], 0)
+            modes[r["impl"]][r["gqa"]] += 1
+    if modes:
+        lines += ["", "torch's grouped-query attention: " + "; ".join(
+            f"{impl} " + ", ".join(f"{mode} ({count} case{'s' if count > 1 else ''})"
+                                   for mode, count in by_mode.items())
+            for impl, by_mode in modes.items()) + "."]
+    errors = {}
+    for r in records:
+        if r["rel_error"] is not None:
+            key = f"{r['impl']} {r['layout']}" if r["impl"] == "cuflash" else r["impl"]
+            errors[key] = max(errors.get(key, 0.0), r["rel_error"])
+    if errors:
+        lines += ["", "Largest relative L2 distance of an output from the first of its keys "
+                  "and values (cuflash contiguous where it ran): "
+                  + ", ".join(f"{key} {error:.1e}" for key, error in errors.items())]
+    notes = {}
+    for r in records:
+        if r["median_s"] is None:
+            notes[(r["impl"], r["note"])] = notes.get((r["impl"], r["note"]), 0) + 1
+    if notes:
+        lines += ["", "Not measured (–):", ""] + [
+            f"- {impl}: {note} ({count} case{'s' if count > 1 else ''})"
+            for (impl, note), count in notes.items()]
+    return "\n".join(lines)
+
+
 def format_first_call(record):
     """A Markdown table of the first-call cost, or its errors."""
     lines = [f"### First call of the {record['dtype']}, D={record['head_dim']} variant "
@@ -813,6 +1401,12 @@ def format_report(report, measurements):
     for dtype in dict.fromkeys(m.case.dtype for m in measurements):
         for direction in DIRECTIONS:
             parts += ["", format_throughput_table(measurements, dtype, direction)]
+    if report.get("small_calls"):
+        parts += ["", format_small_calls(report["small_calls"])]
+    if report.get("decode"):
+        parts += ["", format_decode(report["decode"])]
+    if report.get("head_dim_sweep"):
+        parts += ["", format_head_dim_sweep(report["head_dim_sweep"])]
     if report.get("first_call"):
         parts += ["", format_first_call(report["first_call"])]
     if report.get("memory"):
@@ -1026,16 +1620,32 @@ def parse_args(argv=None):
                         help=f"seconds for the whole run (default {DEFAULT_TIME_BUDGET:.0f}, "
                              f"quick {QUICK_TIME_BUDGET:.0f}); repeats shrink to fit and "
                              "cases past it are reported as not run")
+    parser.add_argument("--head-dim-sweep", action="store_true",
+                        help="instead of the grid: every head dim 32..256 (float32: 32..256 "
+                             "in six steps), S 1024/4096, causal and not, against torch flash "
+                             "and cuDNN (float32: efficient); --dtype, --head-dims and "
+                             "--seqlens narrow it (default dtypes bfloat16,float16,float32)")
+    parser.add_argument("--small-calls", action="store_true",
+                        help="instead of the grid: GPU time per call of three small causal "
+                             "bfloat16 cases, and host time per call of a tiny one")
+    parser.add_argument("--decode", action="store_true",
+                        help="instead of the grid: decoding from a KV cache (contiguous and "
+                             "paged) with flash_attention_with_kvcache against torch SDPA")
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     parser.add_argument("--from-json", type=Path,
                         help="no measuring: the tables and plots of this saved report")
     args = parser.parse_args(argv)
     quick = args.quick
+    args.modes = tuple(mode for mode in MODE_TIME_BUDGETS if getattr(args, mode))
+    args.sweep_cases = head_dim_sweep_cases(args.dtypes or SWEEP_DTYPES, args.head_dims,
+                                            args.seqlens) if args.head_dim_sweep else []
     args.dtypes = args.dtypes or (QUICK_DTYPES if quick else DEFAULT_DTYPES)
     args.head_dims = args.head_dims or (QUICK_HEAD_DIMS if quick else DEFAULT_HEAD_DIMS)
     args.seqlens = args.seqlens or (QUICK_SEQLENS if quick else DEFAULT_SEQLENS)
-    args.time_budget = args.time_budget or (QUICK_TIME_BUDGET if quick else DEFAULT_TIME_BUDGET)
+    grid_budget = QUICK_TIME_BUDGET if quick else DEFAULT_TIME_BUDGET
+    args.time_budget = args.time_budget or (
+        sum(MODE_TIME_BUDGETS[mode] for mode in args.modes) if args.modes else grid_budget)
     args.target_seconds = QUICK_TARGET_SECONDS if quick else TARGET_SECONDS
     args.memory_seqlens = QUICK_MEMORY_SEQLENS if quick else MEMORY_SEQLENS
     return args
@@ -1050,7 +1660,7 @@ def run(args):
     torch, torch_note = import_torch(not args.no_torch)
     env = environment(torch)
     settings = {key: value for key, value in vars(args).items()
-                if key not in ("json", "plots", "from_json")}
+                if key not in ("json", "plots", "from_json", "sweep_cases")}
     settings.update(torch=torch_note, tokens=TOKENS, hidden=HIDDEN,
                     flop_convention="fwd 4*B*H*S*S*D (halved when causal), bwd 2.5x fwd")
     report = {"environment": env, "settings": settings}
@@ -1062,9 +1672,23 @@ def run(args):
     if not args.no_memory:
         _status("peak memory against S")
         report["memory"] = memory_sweep(args.dtypes[0], args.memory_seqlens, budget)
-    cases = build_grid(args.dtypes, args.head_dims, args.seqlens)
-    measurements = run_grid(cases, implementation_factories(torch, args.allow_tf32), budget,
-                            env["l2_bytes"], torch)
+    if args.small_calls:
+        _status("small calls")
+        report["small_calls"] = small_call_sweep(torch, budget, env["l2_bytes"])
+    if args.decode:
+        function, note = kvcache_function()
+        _status("decode table" if function else f"no decode table: {note}")
+        report["decode"] = {"note": note, "records": [] if function is None else decode_table(
+            function, torch, budget, env["l2_bytes"])}
+    if args.head_dim_sweep:
+        _status(f"head-dim sweep, {len(args.sweep_cases)} cases")
+        report["head_dim_sweep"] = [m.to_dict() for m in head_dim_sweep(
+            args.sweep_cases, torch, args.allow_tf32, budget, env["l2_bytes"])]
+    measurements = []
+    if not args.modes:
+        cases = build_grid(args.dtypes, args.head_dims, args.seqlens)
+        factories = implementation_factories(torch, args.allow_tf32)
+        measurements = run_grid(cases, lambda case: factories, budget, env["l2_bytes"], torch)
     report["measurements"] = [m.to_dict() for m in measurements]
     report["elapsed_s"] = args.time_budget - budget.remaining()
     _status(f"measured for {report['elapsed_s']:.0f} s")
@@ -1076,7 +1700,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.from_json:
         report = json.loads(args.from_json.read_text())
-        measurements = [Measurement.from_dict(r) for r in report["measurements"]]
+        measurements = [Measurement.from_dict(r) for r in report.get("measurements", [])]
     else:
         reason = gpu_unavailable_reason()
         if reason is not None:

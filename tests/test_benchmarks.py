@@ -1,11 +1,14 @@
 """The benchmark tooling without a GPU: asv's suite, FLOP counting, reports, the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cuflash import bench
@@ -172,3 +175,163 @@ def test_quick_and_explicit_options():
     assert bench.parse_args(["--dtype", "float32"]).dtypes == ("float32",)
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtype", "float64"])
+
+
+# ------------------------------------------ head-dim sweep, small calls, decoding
+
+
+def test_new_tables_replace_the_grid_and_size_the_budget():
+    default = bench.parse_args([])
+    assert default.modes == () and default.sweep_cases == []
+    assert default.time_budget == bench.DEFAULT_TIME_BUDGET
+    args = bench.parse_args(["--small-calls", "--decode"])
+    assert args.modes == ("small_calls", "decode") and not args.head_dim_sweep
+    assert args.time_budget == bench.MODE_TIME_BUDGETS["small_calls"] \
+        + bench.MODE_TIME_BUDGETS["decode"]
+    assert bench.parse_args(["--decode", "--time-budget", "30"]).time_budget == 30
+
+
+def test_head_dim_sweep_cases():
+    cases = bench.parse_args(["--head-dim-sweep"]).sweep_cases
+    assert len(cases) == 2 * 11 * 2 * 2 + 6 * 2 * 2
+    assert {c.dtype for c in cases} == {"bfloat16", "float16", "float32"}
+    assert {c.head_dim for c in cases if c.dtype == "float32"} == {32, 64, 96, 128, 160, 256}
+    assert {c.seqlen for c in cases} == {1024, 4096}
+    assert all(c.batch * c.seqlen == 16384 and c.heads == max(1, 2048 // c.head_dim)
+               for c in cases)
+    assert bench.Case.in_grid("bfloat16", 80, 4096, True).shape == (4, 25, 4096, 80)
+    narrow = bench.parse_args(["--head-dim-sweep", "--dtype", "bfloat16,float32",
+                               "--head-dims", "48,80", "--seqlens", "1024"]).sweep_cases
+    assert [(c.dtype, c.head_dim, c.causal) for c in narrow] == [
+        (d, h, c) for d in ("bfloat16", "float32") for h in (48, 80) for c in (False, True)]
+    assert bench.sweep_peer_backends("float32") == ("EFFICIENT_ATTENTION",)
+    assert bench.sweep_target("float16") == ("torch-flash", 1.0)
+
+
+def test_decode_cases_and_cache_bytes():
+    cases = bench.decode_cases()
+    assert len(cases) == 4 * 3 + 2
+    assert {(c.batch, c.cache_len) for c in cases if c.q_len == 1} == {
+        (1, 32768), (16, 8192), (64, 2048), (256, 512)}
+    assert [(c.batch, c.cache_len, c.q_len) for c in cases if c.q_len > 1] == [
+        (16, 8192, 4), (16, 8192, 512)]
+    assert {c.layout for c in cases} == {"contiguous", "paged 16", "paged 256"}
+    case = bench.DecodeCase(16, 8192, block_size=256)
+    assert case.cache_bytes == 2 * 16 * 8 * 8192 * 128 * 2  # 512 MiB of bfloat16
+    assert case.group == bench.DecodeCase(16, 8192)
+
+
+def test_paged_cache_holds_the_same_keys():
+    if bench.cupy is None:
+        pytest.skip("CuPy is not installed")
+    keys = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)
+    x = bench.DecodeInputSet(None, keys, -keys, None, keys, -keys)
+    paged = bench.paged_input_set(x, 4)
+    assert paged.k_cache.shape == (4, 3, 4, 4) and paged.block_table.dtype == np.int32
+    assert sorted(paged.block_table.ravel()) == [0, 1, 2, 3]
+    for b in range(2):
+        for j in range(8):
+            block = paged.block_table[b, j // 4]
+            assert (paged.k_cache[block, :, j % 4] == keys[b, :, j]).all()
+            assert (paged.v_cache[block, :, j % 4] == -keys[b, :, j]).all()
+
+
+def test_decode_table_is_skipped_without_the_function(monkeypatch):
+    import cuflash
+
+    monkeypatch.delattr(cuflash, "flash_attention_with_kvcache", raising=False)
+    monkeypatch.setitem(sys.modules, "cuflash.kvcache", None)  # import fails
+    function, note = bench.kvcache_function()
+    assert function is None and "flash_attention_with_kvcache is not available" in note
+    text = bench.format_decode({"note": note, "records": []})
+    assert text.startswith("### Decoding from a KV cache") and "Not measured: " + note in text
+    monkeypatch.setattr(cuflash, "flash_attention_with_kvcache", len, raising=False)
+    assert bench.kvcache_function() == (len, "")
+
+
+def synthetic_report():
+    """A saved report of the three new tables, with one refusal and targets missed."""
+    sweep = []
+    for case in bench.head_dim_sweep_cases(("bfloat16", "float32"), (80, 128), (1024,)):
+        peers = ((("torch-efficient", 4e-3),) if case.dtype == "float32"
+                 else (("torch-flash", 1.5e-3), ("torch-cudnn", 0.8e-3)))
+        for direction in bench.DIRECTIONS:
+            sweep.append(fake(case, "cuflash", direction, 2e-3 if case.head_dim == 80 else 1e-3))
+            sweep += [fake(case, impl, direction, seconds) for impl, seconds in peers]
+    small = []
+    for case in bench.SMALL_CALL_CASES:
+        for direction, factor in (("fwd", 1), ("bwd", 3)):
+            small += [fake(case, "cuflash", direction, 20e-6 * factor),
+                      fake(case, "torch-flash", direction, 25e-6 * factor),
+                      fake(case, "torch-cudnn", direction, note="RuntimeError: No kernel.")]
+    host = [{"impl": impl, "direction": direction, "calls": 1000,
+             **dataclasses.asdict(bench.HOST_TIME_CASE), "us_per_call": us, "note": ""}
+            for impl, direction, us in (("cuflash", "fwd", 12.0), ("cuflash", "bwd", 41.5),
+                                        ("torch-flash", "fwd", 30.0))]
+    host.append({**host[-1], "direction": "bwd", "us_per_call": None, "note": "OOM"})
+    decode = []
+    # B=1, cache 32768: contiguous, paged 16, paged 256; B=16, cache 8192: contiguous.
+    for case in bench.decode_cases()[:4]:
+        seconds = case.cache_bytes / (3.5e12 if case.batch == 1 else 3.0e12)
+        decode.append(bench.decode_record(case, bench.CuflashDecode(case, None),
+                                          bench.Timing((seconds,)), "", 1e-3))
+        if case.block_size == 0:
+            for impl, factor in (("torch-flash", 1.2), ("torch-cudnn", 0.9)):
+                torch_impl = types.SimpleNamespace(name=impl, gqa="enable_gqa=True")
+                decode.append(bench.decode_record(case, torch_impl,
+                                                  bench.Timing((factor * seconds,)), "", 4e-3))
+    return {"environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
+            "settings": {"allow_tf32": False}, "measurements": [],
+            "head_dim_sweep": [m.to_dict() for m in sweep],
+            "small_calls": {"measurements": [m.to_dict() for m in small], "host_time": host},
+            "decode": {"note": "", "records": decode}}
+
+
+def test_new_tables_from_saved_report(tmp_path, capsys):
+    report = synthetic_report()
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() == bench.format_report(report, []).strip()
+    # Head-dim sweep: TFLOP/s of each implementation, then cuflash / each peer.
+    assert ("| D | S | causal | B | H | cuflash | torch-flash | torch-cudnn | "
+            "cuflash / torch-flash | cuflash / torch-cudnn |") in printed
+    assert "| 80 | 1024 | False | 16 | 25 | 67.1 | 89.5 | 168 | 0.75x | 0.40x |" in printed
+    assert ("Below target (cuflash / torch-flash < 1): D=80 S=1024 (0.75x), "
+            "D=80 S=1024 causal (0.75x).") in printed
+    assert "### Head-dim sweep, backward, float32" in printed
+    assert "| 128 | 1024 | True | 16 | 16 | 68.7 | 17.2 | 4.00x |" in printed
+    assert "Below target (cuflash / torch-efficient < 2): none." in printed
+    # Small calls: per-call microseconds, their sum, the peer's sum over cuflash's.
+    assert "| bfloat16 | 1 | 8 | 128 | 64 | cuflash | 20.0 | 60.0 | 80.0 | – |" in printed
+    assert "| bfloat16 | 1 | 8 | 128 | 64 | torch-flash | 25.0 | 75.0 | 100.0 | 1.25x |" in printed
+    assert "Below target: none." in printed
+    assert "- torch-cudnn: RuntimeError: No kernel. (6 cases)" in printed
+    assert "| cuflash | 12.0 | 41.5 |" in printed and "| torch-flash | 30.0 | – |" in printed
+    assert "fwd <= 15 us (met), bwd <= 30 us (missed)" in printed
+    assert "- torch-flash bwd: OOM" in printed
+    # Decoding: time, TB/s, torch's times (shared by the paged rows), faster torch / cuflash.
+    assert "| 1 | 32768 | 1 | contiguous | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
+    assert "| 1 | 32768 | 1 | paged 256 | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
+    assert "| 16 | 8192 | 1 | contiguous | 179.0 | 3.00 | 214.7 | 161.1 | 0.90x |" in printed
+    assert ("Below target: B=1 cache 32768 S_q=1 contiguous (0.90x), "
+            "B=1 cache 32768 S_q=1 paged 16 (0.90x)") in printed
+    assert "B=16 cache 8192 S_q=1 contiguous (0.90x, 3.00 TB/s)." in printed  # 512 MiB cache
+    assert "torch-flash enable_gqa=True (2 cases)" in printed
+
+
+def test_asv_suite_has_the_host_time_and_decode_benchmarks():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import bench_attention as suite
+    finally:
+        sys.path.remove(str(ROOT))
+    assert {"time_forward_call", "time_backward_call"} <= set(vars(suite.HostTime))
+    assert {"time_decode", "track_cache_tb_per_s"} <= set(vars(suite.Decode))
+    assert suite.Decode.params == (["b16-cache8192-contiguous", "b1-cache32768-paged256"],)
+    if not HAS_GPU:
+        with pytest.raises(NotImplementedError):
+            suite.HostTime().setup()
+        with pytest.raises(NotImplementedError):
+            suite.Decode().setup("b16-cache8192-contiguous")

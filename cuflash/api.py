@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu
+from . import cpu, plans
 from .problem import backward_problem, forward_problem
 
 
@@ -20,15 +20,6 @@ def _empty_backward(problem):
     return (xp.empty(problem.q_shape, dtype=problem.dtype),
             xp.zeros(problem.kv_shape, dtype=problem.dtype),
             xp.zeros(problem.kv_shape, dtype=problem.dtype))
-
-
-def _path(problem):
-    """The module that runs a validated problem: :mod:`cuflash.cpu` or the GPU one."""
-    if problem.xp is np:
-        return cpu
-    from . import gpu  # imported on first GPU use only
-
-    return gpu
 
 
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
@@ -91,11 +82,21 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     CuPy arrays run on the current device and stream; NumPy arrays run on the
     CPU path with the same semantics. Accumulation is always float32.
     """
-    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                              window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32)
-    if problem.is_empty:
-        return _empty_forward(problem)
-    return _path(problem).forward(problem, q, k, v)
+    key = plans.signature((q, k, v), (num_heads, num_kv_heads, head_dim, causal, window_size,
+                                      kv_seq_len, softmax_scale, allow_tf32))
+    plan = plans.get(key)
+    if plan is None:
+        problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
+                                  window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32)
+        if problem.is_empty:
+            return _empty_forward(problem)
+        if problem.xp is np:
+            return cpu.forward(problem, q, k, v)
+        from . import gpu  # imported on first GPU use only
+
+        plan = gpu.ForwardPlan(problem, q, k, v)
+        plans.remember(key, plan)
+    return plan(q, k, v)
 
 
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
@@ -139,16 +140,23 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         Before any kernel runs, naming the argument and the reason (every
         message is listed in the Troubleshooting page).
     """
-    problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
-                               head_dim, causal, window_size, kv_seq_len, softmax_scale,
-                               deterministic, synchronize, allow_tf32=allow_tf32)
-    if problem.is_empty:
-        return _empty_backward(problem)
-    path = _path(problem)
-    if path is cpu:
-        return cpu.backward(problem, dout, q, k, v, output, lse)
-    return path.backward(problem, dout, q, k, v, output, lse, bool(deterministic),
-                         bool(synchronize))
+    key = plans.signature((dout, q, k, v, output, lse),
+                          (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
+                           softmax_scale, deterministic, synchronize, allow_tf32))
+    plan = plans.get(key)
+    if plan is None:
+        problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
+                                   head_dim, causal, window_size, kv_seq_len, softmax_scale,
+                                   deterministic, synchronize, allow_tf32=allow_tf32)
+        if problem.is_empty:
+            return _empty_backward(problem)
+        if problem.xp is np:
+            return cpu.backward(problem, dout, q, k, v, output, lse)
+        from . import gpu  # imported on first GPU use only
+
+        plan = gpu.BackwardPlan(problem, dout, q, k, v, output, bool(deterministic))
+        plans.remember(key, plan)
+    return plan(dout, q, k, v, output, lse, bool(synchronize))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__, kernel_build
+from . import __version__, kernel_build, plans
 from .api import flash_attention_bwd, flash_attention_fwd
 from .problem import DTYPES_BY_NAME
 
@@ -689,6 +689,7 @@ def first_call_probe(dtype, head_dim):
     load from CuPy's kernel cache) plus one small launch.
     """
     kernel_build._MODULES.clear()
+    plans.clear()
     case = Case(dtype, head_dim, PROBE_SEQLEN, False, batch=1, heads=1)
     x = make_input_sets(case, 1)[0]
     cupy.cuda.Device().synchronize()

@@ -14,7 +14,7 @@ from .errors import InvalidArgumentError
 
 PATHS = ("auto", "general")
 _CURRENT = contextvars.ContextVar("cuflash_kernel_path", default="auto")
-
+_EXCLUDED = contextvars.ContextVar("cuflash_excluded_kernels", default=frozenset())
 
 
 @contextlib.contextmanager
@@ -27,11 +27,8 @@ def kernel_path(name):
         ``"auto"`` (the default) runs the tensor-core kernels wherever they
         apply and the general kernels elsewhere; ``"general"`` runs the
         general kernels for every call. Tensor-core kernels need compute
-        capability 8.0 or newer and 16-byte aligned rows; they serve
-        float16/bfloat16 with head_dim 64, 128 or 256 (forward and backward
-        on ``wgmma`` on compute capability 9.0, ``mma.sync`` elsewhere), and float32
-        calls with ``allow_tf32=True`` (forward for every head_dim, backward
-        for head_dim <= 128).
+        capability 8.0 or newer and 16-byte aligned rows; which kernel serves
+        which call is the table of ``cuflash.registry``.
     """
     if name not in PATHS:
         raise InvalidArgumentError("kernel_path", f"expected one of {PATHS}, got {name!r}")
@@ -45,3 +42,30 @@ def kernel_path(name):
 def current():
     """The kernel path in force: ``"auto"`` or ``"general"``."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def skip_kernels(*names):
+    """Pass over the kernels ``names`` (of ``cuflash.registry.KERNELS``) inside the
+    ``with`` block, so that the next in line serves: for tests and benchmarks that
+    compare kernels.
+
+    >>> import cuflash
+    >>> with cuflash.dispatch.skip_kernels("forward_wgmma_pipelined"):
+    ...     pass
+    """
+    from . import registry
+
+    unknown = set(names) - set(registry.BY_NAME)
+    if unknown:
+        raise InvalidArgumentError("names", f"unknown kernels {sorted(unknown)}")
+    token = _EXCLUDED.set(_EXCLUDED.get() | frozenset(names))
+    try:
+        yield
+    finally:
+        _EXCLUDED.reset(token)
+
+
+def excluded():
+    """The kernels passed over in this context (see :func:`skip_kernels`)."""
+    return _EXCLUDED.get()

@@ -2,47 +2,31 @@
 
 Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
-Rows: the default dispatch ("auto"), the general kernels, the tensor-core
-families the default passes over on this device (see cuflash.gpu: for 16 bits
-"mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" =
-the wgmma forward without the pipelined softmax where the pipelined one
-serves (D = 64, 128),
-"wide" = the split-D mma.sync backward everywhere; for float32
-"3xtf32" = the three-pass kernels held back in SKIP_FAMILIES (auto is the
-float16 pieces on Hopper), "tf32" = allow_tf32), and torch SDPA's backends.
-The full comparison is `python -m cuflash.bench`.
+Rows: the default dispatch ("auto"), the general kernels, and kernels of the registry
+the default passes over on this device (``cuflash.dispatch.skip_kernels``): for 16 bits
+"mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" = the
+wgmma forward without the pipelined softmax, "split-d" = the split-D mma.sync
+backward; for float32 "tf32" = allow_tf32 (auto is the float16 pieces on Hopper
+up to head_dim 128); then torch SDPA's backends. The full comparison is
+`python -m cuflash.bench`.
 """
 
-import contextlib
 import sys
 
 import cupy
 
 import cuflash
-from cuflash import gpu
 from cuflash.bench import time_calls
+from cuflash.dispatch import skip_kernels
 from cuflash.problem import BFLOAT16
 
-# row name -> (kernel path, gpu module settings, allow_tf32)
-PATHS_16 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "mma": ("auto", {"SKIP_FAMILIES": frozenset({"wg", "wgp", "wgb", "wgd"})}, False),
-            "wg": ("auto", {"SKIP_FAMILIES": gpu.SKIP_FAMILIES | {"wgp"}}, False),
-            "wide": ("auto", {"PREFER_WIDE_BACKWARD": True}, False)}
-PATHS_32 = {"auto": ("auto", {}, False), "general": ("general", {}, False),
-            "3xtf32": ("auto", {"SKIP_FAMILIES": frozenset({"wgs"})}, False),
-            "tf32": ("auto", {}, True)}
-
-
-@contextlib.contextmanager
-def gpu_settings(settings):
-    saved = {name: getattr(gpu, name) for name in settings}
-    for name, value in settings.items():
-        setattr(gpu, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(gpu, name, value)
+# row name -> (kernel path, kernels skipped, allow_tf32)
+PATHS_16 = {"auto": ("auto", (), False), "general": ("general", (), False),
+            "mma": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"), False),
+            "wg": ("auto", ("forward_wgmma_pipelined",), False),
+            "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False)}
+PATHS_32 = {"auto": ("auto", (), False), "general": ("general", (), False),
+            "tf32": ("auto", (), True)}
 
 
 def median_ms(fn):
@@ -65,8 +49,8 @@ def main(cases, float32=False):
                        for _ in range(4))
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         rows = []
-        for name, (path, settings, tf32) in (PATHS_32 if float32 else PATHS_16).items():
-            with cuflash.kernel_path(path), gpu_settings(settings):
+        for name, (path, skipped, tf32) in (PATHS_32 if float32 else PATHS_16).items():
+            with cuflash.kernel_path(path), skip_kernels(*skipped):
                 fwd = median_ms(lambda: cuflash.flash_attention_fwd(
                     q, k, v, h, h, d, causal, allow_tf32=tf32))
                 out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal,

@@ -4,9 +4,10 @@ with no register spills and no stack frame in the compiler's report."""
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import pytest
 
-from cuflash import kernel_build
+from cuflash import kernel_build, registry
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
 JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in kernel_build.all_variants(sm)]
@@ -57,32 +58,79 @@ def test_source_is_self_contained():
         assert first_code_line in src
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 128, 136, 256])
-def test_shared_memory_fits_sm80(head_dim):
-    tiles = kernel_build.Tiles(head_dim, sm=80)
-    sizes = [tiles.fwd_smem(), tiles.dkdv_smem(), tiles.dq_smem()]
-    if tiles.fwd_tc:
-        sizes.append(tiles.fwd_tc_smem())
-    if tiles.bwd_tc:
-        sizes.append(tiles.bwd_tc_smem())
-    if tiles.bwd_tcw:
-        sizes.append(tiles.bwd_tcw_smem())
-    sizes.append(tiles.fwd_tc32_smem())
-    if tiles.bwd_tc32:
-        sizes.append(tiles.bwd_tc32_smem())
-    assert max(sizes) <= 163 * 1024
+@pytest.mark.parametrize("sm, limit_kb", [(80, 163), (90, 227)])
+def test_shared_memory_fits(sm, limit_kb):
+    """Every kernel's shared memory, at every head_dim it serves, within what a block may
+    opt into on that generation (sm_80: 163 KB; sm_90: 227 KB)."""
+    for variant in kernel_build.all_variants(sm):
+        for role in variant.kernel_names():
+            assert variant.traits(role).shared_bytes <= limit_kb * 1024, (variant, role)
+
+
+def test_every_head_dim_has_tensor_core_kernels():
+    """16-bit calls have a tensor-core forward and backward at every head_dim on both
+    generations; float32 has the float16-pieces kernels up to 128 on Hopper, TF32 ones
+    with allow_tf32 (the backward up to 128)."""
+    for dtype in registry.SIXTEEN_BIT_DTYPES:
+        for d in kernel_build.HEAD_DIMS:
+            for capability in (80, 86, 90):
+                for direction in ("forward", "backward"):
+                    spec = registry.choose(direction, dtype, d, capability)
+                    assert spec.instruction == ("wgmma" if capability == 90 else "mma.sync")
+    for d in kernel_build.HEAD_DIMS:
+        for direction in ("forward", "backward"):
+            spec = registry.choose(direction, np.float32, d, 90)
+            assert spec.precision == ("float32" if d <= 128 else "any"), (d, spec.name)
+            tf32 = registry.choose(direction, np.float32, d, 80, allow_tf32=True)
+            assert tf32.precision == ("tf32" if direction == "forward" or d <= 128 else "any")
+    with pytest.raises(LookupError):
+        registry.choose("forward", np.float64, 64, 90)
+
+
+def test_dispatch_order():
+    bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
+    assert registry.choose("forward", bf16, 64, 90, tensor_cores=False).name == "forward_general"
+    assert registry.choose("forward", bf16, 64, 90).name == "forward_wgmma_pipelined"
+    assert registry.choose("forward", bf16, 200, 90).name == "forward_wgmma"
+    assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
+    assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
+    skipped = {"forward_wgmma_pipelined", "forward_wgmma"}
+    assert registry.choose("forward", bf16, 64, 90, excluded=skipped).name == "forward_mma_sync"
 
 
 SASS_JOBS = [("bfloat16", 128, "sm_90a"), ("float16", 256, "sm_90a"), ("float32", 64, "sm_80"),
-             ("float32", 128, "sm_90a"), ("bfloat16", 64, "sm_80"), ("float16", 64, "sm_90a")]
+             ("float32", 128, "sm_90a"), ("bfloat16", 64, "sm_80"), ("float16", 64, "sm_90a"),
+             ("bfloat16", 80, "sm_90a"), ("float16", 40, "sm_80"), ("bfloat16", 200, "sm_90a"),
+             ("float32", 96, "sm_90a"), ("float16", 152, "sm_80")]
+
+
+def expected_hgmma(role, head_dim):
+    """The HGMMA instructions a wgmma kernel issues (each k16 step of each product once
+    in the code; the pipelined forward issues S and P V in two places)."""
+    spec = registry.BY_ROLE[role]
+    traits = spec.traits(head_dim)
+    steps = -(-head_dim // 16)  # k16 steps over the head_dim, its exact width
+    width = registry.head_dim_class(head_dim)
+    if spec.name.startswith("forward_wgmma"):
+        keys = traits.template_args[0]
+        return (2 if spec.name.endswith("pipelined") else 1) * (steps + keys // 16)
+    if spec.name == "forward_float32_pieces":  # three products each, on the class's width
+        return 3 * (width + traits.template_args[0]) // 16
+    if spec.name == "backward_float32_pieces":  # S^T, dP^T: width / 16; dV or dK: 64 / 16;
+        dq = 2 if role.endswith(registry.ATOMIC_DQ) else 0  # dQ: 2 key steps
+        return 3 * (2 * width // 16 + 64 // 16 + dq)
+    # backward_wgmma: S^T and dP^T over the head_dim, dV and dK over the query rows,
+    # dQ in 8 16-key steps (128 keys, or 64 keys in two column chunks)
+    rows = traits.template_args[0]
+    dq = 8 if role.endswith(registry.ATOMIC_DQ) else 0
+    return 2 * steps + 2 * rows // 16 + dq
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, head_dim, arch", SASS_JOBS, ids=lambda x: str(x))
 def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
-    """The tensor-core kernels issue HMMA (mma.sync) or HGMMA (wgmma), from registers only;
-    the general kernels none; the three-pass float32 backward issues three times the
-    one-pass count (the three-pass forward, which sums in chunks, a multiple of three)."""
+    """The tensor-core kernels issue HMMA (mma.sync) or HGMMA (wgmma) as the registry says,
+    from registers only (no local memory); the CUDA-core kernels none."""
     from support import DTYPES
 
     variant = kernel_build.Variant(DTYPES[dtype], head_dim, ARCHS[arch])
@@ -95,51 +143,17 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
         pytest.skip(str(exc))
     assert set(opcodes) == set(variant.kernel_names())
     for role, ops in opcodes.items():
+        spec = registry.BY_ROLE[role]
         matrix = ops["HMMA"] + ops["HGMMA"]
-        if role in ("fwd", "delta", "dkdv", "dkdv_atomic_dq", "dq", "abs_max", "split_f16"):
+        if spec.instruction == "cuda cores":
             assert matrix == 0, (role, matrix)
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
-        if role == "fwd_wgs":  # per key tile three products each: D / 16 for S, keys / 16
-            assert ops["HGMMA"] == 3 * (head_dim + variant.tiles.fwd_wgs) // 16, (role, ops)
-            assert ops["HMMA"] == 0, (role, ops)
-        elif role.startswith("dkdv_wgs"):  # per query tile three products each: D / 16
-            # for S^T and for dP^T, 64 queries / 16 for dV or dK, and for dQ 2 key steps
-            dq = 2 if role.endswith("atomic_dq") else 0
-            assert ops["HGMMA"] == 3 * (2 * head_dim // 16 + 64 // 16 + dq), (role, ops)
-            assert ops["HMMA"] == 0, (role, ops)
-        elif role.startswith("fwd_wg"):  # per key tile: D / 16 for S, keys / 16 for P V
-            keys = getattr(variant.tiles, role)[0]  # Tiles.fwd_wg or Tiles.fwd_wgp
-            sites = 2 if role.endswith("p") else 1  # pipelined: S and P V each in two places
-            assert ops["HGMMA"] == sites * (head_dim + keys) // 16, (role, ops)
-            assert ops["HMMA"] == 0, (role, ops)
-        elif role.startswith(("dkdv_wgb", "dkdv_wgd")):  # per query tile: D / 16 each for
-            # S^T and dP^T, BM / 16 each for dV and dK, and for dQ 8 16-key steps: 128 keys
-            # at D = 64 and 128, 64 keys in two column chunks at 256
-            rows = getattr(variant.tiles, "bwd_" + role.split("_")[1])[0]
-            dq = 8 if role.endswith("atomic_dq") else 0
-            assert ops["HGMMA"] == 2 * head_dim // 16 + 2 * rows // 16 + dq, (role, ops)
+        if spec.instruction == "wgmma":
+            assert ops["HGMMA"] == expected_hgmma(role, head_dim), (role, ops["HGMMA"])
             assert ops["HMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
-    if "dkdv_tc32" in opcodes:
-        assert opcodes["dkdv_tc32"]["HMMA"] == 3 * opcodes["dkdv_tf32"]["HMMA"]
-    if "fwd_tc32" in opcodes:
-        three, one = opcodes["fwd_tc32"]["HMMA"], opcodes["fwd_tf32"]["HMMA"]
-        assert three % 3 == 0 and three > one, (three, one)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_shared_memory_fits_sm90(head_dim):
-    """Every Hopper kernel's shared memory within the 227 KB a block may opt into."""
-    tiles = kernel_build.Tiles(head_dim, sm=90)
-    sizes = [tiles.fwd_wg_smem(), tiles.fwd_wg_smem(tiles.fwd_wgp) if tiles.fwd_wgp else 0]
-    sizes += [tiles.bwd_wg_smem(family) for family in ("wgb", "wgd")
-              if getattr(tiles, f"bwd_{family}")]
-    if tiles.fwd_wgs:
-        sizes += [tiles.fwd_wgs_smem(), tiles.bwd_wgs_smem()]
-    assert (tiles.fwd_wgs is None) is (tiles.bwd_wgs is None) is (head_dim == 256)
-    assert 0 < max(sizes) <= 227 * 1024
 
 
 def test_precompile_job_list():
@@ -150,8 +164,10 @@ def test_precompile_job_list():
     expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
                    for n in ("bfloat16", "float32") for d in (64, 136))
     assert len(jobs) == expected == len(set(jobs))
-    assert {role for _, role in jobs} >= {"fwd", "fwd_tc", "fwd_wg", "fwd_wgp", "fwd_tc32", "dkdv_wgb",
-                                          "dkdv_tc", "dkdv_tcw", "fwd_wgs", "dkdv_wgs"}
+    assert {role for _, role in jobs} >= {
+        "forward_general", "forward_mma_sync", "forward_wgmma", "forward_wgmma_pipelined",
+        "forward_tf32", "forward_float32_pieces", "backward_wgmma_atomic_dq", "backward_mma_sync",
+        "backward_mma_sync_split_d", "backward_float32_pieces", "backward_tf32"}
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

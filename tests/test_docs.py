@@ -366,6 +366,7 @@ def bad_calls():
         bwd(deterministic=1),
         bwd(synchronize=None),
         lambda: cuflash.kernel_path("fast").__enter__(),
+        lambda: cuflash.dispatch.skip_kernels("forward_fastest").__enter__(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

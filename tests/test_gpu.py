@@ -30,21 +30,22 @@ def test_gpu_deterministic_matches_oracle(case, rng, poisoned, path):
 
 @pytest.mark.parametrize("dtype, head_dim, expected", [
     ("bfloat16", 128, True), ("float16", 64, True), ("bfloat16", 256, True),
-    ("float32", 128, False), ("bfloat16", 96, False)])
+    ("float32", 136, False), ("bfloat16", 96, True), ("float16", 200, True)])
 def test_fast_path_dispatch(rng, dtype, head_dim, expected):
     from cuflash import gpu, problem
 
     case = Case(dtype=dtype, head_dim=head_dim)
     q, k, v, _ = random_inputs(case, rng, cupy)
     prob = problem.forward_problem(q, k, v, *case.args, None, None)
-    assert gpu.uses_tensor_cores(prob, (q, k, v)) is expected
-    assert gpu.uses_tensor_cores(prob, (q, k, v), "dkdv_tc_atomic_dq") is (
-        expected and head_dim <= 128)
-    with cuflash.kernel_path("general"):
-        assert gpu.uses_tensor_cores(prob, (q, k, v)) is False
+    for direction in ("forward", "backward"):
+        spec = gpu.choose(prob, direction, gpu.rows_are_16_byte_aligned((q, k, v)))
+        assert (spec.instruction != "cuda cores") is expected
+        with cuflash.kernel_path("general"):
+            assert gpu.choose(prob, direction, True).instruction == "cuda cores"
     # Rows off the 16-byte grid fall back to the general kernel.
     wide = cupy.asarray(rng.standard_normal(q.shape[:3] + (head_dim + 8,)).astype(q.dtype))
-    assert gpu.uses_tensor_cores(prob, (wide[..., 1:head_dim + 1], k, v)) is False
+    assert not gpu.rows_are_16_byte_aligned((wide[..., 1:head_dim + 1], k, v))
+    assert gpu.choose(prob, "forward", False).instruction == "cuda cores"
 
 
 def test_unaligned_rows_are_still_correct(rng, poisoned):

@@ -5,6 +5,15 @@
 
 namespace cuflash {
 
+// Head-dim arithmetic of the tensor-core kernels: any multiple of 8 from 8 to
+// 256 runs on the tile shapes of its class (64, 128 or 256 columns); products
+// over the head_dim (S = Q K^T, dP^T = V dO^T) take round_up(D, 16) / 16 k16
+// steps, the padding columns zeros in shared memory; products whose N is the
+// head_dim cover the columns up to the class width where they cannot be exact,
+// and the columns past D are never stored.
+__host__ __device__ constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+__host__ __device__ constexpr int head_dim_class(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
 // 16-bit storage types; converted with PTX or bit arithmetic so that no
 // CUDA header is needed at run-time compile.
 struct half_t { unsigned short bits; };

@@ -11,6 +11,7 @@
 //                          float32 dQ buffer with atomics.
 //   attention_bwd_dq       the deterministic dQ: one block per query tile,
 //                          loops over key tiles, accumulates dQ in registers.
+//   attention_bwd_dq_convert  the atomic dQ's float32 buffer into the dtype.
 //
 // Same 16 x 8 thread grid and shared-memory tiles as the forward kernel;
 // P = exp2(S * scale * log2(e) - lse * log2(e)), dS = P * (dP - Delta).
@@ -38,6 +39,21 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
         const long long at = (static_cast<long long>(b) * num_heads + h) * q_len + row;
         delta[at] = sum;
         lse_log2[at] = lse[at] * kLog2e;
+    }
+}
+
+// dQ in the storage dtype from the float32 accumulator of the atomic
+// backward: `count` elements (a multiple of 8), two a thread. (D only names
+// the variant the kernel is compiled with.)
+template <typename T, int D>
+__global__ void __launch_bounds__(256) attention_bwd_dq_convert(const float* __restrict__ dq_accum,
+                                                                T* __restrict__ dq,
+                                                                long long count) {
+    const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
+    if (i < count) {
+        const float2 x = *reinterpret_cast<const float2*>(dq_accum + i);
+        dq[i] = from_float<T>(x.x);
+        dq[i + 1] = from_float<T>(x.y);
     }
 }
 

@@ -82,40 +82,47 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 
 // Copy rows [0, ROWS) of CH 16-byte chunks each (row stride `stride`
 // elements) into shared memory with cp.async, chunk c of row r at element
-// offset to(r, c); rows at or past `valid_rows` become zeros. The tile
-// layouts below are all this loop with another `to`. When the NT threads
-// cover whole rows a pass, each thread keeps its chunk column and steps
-// NT / CH rows at a time: one address add a chunk, the loop unrolled.
-template <int ROWS, int CH, int NT, typename T, typename Layout>
+// offset to(r, c); rows at or past `valid_rows`, and chunks at or past
+// VALID_CH (the head_dim's padding up to the tile's width), become zeros
+// (their source is not read). The tile layouts below are all this loop with
+// another `to`. When the NT threads cover whole rows a pass, each thread
+// keeps its chunk column and steps NT / CH rows at a time: one address add a
+// chunk, the loop unrolled.
+template <int ROWS, int CH, int NT, int VALID_CH = CH, typename T, typename Layout>
 __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src, long long stride,
                                               int valid_rows, Layout to) {
     constexpr int PER_CHUNK = 16 / sizeof(T);
+    static_assert(VALID_CH <= CH, "valid chunks");
     if constexpr (NT % CH == 0 && (ROWS * CH) % NT == 0) {
         constexpr int ROW_STEP = NT / CH;
         const int r0 = threadIdx.x / CH, c = threadIdx.x % CH;
+        const bool column_valid = VALID_CH == CH || c < VALID_CH;
         const T* from = src + r0 * stride + c * PER_CHUNK;
 #pragma unroll
         for (int i = 0; i < ROWS / ROW_STEP; ++i) {
             const int r = r0 + i * ROW_STEP;
-            const bool valid = r < valid_rows;
+            const bool valid = column_valid && r < valid_rows;
             cp_async_16(dst + to(r, c), valid ? from : src, valid);
             from += ROW_STEP * stride;
         }
     } else {
+#pragma unroll 4
         for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
             const int r = idx / CH, c = idx % CH;
-            const bool valid = r < valid_rows;
+            const bool valid = r < valid_rows && (VALID_CH == CH || c < VALID_CH);
             cp_async_16(dst + to(r, c), valid ? src + r * stride + c * PER_CHUNK : src, valid);
         }
     }
 }
 
-// A [ROWS][D] 16-bit tile in the swizzled layout of swizzled<D>.
-template <int ROWS, int D, int NT, typename T>
+// A [ROWS][DT] 16-bit tile in the swizzled layout of swizzled<DT>: columns
+// [0, D) from `src`, columns [D, round_up(D, 16)) zeros (the padding of the
+// last k16 step), the rest not written.
+template <int ROWS, int DT, int NT, int D = DT, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
                                               long long stride, int valid_rows) {
-    cp_async_rows<ROWS, D / 8, NT>(dst, src, stride, valid_rows,
-                                   [](int r, int c) { return swizzled<D>(r, c); });
+    cp_async_rows<ROWS, round_up(D, 16) / 8, NT, D / 8>(
+        dst, src, stride, valid_rows, [](int r, int c) { return swizzled<DT>(r, c); });
 }
 
 // lse (base 2, from the Delta pass) and Delta of query rows [0, BM) of a tile
@@ -223,15 +230,15 @@ struct QuerySteps {
 
 // Q and dO, lse and Delta (cp.async, not committed) of the
 // query tile at rows [m0, m0 + BM) of head h into one set of buffers.
-template <int BM, int D, int NT, typename T>
+template <int BM, int DT, int D, int NT, typename T>
 __device__ __forceinline__ void load_query_tile(
     T* Qb, T* dOb, float* lse_b, float* delta_b, const T* __restrict__ q, const Strides& q_st,
     const T* __restrict__ dout, const Strides& dout_st, const float* __restrict__ lse,
     const float* __restrict__ delta, int b, int h, int m0, int num_heads, int q_len) {
     const int rows = min(BM, q_len - m0);
     const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
-    cp_async_tile<BM, D, NT>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-    cp_async_tile<BM, D, NT>(dOb, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+    cp_async_tile<BM, DT, NT, D>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile<BM, DT, NT, D>(dOb, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     load_row_stats<BM, NT>(lse_b, delta_b, lse + head_rows + m0, delta + head_rows + m0, rows);
 }
 
@@ -256,7 +263,7 @@ __device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y,
 // one (query tile, key tile), added with float32 atomics to dq_rows (the
 // tile's first row, row stride D; rows < rows only). dS comes from dS^T in
 // shared memory ([BN keys][BM queries], swizzled), K from Ks ([BN][D], swizzled).
-template <typename T, int D, int BM, int BN, int DQN>
+template <typename T, int DT, int D, int BM, int BN, int DQN>
 __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
                                                float* __restrict__ dq_rows, int qm, int d_first,
                                                int rows, float scale) {
@@ -274,7 +281,7 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
 #pragma unroll
         for (int d = 0; d < DQN; d += 2) {
             unsigned kb[4];
-            ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
+            ldmatrix_x4_trans(kb, Ks + swizzled<DT>(kk * 16 + a_row, d_first + d + a_chunk));
             Op::mma(dq_acc[d], da, kb[0], kb[1]);
             Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
         }
@@ -285,16 +292,17 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
         if (row >= rows) continue;
         float* dst = dq_rows + static_cast<long long>(row) * D + d_first * 8 + 2 * t;
 #pragma unroll
-        for (int d = 0; d < DQN; ++d) {
-            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale);
-        }
+        for (int d = 0; d < DQN; ++d)  // columns past D are the tile's padding
+            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale,
+                              (d_first + d) * 8 < D);
     }
 }
 
 // The end of a dK/dV block: rows g and g + 8 of a warp's 16 keys (from key
 // key0 of a tile whose first key is tile_key, `keys` keys inside the
 // capacity), DN 8-column tiles from column col0, dK times scale. Keys past
-// the capacity are skipped; every other row is written, zeros included.
+// the capacity and columns past D (a tile's padding) are skipped; every
+// other row is written, zeros included.
 template <typename T, int D, int DN>
 __device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
                                            long long tile_key, int key0, int keys, int col0,
@@ -310,6 +318,7 @@ __device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ d
         unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (tile_key + key) * D + col0);
 #pragma unroll
         for (int d = 0; d < DN; ++d) {
+            if (col0 + d * 8 >= D) continue;  // padding columns of the tile
             dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
             dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
         }

@@ -38,7 +38,8 @@
 namespace cuflash {
 
 // Blocks an SM: two at D = 64 (128 registers a thread, one buffer of Q and
-// dO, which then loads while dQ runs), one at D = 128.
+// dO, which then loads while dQ runs), one elsewhere (ptxas spills some
+// smaller head dims at 128 registers).
 template <int D>
 __host__ __device__ constexpr int split_bwd_blocks() { return D == 64 ? 2 : 1; }
 
@@ -50,19 +51,21 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     const half_t* __restrict__ doh, const half_t* __restrict__ dol,
     const float* __restrict__ lse, const float* __restrict__ delta,
     float* __restrict__ dq_accum, float* __restrict__ dk, float* __restrict__ dv,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const float* __restrict__ do_scales, int num_heads,
-    int group, int kv_capacity,
+    const float* __restrict__ v_scales, const float* __restrict__ do_scales,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    int num_heads, int group, int kv_capacity,
     CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
     using T = half_t;
-    constexpr int BM = 64, BN = 64, NT = 256, KSTEPS = D / 16, HALF = KSTEPS / 2;
-    constexpr int SN = BM / 2, STILES = SN / 8, DTILES = D / 8;
+    // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
+    constexpr int DP = head_dim_class(D);
+    constexpr int BM = 64, BN = 64, NT = 256, KSTEPS = DP / 16, HALF = KSTEPS / 2;
+    constexpr int SN = BM / 2, STILES = SN / 8, DTILES = DP / 8;
     constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
-    constexpr int PLANE = 64 * D;  // elements of one 64-row piece of Q, K, V or dO
+    constexpr int PLANE = 64 * DP;  // elements of one 64-row piece of Q, K, V or dO
     constexpr int QBUF = split_bwd_blocks<D>() == 2 ? 1 : 2;  // buffers of Q, dO, lse, Delta
     constexpr unsigned ATOM = 1024;
-    static_assert(D == 64 || D == 128, "head_dim");
+    static_assert(D % 8 == 0 && D <= 128, "head_dim");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
@@ -98,23 +101,23 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         const long long q_at = offset_of(q_st, b, h, m0), do_at = offset_of(dout_st, b, h, m0);
         T* Qb = Qs + buf * 2 * PLANE;
         T* dOb = dOs + buf * 2 * PLANE;
-        cp_async_tile_sw128<BM, D, NT>(Qb, qh + q_at, q_st.s, rows);
-        cp_async_tile_sw128<BM, D, NT>(Qb + PLANE, ql + q_at, q_st.s, rows);
-        cp_async_tile_sw128<BM, D, NT>(dOb, doh + do_at, dout_st.s, rows);
-        cp_async_tile_sw128<BM, D, NT>(dOb + PLANE, dol + do_at, dout_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT>(Qb, qh + q_at, q_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT>(Qb + PLANE, ql + q_at, q_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT>(dOb, doh + do_at, dout_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT>(dOb + PLANE, dol + do_at, dout_st.s, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
         const long long k_at = offset_of(k_st, b, hk, n0), v_at = offset_of(v_st, b, hk, n0);
-        cp_async_tile_sw128<BN, D, NT>(Ks, kh + k_at, k_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(Ks + PLANE, kl + k_at, k_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(Vs, vh + v_at, v_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(Vs + PLANE, vl + v_at, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(Ks, kh + k_at, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(Ks + PLANE, kl + k_at, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(Vs, vh + v_at, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(Vs + PLANE, vl + v_at, v_st.s, keys);
         load_step(0, 0);
     }
     cp_async_commit();
 
-    // dV (warpgroup 0) or dK (warpgroup 1) of the 64 keys, all D columns.
+    // dV (warpgroup 0) or dK (warpgroup 1) of the 64 keys, all DP columns.
     float own[DTILES][4];
 #pragma unroll
     for (int d = 0; d < DTILES; ++d)
@@ -240,12 +243,12 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {  // cross products first
-            Wgmma<T, D>::ss_nb(fresh, a_tile_desc(0, kk), b_tile_desc(1, kk), kk > 0);
-            Wgmma<T, D>::ss_nb(fresh, a_tile_desc(1, kk), b_tile_desc(0, kk), 1);
+            Wgmma<T, DP>::ss_nb(fresh, a_tile_desc(0, kk), b_tile_desc(1, kk), kk > 0);
+            Wgmma<T, DP>::ss_nb(fresh, a_tile_desc(1, kk), b_tile_desc(0, kk), 1);
         }
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::ss_nb(fresh, a_tile_desc(0, kk), b_tile_desc(0, kk), 1);
+            Wgmma<T, DP>::ss_nb(fresh, a_tile_desc(0, kk), b_tile_desc(0, kk), 1);
         wgmma_commit();
         // dQ of the tile's 64 queries over this warpgroup's 32 keys, 16 a step
         // (A = dS M-major, B = K N-major).
@@ -261,11 +264,11 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
             };
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) {
-                Wgmma<T, D>::ss_mn(dq, ds_desc(0, kk), k_desc(1, kk), kk > 0);
-                Wgmma<T, D>::ss_mn(dq, ds_desc(1, kk), k_desc(0, kk), 1);
+                Wgmma<T, DP>::ss_mn(dq, ds_desc(0, kk), k_desc(1, kk), kk > 0);
+                Wgmma<T, DP>::ss_mn(dq, ds_desc(1, kk), k_desc(0, kk), 1);
             }
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) Wgmma<T, D>::ss_mn(dq, ds_desc(0, kk), k_desc(0, kk), 1);
+            for (int kk = 0; kk < 2; ++kk) Wgmma<T, DP>::ss_mn(dq, ds_desc(0, kk), k_desc(0, kk), 1);
             wgmma_commit();
             wgmma_wait<1>();
         } else {
@@ -288,15 +291,15 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
             const float dq_scale = dq_unscale * ldexpf(1.f, -e_ds);  // dQ = scale dS K
             float* dq_rows =
                 dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
-            // At D = 64 the two warpgroups' halves meet in shared memory (P^T's,
+            // At DP = 64 the two warpgroups' halves meet in shared memory (P^T's,
             // free now) and each row takes one atomic: warpgroup 0 adds rows
             // [0, 32), warpgroup 1 rows [32, 64); the other warps hand theirs over.
             bool adds = true;
             if constexpr (QBUF == 1) {
-                float* handed = reinterpret_cast<float*>(Pt);  // [64 rows][D], 8-column
+                float* handed = reinterpret_cast<float*>(Pt);  // [64 rows][DP], 8-column
                                                                // groups swizzled by row
                 // row = warp_row + g + 8 r: row % 8 = g
-                auto at = [&](int row, int d) { return row * D + ((d ^ g) << 3) + 2 * t; };
+                auto at = [&](int row, int d) { return row * DP + ((d ^ g) << 3) + 2 * t; };
                 adds = (warp & 3) / 2 == wg;
                 if (!adds) {
 #pragma unroll
@@ -327,7 +330,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
 #pragma unroll
                     for (int d = 0; d < DTILES; ++d)
                         atomic_add_float2(dst + d * 8, dq[d][2 * r] * dq_scale,
-                                          dq[d][2 * r + 1] * dq_scale, row < rows);
+                                          dq[d][2 * r + 1] * dq_scale,
+                                          row < rows && (D == DP || d * 8 < D));
                 }
             }
         }
@@ -347,7 +351,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         float2* row = reinterpret_cast<float2*>(dst + (tile_key + key) * D);
 #pragma unroll
         for (int d = 0; d < DTILES; ++d)
-            row[d * 4 + t] = make_float2(own[d][2 * r] * out_scale, own[d][2 * r + 1] * out_scale);
+            if (D == DP || d * 8 < D)  // past D: the pieces' padding columns
+                row[d * 4 + t] = make_float2(own[d][2 * r] * out_scale, own[d][2 * r + 1] * out_scale);
     }
 }
 

@@ -57,9 +57,8 @@ __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, uns
 // 32 rows a block (8 a warp), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict__ x,
-                                                         CUFLASH_STRIDES(x),
                                                          unsigned* __restrict__ abs_max_bits,
-                                                         int rows) {
+                                                         CUFLASH_STRIDES(x), int rows) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
@@ -76,13 +75,14 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
         atomicMax(abs_max_bits + blockIdx.z * gridDim.y + blockIdx.y, __float_as_uint(m));
 }
 
-// One warp a row, 4 rows a block; pieces written [B, H, seq_len, D]
-// contiguous, rows [0, rows) of each head.
+// One warp a row, 4 rows a block; pieces written [B, H, seq_len, DP]
+// contiguous (DP = the head_dim's class, 64 or 128; zeros in the padding
+// columns), rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128) attention_split_f16(
-    const float* __restrict__ x, CUFLASH_STRIDES(x), const float* __restrict__ abs_max,
-    half_t* __restrict__ hi, half_t* __restrict__ lo, float* __restrict__ scale_out,
-    int num_heads, int seq_len, int rows) {
+    const float* __restrict__ x, const float* __restrict__ abs_max, half_t* __restrict__ hi,
+    half_t* __restrict__ lo, float* __restrict__ scale_out, CUFLASH_STRIDES(x), int num_heads,
+    int seq_len, int rows) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
@@ -90,11 +90,12 @@ __global__ void __launch_bounds__(128) attention_split_f16(
     if (blockIdx.x == 0 && threadIdx.x == 0) scale_out[b * num_heads + h] = scale;
     if (row >= rows) return;
     const float* src = x + offset_of(x_st, b, h, row);
-    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * D;
+    constexpr int DP = head_dim_class(D);
+    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * DP;
 #pragma unroll
-    for (int d = 2 * lane; d < D; d += 64) {
-        unsigned pair_hi, pair_lo;
-        split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
+    for (int d = 2 * lane; d < DP; d += 64) {
+        unsigned pair_hi = 0, pair_lo = 0;
+        if (d < D) split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
         *reinterpret_cast<unsigned*>(hi + at + d) = pair_hi;
         *reinterpret_cast<unsigned*>(lo + at + d) = pair_lo;
     }
@@ -104,27 +105,29 @@ __global__ void __launch_bounds__(128) attention_split_f16(
 // from the split kernels ([B, H] and [B, H_kv]);
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
-__global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
+__global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const half_t* __restrict__ qh, const half_t* __restrict__ ql,
     const half_t* __restrict__ kh, const half_t* __restrict__ kl,
     const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    float* __restrict__ out, float* __restrict__ lse, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
-    CUFLASH_STRIDES(v), const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, int num_heads, int group,
+    float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ q_scales,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_STRIDES(q),
+    CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), int num_heads, int group,
     CUFLASH_MASK_PARAMS, float scale_log2) {
     using T = half_t;
-    constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = D / 8;
-    constexpr int KSTEPS = D / 16, HALF = KSTEPS / 2;
+    // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
+    constexpr int DP = head_dim_class(D);
+    constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DP / 8;
+    constexpr int KSTEPS = DP / 16, HALF = KSTEPS / 2;
     constexpr int LOG2_GAIN = 14;          // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
-    static_assert((D == 64 || D == 128) && BN == 64, "tile shape");
+    static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ql = Qh + BM * D;
-    T* Ks = Ql + BM * D;       // two buffers of (hi, lo), BN x D each
-    T* Vs = Ks + 4 * BN * D;   // two buffers of (hi, lo)
+    T* Ql = Qh + BM * DP;
+    T* Ks = Ql + BM * DP;       // two buffers of (hi, lo), BN x DP each
+    T* Vs = Ks + 4 * BN * DP;   // two buffers of (hi, lo)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -135,19 +138,19 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
     const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
                 s_v = v_scales[kv_head];
 
-    cp_async_tile_sw128<BM, D, NT>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
-    cp_async_tile_sw128<BM, D, NT>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, DP, NT>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, DP, NT>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const long long k_head = offset_of(k_st, b, hk, 0), v_head = offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {  // buffer `buf`: K hi, K lo, V hi, V lo
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        T* kb = Ks + buf * 2 * BN * D;
-        T* vb = Vs + buf * 2 * BN * D;
-        cp_async_tile_sw128<BN, D, NT>(kb, kh + k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(kb + BN * D, kl + k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(vb, vh + v_head + n0 * v_st.s, v_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(vb + BN * D, vl + v_head + n0 * v_st.s, v_st.s, keys);
+        T* kb = Ks + buf * 2 * BN * DP;
+        T* vb = Vs + buf * 2 * BN * DP;
+        cp_async_tile_sw128<BN, DP, NT>(kb, kh + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(kb + BN * DP, kl + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(vb, vh + v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT>(vb + BN * DP, vl + v_head + n0 * v_st.s, v_st.s, keys);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -164,12 +167,12 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        const T* Kh = Ks + buf * 2 * BN * D;
-        const T* Kl = Kh + BN * D;
-        const T* Vh = Vs + buf * 2 * BN * D;
-        const T* Vl = Vh + BN * D;
+        const T* Kh = Ks + buf * 2 * BN * DP;
+        const T* Kl = Kh + BN * DP;
+        const T* Vh = Vs + buf * 2 * BN * DP;
+        const T* Vl = Vh + BN * DP;
 
-        // S = Q K^T in two chunks of D / 2, each in a fresh accumulator: the
+        // S = Q K^T in two chunks of DP / 2, each in a fresh accumulator: the
         // small cross products of a chunk first, then hi * hi (see the top).
         float s[1][NTILES][4], s_rest[1][NTILES][4];
         auto score_chunk = [&](float (&acc)[NTILES][4], int ks0) {
@@ -226,14 +229,14 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            Wgmma<T, D>::rs(o_tile, p_hi[kk],
+            Wgmma<T, DP>::rs(o_tile, p_hi[kk],
                             wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), kk > 0);
-            Wgmma<T, D>::rs(o_tile, p_lo[kk],
+            Wgmma<T, DP>::rs(o_tile, p_lo[kk],
                             wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, D>::rs(o_tile, p_hi[kk],
+            Wgmma<T, DP>::rs(o_tile, p_hi[kk],
                             wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
         wgmma_wait_all();
@@ -260,8 +263,9 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1) attention_fwd_split(
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
     finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
-                    reinterpret_cast<float2*>(out + (row_base + row) * D)[d * 4 + t] =
-                        make_float2(x0 * out_scale, x1 * out_scale);
+                    if (d * 8 < D)  // past D: the pieces' padding columns
+                        reinterpret_cast<float2*>(out + (row_base + row) * D)[d * 4 + t] =
+                            make_float2(x0 * out_scale, x1 * out_scale);
                 });
 }
 

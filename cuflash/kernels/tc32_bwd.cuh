@@ -1,7 +1,7 @@
 // Tensor-core backward kernel (dK, dV and optionally the atomic dQ) for
 // float32 on sm_80 and newer, head_dim a multiple of 8 up to 128: the plan
-// of the 16-bit kernel (tc_bwd.cuh) on mma m16n8k8 TF32, in float32
-// accuracy with PASSES = 3 (see mma_tf32.cuh) or plain TF32.
+// of the 16-bit kernel (tc_bwd.cuh) on mma m16n8k8 TF32, at TF32 accuracy
+// (allow_tf32=True; see mma_tf32.cuh).
 //
 // One block of BN/16 warps per (key tile of BN keys, KV head, batch); each
 // warp owns 16 keys and keeps their dK and dV in registers, looping over the
@@ -19,7 +19,7 @@
 
 namespace cuflash {
 
-template <int D, int BM, int BN, bool ATOMIC_DQ, int PASSES>
+template <int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ dout, const float* __restrict__ lse,
@@ -34,8 +34,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     constexpr int QM = BM / 16, DQ_SLICE = (DTILES + NW / QM - 1) / (NW / QM);
     constexpr int DQ_CHUNK = DQ_SLICE < 8 ? DQ_SLICE : 8;  // accumulators at a time
     static_assert(BN % 16 == 0 && BM % 16 == 0 && NW % QM == 0, "tile shape");
-    using FragA = Tf32Frag<4, PASSES>;
-    using FragB = Tf32Frag<2, PASSES>;
+    using FragA = Tf32Frag<4>;
+    using FragB = Tf32Frag<2>;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];

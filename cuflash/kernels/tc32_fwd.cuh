@@ -1,6 +1,6 @@
 // Tensor-core forward kernel for float32 (sm_80 and newer), any head_dim
 // multiple of 8: the 16-bit kernel's plan (tc_fwd.cuh) on mma m16n8k8 TF32,
-// in float32 accuracy with PASSES = 3 (see mma_tf32.cuh) or plain TF32.
+// at TF32 accuracy (allow_tf32=True; see mma_tf32.cuh).
 //
 // One block of BM / 16 warps per (query tile of BM rows, head, batch), 16
 // rows a warp. Q stays in shared memory; K/V tiles of BN keys are
@@ -13,21 +13,16 @@
 
 namespace cuflash {
 
-template <int D, int BM, int BN, int PASSES>
+template <int D, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ out, float* __restrict__ lse,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
-    // Three passes sum CHUNK steps at a time in a fresh accumulator and add it with
-    // round-to-nearest (see mma_tf32.cuh on the tensor cores' truncation).
-    // (P V too where the registers allow: up to D = 128; at D = 256 ptxas spills.)
-    constexpr bool CHUNKED = PASSES == 3, CHUNKED_PV = CHUNKED && D <= 128;
-    constexpr int CHUNK = 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
-    using FragA = Tf32Frag<4, PASSES>;
-    using FragB = Tf32Frag<2, PASSES>;
+    using FragA = Tf32Frag<4>;
+    using FragB = Tf32Frag<2>;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
@@ -78,54 +73,21 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
         };
         float s[1][NTILES][4];
         zero_tile(s[0]);
-        if constexpr (CHUNKED) {
-            // S in chunks of CHUNK k-steps, each in a zeroed accumulator.
-#pragma unroll 1
-            for (int k0 = 0; k0 < KSTEPS; k0 += CHUNK) {
-                float part[NTILES][4];
-                zero_tile(part);
-#pragma unroll
-                for (int ks = k0; ks < k0 + CHUNK && ks < KSTEPS; ++ks) score_step(ks, part);
-                add_tile(s[0], part);
-            }
-        } else {
 #pragma unroll(D <= 64 ? 2 : 1)  // bounds register pressure
-            for (int ks = 0; ks < KSTEPS; ++ks) score_step(ks, s[0]);
-        }
+        for (int ks = 0; ks < KSTEPS; ++ks) score_step(ks, s[0]);
 
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
         softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp * 16, n0, scale_log2);
 
-        if constexpr (CHUNKED_PV) {
-            // O += P V one d tile at a time, CHUNK key steps in a zeroed accumulator.
-            FragA pa[NTILES];
 #pragma unroll
-            for (int kk = 0; kk < NTILES; ++kk) a_from_c(pa[kk], s[0][kk]);
+        for (int kk = 0; kk < NTILES; ++kk) {
+            FragA pa;
+            a_from_c(pa, s[0][kk]);
 #pragma unroll
             for (int d = 0; d < DTILES; ++d) {
-#pragma unroll
-                for (int k0 = 0; k0 < NTILES; k0 += CHUNK) {
-                    float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int kk = k0; kk < k0 + CHUNK && kk < NTILES; ++kk) {
-                        FragB vb;
-                        load_b_f32_kmajor<P>(vb, Vb, kk * 8, d * 8);
-                        mma_f32(part, pa[kk], vb);
-                    }
-                    add_tile(o[0][d], part);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < NTILES; ++kk) {
-                FragA pa;
-                a_from_c(pa, s[0][kk]);
-#pragma unroll
-                for (int d = 0; d < DTILES; ++d) {
-                    FragB vb;
-                    load_b_f32_kmajor<P>(vb, Vb, kk * 8, d * 8);
-                    mma_f32(o[0][d], pa, vb);
-                }
+                FragB vb;
+                load_b_f32_kmajor<P>(vb, Vb, kk * 8, d * 8);
+                mma_f32(o[0][d], pa, vb);
             }
         }
         __syncthreads();  // this buffer is refilled two iterations later

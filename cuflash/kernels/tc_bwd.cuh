@@ -31,17 +31,21 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr int NT = BN * 2, NW = BN / 16, KSTEPS = D / 16, QTILES = BM / 8, DTILES = D / 8;
-    constexpr int QM = BM / 16, DQ_TILES = DTILES / (NW / QM);  // dQ work split
-    static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 64 == 0, "tile shape");
+    // Tiles DT = 64 or 128 columns wide (the head_dim's class); products over
+    // the head_dim and dK, dV on its exact width DK (padding columns zeros).
+    constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
+    constexpr int NT = BN * 2, NW = BN / 16, KSTEPS = DK / 16, QTILES = BM / 8, DTILES = DK / 8;
+    constexpr int QM = BM / 16, DQ_TILES = DT / 8 / (NW / QM);  // dQ work split
+    static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 8 == 0 && DT <= 128,
+                  "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
-    T* Vs = Ks + BN * D;
-    T* Qs = Vs + BN * D;        // two buffers of BM x D
-    T* dOs = Qs + 2 * BM * D;   // two buffers of BM x D
-    T* dSs = dOs + 2 * BM * D;  // dS^T, [BN keys][BM queries]
+    T* Vs = Ks + BN * DT;
+    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
+    T* dSs = dOs + 2 * BM * DT;  // dS^T, [BN keys][BM queries]
     float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
@@ -68,13 +72,13 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 #pragma unroll 2
         for (int ks = 0; ks < KSTEPS; ++ks) {
             unsigned ka[4], va[4];
-            ldmatrix_x4(ka, Ks + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
-            ldmatrix_x4(va, Vs + swizzled<D>(warp * 16 + a_row, 2 * ks + a_chunk));
+            ldmatrix_x4(ka, Ks + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
+            ldmatrix_x4(va, Vs + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
 #pragma unroll
             for (int n = 0; n < QTILES; n += 2) {
                 unsigned qb[4], ob[4];
-                ldmatrix_x4(qb, Qb + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
-                ldmatrix_x4(ob, dOb + swizzled<D>(n * 8 + b_row, 2 * ks + b_chunk));
+                ldmatrix_x4(qb, Qb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
+                ldmatrix_x4(ob, dOb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
                 Op::mma(st[n], ka, qb[0], qb[1]);
                 Op::mma(st[n + 1], ka, qb[2], qb[3]);
                 Op::mma(dpt[n], va, ob[0], ob[1]);
@@ -109,8 +113,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 #pragma unroll
             for (int d = 0; d < DTILES; d += 2) {
                 unsigned ob[4], qb[4];
-                ldmatrix_x4_trans(ob, dOb + swizzled<D>(kk * 16 + a_row, d + a_chunk));
-                ldmatrix_x4_trans(qb, Qb + swizzled<D>(kk * 16 + a_row, d + a_chunk));
+                ldmatrix_x4_trans(ob, dOb + swizzled<DT>(kk * 16 + a_row, d + a_chunk));
+                ldmatrix_x4_trans(qb, Qb + swizzled<DT>(kk * 16 + a_row, d + a_chunk));
                 Op::mma(dv_acc[d], pa, ob[0], ob[1]);
                 Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
                 Op::mma(dk_acc[d], sa, qb[0], qb[1]);
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 
         if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
             __syncthreads();
-            atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
+            atomic_dq_tile<T, DT, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
                                                    warp % QM, (warp / QM) * DQ_TILES, rows,
                                                    scale);
         }
@@ -128,14 +132,14 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
     auto load_step = [&](int step, int buf) {
-        load_query_tile<BM, D, NT>(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+        load_query_tile<BM, DT, D, NT>(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
                                    delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
                                    steps.head(step), steps.row0(step), num_heads, mask.q_len);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
-        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
         load_step(0, 0);
     }
     cp_async_commit();
@@ -147,7 +151,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         __syncthreads();
         const int h = steps.head(step), m0 = steps.row0(step);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-        query_tile(Qs + buf * BM * D, dOs + buf * BM * D, lse_s + buf * BM,
+        query_tile(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
                    delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
         __syncthreads();  // dS^T and this query buffer are rewritten next
     }

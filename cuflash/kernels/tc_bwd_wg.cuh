@@ -48,16 +48,19 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr bool SPLIT_D = D == 256;  // warpgroups split the columns, not the keys
+    // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
+    // products over the head_dim take DK / 16 k16 steps (padding columns zeros).
+    constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
+    constexpr bool SPLIT_D = DT == 256;  // warpgroups split the columns, not the keys
     constexpr bool EXCHANGE = SPLIT_D;   // and S^T, dP^T by queries, P^T, dS^T via smem
-    constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = D / 16;
-    constexpr int DN = SPLIT_D ? 128 : D, DTILES = DN / 8;  // dK, dV columns a warpgroup
+    constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = DK / 16;
+    constexpr int DN = SPLIT_D ? 128 : DK, DTILES = DN / 8;  // dK, dV columns a warpgroup
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     // dQ per warpgroup: at D = 64 (BM = 128) split by queries (M = 64 of them);
     // at D = 128, 256 by columns.
     constexpr bool DQ_SPLIT_QUERIES = BM == 128;
     constexpr int DQ_KSTEPS = BN / 16;
-    static_assert((D == 64 && BM == 128) || ((D == 128 || D == 256) && BM == 64), "tile shape");
+    static_assert((DT == 64 && BM == 128) || ((DT == 128 || DT == 256) && BM == 64), "tile shape");
     // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
     constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;
@@ -65,10 +68,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + BN * D;
-    T* Qs = Vs + BN * D;            // two buffers of BM x D
-    T* dOs = Qs + 2 * BM * D;       // two buffers of BM x D
-    T* dSs = dOs + 2 * BM * D;      // dS^T, [BN keys][BM queries]
+    T* Vs = Ks + BN * DT;
+    T* Qs = Vs + BN * DT;           // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;      // two buffers of BM x DT
+    T* dSs = dOs + 2 * BM * DT;     // dS^T, [BN keys][BM queries]
     T* Ps = dSs + BN * BM;          // P^T, [BN keys][BM queries] (EXCHANGE only)
     float* lse_s = reinterpret_cast<float*>(Ps + (EXCHANGE ? BN * BM : 0));  // two buffers of BM
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
@@ -87,15 +90,15 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
-        cp_async_tile_sw128<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s,
-                                       rows);
-        cp_async_tile_sw128<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
-                                       dout_st.s, rows);
+        cp_async_tile_sw128<BM, DK, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0),
+                                           q_st.s, rows);
+        cp_async_tile_sw128<BM, DK, NT, D>(dOs + buf * BM * DT,
+                                           dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile_sw128<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
         load_step(0, 0);
     }
     cp_async_commit();
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     // keys for queries [64 dq_block, + 64) of the tile, DQ_COLS = 64 columns a
     // chunk.
     constexpr int DQ_COLS = 64;
-    constexpr int DQ_CHUNKS = DQ_SPLIT_QUERIES ? 1 : D / 2 / DQ_COLS;
+    constexpr int DQ_CHUNKS = DQ_SPLIT_QUERIES ? 1 : DT / 2 / DQ_COLS;
     const int col_block = DQ_SPLIT_QUERIES ? 0 : wg * DQ_CHUNKS;
     const int dq_block = DQ_SPLIT_QUERIES ? wg : 0;
 
@@ -127,8 +130,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
         cp_async_commit();
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
-        const T* Qb = Qs + buf * BM * D;
-        const T* dOb = dOs + buf * BM * D;
+        const T* Qb = Qs + buf * BM * DT;
+        const T* dOb = dOs + buf * BM * DT;
 
         // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (queries from q0).
         float st[STILES][4], dpt[STILES][4];
@@ -210,15 +213,15 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         };
         auto add_dq = [&](int chunk) {  // once the chunk's wgmma is done
             pin_registers(dq);
+            const int col = (col_block + chunk) * 64;  // columns past D are padding
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = dq_block * 64 + warp_row + g + 8 * r;
-                float* dst = dq_rows + static_cast<long long>(row) * D +
-                             (col_block + chunk) * 64 + 2 * t;
+                float* dst = dq_rows + static_cast<long long>(row) * D + col + 2 * t;
 #pragma unroll
                 for (int j = 0; j < DQ_COLS / 8; ++j)
                     atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale,
-                                      row < rows);
+                                      row < rows && (D == DT || col + j * 8 < D));
             }
         };
         if (ATOMIC_DQ || EXCHANGE) {  // both warpgroups' halves are read

@@ -30,23 +30,26 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr int NT = 256, NW = 8, KSTEPS = D / 16;
+    // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
+    // over the head_dim on its exact width DK (padding columns zeros).
+    constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
+    constexpr int NT = 256, NW = 8, KSTEPS = DK / 16;
     constexpr int KT = BN / 16;          // key m16 tiles; warp w has key tile w % KT
     constexpr int SPLIT = NW / KT;       // warps sharing a key tile
     constexpr int QN = BM / 8 / SPLIT;   // phase 1: query n8 tiles per warp
-    constexpr int DN = D / 8 / SPLIT;    // phase 2: d n8 tiles per warp
+    constexpr int DN = DT / 8 / SPLIT;    // phase 2: d n8 tiles per warp
     constexpr int QM = BM / 16;          // phase 3: query m16 tiles
-    constexpr int DQN = D / 8 / (NW / QM);  // phase 3: d n8 tiles per warp
+    constexpr int DQN = DT / 8 / (NW / QM);  // phase 3: d n8 tiles per warp
     static_assert(NW % KT == 0 && NW % QM == 0 && QN % 2 == 0 && DN % 2 == 0 &&
-                  DQN % 2 == 0 && D % 64 == 0 && (BM == 32 || BM == 64), "tile shape");
+                  DQN % 2 == 0 && D % 8 == 0 && (BM == 32 || BM == 64), "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
-    T* Vs = Ks + BN * D;
-    T* Qs = Vs + BN * D;        // two buffers of BM x D
-    T* dOs = Qs + 2 * BM * D;   // two buffers of BM x D
-    T* Ps = dOs + 2 * BM * D;   // P^T, [BN keys][BM queries]
+    T* Vs = Ks + BN * DT;
+    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
+    T* Ps = dOs + 2 * BM * DT;   // P^T, [BN keys][BM queries]
     T* dSs = Ps + BN * BM;      // dS^T, [BN keys][BM queries]
     float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
@@ -74,16 +77,16 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
         const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
         const int rows = min(BM, mask.q_len - m0);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-        cp_async_tile<BM, D, NT>(Qs + buf * BM * D, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-        cp_async_tile<BM, D, NT>(dOs + buf * BM * D, dout + offset_of(dout_st, b, h, m0),
+        cp_async_tile<BM, DT, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+        cp_async_tile<BM, DT, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, m0),
                                  dout_st.s, rows);
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
     };
     if (steps > 0) {
         const int keys = mask.kv_len - n0;
-        cp_async_tile<BN, D, NT>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
         load_query_tile(0, 0);
     }
     cp_async_commit();
@@ -97,8 +100,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
         const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
         const int rows = min(BM, mask.q_len - m0);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-        const T* Qb = Qs + buf * BM * D;
-        const T* dOb = dOs + buf * BM * D;
+        const T* Qb = Qs + buf * BM * DT;
+        const T* dOb = dOs + buf * BM * DT;
         const float* lse_b = lse_s + buf * BM;
         const float* delta_b = delta_s + buf * BM;
 
@@ -112,14 +115,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
 #pragma unroll 4
             for (int ks = 0; ks < KSTEPS; ++ks) {
                 unsigned ka[4], va[4];
-                ldmatrix_x4(ka, Ks + swizzled<D>(kw * 16 + a_row, 2 * ks + a_chunk));
-                ldmatrix_x4(va, Vs + swizzled<D>(kw * 16 + a_row, 2 * ks + a_chunk));
+                ldmatrix_x4(ka, Ks + swizzled<DT>(kw * 16 + a_row, 2 * ks + a_chunk));
+                ldmatrix_x4(va, Vs + swizzled<DT>(kw * 16 + a_row, 2 * ks + a_chunk));
 #pragma unroll
                 for (int n = 0; n < QN; n += 2) {
                     const int qrow = (share * QN + n) * 8 + b_row;
                     unsigned qb[4], ob[4];
-                    ldmatrix_x4(qb, Qb + swizzled<D>(qrow, 2 * ks + b_chunk));
-                    ldmatrix_x4(ob, dOb + swizzled<D>(qrow, 2 * ks + b_chunk));
+                    ldmatrix_x4(qb, Qb + swizzled<DT>(qrow, 2 * ks + b_chunk));
+                    ldmatrix_x4(ob, dOb + swizzled<DT>(qrow, 2 * ks + b_chunk));
                     Op::mma(st[n], ka, qb[0], qb[1]);
                     Op::mma(st[n + 1], ka, qb[2], qb[3]);
                     Op::mma(dpt[n], va, ob[0], ob[1]);
@@ -161,8 +164,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
             for (int d = 0; d < DN; d += 2) {
                 const int dchunk = share * DN + d;
                 unsigned ob[4], qb[4];
-                ldmatrix_x4_trans(ob, dOb + swizzled<D>(kk * 16 + a_row, dchunk + a_chunk));
-                ldmatrix_x4_trans(qb, Qb + swizzled<D>(kk * 16 + a_row, dchunk + a_chunk));
+                ldmatrix_x4_trans(ob, dOb + swizzled<DT>(kk * 16 + a_row, dchunk + a_chunk));
+                ldmatrix_x4_trans(qb, Qb + swizzled<DT>(kk * 16 + a_row, dchunk + a_chunk));
                 Op::mma(dv_acc[d], pa, ob[0], ob[1]);
                 Op::mma(dv_acc[d + 1], pa, ob[2], ob[3]);
                 Op::mma(dk_acc[d], sa, qb[0], qb[1]);
@@ -172,7 +175,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
 
         // 3. dQ[m16 tile warp % QM, d tiles [DQN (warp / QM), +DQN)] += scale * dS K.
         if (ATOMIC_DQ)
-            atomic_dq_tile<T, D, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * D, warp % QM,
+            atomic_dq_tile<T, DT, D, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * D, warp % QM,
                                               (warp / QM) * DQN, rows, scale);
         __syncthreads();  // P^T, dS^T and this query buffer are rewritten next
     }

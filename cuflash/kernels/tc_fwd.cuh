@@ -24,30 +24,33 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
+    // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
+    // over the head_dim on its exact width DK (padding columns zeros).
+    constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
     constexpr int WM = 16 * MT, NT = BM / WM * 32;
-    constexpr int KSTEPS = D / 16, NTILES = BN / 8, DTILES = D / 8, QF = Q_REGS ? KSTEPS : 1;
-    static_assert(BM % WM == 0 && BN % 16 == 0 && D % 64 == 0, "tile shape");
+    constexpr int KSTEPS = DK / 16, NTILES = BN / 8, DTILES = DK / 8, QF = Q_REGS ? KSTEPS : 1;
+    static_assert(BM % WM == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>(smem4);
-    T* Ks = Qs + BM * D;      // two buffers of BN x D
-    T* Vs = Ks + 2 * BN * D;  // two buffers of BN x D
+    T* Ks = Qs + BM * DT;      // two buffers of BN x DT
+    T* Vs = Ks + 2 * BN * DT;  // two buffers of BN x DT
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
 
-    cp_async_tile<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile<BM, DT, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile<BN, D, NT>(Ks + buf * BN * D, k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile<BN, D, NT>(Vs + buf * BN * D, v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Ks + buf * BN * DT, k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Vs + buf * BN * DT, v_head + n0 * v_st.s, v_st.s, keys);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -58,7 +61,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     // A fragment of Q for (m tile, k step): rows of the warp, columns 16 ks.
     auto load_q_fragment = [&](unsigned (&f)[4], int mt, int ks) {
         const int row = warp * WM + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-        ldmatrix_x4(f, Qs + swizzled<D>(row, 2 * ks + (lane >> 4)));
+        ldmatrix_x4(f, Qs + swizzled<DT>(row, 2 * ks + (lane >> 4)));
     };
     cp_async_wait<0>();
     __syncthreads();
@@ -76,8 +79,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const T* Kb = Ks + buf * BN * D;
-        const T* Vb = Vs + buf * BN * D;
+        const T* Kb = Ks + buf * BN * DT;
+        const T* Vb = Vs + buf * BN * DT;
 
         float s[MT][NTILES][4];
 #pragma unroll
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
 #pragma unroll
             for (int n = 0; n < NTILES; n += 2) {
                 unsigned kb[4];
-                ldmatrix_x4(kb, Kb + swizzled<D>(n * 8 + (lane & 7) + 8 * (lane >> 4),
+                ldmatrix_x4(kb, Kb + swizzled<DT>(n * 8 + (lane & 7) + 8 * (lane >> 4),
                                                  2 * ks + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
 #pragma unroll
             for (int d = 0; d < DTILES; d += 2) {
                 unsigned vb[4];
-                ldmatrix_x4_trans(vb, Vb + swizzled<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                ldmatrix_x4_trans(vb, Vb + swizzled<DT>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                                        d + (lane >> 4)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -136,8 +139,9 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
     finish_rows(o, row_max, row_sum, warp * WM, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
-                    reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
-                        Op::pack(x0, x1);
+                    if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+                        reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                            Op::pack(x0, x1);
                 });
 }
 

@@ -56,14 +56,14 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
         asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3]) :: "memory");
 }
 
-// Rows [0, ROWS) of a [rows][D] 16-bit tile (row stride `stride` elements) in
-// the 128-byte-swizzled layout: element (r, c) goes to column block c / 64,
-// row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Rows at or past valid_rows
-// become zeros.
-template <int ROWS, int D, int NT, typename T>
+// Rows [0, ROWS) of a [rows][COLS] 16-bit tile (row stride `stride` elements)
+// in the 128-byte-swizzled layout: element (r, c) goes to column block c / 64,
+// row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Columns [0, D) come from
+// `src`; columns [D, COLS) and rows at or past valid_rows become zeros.
+template <int ROWS, int COLS, int NT, int D = COLS, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
                                                     long long stride, int valid_rows) {
-    cp_async_rows<ROWS, D / 8, NT>(dst, src, stride, valid_rows, [](int r, int c) {
+    cp_async_rows<ROWS, COLS / 8, NT, D / 8>(dst, src, stride, valid_rows, [](int r, int c) {
         return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
     });
 }
@@ -80,16 +80,19 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
-    constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = D / 8, KSTEPS = D / 16;
+    // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros)
+    // and in shared memory laid out in column blocks of 64 (DL columns).
+    constexpr int DK = round_up(D, 16), DL = round_up(D, 64);
+    constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    static_assert(D % 64 == 0 && BN % 64 == 0, "tile shape");
+    static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
     CUFLASH_MASK_OF;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ks = Qs + BM * D;      // two buffers of BN x D
-    T* Vs = Ks + 2 * BN * D;  // two buffers of BN x D
-    float* order_slots = reinterpret_cast<float*>(Vs + 2 * BN * D);  // NT, see complete_before_wait
+    T* Ks = Qs + BM * DL;      // two buffers of BN x DL
+    T* Vs = Ks + 2 * BN * DL;  // two buffers of BN x DL
+    float* order_slots = reinterpret_cast<float*>(Vs + 2 * BN * DL);  // NT, see complete_before_wait
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -97,18 +100,20 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
 
-    cp_async_tile_sw128<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_k = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, D, NT>(Ks + buf * BN * D, k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s,
+                                           keys);
     };
     auto load_v = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, D, NT>(Vs + buf * BN * D, v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s,
+                                           keys);
     };
     auto load_kv = [&](int tile, int buf) {
         load_k(tile, buf);
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     // S = Q K^T of key buffer `buf` for this warpgroup's 64 rows (D / 16 steps
     // of k16), committed as one group, not waited for.
     auto issue_scores = [&](int buf, float (&s)[1][NTILES][4]) {
-        const T* Kb = Ks + buf * BN * D;
+        const T* Kb = Ks + buf * BN * DL;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const T* qa = Qs + (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
@@ -145,10 +150,10 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     };
     // O += P V of value buffer `buf`, committed as one group, not waited for.
     auto issue_pv = [&](int buf, const unsigned (&pa)[BN / 16][4]) {
-        const T* Vb = Vs + buf * BN * D;
+        const T* Vb = Vs + buf * BN * DL;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, D>::rs(o[0], pa[kk],
+            Wgmma<T, DK>::rs(o[0], pa[kk],
                             wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
         pin_registers(o[0]);
@@ -248,8 +253,9 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
     finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
-                    reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
-                        Op::pack(x0, x1);
+                    if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+                        reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                            Op::pack(x0, x1);
                 });
 }
 

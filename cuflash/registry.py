@@ -1,0 +1,339 @@
+"""The kernel registry: every kernel the library launches, as one table of data.
+
+Each :class:`KernelSpec` says what one CUDA kernel template serves (the
+direction, the instruction family, the compute capabilities, the precision
+and the head dims) and its tile traits for a head_dim: the tile of query rows
+(forward) or keys (backward) a block owns, the threads of a block, the shared
+memory, and the C++ expression that instantiates it. The dispatch
+(:func:`choose`), the kernel build and its cache (``cuflash.kernel_build``),
+``python -m cuflash.precompile``, the compile tests, the sanitizer settings and
+the docs' coverage table all read this table.
+
+Tile traits per head-dim class follow FlashAttention-2's kernel traits: every
+multiple of 8 from 8 to 256 runs on the tiles of its class (64, 128 or 256
+columns), with the exact head_dim compiled in (products over the head_dim
+take ``round_up(D, 16) / 16`` k16 steps; see ``kernels/common.cuh``).
+
+>>> from cuflash import registry
+>>> [spec.name for spec in registry.KERNELS if spec.direction == "forward"][:2]
+['forward_wgmma_pipelined', 'forward_wgmma']
+"""
+
+import dataclasses
+
+import numpy as np
+
+from .problem import BFLOAT16
+
+FLOAT_BYTES = 4
+SIXTEEN_BIT_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
+CXX_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "cuflash::half_t"}
+if BFLOAT16 is not None:
+    CXX_TYPES[BFLOAT16] = "cuflash::bf16_t"
+
+
+def head_dim_class(head_dim):
+    """The tile width that serves ``head_dim``: 64, 128 or 256 columns (the kernels'
+    ``head_dim_class``)."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def round_up(x, multiple):
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """The tile traits of one kernel at one head_dim.
+
+    ``tile``: query rows a block owns (forward), keys (backward dK/dV), or the
+    rows a block of a helper kernel covers; ``threads`` a block; ``shared_bytes``
+    of dynamic shared memory; ``template_args``: the C++ template arguments after
+    the dtype and head_dim (the backward's atomic flag is added per role).
+    """
+
+    tile: int
+    threads: int
+    shared_bytes: int
+    template_args: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel template and what it serves.
+
+    ``direction``: "forward", "backward" (dK and dV, and dQ by float32 atomics
+    or, deterministic, not) or "helper" (launched by the others' paths).
+    ``precision``: "16-bit" (float16, bfloat16), "float32" (float32 accuracy),
+    "tf32" (float32 inputs with ``allow_tf32=True``) or "any" (every dtype).
+    ``archs``: the compute-capability generations it runs on (80: sm_80 to sm_89,
+    90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
+    (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
+    of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
+    :class:`Traits`; ``template``: the C++ function template.
+    """
+
+    name: str
+    direction: str
+    instruction: str
+    precision: str
+    archs: tuple
+    head_dims: tuple
+    template: str
+    traits: object
+    needs_sm90a: bool = False
+    exact_head_dims: bool = False
+    dtype_in_template: bool = True
+
+    def serves_head_dim(self, head_dim):
+        if self.exact_head_dims:
+            return head_dim in self.head_dims
+        return self.head_dims[0] <= head_dim <= self.head_dims[1]
+
+    def serves_dtype(self, dtype, allow_tf32=False):
+        dtype = np.dtype(dtype)
+        if self.precision == "16-bit":
+            return dtype in SIXTEEN_BIT_DTYPES
+        if self.precision == "float32":
+            return dtype == np.float32
+        if self.precision == "tf32":
+            return dtype == np.float32 and allow_tf32
+        return dtype in CXX_TYPES
+
+    def compiled_for(self, dtype, head_dim, sm):
+        """Whether the variant (dtype, head_dim, tile generation ``sm``) holds this kernel
+        (for any ``allow_tf32``)."""
+        return (sm in self.archs and self.serves_head_dim(head_dim)
+                and self.serves_dtype(dtype, allow_tf32=True))
+
+    def roles(self):
+        """The compiled roles: the name, and for the backward its deterministic and
+        atomic-dQ instantiations."""
+        if self.direction == "backward":
+            return (self.name, self.name + ATOMIC_DQ)
+        return (self.name,)
+
+    def name_expression(self, role, dtype, head_dim):
+        """The C++ expression that instantiates ``role`` for (dtype, head_dim)."""
+        args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
+        args.append(str(head_dim))
+        args += [_cxx(a) for a in self.traits(head_dim).template_args]
+        if self.direction == "backward":
+            args.append("true" if role.endswith(ATOMIC_DQ) else "false")
+        return f"cuflash::{self.template}<{', '.join(args)}>"
+
+
+ATOMIC_DQ = "_atomic_dq"
+
+
+def _cxx(value):
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _pitch(head_dim):
+    """float32 rows of the CUDA-core and TF32 kernels: head_dim + 4 words (no bank
+    conflicts)."""
+    return head_dim + 4
+
+
+# ---- traits of each kernel, per head_dim -------------------------------------
+
+def _forward_wgmma_traits(pipelined):
+    def traits(d):
+        keys = 128 if head_dim_class(d) <= 128 else 64
+        warpgroups = 2
+        width = round_up(d, 64)  # shared memory in column blocks of 64
+        smem = 2 * width * (64 * warpgroups + 4 * keys) + FLOAT_BYTES * 128 * warpgroups + 1024
+        args = (keys, warpgroups, True) if pipelined else (keys, warpgroups)
+        return Traits(64 * warpgroups, 128 * warpgroups, smem, args)
+    return traits
+
+
+def _forward_mma_sync_traits(d):
+    width = head_dim_class(d)
+    if width == 256:  # Q in registers up to D = 192 (ptxas spills at 192 with Q in smem)
+        rows, keys, m_tiles, q_in_registers = 64, 32, 1, d <= 192
+    elif width == 128:
+        rows, keys, m_tiles, q_in_registers = 64, 64, 1, True
+    else:
+        rows, keys, m_tiles, q_in_registers = 128, 64, 2, False
+    return Traits(rows, 32 * rows // (16 * m_tiles), 2 * width * (rows + 4 * keys),
+                  (rows, keys, m_tiles, q_in_registers))
+
+
+def _forward_pieces_traits(d):
+    keys, width = 64, head_dim_class(d)
+    return Traits(128, 256, 2 * width * (2 * 128 + 8 * keys) + 1024, (keys,))
+
+
+def _forward_tf32_traits(d):
+    rows, keys = 64, (64 if d <= 64 else 32 if d <= 128 else 16)
+    return Traits(rows, 2 * rows, FLOAT_BYTES * (rows + 4 * keys) * _pitch(d), (rows, keys))
+
+
+def _general_rows(d):
+    return (64 if d <= 128 else 32), 32
+
+
+def _forward_general_traits(d):
+    rows, keys = _general_rows(d)
+    p = _pitch(d)
+    return Traits(rows, 128, FLOAT_BYTES * (rows * p + 2 * keys * p + rows * (keys + 4)),
+                  (rows, keys))
+
+
+def _backward_wgmma_traits(d):
+    width = head_dim_class(d)
+    rows, keys = {64: (128, 128), 128: (64, 128), 256: (64, 64)}[width]
+    exchanged = 2 if width == 256 else 1  # P^T as well as dS^T in shared memory
+    smem = (2 * (2 * (2 * rows + keys) * width + exchanged * keys * rows)
+            + FLOAT_BYTES * 2 * 2 * rows + 1024)
+    return Traits(keys, 256, smem, (rows,))
+
+
+def _backward_mma_sync_traits(d):
+    rows, keys = {64: (64, 128), 128: (32, 128)}[head_dim_class(d)]
+    smem = (2 * (2 * (2 * rows + keys) * head_dim_class(d) + keys * rows)
+            + FLOAT_BYTES * 2 * 2 * rows)
+    return Traits(keys, 2 * keys, smem, (rows, keys))
+
+
+def _backward_split_d_traits(d):
+    width = head_dim_class(d)
+    rows, keys = (32, 64) if width == 256 else (64, 64)
+    smem = 2 * (2 * keys * width + 4 * rows * width + 2 * keys * rows) + FLOAT_BYTES * 4 * rows
+    return Traits(keys, 256, smem, (rows, keys))
+
+
+def _backward_pieces_traits(d):
+    rows, keys, width = 64, 64, head_dim_class(d)
+    buffers = 1 if d == 64 else 2  # kernels/split_bwd_wg.cuh: split_bwd_blocks
+    smem = (2 * (width * (4 * keys + 4 * buffers * rows) + 4 * keys * rows)
+            + FLOAT_BYTES * (2 * buffers * rows + 8) + 1024)
+    return Traits(keys, 256, smem, ())
+
+
+def _backward_tf32_traits(d):
+    rows, keys = (64, 64) if d <= 64 else (32, 64)
+    p = _pitch(d)
+    smem = FLOAT_BYTES * (2 * (rows + keys) * p + keys * (rows + 4) + 2 * rows)
+    return Traits(keys, 2 * keys, smem, (rows, keys))
+
+
+def _backward_general_traits(d):
+    rows, keys = (64, 32) if d <= 128 else (32, 16)
+    p = _pitch(d)
+    smem = FLOAT_BYTES * (2 * (rows + keys) * p + 2 * rows * (keys + 4) + 2 * rows)
+    return Traits(keys, 128, smem, (rows, keys))
+
+
+def _dq_general_traits(d):
+    rows, keys = _general_rows(d)
+    p = _pitch(d)
+    return Traits(rows, 128, FLOAT_BYTES * (2 * (rows + keys) * p + rows * (keys + 4) + 2 * rows),
+                  (rows, keys))
+
+
+def _fixed(rows, threads=128):
+    return lambda d: Traits(rows, threads, 0, ())
+
+
+ALL_HEAD_DIMS = (8, 256)
+HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
+
+# In order of preference within each direction: the dispatch takes the first
+# kernel that serves the call.
+KERNELS = (
+    KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
+               "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True),
+    KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
+               "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True),
+    KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits),
+    KernelSpec("forward_tf32", "forward", "mma.sync", "tf32", AMPERE_AND_NEWER, ALL_HEAD_DIMS,
+               "attention_fwd_tc32", _forward_tf32_traits, dtype_in_template=False),
+    KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
+               "attention_fwd_split", _forward_pieces_traits, needs_sm90a=True,
+               dtype_in_template=False),
+    KernelSpec("forward_general", "forward", "cuda cores", "any", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits),
+    KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
+               "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True),
+    KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
+               (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
+               exact_head_dims=True),
+    KernelSpec("backward_mma_sync_split_d", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits),
+    KernelSpec("backward_tf32", "backward", "mma.sync", "tf32", AMPERE_AND_NEWER, (8, 128),
+               "attention_bwd_dkdv_tc32", _backward_tf32_traits, dtype_in_template=False),
+    KernelSpec("backward_float32_pieces", "backward", "wgmma", "float32", HOPPER, (8, 128),
+               "attention_bwd_split", _backward_pieces_traits, needs_sm90a=True,
+               dtype_in_template=False),
+    KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits),
+    # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
+    # deterministic dQ pass; the atomic dQ's conversion to 16 bits (512
+    # elements a block); the float16 pieces of float32 operands.
+    KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
+    KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits),
+    KernelSpec("backward_dq_convert", "helper", "cuda cores", "16-bit", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
+    KernelSpec("float16_pieces_abs_max", "helper", "cuda cores", "float32", HOPPER, (8, 128),
+               "attention_abs_max", _fixed(32), dtype_in_template=False),
+    KernelSpec("float16_pieces_split", "helper", "cuda cores", "float32", HOPPER, (8, 128),
+               "attention_split_f16", _fixed(4), dtype_in_template=False),
+)
+BY_NAME = {spec.name: spec for spec in KERNELS}
+BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
+
+
+def variant_roles(dtype, head_dim, sm):
+    """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
+    generation ``sm``)."""
+    return {role: spec.name_expression(role, dtype, head_dim)
+            for spec in KERNELS if spec.compiled_for(dtype, head_dim, sm)
+            for role in spec.roles()}
+
+
+def generation(compute_capability):
+    """The tile generation (80 or 90) of a compute capability such as 86 or 90."""
+    return 90 if compute_capability >= 90 else 80
+
+
+def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
+           tensor_cores=True, excluded=frozenset()):
+    """The first kernel of ``direction`` that serves the call.
+
+    ``tensor_cores`` False (the general kernel path, or rows off the 16-byte
+    grid that cp.async needs) leaves the CUDA-core kernels only; ``excluded``
+    names kernels to pass over (tests and benchmarks compare the next in line).
+    Kernels for sm_90a serve compute capability 9.0 only.
+    """
+    sm = generation(compute_capability)
+    for spec in KERNELS:
+        if (spec.direction != direction or spec.name in excluded
+                or sm not in spec.archs or (spec.needs_sm90a and compute_capability != 90)
+                or not spec.serves_head_dim(head_dim)
+                or not spec.serves_dtype(dtype, allow_tf32)):
+            continue
+        if spec.instruction != "cuda cores" and not tensor_cores:
+            continue
+        return spec
+    raise LookupError(f"no {direction} kernel serves {np.dtype(dtype)} head_dim {head_dim}")
+
+
+def coverage_table():
+    """Markdown: each forward and backward kernel and what it serves (for the docs)."""
+    rows = ["| kernel | direction | instruction | precision | GPUs | head_dim |",
+            "|---|---|---|---|---|---|"]
+    for spec in KERNELS:
+        if spec.direction == "helper":
+            continue
+        gpus = "sm_90 (H100/H200)" if spec.archs == HOPPER else "sm_80 and newer"
+        dims = (", ".join(map(str, spec.head_dims)) if spec.exact_head_dims
+                else f"{spec.head_dims[0]}-{spec.head_dims[1]}")
+        rows.append(f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
+                    f"{spec.precision} | {gpus} | {dims} |")
+    return "\n".join(rows)

@@ -1,0 +1,67 @@
+"""Host time per call on a tiny problem, and where it goes (cProfile).
+
+Usage: python scripts/profile_host.py [--calls 1000] [--profile]
+
+Times ``flash_attention_fwd`` and ``flash_attention_bwd(..., synchronize=False)`` as
+wall time over ``--calls`` calls (the GPU work of the tiny problem takes a few
+microseconds, so the host's time is what is measured), then with ``--profile`` prints
+the functions that take the most time under cProfile.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+import cuflash
+
+
+def tiny_inputs(dtype=ml_dtypes.bfloat16, batch=1, heads=1, seq_len=16, head_dim=64):
+    rng = np.random.default_rng(0)
+    shape = (batch, heads, seq_len, head_dim)
+    return [cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4)]
+
+
+def host_times(calls, **kw):
+    """Microseconds per call of the forward and the backward (wall time over ``calls``)."""
+    q, k, v, dout = tiny_inputs(**kw)
+    heads, head_dim = q.shape[1], q.shape[3]
+    args = (heads, heads, head_dim, True)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *args)
+    cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *args, synchronize=False)
+    cupy.cuda.get_current_stream().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        cuflash.flash_attention_fwd(q, k, v, *args)
+    cupy.cuda.get_current_stream().synchronize()
+    forward = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    for _ in range(calls):
+        cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *args, synchronize=False)
+    cupy.cuda.get_current_stream().synchronize()
+    backward = (time.perf_counter() - start) / calls * 1e6
+    return forward, backward
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    forward, backward = host_times(args.calls)
+    print(f"host time per call: forward {forward:.1f} us, backward {backward:.1f} us "
+          f"(bfloat16, B=1 H=1 S=16 D=64, causal, {args.calls} calls)")
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        host_times(args.calls)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

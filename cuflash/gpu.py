@@ -199,20 +199,29 @@ class BackwardPlan:
             count = math.prod(problem.q_shape)
             self.convert = Launch(loaded, "backward_dq_convert", (math.ceil(count / 512),),
                                   (np.int64(count),))
+        self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
+        self.dq_bytes = 4 * math.prod(problem.q_shape) if self.convert is not None else 0
+        self.workspace_bytes = 2 * self.row_bytes + self.dq_bytes
 
     def __call__(self, dout, q, k, v, output, lse, synchronize):
         problem = self.problem
         dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
         lse = cupy.ascontiguousarray(lse)
-        delta = cupy.empty(problem.lse_shape, dtype=np.float32)
-        lse_log2 = cupy.empty(problem.lse_shape, dtype=np.float32)
+        # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
+        # the atomic 16-bit backward (zeroed), at 256-byte boundaries.
+        workspace = cupy.cuda.alloc(self.workspace_bytes)
+        delta, lse_log2 = workspace, workspace + self.row_bytes
         self.delta(dout, output, lse, delta, lse_log2)
         dk = cupy.empty(problem.kv_shape, dtype=problem.dtype)
         dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
         if self.deterministic:
             dq = dq_target = cupy.empty(problem.q_shape, dtype=problem.dtype)
-        else:  # dQ accumulates in float32 by atomics
+        elif self.convert is None:  # float32: the atomics' buffer is dQ
             dq = dq_target = cupy.zeros(problem.q_shape, dtype=np.float32)
+        else:
+            dq_target = workspace + 2 * self.row_bytes
+            cupy.cuda.runtime.memsetAsync(dq_target.ptr, 0, self.dq_bytes,
+                                          cupy.cuda.get_current_stream().ptr)
         if problem.kv_capacity:
             if self.pieces is None:
                 self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv)

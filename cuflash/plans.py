@@ -25,24 +25,28 @@ def signature(arrays, scalars):
     """The cache key of a call on CuPy arrays, or None (NumPy arrays, or unhashable)."""
     if cupy is None:
         return None
+    ndarray = cupy.ndarray
     parts = []
     for a in arrays:
-        if type(a) is not cupy.ndarray:
+        if type(a) is not ndarray:
             return None
         memory = a.data
-        parts.append((a.dtype, a.shape, a.strides, memory.device_id, memory.ptr % 16))
+        parts += (a.dtype, a.shape, a.strides, memory.device_id, memory.ptr & 15)
     parts += (cupy.cuda.runtime.getDevice(), dispatch.current(), dispatch.excluded())
-    parts.extend((type(x), x) for x in scalars)
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:  # a list as window_size, say: validate every call
-        return None
-    return key
+    for x in scalars:
+        parts += (type(x), x)
+    return tuple(parts)
 
 
 def get(key):
-    return None if key is None else _PLANS.get(key)
+    """The plan of signature ``key``, or None (not seen, or an unhashable argument such as
+    a list as window_size: such calls validate every time)."""
+    if key is None:
+        return None
+    try:
+        return _PLANS.get(key)
+    except TypeError:
+        return None
 
 
 def remember(key, plan):
@@ -50,7 +54,10 @@ def remember(key, plan):
         return
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = plan
+    try:
+        _PLANS[key] = plan
+    except TypeError:
+        pass
 
 
 def clear():

@@ -27,10 +27,13 @@ def test_captured_step_replays_like_direct_calls(case, deterministic, rng):
     """Forward and backward(synchronize=False) captured into a CuPy graph, replayed on new
     values written into the same input buffers, give the direct calls' results."""
     q, k, v, dout = random_inputs(case, rng, cupy)
-    _step(case, q, k, v, dout, deterministic)  # compiles, builds the plans, fills the pool
+    _step(case, q, k, v, dout, deterministic)  # compiles and builds the plans
     cupy.cuda.Device().synchronize()
+    # The graph's memory (outputs and temporaries) from a pool of its own, kept as long
+    # as the graph: no allocation outside the graph can take a block it writes.
+    graph_pool = cupy.cuda.MemoryPool()
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream, cupy.cuda.using_allocator(graph_pool.malloc):
         stream.begin_capture()
         captured = _step(case, q, k, v, dout, deterministic)
         graph = stream.end_capture()

@@ -286,15 +286,16 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
             Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
         }
     }
+    const int tiles_in_d = D == DT ? DQN : (D / 8 - d_first);  // past D: the tile's padding
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = qm * 16 + g + 8 * r;
         if (row >= rows) continue;
         float* dst = dq_rows + static_cast<long long>(row) * D + d_first * 8 + 2 * t;
 #pragma unroll
-        for (int d = 0; d < DQN; ++d)  // columns past D are the tile's padding
+        for (int d = 0; d < DQN; ++d)
             atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale,
-                              (d_first + d) * 8 < D);
+                              d < tiles_in_d);
     }
 }
 

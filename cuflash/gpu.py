@@ -197,10 +197,14 @@ class BackwardPlan:
                               *options))
         elif problem.dtype != np.float32:
             count = math.prod(problem.q_shape)
+            accum_width = (registry.head_dim_class(problem.head_dim) if self.spec.padded_dq
+                           else problem.head_dim)
             self.convert = Launch(loaded, "backward_dq_convert", (math.ceil(count / 512),),
-                                  (np.int64(count),))
+                                  (np.int64(count), np.int32(accum_width)))
         self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
-        self.dq_bytes = 4 * math.prod(problem.q_shape) if self.convert is not None else 0
+        self.dq_bytes = 0
+        if self.convert is not None:
+            self.dq_bytes = 4 * math.prod(problem.q_shape) // problem.head_dim * accum_width
         self.workspace_bytes = 2 * self.row_bytes + self.dq_bytes
 
     def __call__(self, dout, q, k, v, output, lse, synchronize):

@@ -70,7 +70,8 @@ class KernelSpec:
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
     of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
-    :class:`Traits`; ``template``: the C++ function template.
+    :class:`Traits`; ``template``: the C++ function template. ``padded_dq``: the
+    atomic dQ accumulates in rows of the head-dim class's width.
     """
 
     name: str
@@ -84,6 +85,7 @@ class KernelSpec:
     needs_sm90a: bool = False
     exact_head_dims: bool = False
     dtype_in_template: bool = True
+    padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
 
     def serves_head_dim(self, head_dim):
         if self.exact_head_dims:
@@ -263,7 +265,8 @@ KERNELS = (
                (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
                exact_head_dims=True),
     KernelSpec("backward_mma_sync_split_d", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits),
+               ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits,
+               padded_dq=True),
     KernelSpec("backward_tf32", "backward", "mma.sync", "tf32", AMPERE_AND_NEWER, (8, 128),
                "attention_bwd_dkdv_tc32", _backward_tf32_traits, dtype_in_template=False),
     KernelSpec("backward_float32_pieces", "backward", "wgmma", "float32", HOPPER, (8, 128),

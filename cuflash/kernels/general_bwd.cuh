@@ -43,15 +43,18 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
 }
 
 // dQ in the storage dtype from the float32 accumulator of the atomic
-// backward: `count` elements (a multiple of 8), two a thread. (D only names
-// the variant the kernel is compiled with.)
+// backward: `count` elements of rows of D, two a thread; the accumulator's
+// rows are `accum_width` floats (D, or a tile width past D).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert(const float* __restrict__ dq_accum,
                                                                 T* __restrict__ dq,
-                                                                long long count) {
+                                                                long long count,
+                                                                int accum_width) {
     const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
     if (i < count) {
-        const float2 x = *reinterpret_cast<const float2*>(dq_accum + i);
+        const long long row = i / D;
+        const float2 x =
+            *reinterpret_cast<const float2*>(dq_accum + row * accum_width + (i - row * D));
         dq[i] = from_float<T>(x.x);
         dq[i + 1] = from_float<T>(x.y);
     }

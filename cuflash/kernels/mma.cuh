@@ -263,7 +263,7 @@ __device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y,
 // one (query tile, key tile), added with float32 atomics to dq_rows (the
 // tile's first row, row stride D; rows < rows only). dS comes from dS^T in
 // shared memory ([BN keys][BM queries], swizzled), K from Ks ([BN][D], swizzled).
-template <typename T, int DT, int D, int BM, int BN, int DQN>
+template <typename T, int D, int BM, int BN, int DQN>
 __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
                                                float* __restrict__ dq_rows, int qm, int d_first,
                                                int rows, float scale) {
@@ -281,21 +281,20 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
 #pragma unroll
         for (int d = 0; d < DQN; d += 2) {
             unsigned kb[4];
-            ldmatrix_x4_trans(kb, Ks + swizzled<DT>(kk * 16 + a_row, d_first + d + a_chunk));
+            ldmatrix_x4_trans(kb, Ks + swizzled<D>(kk * 16 + a_row, d_first + d + a_chunk));
             Op::mma(dq_acc[d], da, kb[0], kb[1]);
             Op::mma(dq_acc[d + 1], da, kb[2], kb[3]);
         }
     }
-    const int tiles_in_d = D == DT ? DQN : (D / 8 - d_first);  // past D: the tile's padding
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = qm * 16 + g + 8 * r;
         if (row >= rows) continue;
         float* dst = dq_rows + static_cast<long long>(row) * D + d_first * 8 + 2 * t;
 #pragma unroll
-        for (int d = 0; d < DQN; ++d)
-            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale,
-                              d < tiles_in_d);
+        for (int d = 0; d < DQN; ++d) {
+            atomic_add_float2(dst + d * 8, dq_acc[d][2 * r] * scale, dq_acc[d][2 * r + 1] * scale);
+        }
     }
 }
 

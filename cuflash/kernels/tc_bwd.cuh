@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 
         if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
             __syncthreads();
-            atomic_dq_tile<T, DT, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
+            atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
                                                    warp % QM, (warp / QM) * DQ_TILES, rows,
                                                    scale);
         }

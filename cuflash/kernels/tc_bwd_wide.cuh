@@ -13,7 +13,9 @@
 //   2. dV += P^T dO, dK += dS^T Q: warp w takes keys 16 (w % 4) and a
 //      share of the D columns, kept in registers for the whole block.
 //   3. (ATOMIC_DQ) dQ += dS K scale: warp w takes m16 query tile w % (BM/16)
-//      and a share of D; float32 atomics into dq_accum.
+//      and a share of the tile's columns; float32 atomics into dq_accum, whose
+//      rows are the tile's width (the head_dim's class: the padding columns
+//      take the padding's products, and the conversion to dQ drops them).
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
 #include "mma.cuh"
@@ -175,8 +177,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
 
         // 3. dQ[m16 tile warp % QM, d tiles [DQN (warp / QM), +DQN)] += scale * dS K.
         if (ATOMIC_DQ)
-            atomic_dq_tile<T, DT, D, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * D, warp % QM,
-                                              (warp / QM) * DQN, rows, scale);
+            atomic_dq_tile<T, DT, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * DT,
+                                               warp % QM, (warp / QM) * DQN, rows, scale);
         __syncthreads();  // P^T, dS^T and this query buffer are rewritten next
     }
 

@@ -5,7 +5,8 @@ Build with::
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 The visible-key pictures are drawn at every build by ``make_mask_figures.py``
-from the library's own masking rule, into ``docs/_static/masks/``.
+from the library's own masking rule, into ``docs/_static/masks/``; the table of
+kernels is written from ``cuflash.registry`` into ``docs/_generated/``.
 """
 
 import sys
@@ -20,6 +21,10 @@ import cuflash  # noqa: E402
 import make_mask_figures  # noqa: E402
 
 make_mask_figures.main(DOCS / "_static" / "masks")
+# The kernel registry's coverage table, for the performance page.
+(DOCS / "_generated").mkdir(exist_ok=True)
+(DOCS / "_generated" / "kernels.md").write_text(
+    __import__("cuflash.registry").registry.coverage_table() + "\n")
 
 project = "cuflash"
 author = "the cuflash authors"
@@ -36,7 +41,8 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md", "results"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md", "results", "history",
+                    "_generated"]
 templates_path = []
 
 # MyST: $...$ math, ::: fences for admonitions, anchors for ## and ### headings.

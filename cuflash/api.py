@@ -154,7 +154,8 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
             return cpu.backward(problem, dout, q, k, v, output, lse)
         from . import gpu  # imported on first GPU use only
 
-        plan = gpu.BackwardPlan(problem, dout, q, k, v, output, bool(deterministic))
+        plan = gpu.BackwardPlan(problem, dout, q, k, v, output, lse.flags.c_contiguous,
+                                bool(deterministic))
         plans.remember(key, plan)
     return plan(dout, q, k, v, output, lse, bool(synchronize))
 

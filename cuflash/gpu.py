@@ -127,7 +127,9 @@ class ForwardPlan:
 
     def __init__(self, problem, q, k, v):
         self.problem = problem
-        q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
+        contiguous_rows = [unit_last_stride(cupy, a) for a in (q, k, v)]
+        self.copies = any(a is not b for a, b in zip(contiguous_rows, (q, k, v)))
+        q, k, v = contiguous_rows
         self.spec = choose(problem, "forward", rows_are_16_byte_aligned((q, k, v)))
         loaded = _variant(problem)
         grid = (math.ceil(problem.q_len / self.spec.traits(problem.head_dim).tile),
@@ -145,7 +147,8 @@ class ForwardPlan:
 
     def __call__(self, q, k, v):
         problem = self.problem
-        q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
+        if self.copies:  # a last stride other than 1 (the signature fixes which)
+            q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.pieces is None:
@@ -160,10 +163,13 @@ class ForwardPlan:
 class BackwardPlan:
     """The launches of one backward signature (atomic or deterministic)."""
 
-    def __init__(self, problem, dout, q, k, v, output, deterministic):
+    def __init__(self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic):
         self.problem = problem
         self.deterministic = deterministic
-        dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
+        given = (dout, q, k, v, output)
+        dout, q, k, v, output = (unit_last_stride(cupy, a) for a in given)
+        self.copies = (any(a is not b for a, b in zip((dout, q, k, v, output), given))
+                       or not lse_is_contiguous)
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
         role = self.spec.name + ("" if deterministic else registry.ATOMIC_DQ)
@@ -209,8 +215,9 @@ class BackwardPlan:
 
     def __call__(self, dout, q, k, v, output, lse, synchronize):
         problem = self.problem
-        dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
-        lse = cupy.ascontiguousarray(lse)
+        if self.copies:  # a last stride other than 1, or lse not contiguous
+            dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
+            lse = cupy.ascontiguousarray(lse)
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
         # the atomic 16-bit backward (zeroed), at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
@@ -241,14 +248,3 @@ class BackwardPlan:
         if synchronize:
             cupy.cuda.get_current_stream().synchronize()
         return dq, dk, dv
-
-
-def forward(problem, q, k, v):
-    """Return ``(out, lse)`` on the current device and stream (a plan built for this call)."""
-    return ForwardPlan(problem, q, k, v)(q, k, v)
-
-
-def backward(problem, dout, q, k, v, output, lse, deterministic, synchronize):
-    """Return ``(dq, dk, dv)``; see :func:`cuflash.flash_attention_bwd`."""
-    return BackwardPlan(problem, dout, q, k, v, output, deterministic)(
-        dout, q, k, v, output, lse, synchronize)

@@ -38,7 +38,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
             if gpu.choose(problem, "backward", True) is not spec:
                 continue
             for deterministic, passes in ((True, 4), (False, 5)):
-                plan = gpu.BackwardPlan(problem, do, q, k, v, out, deterministic)
+                plan = gpu.BackwardPlan(problem, do, q, k, v, out, True, deterministic)
                 delta = cupy.empty(problem.lse_shape, dtype=cupy.float32)
                 lse_log2 = cupy.empty(problem.lse_shape, dtype=cupy.float32)
                 plan.delta(do, out, lse, delta, lse_log2)

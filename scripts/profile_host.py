@@ -47,14 +47,48 @@ def host_times(calls, **kw):
     return forward, backward
 
 
+def primitive_costs(calls):
+    """Microseconds per call of the host-side pieces a cached call is made of."""
+    from cuflash import plans
+
+    q, k, v, _ = tiny_inputs()
+    key_args = (1, 1, 64, True, 0, None, None, False)
+
+    def per_call(fn):
+        fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    cuflash.flash_attention_fwd(q, k, v, 1, 1, 64, True)
+    plan = plans.get(plans.signature((q, k, v), key_args))
+    out, lse = cupy.empty_like(q), cupy.empty(q.shape[:3], dtype=np.float32)
+    costs = {
+        "signature (3 arrays, 8 scalars)": per_call(lambda: plans.signature((q, k, v), key_args)),
+        "plans.get": per_call(lambda: plans.get(plans.signature((q, k, v), key_args))),
+        "cupy.empty": per_call(lambda: cupy.empty((1, 1, 16, 64), dtype=np.float32)),
+        "cupy.cuda.alloc": per_call(lambda: cupy.cuda.alloc(4096)),
+        "one kernel launch": per_call(lambda: plan.main(q, k, v, out, lse)),
+        "the forward plan's call": per_call(lambda: plan(q, k, v)),
+    }
+    cupy.cuda.get_current_stream().synchronize()
+    return costs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the pieces of a cached call (signature, allocation, launch)")
     args = parser.parse_args()
     forward, backward = host_times(args.calls)
     print(f"host time per call: forward {forward:.1f} us, backward {backward:.1f} us "
           f"(bfloat16, B=1 H=1 S=16 D=64, causal, {args.calls} calls)")
+    if args.parts:
+        for name, us in primitive_costs(args.calls).items():
+            print(f"  {name:34s} {us:6.2f} us")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()

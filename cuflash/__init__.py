@@ -8,6 +8,7 @@ from .api import (AttentionConfig, AttentionVJP, flash_attention_bwd, flash_atte
                   flash_attention_vjp)
 from .errors import InvalidArgumentError
 from .dispatch import kernel_path
+from .kvcache import flash_attention_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,6 @@ __all__ = [
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_attention_vjp",
+    "flash_attention_with_kvcache",
     "kernel_path",
 ]

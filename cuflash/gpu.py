@@ -36,7 +36,7 @@ def rows_are_16_byte_aligned(arrays):
                for a in arrays)
 
 
-def _strides(a):
+def element_strides(a):
     """Element strides of the batch, head and sequence axes, as int64 scalars."""
     return tuple(np.int64(s // a.itemsize) for s in a.strides[:3])
 
@@ -138,11 +138,12 @@ class ForwardPlan:
                 np.float32(problem.softmax_scale * LOG2E))
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
-            self.pieces = [Float16Pieces(loaded, x.shape, _strides(x), rows) for x, rows in
-                           ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))]
+            self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
+                           for x, rows in ((q, problem.q_len), (k, problem.kv_len),
+                                           (v, problem.kv_len))]
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
-            strides = (*_strides(q), *_strides(k), *_strides(v))
+            strides = (*element_strides(q), *element_strides(k), *element_strides(v))
         self.main = Launch(loaded, self.spec.name, grid, (*strides, *tail))
 
     def __call__(self, q, k, v):
@@ -175,8 +176,8 @@ class BackwardPlan:
         role = self.spec.name + ("" if deterministic else registry.ATOMIC_DQ)
         self.delta = Launch(loaded, "backward_delta",
                             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-                            (*_strides(dout), *_strides(output), np.int32(problem.num_heads),
-                             np.int32(problem.q_len)))
+                            (*element_strides(dout), *element_strides(output),
+                             np.int32(problem.num_heads), np.int32(problem.q_len)))
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
         options = (*_mask_args(problem), np.float32(problem.softmax_scale),
                    np.float32(problem.softmax_scale * LOG2E))
@@ -184,14 +185,14 @@ class BackwardPlan:
         grid = (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch)
         self.pieces = None
         if self.spec.precision == "float32":
-            self.pieces = [Float16Pieces(loaded, x.shape, _strides(x), rows) for x, rows in
-                           ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len),
-                            (dout, problem.q_len))]
+            self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
+                           for x, rows in ((q, problem.q_len), (k, problem.kv_len),
+                                           (v, problem.kv_len), (dout, problem.q_len))]
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
             self.dkdv = Launch(loaded, role, grid, strides + heads +
                                (np.int32(problem.kv_capacity),) + options)
         else:
-            strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+            strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
             self.dkdv = Launch(loaded, role, grid,
                                strides + heads + (np.int32(problem.kv_capacity),) + options)
         self.dq = self.convert = None
@@ -199,7 +200,7 @@ class BackwardPlan:
             rows = registry.BY_NAME["backward_dq_general"].traits(problem.head_dim).tile
             self.dq = Launch(loaded, "backward_dq_general",
                              (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch),
-                             (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *heads,
+                             (*(s for x in (q, k, v, dout) for s in element_strides(x)), *heads,
                               *options))
         elif problem.dtype != np.float32:
             count = math.prod(problem.q_shape)

@@ -306,6 +306,48 @@ def documented_messages():
     return re.findall(r"^\| `([^`]+)` \|", section, re.M)
 
 
+def kvcache_bad_calls():
+    """One invalid CPU call per documented message of flash_attention_with_kvcache."""
+    def a(*shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    q1, cache, new = a(2, 8, 1, 64), a(2, 2, 16, 64), a(2, 2, 1, 64)
+    pool, table = a(4, 2, 8, 64), np.zeros((2, 2), np.int32)
+    lens = np.zeros(2, np.int32)
+
+    def kv(q=q1, k_cache=cache, v_cache=cache, num_heads=8, num_kv_heads=2, head_dim=64,
+           **kw):
+        kw.setdefault("cache_seqlens", 0)
+        return lambda: cuflash.flash_attention_with_kvcache(q, k_cache, v_cache, num_heads,
+                                                            num_kv_heads, head_dim, **kw)
+
+    return [
+    kv(q=a(2, 8, 0, 64)),
+    kv(k_cache=a(2, 1, 16, 64)),
+    kv(v_cache=a(2, 2, 12, 64)),
+    kv(k_cache=a(2, 2, 16, 128)[..., ::2], v_cache=a(2, 2, 16, 128)[..., ::2]),
+    kv(k_new=new),
+    kv(k_new=a(2, 2, 17, 64), v_new=a(2, 2, 17, 64)),
+    kv(k_new=new, v_new=new, k_cache=np.broadcast_to(cache[:1], cache.shape),
+       v_cache=np.broadcast_to(cache[:1], cache.shape)),
+    kv(cache_seqlens=None),
+    kv(cache_seqlens=True),
+    kv(cache_seqlens=lens.astype(np.int64)),
+    kv(cache_seqlens=16, k_new=new, v_new=new),
+    kv(cache_seqlens=np.array([0, -4], np.int32)),
+    kv(cache_seqlens=np.array([0, 16], np.int32), k_new=new, v_new=new),
+    kv(k_cache=pool, v_cache=pool, block_table=table.astype(np.int64)),
+    kv(k_cache=pool, v_cache=pool, block_table=table[:1]),
+    kv(k_cache=a(4, 2, 0, 64), v_cache=a(4, 2, 0, 64), block_table=table),
+    kv(k_cache=pool[:0], v_cache=pool[:0], block_table=table),
+    kv(k_cache=pool, v_cache=pool, block_table=np.array([[0, 1], [2, 9]], np.int32),
+       cache_seqlens=9),
+    kv(q=a(70000, 8, 1, 64), k_cache=a(70000, 2, 1, 64), v_cache=a(70000, 2, 1, 64)),
+    kv(q=a(0, 1, 2**31, 8), k_cache=a(0, 1, 1, 8), v_cache=a(0, 1, 1, 8), num_heads=1,
+       num_kv_heads=1, head_dim=8),
+    ]
+
+
 def bad_calls():
     """One invalid CPU call per documented message (the GPU-only ones aside)."""
     from cuflash import precompile
@@ -367,6 +409,7 @@ def bad_calls():
         bwd(synchronize=None),
         lambda: cuflash.kernel_path("fast").__enter__(),
         lambda: cuflash.dispatch.skip_kernels("forward_fastest").__enter__(),
+        *kvcache_bad_calls(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

@@ -1,0 +1,742 @@
+// Attention over a KV cache (SPEC 6): split-KV ("Flash-Decoding") kernels.
+//
+// kvcache_append   writes k_new / v_new into the cache at each sequence's length.
+// kvcache_decode   one block per (split of the keys, tile of packed query rows,
+//                  KV head, sequence): the query rows of all query heads that
+//                  share the KV head (times S_q) are packed into one tile, so
+//                  each K/V tile is read once for all of them. K and V tiles
+//                  move into shared memory with 16-byte cp.async (double
+//                  buffered), scores and P V run on CUDA cores in float32, the
+//                  softmax is online. With one split the block writes the
+//                  output; with several it writes a partial (out, lse) in
+//                  float32 that kvcache_combine merges by log-sum-exp, in a
+//                  fixed order (the same bits on every run).
+//
+// Lengths and block ids that live on the device are never trusted: a length
+// is clamped to [0, capacity - S_new] and a block id to [0, num_blocks), so no
+// thread reads or writes outside any buffer whatever they hold.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding aside
+
+// The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/kvcache.py's
+// decode_shape; the kernel traps if it is launched with less shared memory).
+template <typename T, int D, int RM>
+struct DecodeShape {
+    static constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte chunk
+    static constexpr int CH = D / ELEMS;                             // chunks a row
+    static constexpr int BN_FIT = kDecodeTileBytes / (D * static_cast<int>(sizeof(T)));
+    static constexpr int BN = BN_FIT >= 128 ? 128 : BN_FIT >= 64 ? 64 : BN_FIT >= 32 ? 32 : 16;
+    static constexpr int DSUB = kDecodeThreads / BN;  // threads sharing one key's dot products
+    static constexpr int PITCH = CH + 1;  // chunks a shared-memory row (one chunk of padding)
+    static constexpr int KSUB_FIT = kDecodeThreads / CH;
+    static constexpr int KSUB = KSUB_FIT < BN ? KSUB_FIT : BN;  // key subsets in P V
+    static constexpr int TILE_CHUNKS = BN * PITCH;
+    static constexpr int KV_BYTES = 4 * TILE_CHUNKS * 16;  // K and V, two stages
+    static constexpr int REDUCE_BYTES = KSUB * RM * (D + 1) * 4;
+    static constexpr int REGION = KV_BYTES > REDUCE_BYTES ? KV_BYTES : REDUCE_BYTES;
+    static constexpr int Q_BYTES = RM * D * 4;
+    static constexpr int P_BYTES = BN * RM * 4;
+    static constexpr int MAX_BYTES = kDecodeWarps * RM * 4;
+    static constexpr int SMEM = REGION + Q_BYTES + P_BYTES + MAX_BYTES;
+    static_assert(D % ELEMS == 0, "head_dim must fill whole 16-byte chunks");
+    static_assert(BN <= kDecodeThreads && DSUB <= 32, "one key per group of DSUB lanes");
+};
+
+// Where the keys of one sequence live: a contiguous cache (table == nullptr,
+// the sequence's own slab) or a paged one (a row of the block table).
+struct CacheRows {
+    const int* table;  // this sequence's row of the block table, or nullptr
+    int batch_index, block_size, num_blocks;
+
+    // The block (contiguous: the sequence) and the row within it of key j >= 0.
+    __device__ __forceinline__ int page(int j) const {
+        if (table == nullptr) return batch_index;
+        return min(max(__ldg(table + j / block_size), 0), num_blocks - 1);  // untrusted: clamped
+    }
+    __device__ __forceinline__ int row(int j) const {
+        return table == nullptr ? j : j % block_size;
+    }
+    // Element offsets of key j's row in K and V (head offset not included).
+    __device__ __forceinline__ void offsets(int j, long long k_sb, long long k_ss,
+                                            long long v_sb, long long v_ss, long long& k_off,
+                                            long long& v_off) const {
+        long long page = batch_index;
+        int row = j;
+        if (table != nullptr) {
+            const int slot = j / block_size;
+            const int id = __ldg(table + slot);
+            page = min(max(id, 0), num_blocks - 1);  // untrusted: clamped into the buffer
+            row = j - slot * block_size;
+        }
+        k_off = page * k_sb + row * k_ss;
+        v_off = page * v_sb + row * v_ss;
+    }
+};
+
+// A device-held length (or the host's value), clamped so that it and the
+// appended rows fit the capacity.
+__device__ __forceinline__ int cached_length(const int* seqlens, int seqlen_value, int b,
+                                             int new_len, int capacity) {
+    const int raw = seqlens != nullptr ? seqlens[b] : seqlen_value;
+    return min(max(raw, 0), capacity - new_len);
+}
+
+__device__ __forceinline__ void unpack_chunk(const uint4& c, float (&x)[4]) {
+    x[0] = __uint_as_float(c.x);
+    x[1] = __uint_as_float(c.y);
+    x[2] = __uint_as_float(c.z);
+    x[3] = __uint_as_float(c.w);
+}
+__device__ __forceinline__ void unpack_pair(unsigned w, bf16_t, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack_pair(unsigned w, half_t, float& lo, float& hi) {
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+template <typename T>
+__device__ __forceinline__ void unpack_chunk(const uint4& c, float (&x)[8]) {
+    unpack_pair(c.x, T{}, x[0], x[1]);
+    unpack_pair(c.y, T{}, x[2], x[3]);
+    unpack_pair(c.z, T{}, x[4], x[5]);
+    unpack_pair(c.w, T{}, x[6], x[7]);
+}
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const uint4& c, float (&x)[N]) {
+    if constexpr (N == 4) {
+        unpack_chunk(c, x);
+    } else {
+        unpack_chunk<T>(c, x);
+    }
+}
+
+// Keys [key0, key0 + BN) of one KV head into shared memory ([BN][PITCH] 16-byte
+// chunks for K and for V), keys at or past key_end as zeros (never read). The
+// row offsets (block-table reads for a paged cache) are all computed first, so
+// their loads overlap, then the copies go out as 16-byte cp.async (one commit
+// group), or element by element where rows are not 16-byte aligned.
+template <typename T, int BN, int CH, int PITCH>
+__device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T* k_head,
+                                             const T* v_head, const CacheRows& rows, int key0,
+                                             int key_end, long long k_sb, long long k_ss,
+                                             long long v_sb, long long v_ss, bool aligned) {
+    constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
+    constexpr int ITERS = (BN * CH + kDecodeThreads - 1) / kDecodeThreads;
+    int page[ITERS];  // block ids (read first, so that the loads overlap)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int j = key0 + (threadIdx.x + it * kDecodeThreads) / CH;
+        page[it] = rows.page(min(j, key_end - 1));
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int idx = threadIdx.x + it * kDecodeThreads;
+        if (idx >= BN * CH) break;
+        const int n = idx / CH, c = idx - (idx / CH) * CH, j = key0 + n;
+        const bool valid = j < key_end;
+        const int row = rows.row(j);
+        const T* k_src = k_head + page[it] * k_sb + row * k_ss + c * ELEMS;
+        const T* v_src = v_head + page[it] * v_sb + row * v_ss + c * ELEMS;
+        if (aligned) {
+            cp_async_16(k_dst + n * PITCH + c, valid ? k_src : k_head, valid);
+            cp_async_16(v_dst + n * PITCH + c, valid ? v_src : v_head, valid);
+        } else {
+            T* kd = reinterpret_cast<T*>(k_dst + n * PITCH + c);
+            T* vd = reinterpret_cast<T*>(v_dst + n * PITCH + c);
+#pragma unroll
+            for (int e = 0; e < ELEMS; ++e) {
+                kd[e] = valid ? k_src[e] : T{};
+                vd[e] = valid ? v_src[e] : T{};
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// k_new / v_new [B, H_kv, S_new, D] into the cache at rows cached_length(b) ..
+// One thread an element; grid (ceil(S_new * D / 128), H_kv, B).
+template <typename T>
+__global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
+    const T* __restrict__ k_new, const T* __restrict__ v_new, T* __restrict__ k_cache,
+    T* __restrict__ v_cache, const int* __restrict__ seqlens, int seqlen_value,
+    const int* __restrict__ block_table, long long kn_sb, long long kn_sh, long long kn_ss,
+    long long vn_sb, long long vn_sh, long long vn_ss, long long k_sb, long long k_sh,
+    long long k_ss, long long v_sb, long long v_sh, long long v_ss, int new_len, int head_dim,
+    int capacity, int block_size, int max_blocks, int num_blocks) {
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const long long idx = static_cast<long long>(blockIdx.x) * kDecodeThreads + threadIdx.x;
+    if (idx >= static_cast<long long>(new_len) * head_dim) return;
+    const int t = static_cast<int>(idx / head_dim), d = static_cast<int>(idx % head_dim);
+    const int pos = cached_length(seqlens, seqlen_value, b, new_len, capacity) + t;
+    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
+                                                : nullptr,
+                         b, block_size, num_blocks};
+    long long k_off, v_off;
+    rows.offsets(pos, k_sb, k_ss, v_sb, v_ss, k_off, v_off);
+    k_cache[k_off + hk * k_sh + d] = k_new[b * kn_sb + hk * kn_sh + t * kn_ss + d];
+    v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
+}
+
+// Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.
+// Packed row m of a KV head is query row i = m / group of query head
+// hk * group + m % group; a tile holds RM packed rows.
+template <typename T, int D, int RM>
+__global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_ss,
+    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
+    long long v_ss, int num_heads, int group, int q_len, int new_len, int capacity,
+    int block_size, int max_blocks, int num_blocks, int win_left, int win_right,
+    int num_splits, int row_tiles, int aligned, float scale_log2) {
+    using Shape = DecodeShape<T, D, RM>;
+    constexpr int ELEMS = Shape::ELEMS, CH = Shape::CH, BN = Shape::BN, DSUB = Shape::DSUB;
+    constexpr int PITCH = Shape::PITCH, KSUB = Shape::KSUB;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4* kv_tiles = reinterpret_cast<uint4*>(smem);  // [stage][K, V][BN][PITCH] chunks
+    float* reduce_s = reinterpret_cast<float*>(smem);  // [KSUB][RM][D], then [KSUB][RM] sums
+    float* q_s = reinterpret_cast<float*>(smem + Shape::REGION);        // [RM][D], scaled
+    float* p_s = q_s + RM * D;                                          // [BN][RM]
+    float* max_s = p_s + BN * RM;                                       // [warp][RM]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        unsigned dynamic_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+        if (dynamic_bytes < static_cast<unsigned>(Shape::SMEM)) __trap();
+    }
+
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x / row_tiles, row0 = (blockIdx.x % row_tiles) * RM;
+    const int rows_total = q_len * group;
+    const int kv_len = cached_length(seqlens, seqlen_value, b, new_len, capacity) + new_len;
+    const Mask mask{q_len, kv_len, win_left, win_right};
+    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
+                                                : nullptr,
+                         b, block_size, num_blocks};
+
+    // Each row's visible keys [lo, hi); the block's range; the keys all rows see.
+    int key_lo[RM], key_hi[RM];
+    int range_lo = kv_len, range_hi = 0, full_lo = 0, full_hi = kv_len;
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        const int m = row0 + r;
+        key_lo[r] = key_hi[r] = 0;
+        if (m < rows_total) {
+            mask.row_keys(m / group, key_lo[r], key_hi[r]);
+            if (key_hi[r] > key_lo[r]) {
+                range_lo = min(range_lo, key_lo[r]);
+                range_hi = max(range_hi, key_hi[r]);
+            }
+            full_lo = max(full_lo, key_lo[r]);
+            full_hi = min(full_hi, key_hi[r]);
+        }
+    }
+    const int tiles = range_hi > range_lo ? (range_hi - range_lo + BN - 1) / BN : 0;
+    const int per_split = (tiles + num_splits - 1) / num_splits;
+    const int tile_begin = min(tiles, split * per_split);
+    const int tile_end = min(tiles, tile_begin + per_split);
+
+    const T* k_head = k_cache + hk * k_sh;
+    const T* v_head = v_cache + hk * v_sh;
+    auto load_tile = [&](int stage, int tile) {
+        uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
+        load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
+                                       range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss,
+                                       aligned != 0);
+    };
+    if (tile_begin < tile_end) load_tile(0, tile_begin);  // in flight while Q loads
+
+    // Q rows into shared memory as float32, times scale * log2(e); zeros past the rows.
+    for (int idx = tid; idx < RM * D; idx += kDecodeThreads) {
+        const int r = idx / D, d = idx - (idx / D) * D, m = row0 + r;
+        float x = 0.f;
+        if (m < rows_total) {
+            const int i = m / group, h = hk * group + (m - i * group);
+            x = to_float(q[b * q_sb + h * q_sh + i * q_ss + d]) * scale_log2;
+        }
+        q_s[idx] = x;
+    }
+
+    float row_max[RM], acc[RM][ELEMS], row_sum[RM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        row_max[r] = neg_inf();
+        row_sum[r] = 0.f;
+#pragma unroll
+        for (int e = 0; e < ELEMS; ++e) acc[r][e] = 0.f;
+    }
+    const int score_key = tid / DSUB, dsub = tid % DSUB;
+    const int pv_sub = tid / CH, pv_chunk = tid % CH;
+    const bool pv_active = pv_sub < KSUB;
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int stage = (tile - tile_begin) & 1;
+        if (tile + 1 < tile_end) {
+            load_tile(stage ^ 1, tile + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint4* k_tile = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
+        const uint4* v_tile = k_tile + Shape::TILE_CHUNKS;
+        const int key0 = range_lo + tile * BN;
+
+        // Scores of key score_key for every row: DSUB lanes split the chunks.
+        float s[RM];
+#pragma unroll
+        for (int r = 0; r < RM; ++r) s[r] = 0.f;
+        const uint4* k_row = k_tile + score_key * PITCH;
+#pragma unroll 2
+        for (int c = dsub; c < CH; c += DSUB) {
+            float kf[ELEMS];
+            unpack<T>(k_row[c], kf);
+#pragma unroll
+            for (int r = 0; r < RM; ++r) {
+                const float4* qr = reinterpret_cast<const float4*>(q_s + r * D + c * ELEMS);
+#pragma unroll
+                for (int e4 = 0; e4 < ELEMS / 4; ++e4) {
+                    const float4 qv = qr[e4];
+                    s[r] += qv.x * kf[4 * e4] + qv.y * kf[4 * e4 + 1] + qv.z * kf[4 * e4 + 2] +
+                            qv.w * kf[4 * e4 + 3];
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+#pragma unroll
+            for (int o = DSUB / 2; o > 0; o >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], o);
+        }
+        const int j = key0 + score_key;
+        const bool edge = !(key0 >= full_lo && key0 + BN <= full_hi);
+        float tile_max[RM];
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+            if (edge && (j < key_lo[r] || j >= key_hi[r])) s[r] = neg_inf();
+            float x = s[r];
+#pragma unroll
+            for (int o = 16; o >= DSUB; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+            tile_max[r] = x;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < RM; ++r) max_s[warp * RM + r] = tile_max[r];
+        }
+        __syncthreads();
+        float alpha[RM];
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+            float x = row_max[r];
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) x = fmaxf(x, max_s[w * RM + r]);
+            const float base = x == neg_inf() ? 0.f : x;
+            alpha[r] = fast_exp2(row_max[r] - base);
+            row_max[r] = x;
+            s[r] = fast_exp2(s[r] - base);
+        }
+        if (dsub == 0) {
+#pragma unroll
+            for (int r = 0; r < RM; ++r) p_s[score_key * RM + r] = s[r];
+        }
+        __syncthreads();
+
+        // acc[r][:] = alpha acc + sum over this thread's keys of p V[key, chunk].
+        if (pv_active) {
+#pragma unroll
+            for (int r = 0; r < RM; ++r) {
+                row_sum[r] *= alpha[r];
+#pragma unroll
+                for (int e = 0; e < ELEMS; ++e) acc[r][e] *= alpha[r];
+            }
+            for (int n = pv_sub; n < BN; n += KSUB) {
+                float vf[ELEMS];
+                unpack<T>(v_tile[n * PITCH + pv_chunk], vf);
+                float p[RM];
+                if constexpr (RM % 4 == 0) {
+#pragma unroll
+                    for (int r4 = 0; r4 < RM / 4; ++r4) {
+                        const float4 pv = reinterpret_cast<const float4*>(p_s + n * RM)[r4];
+                        p[4 * r4] = pv.x;
+                        p[4 * r4 + 1] = pv.y;
+                        p[4 * r4 + 2] = pv.z;
+                        p[4 * r4 + 3] = pv.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 0; r < RM; ++r) p[r] = p_s[n * RM + r];
+                }
+#pragma unroll
+                for (int r = 0; r < RM; ++r) {
+                    row_sum[r] += p[r];
+#pragma unroll
+                    for (int e = 0; e < ELEMS; ++e) acc[r][e] += p[r] * vf[e];
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Sum the KSUB partial accumulators (all in the same scale: the row maxima
+    // are the same in every thread) and write the rows.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* sums_s = reduce_s + KSUB * RM * D;
+    if (pv_active) {
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+#pragma unroll
+            for (int e = 0; e < ELEMS; ++e)
+                reduce_s[(pv_sub * RM + r) * D + pv_chunk * ELEMS + e] = acc[r][e];
+            if (pv_chunk == 0) sums_s[pv_sub * RM + r] = row_sum[r];
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < RM * D; idx += kDecodeThreads) {
+        const int r = idx / D, d = idx - (idx / D) * D, m = row0 + r;
+        if (m >= rows_total) continue;
+        float o = 0.f, l = 0.f;
+        for (int k = 0; k < KSUB; ++k) {
+            o += reduce_s[(k * RM + r) * D + d];
+            l += sums_s[k * RM + r];
+        }
+        float rmax = neg_inf();
+#pragma unroll
+        for (int rr = 0; rr < RM; ++rr) rmax = rr == r ? row_max[rr] : rmax;
+        const bool seen = l != 0.f;  // a NaN sum counts as seen: NaN is never hidden
+        const float value = seen ? o / l : 0.f;
+        const float row_lse2 = seen ? rmax + log2f(l) : neg_inf();
+        const int i = m / group, h = hk * group + (m - i * group);
+        const long long row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
+        if (num_splits == 1) {
+            out[row * D + d] = from_float<T>(value);
+            if (d == 0) lse[row] = row_lse2 * kLn2;
+        } else {
+            const long long part = row * num_splits + split;
+            part_out[part * D + d] = value;
+            if (d == 0) part_lse[part] = row_lse2;
+        }
+    }
+}
+
+// The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES> (mirrored by cuflash/kvcache.py's
+// decode_tc_shape): ROW_WARPS m16 row tiles a block, KEY_WARPS warps sharing each
+// K/V tile by keys (each with its own online softmax, merged at the end).
+template <typename T, int D, int ROW_WARPS, int STAGES>
+struct DecodeTcShape {
+    static constexpr int CH = D / 8;              // 16-byte chunks a row
+    static constexpr int BN = D <= 128 ? 64 : 32;  // keys a tile (16 KB of K at D = 128)
+    static constexpr int KEY_WARPS_FIT = kDecodeWarps / ROW_WARPS;
+    static constexpr int KEY_WARPS = KEY_WARPS_FIT < BN / 16 ? KEY_WARPS_FIT : BN / 16;
+    static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys a warp takes of each tile
+    static constexpr int BM = 16 * ROW_WARPS;         // packed query rows a block
+    static constexpr int PITCH = CH + 1;              // odd: ldmatrix rows hit 8 bank groups
+    static constexpr int TILE_CHUNKS = BN * PITCH;
+    static constexpr int KV_BYTES = 2 * STAGES * TILE_CHUNKS * 16;  // K and V, STAGES deep
+    static constexpr int REDUCE_BYTES = KEY_WARPS * BM * D * 4;
+    static constexpr int REGION = KV_BYTES > REDUCE_BYTES ? KV_BYTES : REDUCE_BYTES;
+    static constexpr int Q_BYTES = BM * PITCH * 16;
+    static constexpr int STATS_BYTES = 2 * KEY_WARPS * BM * 4;
+    static constexpr int SMEM = REGION + Q_BYTES + STATS_BYTES;
+    static_assert(D % 16 == 0 && sizeof(T) == 2, "mma.sync m16n8k16 on 16-bit types");
+    static_assert(WARP_KEYS % 16 == 0, "P feeds the P V product 16 keys at a time");
+};
+
+// The tensor-core kernel for float16/bfloat16 and head_dim a multiple of 16: the
+// grid, arguments and partial outputs of kvcache_decode, BM packed rows a block.
+// Warp (rw, kw) computes S = Q K^T on mma.sync m16n8k16 for query rows
+// [16 rw, 16 rw + 16) of the block and keys [kw WARP_KEYS, (kw + 1) WARP_KEYS) of
+// each tile, keeps its own online softmax, and accumulates O += P V in registers;
+// the KEY_WARPS warps of a row tile merge by log-sum-exp at the end.
+template <typename T, int D, int ROW_WARPS, int STAGES>
+__global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ? 3 : 1)
+    kvcache_decode_tc(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_ss,
+    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
+    long long v_ss, int num_heads, int group, int q_len, int new_len, int capacity,
+    int block_size, int max_blocks, int num_blocks, int win_left, int win_right,
+    int num_splits, int row_tiles, int aligned, float scale_log2) {
+    using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES>;
+    static_assert(STAGES >= 2, "at least double buffering");
+    using Op = TensorOp<T>;
+    constexpr int CH = Shape::CH, BN = Shape::BN, PITCH = Shape::PITCH, BM = Shape::BM;
+    constexpr int KEY_WARPS = Shape::KEY_WARPS, WARP_KEYS = Shape::WARP_KEYS;
+    constexpr int NT = WARP_KEYS / 8;  // 8-key tiles of S a warp
+    constexpr int DT = D / 8;          // 8-column tiles of O
+    constexpr int ELEMS = 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4* kv_tiles = reinterpret_cast<uint4*>(smem);  // [STAGES][K, V][BN][PITCH] chunks
+    float* reduce_s = reinterpret_cast<float*>(smem);  // [KEY_WARPS][BM][D] at the end
+    uint4* q_s = reinterpret_cast<uint4*>(smem + Shape::REGION);  // [BM][PITCH] chunks
+    float* max_s = reinterpret_cast<float*>(smem + Shape::REGION + Shape::Q_BYTES);
+    float* sum_s = max_s + KEY_WARPS * BM;  // both [KEY_WARPS][BM]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        unsigned dynamic_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+        if (dynamic_bytes < static_cast<unsigned>(Shape::SMEM)) __trap();
+    }
+    const bool active = warp < ROW_WARPS * KEY_WARPS;
+    const int rw = active ? warp / KEY_WARPS : 0, kw = warp % KEY_WARPS;
+
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x / row_tiles, row0 = (blockIdx.x % row_tiles) * BM;
+    const int rows_total = q_len * group;
+    const int kv_len = cached_length(seqlens, seqlen_value, b, new_len, capacity) + new_len;
+    const Mask mask{q_len, kv_len, win_left, win_right};
+    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
+                                                : nullptr,
+                         b, block_size, num_blocks};
+
+    // The block's key range (rows are sorted by query index, so the first and the
+    // last row bound it), this thread's two rows' ranges, the keys every row of
+    // the warp sees.
+    const int last_row = min(row0 + BM, rows_total) - 1;
+    int range_lo, range_hi;
+    mask.key_range(row0 / group, last_row / group + 1, range_lo, range_hi);
+    int my_lo[2], my_hi[2], full_lo = 0, full_hi = 0x7fffffff;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int m = row0 + rw * 16 + g + 8 * r;
+        my_lo[r] = my_hi[r] = 0;
+        if (m < rows_total) {
+            mask.row_keys(m / group, my_lo[r], my_hi[r]);
+            full_lo = max(full_lo, my_lo[r]);
+            full_hi = min(full_hi, my_hi[r]);
+        }
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        full_lo = max(full_lo, __shfl_xor_sync(0xffffffffu, full_lo, o));
+        full_hi = min(full_hi, __shfl_xor_sync(0xffffffffu, full_hi, o));
+    }
+    const int tiles = range_hi > range_lo ? (range_hi - range_lo + BN - 1) / BN : 0;
+    const int per_split = (tiles + num_splits - 1) / num_splits;
+    const int tile_begin = min(tiles, split * per_split);
+    const int tile_end = min(tiles, tile_begin + per_split);
+
+    const T* k_head = k_cache + hk * k_sh;
+    const T* v_head = v_cache + hk * v_sh;
+    auto load_tile = [&](int stage, int tile) {
+        uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
+        load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
+                                       range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss,
+                                       aligned != 0);
+    };
+    // STAGES - 1 tiles in flight while Q loads (empty groups keep the count uniform).
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) {
+            load_tile(st, tile_begin + st);
+        } else {
+            cp_async_commit();
+        }
+    }
+
+    // Q rows into shared memory in the input type; zeros past the rows.
+    for (int idx = tid; idx < BM * D; idx += kDecodeThreads) {
+        const int r = idx / D, d = idx - (idx / D) * D, m = row0 + r;
+        T x{};
+        if (m < rows_total) {
+            const int i = m / group, h = hk * group + (m - i * group);
+            x = q[b * q_sb + h * q_sh + i * q_ss + d];
+        }
+        reinterpret_cast<T*>(q_s)[r * PITCH * ELEMS + d] = x;
+    }
+
+    float o_acc[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; ++d) o_acc[d][0] = o_acc[d][1] = o_acc[d][2] = o_acc[d][3] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+    const uint4* q_rows = q_s + (rw * 16 + a_row) * PITCH + a_chunk;
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int step = tile - tile_begin, stage = step % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile `step` is in; every warp is done with step - 1's stage
+        if (tile + STAGES - 1 < tile_end) {
+            load_tile((step + STAGES - 1) % STAGES, tile + STAGES - 1);
+        } else {
+            cp_async_commit();
+        }
+        if (active) {
+            const uint4* k_tile = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS + kw * WARP_KEYS * PITCH;
+            const uint4* v_tile = k_tile + Shape::TILE_CHUNKS;
+            float s[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned qa[4];
+                ldmatrix_x4(qa, q_rows + 2 * kk);
+#pragma unroll
+                for (int n = 0; n < NT; n += 2) {
+                    unsigned kb[4];
+                    ldmatrix_x4(kb, k_tile + (n * 8 + b_row) * PITCH + 2 * kk + b_chunk);
+                    Op::mma(s[n], qa, kb[0], kb[1]);
+                    Op::mma(s[n + 1], qa, kb[2], kb[3]);
+                }
+            }
+            const int key0 = range_lo + tile * BN + kw * WARP_KEYS;
+            const bool edge = !(key0 >= full_lo && key0 + WARP_KEYS <= full_hi);
+            float new_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[n][e] * scale_log2;
+                    if (edge) {
+                        const int key = key0 + n * 8 + 2 * t + (e & 1);
+                        if (key < my_lo[e >> 1] || key >= my_hi[e >> 1]) x = neg_inf();
+                    }
+                    s[n][e] = x;
+                    new_max[e >> 1] = fmaxf(new_max[e >> 1], x);
+                }
+            }
+            float base[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
+                new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
+                base[r] = new_max[r] == neg_inf() ? 0.f : new_max[r];
+                const float alpha = fast_exp2(row_max[r] - base[r]);
+                row_max[r] = new_max[r];
+                row_sum[r] *= alpha;
+#pragma unroll
+                for (int d = 0; d < DT; ++d) {
+                    o_acc[d][2 * r] *= alpha;
+                    o_acc[d][2 * r + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = fast_exp2(s[n][e] - base[e >> 1]);
+                    s[n][e] = p;
+                    row_sum[e >> 1] += p;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < WARP_KEYS / 16; ++kk) {
+                const unsigned pa[4] = {Op::pack(s[2 * kk][0], s[2 * kk][1]),
+                                        Op::pack(s[2 * kk][2], s[2 * kk][3]),
+                                        Op::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        Op::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int d = 0; d < DT; d += 2) {
+                    unsigned vb[4];
+                    ldmatrix_x4_trans(vb, v_tile + (kk * 16 + a_row) * PITCH + d + a_chunk);
+                    Op::mma(o_acc[d], pa, vb[0], vb[1]);
+                    Op::mma(o_acc[d + 1], pa, vb[2], vb[3]);
+                }
+            }
+        }
+    }
+
+    // Merge the KEY_WARPS warps of each row tile (log-sum-exp), then write.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (active) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+            if (t == 0) {
+                max_s[kw * BM + rw * 16 + g + 8 * r] = row_max[r];
+                sum_s[kw * BM + rw * 16 + g + 8 * r] = row_sum[r];
+            }
+        }
+    }
+    __syncthreads();
+    if (active) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = rw * 16 + g + 8 * r;
+            float top = neg_inf();
+#pragma unroll
+            for (int k = 0; k < KEY_WARPS; ++k) top = fmaxf(top, max_s[k * BM + row]);
+            const float factor = fast_exp2(row_max[r] - (top == neg_inf() ? 0.f : top));
+            float* dst = reduce_s + (kw * BM + row) * D + 2 * t;
+#pragma unroll
+            for (int d = 0; d < DT; ++d) {
+                *reinterpret_cast<float2*>(dst + d * 8) =
+                    make_float2(o_acc[d][2 * r] * factor, o_acc[d][2 * r + 1] * factor);
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < BM * D; idx += kDecodeThreads) {
+        const int r = idx / D, d = idx - (idx / D) * D, m = row0 + r;
+        if (m >= rows_total) continue;
+        float top = neg_inf();
+#pragma unroll
+        for (int k = 0; k < KEY_WARPS; ++k) top = fmaxf(top, max_s[k * BM + r]);
+        const float base = top == neg_inf() ? 0.f : top;
+        float o = 0.f, l = 0.f;
+#pragma unroll
+        for (int k = 0; k < KEY_WARPS; ++k) {
+            o += reduce_s[(k * BM + r) * D + d];
+            l += sum_s[k * BM + r] * fast_exp2(max_s[k * BM + r] - base);
+        }
+        const bool seen = l != 0.f;  // a NaN sum counts as seen: NaN is never hidden
+        const float value = seen ? o / l : 0.f;
+        const float row_lse2 = seen ? base + log2f(l) : neg_inf();
+        const int i = m / group, h = hk * group + (m - i * group);
+        const long long row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
+        if (num_splits == 1) {
+            out[row * D + d] = from_float<T>(value);
+            if (d == 0) lse[row] = row_lse2 * kLn2;
+        } else {
+            const long long part = row * num_splits + split;
+            part_out[part * D + d] = value;
+            if (d == 0) part_lse[part] = row_lse2;
+        }
+    }
+}
+
+// Merge the num_splits partials of each output row by log-sum-exp, splits in
+// order. One warp a row; grid (ceil(rows / 4)).
+template <typename T, int D>
+__global__ void __launch_bounds__(kDecodeThreads) kvcache_combine(
+    const float* __restrict__ part_out, const float* __restrict__ part_lse, T* __restrict__ out,
+    float* __restrict__ lse, long long rows, int num_splits) {
+    const int lane = threadIdx.x & 31;
+    const long long row = static_cast<long long>(blockIdx.x) * kDecodeWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float* row_lse = part_lse + row * num_splits;
+    float top = neg_inf();
+    for (int s = lane; s < num_splits; s += 32) top = fmaxf(top, row_lse[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    const float base = top == neg_inf() ? 0.f : top;
+    float total = 0.f;
+    for (int s = lane; s < num_splits; s += 32) total += fast_exp2(row_lse[s] - base);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    const bool seen = total != 0.f;
+    const float inv = seen ? 1.f / total : 0.f;
+    for (int d = lane; d < D; d += 32) {
+        float o = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float w = fast_exp2(row_lse[s] - base);
+            if (w != 0.f) o += w * part_out[(row * num_splits + s) * D + d];
+        }
+        out[row * D + d] = from_float<T>(o * inv);
+    }
+    if (lane == 0) lse[row] = seen ? (base + log2f(total)) * kLn2 : neg_inf();
+}
+
+}  // namespace cuflash

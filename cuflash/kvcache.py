@@ -1,0 +1,634 @@
+"""Attention over a KV cache for inference (SPEC section 6).
+
+:func:`flash_attention_with_kvcache` appends new keys and values to a cache
+in place and attends the query rows of each sequence to its cached keys, with
+per-sequence lengths, a contiguous or a paged cache, and the masking rules of
+the dense functions. NumPy arrays run the CPU path below; CuPy arrays run the
+split-KV kernels of ``kernels/decode.cu``.
+"""
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .masking import key_range, normalize_window, visible_keys
+from .problem import (MAX_GRID_YZ, MAX_HEAD_DIM, _array_module, _check_dtypes, _check_flag,
+                      _check_rank, _count)
+
+LOG2E = 1.4426950408889634
+SOURCE_FILE = "decode.cu"
+THREADS = 128
+TILE_BYTES = 16384  # kDecodeTileBytes of decode.cu
+ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
+MAX_SPLITS = 128
+MIN_KEYS_PER_SPLIT = 256
+BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
+TC_STAGES = 2  # K/V tiles in the tensor-core kernel's pipeline (2: double buffering)
+# With this many packed query rows (S_q x group) or more, a host-held length
+# and a contiguous cache, the dense tensor-core forward serves the call.
+DENSE_MIN_ROWS = 64
+CPU_KEY_BLOCK = 512
+CPU_ROW_BLOCK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheProblem:
+    """A validated call of :func:`flash_attention_with_kvcache`."""
+
+    xp: object
+    dtype: np.dtype
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    new_len: int  # S_new (0 without k_new / v_new)
+    head_dim: int
+    paged: bool
+    capacity: int  # keys a sequence can hold: S_cap, or max_blocks * block_size
+    block_size: int  # rows a block holds (S_cap for a contiguous cache)
+    num_blocks: int  # blocks of a paged cache (B for a contiguous one)
+    max_blocks: int  # block-table columns (1 for a contiguous cache)
+    host_lengths: object  # int64 [B] cached lengths when held on the host, else None
+    softmax_scale: float
+    window: tuple  # (left, right), -1 = unbounded, causal folded in
+    return_lse: bool
+
+    @property
+    def group_size(self):
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_shape(self):
+        return (self.batch, self.num_heads, self.q_len, self.head_dim)
+
+    @property
+    def lse_shape(self):
+        return (self.batch, self.num_heads, self.q_len)
+
+
+def _scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale,
+                                                                      numbers.Real):
+        raise InvalidArgumentError(
+            "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
+    return scale
+
+
+def _check_dims(name, a, expected, labels):
+    """``a.shape[axis] == expected[axis]`` for each axis with an expectation."""
+    for axis, (want, label) in enumerate(zip(expected, labels)):
+        if want is not None and a.shape[axis] != want:
+            raise InvalidArgumentError(name, f"has {label} {a.shape[axis]}, expected {want}")
+
+
+def _check_int32(name, a, shape, layout):
+    if a.dtype != np.int32:
+        raise InvalidArgumentError(name, f"expected dtype int32, got {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise InvalidArgumentError(
+            name, f"expected shape {tuple(shape)} {layout}, got {tuple(a.shape)}")
+
+
+def _sequence_blocks(length, block_size):
+    return -(-length // block_size)
+
+
+def _check_block_ids(table, lengths, new_len, block_size, num_blocks):
+    """Every block id a sequence uses (its first ``length + S_new`` keys) names a block."""
+    for b, length in enumerate(lengths):
+        used = table[b, :_sequence_blocks(int(length) + new_len, block_size)]
+        bad = np.flatnonzero((used < 0) | (used >= num_blocks))
+        if bad.size:
+            slot = int(bad[0])
+            raise InvalidArgumentError(
+                "block_table", f"sequence {b}: block_table[{b}, {slot}] = {int(used[slot])} "
+                f"is not a block of the cache (0 .. {num_blocks - 1})")
+
+
+def _check_lengths(lengths, new_len, capacity):
+    """Host-held lengths: ``0 <= length`` and ``length + S_new <= capacity``."""
+    for b, length in enumerate(lengths):
+        length = int(length)
+        if length < 0:
+            raise InvalidArgumentError("cache_seqlens",
+                                       f"sequence {b}: length {length} is negative")
+        if length + new_len > capacity:
+            raise InvalidArgumentError(
+                "cache_seqlens", f"sequence {b}: {length} cached keys plus S_new = {new_len} "
+                f"exceed the capacity {capacity}")
+
+
+def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
+                    window_size, cache_seqlens, k_new, v_new, block_table, softmax_scale,
+                    return_lse, check):
+    """Validate a call (every check runs on the host, before any kernel)."""
+    if (k_new is None) != (v_new is None):
+        missing = "v_new" if v_new is None else "k_new"
+        raise InvalidArgumentError(missing, "k_new and v_new must be given together")
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if k_new is not None:
+        named += [("k_new", k_new), ("v_new", v_new)]
+    extra = [("block_table", block_table)] if block_table is not None else []
+    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+        extra.append(("cache_seqlens", cache_seqlens))
+    xp = _array_module(named + extra)
+    _check_rank("q", q, 4, "[B, H, S_q, D]")
+    paged = block_table is not None
+    cache_layout = "[num_blocks, H_kv, block_size, D]" if paged else "[B, H_kv, S_cap, D]"
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_rank(name, a, 4, cache_layout)
+    if k_new is not None:
+        for name, a in (("k_new", k_new), ("v_new", v_new)):
+            _check_rank(name, a, 4, "[B, H_kv, S_new, D]")
+    dtype = _check_dtypes(named)
+    num_heads = _count("num_heads", num_heads, 0)
+    num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
+    head_dim = _count("head_dim", head_dim, 1)
+    if num_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            "head_dim", f"unsupported head_dim {head_dim}: must be a multiple of 8 "
+            f"from 8 to {MAX_HEAD_DIM}")
+    batch, _, q_len, _ = q.shape
+    _check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
+    if q_len < 1:
+        raise InvalidArgumentError("q", "S_q must be >= 1 (one or more new query rows)")
+    labels = ("blocks" if paged else "batch", "heads", "rows", "head_dim")
+    _check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim),
+                labels)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise InvalidArgumentError(
+            "v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache's "
+            f"{tuple(k_cache.shape)}")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.size and a.strides[-1] != a.itemsize:
+            raise InvalidArgumentError(
+                name, "the last stride must be 1 element: the cache is read and written "
+                "in place, never copied")
+    new_len = 0
+    if k_new is not None:
+        new_len = k_new.shape[2]
+        for name, a in (("k_new", k_new), ("v_new", v_new)):
+            _check_dims(name, a, (batch, num_kv_heads, new_len, head_dim),
+                        ("batch", "heads", "rows", "head_dim"))
+        if xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
+            raise InvalidArgumentError("k_cache", "is read-only; k_new needs a writable cache")
+    if paged:
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise InvalidArgumentError(
+                "block_table", f"expected shape ({batch}, max_blocks) [B, max_blocks], "
+                f"got {tuple(block_table.shape)}")
+        _check_int32("block_table", block_table, (batch, block_table.shape[1]),
+                     "[B, max_blocks]")
+        num_blocks, block_size, max_blocks = k_cache.shape[0], k_cache.shape[2], \
+            block_table.shape[1]
+        if block_size < 1:
+            raise InvalidArgumentError("k_cache", "block_size (axis 2) must be >= 1")
+        if batch and num_blocks < 1:
+            raise InvalidArgumentError("k_cache", "a paged cache needs at least one block")
+        capacity = max_blocks * block_size
+    else:
+        capacity = block_size = k_cache.shape[2]
+        num_blocks, max_blocks = batch, 1
+    if new_len > capacity:
+        raise InvalidArgumentError(
+            "k_new", f"S_new = {new_len} rows exceed the cache capacity {capacity}")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens,
+                                                                       (bool, np.bool_)):
+        length = int(cache_seqlens)
+        if length < 0 or length + new_len > capacity:
+            raise InvalidArgumentError(
+                "cache_seqlens", f"{length} cached keys plus S_new = {new_len} must be within "
+                f"0 .. the capacity {capacity}")
+        host_lengths = np.full(batch, length, dtype=np.int64)
+    elif cache_seqlens is None:
+        raise InvalidArgumentError("cache_seqlens", "is required: an int or an int32 [B] array")
+    elif isinstance(cache_seqlens, (bool, np.bool_)) or not hasattr(cache_seqlens, "dtype"):
+        raise InvalidArgumentError(
+            "cache_seqlens", f"expected an int or an int32 [B] array, got "
+            f"{type(cache_seqlens).__name__}")
+    else:
+        _check_int32("cache_seqlens", cache_seqlens, (batch,), "[B]")
+        host_lengths = None
+        if xp is np:
+            host_lengths = cache_seqlens.astype(np.int64)
+            _check_lengths(host_lengths, new_len, capacity)
+    window = normalize_window(window_size, causal, capacity, q_len)
+    scale = _scale(softmax_scale, head_dim)
+    _check_flag("return_lse", return_lse)
+    _check_flag("check", check)
+    if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
+        raise InvalidArgumentError(
+            "q", f"too large for the device: batch and num_kv_heads must each be <= "
+            f"{MAX_GRID_YZ}, got {batch} and {num_kv_heads}")
+    if q_len * max(num_heads, 1) >= 2**31 or capacity >= 2**31:
+        raise InvalidArgumentError("q", "too large for the device: lengths must be < 2**31")
+    problem = KVCacheProblem(
+        xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        q_len=q_len, new_len=new_len, head_dim=head_dim, paged=paged, capacity=capacity,
+        block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
+        host_lengths=host_lengths, softmax_scale=scale, window=window,
+        return_lse=bool(return_lse))
+    if paged and xp is np:  # host-held block ids are validated like host-held lengths
+        _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
+    return problem
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+                                 causal=True, window_size=0, *, cache_seqlens, k_new=None,
+                                 v_new=None, block_table=None, softmax_scale=None,
+                                 return_lse=False, check=False):
+    """Attention of new query rows over a KV cache, appending new keys first (inference).
+
+    Parameters
+    ----------
+    q : cupy.ndarray or numpy.ndarray, shape ``[B, num_heads, S_q, head_dim]``
+        The new query rows of each sequence, ``S_q >= 1`` (1 for plain
+        decoding, a few for speculative decoding, hundreds for a chunk of a
+        prompt); float32, float16 or bfloat16. Any unit-last-stride view.
+    k_cache, v_cache : same kind and dtype as ``q``
+        Contiguous cache ``[B, num_kv_heads, S_cap, head_dim]``, or, with
+        ``block_table``, a paged cache ``[num_blocks, num_kv_heads,
+        block_size, head_dim]``. Any strides with a unit last stride (vLLM's
+        ``[num_blocks, block_size, H_kv, D]`` buffer passed as
+        ``x.transpose(0, 2, 1, 3)``); never copied, written in place.
+    num_heads, num_kv_heads, head_dim : int
+        Must agree with the shapes; ``num_kv_heads`` divides ``num_heads``
+        (GQA/MQA); ``head_dim`` a multiple of 8 from 8 to 256.
+    causal : bool, default True
+        Bottom-right aligned per sequence: query row ``i`` of sequence ``b``
+        sits at position ``p = i + L_b - S_q`` and sees keys ``j <= p``.
+    window_size : int or (int, int), default 0
+        As in :func:`cuflash.flash_attention_fwd`, with ``S_k = L_b``.
+    cache_seqlens : int or int32 array ``[B]``, keyword-only, required
+        Keys already in each sequence's cache (an int: the same for every
+        sequence). An array lives on the arrays' device (NumPy on the CPU path).
+    k_new, v_new : arrays ``[B, num_kv_heads, S_new, head_dim]``, optional
+        Written into the cache at positions ``cache_seqlens[b] ..
+        cache_seqlens[b] + S_new - 1`` before attending; sequence ``b`` then
+        has ``L_b = cache_seqlens[b] + S_new`` keys. No other cache element
+        changes.
+    block_table : int32 array ``[B, max_blocks]``, optional
+        Paged cache: key ``j`` of sequence ``b`` is row ``j % block_size`` of
+        block ``block_table[b, j // block_size]``. Blocks may be shared
+        between sequences and appear in any order; entries past a sequence's
+        last block are never read.
+    softmax_scale : float, optional
+        Multiplies ``q . k``; defaults to ``1 / sqrt(head_dim)``.
+    return_lse : bool, default False
+        Also return the float32 log-sum-exp ``[B, num_heads, S_q]``.
+    check : bool, default False
+        GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
+        the host once and verify them (lengths plus ``S_new`` within the
+        capacity, used block ids naming blocks) before any kernel runs.
+        Without it they are never trusted either: the kernels clamp lengths
+        to ``[0, capacity - S_new]`` and block ids to ``[0, num_blocks)``, so
+        no access leaves the buffers, but a bad value gives a wrong result.
+        Host-held values (an int; NumPy arrays on the CPU path) are always
+        verified.
+
+    Returns
+    -------
+    out : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        Rows that see no key are zeros.
+    lse : array, float32, shape ``[B, num_heads, S_q]``
+        Only with ``return_lse``; ``-inf`` for rows that see no key.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Before any kernel runs and before the cache is written: shapes,
+        dtypes, devices, ``block_table``'s shape or dtype, host-held lengths
+        above the capacity, and with ``check=True`` bad device-held lengths
+        or block ids (naming the sequence).
+
+    Notes
+    -----
+    CuPy arrays run on the current device and stream: the append, the
+    split-KV attention kernel and the combine of the splits, in that order.
+    Accumulation is always float32.
+    """
+    problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
+                              window_size, cache_seqlens, k_new, v_new, block_table,
+                              softmax_scale, return_lse, check)
+    if problem.xp is np:
+        out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                               block_table)
+    else:
+        out, lse = gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                               block_table, check)
+    return (out, lse) if problem.return_lse else out
+
+
+# ---------------------------------------------------------------------------------------
+# CPU path
+
+
+def _key_index(problem, block_table, b, positions):
+    """(blocks, rows) of positions ``positions`` of sequence ``b`` in the cache."""
+    if not problem.paged:
+        return np.full(positions.shape, b), positions
+    return block_table[b, positions // problem.block_size], positions % problem.block_size
+
+
+def _gather(problem, cache, block_table, b, length):
+    """Sequence ``b``'s first ``length`` keys as float32 ``[H_kv, length, D]``."""
+    blocks, rows = _key_index(problem, block_table, b, np.arange(length))
+    return cache[blocks, :, rows].astype(np.float32).transpose(1, 0, 2)
+
+
+@np.errstate(all="ignore")
+def _attend(problem, q_seq, keys, values, kv_len):
+    """One sequence: q ``[H, S_q, D]``, keys/values float32 ``[H_kv, L, D]`` -> out, lse.
+
+    Blocked over query rows and keys with an online softmax in float32.
+    """
+    h_kv, group, q_len, d = problem.num_kv_heads, problem.group_size, problem.q_len, \
+        problem.head_dim
+    scale = np.float32(problem.softmax_scale)
+    out = np.zeros((h_kv, group, q_len, d), dtype=np.float32)
+    lse = np.full((h_kv, group, q_len), -np.inf, dtype=np.float32)
+    q_grouped = q_seq.astype(np.float32).reshape(h_kv, group, q_len, d)
+    for r0 in range(0, q_len, CPU_ROW_BLOCK):
+        r1 = min(r0 + CPU_ROW_BLOCK, q_len)
+        q_blk = q_grouped[:, :, r0:r1]
+        row_max = np.full((h_kv, group, r1 - r0, 1), -np.inf, dtype=np.float32)
+        row_sum = np.zeros((h_kv, group, r1 - r0, 1), dtype=np.float32)
+        acc = np.zeros((h_kv, group, r1 - r0, d), dtype=np.float32)
+        lo, hi = key_range(r0, r1, q_len, kv_len, *problem.window)
+        for c0 in range(lo, hi, CPU_KEY_BLOCK):
+            c1 = min(c0 + CPU_KEY_BLOCK, hi)
+            k_blk = keys[:, None, c0:c1]
+            s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * scale
+            visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len,
+                                   *problem.window)
+            s = np.where(visible, s, np.float32(-np.inf))
+            new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
+            base = np.where(np.isfinite(new_max), new_max, np.float32(0))
+            alpha = np.exp(row_max - base)
+            p = np.exp(s - base)
+            row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + p @ values[:, None, c0:c1]
+            row_max = new_max
+        seen = row_sum != 0  # a NaN sum counts as seen: NaN is never hidden
+        out[:, :, r0:r1] = np.where(seen, acc / row_sum, np.float32(0))
+        lse[:, :, r0:r1] = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))[..., 0]
+    return out.reshape(-1, q_len, d), lse.reshape(-1, q_len)
+
+
+def _append_cpu(problem, cache, new, block_table, lengths):
+    positions = np.arange(problem.new_len)
+    for b, length in enumerate(lengths):
+        blocks, rows = _key_index(problem, block_table, b, int(length) + positions)
+        cache[blocks, :, rows] = new[b].transpose(1, 0, 2)
+
+
+def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
+    lengths = problem.host_lengths
+    if problem.new_len:
+        _append_cpu(problem, k_cache, k_new, block_table, lengths)
+        _append_cpu(problem, v_cache, v_new, block_table, lengths)
+    out = np.empty(problem.q_shape, dtype=problem.dtype)
+    lse = np.empty(problem.lse_shape, dtype=np.float32)
+    if problem.num_heads == 0:
+        return out, lse
+    for b in range(problem.batch):
+        kv_len = int(lengths[b]) + problem.new_len
+        keys = _gather(problem, k_cache, block_table, b, kv_len)
+        values = _gather(problem, v_cache, block_table, b, kv_len)
+        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len)
+        out[b] = out_b.astype(problem.dtype)
+        lse[b] = lse_b
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------
+# GPU path
+
+
+def decode_shape(itemsize, head_dim, rows):
+    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of decode.cu):
+    keys a tile and the dynamic shared memory in bytes."""
+    elems = 16 // itemsize
+    chunks = head_dim // elems
+    fit = TILE_BYTES // (head_dim * itemsize)
+    keys = 128 if fit >= 128 else 64 if fit >= 64 else 32 if fit >= 32 else 16
+    pitch = chunks + 1
+    ksub = min(THREADS // chunks, keys)
+    kv_bytes = 4 * keys * pitch * 16
+    reduce_bytes = ksub * rows * (head_dim + 1) * 4
+    shared = max(kv_bytes, reduce_bytes) + rows * head_dim * 4 + keys * rows * 4 + 4 * rows * 4
+    return keys, shared
+
+
+def decode_tc_shape(head_dim, row_warps, stages=None):
+    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages>`` (``DecodeTcShape``
+    of decode.cu): keys a tile, packed query rows a block and the dynamic shared memory."""
+    stages = TC_STAGES if stages is None else stages
+    chunks = head_dim // 8
+    keys = 64 if head_dim <= 128 else 32
+    key_warps = min(4 // row_warps, keys // 16)
+    rows = 16 * row_warps
+    pitch = chunks + 1
+    kv_bytes = 2 * stages * keys * pitch * 16
+    reduce_bytes = key_warps * rows * head_dim * 4
+    shared = max(kv_bytes, reduce_bytes) + rows * pitch * 16 + 2 * key_warps * rows * 4
+    return keys, rows, shared
+
+
+def uses_tensor_cores(problem):
+    """float16/bfloat16 with head_dim a multiple of 16 run on mma.sync (kvcache_decode_tc)."""
+    return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
+
+
+def row_tile(problem):
+    """Packed query rows a decode block holds: the smallest RM >= min(S_q x group, 8)."""
+    rows = problem.q_len * problem.group_size
+    return next(rm for rm in ROW_TILES if rm >= min(rows, ROW_TILES[-1]))
+
+
+def num_splits(blocks, slots, tiles, cap):
+    """Splits of each sequence's keys for ``blocks`` blocks before splitting, ``slots``
+    blocks resident at once on the whole GPU and ``tiles`` key tiles in the longest
+    sequence. A block costs about BLOCK_START tiles of latency plus its share of the
+    tiles; the count that minimises waves x block time wins (the fewest on a tie), at
+    most MAX_SPLITS and none shorter than MIN_KEYS_PER_SPLIT keys (see ``split_cap``)."""
+    best, best_cost = 1, None
+    for splits in range(1, cap + 1):
+        waves = -(-blocks * splits // slots)
+        cost = waves * (BLOCK_START + tiles / splits)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def split_cap(longest, keys_per_tile):
+    """Tiles of the longest sequence, capped so that a split keeps >= MIN_KEYS_PER_SPLIT
+    keys and there are at most MAX_SPLITS."""
+    tiles = max(1, -(-longest // keys_per_tile))
+    return tiles, max(1, min(MAX_SPLITS, -(-longest // max(MIN_KEYS_PER_SPLIT, keys_per_tile))))
+
+
+_KERNELS = {}
+
+
+def _kernel(name, shared=0):
+    """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
+    the kernel of decode.cu from :func:`cuflash.kernel_build.load_kernel`, its occupancy
+    from its registers and shared memory (128 threads a block)."""
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    found = _KERNELS.get((device_id, name))
+    if found is None:
+        from .kernel_build import load_kernel
+
+        kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared)
+        attributes = cupy.cuda.Device(device_id).attributes
+        smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
+        regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
+        per_sm = min(smem_per_sm // (shared + 1024) if shared else 16,
+                     attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
+                     attributes["MaxThreadsPerMultiProcessor"] // THREADS)
+        found = _KERNELS[(device_id, name)] = (kernel, max(1, per_sm),
+                                               attributes["MultiProcessorCount"])
+    return found
+
+
+def _cxx_type(dtype):
+    from .kernel_build import CXX_TYPES
+
+    return CXX_TYPES[np.dtype(dtype)]
+
+
+def _verify_on_host(problem, cache_seqlens, block_table):
+    """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
+    import cupy
+
+    parts = []
+    if not isinstance(cache_seqlens, numbers.Integral):
+        parts.append(cache_seqlens.ravel())
+    if block_table is not None:
+        parts.append(cupy.ascontiguousarray(block_table).ravel())
+    if not parts:
+        return
+    host = cupy.asnumpy(cupy.concatenate(parts) if len(parts) > 1 else parts[0])
+    if isinstance(cache_seqlens, numbers.Integral):
+        lengths = problem.host_lengths
+    else:
+        lengths = host[:problem.batch].astype(np.int64)
+        host = host[problem.batch:]
+        _check_lengths(lengths, problem.new_len, problem.capacity)
+    if block_table is not None:
+        table = host.reshape(problem.batch, problem.max_blocks)
+        _check_block_ids(table, lengths, problem.new_len, problem.block_size,
+                         problem.num_blocks)
+
+
+def _length_args(cache_seqlens):
+    if isinstance(cache_seqlens, numbers.Integral):
+        return np.uint64(0), np.int32(int(cache_seqlens))
+    return cache_seqlens, np.int32(0)
+
+
+def _paging_args(problem, block_table):
+    table = np.uint64(0) if block_table is None else block_table
+    return table, (np.int32(problem.capacity), np.int32(problem.block_size),
+                   np.int32(problem.max_blocks), np.int32(max(problem.num_blocks, 1)))
+
+
+def _dense_serves(problem, cache_seqlens, block_table):
+    """Long query chunks on a contiguous cache with a host-held length: the dense forward's
+    tensor-core kernels (the same semantics with ``kv_seq_len = L``)."""
+    return (block_table is None and isinstance(cache_seqlens, numbers.Integral)
+            and problem.q_len * problem.group_size >= DENSE_MIN_ROWS)
+
+
+def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                check):
+    """Return ``(out, lse)`` on the current device and stream: append, attend, combine."""
+    import cupy
+
+    from .gpu import element_strides as _strides
+    from .gpu import rows_are_16_byte_aligned as _aligned
+    from .problem import unit_last_stride
+
+    if check:
+        _verify_on_host(problem, cache_seqlens, block_table)
+    if block_table is not None:
+        block_table = cupy.ascontiguousarray(block_table)
+    if not isinstance(cache_seqlens, numbers.Integral):
+        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+    seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
+    table_ptr, paging = _paging_args(problem, block_table)
+    cxx = _cxx_type(problem.dtype)
+    if problem.new_len and problem.batch and problem.num_kv_heads:
+        k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+        append = _kernel(f"cuflash::kvcache_append<{cxx}>")[0]
+        elements = problem.new_len * problem.head_dim
+        append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
+            k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
+            *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
+            np.int32(problem.new_len), np.int32(problem.head_dim), *paging))
+    if problem.batch * problem.num_heads == 0:
+        return (cupy.empty(problem.q_shape, dtype=problem.dtype),
+                cupy.empty(problem.lse_shape, dtype=np.float32))
+    if _dense_serves(problem, cache_seqlens, block_table):
+        from .api import flash_attention_fwd
+
+        left, right = problem.window
+        return flash_attention_fwd(q, k_cache, v_cache, problem.num_heads,
+                                   problem.num_kv_heads, problem.head_dim, False, (left, right),
+                                   int(cache_seqlens) + problem.new_len,
+                                   softmax_scale=problem.softmax_scale)
+    q = unit_last_stride(cupy, q)
+    packed_rows = problem.q_len * problem.group_size
+    if uses_tensor_cores(problem):
+        row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
+        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
+        name = (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
+                f"{TC_STAGES}>")
+    else:
+        rows = row_tile(problem)
+        keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize,
+                                             problem.head_dim, rows)
+        name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
+    row_tiles = -(-packed_rows // rows)
+    decode, per_sm, sm_count = _kernel(name, shared)
+    longest = problem.capacity
+    if problem.host_lengths is not None and problem.batch:
+        longest = int(problem.host_lengths.max()) + problem.new_len
+    blocks = problem.batch * problem.num_kv_heads * row_tiles
+    splits = num_splits(blocks, per_sm * sm_count, *split_cap(longest, keys_per_tile))
+    out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+    lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+    part_rows = problem.batch * problem.num_heads * problem.q_len
+    if splits > 1:
+        part_out = cupy.empty((part_rows * splits, problem.head_dim), dtype=np.float32)
+        part_lse = cupy.empty(part_rows * splits, dtype=np.float32)
+    else:
+        part_out = part_lse = np.uint64(0)
+    left, right = problem.window
+    decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
+        q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
+        *_strides(q), *_strides(k_cache), *_strides(v_cache), np.int32(problem.num_heads),
+        np.int32(problem.group_size), np.int32(problem.q_len), np.int32(problem.new_len),
+        *paging, np.int32(left), np.int32(right), np.int32(splits), np.int32(row_tiles),
+        np.int32(_aligned((k_cache, v_cache))),
+        np.float32(problem.softmax_scale * LOG2E)), shared_mem=shared)
+    if splits > 1:
+        combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
+        combine((-(-part_rows // 4),), (THREADS,), (part_out, part_lse, out, lse,
+                                                    np.int64(part_rows), np.int32(splits)))
+    return out, lse

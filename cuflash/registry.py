@@ -144,7 +144,7 @@ def _forward_wgmma_traits(pipelined):
     def traits(d):
         keys = 128 if head_dim_class(d) <= 128 else 64
         warpgroups = 2
-        width = round_up(d, 64)  # shared memory in column blocks of 64
+        width = head_dim_class(d)  # shared-memory tiles of the class's width
         smem = 2 * width * (64 * warpgroups + 4 * keys) + FLOAT_BYTES * 128 * warpgroups + 1024
         args = (keys, warpgroups, True) if pipelined else (keys, warpgroups)
         return Traits(64 * warpgroups, 128 * warpgroups, smem, args)

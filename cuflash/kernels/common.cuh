@@ -13,6 +13,10 @@ namespace cuflash {
 // and the columns past D are never stored.
 __host__ __device__ constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
 __host__ __device__ constexpr int head_dim_class(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+// The smallest power of two >= x: tile loads move this many 16-byte chunks a
+// row (the columns past the head_dim as zeros), so that the threads of a
+// block cover whole rows a pass (the unrolled copy loop of cp_async_rows).
+__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
 
 // 16-bit storage types; converted with PTX or bit arithmetic so that no
 // CUDA header is needed at run-time compile.

@@ -116,12 +116,15 @@ __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src,
 }
 
 // A [ROWS][DT] 16-bit tile in the swizzled layout of swizzled<DT>: columns
-// [0, D) from `src`, columns [D, round_up(D, 16)) zeros (the padding of the
-// last k16 step), the rest not written.
+// [0, D) from `src`, zeros from D to the power-of-two chunk count that covers
+// round_up(D, 16) (the padding of the last k16 step, and whole rows a pass
+// for the copy loop), the rest not written.
 template <int ROWS, int DT, int NT, int D = DT, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
                                               long long stride, int valid_rows) {
-    cp_async_rows<ROWS, round_up(D, 16) / 8, NT, D / 8>(
+    constexpr int CH = pow2_at_least(round_up(D, 16) / 8);
+    static_assert(CH * 8 <= DT, "the tile holds the chunks");
+    cp_async_rows<ROWS, CH, NT, D / 8>(
         dst, src, stride, valid_rows, [](int r, int c) { return swizzled<DT>(r, c); });
 }
 

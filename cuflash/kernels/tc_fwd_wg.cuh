@@ -59,11 +59,14 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
 // Rows [0, ROWS) of a [rows][COLS] 16-bit tile (row stride `stride` elements)
 // in the 128-byte-swizzled layout: element (r, c) goes to column block c / 64,
 // row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Columns [0, D) come from
-// `src`; columns [D, COLS) and rows at or past valid_rows become zeros.
+// `src`; columns from D to the power-of-two chunk count that covers COLS
+// (whole rows a pass for the copy loop; the tile must hold them), and rows at
+// or past valid_rows, become zeros.
 template <int ROWS, int COLS, int NT, int D = COLS, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
                                                     long long stride, int valid_rows) {
-    cp_async_rows<ROWS, COLS / 8, NT, D / 8>(dst, src, stride, valid_rows, [](int r, int c) {
+    cp_async_rows<ROWS, pow2_at_least(COLS / 8), NT, D / 8>(dst, src, stride, valid_rows,
+                                                           [](int r, int c) {
         return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
     });
 }
@@ -80,9 +83,9 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
-    // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros)
-    // and in shared memory laid out in column blocks of 64 (DL columns).
-    constexpr int DK = round_up(D, 16), DL = round_up(D, 64);
+    // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
+    // in shared memory tiles of the head_dim's class (DL columns, in blocks of 64).
+    constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
     constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");

@@ -15,8 +15,8 @@ import numpy as np
 
 from .errors import InvalidArgumentError
 from .masking import key_range, normalize_window, visible_keys
-from .problem import (MAX_GRID_YZ, MAX_HEAD_DIM, _array_module, _check_dtypes, _check_flag,
-                      _check_rank, _count)
+from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
+                      check_head_counts)
 
 LOG2E = 1.4426950408889634
 SOURCE_FILE = "decode.cu"
@@ -149,16 +149,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
         for name, a in (("k_new", k_new), ("v_new", v_new)):
             _check_rank(name, a, 4, "[B, H_kv, S_new, D]")
     dtype = _check_dtypes(named)
-    num_heads = _count("num_heads", num_heads, 0)
-    num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
-    head_dim = _count("head_dim", head_dim, 1)
-    if num_heads % num_kv_heads:
-        raise InvalidArgumentError(
-            "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}")
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        raise InvalidArgumentError(
-            "head_dim", f"unsupported head_dim {head_dim}: must be a multiple of 8 "
-            f"from 8 to {MAX_HEAD_DIM}")
+    num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     batch, _, q_len, _ = q.shape
     _check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
     if q_len < 1:

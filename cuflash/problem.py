@@ -163,14 +163,9 @@ def _check_device_limits(problem, named_arrays):
             f"the device has {total / 2**30:.1f} GiB")
 
 
-def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False):
-    """Validate a forward call (also the shared part of a backward call)."""
-    named = [("q", q), ("k", k), ("v", v), *extra_arrays]
-    xp = _array_module(named)
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        _check_rank(name, a, 4, "[B, H, S, D]")
-    dtype = _check_dtypes(named)
+def check_head_counts(num_heads, num_kv_heads, head_dim):
+    """``(num_heads, num_kv_heads, head_dim)`` as ints, validated: counts, GQA divisibility
+    and a supported head_dim."""
     num_heads = _count("num_heads", num_heads, 0)
     num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
     head_dim = _count("head_dim", head_dim, 1)
@@ -181,6 +176,18 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         raise InvalidArgumentError(
             "head_dim", f"unsupported head_dim {head_dim}: must be a multiple of 8 "
             f"from 8 to {MAX_HEAD_DIM}")
+    return num_heads, num_kv_heads, head_dim
+
+
+def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
+                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False):
+    """Validate a forward call (also the shared part of a backward call)."""
+    named = [("q", q), ("k", k), ("v", v), *extra_arrays]
+    xp = _array_module(named)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _check_rank(name, a, 4, "[B, H, S, D]")
+    dtype = _check_dtypes(named)
+    num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     batch, _, q_len, _ = q.shape
     if q.shape[1] != num_heads:
         raise InvalidArgumentError("q", f"has {q.shape[1]} heads, num_heads is {num_heads}")

@@ -46,27 +46,39 @@ def _mask_args(problem):
     return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
 
 
+def scalar_pointers(values):
+    """``(storage, pointers)``: each scalar (NumPy scalars of at most 8 bytes) in its own
+    8-byte slot of one host buffer, and a kernel-argument pointer to each slot. CuPy
+    passes a pointer argument through as it is, where it would otherwise convert every
+    scalar at every launch; keep ``storage`` alive as long as the pointers."""
+    storage = np.zeros(max(1, len(values)), dtype=np.int64)
+    raw = storage.view(np.uint8)
+    for i, value in enumerate(values):
+        data = np.asarray(value).tobytes()
+        raw[8 * i:8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    base = storage.ctypes.data
+    return storage, tuple(_function.CPointer(base + 8 * i) for i in range(len(values)))
+
+
 class Launch:
     """One kernel launch with its grid, block, shared memory and scalar arguments fixed:
     ``launch(*arrays)`` passes the arrays, then the scalars."""
 
     __slots__ = ("function", "grid", "block", "shared_bytes", "scalars", "_storage")
 
-    def __init__(self, loaded, role, grid, scalars=()):
-        traits = loaded.variant.traits(role)
-        self.function = loaded.kernel(role).kernel  # the driver function, loaded once
+    def __init__(self, function, grid, threads, shared_bytes, scalars=()):
+        self.function = function
         self.grid = tuple(max(1, int(g)) for g in grid)
-        self.block = (traits.threads, 1, 1)
-        self.shared_bytes = traits.shared_bytes
-        # Each scalar in its own 8-byte slot of one host buffer, passed by pointer
-        # (CuPy copies scalars' bytes at every launch otherwise).
-        self._storage = np.zeros(max(1, len(scalars)), dtype=np.int64)
-        raw = self._storage.view(np.uint8)
-        for i, value in enumerate(scalars):
-            data = np.asarray(value).tobytes()
-            raw[8 * i:8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        base = self._storage.ctypes.data
-        self.scalars = tuple(_function.CPointer(base + 8 * i) for i in range(len(scalars)))
+        self.block = (int(threads), 1, 1)
+        self.shared_bytes = int(shared_bytes)
+        self._storage, self.scalars = scalar_pointers(scalars)
+
+    @classmethod
+    def of_role(cls, loaded, role, grid, scalars=()):
+        """The launch of kernel ``role`` of a loaded variant (its registry traits)."""
+        traits = loaded.variant.traits(role)
+        return cls(loaded.kernel(role).kernel, grid, traits.threads, traits.shared_bytes,
+                   scalars)
 
     def __call__(self, *arrays):
         self.function(self.grid, self.block, arrays + self.scalars, self.shared_bytes)
@@ -93,13 +105,13 @@ class Float16Pieces:
         batch, heads, seq_len, head_dim = shape
         self.shape = shape
         self.pieces_shape = (batch, heads, seq_len, registry.head_dim_class(head_dim))
-        self.abs_max = Launch(loaded, "float16_pieces_abs_max",
-                              (math.ceil(valid_rows / 32), heads, batch),
-                              (*strides, np.int32(valid_rows)))
-        self.split = Launch(loaded, "float16_pieces_split",
-                            (math.ceil(valid_rows / 4), heads, batch),
-                            (*strides, np.int32(heads), np.int32(seq_len),
-                             np.int32(valid_rows)))
+        self.abs_max = Launch.of_role(loaded, "float16_pieces_abs_max",
+                                      (math.ceil(valid_rows / 32), heads, batch),
+                                      (*strides, np.int32(valid_rows)))
+        self.split = Launch.of_role(loaded, "float16_pieces_split",
+                                    (math.ceil(valid_rows / 4), heads, batch),
+                                    (*strides, np.int32(heads), np.int32(seq_len),
+                                     np.int32(valid_rows)))
 
     def __call__(self, x):
         """``(hi, lo, scales)``: float16 arrays of ``x``'s shape, the head_dim padded
@@ -144,7 +156,7 @@ class ForwardPlan:
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
-        self.main = Launch(loaded, self.spec.name, grid, (*strides, *tail))
+        self.main = Launch.of_role(loaded, self.spec.name, grid, (*strides, *tail))
 
     def __call__(self, q, k, v):
         problem = self.problem
@@ -174,10 +186,11 @@ class BackwardPlan:
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
         role = self.spec.name + ("" if deterministic else registry.ATOMIC_DQ)
-        self.delta = Launch(loaded, "backward_delta",
-                            (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-                            (*element_strides(dout), *element_strides(output),
-                             np.int32(problem.num_heads), np.int32(problem.q_len)))
+        self.delta = Launch.of_role(
+            loaded, "backward_delta",
+            (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
+            (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
+             np.int32(problem.q_len)))
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
         options = (*_mask_args(problem), np.float32(problem.softmax_scale),
                    np.float32(problem.softmax_scale * LOG2E))
@@ -189,25 +202,24 @@ class BackwardPlan:
                            for x, rows in ((q, problem.q_len), (k, problem.kv_len),
                                            (v, problem.kv_len), (dout, problem.q_len))]
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
-            self.dkdv = Launch(loaded, role, grid, strides + heads +
-                               (np.int32(problem.kv_capacity),) + options)
         else:
             strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
-            self.dkdv = Launch(loaded, role, grid,
-                               strides + heads + (np.int32(problem.kv_capacity),) + options)
+        self.dkdv = Launch.of_role(loaded, role, grid,
+                                   strides + heads + (np.int32(problem.kv_capacity),) + options)
         self.dq = self.convert = None
         if deterministic:  # dQ by its own pass over the keys, no atomics
             rows = registry.BY_NAME["backward_dq_general"].traits(problem.head_dim).tile
-            self.dq = Launch(loaded, "backward_dq_general",
-                             (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch),
-                             (*(s for x in (q, k, v, dout) for s in element_strides(x)), *heads,
-                              *options))
+            self.dq = Launch.of_role(
+                loaded, "backward_dq_general",
+                (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch),
+                (*(s for x in (q, k, v, dout) for s in element_strides(x)), *heads, *options))
         elif problem.dtype != np.float32:
             count = math.prod(problem.q_shape)
             accum_width = (registry.head_dim_class(problem.head_dim) if self.spec.padded_dq
                            else problem.head_dim)
-            self.convert = Launch(loaded, "backward_dq_convert", (math.ceil(count / 512),),
-                                  (np.int64(count), np.int32(accum_width)))
+            self.convert = Launch.of_role(loaded, "backward_dq_convert",
+                                          (math.ceil(count / 512),),
+                                          (np.int64(count), np.int32(accum_width)))
         self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
         self.dq_bytes = 0
         if self.convert is not None:

@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from . import plans
 from .errors import InvalidArgumentError
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
@@ -309,9 +310,25 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     split-KV attention kernel and the combine of the splits, in that order.
     Accumulation is always float32.
     """
+    key = None
+    if check is False and not isinstance(cache_seqlens, numbers.Integral):
+        # Device-held lengths: the plan of this signature serves every step.
+        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        key = plans.signature(
+            tuple(a for a in given if a is not None),
+            ("kvcache", tuple(a is None for a in given), num_heads, num_kv_heads, head_dim,
+             causal, window_size, softmax_scale, return_lse))
+        plan = plans.get(key)
+        if plan is not None:
+            return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                               window_size, cache_seqlens, k_new, v_new, block_table,
                               softmax_scale, return_lse, check)
+    if key is not None and problem.xp is not np and problem.batch * problem.num_heads:
+        plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                          block_table)
+        plans.remember(key, plan)
+        return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     if problem.xp is np:
         out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                block_table)
@@ -623,3 +640,103 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         combine((-(-part_rows // 4),), (THREADS,), (part_out, part_lse, out, lse,
                                                     np.int64(part_rows), np.int32(splits)))
     return out, lse
+
+
+class DecodePlan:
+    """The launches of one call signature with device-held lengths (``check=False``):
+    the append, the split-KV kernel and the combine with their grids and scalar arguments
+    fixed, so that a decoding step only allocates its outputs and launches. (Host-held
+    lengths change every step and size the split count, so those calls take
+    :func:`gpu_forward`.)"""
+
+    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        import cupy
+
+        from .gpu import Launch, element_strides, rows_are_16_byte_aligned, scalar_pointers
+        from .problem import unit_last_stride
+
+        self.problem = problem
+        self.copies = (any(a is not None and a.strides[-1] != a.itemsize
+                           for a in (q, k_new, v_new))
+                       or not cache_seqlens.flags.c_contiguous
+                       or (block_table is not None and not block_table.flags.c_contiguous))
+        self._storage, (self.no_value, self.no_pointer) = scalar_pointers(
+            (np.int32(0), np.uint64(0)))
+        q = unit_last_stride(cupy, q)
+        cxx = _cxx_type(problem.dtype)
+        _, paging = _paging_args(problem, block_table)
+        self.append = None
+        if problem.new_len and problem.num_kv_heads:
+            k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+            elements = problem.new_len * problem.head_dim
+            self.append = Launch(
+                _kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
+                (-(-elements // THREADS), problem.num_kv_heads, problem.batch), THREADS, 0,
+                (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
+                 *element_strides(v_cache), np.int32(problem.new_len),
+                 np.int32(problem.head_dim), *paging))
+        packed_rows = problem.q_len * problem.group_size
+        if uses_tensor_cores(problem):
+            row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
+            keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
+            name = (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
+                    f"{TC_STAGES}>")
+        else:
+            rows = row_tile(problem)
+            keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize,
+                                                 problem.head_dim, rows)
+            name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
+        row_tiles = -(-packed_rows // rows)
+        decode, per_sm, sm_count = _kernel(name, shared)
+        blocks = problem.batch * problem.num_kv_heads * row_tiles
+        self.splits = num_splits(blocks, per_sm * sm_count,
+                                 *split_cap(problem.capacity, keys_per_tile))
+        left, right = problem.window
+        self.decode = Launch(
+            decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
+            THREADS, shared,
+            (*element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
+             np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
+             np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
+             np.int32(self.splits), np.int32(row_tiles),
+             np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
+             np.float32(problem.softmax_scale * LOG2E)))
+        self.part_rows = problem.batch * problem.num_heads * problem.q_len
+        self.combine = None
+        if self.splits > 1:
+            self.combine = Launch(
+                _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
+                (-(-self.part_rows // 4),), THREADS, 0,
+                (np.int64(self.part_rows), np.int32(self.splits)))
+            # The splits' partial rows and their lse in one workspace (256-byte aligned).
+            self.part_lse_offset = -(-4 * self.part_rows * self.splits * problem.head_dim
+                                     // 256) * 256
+            self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        import cupy
+
+        from .problem import unit_last_stride
+
+        problem = self.problem
+        if self.copies:  # the signature fixes which
+            q, k_new, v_new = (a if a is None else unit_last_stride(cupy, a)
+                               for a in (q, k_new, v_new))
+            cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+            if block_table is not None:
+                block_table = cupy.ascontiguousarray(block_table)
+        table = self.no_pointer if block_table is None else block_table
+        if self.append is not None:
+            self.append(k_new, v_new, k_cache, v_cache, cache_seqlens, self.no_value, table)
+        out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+        lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+        if self.combine is None:
+            self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
+                        self.no_pointer, self.no_pointer)
+        else:
+            workspace = cupy.cuda.alloc(self.workspace_bytes)
+            part_lse = workspace + self.part_lse_offset
+            self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
+                        workspace, part_lse)
+            self.combine(workspace, part_lse, out, lse)
+        return (out, lse) if problem.return_lse else out

@@ -1,9 +1,9 @@
-"""Kernel source, tile choices, compilation and the per-device module cache.
+"""Kernel source, compilation and the per-device module cache.
 
-Every general kernel of one (dtype, head_dim) lives in one CuPy
-``RawModule``, compiled through NVRTC on first use and kept for the process
-(per device and arch); CuPy's on-disk cache keeps the binary across
-processes. The local ``#include "..."`` files are inlined into the source
+Every kernel of one (dtype, head_dim) variant (the registry's kernels that
+serve it, ``cuflash.registry``) is compiled through NVRTC on first use and
+kept for the process (per device and arch); CuPy's on-disk cache keeps the
+binary across processes. The local ``#include "..."`` files are inlined into the source
 string, so CuPy's cache key (a hash of source and options) sees every line.
 
 :func:`compile_offline` compiles the same source for a named arch without a
@@ -104,20 +104,13 @@ class _LoadedVariant:
         with self._lock:
             found = self._kernels.get(role)
             if found is None:
-                import cupy
-
-                name = self.names[role]
                 spec = registry.BY_ROLE[role]
-                options = COMPILE_OPTIONS + (f"-DCUFLASH_ROLE_{role}",)
+                options = (f"-DCUFLASH_ROLE_{role}",)
                 if spec.needs_sm90a:  # CuPy adds -arch=sm_90; NVRTC keeps the last, sm_90a
                     options += ("-arch=sm_90a",)
-                module = cupy.RawModule(code=module_source(), options=options,
-                                        name_expressions=[name])
-                found = module.get_function(name)
-                shared = spec.traits(self.variant.head_dim).shared_bytes
-                if shared > 48 * 1024:
-                    found.max_dynamic_shared_size_bytes = shared
-                self._kernels[role] = found
+                found = self._kernels[role] = _raw_kernel(
+                    MODULE_FILE, self.names[role], options,
+                    spec.traits(self.variant.head_dim).shared_bytes)
             return found
 
 
@@ -232,23 +225,26 @@ def _complete_elf(image):
 
 def compile_offline(variant, arch):
     """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU."""
-    from cupy.cuda import nvrtc
-
-    prog = nvrtc.createProgram(module_source(), MODULE_FILE, (), ())
+    names = variant.kernel_names()
     try:
-        for name in variant.kernel_names().values():
-            nvrtc.addNameExpression(prog, name)
-        options = COMPILE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{variant} for {arch} failed:\n{nvrtc.getProgramLog(prog)}") from exc
-        lowered = {role: nvrtc.getLoweredName(prog, name)
-                   for role, name in variant.kernel_names().items()}
-        return CompileReport(variant, arch, nvrtc.getProgramLog(prog),
-                             _complete_elf(nvrtc.getCUBIN(prog)), lowered)
-    finally:
-        nvrtc.destroyProgram(prog)
+        log, cubin, lowered = compile_source_offline(MODULE_FILE, list(names.values()), arch)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{variant}: {exc}") from exc
+    return CompileReport(variant, arch, log, cubin,
+                         {role: lowered[name] for role, name in names.items()})
+
+
+def _raw_kernel(source_file, name_expression, options, shared_bytes):
+    """``name_expression`` of ``kernels/source_file`` compiled through NVRTC (or loaded from
+    CuPy's cache), its dynamic shared-memory limit raised to ``shared_bytes`` past 48 KB."""
+    import cupy
+
+    module = cupy.RawModule(code=module_source(source_file), options=COMPILE_OPTIONS + options,
+                            name_expressions=[name_expression])
+    kernel = module.get_function(name_expression)
+    if shared_bytes > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    return kernel
 
 
 _SINGLE_KERNELS = {}
@@ -262,18 +258,12 @@ def load_kernel(source_file, name_expression, shared_bytes=0, arch=None):
     dynamic shared-memory limit."""
     import cupy
 
-    device = cupy.cuda.Device()
-    key = (device.id, source_file, name_expression, arch, shared_bytes)
+    key = (cupy.cuda.Device().id, source_file, name_expression, arch, shared_bytes)
     with _MODULES_LOCK:
         found = _SINGLE_KERNELS.get(key)
         if found is None:
-            options = COMPILE_OPTIONS + ((f"-arch={arch}",) if arch else ())
-            module = cupy.RawModule(code=module_source(source_file), options=options,
-                                    name_expressions=[name_expression])
-            found = module.get_function(name_expression)
-            if shared_bytes > 48 * 1024:
-                found.max_dynamic_shared_size_bytes = shared_bytes
-            _SINGLE_KERNELS[key] = found
+            found = _SINGLE_KERNELS[key] = _raw_kernel(
+                source_file, name_expression, (f"-arch={arch}",) if arch else (), shared_bytes)
     return found
 
 

@@ -174,8 +174,11 @@ class CompileReport:
         return {role: by_name[name] for role, name in self.lowered_names.items()}
 
     def kernels(self):
-        """Per kernel role: registers, stack frame, spill stores and loads."""
+        """Per kernel role: registers, stack frame, spill stores and loads, and whether
+        ptxas serialized its wgmma instructions (its advisory C7519, e.g. for a wgmma in a
+        branch that depends on the warpgroup)."""
         info, current = {}, None
+        serialized = set(re.findall(r"\(C7519\).*? in the function '(\w+)'", self.log))
         for line in self.log.splitlines():
             m = re.search(r"Compiling entry function '(\w+)'", line)
             if m:
@@ -191,7 +194,8 @@ class CompileReport:
             m = re.search(r"Used (\d+) registers", line)
             if m:
                 info[current]["registers"] = int(m.group(1))
-        return {role: info[name] for role, name in self.lowered_names.items()}
+        return {role: dict(info[name], wgmma_serialized=name in serialized)
+                for role, name in self.lowered_names.items()}
 
 
 def find_cuobjdump():

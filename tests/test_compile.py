@@ -1,5 +1,6 @@
 """Every kernel variant compiles through NVRTC for sm_80 and sm_90a, without a GPU,
-with no register spills and no stack frame in the compiler's report."""
+with no register spills, no stack frame and no serialized wgmma in the compiler's
+report."""
 
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -39,6 +40,7 @@ def test_variant_compiles_without_spills(resource_reports, job):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (role, info)
         assert info["stack"] == 0, (role, info)
         assert 0 < info["registers"] <= 255, (role, info)
+        assert not info["wgmma_serialized"], (role, info)
 
 
 def test_variants_cover_every_dtype_and_head_dim():

@@ -460,6 +460,24 @@ def uses_tensor_cores(problem):
     return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
 
 
+def decode_kernel(problem):
+    """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
+    split-KV kernel that serves ``problem``: the tensor-core one (16-bit, head_dim a
+    multiple of 16; 16, 32 or 64 packed rows a block) or the CUDA-core one."""
+    cxx = _cxx_type(problem.dtype)
+    packed_rows = problem.q_len * problem.group_size
+    if uses_tensor_cores(problem):
+        row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
+        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
+        return (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
+                f"{TC_STAGES}>", keys_per_tile, rows, shared)
+    rows = row_tile(problem)
+    keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim,
+                                         rows)
+    name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
+    return name, keys_per_tile, rows, shared
+
+
 def row_tile(problem):
     """Packed query rows a decode block holds: the smallest RM >= min(S_q x group, 8)."""
     rows = problem.q_len * problem.group_size
@@ -601,18 +619,8 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
                                    int(cache_seqlens) + problem.new_len,
                                    softmax_scale=problem.softmax_scale)
     q = unit_last_stride(cupy, q)
-    packed_rows = problem.q_len * problem.group_size
-    if uses_tensor_cores(problem):
-        row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
-        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
-        name = (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
-                f"{TC_STAGES}>")
-    else:
-        rows = row_tile(problem)
-        keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize,
-                                             problem.head_dim, rows)
-        name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
-    row_tiles = -(-packed_rows // rows)
+    name, keys_per_tile, rows, shared = decode_kernel(problem)
+    row_tiles = -(-problem.q_len * problem.group_size // rows)
     decode, per_sm, sm_count = _kernel(name, shared)
     longest = problem.capacity
     if problem.host_lengths is not None and problem.batch:
@@ -675,18 +683,8 @@ class DecodePlan:
                 (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
                  *element_strides(v_cache), np.int32(problem.new_len),
                  np.int32(problem.head_dim), *paging))
-        packed_rows = problem.q_len * problem.group_size
-        if uses_tensor_cores(problem):
-            row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
-            keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
-            name = (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
-                    f"{TC_STAGES}>")
-        else:
-            rows = row_tile(problem)
-            keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize,
-                                                 problem.head_dim, rows)
-            name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
-        row_tiles = -(-packed_rows // rows)
+        name, keys_per_tile, rows, shared = decode_kernel(problem)
+        row_tiles = -(-problem.q_len * problem.group_size // rows)
         decode, per_sm, sm_count = _kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
         self.splits = num_splits(blocks, per_sm * sm_count,

@@ -9,6 +9,8 @@ from .api import (AttentionConfig, AttentionVJP, flash_attention_bwd, flash_atte
 from .errors import InvalidArgumentError
 from .dispatch import kernel_path
 from .kvcache import flash_attention_with_kvcache
+from .varlen import (VarlenVJP, flash_attention_varlen_bwd, flash_attention_varlen_fwd,
+                     flash_attention_varlen_vjp)
 
 __version__ = "0.1.0"
 
@@ -16,8 +18,12 @@ __all__ = [
     "AttentionConfig",
     "AttentionVJP",
     "InvalidArgumentError",
+    "VarlenVJP",
     "flash_attention_bwd",
     "flash_attention_fwd",
+    "flash_attention_varlen_bwd",
+    "flash_attention_varlen_fwd",
+    "flash_attention_varlen_vjp",
     "flash_attention_vjp",
     "flash_attention_with_kvcache",
     "kernel_path",

@@ -17,7 +17,7 @@ from . import plans
 from .errors import InvalidArgumentError
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
-                      check_head_counts)
+                      check_dims, check_head_counts, check_int32)
 
 LOG2E = 1.4426950408889634
 SOURCE_FILE = "decode.cu"
@@ -83,21 +83,6 @@ def _scale(softmax_scale, head_dim):
     return scale
 
 
-def _check_dims(name, a, expected, labels):
-    """``a.shape[axis] == expected[axis]`` for each axis with an expectation."""
-    for axis, (want, label) in enumerate(zip(expected, labels)):
-        if want is not None and a.shape[axis] != want:
-            raise InvalidArgumentError(name, f"has {label} {a.shape[axis]}, expected {want}")
-
-
-def _check_int32(name, a, shape, layout):
-    if a.dtype != np.int32:
-        raise InvalidArgumentError(name, f"expected dtype int32, got {a.dtype}")
-    if tuple(a.shape) != tuple(shape):
-        raise InvalidArgumentError(
-            name, f"expected shape {tuple(shape)} {layout}, got {tuple(a.shape)}")
-
-
 def _sequence_blocks(length, block_size):
     return -(-length // block_size)
 
@@ -152,11 +137,11 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     dtype = _check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     batch, _, q_len, _ = q.shape
-    _check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
+    check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
     if q_len < 1:
         raise InvalidArgumentError("q", "S_q must be >= 1 (one or more new query rows)")
     labels = ("blocks" if paged else "batch", "heads", "rows", "head_dim")
-    _check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim),
+    check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim),
                 labels)
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise InvalidArgumentError(
@@ -171,7 +156,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     if k_new is not None:
         new_len = k_new.shape[2]
         for name, a in (("k_new", k_new), ("v_new", v_new)):
-            _check_dims(name, a, (batch, num_kv_heads, new_len, head_dim),
+            check_dims(name, a, (batch, num_kv_heads, new_len, head_dim),
                         ("batch", "heads", "rows", "head_dim"))
         if xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
             raise InvalidArgumentError("k_cache", "is read-only; k_new needs a writable cache")
@@ -180,7 +165,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
             raise InvalidArgumentError(
                 "block_table", f"expected shape ({batch}, max_blocks) [B, max_blocks], "
                 f"got {tuple(block_table.shape)}")
-        _check_int32("block_table", block_table, (batch, block_table.shape[1]),
+        check_int32("block_table", block_table, (batch, block_table.shape[1]),
                      "[B, max_blocks]")
         num_blocks, block_size, max_blocks = k_cache.shape[0], k_cache.shape[2], \
             block_table.shape[1]
@@ -210,7 +195,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
             "cache_seqlens", f"expected an int or an int32 [B] array, got "
             f"{type(cache_seqlens).__name__}")
     else:
-        _check_int32("cache_seqlens", cache_seqlens, (batch,), "[B]")
+        check_int32("cache_seqlens", cache_seqlens, (batch,), "[B]")
         host_lengths = None
         if xp is np:
             host_lengths = cache_seqlens.astype(np.int64)

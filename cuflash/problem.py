@@ -138,6 +138,22 @@ def _check_shape(name, a, expected):
             name, f"expected shape {tuple(expected)}, got {tuple(a.shape)}")
 
 
+def check_dims(name, a, expected, labels):
+    """``a.shape[axis] == expected[axis]`` for each axis with an expectation."""
+    for axis, (want, label) in enumerate(zip(expected, labels)):
+        if want is not None and a.shape[axis] != want:
+            raise InvalidArgumentError(name, f"has {label} {a.shape[axis]}, expected {want}")
+
+
+def check_int32(name, a, shape, layout):
+    """An int32 array of ``shape`` (``layout`` names its axes in the message)."""
+    if a.dtype != np.int32:
+        raise InvalidArgumentError(name, f"expected dtype int32, got {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise InvalidArgumentError(
+            name, f"expected shape {tuple(shape)} {layout}, got {tuple(a.shape)}")
+
+
 @functools.lru_cache(maxsize=None)
 def _device_memory(device_id):
     """Total memory of a GPU in bytes (asked once per device: it never changes)."""

@@ -306,6 +306,19 @@ def documented_messages():
     return re.findall(r"^\| `([^`]+)` \|", section, re.M)
 
 
+def varlen_bad_calls():
+    """One invalid CPU call per documented message of the packed (varlen) functions."""
+    q, kv = np.zeros((10, 4, 8), np.float32), np.zeros((12, 2, 8), np.float32)
+    cu_q, cu_k = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
+
+    def fwd(cu_q=cu_q, cu_k=cu_k, max_q=8):
+        return lambda: cuflash.flash_attention_varlen_fwd(q, kv, kv, cu_q, cu_k, max_q, 8, 4,
+                                                          2, 8)
+
+    return [fwd(cu_q=np.array([1, 4, 10], np.int32)), fwd(cu_q=np.array([0, 6, 4], np.int32)),
+            fwd(max_q=5), fwd(cu_k=np.array([0, 5, 11], np.int32))]
+
+
 def kvcache_bad_calls():
     """One invalid CPU call per documented message of flash_attention_with_kvcache."""
     def a(*shape, dtype=np.float32):
@@ -410,6 +423,7 @@ def bad_calls():
         lambda: cuflash.kernel_path("fast").__enter__(),
         lambda: cuflash.dispatch.skip_kernels("forward_fastest").__enter__(),
         *kvcache_bad_calls(),
+        *varlen_bad_calls(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

@@ -13,9 +13,10 @@ D 64/128, S 1024/4096 (causal and not) for a smoke run. The dtype
 ``"float32-tf32"`` is float32 with ``allow_tf32=True``.
 
 Beside the grid: :class:`HostTime` times one tiny call with nothing
-synchronized (the host's cost per call, SPEC section 5), and :class:`Decode`
+synchronized (the host's cost per call, SPEC section 5), :class:`Decode`
 two decoding steps from a KV cache (SPEC section 6), skipped while cuflash
-has no ``flash_attention_with_kvcache``.
+has no ``flash_attention_with_kvcache``, and :class:`Varlen` one packed batch
+of variable-length sequences (SPEC section 7).
 """
 
 import os
@@ -37,6 +38,7 @@ HOST_TIME_SHAPE = (1, 1, 16, 64)  # B, H, S, D: the GPU work is a few microsecon
 # name: (batch, cache length, block size; 0 is a contiguous cache); bfloat16, D=128, H=32/8.
 DECODE_CASES = {"b16-cache8192-contiguous": (16, 8192, 0),
                 "b1-cache32768-paged256": (1, 32768, 256)}
+VARLEN_HEAD_DIM = 128  # Varlen: the causal packed batch of uniform lengths, H = 2048 / 128
 
 
 def gpu_modules():
@@ -246,3 +248,55 @@ class Decode:
         return self.case.cache_bytes / median_gpu_seconds(self.cupy, self.decode) / 1e12
 
     track_cache_tb_per_s.unit = "TB/s"
+
+
+class Varlen:
+    """One packed batch of 16384 tokens with ``flash_attention_varlen_fwd`` / ``_bwd``.
+
+    The lengths of ``python -m cuflash.bench --varlen`` (uniform in 64..4096, fixed
+    seed, the last trimmed), bfloat16, D = 128, H = 16, causal. TFLOP/s count only
+    the work inside each sequence (causal: half of its square), summed.
+    """
+
+    timeout = 300
+
+    def setup(self):
+        """Draw the packed inputs and run one forward pass (compiling the kernels)."""
+        self.cupy, self.cuflash = gpu_modules()
+        from cuflash.bench import varlen_cases
+
+        self.case = next(c for c in varlen_cases((VARLEN_HEAD_DIM,))
+                         if c.kind == "uniform" and c.causal)
+        shape = (self.case.tokens, self.case.heads, self.case.head_dim)
+        rng = self.cupy.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = (
+            rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtype("bfloat16"))
+            for _ in range(4))
+        self.cu_seqlens = self.cupy.asarray(self.case.cu_seqlens)
+        self.out, self.lse = self.forward()
+        self.cupy.cuda.Device().synchronize()
+
+    def _args(self):
+        c = self.case
+        return (self.cu_seqlens, self.cu_seqlens, c.max_seqlen, c.max_seqlen, c.heads, c.heads,
+                c.head_dim, c.causal)
+
+    def forward(self):
+        """Enqueue one forward pass; return ``(out, lse)``."""
+        return self.cuflash.flash_attention_varlen_fwd(self.q, self.k, self.v, *self._args())
+
+    def backward(self):
+        """Enqueue one backward pass (without its host synchronization)."""
+        return self.cuflash.flash_attention_varlen_bwd(
+            self.dout, self.q, self.k, self.v, self.out, self.lse, *self._args(),
+            synchronize=False)
+
+    def track_forward_tflops(self):
+        return self.case.flops("fwd") / median_gpu_seconds(self.cupy, self.forward) / 1e12
+
+    track_forward_tflops.unit = "TFLOP/s"
+
+    def track_backward_tflops(self):
+        return self.case.flops("bwd") / median_gpu_seconds(self.cupy, self.backward) / 1e12
+
+    track_backward_tflops.unit = "TFLOP/s"

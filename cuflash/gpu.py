@@ -84,6 +84,20 @@ class Launch:
         self.function(self.grid, self.block, arrays + self.scalars, self.shared_bytes)
 
 
+def _query_grid(problem):
+    """Rows a head and batch entries a grid covers over the queries: the dense problem's
+    (q_len, batch), a packed one's (longest sequence, sequence count)."""
+    packed = problem.packed
+    return (problem.q_len, problem.batch) if packed is None else (packed.max_q_len, packed.count)
+
+
+def _key_grid(problem):
+    """The same over the keys: (kv_capacity, batch), or (longest sequence, count)."""
+    packed = problem.packed
+    return ((problem.kv_capacity, problem.batch) if packed is None
+            else (packed.max_kv_len, packed.count))
+
+
 def choose(problem, direction, aligned):
     """The registry's kernel for ``problem`` in ``direction`` on the current device."""
     capability = device_capability()[1]
@@ -134,6 +148,37 @@ def _pieces_strides(pieces):
     return (np.int64(heads * seq_len * width), np.int64(seq_len * width), np.int64(width))
 
 
+class OutputLayout:
+    """Where a plan's output of ``heads`` heads and ``rows`` rows a head lives: a dense
+    problem's outputs are contiguous ``[B, heads, rows, D]``, a packed one's contiguous
+    ``[rows, heads, D]`` (tokens first, as its inputs); ``strides`` are the element
+    strides of the batch, head and row axes as the kernels take them."""
+
+    def __init__(self, problem, heads, rows):
+        d = problem.head_dim
+        if problem.packed is None:
+            self.shape = (problem.batch, heads, rows, d)
+            self.strides = (np.int64(heads * rows * d), np.int64(rows * d), np.int64(d))
+        else:
+            self.shape = (rows, heads, d)
+            self.strides = (np.int64(rows * heads * d), np.int64(d), np.int64(heads * d))
+        self.dtype = problem.dtype
+
+    def empty(self):
+        return cupy.empty(self.shape, dtype=self.dtype)
+
+
+def _zero_outside(loaded, problem, layout, rows):
+    """The launch that zeroes a packed output's rows outside every sequence, or None
+    (dense): ``launch(output, offsets)``."""
+    if problem.packed is None:
+        return None
+    d = problem.head_dim
+    return Launch.of_role(loaded, "packed_zero_outside", (64,),
+                          (np.int32(problem.packed.count), np.int32(rows),
+                           np.int64(layout.shape[1] * d)))
+
+
 class ForwardPlan:
     """The launches of one forward signature."""
 
@@ -144,10 +189,12 @@ class ForwardPlan:
         q, k, v = contiguous_rows
         self.spec = choose(problem, "forward", rows_are_16_byte_aligned((q, k, v)))
         loaded = _variant(problem)
-        grid = (math.ceil(problem.q_len / self.spec.traits(problem.head_dim).tile),
-                problem.num_heads, problem.batch)
-        tail = (np.int32(problem.num_heads), np.int32(problem.group_size), *_mask_args(problem),
-                np.float32(problem.softmax_scale * LOG2E))
+        rows, batch = _query_grid(problem)
+        grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads,
+                batch)
+        self.out = OutputLayout(problem, problem.num_heads, problem.q_len)
+        tail = (*self.out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
+                *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E))
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
             self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
@@ -157,19 +204,24 @@ class ForwardPlan:
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
         self.main = Launch.of_role(loaded, self.spec.name, grid, (*strides, *tail))
+        self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, offsets=(None, None)):
+        """``(out, lse)``; ``offsets``: a packed problem's ``cu_seqlens_q``, ``cu_seqlens_k``
+        (out then ``[total_q, H, D]``, zeros in rows outside every sequence)."""
         problem = self.problem
         if self.copies:  # a last stride other than 1 (the signature fixes which)
             q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
-        out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+        out = self.out.empty()
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.pieces is None:
-            self.main(q, k, v, out, lse)
+            self.main(q, k, v, out, lse, *offsets)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
                 pieces(x) for pieces, x in zip(self.pieces, (q, k, v)))
-            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs)
+            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets)
+        if self.zero_outside is not None:
+            self.zero_outside(out, offsets[0])
         return out, lse
 
 
@@ -191,11 +243,14 @@ class BackwardPlan:
             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
             (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
              np.int32(problem.q_len)))
+        self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
+        self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
         options = (*_mask_args(problem), np.float32(problem.softmax_scale),
                    np.float32(problem.softmax_scale * LOG2E))
         keys = self.spec.traits(problem.head_dim).tile
-        grid = (math.ceil(problem.kv_capacity / keys), problem.num_kv_heads, problem.batch)
+        key_rows, batch = _key_grid(problem)
+        grid = (math.ceil(key_rows / keys), problem.num_kv_heads, batch)
         self.pieces = None
         if self.spec.precision == "float32":
             self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
@@ -205,42 +260,52 @@ class BackwardPlan:
         else:
             strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
         self.dkdv = Launch.of_role(loaded, role, grid,
-                                   strides + heads + (np.int32(problem.kv_capacity),) + options)
+                                   strides + self.dkv_layout.strides + heads
+                                   + (np.int32(problem.kv_capacity),) + options)
         self.dq = self.convert = None
+        accum_width = problem.head_dim
         if deterministic:  # dQ by its own pass over the keys, no atomics
-            rows = registry.BY_NAME["backward_dq_general"].traits(problem.head_dim).tile
+            tile = registry.BY_NAME["backward_dq_general"].traits(problem.head_dim).tile
+            rows, batch = _query_grid(problem)
             self.dq = Launch.of_role(
-                loaded, "backward_dq_general",
-                (math.ceil(problem.q_len / rows), problem.num_heads, problem.batch),
-                (*(s for x in (q, k, v, dout) for s in element_strides(x)), *heads, *options))
-        elif problem.dtype != np.float32:
+                loaded, "backward_dq_general", (math.ceil(rows / tile), problem.num_heads, batch),
+                (*(s for x in (q, k, v, dout) for s in element_strides(x)),
+                 *self.dq_layout.strides, *heads, *options))
+        elif problem.dtype != np.float32 or problem.packed is not None:
+            # The float32 atomics' buffer into dQ's dtype and layout (a dense float32
+            # dQ is that buffer itself).
             count = math.prod(problem.q_shape)
-            accum_width = (registry.head_dim_class(problem.head_dim) if self.spec.padded_dq
-                           else problem.head_dim)
-            self.convert = Launch.of_role(loaded, "backward_dq_convert",
-                                          (math.ceil(count / 512),),
-                                          (np.int64(count), np.int32(accum_width)))
+            if self.spec.padded_dq:
+                accum_width = registry.head_dim_class(problem.head_dim)
+            self.convert = Launch.of_role(
+                loaded, "backward_dq_convert", (math.ceil(count / 512),),
+                (*self.dq_layout.strides, np.int64(count), np.int32(accum_width),
+                 np.int32(problem.num_heads), np.int32(problem.q_len)))
         self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
         self.dq_bytes = 0
         if self.convert is not None:
             self.dq_bytes = 4 * math.prod(problem.q_shape) // problem.head_dim * accum_width
         self.workspace_bytes = 2 * self.row_bytes + self.dq_bytes
+        self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
+        self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout,
+                                            problem.kv_capacity)
 
-    def __call__(self, dout, q, k, v, output, lse, synchronize):
+    def __call__(self, dout, q, k, v, output, lse, synchronize, offsets=(None, None)):
+        """``(dq, dk, dv)``; ``offsets`` as in :meth:`ForwardPlan.__call__` (a packed
+        problem's gradients tokens first, zeros in rows outside every sequence)."""
         problem = self.problem
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
-        # the atomic 16-bit backward (zeroed), at 256-byte boundaries.
+        # the atomic backward when it needs converting (zeroed), at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
         delta, lse_log2 = workspace, workspace + self.row_bytes
         self.delta(dout, output, lse, delta, lse_log2)
-        dk = cupy.empty(problem.kv_shape, dtype=problem.dtype)
-        dv = cupy.empty(problem.kv_shape, dtype=problem.dtype)
+        dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
         if self.deterministic:
-            dq = dq_target = cupy.empty(problem.q_shape, dtype=problem.dtype)
-        elif self.convert is None:  # float32: the atomics' buffer is dQ
+            dq = dq_target = self.dq_layout.empty()
+        elif self.convert is None:  # dense float32: the atomics' buffer is dQ
             dq = dq_target = cupy.zeros(problem.q_shape, dtype=np.float32)
         else:
             dq_target = workspace + 2 * self.row_bytes
@@ -248,16 +313,20 @@ class BackwardPlan:
                                           cupy.cuda.get_current_stream().ptr)
         if problem.kv_capacity:
             if self.pieces is None:
-                self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv)
+                self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv, *offsets)
             else:
                 pieces = [p(x) for p, x in zip(self.pieces, (q, k, v, dout))]
                 self.dkdv(*(x for hi, lo, _ in pieces for x in (hi, lo)), lse_log2, delta,
-                          dq_target, dk, dv, *(scales for _, _, scales in pieces))
+                          dq_target, dk, dv, *(scales for _, _, scales in pieces), *offsets)
         if self.dq is not None:
-            self.dq(q, k, v, dout, lse_log2, delta, dq)
+            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets)
         elif self.convert is not None:
-            dq = cupy.empty(problem.q_shape, dtype=problem.dtype)
+            dq = self.dq_layout.empty()
             self.convert(dq_target, dq)
+        if self.zero_outside_q is not None:
+            self.zero_outside_q(dq, offsets[0])
+            self.zero_outside_k(dk, offsets[1])
+            self.zero_outside_k(dv, offsets[1])
         if synchronize:
             cupy.cuda.get_current_stream().synchronize()
         return dq, dk, dv

@@ -38,6 +38,17 @@ MAX_INT32 = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedSequences:
+    """How the rows of a packed call's arrays split into sequences (SPEC 7): the
+    problem's arrays are one batch entry of every sequence end to end, and the
+    kernels read where each sequence starts from the offsets on the device."""
+
+    count: int  # B, the grid's batch extent
+    max_q_len: int  # bounds on every sequence's lengths: the grid's row extents
+    max_kv_len: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionProblem:
     """A validated attention call: shapes, options and the array module."""
 
@@ -54,6 +65,7 @@ class AttentionProblem:
     causal: bool
     window: tuple  # (left, right), -1 = unbounded; causal already folded in
     allow_tf32: bool = False  # float32 products may run in TF32 (see flash_attention_fwd)
+    packed: PackedSequences = None  # a packed batch of sequences, or None (dense)
 
     @property
     def group_size(self):

@@ -275,14 +275,17 @@ KERNELS = (
     KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
-    # deterministic dQ pass; the atomic dQ's conversion to 16 bits (512
-    # elements a block); the float16 pieces of float32 operands.
+    # deterministic dQ pass; the atomic dQ's conversion to its dtype and
+    # layout (512 elements a block); zeros in the rows of a packed output that no
+    # sequence covers; the float16 pieces of float32 operands.
     KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
     KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits),
-    KernelSpec("backward_dq_convert", "helper", "cuda cores", "16-bit", AMPERE_AND_NEWER,
+    KernelSpec("backward_dq_convert", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
+    KernelSpec("packed_zero_outside", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_zero_outside", _fixed(256, threads=256)),
     KernelSpec("float16_pieces_abs_max", "helper", "cuda cores", "float32", HOPPER, (8, 128),
                "attention_abs_max", _fixed(32), dtype_in_template=False),
     KernelSpec("float16_pieces_split", "helper", "cuda cores", "float32", HOPPER, (8, 128),

@@ -6,47 +6,56 @@ int32 offsets ``cu_seqlens_q`` / ``cu_seqlens_k`` (``[B + 1]``, 0 first, the
 totals last) say where each one starts. Sequence ``b`` is its own attention
 problem with the semantics of the dense functions.
 
-This version runs each sequence as one dense call on views of the packed
-arrays (no copy into a padded layout; NumPy and CuPy alike), so every kernel
-and option of the dense functions serves it. The offsets are read on the host
-once a call: device-held ones are copied (one small transfer, which
-synchronizes the stream) and checked like host-held ones, so a bad offset
-never reaches a kernel. A kernel that reads the offsets itself, without the
-copy and with one launch for the whole batch, is the next step (the
-performance page says where this version stands).
+On the GPU one launch of the dense kernels serves the whole batch: the packed
+arrays are one batch entry (``[1, H, total, D]`` views, no copy) and each
+block reads its sequence's offsets on the device (``Sequence`` in
+``kernels/common.cuh``), so a call copies nothing to the host and can be
+captured in a CUDA graph. The offsets are not trusted there: the kernels
+clamp them into the arrays, and ``check=True`` copies them to the host once
+and verifies them. On the CPU the offsets are host values, always verified,
+and each sequence runs as one dense call on views.
 """
 
 import dataclasses
 
 import numpy as np
 
+from . import plans
 from .api import flash_attention_bwd, flash_attention_fwd
 from .errors import InvalidArgumentError
-from .problem import (_array_module, _check_dtypes, _check_flag, _check_rank, _count,
-                      check_dims, check_head_counts, check_int32)
+from .problem import (MAX_GRID_YZ, PackedSequences, _array_module, _check_dtypes, _check_flag,
+                      _check_rank, _count, check_dims, check_head_counts, check_int32,
+                      forward_problem)
 
 
 @dataclasses.dataclass(frozen=True)
 class VarlenProblem:
-    """A validated packed batch: shapes, host copies of the offsets and the options."""
+    """A validated packed call: the problem over the packed arrays (``attention``, whose
+    ``packed`` field says how they split) and, on the CPU path, the offsets as host
+    ints (None on the GPU, where the kernels read them)."""
 
-    xp: object
-    dtype: np.dtype
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    total_q: int
-    total_k: int
-    offsets_q: tuple  # host ints, B + 1 of them
+    attention: object  # AttentionProblem over [1, H, total, D] views
+    offsets_q: tuple  # host ints, B + 1 of them, or None
     offsets_k: tuple
 
     @property
-    def batch(self):
-        return len(self.offsets_q) - 1
+    def xp(self):
+        return self.attention.xp
+
+    @property
+    def total_q(self):
+        return self.attention.q_len
+
+    @property
+    def has_rows(self):
+        """Does any sequence have a query row to compute?"""
+        packed = self.attention.packed
+        return self.attention.num_heads * packed.count * packed.max_q_len * self.total_q > 0
 
     def sequences(self):
-        """``(b, q0, q1, k0, k1)`` for every sequence with at least one query row."""
-        for b in range(self.batch):
+        """``(b, q0, q1, k0, k1)`` for every sequence with at least one query row (host
+        offsets only)."""
+        for b in range(len(self.offsets_q) - 1):
             q0, q1 = self.offsets_q[b], self.offsets_q[b + 1]
             if q1 > q0:
                 yield b, q0, q1, self.offsets_k[b], self.offsets_k[b + 1]
@@ -75,16 +84,25 @@ def _check_offsets(name, offsets, total, max_name, max_seqlen, tokens):
             name, f"the last offset {offsets[-1]} differs from {tokens}'s {total} tokens")
 
 
+def _heads_first(x, start=None, stop=None):
+    """Tokens ``[start, stop)`` of a packed ``[tokens, heads, D]`` array as a
+    ``[1, heads, n, D]`` view (unit last stride: the dense functions take it as it is)."""
+    return x[start:stop][None].transpose(0, 2, 1, 3)
+
+
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   num_heads, num_kv_heads, head_dim, extra_arrays=()):
-    """Validate a packed call (offsets read on the host; nothing runs before this
-    returns)."""
+                   num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale,
+                   allow_tf32, check, extra_arrays=()):
+    """Validate a packed call; host offsets (the CPU path) are read and verified too.
+    Nothing runs on a device: device offsets are verified by the callers with
+    ``check`` (:func:`verified_offsets`)."""
+    _check_flag("check", check)
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named + [("cu_seqlens_q", cu_seqlens_q),
                                 ("cu_seqlens_k", cu_seqlens_k)])
     for name, a in (("q", q), ("k", k), ("v", v), *extra_arrays):
         _check_rank(name, a, 3, "[tokens, heads, head_dim]")
-    dtype = _check_dtypes(named)
+    _check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     labels = ("tokens", "heads", "head_dim")
     check_dims("q", q, (None, num_heads, head_dim), labels)
@@ -96,21 +114,34 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         _check_rank(name, offsets, 1, "[B + 1]")
     check_int32("cu_seqlens_q", cu_seqlens_q, (max(1, cu_seqlens_q.shape[0]),), "[B + 1]")
     check_int32("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape, "[B + 1]")
+    count = cu_seqlens_q.shape[0] - 1
+    if count > MAX_GRID_YZ:
+        raise InvalidArgumentError(
+            "cu_seqlens_q", f"too many sequences for the device: at most {MAX_GRID_YZ}, "
+            f"got {count}")
     max_seqlen_q = _count("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _count("max_seqlen_k", max_seqlen_k, 0)
+    attention = forward_problem(
+        _heads_first(q), _heads_first(k), _heads_first(v), num_heads, num_kv_heads, head_dim,
+        causal, window_size, None, softmax_scale, allow_tf32=allow_tf32,
+        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays])
+    attention = dataclasses.replace(
+        attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k))
+    offsets_q = offsets_k = None
+    if xp is np:
+        offsets_q, offsets_k = verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k)
+    return VarlenProblem(attention=attention, offsets_q=offsets_q, offsets_k=offsets_k)
+
+
+def verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Both offsets as host ints, verified (one copy each from a device)."""
+    xp = np if isinstance(q, np.ndarray) else plans.cupy
     offsets_q = _host_offsets(cu_seqlens_q, xp)
     offsets_k = _host_offsets(cu_seqlens_k, xp)
     _check_offsets("cu_seqlens_q", offsets_q, q.shape[0], "max_seqlen_q", max_seqlen_q, "q")
     _check_offsets("cu_seqlens_k", offsets_k, k.shape[0], "max_seqlen_k", max_seqlen_k, "k")
-    return VarlenProblem(xp=xp, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, total_q=q.shape[0], total_k=k.shape[0],
-                         offsets_q=offsets_q, offsets_k=offsets_k)
-
-
-def _heads_first(x, start, stop):
-    """Tokens ``[start, stop)`` of a packed ``[tokens, heads, D]`` array as a
-    ``[1, heads, n, D]`` view (unit last stride: the dense functions take it as it is)."""
-    return x[start:stop][None].transpose(0, 2, 1, 3)
+    return offsets_q, offsets_k
 
 
 def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -135,8 +166,12 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         As in :func:`cuflash.flash_attention_fwd`, per sequence (causal is
         bottom-right aligned in each sequence).
     check : bool, default False
-        Accepted for the SPEC's signature: the offsets are always read on the host and
-        checked in this version (one transfer when they live on the GPU).
+        Verify device-held offsets before any kernel runs: one device-to-host copy
+        (which synchronizes the stream), then the errors below, naming the sequence.
+        Without it nothing is copied (the call can be captured in a CUDA graph) and
+        the kernels trust no offset: they clamp each into the arrays, so offsets that
+        break the rules above leave some rows unspecified but never read or write
+        outside the arrays. Host-held offsets (the CPU path) are always verified.
 
     Returns
     -------
@@ -147,23 +182,65 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     ------
     InvalidArgumentError
         Before any kernel runs: shapes, dtypes, devices, offsets of the wrong length or
-        dtype, not starting at 0, decreasing, disagreeing with the totals, or a length
-        above ``max_seqlen_*`` (naming the sequence).
+        dtype, more than 65535 sequences; with host offsets or ``check``, offsets not
+        starting at 0, decreasing, disagreeing with the totals, or a length above
+        ``max_seqlen_*`` (naming the sequence).
     """
-    _check_flag("check", check)
-    problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             num_heads, num_kv_heads, head_dim)
-    xp = problem.xp
-    out = xp.zeros(q.shape, dtype=problem.dtype)
-    lse = xp.full((problem.num_heads, problem.total_q), -np.inf, dtype=np.float32)
+    key = plans.signature((q, k, v, cu_seqlens_q, cu_seqlens_k),
+                          ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
+                           head_dim, causal, window_size, softmax_scale, allow_tf32, check))
+    plan = plans.get(key)
+    if plan is None:
+        problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
+                                 window_size, softmax_scale, allow_tf32, check)
+        if problem.xp is np:
+            return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale)
+        plan = PackedForward(problem, q, k, v)
+        plans.remember(key, plan)
+    if check:  # every call: the offsets' values are not part of the signature
+        verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale):
+    """The CPU path: one dense call a sequence, on views."""
+    attention = problem.attention
+    out = np.zeros(q.shape, dtype=attention.dtype)
+    lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
     for _, q0, q1, k0, k1 in problem.sequences():
         out_b, lse_b = flash_attention_fwd(
             _heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1),
-            problem.num_heads, problem.num_kv_heads, problem.head_dim, causal, window_size,
-            softmax_scale=softmax_scale, allow_tf32=allow_tf32)
+            attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
+            window_size, softmax_scale=softmax_scale)
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
+
+
+class PackedForward:
+    """The launches of one packed forward signature: the dense forward's kernels over
+    ``[1, H, total, D]`` views, a block per (query tile, head, sequence), writing the
+    outputs in the packed layout."""
+
+    def __init__(self, problem, q, k, v):
+        from . import gpu  # imported on first GPU use only
+
+        self.problem = problem
+        self.dense = None
+        if problem.has_rows:
+            self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        xp = self.problem.xp
+        attention = self.problem.attention
+        if self.dense is None:  # no query row to compute
+            return (xp.zeros(q.shape, dtype=attention.dtype),
+                    xp.full((attention.num_heads, self.problem.total_q), -np.inf,
+                            dtype=np.float32))
+        out, lse = self.dense(*map(_heads_first, (q, k, v)),
+                              offsets=(cu_seqlens_q, cu_seqlens_k))
+        return out, lse[0]
 
 
 def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -195,35 +272,77 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         With GQA the gradients of query heads sharing a KV head are summed. Tokens of
         no sequence (none, when the offsets end at the totals) get zeros.
     """
-    for name, flag in (("check", check), ("deterministic", deterministic),
-                       ("synchronize", synchronize)):
-        _check_flag(name, flag)
-    problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             num_heads, num_kv_heads, head_dim,
-                             extra_arrays=(("dout", dout), ("out", out)))
-    xp = problem.xp
-    _array_module([("q", q), ("lse", lse)])
-    _check_rank("lse", lse, 2, "[num_heads, total_q]")
-    check_dims("lse", lse, (problem.num_heads, problem.total_q), ("heads", "tokens"))
-    if lse.dtype != np.float32:
-        raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
-    dq = xp.zeros(q.shape, dtype=problem.dtype)
-    dk = xp.zeros(k.shape, dtype=problem.dtype)
-    dv = xp.zeros(v.shape, dtype=problem.dtype)
+    key = plans.signature((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+                          ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
+                           head_dim, causal, window_size, softmax_scale, deterministic,
+                           synchronize, allow_tf32, check))
+    plan = plans.get(key)
+    if plan is None:
+        for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
+            _check_flag(name, flag)
+        problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
+                                 window_size, softmax_scale, allow_tf32, check,
+                                 extra_arrays=(("dout", dout), ("out", out)))
+        _array_module([("q", q), ("lse", lse)])
+        _check_rank("lse", lse, 2, "[num_heads, total_q]")
+        check_dims("lse", lse, (problem.attention.num_heads, problem.total_q),
+                   ("heads", "tokens"))
+        if lse.dtype != np.float32:
+            raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
+        if problem.xp is np:
+            return _backward_per_sequence(problem, dout, q, k, v, out, lse, causal,
+                                          window_size, softmax_scale)
+        plan = PackedBackward(problem, dout, q, k, v, out, lse, bool(deterministic))
+        plans.remember(key, plan)
+    if check:
+        verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize))
+
+
+def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size,
+                           softmax_scale):
+    """The CPU path: one dense backward a sequence, on views."""
+    attention = problem.attention
+    dq = np.zeros(q.shape, dtype=attention.dtype)
+    dk = np.zeros(k.shape, dtype=attention.dtype)
+    dv = np.zeros(v.shape, dtype=attention.dtype)
     for _, q0, q1, k0, k1 in problem.sequences():
         grads = flash_attention_bwd(
             _heads_first(dout, q0, q1), _heads_first(q, q0, q1), _heads_first(k, k0, k1),
             _heads_first(v, k0, k1), _heads_first(out, q0, q1),
-            xp.ascontiguousarray(lse[:, q0:q1])[None], problem.num_heads,
-            problem.num_kv_heads, problem.head_dim, causal, window_size,
-            softmax_scale=softmax_scale, deterministic=deterministic, synchronize=False,
-            allow_tf32=allow_tf32)
+            np.ascontiguousarray(lse[:, q0:q1])[None], attention.num_heads,
+            attention.num_kv_heads, attention.head_dim, causal, window_size,
+            softmax_scale=softmax_scale)
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
         dv[k0:k1] = grads[2][0].transpose(1, 0, 2)
-    if synchronize and xp is not np:
-        xp.cuda.get_current_stream().synchronize()
     return dq, dk, dv
+
+
+class PackedBackward:
+    """The launches of one packed backward signature (see :class:`PackedForward`)."""
+
+    def __init__(self, problem, dout, q, k, v, out, lse, deterministic):
+        from . import gpu  # imported on first GPU use only
+
+        self.problem = problem
+        self.dense = None
+        if problem.has_rows:
+            self.dense = gpu.BackwardPlan(problem.attention,
+                                          *map(_heads_first, (dout, q, k, v, out)),
+                                          lse.flags.c_contiguous, deterministic)
+
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize):
+        xp = self.problem.xp
+        if self.dense is None:  # no query row: no gradient anywhere
+            grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+        else:
+            grads = self.dense(*map(_heads_first, (dout, q, k, v, out)), lse[None], False,
+                               offsets=(cu_seqlens_q, cu_seqlens_k))
+        if synchronize:
+            xp.cuda.get_current_stream().synchronize()
+        return grads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
                 dq = cupy.zeros(q.shape, dtype=cupy.float32)
 
                 def call(plan=plan):
-                    plan.dkdv(q, k, v, do, lse_log2, delta, dq, dk, dv)
+                    plan.dkdv(q, k, v, do, lse_log2, delta, dq, dk, dv, None, None)
                 if ncu:
                     call()
                     continue

@@ -321,7 +321,7 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     assert "torch-flash enable_gqa=True (2 cases)" in printed
 
 
-def test_asv_suite_has_the_host_time_and_decode_benchmarks():
+def test_asv_suite_has_the_host_time_decode_and_varlen_benchmarks():
     sys.path.insert(0, str(ROOT))
     try:
         from benchmarks import bench_attention as suite
@@ -330,8 +330,137 @@ def test_asv_suite_has_the_host_time_and_decode_benchmarks():
     assert {"time_forward_call", "time_backward_call"} <= set(vars(suite.HostTime))
     assert {"time_decode", "track_cache_tb_per_s"} <= set(vars(suite.Decode))
     assert suite.Decode.params == (["b16-cache8192-contiguous", "b1-cache32768-paged256"],)
+    assert {"track_forward_tflops", "track_backward_tflops"} <= set(vars(suite.Varlen))
     if not HAS_GPU:
         with pytest.raises(NotImplementedError):
             suite.HostTime().setup()
         with pytest.raises(NotImplementedError):
             suite.Decode().setup("b16-cache8192-contiguous")
+        with pytest.raises(NotImplementedError):
+            suite.Varlen().setup()
+
+
+# ------------------------------------------------------- packed variable-length
+
+
+def test_varlen_lengths_sum_to_the_tokens():
+    lengths = bench.draw_varlen_lengths()
+    assert sum(lengths) == 16384 and lengths == bench.draw_varlen_lengths()
+    assert all(64 <= n <= 4096 for n in lengths[:-1]) and 1 <= lengths[-1] <= 4096
+    assert bench.draw_varlen_lengths(seed=1) != lengths
+    for seed in range(20):
+        other = bench.draw_varlen_lengths(seed=seed)
+        assert sum(other) == 16384 and all(64 <= n <= 4096 for n in other[:-1])
+        assert 1 <= other[-1] <= 4096
+    assert bench.draw_varlen_lengths(10, 4, 4) == (4, 4, 2)  # the last one trimmed
+
+
+def test_varlen_flops_sum_the_dense_flops_of_each_sequence():
+    lengths = (100, 3000, 7)
+    for causal in (False, True):
+        for direction in bench.DIRECTIONS:
+            assert bench.varlen_flops(lengths, 16, 128, causal, direction) == sum(
+                bench.attention_flops(1, 16, n, 128, causal, direction) for n in lengths)
+    assert bench.varlen_flops((2048,) * 8, 32, 64, True) == bench.attention_flops(
+        8, 32, 2048, 64, True)
+    assert bench.varlen_flops(lengths, 1, 64, False) == 4 * 64 * (100**2 + 3000**2 + 7**2)
+
+
+def test_varlen_cases_and_their_dense_equal_problems():
+    cases = bench.varlen_cases()
+    assert len(cases) == 2 * 2 * 2
+    assert {(c.kind, c.head_dim, c.causal) for c in cases} == {
+        (k, d, c) for k in ("uniform", "equal") for d in (64, 128) for c in (False, True)}
+    assert all(c.tokens == 16384 and c.heads * c.head_dim == 2048 and c.dtype == "bfloat16"
+               for c in cases)
+    uniform = next(c for c in cases if c.kind == "uniform" and c.head_dim == 128 and c.causal)
+    assert uniform.lengths == bench.draw_varlen_lengths() and uniform.heads == 16
+    offsets = uniform.cu_seqlens
+    assert offsets.dtype == np.int32 and offsets[0] == 0 and offsets[-1] == 16384
+    assert (np.diff(offsets) == uniform.lengths).all()
+    assert uniform.flops("bwd") == 2.5 * uniform.flops("fwd")
+    dense = uniform.dense_case
+    assert dense.batch == round(16384 / uniform.mean_seqlen) == uniform.batch
+    assert dense.seqlen % 8 == 0 and abs(dense.seqlen - uniform.mean_seqlen) <= 4
+    assert (dense.heads, dense.head_dim, dense.causal) == (16, 128, True)
+    equal = next(c for c in cases if c.kind == "equal")
+    assert equal.lengths == (2048,) * 8 and equal.label == "equal 8 x 2048"
+    assert (equal.dense_case.batch, equal.dense_case.seqlen) == (8, 2048)
+    assert equal.flops("fwd") == equal.dense_case.flops("fwd")
+
+
+def test_varlen_option_replaces_the_grid():
+    args = bench.parse_args(["--varlen"])
+    assert args.varlen and args.modes == ("varlen",)
+    assert args.time_budget == bench.MODE_TIME_BUDGETS["varlen"]
+    assert bench.parse_args(["--varlen", "--time-budget", "60"]).time_budget == 60
+    assert not bench.parse_args([]).varlen
+
+
+def synthetic_varlen_report():
+    """A saved varlen section: torch nested refuses the causal cases, flex is slower."""
+    cases = bench.varlen_cases((128,))
+    records = []
+    for case in cases:
+        for direction in bench.DIRECTIONS:
+            seconds = case.flops(direction) / 400e12  # 400 TFLOP/s for cuflash varlen
+            dense = case.dense_case
+            rows = [(case, "cuflash-varlen", seconds, "", None),
+                    (dense, "cuflash-dense-equal", dense.flops(direction) / 500e12, "", None),
+                    (case, "torch-nested-flash", None if case.causal else seconds / 0.8,
+                     "RuntimeError: No available kernel." if case.causal else "", 2e-3),
+                    (case, "torch-flex", 2 * seconds, "", 3e-3)]
+            for measured, impl, median, note, error in rows:
+                timing = None if median is None else bench.Timing((median,) * 5)
+                m = bench.Measurement(measured, impl, direction, timing, note,
+                                      error if direction == "fwd" and timing else None)
+                records.append(bench.varlen_record(case, m))
+    return {"lengths": {c.kind: list(c.lengths) for c in cases}, "seed": 0,
+            "records": records, "ratios": bench.varlen_ratios(records)}
+
+
+def test_varlen_table_from_saved_report(tmp_path, capsys):
+    varlen = synthetic_varlen_report()
+    report = {"environment": {"gpu": "NVIDIA H200"}, "settings": {}, "measurements": [],
+              "varlen": varlen}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() == bench.format_report(report, []).strip()
+    assert "### Packed variable-length batch" in printed
+    lengths = ", ".join(map(str, bench.draw_varlen_lengths()))
+    assert f"(seed 0, the last trimmed): {lengths}; mean 1489.5; dense-equal B=11 S=1488." \
+        in printed
+    assert "Equal: 8 x 2048; dense-equal B=8 S=2048." in printed
+    assert ("| lengths | D | H | causal | dense B x S | cuflash-varlen | cuflash-dense-equal | "
+            "torch-nested-flash | torch-flex | varlen / cuflash-dense-equal | "
+            "varlen / torch-nested-flash | varlen / torch-flex |") in printed
+    assert ("| uniform 64..4096 (11 seqs) | 128 | 16 | False | 11 x 1488 | 400 | 500 | 320 | "
+            "200 | 0.80x | 1.25x | 2.00x |") in printed
+    assert "| equal 8 x 2048 | 128 | 16 | True | 8 x 2048 | 400 | 500 | – | 200 | 0.80x | – |" \
+        in printed
+    assert "Below target (cuflash-varlen / cuflash-dense-equal < 0.95): uniform 64..4096 " \
+        "(11 seqs) D=128 (0.80x)" in printed
+    assert "- torch-nested-flash: RuntimeError: No available kernel. (2 cases)" in printed
+    assert "torch-nested-flash 2.0e-03, torch-flex 3.0e-03" in printed
+    assert printed.count("#### ") == 2
+    ratio = varlen["ratios"][0]
+    assert (ratio["kind"], ratio["head_dim"], ratio["causal"], ratio["direction"]) == (
+        "uniform", 128, False, "fwd")
+    assert ratio["cuflash-dense-equal"] == pytest.approx(0.8)
+    assert ratio["torch-flex"] == pytest.approx(2.0)
+    causal = next(r for r in varlen["ratios"] if r["causal"])
+    assert causal["torch-nested-flash"] is None
+    json.dumps(varlen)
+    empty = bench.format_varlen({"records": [], "note": "torch missing"})
+    assert empty.endswith("Not measured: torch missing.")
+
+
+def test_varlen_mask_is_the_document_mask():
+    document = np.repeat(np.arange(3), (2, 3, 1))
+    q_idx, kv_idx = np.meshgrid(np.arange(6), np.arange(6), indexing="ij")
+    plain = bench.document_mask_mod(document, False)(0, 0, q_idx, kv_idx)
+    causal = bench.document_mask_mod(document, True)(0, 0, q_idx, kv_idx)
+    assert plain.sum() == 2 * 2 + 3 * 3 + 1 and causal.sum() == 3 + 6 + 1
+    assert (causal == (plain & (q_idx >= kv_idx))).all()

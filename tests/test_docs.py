@@ -315,8 +315,11 @@ def varlen_bad_calls():
         return lambda: cuflash.flash_attention_varlen_fwd(q, kv, kv, cu_q, cu_k, max_q, 8, 4,
                                                           2, 8)
 
+    many = np.zeros(65538, np.int32)
+    many[-1] = 10
     return [fwd(cu_q=np.array([1, 4, 10], np.int32)), fwd(cu_q=np.array([0, 6, 4], np.int32)),
-            fwd(max_q=5), fwd(cu_k=np.array([0, 5, 11], np.int32))]
+            fwd(max_q=5), fwd(cu_k=np.array([0, 5, 11], np.int32)),
+            fwd(cu_q=many, cu_k=many)]
 
 
 def kvcache_bad_calls():

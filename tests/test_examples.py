@@ -87,3 +87,133 @@ def test_train_tiny_lm_gradient_check_catches_a_wrong_backward(monkeypatch, tie_
     lines.clear()
     assert not train.gradient_check("recall", tie_embeddings, out=lines.append)
     assert lines[-1] == "gradient check FAILED"
+
+
+def test_train_varlen_lm_tiny_learns_and_compares_layouts(tmp_path, monkeypatch):
+    import json
+    import re
+
+    # One BLAS thread: its matrices are small, and OpenBLAS threads that spin on
+    # cores other processes use slow the run down several times.
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(name, "1")
+    figures = tmp_path / "varlen.json"
+    plot = tmp_path / "varlen_loss.png"
+    proc = run_example("train_varlen_lm.py", "--tiny", "--device", "cpu",
+                       "--json", str(figures), "--plot", str(plot), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "packing check:" in out and ": passed" in out
+    assert "device: CPU (NumPy)" in out
+    for layout in ("packed", "padded"):
+        assert re.search(rf"^{layout}: [\d,]+ real tokens/s; held-out loss ", out,
+                         re.MULTILINE), out
+    assert re.search(r"^packed / padded real tokens/s: \d+\.\d\dx$", out, re.MULTILINE), out
+    result = json.loads(figures.read_text())
+    assert set(result["real_tokens_per_s"]) == {"packed", "padded"}
+    assert all(rate > 0 for rate in result["real_tokens_per_s"].values())
+    assert result["packed_over_padded"] > 0
+    for layout, run in result["results"].items():
+        curve = [point["loss"] for point in run["held_out_curve"]]
+        assert curve[0] > 5.0, layout  # about ln(257) at the start
+        assert curve[-1] < curve[0] - 1.0, (layout, curve)
+    # Same start, same steps, same math: the two layouts learn the same.
+    losses = {layout: run["final_held_out_loss"] for layout, run in result["results"].items()}
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-3)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.stat().st_size > 0
+    else:
+        assert plot.with_suffix(".csv").stat().st_size > 0
+
+
+def test_train_varlen_lm_packer_keeps_documents_whole():
+    import itertools
+
+    varlen_lm = load_example("train_varlen_lm.py")
+    max_doc_len, budget = 64, 256
+    corpus = varlen_lm.load_corpus(max_files=12, max_doc_len=max_doc_len,
+                                   held_out_fraction=0.2)
+    assert corpus.train and corpus.held_out
+
+    # Documents: only files longer than max_doc_len are cut, at max_doc_len; the
+    # pieces of a file put back together give the whole file.
+    by_file = {}
+    for d in corpus.train + corpus.held_out:
+        by_file.setdefault(d.source, []).append(d)
+    for source, pieces in by_file.items():
+        assert [d.piece for d in pieces] == list(range(len(pieces)))
+        assert all(d.length == max_doc_len for d in pieces[:-1])
+        assert 1 <= pieces[-1].length <= max_doc_len
+        whole = np.concatenate([d.inputs for d in pieces] + [pieces[-1].targets[-1:]])
+        data = (varlen_lm.stdlib_root() / source).read_bytes()
+        assert np.array_equal(whole, varlen_lm.file_tokens(data)), source
+
+    # One epoch of steps: every document once, in order, within the budget, and a
+    # step ends only where the next document would overflow it.
+    lengths = [d.length for d in corpus.train]
+    steps = varlen_lm.pack_documents(lengths, budget)
+    assert [i for step in steps for i in step] == list(range(len(lengths)))
+    for step, following in itertools.pairwise(steps):
+        assert sum(lengths[i] for i in step) + lengths[following[0]] > budget
+    assert all(sum(lengths[i] for i in step) <= budget for step in steps)
+
+    # Packed batches: offsets 0 first, nondecreasing, total last; each document's
+    # tokens between its two offsets; positions restart in each document.
+    schedule = varlen_lm.step_schedule(corpus.train, budget, seed=0)
+    for _ in range(20):
+        documents = next(schedule)
+        batch = varlen_lm.packed_batch(documents, np)
+        cu = batch.cu_seqlens
+        total = batch.inputs.shape[1]
+        assert cu.dtype == np.int32 and cu.shape == (len(documents) + 1,)
+        assert cu[0] == 0 and cu[-1] == total == batch.real_tokens <= budget
+        assert np.all(np.diff(cu) >= 0)
+        assert batch.max_seqlen == int(np.diff(cu).max()) and type(batch.max_seqlen) is int
+        for b, d in enumerate(documents):
+            assert np.array_equal(batch.inputs[0, cu[b]:cu[b + 1]], d.inputs)
+            assert np.array_equal(batch.targets[0, cu[b]:cu[b + 1]], d.targets)
+            assert np.array_equal(batch.positions[cu[b]:cu[b + 1]], np.arange(d.length))
+        padded = varlen_lm.padded_batch(documents, np)
+        assert np.array_equal(padded.inputs[padded.mask], batch.inputs[0])
+        assert padded.real_tokens == batch.real_tokens
+
+
+def test_train_varlen_lm_check_catches_packing_bugs(monkeypatch):
+    varlen_lm = load_example("train_varlen_lm.py")
+    corpus = varlen_lm.load_corpus(max_files=8, max_doc_len=64, held_out_fraction=0.2)
+    documents = varlen_lm.check_documents(corpus)
+    lines = []
+    assert varlen_lm.check_packing(documents, out=lines.append)
+    assert lines[-1].endswith("passed")
+
+    # Positions that run on across documents instead of restarting.
+    monkeypatch.setattr(varlen_lm, "positions_in_documents",
+                        lambda lengths: np.arange(sum(lengths), dtype=np.int32))
+    assert not varlen_lm.check_packing(documents, out=lines.append)
+    assert lines[-1].endswith("FAILED")
+    monkeypatch.undo()
+
+    # Offsets that merge the third document into the second (12 + 7 tokens: still
+    # within max_seqlen, so only the comparison can tell).
+    assert [d.length for d in documents][1:3] == [12, 7]
+    correct = varlen_lm.cu_seqlens_of
+    monkeypatch.setattr(varlen_lm, "cu_seqlens_of",
+                        lambda lengths: np.delete(correct(lengths), 2))
+    monkeypatch.setattr(varlen_lm, "positions_in_documents",
+                        lambda lengths: np.concatenate([np.arange(n) for n in lengths]))
+    assert not varlen_lm.check_packing(documents, out=lines.append)
+    assert lines[-1].endswith("FAILED")
+
+
+def test_train_varlen_lm_writes_a_csv_without_matplotlib(tmp_path, monkeypatch, capsys):
+    varlen_lm = load_example("train_varlen_lm.py")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    curve = [{"step": 0, "loss": 5.5, "train_seconds": 0.0},
+             {"step": 10, "loss": 3.0, "train_seconds": 1.5}]
+    varlen_lm.write_curves(tmp_path / "loss.png", [
+        {"layout": "packed", "real_tokens_per_s": 1.0, "held_out_curve": curve}])
+    assert not (tmp_path / "loss.png").exists()
+    rows = (tmp_path / "loss.csv").read_text().splitlines()
+    assert rows == ["layout,step,held_out_loss,train_seconds",
+                    "packed,0,5.500000,0.000", "packed,10,3.000000,1.500"]
+    assert "matplotlib is not installed" in capsys.readouterr().out

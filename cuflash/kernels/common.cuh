@@ -122,6 +122,34 @@ struct Mask {
     }
 };
 
+// The attention problem of one block's batch entry (blockIdx.z).
+// Dense calls (no offsets): entry b of [B, H, S, D] arrays, its rows from 0.
+// Packed calls: the arrays hold every sequence's rows end to end as one batch
+// entry ([1, H, total, D] views: the q_len and kv_len arguments are the totals)
+// and sequence b is rows [offsets[b], offsets[b + 1]) of q (and of out, lse,
+// dO, dQ) and of k, v (dK, dV). The offsets live on the device and are not
+// trusted: they are clamped into [0, total] and made nondecreasing, so that no
+// value they hold moves a read or a write outside the arrays.
+struct Sequence {
+    int batch;            // the arrays' batch index (0 when packed)
+    int q_start;          // the sequence's first row of q
+    int kv_start;         // and of k, v
+    int key_rows;         // rows of dK, dV it writes: the capacity (dense) or its keys (packed)
+    Mask mask;            // its lengths and window
+};
+
+__device__ __forceinline__ int clamped(int x, int lo, int hi) { return min(max(x, lo), hi); }
+
+__device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ offsets_q,
+                                                const int* __restrict__ offsets_k, int q_len,
+                                                int kv_len, int kv_capacity, int left,
+                                                int right) {
+    if (offsets_q == nullptr) return Sequence{b, 0, 0, kv_capacity, Mask{q_len, kv_len, left, right}};
+    const int q0 = clamped(offsets_q[b], 0, q_len), q1 = clamped(offsets_q[b + 1], q0, q_len);
+    const int k0 = clamped(offsets_k[b], 0, kv_len), k1 = clamped(offsets_k[b + 1], k0, kv_len);
+    return Sequence{0, q0, k0, k1 - k0, Mask{q1 - q0, k1 - k0, left, right}};
+}
+
 // Strides in elements of a [B, H, S, D] tensor whose last stride is 1.
 struct Strides { long long b, h, s; };
 
@@ -129,7 +157,15 @@ struct Strides { long long b, h, s; };
 #define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
 #define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
 #define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
-#define CUFLASH_MASK_OF const Mask mask{q_len, kv_len, win_left, win_right}
+// The packed calls' offsets (int32 [B + 1] each), null for dense calls; after a
+// kernel's arrays.
+#define CUFLASH_OFFSETS const int* __restrict__ offsets_q, const int* __restrict__ offsets_k
+// The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the
+// rows a head of the arrays.
+#define CUFLASH_SEQUENCE_OF(kv_capacity)                                                     \
+    const Sequence seq = sequence_of(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,          \
+                                     kv_capacity, win_left, win_right);                      \
+    const Mask mask = seq.mask
 
 __device__ __forceinline__ long long offset_of(const Strides& st, int b, int h, int s) {
     return b * st.b + h * st.h + s * st.s;

@@ -42,21 +42,43 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
     }
 }
 
-// dQ in the storage dtype from the float32 accumulator of the atomic
-// backward: `count` elements of rows of D, two a thread; the accumulator's
-// rows are `accum_width` floats (D, or a tile width past D).
+// dQ in the storage dtype (and layout) from the float32 accumulator of the
+// atomic backward: `count` elements of the [B, H, q_len, D] rows, two a
+// thread; the accumulator's rows are contiguous, `accum_width` floats each (D,
+// or a tile width past D), dQ's at its strides.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_bwd_dq_convert(const float* __restrict__ dq_accum,
-                                                                T* __restrict__ dq,
-                                                                long long count,
-                                                                int accum_width) {
+__global__ void __launch_bounds__(256) attention_bwd_dq_convert(
+    const float* __restrict__ dq_accum, T* __restrict__ dq, CUFLASH_STRIDES(dq),
+    long long count, int accum_width, int num_heads, int q_len) {
+    CUFLASH_STRIDES_OF(dq);
     const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
     if (i < count) {
-        const long long row = i / D;
-        const float2 x =
-            *reinterpret_cast<const float2*>(dq_accum + row * accum_width + (i - row * D));
-        dq[i] = from_float<T>(x.x);
-        dq[i + 1] = from_float<T>(x.y);
+        const long long row = i / D, head_row = row / q_len;  // head_row = b H + h
+        const int col = static_cast<int>(i - row * D), s = static_cast<int>(row - head_row * q_len);
+        const int b = static_cast<int>(head_row / num_heads);
+        const int h = static_cast<int>(head_row - static_cast<long long>(b) * num_heads);
+        const float2 x = *reinterpret_cast<const float2*>(dq_accum + row * accum_width + col);
+        T* dst = dq + offset_of(dq_st, b, h, s) + col;
+        dst[0] = from_float<T>(x.x);
+        dst[1] = from_float<T>(x.y);
+    }
+}
+
+// Zeros in the rows of a packed [total, H, D] output (contiguous) that no
+// sequence covers: those before the first offset and from the last one on
+// (with nondecreasing offsets, every other row belongs to a sequence). With
+// offsets that keep the rules there are none, and every block returns at once.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) attention_zero_outside(
+    T* __restrict__ x, const int* __restrict__ offsets, int count, int total,
+    long long row_elements) {
+    const int first = clamped(offsets[0], 0, total);
+    const int last = max(first, clamped(offsets[count], 0, total));
+    const long long before = first * row_elements, after = (total - last) * row_elements;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+         i < before + after; i += stride) {
+        x[i < before ? i : last * row_elements + (i - before)] = from_float<T>(0.f);
     }
 }
 
@@ -89,17 +111,19 @@ __device__ __forceinline__ void probabilities_and_dscores(
     }
 }
 
-// Query rows [m0, m0 + BM) of head h: Q, dO, lse (base 2) and Delta.
+// Query rows [m0, m0 + BM) of head h (of q_len; q_rows a head in lse and
+// Delta): Q, dO, lse (base 2) and Delta.
 template <typename T, int D, int BM>
 __device__ __forceinline__ void load_query_side(
     float* Qs, float* dOs, float* lse_s, float* delta_s,
     const T* q, const T* dout, const float* lse, const float* delta,
-    const Strides& q_st, const Strides& dout_st, int b, int h, int num_heads, int m0, int q_len) {
+    const Strides& q_st, const Strides& dout_st, int b, int h, int num_heads, int m0, int q_len,
+    int q_rows) {
     constexpr int LD = D + 4;
     const int rows = min(BM, q_len - m0);
     load_tile<BM, D, LD, 128>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     load_tile<BM, D, LD, 128>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_rows + m0;
     for (int r = threadIdx.x; r < BM; r += 128) {
         lse_s[r] = r < rows ? lse[row_base + r] : 0.f;
         delta_s[r] = r < rows ? delta[row_base + r] : 0.f;
@@ -111,13 +135,14 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv,
+    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
     constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     float* Ks = reinterpret_cast<float*>(smem4);
     float* Vs = Ks + BN * LD;
@@ -129,7 +154,12 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     float* delta_s = lse_s + BM;
 
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
 
     float dk_acc[NA][NE], dv_acc[NA][NE];
 #pragma unroll
@@ -148,7 +178,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
         for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
             __syncthreads();  // the previous tile's readers are done
             load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
-                                      q_st, dout_st, b, h, num_heads, m0, mask.q_len);
+                                      q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
             __syncthreads();
             probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs,
                                                  mask, m0, n0, scale_log2, ty, tx);
@@ -169,7 +199,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
             }
             if (ATOMIC_DQ) {  // dQ[r] += scale * sum_j dS[r][j] K[j]
                 const long long row_base =
-                    (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+                    (static_cast<long long>(b) * num_heads + h) * q_len + m0;
                 const int rows = min(BM, mask.q_len - m0);
                 for (int r = ty; r < rows; r += 16) {
 #pragma unroll 4
@@ -184,16 +214,17 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
         }
     }
 
-    // Every key row of the tile inside the capacity is written, zeros included.
-    const long long row_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+    // Every key row of the tile inside the capacity (the sequence, packed) is
+    // written, zeros included.
+    const long long row_base = offset_of(dkv_st, b, hk, n0);
 #pragma unroll
     for (int a = 0; a < NA; ++a) {
         const int j = ty + 16 * a;
-        if (n0 + j >= kv_capacity) continue;
+        if (n0 + j >= seq.key_rows) continue;
 #pragma unroll
         for (int e = 0; e < NE; ++e) {
-            dk[(row_base + j) * D + tx + 8 * e] = from_float<T>(dk_acc[a][e] * scale);
-            dv[(row_base + j) * D + tx + 8 * e] = from_float<T>(dv_acc[a][e]);
+            dk[row_base + j * dkv_st.s + tx + 8 * e] = from_float<T>(dk_acc[a][e] * scale);
+            dv[row_base + j * dkv_st.s + tx + 8 * e] = from_float<T>(dv_acc[a][e]);
         }
     }
 }
@@ -202,12 +233,13 @@ template <typename T, int D, int BM, int BN>
 __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, T* __restrict__ dq,
+    const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
     constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dq);
+    CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Ks = reinterpret_cast<float*>(smem4);
     float* Vs = Ks + BN * LD;
@@ -219,11 +251,15 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
 
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq += seq.q_start * dq_st.s;
+    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
 
     load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
-                              q_st, dout_st, b, h, num_heads, m0, mask.q_len);
+                              q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
     int n_lo, n_hi;
     mask.key_range(m0, m0 + rows, n_lo, n_hi);
 
@@ -247,14 +283,14 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
         tile_accumulate<RM, NE, BN, LD, LDP>(dSs, Ks, acc, ty, tx);
     }
 
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+    const long long row_base = offset_of(dq_st, b, h, m0);
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
         const int r = ty + 16 * i;
         if (r >= rows) continue;
 #pragma unroll
         for (int e = 0; e < NE; ++e)
-            dq[(row_base + m0 + r) * D + tx + 8 * e] = from_float<T>(acc[i][e] * scale);
+            dq[row_base + r * dq_st.s + tx + 8 * e] = from_float<T>(acc[i][e] * scale);
     }
 }
 

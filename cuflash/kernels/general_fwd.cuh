@@ -15,14 +15,14 @@ namespace cuflash {
 template <typename T, int D, int BM, int BN>
 __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);
     float* Ks = Qs + BM * LD;
@@ -31,8 +31,11 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
 
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s; lse += seq.q_start;
 
     load_tile<BM, D, LD, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_lo, n_hi;
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
         tile_accumulate<RM, NE, BN, LD, LDP>(Ps, Vs, acc, ty, tx);
     }
 
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len;
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
         const int r = ty + 16 * i;
@@ -101,7 +104,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
         // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
         // from a NaN input is not 0, so it reaches out and lse, never hidden.
         const float inv = total != 0.f ? 1.f / total : 0.f;
-        T* o_row = out + (row_base + m0 + r) * D;
+        T* o_row = out + offset_of(out_st, b, h, m0 + r);
 #pragma unroll
         for (int e = 0; e < NE; ++e) o_row[tx + 8 * e] = from_float<T>(acc[i][e] * inv);
         if (tx == 0)

@@ -231,15 +231,16 @@ struct QuerySteps {
     __device__ __forceinline__ int row0(int step) const { return m_first + (step % per_head) * BM; }
 };
 
-// Q and dO, lse and Delta (cp.async, not committed) of the
-// query tile at rows [m0, m0 + BM) of head h into one set of buffers.
+// Q and dO, lse and Delta (cp.async, not committed) of the query tile at
+// rows [m0, m0 + BM) of head h (q_len rows; q_rows a head in lse and Delta)
+// into one set of buffers.
 template <int BM, int DT, int D, int NT, typename T>
 __device__ __forceinline__ void load_query_tile(
     T* Qb, T* dOb, float* lse_b, float* delta_b, const T* __restrict__ q, const Strides& q_st,
     const T* __restrict__ dout, const Strides& dout_st, const float* __restrict__ lse,
-    const float* __restrict__ delta, int b, int h, int m0, int num_heads, int q_len) {
+    const float* __restrict__ delta, int b, int h, int m0, int num_heads, int q_len, int q_rows) {
     const int rows = min(BM, q_len - m0);
-    const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
+    const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_rows;
     cp_async_tile<BM, DT, NT, D>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     cp_async_tile<BM, DT, NT, D>(dOb, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     load_row_stats<BM, NT>(lse_b, delta_b, lse + head_rows + m0, delta + head_rows + m0, rows);
@@ -302,13 +303,13 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
 }
 
 // The end of a dK/dV block: rows g and g + 8 of a warp's 16 keys (from key
-// key0 of a tile whose first key is tile_key, `keys` keys inside the
-// capacity), DN 8-column tiles from column col0, dK times scale. Keys past
-// the capacity and columns past D (a tile's padding) are skipped; every
-// other row is written, zeros included.
+// key0 of a tile whose first rows dk and dv point at, rows row_stride
+// elements apart, `keys` keys inside the capacity), DN 8-column tiles from
+// column col0, dK times scale. Keys past the capacity and columns past D (a
+// tile's padding) are skipped; every other row is written, zeros included.
 template <typename T, int D, int DN>
 __device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
-                                           long long tile_key, int key0, int keys, int col0,
+                                           long long row_stride, int key0, int keys, int col0,
                                            const float (&dk_acc)[DN][4],
                                            const float (&dv_acc)[DN][4], float scale) {
     using Op = TensorOp<T>;
@@ -317,8 +318,8 @@ __device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ d
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + g + 8 * r;
         if (key >= keys) continue;
-        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + (tile_key + key) * D + col0);
-        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + (tile_key + key) * D + col0);
+        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + key * row_stride + col0);
+        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + key * row_stride + col0);
 #pragma unroll
         for (int d = 0; d < DN; ++d) {
             if (col0 + d * 8 >= D) continue;  // padding columns of the tile

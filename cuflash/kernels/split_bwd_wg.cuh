@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     const float* __restrict__ lse, const float* __restrict__ delta,
     float* __restrict__ dq_accum, float* __restrict__ dk, float* __restrict__ dv,
     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const float* __restrict__ do_scales,
+    const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity,
     CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
     using T = half_t;
@@ -67,7 +68,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128, "head_dim");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Vs = Ks + 2 * PLANE;         // (hi, lo)
@@ -82,7 +84,14 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's keys (and dQ rows)
     const int q0 = wg * SN;  // the warpgroup's first S^T query column
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
+    doh += seq.q_start * dout_st.s; dol += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
+    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
     // The pieces' scales are powers of two, 2^e_x, one a head: K's and V's
     // here, Q's and dO's per step. Scores of the scaled pieces are
     // 2^(e_q + e_k) times the true ones, dP^T 2^(e_do + e_v) times, the dQ
@@ -95,7 +104,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
     auto load_step = [&](int step, int buf) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
         const long long q_at = offset_of(q_st, b, h, m0), do_at = offset_of(dout_st, b, h, m0);
@@ -290,7 +299,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
             pin_registers(dq);
             const float dq_scale = dq_unscale * ldexpf(1.f, -e_ds);  // dQ = scale dS K
             float* dq_rows =
-                dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
+                dq_accum + ((static_cast<long long>(b) * num_heads + h) * q_len + m0) * D;
             // At DP = 64 the two warpgroups' halves meet in shared memory (P^T's,
             // free now) and each row takes one atomic: warpgroup 0 adds rows
             // [0, 32), warpgroup 1 rows [32, 64); the other warps hand theirs over.
@@ -343,12 +352,12 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     // skipped; every other row is written, zeros included.
     float* dst = wg == 0 ? dv : dk;
     const float out_scale = (wg == 0 ? 1.f : scale) * (1.f / (1 << LOG2_GAIN));
-    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+    const long long tile_key = offset_of(dkv_st, b, hk, n0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = warp_row + g + 8 * r;
-        if (key >= kv_capacity - n0) continue;
-        float2* row = reinterpret_cast<float2*>(dst + (tile_key + key) * D);
+        if (key >= seq.key_rows - n0) continue;
+        float2* row = reinterpret_cast<float2*>(dst + tile_key + key * dkv_st.s);
 #pragma unroll
         for (int d = 0; d < DTILES; ++d)
             if (D == DP || d * 8 < D)  // past D: the pieces' padding columns

@@ -110,8 +110,9 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const half_t* __restrict__ kh, const half_t* __restrict__ kl,
     const half_t* __restrict__ vh, const half_t* __restrict__ vl,
     float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ q_scales,
-    const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_STRIDES(q),
-    CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), int num_heads, int group,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_OFFSETS,
+    CUFLASH_STRIDES(q),
+    CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
     CUFLASH_MASK_PARAMS, float scale_log2) {
     using T = half_t;
     // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
@@ -121,8 +122,8 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     constexpr int LOG2_GAIN = 14;          // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ql = Qh + BM * DP;
@@ -132,8 +133,13 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
+    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s; lse += seq.q_start;
     const int kv_head = b * (num_heads / group) + hk;
     const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
                 s_v = v_scales[kv_head];
@@ -260,11 +266,11 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_sum[0][r] *= 1.f / (1 << LOG2_GAIN);
     const float out_scale = ldexpf(1.f, -(LOG2_GAIN + ilogbf(s_v)));  // s_v = 2^k
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
                     if (d * 8 < D)  // past D: the pieces' padding columns
-                        reinterpret_cast<float2*>(out + (row_base + row) * D)[d * 4 + t] =
+                        reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             make_float2(x0 * out_scale, x1 * out_scale);
                 });
 }

@@ -24,8 +24,9 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
-    float* __restrict__ dk, float* __restrict__ dv,
+    float* __restrict__ dk, float* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     constexpr int NT = BN * 2, NW = BN / 16, P = D + 4, PQ = BM + 4;
@@ -37,7 +38,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     using FragA = Tf32Frag<4>;
     using FragB = Tf32Frag<2>;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     float* Ks = reinterpret_cast<float*>(smem4);
     float* Vs = Ks + BN * P;
@@ -48,7 +50,12 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     float* delta_s = lse_s + BM;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
 
     float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
@@ -64,7 +71,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
         cp_async_tile_f32<BN, D, NT>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
     }
     for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
         for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
             const int rows = min(BM, mask.q_len - m0);
             __syncthreads();  // the previous query tile's readers are done
@@ -163,13 +170,13 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     }
 
     // Every key row of the tile inside the capacity is written, zeros included.
-    const long long key_base = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
+    const long long key_base = offset_of(dkv_st, b, hk, n0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = warp * 16 + g + 8 * r;
-        if (n0 + key >= kv_capacity) continue;
-        float* dk_row = dk + (key_base + key) * D + 2 * t;
-        float* dv_row = dv + (key_base + key) * D + 2 * t;
+        if (n0 + key >= seq.key_rows) continue;
+        float* dk_row = dk + key_base + key * dkv_st.s + 2 * t;
+        float* dv_row = dv + key_base + key * dkv_st.s + 2 * t;
 #pragma unroll
         for (int d = 0; d < DTILES; ++d) {
             *reinterpret_cast<float2*>(dk_row + d * 8) =

@@ -26,8 +26,9 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv,
+    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
@@ -39,7 +40,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 8 == 0 && DT <= 128,
                   "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * DT;
@@ -50,7 +52,12 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
     // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
     const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
@@ -134,7 +141,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     auto load_step = [&](int step, int buf) {
         load_query_tile<BM, DT, D, NT>(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
                                    delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
-                                   steps.head(step), steps.row0(step), num_heads, mask.q_len);
+                                   steps.head(step), steps.row0(step), num_heads, mask.q_len,
+                                   q_len);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
@@ -150,14 +158,14 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         cp_async_wait<1>();
         __syncthreads();
         const int h = steps.head(step), m0 = steps.row0(step);
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
         query_tile(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
                    delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
         __syncthreads();  // dS^T and this query buffer are rewritten next
     }
 
-    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
-    store_dkdv<T, D, DTILES>(dk, dv, tile_key, warp * 16, kv_capacity - n0, 0, dk_acc, dv_acc,
+    const long long tile_key = offset_of(dkv_st, b, hk, n0);
+    store_dkdv<T, D, DTILES>(dk + tile_key, dv + tile_key, dkv_st.s, warp * 16, seq.key_rows - n0, 0, dk_acc, dv_acc,
                              scale);
 }
 

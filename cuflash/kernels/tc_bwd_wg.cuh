@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv,
+    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
@@ -65,7 +66,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
     constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Vs = Ks + BN * DT;
@@ -82,12 +84,17 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const int key_row = wg_key0 + warp_row;     // the warp's
     const int col0 = SPLIT_D ? wg * DN : 0;     // the warpgroup's first dK, dV column
     const int q0 = EXCHANGE ? wg * SN : 0;      // and first S^T query column
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
+    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
 
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
     auto load_step = [&](int step, int buf) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
         cp_async_tile_sw128<BM, DK, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0),
@@ -198,7 +205,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         // and dV would leave too few registers and ptxas would serialize).
         float dq[DQ_COLS / 8][4];
         float* dq_rows =
-            dq_accum + ((static_cast<long long>(b) * num_heads + h) * mask.q_len + m0) * D;
+            dq_accum + ((static_cast<long long>(b) * num_heads + h) * q_len + m0) * D;
         auto issue_dq = [&](int chunk) {
             wgmma_fence();
 #pragma unroll
@@ -284,8 +291,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     }
     cp_async_wait<0>();
 
-    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
-    store_dkdv<T, D, DTILES>(dk, dv, tile_key, key_row, kv_capacity - n0, col0, dk_acc, dv_acc,
+    const long long tile_key = offset_of(dkv_st, b, hk, n0);
+    store_dkdv<T, D, DTILES>(dk + tile_key, dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0, col0, dk_acc, dv_acc,
                              scale);
 }
 

@@ -27,8 +27,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv,
+    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+    CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
     float scale_log2) {
     using Op = TensorOp<T>;
@@ -45,7 +46,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     static_assert(NW % KT == 0 && NW % QM == 0 && QN % 2 == 0 && DN % 2 == 0 &&
                   DQN % 2 == 0 && D % 8 == 0 && (BM == 32 || BM == 64), "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(dkv);
+    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * DT;
@@ -57,7 +59,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
+    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
+    // The sequence's first rows enter each address where it is formed (pointers
+    // moved once here would each hold two registers through the loop).
     const int kw = warp % KT, share = warp / KT;
     // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
@@ -78,17 +83,21 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     auto load_query_tile = [&](int step, int buf) {
         const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
         const int rows = min(BM, mask.q_len - m0);
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
-        cp_async_tile<BM, DT, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-        cp_async_tile<BM, DT, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, m0),
+        const long long head_rows =
+            (static_cast<long long>(b) * num_heads + h) * q_len + seq.q_start;
+        const int row0 = seq.q_start + m0;
+        cp_async_tile<BM, DT, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, row0), q_st.s,
+                                     rows);
+        cp_async_tile<BM, DT, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, row0),
                                  dout_st.s, rows);
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
     };
     if (steps > 0) {
         const int keys = mask.kv_len - n0;
-        cp_async_tile<BN, DT, NT, D>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile<BN, DT, NT, D>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        const int key0 = seq.kv_start + n0;
+        cp_async_tile<BN, DT, NT, D>(Ks, k + offset_of(k_st, b, hk, key0), k_st.s, keys);
+        cp_async_tile<BN, DT, NT, D>(Vs, v + offset_of(v_st, b, hk, key0), v_st.s, keys);
         load_query_tile(0, 0);
     }
     cp_async_commit();
@@ -101,7 +110,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
         __syncthreads();
         const int h = hk * group + step / per_head, m0 = m_first + (step % per_head) * BM;
         const int rows = min(BM, mask.q_len - m0);
-        const long long head_rows = (static_cast<long long>(b) * num_heads + h) * mask.q_len;
+        const long long head_rows =
+            (static_cast<long long>(b) * num_heads + h) * q_len + seq.q_start;
         const T* Qb = Qs + buf * BM * DT;
         const T* dOb = dOs + buf * BM * DT;
         const float* lse_b = lse_s + buf * BM;
@@ -182,8 +192,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
         __syncthreads();  // P^T, dS^T and this query buffer are rewritten next
     }
 
-    const long long tile_key = (static_cast<long long>(b) * gridDim.y + hk) * kv_capacity + n0;
-    store_dkdv<T, D, DN>(dk, dv, tile_key, kw * 16, kv_capacity - n0, share * DN * 8, dk_acc,
+    const long long tile_key = offset_of(dkv_st, b, hk, seq.kv_start + n0);
+    store_dkdv<T, D, DN>(dk + tile_key, dv + tile_key, dkv_st.s, kw * 16, seq.key_rows - n0,
+                         share * DN * 8, dk_acc,
                          dv_acc, scale);
 }
 

@@ -20,8 +20,8 @@ namespace cuflash {
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS>
 __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     constexpr int WM = 16 * MT, NT = BM / WM * 32;
     constexpr int KSTEPS = DK / 16, NTILES = BN / 8, DTILES = DK / 8, QF = Q_REGS ? KSTEPS : 1;
     static_assert(BM % WM == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>(smem4);
     T* Ks = Qs + BM * DT;      // two buffers of BN x DT
@@ -39,8 +39,11 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s; lse += seq.q_start;
 
     cp_async_tile<BM, DT, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -136,11 +139,11 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
         __syncthreads();  // this buffer is refilled two iterations later
     }
 
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     finish_rows(o, row_max, row_sum, warp * WM, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
                     if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                        reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                        reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             Op::pack(x0, x1);
                 });
 }

@@ -79,8 +79,8 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 template <typename T, int D, int BN, int WG, bool PIPELINE = false>
 __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
     int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
     using Op = TensorOp<T>;
     // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v);
-    CUFLASH_MASK_OF;
+    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * DL;      // two buffers of BN x DL
@@ -100,8 +100,11 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s; lse += seq.q_start;
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -253,11 +256,11 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     }
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * mask.q_len + m0;
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
                 [&](int row, int d, float x0, float x1) {
                     if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                        reinterpret_cast<unsigned*>(out + (row_base + row) * D)[d * 4 + t] =
+                        reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             Op::pack(x0, x1);
                 });
 }

@@ -274,7 +274,7 @@ def test_docstring_examples_exist():
 # ------------------------------------------------------------- the error-message table
 
 GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
-                   "the call needs about")
+                   "the call needs about", "score modifiers run on the CPU path")
 
 
 def _pattern(node):
@@ -412,6 +412,10 @@ def bad_calls():
         fwd(softmax_scale="0.125"),
         fwd(softmax_scale=float("nan")),
         fwd(allow_tf32=1),
+        fwd(softcap="1"),
+        fwd(softcap=-1.0),
+        fwd(alibi_slopes=a(8, dtype=f64)),
+        fwd(alibi_slopes=a(3)),
         fwd(q=huge, k=huge, v=huge, num_heads=1, num_kv_heads=1, head_dim=8),
         fwd(q=a(0, 1, 2**31, 8), k=a(0, 1, 8, 8), v=a(0, 1, 8, 8), num_heads=1,
             num_kv_heads=1, head_dim=8),

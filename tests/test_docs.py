@@ -322,6 +322,28 @@ def varlen_bad_calls():
             fwd(cu_q=many, cu_k=many)]
 
 
+def distributed_bad_calls():
+    """One invalid CPU call per documented message of cuflash.distributed."""
+    from cuflash import distributed as dist
+
+    q = np.zeros((1, 2, 8, 16), np.float32)
+
+    class One:
+        rank, size = 0, 1
+
+        def exchange(self, obj):
+            return obj
+
+    def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
+        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group,
+                                               layout=layout)
+
+    return [fwd(layout="ring"), fwd(group=object()), fwd(k=q[:, :, :6], v=q[:, :, :6]),
+            fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
+            lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
+            lambda: dist.ThreadGroup(0)]
+
+
 def kvcache_bad_calls():
     """One invalid CPU call per documented message of flash_attention_with_kvcache."""
     def a(*shape, dtype=np.float32):
@@ -431,6 +453,7 @@ def bad_calls():
         lambda: cuflash.dispatch.skip_kernels("forward_fastest").__enter__(),
         *kvcache_bad_calls(),
         *varlen_bad_calls(),
+        *distributed_bad_calls(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

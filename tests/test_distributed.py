@@ -1,0 +1,151 @@
+"""Ring attention (SPEC 9), simulated: N virtual ranks as threads of one process
+(``cuflash.distributed.ThreadGroup``), each rank's shards gathered and checked against
+the float64 oracle on the whole sequence, forward and backward; the pair rule against
+the visible-key rule by brute force; the validation errors."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import distributed as dist
+from cuflash.masking import visible_keys
+from cuflash.reference import attention_reference, attention_reference_grad
+from support import DTYPES, FLOOR, rel_error
+
+BOUND = {"float32": 2e-5, "bfloat16": 1.5e-2}
+
+
+def _ring(rng, size, layout, causal=True, window=0, heads=4, kv_heads=2, head_dim=16,
+          chunk=6, dtype="float32", deterministic=False, batch=1):
+    """Run forward and backward on ``size`` virtual ranks; return the gathered results
+    and the inputs."""
+    length = dist.chunk_count(layout, size) * chunk
+    full = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES[dtype])
+            for h in (heads, kv_heads, kv_heads, heads)]
+    per_rank = [tuple(dist.shard(x, layout, r, size) for x in full) for r in range(size)]
+
+    def rank(group, q, k, v, dout):
+        out, vjp = dist.ring_attention_vjp(q, k, v, heads, kv_heads, head_dim, causal, window,
+                                           group=group, layout=layout)
+        return (out, vjp.lse, *vjp(dout, deterministic=deterministic))
+
+    results = dist.ThreadGroup(size).run(rank, per_rank)
+    gathered = [dist.gather([r[i] for r in results], layout) for i in range(5)]
+    return gathered, full
+
+
+def _check(rng, size, layout, dtype="float32", **kw):
+    (out, lse, dq, dk, dv), (q, k, v, dout) = _ring(rng, size, layout, dtype=dtype, **kw)
+    causal, window = kw.get("causal", True), kw.get("window", 0)
+    host = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref_out, ref_lse = attention_reference(*host[:3], causal, window)
+    ref_grads = attention_reference_grad(host[3], *host[:3], causal, window)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv),
+                               (ref_out, *ref_grads)):
+        err = rel_error(got.astype(np.float64), want)
+        assert err <= BOUND[dtype] + FLOOR[dtype], (name, err)
+    assert not np.isnan(lse).any()
+    live = ~np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~live)
+    assert np.allclose(lse[live], ref_lse[live], atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_ring_matches_oracle(size, causal, layout, rng):
+    _check(rng, size, layout, causal=causal, chunk=4 if size == 8 else 6)
+
+
+@pytest.mark.parametrize("window, causal", [(5, True), ((3, 7), False), ((0, 0), False),
+                                            ((9, 2), True)])
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+def test_ring_windows(window, causal, layout, rng):
+    """Windows across chunk boundaries: pairs whose band misses the block are skipped,
+    others cut to the band (rows of a chunk that see nothing in a step merge as -inf)."""
+    _check(rng, 3, layout, causal=causal, window=window)
+
+
+def test_ring_gqa_batch_and_bfloat16(rng):
+    _check(rng, 4, "zigzag", heads=6, kv_heads=1, batch=2, dtype="bfloat16")
+
+
+def test_deterministic_ring_repeats_bitwise(rng):
+    seed = int(rng.integers(2**31))
+    first = _ring(np.random.default_rng(seed), 3, "zigzag", deterministic=True)[0]
+    again = _ring(np.random.default_rng(seed), 3, "zigzag", deterministic=True)[0]
+    for x, y in zip(first, again):
+        assert np.array_equal(x, y)
+
+
+def test_shard_and_gather_are_inverse(rng):
+    x = rng.standard_normal((2, 3, 24, 4))
+    for layout, size in itertools.product(dist.LAYOUTS, (1, 2, 3, 4)):
+        shards = [dist.shard(x, layout, r, size) for r in range(size)]
+        assert np.array_equal(dist.gather(shards, layout), x)
+    # zigzag: rank 0 of 2 holds chunks 0 and 3 of 4
+    assert np.array_equal(dist.shard(x, "zigzag", 0, 2),
+                          np.concatenate([x[:, :, 0:6], x[:, :, 18:24]], axis=2))
+
+
+@pytest.mark.parametrize("left, right", [(-1, -1), (-1, 0), (4, 0), (0, 0), (3, 7),
+                                         (-1, 5), (12, -1), (2, 1)])
+def test_pair_call_is_the_visible_key_rule(left, right):
+    """Every (query chunk, key chunk) pair of a 5-chunk sequence: the keys the dense call
+    sees (its rows and keys, its window, bottom-right) are the whole sequence's."""
+    chunk, count = 5, 5
+    total = chunk * count
+    rule = np.broadcast_to(
+        visible_keys(np.arange(total), np.arange(total), total, total, left, right),
+        (total, total))
+    for a, c in itertools.product(range(count), repeat=2):
+        q_seg = dist.Segment(a * chunk, chunk, 0)
+        k_seg = dist.Segment(c * chunk, chunk, 0)
+        want = rule[a * chunk:(a + 1) * chunk, c * chunk:(c + 1) * chunk]
+        call = dist.pair_call(q_seg, k_seg, left, right)
+        got = np.zeros((chunk, chunk), dtype=bool)
+        if call is not None:
+            got[:call.rows, :call.keys] = visible_keys(
+                np.arange(call.rows), np.arange(call.keys), call.rows, call.keys,
+                *call.window)
+        assert np.array_equal(got, want), (a, c, call)
+        assert call is None or want.any(), (a, c, call)  # empty pairs are skipped
+
+
+def _bad_calls():
+    q = np.zeros((1, 2, 8, 16), np.float32)
+
+    class One:
+        rank, size = 0, 1
+
+        def exchange(self, obj):
+            return obj
+
+    def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
+        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group,
+                                               layout=layout)
+
+    return [
+        (fwd(layout="ring"), "layout: expected one of ('contiguous', 'zigzag'), got 'ring'"),
+        (fwd(group=object()), "group: expected a process group with rank, size and "
+                              "exchange(), got object"),
+        (fwd(k=q[:, :, :6], v=q[:, :, :6]), "k: shard length 6 differs from q's 8: ring "
+                                            "attention is self-attention over one sequence"),
+        (fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
+         "q: shard length 7 is not a multiple of the 2 chunks a rank holds in the zigzag "
+         "layout"),
+        (lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
+         "x: sequence length 10 is not a multiple of the 4 chunks of the zigzag layout over 2 "
+         "ranks"),
+        (lambda: dist.ThreadGroup(0), "size: expected an int >= 1, got 0"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_bad_input_is_rejected(index):
+    call, message = _bad_calls()[index]
+    with pytest.raises(cuflash.InvalidArgumentError) as info:
+        call()
+    assert str(info.value) == message

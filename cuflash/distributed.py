@@ -22,8 +22,9 @@ off a chunk's end shift the band onto the bottom-right diagonal, which the
 dense ``window_size`` expresses), or into nothing when no key is visible.
 
 The ranks talk through a *group*: an object with ``rank``, ``size`` and
-``exchange(obj)`` (send ``obj`` to the next rank, return what the previous one
-sent). :class:`ThreadGroup` runs ``N`` virtual ranks as threads of one
+``exchange(arrays)`` (send a tuple of arrays to the next rank, return the
+tuple of the same shapes and dtypes the previous one sent; whose shard a rank
+holds at step ``t`` is known: rank ``rank - t``'s). :class:`ThreadGroup` runs ``N`` virtual ranks as threads of one
 process (NumPy or CuPy arrays): the simulation the CPU tests check against the
 oracle. A group over NCCL, one process a GPU, is the next step (see the
 distributed design page).
@@ -150,8 +151,8 @@ def pair_call(q_seg, k_seg, left, right):
 class ThreadGroup:
     """``size`` virtual ranks in one process, one thread each: ``run(fn, per_rank_args)``
     calls ``fn(group_of_rank, *args)`` on every rank at once and returns their results
-    in rank order. ``exchange`` passes objects around the ring (no copy: a rank must not
-    change what it sent)."""
+    in rank order. ``exchange`` passes the arrays around the ring without a copy (a rank
+    never changes what it sent)."""
 
     def __init__(self, size):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -185,9 +186,9 @@ class _ThreadRank:
     def __init__(self, group, rank):
         self.group, self.rank, self.size = group, rank, group.size
 
-    def exchange(self, obj):
+    def exchange(self, arrays):
         group = self.group
-        group._slots[self.rank] = obj
+        group._slots[self.rank] = arrays
         group._barrier.wait()
         received = group._slots[(self.rank - 1) % self.size]
         group._barrier.wait()  # everyone has read before the slots are reused
@@ -247,7 +248,7 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
         As in :func:`cuflash.flash_attention_fwd`, for the whole sequence
         (``S = S_shard * size``; causal and windows by global positions).
     group : process group
-        ``rank``, ``size`` and ``exchange(obj)``: e.g. a rank of :class:`ThreadGroup`.
+        ``rank``, ``size`` and ``exchange(arrays)``: e.g. a rank of :class:`ThreadGroup`.
     layout : {"zigzag", "contiguous"}
 
     Returns
@@ -265,8 +266,9 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
     q_segments = segments(layout, rank, size, q.shape[2])
     out_acc = xp.zeros(q.shape, dtype=np.float32)
     lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
-    kv, owner = (k, v), rank
+    kv = (k, v)
     for step in range(size):
+        owner = (rank - step) % size  # whose K/V shard this rank holds at this step
         for q_seg in q_segments:
             for k_seg in segments(layout, owner, size, k.shape[2]):
                 call = pair_call(q_seg, k_seg, left, right)
@@ -280,7 +282,7 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                     allow_tf32=allow_tf32)
                 _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse, xp)
         if step + 1 < size:
-            kv, owner = group.exchange((kv, owner))
+            kv = group.exchange(kv)
     return out_acc.astype(q.dtype), lse_acc
 
 
@@ -310,8 +312,8 @@ def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_di
     dq_acc = xp.zeros(q.shape, dtype=np.float32)
     travelling = (k, v, xp.zeros(k.shape, dtype=np.float32),
                   xp.zeros(v.shape, dtype=np.float32))
-    owner = rank
-    for _ in range(size):
+    for step in range(size):
+        owner = (rank - step) % size
         k_now, v_now, dk_acc, dv_acc = travelling
         for q_seg in q_segments:
             for k_seg in segments(layout, owner, size, k.shape[2]):
@@ -328,10 +330,10 @@ def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_di
                 dq_acc[:, :, rows] += dq
                 dk_acc[:, :, keys] += dk
                 dv_acc[:, :, keys] += dv
-        # N exchanges: the last brings every dK/dV accumulator home.
-        travelling, owner = group.exchange((travelling, owner))
-    assert owner == rank
-    _, _, dk_acc, dv_acc = travelling
+        if step + 1 < size:
+            travelling = group.exchange(travelling)
+    # One more exchange, of the accumulators only, brings each home to its owner.
+    dk_acc, dv_acc = group.exchange(travelling[2:])
     return dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
 
 

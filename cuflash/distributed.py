@@ -224,6 +224,29 @@ def _window(causal, window_size, total):
     return normalize_window(window_size, causal, total, total)
 
 
+class _Schedule:
+    """One rank's ring: the arguments checked, and the pairs it computes at each step."""
+
+    def __init__(self, group, layout, q, k, v, causal, window_size):
+        self.rank, self.size = _check_group(group)
+        chunk_count(layout, self.size)
+        _check_shards(q, k, v, layout, self.size)
+        self.layout, self.shard_length = layout, q.shape[2]
+        self.window = _window(causal, window_size, q.shape[2] * self.size)
+        self.q_segments = segments(layout, self.rank, self.size, q.shape[2])
+
+    def pairs(self, step):
+        """``(rows, keys, window)`` of each dense call at step ``step``, when the rank
+        holds rank ``rank - step``'s K/V shard: slices of its q and of that shard."""
+        owner = (self.rank - step) % self.size
+        for q_seg in self.q_segments:
+            for k_seg in segments(self.layout, owner, self.size, self.shard_length):
+                call = pair_call(q_seg, k_seg, *self.window)
+                if call is not None:
+                    yield (slice(q_seg.offset, q_seg.offset + call.rows),
+                           slice(k_seg.offset, k_seg.offset + call.keys), call.window)
+
+
 def _merge(out_acc, lse_acc, out, lse, xp):
     """out_acc, lse_acc (float32 views) <- the log-sum-exp merge with a partial result;
     rows that see no key (lse -inf) on both sides stay 0 and -inf, never NaN."""
@@ -257,31 +280,18 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
     lse : float32 array ``[B, H, S_shard]``
         This rank's rows of the single call's results.
     """
-    rank, size = _check_group(group)
-    chunk_count(layout, size)
-    _check_shards(q, k, v, layout, size)
+    schedule = _Schedule(group, layout, q, k, v, causal, window_size)
     xp = _array_module(q)
-    total = q.shape[2] * size
-    left, right = _window(causal, window_size, total)
-    q_segments = segments(layout, rank, size, q.shape[2])
     out_acc = xp.zeros(q.shape, dtype=np.float32)
     lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
     kv = (k, v)
-    for step in range(size):
-        owner = (rank - step) % size  # whose K/V shard this rank holds at this step
-        for q_seg in q_segments:
-            for k_seg in segments(layout, owner, size, k.shape[2]):
-                call = pair_call(q_seg, k_seg, left, right)
-                if call is None:
-                    continue
-                rows = slice(q_seg.offset, q_seg.offset + call.rows)
-                keys = slice(k_seg.offset, k_seg.offset + call.keys)
-                out, lse = flash_attention_fwd(
-                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], num_heads,
-                    num_kv_heads, head_dim, False, call.window, softmax_scale=softmax_scale,
-                    allow_tf32=allow_tf32)
-                _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse, xp)
-        if step + 1 < size:
+    for step in range(schedule.size):
+        for rows, keys, window in schedule.pairs(step):
+            out, lse = flash_attention_fwd(
+                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], num_heads, num_kv_heads,
+                head_dim, False, window, softmax_scale=softmax_scale, allow_tf32=allow_tf32)
+            _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse, xp)
+        if step + 1 < schedule.size:
             kv = group.exchange(kv)
     return out_acc.astype(q.dtype), lse_acc
 
@@ -302,35 +312,23 @@ def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_di
     dq : array, shape and dtype of ``q``
     dk, dv : arrays, shape and dtype of ``k``
     """
-    rank, size = _check_group(group)
-    chunk_count(layout, size)
-    _check_shards(q, k, v, layout, size)
+    schedule = _Schedule(group, layout, q, k, v, causal, window_size)
     xp = _array_module(q)
-    total = q.shape[2] * size
-    left, right = _window(causal, window_size, total)
-    q_segments = segments(layout, rank, size, q.shape[2])
     dq_acc = xp.zeros(q.shape, dtype=np.float32)
     travelling = (k, v, xp.zeros(k.shape, dtype=np.float32),
                   xp.zeros(v.shape, dtype=np.float32))
-    for step in range(size):
-        owner = (rank - step) % size
+    for step in range(schedule.size):
         k_now, v_now, dk_acc, dv_acc = travelling
-        for q_seg in q_segments:
-            for k_seg in segments(layout, owner, size, k.shape[2]):
-                call = pair_call(q_seg, k_seg, left, right)
-                if call is None:
-                    continue
-                rows = slice(q_seg.offset, q_seg.offset + call.rows)
-                keys = slice(k_seg.offset, k_seg.offset + call.keys)
-                dq, dk, dv = flash_attention_bwd(
-                    dout[:, :, rows], q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys],
-                    out[:, :, rows], xp.ascontiguousarray(lse[:, :, rows]), num_heads,
-                    num_kv_heads, head_dim, False, call.window, softmax_scale=softmax_scale,
-                    deterministic=deterministic, allow_tf32=allow_tf32)
-                dq_acc[:, :, rows] += dq
-                dk_acc[:, :, keys] += dk
-                dv_acc[:, :, keys] += dv
-        if step + 1 < size:
+        for rows, keys, window in schedule.pairs(step):
+            dq, dk, dv = flash_attention_bwd(
+                dout[:, :, rows], q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys],
+                out[:, :, rows], xp.ascontiguousarray(lse[:, :, rows]), num_heads,
+                num_kv_heads, head_dim, False, window, softmax_scale=softmax_scale,
+                deterministic=deterministic, allow_tf32=allow_tf32)
+            dq_acc[:, :, rows] += dq
+            dk_acc[:, :, keys] += dk
+            dv_acc[:, :, keys] += dv
+        if step + 1 < schedule.size:
             travelling = group.exchange(travelling)
     # One more exchange, of the accumulators only, brings each home to its owner.
     dk_acc, dv_acc = group.exchange(travelling[2:])

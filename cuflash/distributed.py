@@ -365,3 +365,55 @@ def ring_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
 
 __all__ = ["LAYOUTS", "RingVJP", "ThreadGroup", "gather", "pair_call", "ring_attention_bwd",
            "ring_attention_fwd", "ring_attention_vjp", "segments", "shard"]
+
+
+class NcclGroup:
+    """One rank of a ring over NCCL: one process a GPU, the communicator from
+    ``cupyx.distributed.init_process_group`` (its TCP store on ``host:port``). Arrays
+    travel as bytes on a stream of their own, which waits for the compute stream's
+    work on them; the compute stream then waits for the received ones."""
+
+    def __init__(self, rank, size, host=None, port=None):
+        import cupy
+        import cupyx.distributed
+
+        self.rank, self.size = rank, size
+        self.backend = cupyx.distributed.init_process_group(size, rank, host=host, port=port)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def from_environment(cls):
+        """The rank and size torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+        MASTER_PORT) or mpirun (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) set; the
+        process's GPU is its local rank."""
+        import os
+
+        import cupy
+
+        env = os.environ
+        rank = int(env.get("RANK", env.get("OMPI_COMM_WORLD_RANK", 0)))
+        size = int(env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", 1)))
+        local = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)))
+        cupy.cuda.Device(local).use()
+        port = env.get("MASTER_PORT")
+        return cls(rank, size, host=env.get("MASTER_ADDR"),
+                   port=int(port) if port else None)
+
+    def exchange(self, arrays):
+        import cupy
+        from cupy.cuda import nccl
+
+        compute = cupy.cuda.get_current_stream()
+        arrays = tuple(cupy.ascontiguousarray(a) for a in arrays)
+        received = tuple(cupy.empty_like(a) for a in arrays)
+        self.stream.wait_event(compute.record())
+        comm = self.backend._comm
+        nccl.groupStart()
+        for sent, into in zip(arrays, received):
+            comm.send(sent.data.ptr, sent.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size,
+                      self.stream.ptr)
+            comm.recv(into.data.ptr, into.nbytes, nccl.NCCL_UINT8, (self.rank - 1) % self.size,
+                      self.stream.ptr)
+        nccl.groupEnd()
+        compute.wait_event(self.stream.record())
+        return received

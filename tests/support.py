@@ -295,3 +295,17 @@ def poison_gpu_allocations():
         pool.free_all_blocks()
 
     return undo
+
+
+def compile_and_check(source_file, names, arch):
+    """Compile ``names`` of ``kernels/source_file`` for ``arch`` through NVRTC (no GPU):
+    each kernel without spills or a stack frame, in at most 255 registers."""
+    from cuflash import kernel_build
+
+    log, cubin, lowered = kernel_build.compile_source_offline(source_file, names, arch)
+    report = kernel_build.CompileReport(None, arch, log, cubin, lowered).kernels()
+    for name, info in report.items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, arch, info)
+        assert info["stack"] == 0, (name, arch, info)
+        assert 0 < info["registers"] <= 255, (name, arch, info)
+    return report

@@ -12,19 +12,20 @@ import cuflash
 from cuflash import distributed as dist
 from cuflash.masking import visible_keys
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, rel_error
+from support import DTYPES, FLOOR, compile_and_check, rel_error, to_numpy
 
 BOUND = {"float32": 2e-5, "bfloat16": 1.5e-2}
 
 
 def _ring(rng, size, layout, causal=True, window=0, heads=4, kv_heads=2, head_dim=16,
-          chunk=6, dtype="float32", deterministic=False, batch=1):
-    """Run forward and backward on ``size`` virtual ranks; return the gathered results
-    and the inputs."""
+          chunk=6, dtype="float32", deterministic=False, batch=1, xp=np):
+    """Run forward and backward on ``size`` virtual ranks (arrays of ``xp``); return the
+    gathered results and the inputs, as NumPy arrays."""
     length = dist.chunk_count(layout, size) * chunk
     full = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES[dtype])
             for h in (heads, kv_heads, kv_heads, heads)]
-    per_rank = [tuple(dist.shard(x, layout, r, size) for x in full) for r in range(size)]
+    per_rank = [tuple(dist.shard(xp.asarray(x), layout, r, size) for x in full)
+                for r in range(size)]
 
     def rank(group, q, k, v, dout):
         out, vjp = dist.ring_attention_vjp(q, k, v, heads, kv_heads, head_dim, causal, window,
@@ -32,7 +33,7 @@ def _ring(rng, size, layout, causal=True, window=0, heads=4, kv_heads=2, head_di
         return (out, vjp.lse, *vjp(dout, deterministic=deterministic))
 
     results = dist.ThreadGroup(size).run(rank, per_rank)
-    gathered = [dist.gather([r[i] for r in results], layout) for i in range(5)]
+    gathered = [to_numpy(dist.gather([r[i] for r in results], layout)) for i in range(5)]
     return gathered, full
 
 
@@ -149,3 +150,94 @@ def test_bad_input_is_rejected(index):
     with pytest.raises(cuflash.InvalidArgumentError) as info:
         call()
     assert str(info.value) == message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("size", [1, 3])
+def test_ring_on_one_gpu_matches_oracle(size, layout, dtype, rng, poisoned):
+    """Virtual ranks on one GPU: the flash kernels and the merge kernel on the ring."""
+    import cupy
+
+    _check(rng, size, layout, dtype=dtype, chunk=70, head_dim=64, xp=cupy)
+
+
+# ------------------------------------------------------------------ two GPUs over NCCL
+
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver
+        return 0
+
+
+def _nccl_cases():
+    from cuflash.distributed.demo import RingCase
+
+    small = dict(seq_len=600, heads=4, kv_heads=2, head_dim=64)  # chunks of 150 rows
+    cases = [RingCase(**small, causal=causal, layout=layout, dtype=dtype)
+             for dtype in ("bfloat16", "float16", "float32") for layout in dist.LAYOUTS
+             for causal in (True, False)]
+    cases += [
+        RingCase(**small, causal=False, window=(100, 40), dtype="bfloat16"),
+        RingCase(**small, causal=True, window=(170, 0), layout="contiguous", dtype="float16"),
+        RingCase(**small, causal=True, window=(5, 0), dtype="float32"),
+        RingCase(seq_len=1040, heads=8, kv_heads=1, head_dim=128, dtype="bfloat16"),  # MQA
+        RingCase(seq_len=520, heads=6, kv_heads=3, head_dim=40, dtype="float16", batch=2,
+                 softmax_scale=0.3),
+        RingCase(seq_len=520, heads=2, kv_heads=2, head_dim=256, dtype="float32"),
+        RingCase(seq_len=2048, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16",
+                 deterministic=True),
+        RingCase(**small, causal=False, dtype="float32", deterministic=True),
+    ]
+    return cases
+
+
+NCCL_CASES = _nccl_cases() if _gpu_count() >= 2 else []
+
+
+@pytest.fixture(scope="module")
+def nccl_errors():
+    from cuflash.distributed import demo
+
+    if _gpu_count() < 2:
+        pytest.skip("ring attention over NCCL needs two GPUs")
+    return demo.launch(demo.check_cases, 2, NCCL_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(NCCL_CASES)) if NCCL_CASES else [0])
+def test_ring_over_nccl_matches_one_gpu(nccl_errors, index):
+    """Each rank's shard of the ring's out, lse, dQ, dK, dV against the single-GPU call
+    on the whole sequence; deterministic cases give the same bits twice."""
+    from cuflash.distributed.demo import case_passes
+
+    case = NCCL_CASES[index]
+    for rank, errors in enumerate(nccl_errors):
+        assert case_passes(case, errors[index]), (str(case), rank, errors[index])
+
+
+@pytest.mark.gpu
+def test_ring_demo_runs_on_every_gpu():
+    """``python -m cuflash.distributed`` checks and times a small case on every GPU."""
+    import subprocess
+    import sys
+
+    if _gpu_count() < 2:
+        pytest.skip("the demo's ring needs two GPUs")
+    done = subprocess.run([sys.executable, "-m", "cuflash.distributed", "--seq-lens", "4096",
+                           "--heads", "8", "--kv-heads", "2", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| 4096 |" in done.stdout and "FAILED" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_merge_kernel_compiles_without_spills(arch):
+    from cuflash.kernel_build import CXX_TYPES
+
+    compile_and_check("ring_merge.cu", [f"cuflash::ring_merge<{cxx}>"
+                                        for cxx in CXX_TYPES.values()], arch)

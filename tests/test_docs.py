@@ -341,7 +341,7 @@ def distributed_bad_calls():
     return [fwd(layout="ring"), fwd(group=object()), fwd(k=q[:, :, :6], v=q[:, :, :6]),
             fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
             lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
-            lambda: dist.ThreadGroup(0)]
+            lambda: dist.ThreadGroup(0), lambda: dist.NcclGroup(2, 2)]
 
 
 def kvcache_bad_calls():

@@ -13,7 +13,7 @@ from cuflash import kvcache
 from cuflash.kvcache import (ROW_TILES, decode_shape, decode_tc_shape,
                              flash_attention_with_kvcache, num_splits)
 from cuflash.reference import attention_reference
-from support import DTYPES, HAS_GPU, check_lse, rel_error, to_numpy
+from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
 if HAS_GPU:
     import cupy
@@ -376,25 +376,6 @@ def test_cpu_unused_block_table_entries_are_never_read(rng):
 # Kernels: compile without spills; the shared-memory mirror
 
 
-def _resource_report(log):
-    import re
-
-    info, current = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            current = info[m.group(1)] = {}
-            continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                      r"(\d+) bytes spill loads", line)
-        if m and current is not None:
-            current.update(stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current is not None:
-            current["registers"] = int(m.group(1))
-    return info
-
-
 def _kernel_names(dtype_names, head_dims):
     names = []
     for dtype in dtype_names:
@@ -409,15 +390,6 @@ def _kernel_names(dtype_names, head_dims):
     return names
 
 
-def _compile_and_check(names, arch):
-    log, _, lowered = kernel_build.compile_source_offline("decode.cu", names, arch)
-    report = _resource_report(log)
-    for name in names:
-        info = report[lowered[name]]
-        assert info["spills"] == 0 and info["stack"] == 0, (name, arch, info)
-        assert 0 < info["registers"] <= 255, (name, arch, info)
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_decode_kernels_compile_without_spills(arch):
     """The kernels of bfloat16 decoding at head_dim 128 and float32's general kernel (the
@@ -427,7 +399,7 @@ def test_decode_kernels_compile_without_spills(arch):
              "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2>",
              "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2>",
              "cuflash::kvcache_decode<float, 128, 4>"]
-    _compile_and_check(names, arch)
+    compile_and_check("decode.cu", names, arch)
 
 
 # Each class's edges and insides (float16 is bfloat16's code on another type).
@@ -436,7 +408,7 @@ COMPILED_HEAD_DIMS = (8, 24, 40, 64, 72, 96, 120, 128, 136, 160, 200, 248, 256)
 
 def _compile_job(job):
     dtype, arch = job
-    _compile_and_check(_kernel_names([dtype], COMPILED_HEAD_DIMS), arch)
+    compile_and_check("decode.cu", _kernel_names([dtype], COMPILED_HEAD_DIMS), arch)
     return True
 
 

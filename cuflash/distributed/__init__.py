@@ -1,0 +1,45 @@
+"""Sequences longer than one device: ring (context-parallel) attention (SPEC 9).
+
+Each rank holds a shard of the sequence axis of q, k and v (self-attention: one
+sequence length). The K/V shards travel around the ring of ranks; at every
+step each rank runs the dense flash kernels on its query rows against the K/V
+shard it holds and merges the partial outputs by their log-sum-exp, so after
+``N`` steps each rank holds its shard of what one call on the whole sequence
+gives. The backward sends the dK/dV accumulators around the ring with the K/V
+shards, back to their owners.
+
+Two layouts of the sequence axis (``layout=``):
+
+- ``"contiguous"``: ``N`` equal chunks, rank ``r`` holds chunk ``r``;
+- ``"zigzag"`` (the default): ``2N`` equal chunks, rank ``r`` holds chunks ``r``
+  and ``2N - 1 - r``, one from each end, so that causal attention gives every
+  rank the same work.
+
+Each (query chunk, key chunk) pair at global offsets ``a`` and ``c`` sees the
+keys of a band ``j - i in [lo, hi]`` of the dense problem's visible-key rule;
+:func:`pair_call` turns it into one dense call on views (rows or keys sliced
+off a chunk's end shift the band onto the bottom-right diagonal, which the
+dense ``window_size`` expresses), or into nothing when no key is visible.
+
+The ranks talk through a *group*: an object with ``rank``, ``size`` and
+``exchange(arrays)`` (send a tuple of arrays to the next rank, return the
+tuple of the same shapes and dtypes the previous one sent; whose shard a rank
+holds at step ``t`` is known: rank ``rank - t``'s), and optionally
+``start_exchange(arrays)`` returning a handle whose ``wait()`` gives that tuple,
+so that a step's kernels run while the next step's shards travel.
+:class:`NcclGroup` is one process a GPU over NCCL (through CuPy);
+:class:`ThreadGroup` runs ``N`` virtual ranks as threads of one process (NumPy
+or CuPy arrays): the simulation the CPU tests check against the oracle.
+``python -m cuflash.distributed`` runs ring attention on every visible GPU
+against the single-GPU call and prints the timings.
+"""
+
+from .groups import InFlight, NcclGroup, Received, ThreadGroup, start_exchange
+from .layout import (LAYOUTS, PairCall, Segment, chunk_count, gather, pair_call, rank_chunks,
+                     segments, shard)
+from .ring import RingVJP, ring_attention_bwd, ring_attention_fwd, ring_attention_vjp
+
+__all__ = ["LAYOUTS", "InFlight", "NcclGroup", "PairCall", "Received", "RingVJP", "Segment",
+           "ThreadGroup", "chunk_count", "gather", "pair_call", "rank_chunks",
+           "ring_attention_bwd", "ring_attention_fwd", "ring_attention_vjp", "segments",
+           "shard", "start_exchange"]

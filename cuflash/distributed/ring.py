@@ -1,0 +1,218 @@
+"""The ring: each rank's schedule of dense calls, the log-sum-exp merge, and the
+forward and backward passes over a process group."""
+
+import dataclasses
+
+import numpy as np
+
+from ..api import flash_attention_bwd, flash_attention_fwd
+from ..errors import InvalidArgumentError
+from ..masking import normalize_window
+from .groups import start_exchange
+from .layout import array_module, chunk_count, pair_call, segments
+
+
+def _check_group(group):
+    for attr in ("rank", "size", "exchange"):
+        if not hasattr(group, attr):
+            raise InvalidArgumentError(
+                "group", f"expected a process group with rank, size and exchange(), got "
+                f"{type(group).__name__}")
+    return group.rank, group.size
+
+
+def _check_shards(q, k, v, layout, size):
+    count = chunk_count(layout, size) // size
+    length = q.shape[2] if getattr(q, "ndim", 0) == 4 else None
+    if length is None or k.ndim != 4 or v.ndim != 4:
+        return  # the dense functions name the rank error
+    if k.shape[2] != length or v.shape[2] != length:
+        raise InvalidArgumentError(
+            "k", f"shard length {k.shape[2]} differs from q's {length}: ring attention is "
+            "self-attention over one sequence")
+    if length % count:
+        raise InvalidArgumentError(
+            "q", f"shard length {length} is not a multiple of the {count} chunks a rank holds "
+            f"in the {layout} layout")
+
+
+def _window(causal, window_size, total):
+    """The whole sequence's (left, right), causal folded in."""
+    return normalize_window(window_size, causal, total, total)
+
+
+class _Schedule:
+    """One rank's ring: the arguments checked, and the pairs it computes at each step."""
+
+    def __init__(self, group, layout, q, k, v, causal, window_size):
+        self.rank, self.size = _check_group(group)
+        chunk_count(layout, self.size)
+        _check_shards(q, k, v, layout, self.size)
+        self.layout, self.shard_length = layout, q.shape[2]
+        self.window = _window(causal, window_size, q.shape[2] * self.size)
+        self.q_segments = segments(layout, self.rank, self.size, q.shape[2])
+
+    def pairs(self, step):
+        """``(rows, keys, window)`` of each dense call at step ``step``, when the rank
+        holds rank ``rank - step``'s K/V shard: slices of its q and of that shard."""
+        owner = (self.rank - step) % self.size
+        for q_seg in self.q_segments:
+            for k_seg in segments(self.layout, owner, self.size, self.shard_length):
+                call = pair_call(q_seg, k_seg, *self.window)
+                if call is not None:
+                    yield (slice(q_seg.offset, q_seg.offset + call.rows),
+                           slice(k_seg.offset, k_seg.offset + call.keys), call.window)
+
+
+def _merge(out_acc, lse_acc, out, lse, rows):
+    """Rows ``rows`` of the accumulators (float32 ``[B, H, S_shard, D]`` and ``[B, H,
+    S_shard]``) <- their log-sum-exp merge with a partial result of those rows. Rows
+    that see no key (lse -inf) on both sides stay 0 and -inf, never NaN."""
+    if isinstance(out_acc, np.ndarray):
+        acc, acc_lse = out_acc[:, :, rows], lse_acc[:, :, rows]
+        new = np.logaddexp(acc_lse, lse)
+        base = np.where(np.isneginf(new), np.float32(0), new)
+        keep = np.exp(acc_lse - base)[..., None]
+        take = np.exp(lse - base)[..., None]
+        acc[...] = keep * acc + take * out.astype(np.float32)
+        acc_lse[...] = new
+        return
+    _merge_on_gpu(out_acc, lse_acc, out, lse, rows)
+
+
+def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
+    """:func:`_merge` in one pass of ``kernels/ring_merge.cu`` (a warp a row)."""
+    import cupy
+
+    from ..kernel_build import CXX_TYPES, load_kernel
+
+    out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
+    batch, heads, shard_len, head_dim = out_acc.shape
+    count = rows.stop - rows.start
+    heads_total = batch * heads
+    kernel = load_kernel("ring_merge.cu", f"cuflash::ring_merge<{CXX_TYPES[out.dtype]}>")
+    threads = 256
+    blocks = -(-heads_total * count * 32 // threads)
+    kernel((blocks,), (threads,), (out_acc, lse_acc, out, lse, np.int64(heads_total),
+                                   np.int32(count), np.int32(rows.start),
+                                   np.int32(shard_len), np.int32(head_dim)))
+
+
+def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
+                       window_size=0, *, group, layout="zigzag", softmax_scale=None,
+                       allow_tf32=False):
+    """This rank's shard of the attention over the whole sequence, forward pass.
+
+    Parameters
+    ----------
+    q, k, v : arrays ``[B, H, S_shard, D]`` and ``[B, H_kv, S_shard, D]``
+        This rank's shard of the sequence axis in ``layout`` (see :func:`shard`).
+    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32
+        As in :func:`cuflash.flash_attention_fwd`, for the whole sequence
+        (``S = S_shard * size``; causal and windows by global positions).
+    group : process group
+        ``rank``, ``size`` and ``exchange(arrays)``: e.g. a rank of :class:`ThreadGroup`.
+    layout : {"zigzag", "contiguous"}
+
+    Returns
+    -------
+    out : array ``[B, H, S_shard, D]``, dtype of ``q``
+    lse : float32 array ``[B, H, S_shard]``
+        This rank's rows of the single call's results.
+    """
+    schedule = _Schedule(group, layout, q, k, v, causal, window_size)
+    xp = array_module(q)
+    out_acc = xp.zeros(q.shape, dtype=np.float32)
+    lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
+    k_now, v_now = k, v
+    for step in range(schedule.size):
+        last = step + 1 == schedule.size
+        # The next step's shards travel while this step's kernels run.
+        incoming = None if last else start_exchange(group, (k_now, v_now))
+        for rows, keys, window in schedule.pairs(step):
+            out, lse = flash_attention_fwd(
+                q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys], num_heads, num_kv_heads,
+                head_dim, False, window, softmax_scale=softmax_scale, allow_tf32=allow_tf32)
+            _merge(out_acc, lse_acc, out, lse, rows)
+        if not last:
+            k_now, v_now = incoming.wait()
+    return out_acc.astype(q.dtype), lse_acc
+
+
+def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
+                       causal=False, window_size=0, *, group, layout="zigzag",
+                       softmax_scale=None, deterministic=False, allow_tf32=False):
+    """Gradients of :func:`ring_attention_fwd` for this rank's shards.
+
+    ``out`` and ``lse`` are this rank's results of the forward (the merged ones: every
+    pair's backward takes its probabilities from them). The dK/dV accumulators of each
+    K/V shard travel around the ring with it and come back to its owner. With
+    ``deterministic`` every rank adds its pairs in a fixed order: the same bits on
+    every run.
+
+    Returns
+    -------
+    dq : array, shape and dtype of ``q``
+    dk, dv : arrays, shape and dtype of ``k``
+    """
+    schedule = _Schedule(group, layout, q, k, v, causal, window_size)
+    xp = array_module(q)
+    dq_acc = xp.zeros(q.shape, dtype=np.float32)
+    k_now, v_now = k, v
+    sending = None  # the dK/dV accumulators on their way to the next rank
+    for step in range(schedule.size):
+        last = step + 1 == schedule.size
+        incoming = None if last else start_exchange(group, (k_now, v_now))
+        partial = []
+        for rows, keys, window in schedule.pairs(step):
+            dq, dk, dv = flash_attention_bwd(
+                dout[:, :, rows], q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys],
+                out[:, :, rows], xp.ascontiguousarray(lse[:, :, rows]), num_heads,
+                num_kv_heads, head_dim, False, window, softmax_scale=softmax_scale,
+                deterministic=deterministic, allow_tf32=allow_tf32)
+            dq_acc[:, :, rows] += dq
+            partial.append((keys, dk, dv))
+        # The accumulators of the shard held now (rank - step's) come from the previous
+        # rank, which held that shard one step ago; they travelled during the kernels.
+        if sending is None:
+            dk_acc = xp.zeros(k.shape, dtype=np.float32)
+            dv_acc = xp.zeros(v.shape, dtype=np.float32)
+        else:
+            dk_acc, dv_acc = sending.wait()
+        for keys, dk, dv in partial:
+            dk_acc[:, :, keys] += dk
+            dv_acc[:, :, keys] += dv
+        # After the last step the next rank is the shard's owner: the accumulators go home.
+        sending = start_exchange(group, (dk_acc, dv_acc))
+        if not last:
+            k_now, v_now = incoming.wait()
+    dk_acc, dv_acc = sending.wait()
+    return dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingVJP:
+    """The residuals of one ring forward on one rank; ``dq, dk, dv = vjp(dout)``."""
+
+    q: object
+    k: object
+    v: object
+    out: object
+    lse: object
+    arguments: tuple
+    options: dict
+
+    def __call__(self, dout, *, deterministic=False):
+        return ring_attention_bwd(dout, self.q, self.k, self.v, self.out, self.lse,
+                                  *self.arguments, deterministic=deterministic, **self.options)
+
+
+def ring_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
+                       window_size=0, *, group, layout="zigzag", softmax_scale=None,
+                       allow_tf32=False):
+    """:func:`ring_attention_fwd` plus a :class:`RingVJP` for the matching backward."""
+    arguments = (num_heads, num_kv_heads, head_dim, causal, window_size)
+    options = dict(group=group, layout=layout, softmax_scale=softmax_scale,
+                   allow_tf32=allow_tf32)
+    out, lse = ring_attention_fwd(q, k, v, *arguments, **options)
+    return out, RingVJP(q, k, v, out, lse, arguments, options)

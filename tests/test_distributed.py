@@ -115,6 +115,42 @@ def test_pair_call_is_the_visible_key_rule(left, right):
         assert call is None or want.any(), (a, c, call)  # empty pairs are skipped
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 6),
+                                    (15, -1), (3, 2), (30, 0)])
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_step_calls_cover_each_visible_key_once(size, layout, window):
+    """The calls of every rank and step, placed at their rows and keys and mapped back
+    to positions of the whole sequence, see each visible (query, key) exactly once and
+    nothing else; a causal zigzag step is at most two calls."""
+    chunk = 5
+    shard_length = chunk * (dist.chunk_count(layout, size) // size)
+    total = shard_length * size
+    rule = np.broadcast_to(visible_keys(np.arange(total), np.arange(total), total, total,
+                                        *window), (total, total))
+    seen = np.zeros((total, total), dtype=int)
+
+    def positions(segs):
+        return np.concatenate([np.arange(s.start, s.start + s.length) for s in segs])
+
+    for rank in range(size):
+        q_segs = dist.segments(layout, rank, size, shard_length)
+        for step in range(size):
+            owner = (rank - step) % size
+            k_segs = dist.segments(layout, owner, size, shard_length)
+            calls = dist.step_calls(q_segs, k_segs, *window)
+            if layout == "zigzag" and window == (-1, 0):
+                assert len(calls) <= 2, calls
+            for row0, key0, call in calls:
+                mask = np.broadcast_to(visible_keys(
+                    np.arange(call.rows), np.arange(call.keys), call.rows, call.keys,
+                    *call.window), (call.rows, call.keys))
+                rows = positions(q_segs)[row0:row0 + call.rows]
+                keys = positions(k_segs)[key0:key0 + call.keys]
+                seen[np.ix_(rows, keys)] += mask
+    assert np.array_equal(seen, rule.astype(int))
+
+
 def _bad_calls():
     q = np.zeros((1, 2, 8, 16), np.float32)
 

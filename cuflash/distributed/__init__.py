@@ -20,6 +20,9 @@ keys of a band ``j - i in [lo, hi]`` of the dense problem's visible-key rule;
 :func:`pair_call` turns it into one dense call on views (rows or keys sliced
 off a chunk's end shift the band onto the bottom-right diagonal, which the
 dense ``window_size`` expresses), or into nothing when no key is visible.
+Where the pairs of a step together form one band (a causal zigzag step's
+diagonal chunk and the full chunk before it, say), :func:`step_calls` makes
+them one call, so a step is one or two calls and few merges.
 
 The ranks talk through a *group*: an object with ``rank``, ``size`` and
 ``exchange(arrays)`` (send a tuple of arrays to the next rank, return the
@@ -35,11 +38,11 @@ against the single-GPU call and prints the timings.
 """
 
 from .groups import InFlight, NcclGroup, Received, ThreadGroup, start_exchange
-from .layout import (LAYOUTS, PairCall, Segment, chunk_count, gather, pair_call, rank_chunks,
-                     segments, shard)
+from .layout import (LAYOUTS, PairCall, Segment, band_call, block_call, chunk_count, gather,
+                     pair_band, pair_call, rank_chunks, segments, shard, step_calls)
 from .ring import RingVJP, ring_attention_bwd, ring_attention_fwd, ring_attention_vjp
 
 __all__ = ["LAYOUTS", "InFlight", "NcclGroup", "PairCall", "Received", "RingVJP", "Segment",
-           "ThreadGroup", "chunk_count", "gather", "pair_call", "rank_chunks",
-           "ring_attention_bwd", "ring_attention_fwd", "ring_attention_vjp", "segments",
-           "shard", "start_exchange"]
+           "ThreadGroup", "band_call", "block_call", "chunk_count", "gather", "pair_band",
+           "pair_call", "rank_chunks", "ring_attention_bwd", "ring_attention_fwd",
+           "ring_attention_vjp", "segments", "shard", "start_exchange", "step_calls"]

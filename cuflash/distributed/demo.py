@@ -73,6 +73,9 @@ def _rank_main(target, rank, size, port, args, results):
     try:
         import cupy
 
+        # Rank 0's TCP store (cupyx.distributed) serves from a child process that must be
+        # forked: spawning it would pickle the store and its lock.
+        multiprocessing.set_start_method("fork", force=True)
         cupy.cuda.Device(rank).use()
         group = NcclGroup(rank, size, host="127.0.0.1", port=port)
         results.put((rank, True, target(group, *args)))

@@ -12,6 +12,9 @@ import threading
 from ..errors import InvalidArgumentError
 
 
+HIGHEST_PRIORITY = -(1 << 16)  # a stream priority below any device's greatest
+
+
 class Received:
     """An exchange that has completed: ``wait()`` returns its arrays."""
 
@@ -108,7 +111,10 @@ class NcclGroup:
         self.rank, self.size = rank, size
         options = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
         self._backend = cupyx.distributed.init_process_group(size, rank, **options)
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        # The highest priority (CUDA clamps the value to the device's range): the
+        # transfer's kernels take SMs as the attention kernel's blocks finish, rather
+        # than after the whole kernel.
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
 
     @classmethod
     def from_environment(cls):

@@ -9,7 +9,7 @@ from ..api import flash_attention_bwd, flash_attention_fwd
 from ..errors import InvalidArgumentError
 from ..masking import normalize_window
 from .groups import start_exchange
-from .layout import array_module, chunk_count, pair_call, segments
+from .layout import array_module, chunk_count, segments, step_calls
 
 
 def _check_group(group):
@@ -54,14 +54,12 @@ class _Schedule:
 
     def pairs(self, step):
         """``(rows, keys, window)`` of each dense call at step ``step``, when the rank
-        holds rank ``rank - step``'s K/V shard: slices of its q and of that shard."""
+        holds rank ``rank - step``'s K/V shard: slices of its q and of that shard
+        (:func:`step_calls`: the step's pairs in as few calls as their bands allow)."""
         owner = (self.rank - step) % self.size
-        for q_seg in self.q_segments:
-            for k_seg in segments(self.layout, owner, self.size, self.shard_length):
-                call = pair_call(q_seg, k_seg, *self.window)
-                if call is not None:
-                    yield (slice(q_seg.offset, q_seg.offset + call.rows),
-                           slice(k_seg.offset, k_seg.offset + call.keys), call.window)
+        k_segments = segments(self.layout, owner, self.size, self.shard_length)
+        for row0, key0, call in step_calls(self.q_segments, k_segments, *self.window):
+            yield slice(row0, row0 + call.rows), slice(key0, key0 + call.keys), call.window
 
 
 def _merge(out_acc, lse_acc, out, lse, rows):
@@ -122,8 +120,7 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
     """
     schedule = _Schedule(group, layout, q, k, v, causal, window_size)
     xp = array_module(q)
-    out_acc = xp.zeros(q.shape, dtype=np.float32)
-    lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
+    out_acc = lse_acc = None
     k_now, v_now = k, v
     for step in range(schedule.size):
         last = step + 1 == schedule.size
@@ -133,9 +130,17 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
             out, lse = flash_attention_fwd(
                 q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys], num_heads, num_kv_heads,
                 head_dim, False, window, softmax_scale=softmax_scale, allow_tf32=allow_tf32)
+            if out_acc is None and rows.stop - rows.start == q.shape[2]:
+                out_acc, lse_acc = out.astype(np.float32), lse  # the first covers every row
+                continue
+            if out_acc is None:
+                out_acc = xp.zeros(q.shape, dtype=np.float32)
+                lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
             _merge(out_acc, lse_acc, out, lse, rows)
         if not last:
             k_now, v_now = incoming.wait()
+    if out_acc is None:  # no row sees any key
+        return xp.zeros(q.shape, dtype=q.dtype), xp.full(q.shape[:3], -np.inf, np.float32)
     return out_acc.astype(q.dtype), lse_acc
 
 

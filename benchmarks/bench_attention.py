@@ -15,8 +15,9 @@ D 64/128, S 1024/4096 (causal and not) for a smoke run. The dtype
 Beside the grid: :class:`HostTime` times one tiny call with nothing
 synchronized (the host's cost per call, SPEC section 5), :class:`Decode`
 two decoding steps from a KV cache (SPEC section 6), skipped while cuflash
-has no ``flash_attention_with_kvcache``, and :class:`Varlen` one packed batch
-of variable-length sequences (SPEC section 7).
+has no ``flash_attention_with_kvcache``, :class:`Varlen` one packed batch
+of variable-length sequences (SPEC section 7) and :class:`Modifiers` the score
+modifiers ``softcap`` and ``alibi_slopes`` (SPEC section 8).
 """
 
 import os
@@ -38,6 +39,7 @@ HOST_TIME_SHAPE = (1, 1, 16, 64)  # B, H, S, D: the GPU work is a few microsecon
 # name: (batch, cache length, block size; 0 is a contiguous cache); bfloat16, D=128, H=32/8.
 DECODE_CASES = {"b16-cache8192-contiguous": (16, 8192, 0),
                 "b1-cache32768-paged256": (1, 32768, 256)}
+MODIFIER_SHAPE = (4, 16, 4096, 128)  # B, H, S, D of Modifiers (bfloat16, causal)
 VARLEN_HEAD_DIM = 128  # Varlen: the causal packed batch of uniform lengths, H = 2048 / 128
 
 
@@ -298,5 +300,51 @@ class Varlen:
 
     def track_backward_tflops(self):
         return self.case.flops("bwd") / median_gpu_seconds(self.cupy, self.backward) / 1e12
+
+    track_backward_tflops.unit = "TFLOP/s"
+
+
+class Modifiers:
+    """Forward and backward TFLOP/s with a score modifier (SPEC section 8): none,
+    ``softcap=30``, ALiBi slopes ``2^(-8 i / H)``, both; bfloat16, causal,
+    ``B, H, S, D = 4, 16, 4096, 128`` (``python -m cuflash.bench_modifiers`` prints them
+    next to compiled ``flex_attention``)."""
+
+    params = (["plain", "softcap", "alibi", "softcap+alibi"],)
+    param_names = ["modifier"]
+    timeout = 300
+
+    def setup(self, modifier):
+        self.cupy, self.cuflash = gpu_modules()
+        from cuflash.bench_modifiers import cuflash_options
+
+        batch, heads, seqlen, head_dim = MODIFIER_SHAPE
+        rng = self.cupy.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = (
+            rng.standard_normal(MODIFIER_SHAPE, dtype=np.float32).astype(numpy_dtype("bfloat16"))
+            for _ in range(4))
+        self.args = (heads, heads, head_dim, True)
+        self.options = cuflash_options(modifier, heads)
+        self.flops = forward_flops(batch, heads, seqlen, head_dim, True)
+        self.out, self.lse = self.forward()
+        self.cupy.cuda.Device().synchronize()
+
+    def forward(self):
+        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, *self.args,
+                                                **self.options)
+
+    def backward(self):
+        return self.cuflash.flash_attention_bwd(self.dout, self.q, self.k, self.v, self.out,
+                                                self.lse, *self.args, synchronize=False,
+                                                **self.options)
+
+    def track_forward_tflops(self, modifier):
+        return self.flops / median_gpu_seconds(self.cupy, self.forward) / 1e12
+
+    track_forward_tflops.unit = "TFLOP/s"
+
+    def track_backward_tflops(self, modifier):
+        return (BACKWARD_FLOP_FACTOR * self.flops
+                / median_gpu_seconds(self.cupy, self.backward) / 1e12)
 
     track_backward_tflops.unit = "TFLOP/s"

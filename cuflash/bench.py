@@ -346,14 +346,15 @@ def sets_spanning_l2(set_bytes, l2_bytes):
 
 class CuflashAttention:
     """cuflash's forward and backward (residuals from an untimed forward);
-    ``allow_tf32`` is passed to both."""
+    ``allow_tf32`` and the keyword ``options`` (e.g. score modifiers) are passed to both."""
 
     name = "cuflash"
     has_backward = True
 
-    def __init__(self, case, allow_tf32=False):
+    def __init__(self, case, allow_tf32=False, **options):
         self.case = case
         self.allow_tf32 = allow_tf32
+        self.options = options
 
     def context(self):
         return contextlib.nullcontext()
@@ -361,7 +362,7 @@ class CuflashAttention:
     def _fwd(self, x):
         c = self.case
         return flash_attention_fwd(x.q, x.k, x.v, c.heads, c.heads, c.head_dim, c.causal,
-                                   allow_tf32=self.allow_tf32)
+                                   allow_tf32=self.allow_tf32, **self.options)
 
     def forward_call(self, x):
         """A call that enqueues one forward pass on ``x`` and returns the output."""
@@ -373,7 +374,7 @@ class CuflashAttention:
         out, lse = self._fwd(x)
         return functools.partial(flash_attention_bwd, x.dout, x.q, x.k, x.v, out, lse,
                                  c.heads, c.heads, c.head_dim, c.causal, synchronize=False,
-                                 allow_tf32=self.allow_tf32)
+                                 allow_tf32=self.allow_tf32, **self.options)
 
 
 @dataclasses.dataclass(frozen=True)

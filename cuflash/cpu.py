@@ -24,19 +24,29 @@ def _kv_block(x, c0, c1):
     return x[:, :, c0:c1].astype(np.float32)[:, :, None]
 
 
+def modify_scores(s, r0, r1, c0, c1, q_len, kv_len, softcap, slopes):
+    """The score modifiers (SPEC 8) on float32 scaled scores of rows ``[r0, r1)`` and keys
+    ``[c0, c1)``: ``softcap tanh(s / softcap)`` (0: none), then ``- slope |p - j|`` with
+    ``p = i + kv_len - q_len`` (``slopes`` broadcasting against ``s``, or None). Returns
+    the scores and their derivative with respect to ``s`` (1 without a soft-cap)."""
+    derivative = np.float32(1)
+    if softcap:
+        cap = np.float32(softcap)
+        t = np.tanh(s / cap)
+        s, derivative = cap * t, np.float32(1) - t * t
+    if slopes is not None:
+        position = np.arange(r0, r1)[:, None] + (kv_len - q_len)
+        distance = np.abs(position - np.arange(c0, c1)[None, :]).astype(np.float32)
+        s = s - slopes * distance
+    return s, derivative
+
+
 def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
     """Scaled scores with the score modifiers (SPEC 8) and invisible entries at ``-inf``,
     the visibility mask, and the modifiers' derivative (1 without a soft-cap)."""
     s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * np.float32(problem.softmax_scale)
-    derivative = np.float32(1)
-    if problem.softcap:
-        cap = np.float32(problem.softcap)
-        t = np.tanh(s / cap)
-        s, derivative = cap * t, np.float32(1) - t * t
-    if slopes is not None:  # float32 [B or 1, H_kv, G, 1, 1]
-        position = np.arange(r0, r1)[:, None] + (problem.kv_len - problem.q_len)
-        distance = np.abs(position - np.arange(c0, c1)[None, :]).astype(np.float32)
-        s = s - slopes * distance
+    s, derivative = modify_scores(s, r0, r1, c0, c1, problem.q_len, problem.kv_len,
+                                  problem.softcap, slopes)
     visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), problem.q_len,
                            problem.kv_len, *problem.window)
     return np.where(visible, s, np.float32(-np.inf)), visible, derivative

@@ -15,8 +15,10 @@ import numpy as np
 
 from . import plans
 from .errors import InvalidArgumentError
+from .cpu import modify_scores
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
+                      check_alibi_slopes, check_softcap,
                       check_dims, check_head_counts, check_int32)
 
 LOG2E = 1.4426950408889634
@@ -56,6 +58,12 @@ class KVCacheProblem:
     softmax_scale: float
     window: tuple  # (left, right), -1 = unbounded, causal folded in
     return_lse: bool
+    softcap: float = 0.0  # SPEC 8; 0 is off
+    alibi_batch_stride: int = -1  # ALiBi slopes: H for [B, H], 0 for [H], -1 for none
+
+    @property
+    def alibi(self):
+        return self.alibi_batch_stride >= 0
 
     @property
     def group_size(self):
@@ -114,7 +122,7 @@ def _check_lengths(lengths, new_len, capacity):
 
 def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                     window_size, cache_seqlens, k_new, v_new, block_table, softmax_scale,
-                    return_lse, check):
+                    return_lse, check, softcap=0.0, alibi_slopes=None):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
@@ -202,6 +210,8 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
             _check_lengths(host_lengths, new_len, capacity)
     window = normalize_window(window_size, causal, capacity, q_len)
     scale = _scale(softmax_scale, head_dim)
+    softcap = check_softcap(softcap)
+    slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
     _check_flag("return_lse", return_lse)
     _check_flag("check", check)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
@@ -215,7 +225,9 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
         q_len=q_len, new_len=new_len, head_dim=head_dim, paged=paged, capacity=capacity,
         block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
         host_lengths=host_lengths, softmax_scale=scale, window=window,
-        return_lse=bool(return_lse))
+        return_lse=bool(return_lse), softcap=softcap,
+        alibi_batch_stride=-1 if slopes_shape is None else (
+            num_heads if len(slopes_shape) == 2 else 0))
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
@@ -224,7 +236,8 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
 def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                  causal=True, window_size=0, *, cache_seqlens, k_new=None,
                                  v_new=None, block_table=None, softmax_scale=None,
-                                 return_lse=False, check=False):
+                                 return_lse=False, check=False, softcap=0.0,
+                                 alibi_slopes=None):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
     Parameters
@@ -264,6 +277,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
         Multiplies ``q . k``; defaults to ``1 / sqrt(head_dim)``.
     return_lse : bool, default False
         Also return the float32 log-sum-exp ``[B, num_heads, S_q]``.
+    softcap : float, default 0.0, keyword-only
+        Soft-capping of the scaled scores, ``softcap * tanh(s / softcap)``; 0 is off
+        (SPEC 8, as in :func:`cuflash.flash_attention_fwd`).
+    alibi_slopes : float32 array ``[num_heads]`` or ``[B, num_heads]``, optional
+        ALiBi: adds ``-slope * |p - j|`` to the score of query row ``i`` (at ``p = i +
+        L_b - S_q``) and key ``j``, after the soft-cap; on the arrays' device.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -298,28 +317,30 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     key = None
     if check is False and not isinstance(cache_seqlens, numbers.Integral):
         # Device-held lengths: the plan of this signature serves every step.
-        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes)
         key = plans.signature(
             tuple(a for a in given if a is not None),
             ("kvcache", tuple(a is None for a in given), num_heads, num_kv_heads, head_dim,
-             causal, window_size, softmax_scale, return_lse))
+             causal, window_size, softmax_scale, return_lse, softcap))
         plan = plans.get(key)
         if plan is not None:
-            return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                        alibi_slopes)
     problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                               window_size, cache_seqlens, k_new, v_new, block_table,
-                              softmax_scale, return_lse, check)
+                              softmax_scale, return_lse, check, softcap, alibi_slopes)
     if key is not None and problem.xp is not np and problem.batch * problem.num_heads:
         plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                           block_table)
         plans.remember(key, plan)
-        return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                    alibi_slopes)
     if problem.xp is np:
         out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                               block_table)
+                               block_table, alibi_slopes)
     else:
         out, lse = gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                               block_table, check)
+                               block_table, check, alibi_slopes)
     return (out, lse) if problem.return_lse else out
 
 
@@ -341,8 +362,9 @@ def _gather(problem, cache, block_table, b, length):
 
 
 @np.errstate(all="ignore")
-def _attend(problem, q_seq, keys, values, kv_len):
-    """One sequence: q ``[H, S_q, D]``, keys/values float32 ``[H_kv, L, D]`` -> out, lse.
+def _attend(problem, q_seq, keys, values, kv_len, slopes=None):
+    """One sequence: q ``[H, S_q, D]``, keys/values float32 ``[H_kv, L, D]`` -> out, lse;
+    ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1, 1]`` or None.
 
     Blocked over query rows and keys with an online softmax in float32.
     """
@@ -363,6 +385,7 @@ def _attend(problem, q_seq, keys, values, kv_len):
             c1 = min(c0 + CPU_KEY_BLOCK, hi)
             k_blk = keys[:, None, c0:c1]
             s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * scale
+            s, _ = modify_scores(s, r0, r1, c0, c1, q_len, kv_len, problem.softcap, slopes)
             visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len,
                                    *problem.window)
             s = np.where(visible, s, np.float32(-np.inf))
@@ -386,7 +409,8 @@ def _append_cpu(problem, cache, new, block_table, lengths):
         cache[blocks, :, rows] = new[b].transpose(1, 0, 2)
 
 
-def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                alibi_slopes=None):
     """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
     lengths = problem.host_lengths
     if problem.new_len:
@@ -400,7 +424,12 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         kv_len = int(lengths[b]) + problem.new_len
         keys = _gather(problem, k_cache, block_table, b, kv_len)
         values = _gather(problem, v_cache, block_table, b, kv_len)
-        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len)
+        slopes = None
+        if alibi_slopes is not None:
+            row = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
+            slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size,
+                                                    1, 1)
+        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes)
         out[b] = out_b.astype(problem.dtype)
         lse[b] = lse_b
     return out, lse
@@ -566,8 +595,15 @@ def _dense_serves(problem, cache_seqlens, block_table):
             and problem.q_len * problem.group_size >= DENSE_MIN_ROWS)
 
 
+def _modifier_args(problem):
+    """The decode kernels' last scalars: the ALiBi slopes' batch stride and the soft-cap
+    in log2 units (the kernels' scores are ``scale log2(e) q . k``)."""
+    return (np.int32(max(problem.alibi_batch_stride, 0)),
+            np.float32(problem.softcap * LOG2E))
+
+
 def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                check):
+                check, alibi_slopes=None):
     """Return ``(out, lse)`` on the current device and stream: append, attend, combine."""
     import cupy
 
@@ -602,7 +638,8 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         return flash_attention_fwd(q, k_cache, v_cache, problem.num_heads,
                                    problem.num_kv_heads, problem.head_dim, False, (left, right),
                                    int(cache_seqlens) + problem.new_len,
-                                   softmax_scale=problem.softmax_scale)
+                                   softmax_scale=problem.softmax_scale,
+                                   softcap=problem.softcap, alibi_slopes=alibi_slopes)
     q = unit_last_stride(cupy, q)
     name, keys_per_tile, rows, shared = decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
@@ -621,13 +658,15 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     else:
         part_out = part_lse = np.uint64(0)
     left, right = problem.window
+    slopes = np.uint64(0) if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes)
     decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
         q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
-        *_strides(q), *_strides(k_cache), *_strides(v_cache), np.int32(problem.num_heads),
-        np.int32(problem.group_size), np.int32(problem.q_len), np.int32(problem.new_len),
-        *paging, np.int32(left), np.int32(right), np.int32(splits), np.int32(row_tiles),
-        np.int32(_aligned((k_cache, v_cache))),
-        np.float32(problem.softmax_scale * LOG2E)), shared_mem=shared)
+        slopes, *_strides(q), *_strides(k_cache), *_strides(v_cache),
+        np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
+        np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
+        np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
+        np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)),
+        shared_mem=shared)
     if splits > 1:
         combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
         combine((-(-part_rows // 4),), (THREADS,), (part_out, part_lse, out, lse,
@@ -683,7 +722,7 @@ class DecodePlan:
              np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
              np.int32(self.splits), np.int32(row_tiles),
              np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
-             np.float32(problem.softmax_scale * LOG2E)))
+             np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)))
         self.part_rows = problem.batch * problem.num_heads * problem.q_len
         self.combine = None
         if self.splits > 1:
@@ -696,7 +735,8 @@ class DecodePlan:
                                      // 256) * 256
             self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                 alibi_slopes=None):
         import cupy
 
         from .problem import unit_last_stride
@@ -709,17 +749,19 @@ class DecodePlan:
             if block_table is not None:
                 block_table = cupy.ascontiguousarray(block_table)
         table = self.no_pointer if block_table is None else block_table
+        slopes = (self.no_pointer if alibi_slopes is None
+                  else cupy.ascontiguousarray(alibi_slopes))
         if self.append is not None:
             self.append(k_new, v_new, k_cache, v_cache, cache_seqlens, self.no_value, table)
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.combine is None:
             self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        self.no_pointer, self.no_pointer)
+                        self.no_pointer, self.no_pointer, slopes)
         else:
             workspace = cupy.cuda.alloc(self.workspace_bytes)
             part_lse = workspace + self.part_lse_offset
             self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        workspace, part_lse)
+                        workspace, part_lse, slopes)
             self.combine(workspace, part_lse, out, lse)
         return (out, lse) if problem.return_lse else out

@@ -331,13 +331,60 @@ def test_asv_suite_has_the_host_time_decode_and_varlen_benchmarks():
     assert {"time_decode", "track_cache_tb_per_s"} <= set(vars(suite.Decode))
     assert suite.Decode.params == (["b16-cache8192-contiguous", "b1-cache32768-paged256"],)
     assert {"track_forward_tflops", "track_backward_tflops"} <= set(vars(suite.Varlen))
+    assert {"track_forward_tflops", "track_backward_tflops"} <= set(vars(suite.Modifiers))
     if not HAS_GPU:
+        with pytest.raises(NotImplementedError):
+            suite.Modifiers().setup("softcap")
         with pytest.raises(NotImplementedError):
             suite.HostTime().setup()
         with pytest.raises(NotImplementedError):
             suite.Decode().setup("b16-cache8192-contiguous")
         with pytest.raises(NotImplementedError):
             suite.Varlen().setup()
+
+
+# ------------------------------------------------------- score modifiers
+
+
+def _modifier_records(slow=()):
+    """Fake records of every variant: the modifiers in ``slow`` at 0.8x plain TFLOP/s."""
+    from cuflash import bench_modifiers
+
+    records = []
+    for modifier in bench_modifiers.MODIFIERS:
+        for impl in (f"cuflash {modifier}", f"flex {modifier}"):
+            for direction, ms in (("fwd", 1.0), ("bwd", 2.5)):
+                factor = 0.8 if modifier in slow and impl.startswith("cuflash") else 1.0
+                records.append(dict(impl=impl, direction=direction, modifier=modifier,
+                                    median_s=ms / factor * 1e-3, tflops=100 / ms * factor,
+                                    rel_error=2e-3))
+    return records
+
+
+def test_modifier_table_names_the_variants_below_target():
+    from cuflash import bench_modifiers
+
+    text = bench_modifiers.table(_modifier_records(slow=("alibi",)))
+    assert "Below target: alibi fwd, alibi bwd" in text
+    assert "| softcap | fwd | 1.000 | 100 | 1.000 | 1.000 | 1.00 | 2.0e-03 |" in text
+    assert "Below target: none" in bench_modifiers.table(_modifier_records())
+
+
+def test_modifier_command_without_gpu_says_so(capsys):
+    from cuflash import bench_modifiers
+
+    if HAS_GPU:
+        pytest.skip("a GPU is present")
+    assert bench_modifiers.main(["--no-torch"]) == 0
+    assert "nothing to measure" in capsys.readouterr().out
+
+
+def test_alibi_slopes_are_geometric():
+    from cuflash.bench_modifiers import alibi_slopes
+
+    slopes = alibi_slopes(8)
+    assert slopes.dtype == np.float32 and slopes.shape == (8,)
+    assert np.allclose(slopes[1:] / slopes[:-1], 2.0 ** -1) and np.isclose(slopes[-1], 2.0 ** -8)
 
 
 # ------------------------------------------------------- packed variable-length

@@ -25,6 +25,7 @@ import importlib.util
 import pkgutil
 import re
 import subprocess
+import tempfile
 import sys
 import time
 import traceback
@@ -274,7 +275,9 @@ def test_docstring_examples_exist():
 # ------------------------------------------------------------- the error-message table
 
 GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
-                   "the call needs about", "score modifiers run on the CPU path")
+                   "the call needs about", "score modifiers run on the CPU path",
+                   "the GPU kernels need a cupy array", "host code needs a numpy array",
+                   "the call runs on device")
 
 
 def _pattern(node):
@@ -342,6 +345,74 @@ def distributed_bad_calls():
             fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
             lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
             lambda: dist.ThreadGroup(0), lambda: dist.NcclGroup(2, 2)]
+
+
+BAD_MODULE = '''\
+import numpy as np
+
+
+def looping(score, b, h, q_idx, kv_idx):
+    for step in range(3):
+        score = score + step
+    return score
+
+
+def relative(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h, q_idx - kv_idx + 3]
+
+
+def by_slot(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h, SLOT[q_idx]]
+
+
+def reads(score, b, h, q_idx, kv_idx):
+    return score + bias[h]  # bound by keyword
+
+
+def product(b, h, q_idx, kv_idx):
+    return q_idx * kv_idx * 1000 > 7
+
+
+TABLE = np.linspace(0.5, 2.0, 14, dtype=np.float32).reshape(2, 7)
+SLOT = np.array([0, 9], np.int32)
+'''
+
+
+def _bad_module():
+    folder = Path(tempfile.mkdtemp())
+    path = folder / "my_modifiers.py"
+    path.write_text(BAD_MODULE)
+    spec = importlib.util.spec_from_file_location("my_modifiers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def modifier_bad_calls():
+    """One invalid CPU call per documented message of cuflash.modifiers."""
+    from cuflash import modifiers
+
+    bad = _bad_module()
+    grids = modifiers.index_grids(1, 2, 2, 2)
+    scores = np.ones((1, 2, 2, 2), np.float32)
+
+    return [
+        lambda: modifiers.ScoreMod(np.tanh),
+        lambda: modifiers.ScoreMod(bad.reads, table=np.ones(2, np.float32)),
+        lambda: modifiers.ScoreMod(bad.looping),
+        lambda: modifiers.ScoreMod(bad.reads, bias=np.ones(2)),
+        lambda: modifiers.ScoreMod(bad.relative).check_bounds(1, 2, 8, 4),
+        lambda: modifiers.MaskMod(bad.product).check_bounds(1, 1, 100_000, 100_000),
+        lambda: modifiers.ScoreMod(bad.by_slot).numpy_scores(scores, *grids),
+        lambda: modifiers.softcap_score(2.0).numpy_scores(scores, *grids, dtype=np.float16),
+        lambda: modifiers.softcap_score(2.0).numpy_scores(scores, 0, 0, 0.5, 0),
+        lambda: modifiers.softcap_score(0.0),
+        lambda: modifiers.alibi_score(np.ones(4)),
+        lambda: modifiers.alibi_score(np.ones((1, 2, 3), np.float32)),
+        lambda: modifiers.document_mask([0, 0, 1]),
+        lambda: modifiers.relative_bias_score(np.ones((2, 4), np.float32)),
+        lambda: modifiers.and_masks(),
+    ]
 
 
 def kvcache_bad_calls():
@@ -454,6 +525,7 @@ def bad_calls():
         *kvcache_bad_calls(),
         *varlen_bad_calls(),
         *distributed_bad_calls(),
+        *modifier_bad_calls(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

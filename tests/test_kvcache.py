@@ -42,6 +42,8 @@ class KVCase:
     lengths: str = "random"  # "random" (0 and full capacity included), "int", "full"
     vllm_layout: bool = False  # paged [num_blocks, block_size, H_kv, D] passed transposed
     shared_blocks: bool = False  # sequences share their first block
+    softcap: float = 0.0  # score modifiers (SPEC 8)
+    alibi: str = ""  # ALiBi slopes: "" none, "heads" [H], "batch" [B, H]
 
     def __str__(self):
         default = dataclasses.asdict(KVCase())
@@ -98,8 +100,13 @@ def make_inputs(case, rng, xp=np):
 
     if not isinstance(lengths, int):
         lengths = move(lengths)
+    slopes = None
+    if case.alibi:
+        shape = (h,) if case.alibi == "heads" else (b, h)
+        slopes = rng.uniform(0.05, 1.0, size=shape).astype(np.float32)
     return dict(q=move(q), k_cache=move(k_cache), v_cache=move(v_cache), k_new=move(k_new),
-                v_new=move(v_new), cache_seqlens=lengths, block_table=move(table))
+                v_new=move(v_new), cache_seqlens=lengths, block_table=move(table),
+                alibi_slopes=move(slopes))
 
 
 def host_lengths(case, inputs):
@@ -144,9 +151,14 @@ def oracle(case, inputs, k_cache, v_cache):
         where = [key_location(case, table, b, j) for j in range(kv_len)]
         keys = np.stack([k_cache[blk, :, row] for blk, row in where], axis=1)
         values = np.stack([v_cache[blk, :, row] for blk, row in where], axis=1)
+        slopes = inputs["alibi_slopes"]
+        if slopes is not None:
+            slopes = to_numpy(slopes)
+            slopes = slopes[b] if slopes.ndim == 2 else slopes
         ref_out, ref_lse = attention_reference(q[b:b + 1], keys[None].astype(np.float64),
                                                values[None].astype(np.float64), case.causal,
-                                               case.window, None, case.scale)
+                                               case.window, None, case.scale,
+                                               softcap=case.softcap, alibi_slopes=slopes)
         out[b], lse[b] = ref_out[0], ref_lse[0]
     return out, lse
 
@@ -160,7 +172,8 @@ def run_case(case, rng, xp=np, check=False):
         inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
         case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
         k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],
-        softmax_scale=case.scale, return_lse=True, check=check)
+        softmax_scale=case.scale, return_lse=True, check=check, softcap=case.softcap,
+        alibi_slopes=inputs["alibi_slopes"])
     assert type(out) is type(inputs["q"])
     assert out.dtype == DTYPES[case.dtype] and out.shape == inputs["q"].shape
     assert lse.dtype == np.float32 and lse.shape == inputs["q"].shape[:3]
@@ -204,6 +217,18 @@ CASES = [
     KVCase(dtype="float32", window=1, q_len=9, new_len=4, scale=-0.7, heads=3, kv_heads=3),
     KVCase(dtype="bfloat16", scale=0.05, q_len=2, lengths="int", new_len=2, heads=16,
            kv_heads=1),
+    # score modifiers (SPEC 8): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
+    # paged, the CUDA-core and tensor-core kernels and the dense kernels' long chunks
+    KVCase(dtype="bfloat16", softcap=2.0),
+    KVCase(dtype="float32", alibi="heads", q_len=3, new_len=3, window=5),
+    KVCase(dtype="float16", alibi="batch", softcap=3.0, new_len=4, q_len=4, head_dim=128,
+           heads=8, kv_heads=2),
+    KVCase(dtype="float32", softcap=1.5, alibi="batch", block_size=16, capacity=96,
+           new_len=5, q_len=5, head_dim=72),
+    KVCase(dtype="bfloat16", softcap=4.0, alibi="heads", q_len=40, new_len=9, heads=4,
+           kv_heads=1, head_dim=96, capacity=140),
+    KVCase(dtype="bfloat16", alibi="batch", softcap=2.5, q_len=80, new_len=80, heads=8,
+           kv_heads=2, head_dim=128, capacity=200, lengths="int", causal=False),
 ]
 
 
@@ -269,6 +294,10 @@ BAD_CALLS = [
     ("q", "heads", lambda a: _with(a, num_heads=8)),
     ("q", "S_q must be >= 1", lambda a: _with(a, q=a["q"][:, :, :0])),
     ("head_dim", "unsupported head_dim", lambda a: _with(a, head_dim=12)),
+    ("softcap", "must be finite and >= 0", lambda a: _with(a, softcap=-1.0)),
+    ("alibi_slopes", "expected shape", lambda a: _with(a, alibi_slopes=np.ones(3, np.float32))),
+    ("alibi_slopes", "expected dtype float32",
+     lambda a: _with(a, alibi_slopes=np.ones(4, np.float64))),
     ("num_kv_heads", "must divide", lambda a: _with(a, num_kv_heads=3)),
     ("num_kv_heads", ">= 1", lambda a: _with(a, num_kv_heads=0)),
     ("k_cache", "expected 4-D", lambda a: _with(a, k_cache=a["k_cache"][0])),
@@ -522,6 +551,14 @@ def test_gpu_is_deterministic(rng):
         for a, b in zip(first, again):
             assert cupy.array_equal(a.view(cupy.uint8) if a.dtype != np.float32 else a, b.view(
                 cupy.uint8) if b.dtype != np.float32 else b)
+
+
+@pytest.mark.gpu
+def test_gpu_plan_takes_each_calls_slopes(rng, poisoned):
+    """Device-held lengths reuse one plan per signature; the ALiBi slopes are the call's."""
+    case = KVCase(dtype="bfloat16", alibi="batch", softcap=3.0, q_len=2, new_len=0)
+    for _ in range(2):  # a new draw, the same signature: the second call takes the plan
+        run_case(case, rng, xp=cupy)
 
 
 @pytest.mark.gpu

@@ -184,6 +184,25 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
     v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
 }
 
+// The score modifiers (SPEC 8) on a score in log2 units (scale log2(e) q.k) of
+// packed row m (query row m / group of query head hk group + m % group) and key
+// j: the soft-cap and the ALiBi slope taken into log2 units, which commutes
+// with both (c tanh(s / c) and slope |p - j| scale linearly).
+__device__ __forceinline__ float decode_modified_score(
+    float s, int m, int j, int group, int hk, int b, const Mask& mask,
+    const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap_log2) {
+    const int i = m / group;
+    const float slope =
+        alibi_slopes == nullptr
+            ? 0.f
+            : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + hk * group +
+                           (m - i * group)] * kLog2e;
+    float derivative;
+    return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
+                          static_cast<long long>(mask.kv_len) - mask.q_len}
+        .apply(s, i, j, derivative);
+}
+
 // Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.
 // Packed row m of a KV head is query row i = m / group of query head
 // hk * group + m % group; a tile holds RM packed rows.
@@ -192,11 +211,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_ss,
-    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
-    long long v_ss, int num_heads, int group, int q_len, int new_len, int capacity,
-    int block_size, int max_blocks, int num_blocks, int win_left, int win_right,
-    int num_splits, int row_tiles, int aligned, float scale_log2) {
+    float* __restrict__ part_lse, const float* __restrict__ alibi_slopes, long long q_sb,
+    long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
+    long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,
+    int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left,
+    int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,
+    int alibi_batch_stride, float softcap_log2) {
     using Shape = DecodeShape<T, D, RM>;
     constexpr int ELEMS = Shape::ELEMS, CH = Shape::CH, BN = Shape::BN, DSUB = Shape::DSUB;
     constexpr int PITCH = Shape::PITCH, KSUB = Shape::KSUB;
@@ -317,6 +337,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
         }
         const int j = key0 + score_key;
         const bool edge = !(key0 >= full_lo && key0 + BN <= full_hi);
+        if (softcap_log2 > 0.f || alibi_slopes != nullptr) {
+#pragma unroll
+            for (int r = 0; r < RM; ++r)
+                if (row0 + r < rows_total)
+                    s[r] = decode_modified_score(s[r], row0 + r, j, group, hk, b, mask,
+                                                 alibi_slopes, alibi_batch_stride, softcap_log2);
+        }
         float tile_max[RM];
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
@@ -461,11 +488,12 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_ss,
-    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
-    long long v_ss, int num_heads, int group, int q_len, int new_len, int capacity,
-    int block_size, int max_blocks, int num_blocks, int win_left, int win_right,
-    int num_splits, int row_tiles, int aligned, float scale_log2) {
+    float* __restrict__ part_lse, const float* __restrict__ alibi_slopes, long long q_sb,
+    long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
+    long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,
+    int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left,
+    int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,
+    int alibi_batch_stride, float softcap_log2) {
     using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES>;
     static_assert(STAGES >= 2, "at least double buffering");
     using Op = TensorOp<T>;
@@ -505,9 +533,11 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     int range_lo, range_hi;
     mask.key_range(row0 / group, last_row / group + 1, range_lo, range_hi);
     int my_lo[2], my_hi[2], full_lo = 0, full_hi = 0x7fffffff;
+    const int my_row[2] = {row0 + rw * 16 + g, row0 + rw * 16 + g + 8};
+    const bool modified = softcap_log2 > 0.f || alibi_slopes != nullptr;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int m = row0 + rw * 16 + g + 8 * r;
+        const int m = my_row[r];
         my_lo[r] = my_hi[r] = 0;
         if (m < rows_total) {
             mask.row_keys(m / group, my_lo[r], my_hi[r]);
@@ -597,6 +627,10 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x = s[n][e] * scale_log2;
+                    if (modified && my_row[e >> 1] < rows_total)
+                        x = decode_modified_score(x, my_row[e >> 1], key0 + n * 8 + 2 * t + (e & 1),
+                                                  group, hk, b, mask, alibi_slopes,
+                                                  alibi_batch_stride, softcap_log2);
                     if (edge) {
                         const int key = key0 + n * 8 + 2 * t + (e & 1);
                         if (key < my_lo[e >> 1] || key >= my_hi[e >> 1]) x = neg_inf();

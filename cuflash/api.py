@@ -22,9 +22,14 @@ def _empty_backward(problem):
             xp.zeros(problem.kv_shape, dtype=problem.dtype))
 
 
+def _arrays_and_slopes(arrays, alibi_slopes):
+    """The arrays of a call's plan signature: the slopes join them when given."""
+    return arrays if alibi_slopes is None else (*arrays, alibi_slopes)
+
+
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False):
+                        allow_tf32=False, softcap=0.0, alibi_slopes=None):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -62,6 +67,14 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         efficient float32 attention), elsewhere on the general kernels.
         Ignored for float16/bfloat16 and on the CPU path, which is float32
         throughout.
+    softcap : float, default 0.0, keyword-only
+        Soft-capping (Gemma 2): each score ``s = softmax_scale * q . k``
+        becomes ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : float32 array ``[num_heads]`` or ``[B, num_heads]``, optional
+        ALiBi: adds ``-slope * |p - j|`` to the score of query row ``i``
+        (position ``p = i + S_k - S_q``, with ``kv_seq_len`` for ``S_k``) and
+        key ``j``, after the soft-cap (FlashAttention-2's meaning). The
+        backward must be given the same ``softcap`` and ``alibi_slopes``.
 
     Returns
     -------
@@ -82,26 +95,29 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     CuPy arrays run on the current device and stream; NumPy arrays run on the
     CPU path with the same semantics. Accumulation is always float32.
     """
-    key = plans.signature((q, k, v), (num_heads, num_kv_heads, head_dim, causal, window_size,
-                                      kv_seq_len, softmax_scale, allow_tf32))
+    key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes),
+                          (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
+                           softmax_scale, allow_tf32, softcap))
     plan = plans.get(key)
     if plan is None:
         problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                                  window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32)
+                                  window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32,
+                                  softcap=softcap, alibi_slopes=alibi_slopes)
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
-            return cpu.forward(problem, q, k, v)
+            return cpu.forward(problem, q, k, v, alibi_slopes)
         from . import gpu  # imported on first GPU use only
 
         plan = gpu.ForwardPlan(problem, q, k, v)
         plans.remember(key, plan)
-    return plan(q, k, v)
+    return plan(q, k, v, alibi_slopes=alibi_slopes)
 
 
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                         causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
-                        deterministic=False, synchronize=True, allow_tf32=False):
+                        deterministic=False, synchronize=True, allow_tf32=False, softcap=0.0,
+                        alibi_slopes=None):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
 
     Parameters
@@ -116,7 +132,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         The forward log-sum-exp.
     num_heads, num_kv_heads, head_dim, causal, window_size
         As passed to the forward.
-    kv_seq_len, softmax_scale, allow_tf32 : keyword-only
+    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes : keyword-only
         As passed to the forward.
     deterministic : bool, default False
         Bitwise-reproducible gradients: dQ is computed by its own pass over
@@ -140,24 +156,25 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         Before any kernel runs, naming the argument and the reason (every
         message is listed in the Troubleshooting page).
     """
-    key = plans.signature((dout, q, k, v, output, lse),
+    key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, deterministic, synchronize, allow_tf32))
+                           softmax_scale, deterministic, synchronize, allow_tf32, softcap))
     plan = plans.get(key)
     if plan is None:
         problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                    head_dim, causal, window_size, kv_seq_len, softmax_scale,
-                                   deterministic, synchronize, allow_tf32=allow_tf32)
+                                   deterministic, synchronize, allow_tf32=allow_tf32,
+                                   softcap=softcap, alibi_slopes=alibi_slopes)
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
-            return cpu.backward(problem, dout, q, k, v, output, lse)
+            return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes)
         from . import gpu  # imported on first GPU use only
 
         plan = gpu.BackwardPlan(problem, dout, q, k, v, output, lse.flags.c_contiguous,
                                 bool(deterministic))
         plans.remember(key, plan)
-    return plan(dout, q, k, v, output, lse, bool(synchronize))
+    return plan(dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +189,8 @@ class AttentionConfig:
     kv_seq_len : int or None
     softmax_scale : float or None
     allow_tf32 : bool
+    softcap : float
+    alibi_slopes : array or None
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -183,6 +202,8 @@ class AttentionConfig:
     kv_seq_len: object = None
     softmax_scale: object = None
     allow_tf32: bool = False
+    softcap: float = 0.0
+    alibi_slopes: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,12 +247,13 @@ class AttentionVJP:
             dout, self.q, self.k, self.v, self.out, self.lse, c.num_heads, c.num_kv_heads,
             c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
             softmax_scale=c.softmax_scale, deterministic=deterministic,
-            synchronize=synchronize, allow_tf32=c.allow_tf32)
+            synchronize=synchronize, allow_tf32=c.allow_tf32, softcap=c.softcap,
+            alibi_slopes=c.alibi_slopes)
 
 
 def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False):
+                        allow_tf32=False, softcap=0.0, alibi_slopes=None):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
@@ -254,8 +276,9 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
-                             kv_seq_len, softmax_scale, allow_tf32)
+                             kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes)
     out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                    window_size, kv_seq_len, softmax_scale=softmax_scale,
-                                   allow_tf32=allow_tf32)
+                                   allow_tf32=allow_tf32, softcap=softcap,
+                                   alibi_slopes=alibi_slopes)
     return out, AttentionVJP(q, k, v, out, lse, config)

@@ -24,12 +24,30 @@ def _kv_block(x, c0, c1):
     return x[:, :, c0:c1].astype(np.float32)[:, :, None]
 
 
-def _scores(problem, q_blk, k_blk, r0, r1, c0, c1):
-    """Scaled scores with invisible entries at ``-inf``, and the visibility mask."""
+def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
+    """Scaled scores with the score modifiers (SPEC 8) and invisible entries at ``-inf``,
+    the visibility mask, and the modifiers' derivative (1 without a soft-cap)."""
     s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * np.float32(problem.softmax_scale)
+    derivative = np.float32(1)
+    if problem.softcap:
+        cap = np.float32(problem.softcap)
+        t = np.tanh(s / cap)
+        s, derivative = cap * t, np.float32(1) - t * t
+    if slopes is not None:  # float32 [B or 1, H_kv, G, 1, 1]
+        position = np.arange(r0, r1)[:, None] + (problem.kv_len - problem.q_len)
+        distance = np.abs(position - np.arange(c0, c1)[None, :]).astype(np.float32)
+        s = s - slopes * distance
     visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), problem.q_len,
                            problem.kv_len, *problem.window)
-    return np.where(visible, s, np.float32(-np.inf)), visible
+    return np.where(visible, s, np.float32(-np.inf)), visible, derivative
+
+
+def _grouped_slopes(problem, alibi_slopes):
+    """ALiBi slopes as float32 ``[B or 1, H_kv, G, 1, 1]``, or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes, dtype=np.float32).reshape(-1, problem.num_heads)
+    return slopes.reshape(-1, problem.num_kv_heads, problem.group_size, 1, 1)
 
 
 # Non-finite inputs propagate by IEEE rules (see the Semantics page), silently
@@ -38,8 +56,9 @@ QUIET = np.errstate(all="ignore")
 
 
 @QUIET
-def forward(problem, q, k, v):
+def forward(problem, q, k, v, alibi_slopes=None):
     """Return ``(out, lse)`` for a validated problem on NumPy arrays."""
+    slopes = _grouped_slopes(problem, alibi_slopes)
     out = np.empty(problem.q_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     shape5 = (problem.batch, problem.num_kv_heads, problem.group_size)
@@ -52,7 +71,7 @@ def forward(problem, q, k, v):
         lo, hi = key_range(r0, r1, problem.q_len, problem.kv_len, *problem.window)
         for c0 in range(lo, hi, COLS):
             c1 = min(c0 + COLS, hi)
-            s, _ = _scores(problem, q_blk, _kv_block(k, c0, c1), r0, r1, c0, c1)
+            s, _, _ = _scores(problem, q_blk, _kv_block(k, c0, c1), r0, r1, c0, c1, slopes)
             new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
             safe_max = np.where(np.isfinite(new_max), new_max, np.float32(0))
             alpha = np.exp(row_max - safe_max)
@@ -69,8 +88,9 @@ def forward(problem, q, k, v):
 
 
 @QUIET
-def backward(problem, dout, q, k, v, output, lse):
+def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None):
     """Return ``(dq, dk, dv)`` for a validated problem on NumPy arrays."""
+    slopes = _grouped_slopes(problem, alibi_slopes)
     scale = np.float32(problem.softmax_scale)
     dq = np.zeros(problem.q_shape, dtype=np.float32)
     dk = np.zeros(problem.kv_shape, dtype=np.float32)
@@ -88,10 +108,10 @@ def backward(problem, dout, q, k, v, output, lse):
             o_blk = _grouped(output[:, :, r0:r1], problem)
             row_lse = _grouped(lse[:, :, r0:r1, None], problem)
             delta = (do_blk * o_blk).sum(axis=-1, keepdims=True)
-            s, visible = _scores(problem, q_blk, k_blk, r0, r1, c0, c1)
+            s, visible, derivative = _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes)
             p = np.where(visible, np.exp(s - row_lse), np.float32(0))
             dp = do_blk @ np.swapaxes(v_blk, -1, -2)
-            ds = p * (dp - delta)
+            ds = p * (dp - delta) * derivative
             dv[:, :, c0:c1] += (np.swapaxes(p, -1, -2) @ do_blk).sum(axis=2)
             dk[:, :, c0:c1] += scale * (np.swapaxes(ds, -1, -2) @ q_blk).sum(axis=2)
             grouped_dq[:, :, :, r0:r1] += scale * (ds @ k_blk)

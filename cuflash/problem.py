@@ -66,6 +66,19 @@ class AttentionProblem:
     window: tuple  # (left, right), -1 = unbounded; causal already folded in
     allow_tf32: bool = False  # float32 products may run in TF32 (see flash_attention_fwd)
     packed: PackedSequences = None  # a packed batch of sequences, or None (dense)
+    softcap: float = 0.0  # scores become softcap tanh(score / softcap); 0: off
+    alibi_slopes_shape: tuple = None  # (H,) or (B, H) of the ALiBi slopes; None: off
+
+    @property
+    def modified(self):
+        """Do score modifiers (SPEC 8) apply?"""
+        return self.softcap > 0 or self.alibi_slopes_shape is not None
+
+    @property
+    def alibi_batch_stride(self):
+        """Slopes between batch entries (sequences): 0 for ``[H]`` slopes, H for ``[B, H]``."""
+        shape = self.alibi_slopes_shape
+        return 0 if shape is None or len(shape) == 1 else shape[1]
 
     @property
     def group_size(self):
@@ -207,9 +220,39 @@ def check_head_counts(num_heads, num_kv_heads, head_dim):
     return num_heads, num_kv_heads, head_dim
 
 
+def check_softcap(softcap):
+    """``softcap`` as a float: finite and >= 0 (0 is off)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise InvalidArgumentError("softcap", f"expected a float, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError("softcap", f"must be finite and >= 0 (0 is off), got {value}")
+    return value
+
+
+def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
+    """The shape of float32 ``alibi_slopes`` (``[num_heads]`` or ``[batch, num_heads]``, of
+    ``q``'s array kind and device), or None when there are none."""
+    if alibi_slopes is None:
+        return None
+    _array_module([("q", q), ("alibi_slopes", alibi_slopes)])
+    if alibi_slopes.dtype != np.float32:
+        raise InvalidArgumentError("alibi_slopes",
+                                   f"expected dtype float32, got {alibi_slopes.dtype}")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((num_heads,), (batch, num_heads)):
+        raise InvalidArgumentError(
+            "alibi_slopes", f"expected shape ({num_heads},) or ({batch}, {num_heads}), "
+            f"got {shape}")
+    return shape
+
+
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False):
-    """Validate a forward call (also the shared part of a backward call)."""
+                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
+                    alibi_slopes=None, alibi_batch=None):
+    """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
+    the batch entries per-entry slopes cover (the sequences of a packed call; default
+    the batch)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -253,22 +296,27 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         if not math.isfinite(scale):
             raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
     _check_flag("allow_tf32", allow_tf32)
+    softcap = check_softcap(softcap)
+    slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
+                                      batch if alibi_batch is None else alibi_batch)
     problem = AttentionProblem(
         xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
-        softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32))
+        softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
+        softcap=softcap, alibi_slopes_shape=slopes_shape)
     _check_device_limits(problem, named)
     return problem
 
 
 def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                      causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                     synchronize, allow_tf32=False):
+                     synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                               window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
-                              allow_tf32=allow_tf32)
+                              allow_tf32=allow_tf32, softcap=softcap,
+                              alibi_slopes=alibi_slopes)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:

@@ -35,8 +35,28 @@ def _expand_kv(x, num_heads):
     return np.repeat(x, num_heads // x.shape[1], axis=1)
 
 
-def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None):
-    """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]`` and the scale.
+def _modified_scores(scores, q_len, kv_len, softcap, alibi_slopes):
+    """SPEC 8 on scaled scores ``[B, H, S_q, S_k]``: ``softcap tanh(s / softcap)``, then
+    ``- slope |p - j|`` (``p = i + kv_len - q_len``). Returns the scores and their
+    derivative with respect to the scaled score (1 without a soft-cap)."""
+    derivative = np.ones_like(scores)
+    if softcap:
+        t = np.tanh(scores / softcap)
+        scores, derivative = softcap * t, 1.0 - t * t
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        slopes = slopes[None, :] if slopes.ndim == 1 else slopes  # [B or 1, H]
+        i = np.arange(scores.shape[2])[:, None]
+        j = np.arange(scores.shape[3])[None, :]
+        distance = np.abs(i + kv_len - q_len - j)
+        scores = scores - slopes[:, :, None, None] * distance
+    return scores, derivative
+
+
+def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None,
+                   softcap=0.0, alibi_slopes=None):
+    """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]``, the scale and the
+    score modifiers' derivative.
 
     With ``given_lse``, the probabilities are ``exp(score - given_lse)``, as a
     backward computes them from the log-sum-exp it is handed.
@@ -46,8 +66,9 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
     kv_len = kv_capacity if kv_seq_len is None else kv_seq_len
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     visible = _mask(q_len, kv_capacity, kv_len, causal, window)
-    scores = np.where(visible, scale * q @ np.swapaxes(_expand_kv(k, num_heads), -1, -2),
-                      -np.inf)
+    raw = scale * q @ np.swapaxes(_expand_kv(k, num_heads), -1, -2)
+    raw, derivative = _modified_scores(raw, q_len, kv_len, softcap, alibi_slopes)
+    scores = np.where(visible, raw, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     weights = np.exp(scores - row_max)
@@ -59,11 +80,11 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
         if given_lse is not None:
             given = np.asarray(given_lse, dtype=np.float64)[..., None]
             probs = np.where(np.isfinite(given), np.exp(scores - given), 0.0)
-    return probs, lse, scale
+    return probs, lse, scale, derivative
 
 
 def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
-                        softmax_scale=None):
+                        softmax_scale=None, softcap=0.0, alibi_slopes=None):
     """Return ``(out, lse)`` in float64.
 
     Parameters
@@ -75,6 +96,9 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
         ``window_size`` of :func:`cuflash.flash_attention_fwd`.
     kv_seq_len : int, optional
     softmax_scale : float, optional
+    softcap : float, optional
+    alibi_slopes : array_like ``[H]`` or ``[B, H]``, optional
+        The score modifiers of SPEC 8.
 
     Returns
     -------
@@ -84,19 +108,21 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
         ``-inf`` in rows that see no key.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    probs, lse, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale)
+    probs, lse, _, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale,
+                                      softcap=softcap, alibi_slopes=alibi_slopes)
     return probs @ _expand_kv(v, q.shape[1]), lse
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
-                             softmax_scale=None, out=None, lse=None):
+                             softmax_scale=None, out=None, lse=None, softcap=0.0,
+                             alibi_slopes=None):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
 
     Parameters
     ----------
     dout : array_like, ``[B, H, S_q, D]``
         Gradient of the loss with respect to the output.
-    q, k, v, causal, window, kv_seq_len, softmax_scale
+    q, k, v, causal, window, kv_seq_len, softmax_scale, softcap, alibi_slopes
         As in :func:`attention_reference`.
     out : array_like, ``[B, H, S_q, D]``, optional
         An output to take ``Delta = rowsum(dout * out)`` from, as the flash
@@ -117,7 +143,8 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
-    probs, _, scale = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, lse)
+    probs, _, scale, derivative = _probabilities(q, k, causal, window, kv_seq_len,
+                                                 softmax_scale, lse, softcap, alibi_slopes)
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)
@@ -125,7 +152,7 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
         delta = (dprobs * probs).sum(axis=-1, keepdims=True)
     else:
         delta = (dout * np.asarray(out, dtype=np.float64)).sum(axis=-1, keepdims=True)
-    dscores = probs * (dprobs - delta)
+    dscores = probs * (dprobs - delta) * derivative
     dq = scale * dscores @ ke
     dk = scale * np.swapaxes(dscores, -1, -2) @ q
     group = num_heads // num_kv_heads

@@ -92,7 +92,7 @@ def _heads_first(x, start=None, stop=None):
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale,
-                   allow_tf32, check, extra_arrays=()):
+                   allow_tf32, check, extra_arrays=(), softcap=0.0, alibi_slopes=None):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
     ``check`` (:func:`verified_offsets`)."""
@@ -124,7 +124,8 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     attention = forward_problem(
         _heads_first(q), _heads_first(k), _heads_first(v), num_heads, num_kv_heads, head_dim,
         causal, window_size, None, softmax_scale, allow_tf32=allow_tf32,
-        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays])
+        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays], softcap=softcap,
+        alibi_slopes=alibi_slopes, alibi_batch=count)
     attention = dataclasses.replace(
         attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k))
     offsets_q = offsets_k = None
@@ -147,7 +148,7 @@ def verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False):
+                               check=False, softcap=0.0, alibi_slopes=None):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
     Parameters
@@ -165,6 +166,9 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32
         As in :func:`cuflash.flash_attention_fwd`, per sequence (causal is
         bottom-right aligned in each sequence).
+    softcap, alibi_slopes : keyword-only
+        As in :func:`cuflash.flash_attention_fwd`; ``[B, num_heads]`` slopes are one row
+        a sequence, and ALiBi's positions count within each sequence.
     check : bool, default False
         Verify device-held offsets before any kernel runs: one device-to-host copy
         (which synchronizes the stream), then the errors below, naming the sequence.
@@ -186,33 +190,45 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         starting at 0, decreasing, disagreeing with the totals, or a length above
         ``max_seqlen_*`` (naming the sequence).
     """
-    key = plans.signature((q, k, v, cu_seqlens_q, cu_seqlens_k),
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
-                           head_dim, causal, window_size, softmax_scale, allow_tf32, check))
+                           head_dim, causal, window_size, softmax_scale, allow_tf32, check,
+                           softcap))
     plan = plans.get(key)
     if plan is None:
         problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
-                                 window_size, softmax_scale, allow_tf32, check)
+                                 window_size, softmax_scale, allow_tf32, check, softcap=softcap,
+                                 alibi_slopes=alibi_slopes)
         if problem.xp is np:
-            return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale)
+            return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale,
+                                         alibi_slopes)
         plan = PackedForward(problem, q, k, v)
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
 
 
-def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale):
+def _sequence_slopes(alibi_slopes, b):
+    """Sequence ``b``'s ALiBi slopes (``[H]``), or None."""
+    if alibi_slopes is None or alibi_slopes.ndim == 1:
+        return alibi_slopes
+    return np.ascontiguousarray(alibi_slopes[b])
+
+
+def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
     out = np.zeros(q.shape, dtype=attention.dtype)
     lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
-    for _, q0, q1, k0, k1 in problem.sequences():
+    for b, q0, q1, k0, k1 in problem.sequences():
         out_b, lse_b = flash_attention_fwd(
             _heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1),
             attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
-            window_size, softmax_scale=softmax_scale)
+            window_size, softmax_scale=softmax_scale, softcap=attention.softcap,
+            alibi_slopes=_sequence_slopes(alibi_slopes, b))
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
@@ -231,7 +247,7 @@ class PackedForward:
         if problem.has_rows:
             self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
@@ -239,7 +255,7 @@ class PackedForward:
                     xp.full((attention.num_heads, self.problem.total_q), -np.inf,
                             dtype=np.float32))
         out, lse = self.dense(*map(_heads_first, (q, k, v)),
-                              offsets=(cu_seqlens_q, cu_seqlens_k))
+                              offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
         return out, lse[0]
 
 
@@ -247,7 +263,7 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim,
                                causal=False, window_size=0, *, softmax_scale=None,
                                deterministic=False, synchronize=True, allow_tf32=False,
-                               check=False):
+                               check=False, softcap=0.0, alibi_slopes=None):
     """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v.
 
     Parameters
@@ -258,7 +274,8 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         The forward log-sum-exp.
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As passed to the forward.
-    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32
+    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32,
+    softcap, alibi_slopes
         As passed to the forward.
     deterministic, synchronize : bool
         As in :func:`cuflash.flash_attention_bwd`.
@@ -272,10 +289,11 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         With GQA the gradients of query heads sharing a KV head are summed. Tokens of
         no sequence (none, when the offsets end at the totals) get zeros.
     """
-    key = plans.signature((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+    arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
                            head_dim, causal, window_size, softmax_scale, deterministic,
-                           synchronize, allow_tf32, check))
+                           synchronize, allow_tf32, check, softcap))
     plan = plans.get(key)
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
@@ -283,7 +301,8 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
                                  window_size, softmax_scale, allow_tf32, check,
-                                 extra_arrays=(("dout", dout), ("out", out)))
+                                 extra_arrays=(("dout", dout), ("out", out)), softcap=softcap,
+                                 alibi_slopes=alibi_slopes)
         _array_module([("q", q), ("lse", lse)])
         _check_rank("lse", lse, 2, "[num_heads, total_q]")
         check_dims("lse", lse, (problem.attention.num_heads, problem.total_q),
@@ -292,28 +311,30 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
             raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
         if problem.xp is np:
             return _backward_per_sequence(problem, dout, q, k, v, out, lse, causal,
-                                          window_size, softmax_scale)
+                                          window_size, softmax_scale, alibi_slopes)
         plan = PackedBackward(problem, dout, q, k, v, out, lse, bool(deterministic))
         plans.remember(key, plan)
     if check:
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize))
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize),
+                alibi_slopes)
 
 
 def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size,
-                           softmax_scale):
+                           softmax_scale, alibi_slopes):
     """The CPU path: one dense backward a sequence, on views."""
     attention = problem.attention
     dq = np.zeros(q.shape, dtype=attention.dtype)
     dk = np.zeros(k.shape, dtype=attention.dtype)
     dv = np.zeros(v.shape, dtype=attention.dtype)
-    for _, q0, q1, k0, k1 in problem.sequences():
+    for b, q0, q1, k0, k1 in problem.sequences():
         grads = flash_attention_bwd(
             _heads_first(dout, q0, q1), _heads_first(q, q0, q1), _heads_first(k, k0, k1),
             _heads_first(v, k0, k1), _heads_first(out, q0, q1),
             np.ascontiguousarray(lse[:, q0:q1])[None], attention.num_heads,
             attention.num_kv_heads, attention.head_dim, causal, window_size,
-            softmax_scale=softmax_scale)
+            softmax_scale=softmax_scale, softcap=attention.softcap,
+            alibi_slopes=_sequence_slopes(alibi_slopes, b))
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
         dv[k0:k1] = grads[2][0].transpose(1, 0, 2)
@@ -333,13 +354,14 @@ class PackedBackward:
                                           *map(_heads_first, (dout, q, k, v, out)),
                                           lse.flags.c_contiguous, deterministic)
 
-    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize):
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize,
+                 alibi_slopes):
         xp = self.problem.xp
         if self.dense is None:  # no query row: no gradient anywhere
             grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
         else:
             grads = self.dense(*map(_heads_first, (dout, q, k, v, out)), lse[None], False,
-                               offsets=(cu_seqlens_q, cu_seqlens_k))
+                               offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
         if synchronize:
             xp.cuda.get_current_stream().synchronize()
         return grads
@@ -367,13 +389,14 @@ class VarlenVJP:
             dout, self.q, self.k, self.v, self.out, self.lse, self.cu_seqlens_q,
             self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, c.num_heads,
             c.num_kv_heads, c.head_dim, c.causal, c.window_size, softmax_scale=c.softmax_scale,
-            deterministic=deterministic, synchronize=synchronize, allow_tf32=c.allow_tf32)
+            deterministic=deterministic, synchronize=synchronize, allow_tf32=c.allow_tf32,
+            softcap=c.softcap, alibi_slopes=c.alibi_slopes)
 
 
 def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False):
+                               check=False, softcap=0.0, alibi_slopes=None):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
     vjp(dout)``."""
@@ -382,8 +405,8 @@ def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse = flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
         num_kv_heads, head_dim, causal, window_size, softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32, check=check)
+        allow_tf32=allow_tf32, check=check, softcap=softcap, alibi_slopes=alibi_slopes)
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size, None,
-                             softmax_scale, allow_tf32)
+                             softmax_scale, allow_tf32, softcap, alibi_slopes)
     return out, VarlenVJP(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, config)

@@ -1,7 +1,6 @@
-"""Score modifiers (SPEC 8): soft-capping and ALiBi, forward and backward, on the CPU path,
-dense and packed, against the float64 oracle; their validation errors; the oracle's own
-derivative against finite differences. (The GPU kernels do not take them yet: a GPU call
-is refused, marked gpu.)"""
+"""Score modifiers (SPEC 8): soft-capping and ALiBi, forward and backward, on the CPU path
+(CI) and the GPU (marked gpu), dense and packed, against the float64 oracle; their
+validation errors; the oracle's own derivative against finite differences."""
 
 import numpy as np
 import pytest
@@ -148,15 +147,60 @@ def test_packed_slopes_have_a_row_per_sequence():
 
 # ---- GPU -------------------------------------------------------------------------------
 
+GPU_SHAPES = [dict(head_dim=64), dict(head_dim=128, heads=8, kv_heads=2),
+              dict(head_dim=256, q_len=33, kv_len=90), dict(head_dim=40, causal=False,
+                                                           window=(20, 3))]
+
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw, name", [(dict(softcap=2.0), "softcap"),
-                                      (dict(alibi="heads"), "alibi_slopes")], ids=str)
-def test_gpu_refuses_modifiers_before_any_work(kw, name, rng):
-    """This version runs the modifiers on the CPU path only: a GPU call says so."""
-    q = cupy.asarray(rng.standard_normal((1, 2, 16, 32)).astype(np.float32))
-    slopes = cupy.ones(2, dtype=cupy.float32) if kw.get("alibi") else None
-    with pytest.raises(cuflash.InvalidArgumentError, match=f"{name}: score modifiers run on "
-                       "the CPU path"):
-        cuflash.flash_attention_fwd(q, q, q, 2, 2, 32, softcap=kw.get("softcap", 0.0),
-                                    alibi_slopes=slopes)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("softcap, alibi", MODIFIERS, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_matches_oracle(shape, softcap, alibi, dtype, deterministic, rng, poisoned):
+    _check(rng, cupy, dtype=dtype, softcap=softcap, alibi=alibi, deterministic=deterministic,
+           **shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["mma_sync", "general"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_other_kernels(path, dtype, rng, poisoned):
+    """The mma.sync kernels (the A100 path) and the general ones take the modifiers too."""
+    from cuflash import dispatch
+
+    context = (dispatch.kernel_path("general") if path == "general" else
+               dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma",
+                                     "backward_wgmma"))
+    with context:
+        for head_dim in (64, 128):
+            _check(rng, cupy, dtype=dtype, head_dim=head_dim, softcap=4.0, alibi="batch_heads")
+
+
+@pytest.mark.gpu
+def test_gpu_packed_with_modifiers(rng, poisoned):
+    lengths = [70, 0, 200, 33]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, heads, d = int(offsets[-1]), 4, 64
+    host = [rng.standard_normal((total, heads, d)).astype(DTYPES["bfloat16"]) for _ in range(4)]
+    slopes = rng.uniform(0.05, 0.5, size=(len(lengths), heads)).astype(np.float32)
+    q, k, v, dout = (cupy.asarray(x) for x in host)
+    cu = cupy.asarray(offsets)
+    kw = dict(softcap=6.0, alibi_slopes=cupy.asarray(slopes))
+    out, vjp = cuflash.flash_attention_varlen_vjp(q, k, v, cu, cu, 200, 200, heads, heads, d,
+                                                  True, **kw)
+    grads = vjp(dout)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        s = slice(offsets[b], offsets[b + 1])
+        views = [x[s].transpose(1, 0, 2)[None].astype(np.float64) for x in host]
+        ref_out, _ = attention_reference(*views[:3], True, 0, softcap=6.0,
+                                         alibi_slopes=slopes[b])
+        ref_grads = attention_reference_grad(views[3], *views[:3], True, 0, softcap=6.0,
+                                             alibi_slopes=slopes[b])
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                   (ref_out, *ref_grads)):
+            got = to_numpy(got)[s].transpose(1, 0, 2)[None].astype(np.float64)
+            err = rel_error(got, want)
+            assert err <= BOUND["bfloat16"] + FLOOR["bfloat16"], (b, name, err)

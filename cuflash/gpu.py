@@ -112,6 +112,14 @@ def _modifier_args(problem):
     return (np.int32(problem.alibi_batch_stride), np.float32(problem.softcap))
 
 
+def _contiguous_slopes(alibi_slopes):
+    """The kernels read the slopes as a C-contiguous ``[H]`` or ``[B, H]`` array (a
+    strided view, e.g. a column of a bigger table, is copied; None stays None)."""
+    if alibi_slopes is None or alibi_slopes.flags.c_contiguous:
+        return alibi_slopes
+    return cupy.ascontiguousarray(alibi_slopes)
+
+
 def _variant(problem):
     sm = registry.generation(device_capability()[1])
     return kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim, sm))
@@ -220,6 +228,7 @@ class ForwardPlan:
         problem = self.problem
         if self.copies:  # a last stride other than 1 (the signature fixes which)
             q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
+        alibi_slopes = _contiguous_slopes(alibi_slopes)
         out = self.out.empty()
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.pieces is None:
@@ -310,6 +319,7 @@ class BackwardPlan:
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
+        alibi_slopes = _contiguous_slopes(alibi_slopes)
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
         # the atomic backward when it needs converting (zeroed), at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)

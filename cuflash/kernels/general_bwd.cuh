@@ -103,13 +103,20 @@ __device__ __forceinline__ void probabilities_and_dscores(
 #pragma unroll
         for (int j = 0; j < RN; ++j) {
             const int c = tx + 8 * j;
-            float score = s[i][j] * scale_log2, derivative = 1.f;
-            if constexpr (Mods::active)
-                score = mods.apply(s[i][j] * (scale_log2 * kLn2), m0 + r, n0 + c, derivative) *
-                        kLog2e;
-            const float p = mask.visible(m0 + r, n0 + c) ? exp2f(score - lse_s[r]) : 0.f;
-            if (Ps) Ps[r * LDP + c] = p;
-            dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]) * derivative;
+            if constexpr (Mods::active) {  // the modifiers' derivative enters dS
+                float derivative;
+                const float score =
+                    mods.apply(s[i][j] * (scale_log2 * kLn2), m0 + r, n0 + c, derivative) *
+                    kLog2e;
+                const float p = mask.visible(m0 + r, n0 + c) ? exp2f(score - lse_s[r]) : 0.f;
+                if (Ps) Ps[r * LDP + c] = p;
+                dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]) * derivative;
+            } else {
+                const float p = mask.visible(m0 + r, n0 + c)
+                                    ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
+                if (Ps) Ps[r * LDP + c] = p;
+                dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]);
+            }
         }
     }
 }

@@ -73,15 +73,17 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
             float tile_max = neg_inf();
 #pragma unroll
             for (int j = 0; j < RN; ++j) {
-                const int key = n0 + tx + 8 * j;
                 if constexpr (MODIFIED) {
+                    const int key = n0 + tx + 8 * j;
                     float derivative;
-                    s[i][j] = mods.apply(s[i][j] * (scale_log2 * kLn2), row, key, derivative) *
-                              kLog2e;
+                    s[i][j] = mask.visible(row, key)
+                                  ? mods.apply(s[i][j] * (scale_log2 * kLn2), row, key,
+                                               derivative) * kLog2e
+                                  : neg_inf();
                 } else {
-                    s[i][j] *= scale_log2;
+                    s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2
+                                                                  : neg_inf();
                 }
-                if (!mask.visible(row, key)) s[i][j] = neg_inf();
                 tile_max = fmaxf(tile_max, s[i][j]);
             }
             const float new_max = fmaxf(row_max[i], row_max8(tile_max));

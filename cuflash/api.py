@@ -111,7 +111,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
 
         plan = gpu.ForwardPlan(problem, q, k, v)
         plans.remember(key, plan)
-    return plan(q, k, v)
+    return plan(q, k, v, alibi_slopes=alibi_slopes)
 
 
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
@@ -174,7 +174,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         plan = gpu.BackwardPlan(problem, dout, q, k, v, output, lse.flags.c_contiguous,
                                 bool(deterministic))
         plans.remember(key, plan)
-    return plan(dout, q, k, v, output, lse, bool(synchronize))
+    return plan(dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,7 +104,20 @@ def choose(problem, direction, aligned):
     return registry.choose(direction, problem.dtype, problem.head_dim, capability,
                            allow_tf32=problem.allow_tf32,
                            tensor_cores=aligned and dispatch.current() == "auto",
-                           excluded=dispatch.excluded())
+                           excluded=dispatch.excluded(), modified=problem.modified)
+
+
+def _modifier_args(problem):
+    """The score modifiers' scalars, the last arguments of every main kernel."""
+    return (np.int32(problem.alibi_batch_stride), np.float32(problem.softcap))
+
+
+def _contiguous_slopes(alibi_slopes):
+    """The kernels read the slopes as a C-contiguous ``[H]`` or ``[B, H]`` array (a
+    strided view, e.g. a column of a bigger table, is copied; None stays None)."""
+    if alibi_slopes is None or alibi_slopes.flags.c_contiguous:
+        return alibi_slopes
+    return cupy.ascontiguousarray(alibi_slopes)
 
 
 def _variant(problem):
@@ -194,7 +207,8 @@ class ForwardPlan:
                 batch)
         self.out = OutputLayout(problem, problem.num_heads, problem.q_len)
         tail = (*self.out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
-                *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E))
+                *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
+                *_modifier_args(problem))
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
             self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
@@ -203,23 +217,26 @@ class ForwardPlan:
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
-        self.main = Launch.of_role(loaded, self.spec.name, grid, (*strides, *tail))
+        self.main = Launch.of_role(loaded, self.spec.role(modified=problem.modified), grid,
+                                   (*strides, *tail))
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
-    def __call__(self, q, k, v, offsets=(None, None)):
+    def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None):
         """``(out, lse)``; ``offsets``: a packed problem's ``cu_seqlens_q``, ``cu_seqlens_k``
-        (out then ``[total_q, H, D]``, zeros in rows outside every sequence)."""
+        (out then ``[total_q, H, D]``, zeros in rows outside every sequence);
+        ``alibi_slopes`` as the problem says."""
         problem = self.problem
         if self.copies:  # a last stride other than 1 (the signature fixes which)
             q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
+        alibi_slopes = _contiguous_slopes(alibi_slopes)
         out = self.out.empty()
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.pieces is None:
-            self.main(q, k, v, out, lse, *offsets)
+            self.main(q, k, v, out, lse, *offsets, alibi_slopes)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
                 pieces(x) for pieces, x in zip(self.pieces, (q, k, v)))
-            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets)
+            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets, alibi_slopes)
         if self.zero_outside is not None:
             self.zero_outside(out, offsets[0])
         return out, lse
@@ -237,7 +254,7 @@ class BackwardPlan:
                        or not lse_is_contiguous)
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
-        role = self.spec.name + ("" if deterministic else registry.ATOMIC_DQ)
+        role = self.spec.role(atomic_dq=not deterministic, modified=problem.modified)
         self.delta = Launch.of_role(
             loaded, "backward_delta",
             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
@@ -261,16 +278,19 @@ class BackwardPlan:
             strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
         self.dkdv = Launch.of_role(loaded, role, grid,
                                    strides + self.dkv_layout.strides + heads
-                                   + (np.int32(problem.kv_capacity),) + options)
+                                   + (np.int32(problem.kv_capacity),) + options
+                                   + _modifier_args(problem))
         self.dq = self.convert = None
         accum_width = problem.head_dim
         if deterministic:  # dQ by its own pass over the keys, no atomics
-            tile = registry.BY_NAME["backward_dq_general"].traits(problem.head_dim).tile
+            dq_spec = registry.BY_NAME["backward_dq_general"]
+            tile = dq_spec.traits(problem.head_dim).tile
             rows, batch = _query_grid(problem)
             self.dq = Launch.of_role(
-                loaded, "backward_dq_general", (math.ceil(rows / tile), problem.num_heads, batch),
+                loaded, dq_spec.role(modified=problem.modified),
+                (math.ceil(rows / tile), problem.num_heads, batch),
                 (*(s for x in (q, k, v, dout) for s in element_strides(x)),
-                 *self.dq_layout.strides, *heads, *options))
+                 *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)))
         elif problem.dtype != np.float32 or problem.packed is not None:
             # The float32 atomics' buffer into dQ's dtype and layout (a dense float32
             # dQ is that buffer itself).
@@ -290,13 +310,16 @@ class BackwardPlan:
         self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout,
                                             problem.kv_capacity)
 
-    def __call__(self, dout, q, k, v, output, lse, synchronize, offsets=(None, None)):
-        """``(dq, dk, dv)``; ``offsets`` as in :meth:`ForwardPlan.__call__` (a packed
-        problem's gradients tokens first, zeros in rows outside every sequence)."""
+    def __call__(self, dout, q, k, v, output, lse, synchronize, offsets=(None, None),
+                 alibi_slopes=None):
+        """``(dq, dk, dv)``; ``offsets`` and ``alibi_slopes`` as in
+        :meth:`ForwardPlan.__call__` (a packed problem's gradients tokens first, zeros in
+        rows outside every sequence)."""
         problem = self.problem
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
+        alibi_slopes = _contiguous_slopes(alibi_slopes)
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
         # the atomic backward when it needs converting (zeroed), at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
@@ -313,13 +336,15 @@ class BackwardPlan:
                                           cupy.cuda.get_current_stream().ptr)
         if problem.kv_capacity:
             if self.pieces is None:
-                self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv, *offsets)
+                self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv, *offsets,
+                          alibi_slopes)
             else:
                 pieces = [p(x) for p, x in zip(self.pieces, (q, k, v, dout))]
                 self.dkdv(*(x for hi, lo, _ in pieces for x in (hi, lo)), lse_log2, delta,
-                          dq_target, dk, dv, *(scales for _, _, scales in pieces), *offsets)
+                          dq_target, dk, dv, *(scales for _, _, scales in pieces), *offsets,
+                          alibi_slopes)
         if self.dq is not None:
-            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets)
+            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets, alibi_slopes)
         elif self.convert is not None:
             dq = self.dq_layout.empty()
             self.convert(dq_target, dq)

@@ -247,17 +247,6 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
     return shape
 
 
-def check_modifiers_supported(problem):
-    """Score modifiers run on the CPU path only in this version: a GPU call with any is
-    refused before any work."""
-    if problem.xp is np or not problem.modified:
-        return
-    name = "softcap" if problem.softcap > 0 else "alibi_slopes"
-    raise InvalidArgumentError(
-        name, "score modifiers run on the CPU path (NumPy arrays) only in this version; "
-        "the GPU kernels do not take them yet")
-
-
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                     kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
                     alibi_slopes=None, alibi_batch=None):
@@ -315,7 +304,6 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
         softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
         softcap=softcap, alibi_slopes_shape=slopes_shape)
-    check_modifiers_supported(problem)
     _check_device_limits(problem, named)
     return problem
 

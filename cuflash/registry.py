@@ -86,6 +86,7 @@ class KernelSpec:
     exact_head_dims: bool = False
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
+    modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
 
     def serves_head_dim(self, head_dim):
         if self.exact_head_dims:
@@ -109,11 +110,16 @@ class KernelSpec:
                 and self.serves_dtype(dtype, allow_tf32=True))
 
     def roles(self):
-        """The compiled roles: the name, and for the backward its deterministic and
-        atomic-dQ instantiations."""
-        if self.direction == "backward":
-            return (self.name, self.name + ATOMIC_DQ)
-        return (self.name,)
+        """The compiled roles: the name, for the backward its deterministic and
+        atomic-dQ instantiations, and with ``modifiers`` each of those again with the
+        score modifiers (``role(...)`` names them)."""
+        base = (self.name, self.name + ATOMIC_DQ) if self.direction == "backward" else (
+            self.name,)
+        return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
+
+    def role(self, atomic_dq=False, modified=False):
+        """The role of one instantiation."""
+        return self.name + (ATOMIC_DQ if atomic_dq else "") + (MODIFIED if modified else "")
 
     def name_expression(self, role, dtype, head_dim):
         """The C++ expression that instantiates ``role`` for (dtype, head_dim)."""
@@ -121,11 +127,14 @@ class KernelSpec:
         args.append(str(head_dim))
         args += [_cxx(a) for a in self.traits(head_dim).template_args]
         if self.direction == "backward":
-            args.append("true" if role.endswith(ATOMIC_DQ) else "false")
+            args.append("true" if ATOMIC_DQ in role else "false")
+        if self.modifiers:
+            args.append("true" if role.endswith(MODIFIED) else "false")
         return f"cuflash::{self.template}<{', '.join(args)}>"
 
 
 ATOMIC_DQ = "_atomic_dq"
+MODIFIED = "_modified"
 
 
 def _cxx(value):
@@ -146,7 +155,7 @@ def _forward_wgmma_traits(pipelined):
         warpgroups = 2
         width = head_dim_class(d)  # shared-memory tiles of the class's width
         smem = 2 * width * (64 * warpgroups + 4 * keys) + FLOAT_BYTES * 128 * warpgroups + 1024
-        args = (keys, warpgroups, True) if pipelined else (keys, warpgroups)
+        args = (keys, warpgroups, pipelined)
         return Traits(64 * warpgroups, 128 * warpgroups, smem, args)
     return traits
 
@@ -247,23 +256,26 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # kernel that serves the call.
 KERNELS = (
     KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
-               "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True),
+               "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
+               modifiers=True),
     KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True),
+               "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
+               modifiers=True),
     KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits),
+               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True),
     KernelSpec("forward_tf32", "forward", "mma.sync", "tf32", AMPERE_AND_NEWER, ALL_HEAD_DIMS,
                "attention_fwd_tc32", _forward_tf32_traits, dtype_in_template=False),
     KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
                "attention_fwd_split", _forward_pieces_traits, needs_sm90a=True,
                dtype_in_template=False),
     KernelSpec("forward_general", "forward", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits),
+               ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
     KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True),
+               "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True,
+               modifiers=True),
     KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
-               exact_head_dims=True),
+               exact_head_dims=True, modifiers=True),
     KernelSpec("backward_mma_sync_split_d", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits,
                padded_dq=True),
@@ -273,7 +285,7 @@ KERNELS = (
                "attention_bwd_split", _backward_pieces_traits, needs_sm90a=True,
                dtype_in_template=False),
     KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits),
+               ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits, modifiers=True),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
     # deterministic dQ pass; the atomic dQ's conversion to its dtype and
     # layout (512 elements a block); zeros in the rows of a packed output that no
@@ -281,7 +293,7 @@ KERNELS = (
     KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
     KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits),
+               ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits, modifiers=True),
     KernelSpec("backward_dq_convert", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
     KernelSpec("packed_zero_outside", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
@@ -309,12 +321,13 @@ def generation(compute_capability):
 
 
 def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
-           tensor_cores=True, excluded=frozenset()):
+           tensor_cores=True, excluded=frozenset(), modified=False):
     """The first kernel of ``direction`` that serves the call.
 
     ``tensor_cores`` False (the general kernel path, or rows off the 16-byte
     grid that cp.async needs) leaves the CUDA-core kernels only; ``excluded``
-    names kernels to pass over (tests and benchmarks compare the next in line).
+    names kernels to pass over (tests and benchmarks compare the next in line);
+    ``modified`` (score modifiers, SPEC 8) leaves the kernels compiled with them.
     Kernels for sm_90a serve compute capability 9.0 only.
     """
     sm = generation(compute_capability)
@@ -322,7 +335,8 @@ def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
         if (spec.direction != direction or spec.name in excluded
                 or sm not in spec.archs or (spec.needs_sm90a and compute_capability != 90)
                 or not spec.serves_head_dim(head_dim)
-                or not spec.serves_dtype(dtype, allow_tf32)):
+                or not spec.serves_dtype(dtype, allow_tf32)
+                or (modified and not spec.modifiers)):
             continue
         if spec.instruction != "cuda cores" and not tensor_cores:
             continue
@@ -332,8 +346,8 @@ def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
 
 def coverage_table():
     """Markdown: each forward and backward kernel and what it serves (for the docs)."""
-    rows = ["| kernel | direction | instruction | precision | GPUs | head_dim |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| kernel | direction | instruction | precision | GPUs | head_dim | score modifiers |",
+            "|---|---|---|---|---|---|---|"]
     for spec in KERNELS:
         if spec.direction == "helper":
             continue
@@ -341,5 +355,5 @@ def coverage_table():
         dims = (", ".join(map(str, spec.head_dims)) if spec.exact_head_dims
                 else f"{spec.head_dims[0]}-{spec.head_dims[1]}")
         rows.append(f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
-                    f"{spec.precision} | {gpus} | {dims} |")
+                    f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |")
     return "\n".join(rows)

@@ -208,7 +208,7 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
 
 
 def _sequence_slopes(alibi_slopes, b):
@@ -247,7 +247,7 @@ class PackedForward:
         if problem.has_rows:
             self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
@@ -255,7 +255,7 @@ class PackedForward:
                     xp.full((attention.num_heads, self.problem.total_q), -np.inf,
                             dtype=np.float32))
         out, lse = self.dense(*map(_heads_first, (q, k, v)),
-                              offsets=(cu_seqlens_q, cu_seqlens_k))
+                              offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
         return out, lse[0]
 
 
@@ -316,7 +316,8 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         plans.remember(key, plan)
     if check:
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize))
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize),
+                alibi_slopes)
 
 
 def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size,
@@ -353,13 +354,14 @@ class PackedBackward:
                                           *map(_heads_first, (dout, q, k, v, out)),
                                           lse.flags.c_contiguous, deterministic)
 
-    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize):
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize,
+                 alibi_slopes):
         xp = self.problem.xp
         if self.dense is None:  # no query row: no gradient anywhere
             grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
         else:
             grads = self.dense(*map(_heads_first, (dout, q, k, v, out)), lse[None], False,
-                               offsets=(cu_seqlens_q, cu_seqlens_k))
+                               offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
         if synchronize:
             xp.cuda.get_current_stream().synchronize()
         return grads

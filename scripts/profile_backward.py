@@ -46,12 +46,12 @@ def main(d=128, s=4096, causal=False, ncu=False):
                 dq = cupy.zeros(q.shape, dtype=cupy.float32)
 
                 def call(plan=plan):
-                    plan.dkdv(q, k, v, do, lse_log2, delta, dq, dk, dv, None, None)
+                    plan.dkdv(q, k, v, do, lse_log2, delta, dq, dk, dv, None, None, None)
                 if ncu:
                     call()
                     continue
                 ms = time_calls([call], 0.3).median * 1e3
-                name = spec.name + ("" if deterministic else registry.ATOMIC_DQ)
+                name = spec.role(atomic_dq=not deterministic)
                 print(f"  {name:38s} {ms:8.3f} ms  {passes * flops / 4 / ms / 1e9:7.1f} TFLOP/s")
     cupy.cuda.Device().synchronize()
 

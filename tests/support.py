@@ -101,11 +101,13 @@ def round_to_tf32(x):
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def naive_in_dtype(case, q, k, v, dout, tf32=False):
+def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=None):
     """Attention and its gradients computed plainly with every product rounded to the dtype.
 
     With ``tf32`` (float32 cases with ``allow_tf32``), every matrix-product
-    operand and result is rounded to TF32 instead.
+    operand and result is rounded to TF32 instead. ``softcap`` and
+    ``alibi_slopes`` (SPEC 8) modify the float32 scores before they are
+    rounded, and their derivative enters dS.
 
     The backward uses the standard formulation (P recomputed from the
     log-sum-exp, dS = P (dP - rowsum(dO O))), so it carries the same
@@ -127,7 +129,14 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False):
 
     kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
     visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
-    s = _round(q @ np.swapaxes(k, -1, -2) * np.float32(scale), dt)
+    s = q @ np.swapaxes(k, -1, -2) * np.float32(scale)
+    derivative = np.float32(1)
+    if softcap or alibi_slopes is not None:
+        from cuflash.reference import _modified_scores
+
+        s, derivative = (x.astype(np.float32) for x in _modified_scores(
+            s, case.q_len, kv_len, softcap, alibi_slopes))
+    s = _round(s, dt)
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
@@ -140,7 +149,7 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False):
         p = _round(np.where(visible, np.exp(s - lse), 0), dt)
     dv = _round(np.swapaxes(p, -1, -2) @ dout, dt)
     dp = _round(dout @ np.swapaxes(v, -1, -2), dt)
-    ds = _round(p * (dp - (dout * out).sum(axis=-1, keepdims=True)), dt)
+    ds = _round(p * (dp - (dout * out).sum(axis=-1, keepdims=True)) * derivative, dt)
     dq = _round(ds @ k * np.float32(scale), dt)
     dk = _round(np.swapaxes(ds, -1, -2) @ q * np.float32(scale), dt)
     fold = (case.batch, case.kv_heads, group, case.kv_len, case.head_dim)

@@ -119,12 +119,12 @@ def expected_hgmma(role, head_dim):
     if spec.name == "forward_float32_pieces":  # three products each, on the class's width
         return 3 * (width + traits.template_args[0]) // 16
     if spec.name == "backward_float32_pieces":  # S^T, dP^T: width / 16; dV or dK: 64 / 16;
-        dq = 2 if role.endswith(registry.ATOMIC_DQ) else 0  # dQ: 2 key steps
+        dq = 2 if registry.ATOMIC_DQ in role else 0  # dQ: 2 key steps
         return 3 * (2 * width // 16 + 64 // 16 + dq)
     # backward_wgmma: S^T and dP^T over the head_dim, dV and dK over the query rows,
     # dQ in 8 16-key steps (128 keys, or 64 keys in two column chunks)
     rows = traits.template_args[0]
-    dq = 8 if role.endswith(registry.ATOMIC_DQ) else 0
+    dq = 8 if registry.ATOMIC_DQ in role else 0
     return 2 * steps + 2 * rows // 16 + dq
 
 

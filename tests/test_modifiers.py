@@ -1,14 +1,19 @@
-"""Score modifiers (SPEC 8): soft-capping and ALiBi, forward and backward, on the CPU path,
-dense and packed, against the float64 oracle; their validation errors; the oracle's own
-derivative against finite differences. (The GPU kernels do not take them yet: a GPU call
-is refused, marked gpu.)"""
+"""Score modifiers (SPEC 8): soft-capping and ALiBi, forward and backward, on the CPU path
+(CI) and the GPU kernels (marked gpu), dense and packed, against the float64 oracle; their
+validation errors; the oracle's own derivative against finite differences; the kernel
+registry's choices with modifiers."""
+
+import math
 
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, cupy, rel_error, to_numpy
+from cuflash import registry
+from cuflash.reference import (_mask, _modified_scores, attention_reference,
+                               attention_reference_grad)
+from support import (DTYPES, FLOOR, Case, check_close, check_lse, cupy, naive_in_dtype,
+                     random_inputs, rel_error, to_numpy)
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
@@ -146,17 +151,226 @@ def test_packed_slopes_have_a_row_per_sequence():
                                            alibi_slopes=np.ones((1, 2), np.float32))
 
 
+def test_registry_has_modified_kernels_for_every_call():
+    """Every (dtype, head_dim, GPU, option) a plain call serves has kernels compiled with
+    the modifiers, forward and backward (and the deterministic dQ pass), in the variant
+    the GPU path loads; 16-bit calls keep the tensor cores (the backward before Hopper at
+    the mma.sync kernel's head dims 64 and 128)."""
+    from cuflash import kernel_build
+
+    for dtype in DTYPES.values():
+        for head_dim in kernel_build.HEAD_DIMS:
+            for capability in (80, 86, 90):
+                names = kernel_build.Variant(dtype, head_dim,
+                                             registry.generation(capability)).kernel_names()
+                assert registry.BY_NAME["backward_dq_general"].role(modified=True) in names
+                for direction in ("forward", "backward"):
+                    for allow_tf32 in (False, True):
+                        for tensor_cores in (True, False):
+                            spec = registry.choose(direction, dtype, head_dim, capability,
+                                                   allow_tf32=allow_tf32,
+                                                   tensor_cores=tensor_cores, modified=True)
+                            assert spec.modifiers, (spec.name, dtype, head_dim, capability)
+                            for atomic_dq in (False, True):
+                                role = spec.role(atomic_dq=atomic_dq and
+                                                 direction == "backward", modified=True)
+                                assert role in names, role
+                    spec = registry.choose(direction, dtype, head_dim, capability,
+                                           modified=True)
+                    if dtype == DTYPES["float32"] or (
+                            direction == "backward" and capability < 90
+                            and head_dim not in (64, 128)):
+                        assert spec.instruction == "cuda cores", spec.name
+                    else:
+                        assert spec.instruction != "cuda cores", spec.name
+
+
 # ---- GPU -------------------------------------------------------------------------------
+# Each modifier alone ([H] and [B, H] slopes alike) and both together, against the float64
+# oracle by the rule of the other GPU tests (support.check_close: at most twice the error
+# of the naive computation in the dtype, plus the floor), on NaN-poisoned allocations.
+
+GPU_MODIFIERS = [(5.0, None), (0.0, "heads"), (0.0, "batch_heads"), (2.0, "heads"),
+                 (2.0, "batch_heads")]
+
+# Head dims of each tile class (40: the 64 class off the k16 grid; 96: the 128 class),
+# causal and not, GQA, windows, S_q != S_k both ways (ALiBi's position p = i + S_k - S_q),
+# several key tiles (the pipelined wgmma loop), keys past kv_seq_len, rows that see no key.
+GPU_SHAPES = [
+    dict(head_dim=64),
+    dict(head_dim=64, q_len=200, kv_len=333, causal=False),
+    dict(head_dim=128, heads=8, kv_heads=2, q_len=150, kv_len=300),
+    dict(head_dim=256, q_len=33, kv_len=90),
+    dict(head_dim=40, causal=False, window=(20, 3)),
+    dict(head_dim=96, q_len=130, kv_len=100, kv_seq_len=77),
+]
+
+
+def _gpu_case(dtype, **shape):
+    """A support.Case with this file's defaults (GQA 4/2, S_q 45, S_k 70, causal)."""
+    return Case(**{**dict(dtype=dtype, batch=2, heads=4, kv_heads=2, q_len=45, kv_len=70,
+                          causal=True), **shape})
+
+
+def _weighty_score_max(case, q, k, softcap, slopes):
+    """Largest |score| (before and after the modifiers) among the visible scores whose
+    probability is above 1e-6: the magnitude whose float32 rounding the results carry
+    (far keys that ALiBi pushes to huge negative scores weigh nothing)."""
+    q, k = (to_numpy(a).astype(np.float64) for a in (q, k))
+    k = np.repeat(k, case.heads // case.kv_heads, axis=1)
+    kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
+    raw = q @ np.swapaxes(k, -1, -2) / math.sqrt(case.head_dim)
+    modified, _ = _modified_scores(raw, case.q_len, kv_len, softcap, slopes)
+    visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
+    scores = np.where(visible, modified, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weighty = visible & (scores - np.where(np.isfinite(top), top, 0) > math.log(1e-6))
+    if not weighty.any():
+        return 0.0
+    return float(max(np.abs(raw[weighty]).max(), np.abs(modified[weighty]).max()))
+
+
+def _compare(case, inputs, results, softcap, slopes):
+    """``results`` (out, lse, dq, dk, dv of one dense problem, [B, H, S, D]) against the
+    oracle with the modifiers: support.check_close for each, the lse, and exact zeros in
+    rows that see no key and for keys past kv_seq_len."""
+    q, k, v, dout = (to_numpy(x) for x in inputs)
+    out, lse, *grads = (to_numpy(x) for x in results)
+    h64 = [x.astype(np.float64) for x in (q, k, v, dout)]
+    args = (case.causal, case.window, case.kv_seq_len)
+    mods = dict(softcap=softcap, alibi_slopes=slopes)
+    ref_out, ref_lse = attention_reference(*h64[:3], *args, **mods)
+    ref_grads = attention_reference_grad(h64[3], *h64[:3], *args, **mods)
+    inherited = attention_reference_grad(h64[3], *h64[:3], *args, out=out.astype(np.float64),
+                                         lse=lse.astype(np.float64), **mods)
+    naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout, **mods)
+    score_max = _weighty_score_max(case, q, k, softcap, slopes)
+    assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
+    check_lse(lse, ref_lse)
+    for name, got, ref, naive, given in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads,
+                                            inherited):
+        assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
+        check_close(name, got, ref, naive, case.dtype, given, score_max)
+    dead = np.isneginf(ref_lse)
+    assert np.all(out[dead] == 0) and np.all(grads[0][dead] == 0)
+    if case.kv_seq_len is not None:
+        assert np.all(grads[1][:, :, case.kv_seq_len:] == 0)
+        assert np.all(grads[2][:, :, case.kv_seq_len:] == 0)
+
+
+def _gpu_run(case, rng, softcap, alibi, deterministic=False, slopes_view=None):
+    """Forward and backward of ``case`` on the GPU with the modifiers, checked by
+    :func:`_compare`. ``slopes_view`` turns the device slopes into another view of the
+    same values (a strided one, say)."""
+    q, k, v, dout = random_inputs(case, rng, cupy)
+    slopes = _slopes(rng, alibi, case.batch, case.heads)
+    device_slopes = None if slopes is None else cupy.asarray(slopes)
+    if slopes_view is not None and device_slopes is not None:
+        device_slopes = slopes_view(device_slopes)
+    kw = dict(kv_seq_len=case.kv_seq_len, softcap=softcap, alibi_slopes=device_slopes)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
+    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
+                                        deterministic=deterministic)
+    _compare(case, (q, k, v, dout), (out, lse, *grads), softcap, slopes)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw, name", [(dict(softcap=2.0), "softcap"),
-                                      (dict(alibi="heads"), "alibi_slopes")], ids=str)
-def test_gpu_refuses_modifiers_before_any_work(kw, name, rng):
-    """This version runs the modifiers on the CPU path only: a GPU call says so."""
-    q = cupy.asarray(rng.standard_normal((1, 2, 16, 32)).astype(np.float32))
-    slopes = cupy.ones(2, dtype=cupy.float32) if kw.get("alibi") else None
-    with pytest.raises(cuflash.InvalidArgumentError, match=f"{name}: score modifiers run on "
-                       "the CPU path"):
-        cuflash.flash_attention_fwd(q, q, q, 2, 2, 32, softcap=kw.get("softcap", 0.0),
-                                    alibi_slopes=slopes)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("softcap, alibi", GPU_MODIFIERS, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_matches_oracle(shape, softcap, alibi, dtype, deterministic, rng, poisoned):
+    _gpu_run(_gpu_case(dtype, **shape), rng, softcap, alibi, deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("path", ["mma_sync", "general"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
+    """The mma.sync kernels (the path before Hopper) and the general ones take the
+    modifiers too."""
+    from cuflash import dispatch
+
+    context = (dispatch.kernel_path("general") if path == "general" else
+               dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma",
+                                     "backward_wgmma"))
+    with context:
+        for head_dim in (40, 64, 128):
+            for softcap, alibi in ((4.0, "batch_heads"), (0.0, "heads")):
+                case = _gpu_case(dtype, head_dim=head_dim, q_len=100, kv_len=150)
+                _gpu_run(case, rng, softcap, alibi, deterministic)
+
+
+@pytest.mark.gpu
+def test_gpu_slopes_are_read_at_each_call(rng, poisoned):
+    """One plan serves calls with other slopes of the same signature (the values are not
+    part of it), and a strided view of the slopes reads the values it shows."""
+    case = _gpu_case("bfloat16", head_dim=64, q_len=80, kv_len=120)
+    for _ in range(2):
+        _gpu_run(case, rng, 0.0, "batch_heads")
+    _gpu_run(case, rng, 3.0, "batch_heads",
+             slopes_view=lambda s: cupy.ascontiguousarray(s.T).T)  # [B, H], column-major
+    _gpu_run(case, rng, 0.0, "heads",
+             slopes_view=lambda s: cupy.repeat(s, 2)[::2])  # [H], stride 2
+
+
+# Per sequence: S_q != S_k both ways (ALiBi's p = i + S_k - S_q within each sequence),
+# an empty sequence, one without keys (its rows: zeros, lse -inf), several key tiles.
+PACKED_LENGTHS = ([70, 0, 200, 33, 5], [90, 12, 150, 33, 0])
+PACKED_SHAPES = [dict(head_dim=64, causal=True, window=0),
+                 dict(head_dim=128, causal=False, window=(30, 10)),
+                 dict(head_dim=40, causal=True, window=0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("softcap, alibi", GPU_MODIFIERS, ids=str)
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
+def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, rng,
+                                   poisoned):
+    """Packed batches: [B, H] slopes are one row a sequence, positions count within each
+    sequence; each sequence against the oracle as a dense problem."""
+    lengths_q, lengths_k = PACKED_LENGTHS
+    heads, kv_heads, d = 4, 2, shape["head_dim"]
+    causal, window = shape["causal"], shape["window"]
+
+    def make(total, h):
+        return rng.standard_normal((total, h, d)).astype(DTYPES[dtype])
+
+    host = [make(sum(lengths_q), heads), make(sum(lengths_k), kv_heads),
+            make(sum(lengths_k), kv_heads), make(sum(lengths_q), heads)]
+    slopes = _slopes(rng, alibi, len(lengths_q), heads)
+    offsets_q, offsets_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                            for n in (lengths_q, lengths_k))
+    q, k, v, dout = (cupy.asarray(x) for x in host)
+    args = (cupy.asarray(offsets_q), cupy.asarray(offsets_k), max(lengths_q), max(lengths_k),
+            heads, kv_heads, d, causal, window)
+    kw = dict(softcap=softcap, alibi_slopes=None if slopes is None else cupy.asarray(slopes))
+    out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **kw)
+    grads = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, **kw,
+                                               deterministic=deterministic)
+    out, lse, dq, dk, dv = (to_numpy(x) for x in (out, lse, *grads))
+
+    def dense(x, start, stop):
+        return x[start:stop].transpose(1, 0, 2)[None]
+
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        q0, q1, k0, k1 = offsets_q[b], offsets_q[b + 1], offsets_k[b], offsets_k[b + 1]
+        if lq == 0:  # keys nobody sees: zero gradients
+            assert np.all(dk[k0:k1] == 0) and np.all(dv[k0:k1] == 0), b
+            continue
+        if lk == 0:  # rows that see no key: zeros, lse -inf
+            assert np.all(out[q0:q1] == 0) and np.all(dq[q0:q1] == 0), b
+            assert np.all(np.isneginf(lse[:, q0:q1])), b
+            continue
+        case = Case(dtype=dtype, batch=1, heads=heads, kv_heads=kv_heads, q_len=lq,
+                    kv_len=lk, head_dim=d, causal=causal, window=window)
+        inputs = (dense(host[0], q0, q1), dense(host[1], k0, k1), dense(host[2], k0, k1),
+                  dense(host[3], q0, q1))
+        results = (dense(out, q0, q1), lse[None, :, q0:q1], dense(dq, q0, q1),
+                   dense(dk, k0, k1), dense(dv, k0, k1))
+        _compare(case, inputs, results, softcap, None if slopes is None
+                 else slopes[b] if slopes.ndim == 2 else slopes)

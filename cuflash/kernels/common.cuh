@@ -150,6 +150,54 @@ __device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ o
     return Sequence{0, q0, k0, k1 - k0, Mask{q1 - q0, k1 - k0, left, right}};
 }
 
+// The score modifiers of SPEC 8, applied to a scaled score s = scale q.k of
+// query row i and key j (positions within the block's sequence): a soft-cap,
+// s -> softcap tanh(s / softcap), then ALiBi, s -> s - slope |i + kv_len -
+// q_len - j|. Kernels compiled with modifiers (their MODIFIED template flag)
+// take the scores through `apply` on every tile; the others take
+// NoModifiers, whose code is the plain kernels' own.
+struct NoModifiers {
+    static constexpr bool active = false;
+};
+struct ScoreModifiers {
+    static constexpr bool active = true;
+    float softcap, inv_softcap;  // softcap 0: no cap
+    float slope;                 // ALiBi's slope for the head, 0: none
+    long long offset;            // kv_len - q_len of the sequence: p = i + offset
+
+    // The modified score of s (row i, key j) and its derivative d(result)/ds.
+    __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
+        derivative = 1.f;
+        if (softcap > 0.f) {
+            const float t = tanhf(s * inv_softcap);
+            s = softcap * t;
+            derivative = 1.f - t * t;
+        }
+        if (slope != 0.f) s -= slope * fabsf(static_cast<float>(i + offset - j));
+        return s;
+    }
+};
+template <bool B, typename T, typename F> struct pick_type { using type = T; };
+template <typename T, typename F> struct pick_type<false, T, F> { using type = F; };
+template <bool MODIFIED>
+using Modifiers = typename pick_type<MODIFIED, ScoreModifiers, NoModifiers>::type;
+
+// The modifiers of query head h in the block's sequence (blockIdx.z): slopes
+// [B, H] (batch_stride H) or [H] (0), or none (null).
+template <bool MODIFIED>
+__device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
+    const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap, int h,
+    const Mask& mask) {
+    if constexpr (MODIFIED) {
+        const float slope =
+            alibi_slopes == nullptr ? 0.f : alibi_slopes[blockIdx.z * alibi_batch_stride + h];
+        return ScoreModifiers{softcap, softcap > 0.f ? 1.f / softcap : 0.f, slope,
+                              static_cast<long long>(mask.kv_len) - mask.q_len};
+    } else {
+        return NoModifiers{};
+    }
+}
+
 // Strides in elements of a [B, H, S, D] tensor whose last stride is 1.
 struct Strides { long long b, h, s; };
 
@@ -157,9 +205,14 @@ struct Strides { long long b, h, s; };
 #define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
 #define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
 #define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
-// The packed calls' offsets (int32 [B + 1] each), null for dense calls; after a
-// kernel's arrays.
-#define CUFLASH_OFFSETS const int* __restrict__ offsets_q, const int* __restrict__ offsets_k
+// The packed calls' offsets (int32 [B + 1] each), null for dense calls, and
+// the ALiBi slopes (float32 [B, H] or [H]), null without; after a kernel's
+// arrays.
+#define CUFLASH_OFFSETS                                                          \
+    const int* __restrict__ offsets_q, const int* __restrict__ offsets_k,        \
+        const float* __restrict__ alibi_slopes
+// The other modifier arguments, after a kernel's scalars (see ScoreModifiers).
+#define CUFLASH_MODIFIER_PARAMS int alibi_batch_stride, float softcap
 // The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the
 // rows a head of the arrays.
 #define CUFLASH_SEQUENCE_OF(kv_capacity)                                                     \

@@ -84,11 +84,11 @@ __global__ void __launch_bounds__(256) attention_zero_outside(
 
 // Scores and dP of one (query tile, key tile) pair, turned into P and dS in
 // shared memory. Qs/dOs hold the query tile, Ks/Vs the key tile.
-template <int D, int BM, int BN>
+template <int D, int BM, int BN, typename Mods>
 __device__ __forceinline__ void probabilities_and_dscores(
     const float* Qs, const float* dOs, const float* Ks, const float* Vs,
     const float* lse_s, const float* delta_s, float* Ps, float* dSs,
-    const Mask& mask, int m0, int n0, float scale_log2, int ty, int tx) {
+    const Mask& mask, int m0, int n0, float scale_log2, int ty, int tx, const Mods& mods) {
     constexpr int RM = BM / 16, RN = BN / 8, LD = D + 4, LDP = BN + 4;
     float s[RM][RN], dp[RM][RN];
 #pragma unroll
@@ -103,10 +103,20 @@ __device__ __forceinline__ void probabilities_and_dscores(
 #pragma unroll
         for (int j = 0; j < RN; ++j) {
             const int c = tx + 8 * j;
-            const float p = mask.visible(m0 + r, n0 + c)
-                                ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
-            if (Ps) Ps[r * LDP + c] = p;
-            dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]);
+            if constexpr (Mods::active) {  // the modifiers' derivative enters dS
+                float derivative;
+                const float score =
+                    mods.apply(s[i][j] * (scale_log2 * kLn2), m0 + r, n0 + c, derivative) *
+                    kLog2e;
+                const float p = mask.visible(m0 + r, n0 + c) ? exp2f(score - lse_s[r]) : 0.f;
+                if (Ps) Ps[r * LDP + c] = p;
+                dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]) * derivative;
+            } else {
+                const float p = mask.visible(m0 + r, n0 + c)
+                                    ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
+                if (Ps) Ps[r * LDP + c] = p;
+                dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]);
+            }
         }
     }
 }
@@ -130,14 +140,14 @@ __device__ __forceinline__ void load_query_side(
     }
 }
 
-template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_accum,
     T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
@@ -180,8 +190,9 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
             load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
                                       q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
             __syncthreads();
-            probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs,
-                                                 mask, m0, n0, scale_log2, ty, tx);
+            probabilities_and_dscores<D, BM, BN>(
+                Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs, mask, m0, n0, scale_log2, ty, tx,
+                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask));
             __syncthreads();
             // dV[j] += sum_r P[r][j] dO[r];  dK[j] += sum_r dS[r][j] Q[r]
 #pragma unroll 2
@@ -229,13 +240,13 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     }
 }
 
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dq);
@@ -260,6 +271,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
 
     load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
                               q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
     int n_lo, n_hi;
     mask.key_range(m0, m0 + rows, n_lo, n_hi);
 
@@ -278,7 +290,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
         load_tile<BN, D, LD, NT>(Vs, v_head + n0 * v_st.s, v_st.s, keys);
         __syncthreads();
         probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
-                                             mask, m0, n0, scale_log2, ty, tx);
+                                             mask, m0, n0, scale_log2, ty, tx, mods);
         __syncthreads();
         tile_accumulate<RM, NE, BN, LD, LDP>(dSs, Ks, acc, ty, tx);
     }

@@ -12,12 +12,12 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
 
     load_tile<BM, D, LD, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_lo, n_hi;
@@ -72,7 +73,17 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
             float tile_max = neg_inf();
 #pragma unroll
             for (int j = 0; j < RN; ++j) {
-                s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2 : neg_inf();
+                if constexpr (MODIFIED) {
+                    const int key = n0 + tx + 8 * j;
+                    float derivative;
+                    s[i][j] = mask.visible(row, key)
+                                  ? mods.apply(s[i][j] * (scale_log2 * kLn2), row, key,
+                                               derivative) * kLog2e
+                                  : neg_inf();
+                } else {
+                    s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2
+                                                                  : neg_inf();
+                }
                 tile_max = fmaxf(tile_max, s[i][j]);
             }
             const float new_max = fmaxf(row_max[i], row_max8(tile_max));

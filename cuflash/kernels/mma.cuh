@@ -190,6 +190,36 @@ __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, 
     else
         probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2);
 }
+// With score modifiers, both in one pass on every tile (the modifiers'
+// derivative enters dS^T): P^T = exp2(mod(S^T scale) log2 e - lse), masked
+// element by element, and dS^T = P^T (dP^T - Delta) mod'; `scale` is the
+// softmax scale itself.
+template <int QTILES, int LOG2_GAIN = 0>
+__device__ __forceinline__ void modified_probs_and_dscores(
+    float (&st)[QTILES][4], float (&dpt)[QTILES][4], const Mask& mask,
+    const ScoreModifiers& mods, int m0, int key0, int t, const float* lse_s,
+    const float* delta_s, float scale) {
+    int lo[2], hi[2];  // the queries keys key0 and key0 + 8 are seen by
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
+#pragma unroll
+    for (int n = 0; n < QTILES; ++n) {
+        const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
+        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float lse_e = (e & 1) ? lse2.y : lse2.x;
+            if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
+            const int query = m0 + n * 8 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1);
+            float derivative;
+            const float score = mods.apply(st[n][e] * scale, query, key, derivative);
+            float p = fast_exp2(score * kLog2e - lse_e);
+            if (query < lo[e >> 1] || query >= hi[e >> 1]) p = 0.f;
+            st[n][e] = p;
+            dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x)) * derivative;
+        }
+    }
+}
 // Then dS^T = P^T (dP^T - Delta) in place on the dP^T accumulators, Delta per
 // query column from delta_s (8-byte aligned).
 template <int QTILES>

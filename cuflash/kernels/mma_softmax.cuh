@@ -27,11 +27,13 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // takes them to base 2 in exp_row: on an edge tile they are scaled here (and
 // masked with -inf), so 1; elsewhere they stay raw and exp_row folds the
 // scale into the FFMA before each exp2 (one instruction a score fewer).
-template <int MT, int NTILES>
+// With score modifiers (Mods::active) every tile takes the per-element path:
+// the scores are scaled, modified, taken to base 2 and masked here.
+template <int MT, int NTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                                              const Mask& mask, bool edge, int row0, int n0,
-                                             float scale_log2) {
-    if (!edge) return scale_log2;
+                                             float scale_log2, const Mods& mods = Mods{}) {
+    if (!Mods::active && !edge) return scale_log2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int lo[2], hi[2];  // the keys rows g and g + 8 see
 #pragma unroll
@@ -41,7 +43,14 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = n0 + n * 8 + 2 * t + (e & 1);
-            s[mt][n][e] *= scale_log2;
+            if constexpr (Mods::active) {
+                float derivative;
+                s[mt][n][e] = mods.apply(s[mt][n][e] * (scale_log2 * kLn2),
+                                         row0 + mt * 16 + g + 8 * (e >> 1), key, derivative) *
+                              kLog2e;
+            } else {
+                s[mt][n][e] *= scale_log2;
+            }
             if (key < lo[e >> 1] || key >= hi[e >> 1]) s[mt][n][e] = neg_inf();
         }
     return 1.f;
@@ -99,14 +108,14 @@ __device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, i
 // One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
 // whose first row is row0: mask (only when `edge`), scale to base 2, update
 // the running max and sum, rescale O, and leave P = exp2(s - max) in s.
-template <int MT, int NTILES, int DTILES>
+template <int MT, int NTILES, int DTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&o)[MT][DTILES][4],
                                              float (&row_max)[MT][2], float (&row_sum)[MT][2],
                                              const Mask& mask, bool edge, int row0, int n0,
-                                             float scale_log2) {
+                                             float scale_log2, const Mods& mods = Mods{}) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const float score_scale = mask_scores(s, mt, mask, edge, row0, n0, scale_log2);
+        const float score_scale = mask_scores(s, mt, mask, edge, row0, n0, scale_log2, mods);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r, score_scale));

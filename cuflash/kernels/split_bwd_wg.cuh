@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity,
-    CUFLASH_MASK_PARAMS, float scale, float scale_log2) {
+    CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q),
     CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
-    CUFLASH_MASK_PARAMS, float scale_log2) {
+    CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2) {
+    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = BN * 2, NW = BN / 16, P = D + 4, PQ = BM + 4;
     constexpr int KSTEPS = D / 8, QTILES = BM / 8, DTILES = D / 8;
     // dQ work split: warp w takes m16 tile w % QM and a slice of DQ_SLICE d-tiles.

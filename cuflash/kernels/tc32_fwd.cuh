@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
     using FragA = Tf32Frag<4>;

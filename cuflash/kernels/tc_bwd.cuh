@@ -21,7 +21,7 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2) {
+    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64 or 128 columns wide (the head_dim's class); products over
     // the head_dim and dK, dV on its exact width DK (padding columns zeros).
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
 
     // One query tile: the products, the softmax and the dK, dV (and dQ) updates.
     auto query_tile = [&](const T* Qb, const T* dOb, const float* lse_b, const float* delta_b,
-                          long long head_rows, int m0, int rows) {
+                          long long head_rows, int m0, int rows, int h) {
         float st[QTILES][4], dpt[QTILES][4];
 #pragma unroll
         for (int n = 0; n < QTILES; ++n)
@@ -93,8 +93,14 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             }
         }
 
-        probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
-                          m0, n0 + warp * 16 + g, t, lse_b, delta_b, scale_log2);
+        if constexpr (MODIFIED)
+            modified_probs_and_dscores(
+                st, dpt, mask,
+                score_modifiers<true>(alibi_slopes, alibi_batch_stride, softcap, h, mask), m0,
+                n0 + warp * 16 + g, t, lse_b, delta_b, scale);
+        else
+            probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
+                              m0, n0 + warp * 16 + g, t, lse_b, delta_b, scale_log2);
 
         // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
 #pragma unroll
@@ -160,7 +166,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         const int h = steps.head(step), m0 = steps.row0(step);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
         query_tile(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
-                   delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0));
+                   delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0), h);
         __syncthreads();  // dS^T and this query buffer are rewritten next
     }
 

@@ -38,7 +38,7 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BM, bool ATOMIC_DQ>
+template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2) {
+    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
     // products over the head_dim take DK / 16 k16 steps (padding columns zeros).
@@ -159,14 +159,25 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                              wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
-        pin_registers(st);
-        const int key_lo = n0 + wg_key0;
-        probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0 + q0,
-              n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2);
-        wgmma_wait<0>();
-        pin_registers(dpt);
-        dscores(st, dpt, t, delta_s + buf * BM + q0);
+        if constexpr (MODIFIED) {  // both at once: the modifiers' derivative enters dS^T
+            wgmma_wait<0>();
+            pin_registers(st);
+            pin_registers(dpt);
+            modified_probs_and_dscores(
+                st, dpt, mask,
+                score_modifiers<true>(alibi_slopes, alibi_batch_stride, softcap, h, mask),
+                m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, delta_s + buf * BM + q0,
+                scale);
+        } else {
+            wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
+            pin_registers(st);
+            const int key_lo = n0 + wg_key0;
+            probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0 + q0,
+                  n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2);
+            wgmma_wait<0>();
+            pin_registers(dpt);
+            dscores(st, dpt, t, delta_s + buf * BM + q0);
+        }
 
         // Element (key, query) of a [BN keys][BM queries] tile in the swizzled
         // layout (column blocks of 64 queries); chunk = query / 8.

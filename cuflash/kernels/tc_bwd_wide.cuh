@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
     CUFLASH_STRIDES(dkv),
     int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2) {
+    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).

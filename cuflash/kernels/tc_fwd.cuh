@@ -17,12 +17,12 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BM, int BN, int MT, bool Q_REGS>
+template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).
@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
 
     cp_async_tile<BM, DT, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
         }
 
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
-        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp * WM, n0, scale_log2);
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp * WM, n0, scale_log2, mods);
 
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {

@@ -76,12 +76,12 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 // tile's softmax runs while P V does (O is rescaled once P V is done). One
 // barrier a key tile: after it, K(it + 2) and V(it + 1) load into the buffers
 // that S(it) and P V(it - 1), done by then, have released.
-template <typename T, int D, int BN, int WG, bool PIPELINE = false>
+template <typename T, int D, int BN, int WG, bool PIPELINE, bool MODIFIED>
 __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2) {
+    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
     // in shared memory tiles of the head_dim's class (DL columns, in blocks of 64).
@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             wgmma_wait_all();
             pin_registers(s[0]);
             softmax_tile(s, o, row_max, row_sum, mask, edge_tile(it), m0 + warp_row, n0,
-                         scale_log2);
+                         scale_log2, mods);
 
             unsigned pa[BN / 16][4];
             pack_probs(s, pa);
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             wgmma_wait_all();
             pin_registers(s[0]);
             softmax_tile(s, o, row_max, row_sum, mask, edge_tile(0), m0 + warp_row, n_start,
-                         scale_log2);
+                         scale_log2, mods);
             pack_probs(s, pa);
         }
         // Every tile but the last: S(it + 1) and P V(it) in flight together.
@@ -233,7 +234,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             wgmma_wait<1>();  // S(it + 1) is done; P V(it) may still run
             pin_registers(s[0]);
             const float score_scale = mask_scores(s, 0, mask, edge_tile(it + 1), m0 + warp_row,
-                                                  n_start + (it + 1) * BN, scale_log2);
+                                                  n_start + (it + 1) * BN, scale_log2, mods);
             const float alpha0 = exp_row(s, row_max, row_sum, 0, 0, score_scale);
             const float alpha1 = exp_row(s, row_max, row_sum, 0, 1, score_scale);
             complete_before_wait(order_slots + threadIdx.x, row_sum[0][0] + row_sum[0][1]);

@@ -151,7 +151,7 @@ def oracle(case, inputs, k_cache, v_cache):
         where = [key_location(case, table, b, j) for j in range(kv_len)]
         keys = np.stack([k_cache[blk, :, row] for blk, row in where], axis=1)
         values = np.stack([v_cache[blk, :, row] for blk, row in where], axis=1)
-        slopes = inputs["alibi_slopes"]
+        slopes = inputs.get("alibi_slopes")
         if slopes is not None:
             slopes = to_numpy(slopes)
             slopes = slopes[b] if slopes.ndim == 2 else slopes

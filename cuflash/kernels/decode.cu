@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
 // packed row m (query row m / group of query head hk group + m % group) and key
 // j: the soft-cap and the ALiBi slope taken into log2 units, which commutes
 // with both (c tanh(s / c) and slope |p - j| scale linearly).
+template <typename T>
 __device__ __forceinline__ float decode_modified_score(
     float s, int m, int j, int group, int hk, int b, const Mask& mask,
     const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap_log2) {
@@ -200,7 +201,7 @@ __device__ __forceinline__ float decode_modified_score(
     float derivative;
     return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
                           static_cast<long long>(mask.kv_len) - mask.q_len}
-        .apply(s, i, j, derivative);
+        .template apply<sizeof(T) == 2>(s, i, j, derivative);
 }
 
 // Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
 #pragma unroll
             for (int r = 0; r < RM; ++r)
                 if (row0 + r < rows_total)
-                    s[r] = decode_modified_score(s[r], row0 + r, j, group, hk, b, mask,
+                    s[r] = decode_modified_score<T>(s[r], row0 + r, j, group, hk, b, mask,
                                                  alibi_slopes, alibi_batch_stride, softcap_log2);
         }
         float tile_max[RM];
@@ -628,7 +629,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
                 for (int e = 0; e < 4; ++e) {
                     float x = s[n][e] * scale_log2;
                     if (modified && my_row[e >> 1] < rows_total)
-                        x = decode_modified_score(x, my_row[e >> 1], key0 + n * 8 + 2 * t + (e & 1),
+                        x = decode_modified_score<T>(x, my_row[e >> 1], key0 + n * 8 + 2 * t + (e & 1),
                                                   group, hk, b, mask, alibi_slopes,
                                                   alibi_batch_stride, softcap_log2);
                     if (edge) {

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(256) attention_zero_outside(
 
 // Scores and dP of one (query tile, key tile) pair, turned into P and dS in
 // shared memory. Qs/dOs hold the query tile, Ks/Vs the key tile.
-template <int D, int BM, int BN, typename Mods>
+template <int D, int BM, int BN, bool APPROX_TANH, typename Mods>
 __device__ __forceinline__ void probabilities_and_dscores(
     const float* Qs, const float* dOs, const float* Ks, const float* Vs,
     const float* lse_s, const float* delta_s, float* Ps, float* dSs,
@@ -106,7 +106,8 @@ __device__ __forceinline__ void probabilities_and_dscores(
             if constexpr (Mods::active) {  // the modifiers' derivative enters dS
                 float derivative;
                 const float score =
-                    mods.apply(s[i][j] * (scale_log2 * kLn2), m0 + r, n0 + c, derivative) *
+                    mods.template apply<APPROX_TANH>(s[i][j] * (scale_log2 * kLn2), m0 + r,
+                                                        n0 + c, derivative) *
                     kLog2e;
                 const float p = mask.visible(m0 + r, n0 + c) ? exp2f(score - lse_s[r]) : 0.f;
                 if (Ps) Ps[r * LDP + c] = p;
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
             load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
                                       q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
             __syncthreads();
-            probabilities_and_dscores<D, BM, BN>(
+            probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(
                 Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs, mask, m0, n0, scale_log2, ty, tx,
                 score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask));
             __syncthreads();
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
         load_tile<BN, D, LD, NT>(Ks, k_head + n0 * k_st.s, k_st.s, keys);
         load_tile<BN, D, LD, NT>(Vs, v_head + n0 * v_st.s, v_st.s, keys);
         __syncthreads();
-        probabilities_and_dscores<D, BM, BN>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
+        probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
                                              mask, m0, n0, scale_log2, ty, tx, mods);
         __syncthreads();
         tile_accumulate<RM, NE, BN, LD, LDP>(dSs, Ks, acc, ty, tx);

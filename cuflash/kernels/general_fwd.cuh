@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
                     const int key = n0 + tx + 8 * j;
                     float derivative;
                     s[i][j] = mask.visible(row, key)
-                                  ? mods.apply(s[i][j] * (scale_log2 * kLn2), row, key,
-                                               derivative) * kLog2e
+                                  ? mods.template apply<sizeof(T) == 2>(
+                                        s[i][j] * (scale_log2 * kLn2), row, key, derivative) *
+                                        kLog2e
                                   : neg_inf();
                 } else {
                     s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2

@@ -212,7 +212,8 @@ __device__ __forceinline__ void modified_probs_and_dscores(
             if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
             const int query = m0 + n * 8 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1);
             float derivative;
-            const float score = mods.apply(st[n][e] * scale, query, key, derivative);
+            const float score = mods.template apply<true>(st[n][e] * scale, query, key,
+                                                          derivative);
             float p = fast_exp2(score * kLog2e - lse_e);
             if (query < lo[e >> 1] || query >= hi[e >> 1]) p = 0.f;
             st[n][e] = p;

@@ -28,7 +28,8 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // masked with -inf), so 1; elsewhere they stay raw and exp_row folds the
 // scale into the FFMA before each exp2 (one instruction a score fewer).
 // With score modifiers (Mods::active) every tile takes the per-element path:
-// the scores are scaled, modified, taken to base 2 and masked here.
+// the scores are scaled, modified and taken to base 2 here (and masked on an
+// edge tile).
 template <int MT, int NTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                                              const Mask& mask, bool edge, int row0, int n0,
@@ -45,13 +46,14 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
             const int key = n0 + n * 8 + 2 * t + (e & 1);
             if constexpr (Mods::active) {
                 float derivative;
-                s[mt][n][e] = mods.apply(s[mt][n][e] * (scale_log2 * kLn2),
-                                         row0 + mt * 16 + g + 8 * (e >> 1), key, derivative) *
+                s[mt][n][e] = mods.template apply<true>(s[mt][n][e] * (scale_log2 * kLn2),
+                                                        row0 + mt * 16 + g + 8 * (e >> 1), key,
+                                                        derivative) *
                               kLog2e;
             } else {
                 s[mt][n][e] *= scale_log2;
             }
-            if (key < lo[e >> 1] || key >= hi[e >> 1]) s[mt][n][e] = neg_inf();
+            if (edge && (key < lo[e >> 1] || key >= hi[e >> 1])) s[mt][n][e] = neg_inf();
         }
     return 1.f;
 }

@@ -5,7 +5,9 @@ the head-dim classes and the general kernels, causal, window and kv_seq_len
 cases, on both kernel paths, and every tensor-core kernel, also those the
 default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
 forward and backward where Hopper takes wgmma, the wgmma forward without the
-pipelined softmax, the split-D 16-bit backward, float32 on TF32.
+pipelined softmax, the split-D 16-bit backward, float32 on TF32; score modifiers
+(soft-cap, ALiBi) on the dense and packed calls; decoding from a paged cache with
+modifiers and garbage lengths; ring attention over two virtual ranks.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
 settings to run (names of SETTINGS; default all); SANITIZE_HEAD_DIMS (comma
 separated) narrows the head dims.
@@ -40,7 +42,9 @@ def main(settings):
     rng = np.random.default_rng(0)
     failures = 0
     dtypes = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
-    configs = [dict(causal=False), dict(causal=True, window_size=7), dict(kv_seq_len=50)]
+    slopes = cupy.asarray(rng.uniform(0.1, 1.0, 4).astype(np.float32))
+    configs = [dict(causal=False), dict(causal=True, window_size=7), dict(kv_seq_len=50),
+               dict(causal=True, softcap=5.0, alibi_slopes=slopes)]
     head_dims = [int(d) for d in os.environ.get("SANITIZE_HEAD_DIMS", "40,64,96,128,200,256")
                  .split(",")]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
@@ -63,6 +67,8 @@ def main(settings):
             failures += 1
         if cfg.get("kv_seq_len") is None:
             failures += packed_calls(rng, dtype, d, path, skipped, cfg)
+    if "auto" in settings:
+        failures += kvcache_and_ring_calls(rng, head_dims)
     print(f"sanitize cases done ({', '.join(settings)}), {failures} with NaN")
     return 1 if failures else 0
 
@@ -87,6 +93,37 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
                      for det in (False, True)]
         if i == 0:
             failures += sum(bool(cupy.isnan(x).any()) for x in (out, *grads[0], *grads[1]))
+    return failures
+
+
+def kvcache_and_ring_calls(rng, head_dims):
+    """Decoding from a paged cache with the score modifiers (device lengths, one of them
+    garbage), and ring attention over two virtual ranks (the merge kernel); the count of
+    NaN results."""
+    from cuflash import distributed as dist
+
+    failures = 0
+    for dtype, d in itertools.product((np.dtype(np.float32), BFLOAT16), head_dims):
+        q = cupy.asarray(rng.standard_normal((2, 4, 3, d)).astype(dtype))
+        k_cache, v_cache = (cupy.asarray(rng.standard_normal((6, 2, 16, d)).astype(dtype))
+                            for _ in "kv")
+        table = cupy.asarray(np.array([[0, 1, 2], [3, 4, 5]], np.int32))
+        for lengths in ([20, 45], [7, 10**6]):
+            out = cuflash.flash_attention_with_kvcache(
+                q, k_cache, v_cache, 4, 2, d, cache_seqlens=cupy.asarray(
+                    np.array(lengths, np.int32)), block_table=table, softcap=3.0,
+                alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)))
+            failures += lengths[1] < 48 and bool(cupy.isnan(out).any())
+        whole = [cupy.asarray(rng.standard_normal((1, h, 4 * 37, d)).astype(dtype))
+                 for h in (4, 2, 2, 4)]
+        shards = [tuple(dist.shard(x, "zigzag", r, 2) for x in whole) for r in range(2)]
+
+        def rank(group, q, k, v, dout):
+            out, vjp = dist.ring_attention_vjp(q, k, v, 4, 2, d, True, group=group)
+            return (out, *vjp(dout))
+
+        for result in dist.ThreadGroup(2).run(rank, shards):
+            failures += sum(bool(cupy.isnan(x).any()) for x in result)
     return failures
 
 

@@ -29,7 +29,8 @@ def _arrays_and_slopes(arrays, alibi_slopes):
 
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False, softcap=0.0, alibi_slopes=None):
+                        allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
+                        mask_mod=None):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -75,6 +76,15 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         (position ``p = i + S_k - S_q``, with ``kv_seq_len`` for ``S_k``) and
         key ``j``, after the soft-cap (FlashAttention-2's meaning). The
         backward must be given the same ``softcap`` and ``alibi_slopes``.
+    score_mod : cuflash.modifiers.ScoreMod, optional, keyword-only
+        A user-defined score function ``(score, b, h, q_idx, kv_idx) -> score``
+        applied after the built-in modifiers (``b`` the batch entry, ``h`` the query
+        head, ``q_idx``/``kv_idx`` the row and key indices); its derivative enters the
+        backward. CPU path only in this version.
+    mask_mod : cuflash.modifiers.MaskMod, optional, keyword-only
+        A user-defined mask ``(b, h, q_idx, kv_idx) -> bool``: a key is visible when
+        the causal/window rule and the mask both allow it. CPU path only in this
+        version.
 
     Returns
     -------
@@ -97,12 +107,13 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     """
     key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, allow_tf32, softcap))
+                           softmax_scale, allow_tf32, softcap, score_mod, mask_mod))
     plan = plans.get(key)
     if plan is None:
         problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                   window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32,
-                                  softcap=softcap, alibi_slopes=alibi_slopes)
+                                  softcap=softcap, alibi_slopes=alibi_slopes,
+                                  score_mod=score_mod, mask_mod=mask_mod)
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
@@ -117,7 +128,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                         causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
                         deterministic=False, synchronize=True, allow_tf32=False, softcap=0.0,
-                        alibi_slopes=None):
+                        alibi_slopes=None, score_mod=None, mask_mod=None):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
 
     Parameters
@@ -132,7 +143,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         The forward log-sum-exp.
     num_heads, num_kv_heads, head_dim, causal, window_size
         As passed to the forward.
-    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes : keyword-only
+    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod, mask_mod : keyword-only
         As passed to the forward.
     deterministic : bool, default False
         Bitwise-reproducible gradients: dQ is computed by its own pass over
@@ -158,13 +169,15 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
     """
     key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, deterministic, synchronize, allow_tf32, softcap))
+                           softmax_scale, deterministic, synchronize, allow_tf32, softcap,
+                           score_mod, mask_mod))
     plan = plans.get(key)
     if plan is None:
         problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                    head_dim, causal, window_size, kv_seq_len, softmax_scale,
                                    deterministic, synchronize, allow_tf32=allow_tf32,
-                                   softcap=softcap, alibi_slopes=alibi_slopes)
+                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                   score_mod=score_mod, mask_mod=mask_mod)
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
@@ -191,6 +204,7 @@ class AttentionConfig:
     allow_tf32 : bool
     softcap : float
     alibi_slopes : array or None
+    score_mod, mask_mod : cuflash.modifiers objects or None
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -204,6 +218,8 @@ class AttentionConfig:
     allow_tf32: bool = False
     softcap: float = 0.0
     alibi_slopes: object = None
+    score_mod: object = None
+    mask_mod: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,12 +264,13 @@ class AttentionVJP:
             c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
             softmax_scale=c.softmax_scale, deterministic=deterministic,
             synchronize=synchronize, allow_tf32=c.allow_tf32, softcap=c.softcap,
-            alibi_slopes=c.alibi_slopes)
+            alibi_slopes=c.alibi_slopes, score_mod=c.score_mod, mask_mod=c.mask_mod)
 
 
 def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False, softcap=0.0, alibi_slopes=None):
+                        allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
+                        mask_mod=None):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
@@ -276,9 +293,11 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
-                             kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes)
+                             kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes,
+                             score_mod, mask_mod)
     out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                    window_size, kv_seq_len, softmax_scale=softmax_scale,
                                    allow_tf32=allow_tf32, softcap=softcap,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                   mask_mod=mask_mod)
     return out, AttentionVJP(q, k, v, out, lse, config)

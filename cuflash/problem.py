@@ -68,6 +68,8 @@ class AttentionProblem:
     packed: PackedSequences = None  # a packed batch of sequences, or None (dense)
     softcap: float = 0.0  # scores become softcap tanh(score / softcap); 0: off
     alibi_slopes_shape: tuple = None  # (H,) or (B, H) of the ALiBi slopes; None: off
+    score_mod: object = None  # a cuflash.modifiers.ScoreMod (CPU path), or None
+    mask_mod: object = None  # a cuflash.modifiers.MaskMod (CPU path), or None
 
     @property
     def modified(self):
@@ -247,9 +249,29 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
     return shape
 
 
+def check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len):
+    """User-defined modifiers (``cuflash.modifiers``): of their kinds, on the CPU path
+    (NumPy arrays) in this version, their reads inside their arrays for these sizes."""
+    from .modifiers import MaskMod, ScoreMod
+
+    for name, value, kind in (("score_mod", score_mod, ScoreMod),
+                              ("mask_mod", mask_mod, MaskMod)):
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            raise InvalidArgumentError(
+                name, f"expected a cuflash.modifiers.{kind.__name__}, got "
+                f"{type(value).__name__}")
+        if xp is not np:
+            raise InvalidArgumentError(
+                name, "user-defined modifiers run on the CPU path (NumPy arrays) only in this "
+                "version; on the GPU the kernels take softcap and alibi_slopes")
+        value.check_bounds(batch, num_heads, q_len, kv_len)
+
+
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                     kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
-                    alibi_slopes=None, alibi_batch=None):
+                    alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch)."""
@@ -299,24 +321,28 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
                                       batch if alibi_batch is None else alibi_batch)
+    check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len)
     problem = AttentionProblem(
         xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
         softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
-        softcap=softcap, alibi_slopes_shape=slopes_shape)
+        softcap=softcap, alibi_slopes_shape=slopes_shape, score_mod=score_mod,
+        mask_mod=mask_mod)
     _check_device_limits(problem, named)
     return problem
 
 
 def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                      causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                     synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None):
+                     synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None,
+                     score_mod=None, mask_mod=None):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                               window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
                               allow_tf32=allow_tf32, softcap=softcap,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, score_mod=score_mod,
+                              mask_mod=mask_mod)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:

@@ -53,8 +53,26 @@ def _modified_scores(scores, q_len, kv_len, softcap, alibi_slopes):
     return scores, derivative
 
 
+def _user_modified(raw, derivative, visible, kv_len, score_mod, mask_mod):
+    """User-defined modifiers (``cuflash.modifiers``) on the keys in use, in float64:
+    the scores, the chained derivative and the visibility."""
+    from .modifiers import index_grids
+
+    batch, heads, q_len = raw.shape[:3]
+    grids = index_grids(batch, heads, q_len, kv_len)
+    raw, derivative = raw.copy(), np.broadcast_to(derivative, raw.shape).copy()
+    visible = np.broadcast_to(visible, raw.shape).copy()
+    if score_mod is not None:
+        used = raw[..., :kv_len]
+        derivative[..., :kv_len] *= score_mod.numpy_grad(used, *grids, dtype=np.float64)
+        raw[..., :kv_len] = score_mod.numpy_scores(used, *grids, dtype=np.float64)
+    if mask_mod is not None:
+        visible[..., :kv_len] &= mask_mod.numpy_mask(*grids)
+    return raw, derivative, visible
+
+
 def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None,
-                   softcap=0.0, alibi_slopes=None):
+                   softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
     """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]``, the scale and the
     score modifiers' derivative.
 
@@ -68,6 +86,9 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
     visible = _mask(q_len, kv_capacity, kv_len, causal, window)
     raw = scale * q @ np.swapaxes(_expand_kv(k, num_heads), -1, -2)
     raw, derivative = _modified_scores(raw, q_len, kv_len, softcap, alibi_slopes)
+    if score_mod is not None or mask_mod is not None:
+        raw, derivative, visible = _user_modified(raw, derivative, visible, kv_len,
+                                                  score_mod, mask_mod)
     scores = np.where(visible, raw, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -84,7 +105,8 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
 
 
 def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
-                        softmax_scale=None, softcap=0.0, alibi_slopes=None):
+                        softmax_scale=None, softcap=0.0, alibi_slopes=None, score_mod=None,
+                        mask_mod=None):
     """Return ``(out, lse)`` in float64.
 
     Parameters
@@ -99,6 +121,8 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
     softcap : float, optional
     alibi_slopes : array_like ``[H]`` or ``[B, H]``, optional
         The score modifiers of SPEC 8.
+    score_mod, mask_mod : cuflash.modifiers.ScoreMod, MaskMod, optional
+        User-defined modifiers, evaluated in float64 after the built-in ones.
 
     Returns
     -------
@@ -109,13 +133,14 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     probs, lse, _, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale,
-                                      softcap=softcap, alibi_slopes=alibi_slopes)
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      score_mod=score_mod, mask_mod=mask_mod)
     return probs @ _expand_kv(v, q.shape[1]), lse
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
                              softmax_scale=None, out=None, lse=None, softcap=0.0,
-                             alibi_slopes=None):
+                             alibi_slopes=None, score_mod=None, mask_mod=None):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
 
     Parameters
@@ -123,6 +148,7 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dout : array_like, ``[B, H, S_q, D]``
         Gradient of the loss with respect to the output.
     q, k, v, causal, window, kv_seq_len, softmax_scale, softcap, alibi_slopes
+    score_mod, mask_mod
         As in :func:`attention_reference`.
     out : array_like, ``[B, H, S_q, D]``, optional
         An output to take ``Delta = rowsum(dout * out)`` from, as the flash
@@ -144,7 +170,8 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
     probs, _, scale, derivative = _probabilities(q, k, causal, window, kv_seq_len,
-                                                 softmax_scale, lse, softcap, alibi_slopes)
+                                                 softmax_scale, lse, softcap, alibi_slopes,
+                                                 score_mod, mask_mod)
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)

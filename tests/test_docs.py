@@ -277,7 +277,7 @@ def test_docstring_examples_exist():
 GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
                    "the call needs about",
                    "the GPU kernels need a cupy array", "host code needs a numpy array",
-                   "the call runs on device")
+                   "the call runs on device", "user-defined modifiers run on the CPU path")
 
 
 def _pattern(node):
@@ -412,6 +412,9 @@ def modifier_bad_calls():
         lambda: modifiers.document_mask([0, 0, 1]),
         lambda: modifiers.relative_bias_score(np.ones((2, 4), np.float32)),
         lambda: modifiers.and_masks(),
+        lambda: cuflash.flash_attention_fwd(
+            np.ones((1, 2, 4, 16), np.float32), np.ones((1, 2, 4, 16), np.float32),
+            np.ones((1, 2, 4, 16), np.float32), 2, 2, 16, score_mod=modifiers.causal_mask()),
     ]
 
 

@@ -823,3 +823,146 @@ def test_helpers_run_on_scalars_and_arrays():
     assert tanh(0.5) == pytest.approx(math.tanh(0.5)) and exp(1.0) == pytest.approx(math.e)
     assert log(math.e) == pytest.approx(1.0) and sqrt(2.25) == 1.5
     assert abs(-3) == 3 and minimum(2.0, math.nan) == 2.0 and maximum(math.nan, 3.0) == 3.0
+
+
+# ------------------------------------------------------------------ in the attention calls
+
+
+def _attention_inputs(rng, batch=2, heads=4, kv_heads=2, q_len=37, kv_len=45, head_dim=16):
+    q = rng.standard_normal((batch, heads, q_len, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, kv_heads, kv_len, head_dim)).astype(np.float32)
+            for _ in "kv")
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    return q, k, v, dout
+
+
+def _cpu_and_oracle(q, k, v, dout, causal=False, **mods):
+    import cuflash
+    from cuflash.reference import attention_reference, attention_reference_grad
+
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    out, vjp = cuflash.flash_attention_vjp(q, k, v, heads, kv_heads, head_dim, causal, **mods)
+    grads = vjp(dout)
+    host = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref_out, ref_lse = attention_reference(*host[:3], causal, **mods)
+    ref_grads = attention_reference_grad(host[3], *host[:3], causal, **mods)
+    return (out, vjp.lse, *grads), (ref_out, ref_lse, *ref_grads)
+
+
+def _assert_close(got, want, bound=2e-5):
+    for g, w in zip(got, want):
+        assert np.all(np.isfinite(g) | np.isneginf(w)), "NaN or inf where the oracle is finite"
+        live = np.isfinite(w)
+        err = np.linalg.norm((g[live] - w[live]).astype(np.float64)) / max(
+            np.linalg.norm(w[live]), 1e-30)
+        assert err <= bound, err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_user_softcap_and_alibi_equal_the_built_ins(causal, rng):
+    """The same functions written as user modifiers give the built-ins' results."""
+    import cuflash
+
+    q, k, v, dout = _attention_inputs(rng)
+    slopes = rng.uniform(0.1, 1.0, 4).astype(np.float32)
+    offset = k.shape[2] - q.shape[2]
+    for built_in, mod in ((dict(softcap=2.0), modifiers.softcap_score(2.0)),
+                          (dict(alibi_slopes=slopes), modifiers.alibi_score(slopes, offset))):
+        args = (q, k, v, 4, 2, 16, causal)
+        want_out, want_lse = cuflash.flash_attention_fwd(*args, **built_in)
+        got_out, got_lse = cuflash.flash_attention_fwd(*args, score_mod=mod)
+        np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+        want = cuflash.flash_attention_bwd(dout, *args[:3], want_out, want_lse, *args[3:],
+                                           **built_in)
+        got = cuflash.flash_attention_bwd(dout, *args[:3], got_out, got_lse, *args[3:],
+                                          score_mod=mod)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_document_mask_is_each_document_alone(rng):
+    """Causal attention inside each of the packed documents equals one causal call per
+    document; the CPU path and the oracle agree, gradients too."""
+    from cuflash.reference import attention_reference
+
+    lengths = [9, 1, 17, 13]
+    doc = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    total = doc.size
+    q, k, v, dout = _attention_inputs(rng, batch=1, q_len=total, kv_len=total)
+    mask = modifiers.and_masks(modifiers.document_mask(doc), modifiers.causal_mask())
+    got, want = _cpu_and_oracle(q, k, v, dout, mask_mod=mask)
+    _assert_close(got, want)
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        alone, _ = attention_reference(*(x[:, :, rows].astype(np.float64) for x in (q, k, v)),
+                                       True)
+        np.testing.assert_allclose(want[0][:, :, rows], alone, rtol=1e-12, atol=1e-12)
+        start += length
+
+
+@pytest.mark.parametrize("make", [
+    lambda rng: dict(mask_mod=modifiers.prefix_lm_mask(11)),
+    lambda rng: dict(mask_mod=modifiers.chunked_mask(8)),
+    lambda rng: dict(score_mod=modifiers.relative_bias_score(
+        rng.standard_normal((4, 9)).astype(np.float32))),
+    lambda rng: dict(score_mod=modifiers.softcap_score(3.0),
+                     mask_mod=modifiers.chunked_mask(16, causal=False)),
+], ids=["prefix-lm", "chunked", "relative-bias", "softcap-chunked"])
+def test_cpu_path_matches_the_oracle(make, rng):
+    q, k, v, dout = _attention_inputs(rng, q_len=40, kv_len=40)
+    got, want = _cpu_and_oracle(q, k, v, dout, **make(rng))
+    _assert_close(got, want)
+
+
+def test_oracle_gradients_follow_finite_differences(rng):
+    """The oracle's gradient with a score function (its derivative chained in) against
+    central differences of its forward, in float64."""
+    from cuflash.reference import attention_reference, attention_reference_grad
+
+    table = rng.standard_normal((2, 11)).astype(np.float32)
+
+    def capped_with_bias(score, b, h, q_idx, kv_idx):
+        return 3.0 * modifiers.tanh(score / 3.0) + table[h, q_idx - kv_idx + 5]
+
+    mod = modifiers.ScoreMod(capped_with_bias)
+    q, k, v, dout = (x.astype(np.float64) for x in _attention_inputs(
+        rng, batch=1, heads=2, kv_heads=2, q_len=6, kv_len=6, head_dim=4))
+    grads = attention_reference_grad(dout, q, k, v, score_mod=mod)
+    step = 1e-6
+    for which, grad in zip(range(3), grads):
+        arrays = [q, k, v]
+        index = tuple(rng.integers(0, s) for s in arrays[which].shape)
+        plus, minus = ([a.copy() for a in arrays] for _ in "pm")
+        plus[which][index] += step
+        minus[which][index] -= step
+        numeric = ((attention_reference(*plus, score_mod=mod)[0]
+                    - attention_reference(*minus, score_mod=mod)[0]) * dout).sum() / (2 * step)
+        assert abs(numeric - grad[index]) <= 1e-6 * max(1.0, abs(numeric)), (which, index)
+
+
+def test_modifier_arguments_are_checked(rng):
+    import cuflash
+
+    q, k, v, _ = _attention_inputs(rng)
+    with pytest.raises(InvalidArgumentError, match="score_mod: expected a "
+                                                   "cuflash.modifiers.ScoreMod, got MaskMod"):
+        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16, score_mod=modifiers.causal_mask())
+    narrow = rng.standard_normal((4, 3)).astype(np.float32)
+
+    def too_narrow(score, b, h, q_idx, kv_idx):
+        return score + narrow[h, kv_idx]
+
+    with pytest.raises(InvalidArgumentError, match="indices never wrap"):
+        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16,
+                                    score_mod=modifiers.ScoreMod(too_narrow))
+
+
+@pytest.mark.gpu
+def test_gpu_calls_with_user_modifiers_are_refused(rng):
+    import cuflash
+
+    q, k, v, _ = (cupy.asarray(x) for x in _attention_inputs(rng))
+    with pytest.raises(InvalidArgumentError, match="run on the CPU path"):
+        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16, mask_mod=modifiers.causal_mask())

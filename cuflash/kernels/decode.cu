@@ -184,6 +184,20 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
     v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
 }
 
+// The split-KV kernels' arguments (kvcache_decode and kvcache_decode_tc take the
+// same; cuflash/kvcache.py passes them in this order).
+#define CUFLASH_DECODE_PARAMS(T)                                                              \
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,   \
+        const int* __restrict__ seqlens, int seqlen_value,                                   \
+        const int* __restrict__ block_table, T* __restrict__ out, float* __restrict__ lse,   \
+        float* __restrict__ part_out, float* __restrict__ part_lse,                          \
+        const float* __restrict__ alibi_slopes, long long q_sb, long long q_sh,              \
+        long long q_ss, long long k_sb, long long k_sh, long long k_ss, long long v_sb,      \
+        long long v_sh, long long v_ss, int num_heads, int group, int q_len, int new_len,    \
+        int capacity, int block_size, int max_blocks, int num_blocks, int win_left,          \
+        int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,         \
+        int alibi_batch_stride, float softcap_log2
+
 // The score modifiers (SPEC 8) on a score in log2 units (scale log2(e) q.k) of
 // packed row m (query row m / group of query head hk group + m % group) and key
 // j: the soft-cap and the ALiBi slope taken into log2 units, which commutes
@@ -209,15 +223,7 @@ __device__ __forceinline__ float decode_modified_score(
 // hk * group + m % group; a tile holds RM packed rows.
 template <typename T, int D, int RM>
 __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-    float* __restrict__ part_lse, const float* __restrict__ alibi_slopes, long long q_sb,
-    long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
-    long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,
-    int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left,
-    int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,
-    int alibi_batch_stride, float softcap_log2) {
+    CUFLASH_DECODE_PARAMS(T)) {
     using Shape = DecodeShape<T, D, RM>;
     constexpr int ELEMS = Shape::ELEMS, CH = Shape::CH, BN = Shape::BN, DSUB = Shape::DSUB;
     constexpr int PITCH = Shape::PITCH, KSUB = Shape::KSUB;
@@ -486,15 +492,7 @@ struct DecodeTcShape {
 template <typename T, int D, int ROW_WARPS, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ? 3 : 1)
     kvcache_decode_tc(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ seqlens, int seqlen_value, const int* __restrict__ block_table,
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-    float* __restrict__ part_lse, const float* __restrict__ alibi_slopes, long long q_sb,
-    long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
-    long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,
-    int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left,
-    int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,
-    int alibi_batch_stride, float softcap_log2) {
+    CUFLASH_DECODE_PARAMS(T)) {
     using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES>;
     static_assert(STAGES >= 2, "at least double buffering");
     using Op = TensorOp<T>;

@@ -30,7 +30,7 @@ def _arrays_and_slopes(arrays, alibi_slopes):
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
                         allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None):
+                        mask_mod=None, block_mask=None):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -80,11 +80,17 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         A user-defined score function ``(score, b, h, q_idx, kv_idx) -> score``
         applied after the built-in modifiers (``b`` the batch entry, ``h`` the query
         head, ``q_idx``/``kv_idx`` the row and key indices); its derivative enters the
-        backward. CPU path only in this version.
+        backward. Compiled into the kernels on first use (cached by its code); its
+        arrays must be CuPy arrays on the current device for a GPU call.
     mask_mod : cuflash.modifiers.MaskMod, optional, keyword-only
         A user-defined mask ``(b, h, q_idx, kv_idx) -> bool``: a key is visible when
-        the causal/window rule and the mask both allow it. CPU path only in this
-        version.
+        the causal/window rule and the mask both allow it. Evaluated on every
+        element; for speed give it through ``block_mask``.
+    block_mask : cuflash.block_mask.BlockMask, optional, keyword-only
+        A mask function with its tile classification
+        (:func:`cuflash.block_mask.create_block_mask`, made once for calls of these
+        sizes and reused): the kernels skip the tiles it empties and evaluate the
+        mask only on the tiles it cuts. Instead of ``mask_mod``.
 
     Returns
     -------
@@ -107,13 +113,15 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     """
     key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, allow_tf32, softcap, score_mod, mask_mod))
+                           softmax_scale, allow_tf32, softcap, score_mod, mask_mod,
+                           block_mask))
     plan = plans.get(key)
     if plan is None:
         problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                   window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
-                                  score_mod=score_mod, mask_mod=mask_mod)
+                                  score_mod=score_mod, mask_mod=mask_mod,
+                                  block_mask=block_mask)
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
@@ -128,7 +136,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                         causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
                         deterministic=False, synchronize=True, allow_tf32=False, softcap=0.0,
-                        alibi_slopes=None, score_mod=None, mask_mod=None):
+                        alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
 
     Parameters
@@ -143,7 +151,7 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         The forward log-sum-exp.
     num_heads, num_kv_heads, head_dim, causal, window_size
         As passed to the forward.
-    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod, mask_mod : keyword-only
+    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod, mask_mod, block_mask : keyword-only
         As passed to the forward.
     deterministic : bool, default False
         Bitwise-reproducible gradients: dQ is computed by its own pass over
@@ -170,14 +178,15 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
     key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
                            softmax_scale, deterministic, synchronize, allow_tf32, softcap,
-                           score_mod, mask_mod))
+                           score_mod, mask_mod, block_mask))
     plan = plans.get(key)
     if plan is None:
         problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
                                    head_dim, causal, window_size, kv_seq_len, softmax_scale,
                                    deterministic, synchronize, allow_tf32=allow_tf32,
                                    softcap=softcap, alibi_slopes=alibi_slopes,
-                                   score_mod=score_mod, mask_mod=mask_mod)
+                                   score_mod=score_mod, mask_mod=mask_mod,
+                                   block_mask=block_mask)
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
@@ -204,7 +213,7 @@ class AttentionConfig:
     allow_tf32 : bool
     softcap : float
     alibi_slopes : array or None
-    score_mod, mask_mod : cuflash.modifiers objects or None
+    score_mod, mask_mod, block_mask : cuflash.modifiers, cuflash.block_mask objects or None
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -220,6 +229,7 @@ class AttentionConfig:
     alibi_slopes: object = None
     score_mod: object = None
     mask_mod: object = None
+    block_mask: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,13 +274,14 @@ class AttentionVJP:
             c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
             softmax_scale=c.softmax_scale, deterministic=deterministic,
             synchronize=synchronize, allow_tf32=c.allow_tf32, softcap=c.softcap,
-            alibi_slopes=c.alibi_slopes, score_mod=c.score_mod, mask_mod=c.mask_mod)
+            alibi_slopes=c.alibi_slopes, score_mod=c.score_mod, mask_mod=c.mask_mod,
+            block_mask=c.block_mask)
 
 
 def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
                         allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None):
+                        mask_mod=None, block_mask=None):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
@@ -294,10 +305,10 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     """
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
                              kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes,
-                             score_mod, mask_mod)
+                             score_mod, mask_mod, block_mask)
     out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                    window_size, kv_seq_len, softmax_scale=softmax_scale,
                                    allow_tf32=allow_tf32, softcap=softcap,
                                    alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                   mask_mod=mask_mod)
+                                   mask_mod=mask_mod, block_mask=block_mask)
     return out, AttentionVJP(q, k, v, out, lse, config)

@@ -14,6 +14,8 @@ import numpy as np
 from cupy.cuda import function as _function
 
 from . import dispatch, kernel_build, registry
+from .errors import InvalidArgumentError
+from .modifiers import MODIFIER_ARRAYS_DTYPE
 from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
@@ -74,11 +76,12 @@ class Launch:
         self._storage, self.scalars = scalar_pointers(scalars)
 
     @classmethod
-    def of_role(cls, loaded, role, grid, scalars=()):
-        """The launch of kernel ``role`` of a loaded variant (its registry traits)."""
+    def of_role(cls, loaded, role, grid, scalars=(), functors=None):
+        """The launch of kernel ``role`` of a loaded variant (its registry traits), with
+        the user's modifier functors (``kernel_build.UserFunctors``) if given."""
         traits = loaded.variant.traits(role)
-        return cls(loaded.kernel(role).kernel, grid, traits.threads, traits.shared_bytes,
-                   scalars)
+        return cls(_compiled(loaded, role, functors).kernel, grid, traits.threads,
+                   traits.shared_bytes, scalars)
 
     def __call__(self, *arrays):
         self.function(self.grid, self.block, arrays + self.scalars, self.shared_bytes)
@@ -118,6 +121,73 @@ def _contiguous_slopes(alibi_slopes):
     if alibi_slopes is None or alibi_slopes.flags.c_contiguous:
         return alibi_slopes
     return cupy.ascontiguousarray(alibi_slopes)
+
+
+def _compiled(loaded, role, functors):
+    """``loaded.kernel(role, functors)``; a user's modifier that NVRTC refuses is an
+    ``InvalidArgumentError`` carrying the compiler's message."""
+    if functors is None:
+        return loaded.kernel(role)
+    try:
+        return loaded.kernel(role, functors)
+    except cupy.cuda.compiler.CompileException as exc:
+        raise InvalidArgumentError(
+            "score_mod" if functors.key[0] is not None else "mask_mod",
+            f"the modifier does not compile: {exc}") from None
+
+
+#: ``UserModifierArgs`` of ``kernels/common.cuh``: the arrays of the user's score and
+#: mask functions and a block mask's view, one kernel argument passed by value.
+USER_ARGS_DTYPE = np.dtype({
+    "names": ["score_arrays", "mask_arrays", "classes", "ranges", "class_batch_stride",
+              "class_head_stride", "range_batch_stride", "range_head_stride", "outer_tiles",
+              "inner_tiles"],
+    "formats": [MODIFIER_ARRAYS_DTYPE, MODIFIER_ARRAYS_DTYPE, "<u8", "<u8", "<i8", "<i8",
+                "<i8", "<i8", "<i4", "<i4"],
+    "offsets": [0, MODIFIER_ARRAYS_DTYPE.itemsize, *(2 * MODIFIER_ARRAYS_DTYPE.itemsize + 8 * i
+                                                     for i in range(6)),
+                2 * MODIFIER_ARRAYS_DTYPE.itemsize + 48, 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 52],
+    "itemsize": 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56})
+
+
+class UserArguments:
+    """The ``UserModifierArgs`` argument of one kernel launch: a host record that every
+    launch passes by pointer (``pointer``), zeros for a call without user modifiers."""
+
+    def __init__(self, problem=None, view=None):
+        self.record = np.zeros(1, dtype=USER_ARGS_DTYPE)
+        if problem is not None:
+            for field, mod in (("score_arrays", problem.score_mod),
+                               ("mask_arrays", problem.mask_mod)):
+                if mod is not None:  # CuPy arrays on the current device, else an error
+                    self.record[field] = mod.kernel_arguments(cupy)[0]
+        if view is not None:
+            for name, value in zip(USER_ARGS_DTYPE.names[2:], view.fields()):
+                self.record[name] = value
+            self.view = view  # keeps its arrays alive
+        self.pointer = _function.CPointer(self.record.ctypes.data)
+
+
+_NO_USER_ARGUMENTS = UserArguments()
+
+
+def _user_arguments(problem, spec, direction):
+    """The :class:`UserArguments` of ``spec``'s launches for ``problem``; its block mask's
+    view when the kernel reads one."""
+    if problem.score_mod is None and problem.mask_mod is None:
+        return _NO_USER_ARGUMENTS
+    view = None
+    tiles = spec.block_mask_tiles(problem.head_dim)
+    if problem.block_mask is not None and tiles is not None:
+        view = problem.block_mask.view(direction, *tiles, problem.num_heads,
+                                       problem.num_kv_heads)
+    return UserArguments(problem, view)
+
+
+def _functors(problem):
+    return kernel_build.UserFunctors.of(
+        problem.score_mod, problem.mask_mod,
+        built_ins=problem.softcap > 0 or problem.alibi_slopes_shape is not None)
 
 
 def _variant(problem):
@@ -218,7 +288,8 @@ class ForwardPlan:
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
         self.main = Launch.of_role(loaded, self.spec.role(modified=problem.modified), grid,
-                                   (*strides, *tail))
+                                   (*strides, *tail), _functors(problem))
+        self.user = _user_arguments(problem, self.spec, "forward")
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
     def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None):
@@ -232,11 +303,12 @@ class ForwardPlan:
         out = self.out.empty()
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         if self.pieces is None:
-            self.main(q, k, v, out, lse, *offsets, alibi_slopes)
+            self.main(q, k, v, out, lse, *offsets, alibi_slopes, self.user.pointer)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
                 pieces(x) for pieces, x in zip(self.pieces, (q, k, v)))
-            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets, alibi_slopes)
+            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets, alibi_slopes,
+                      self.user.pointer)
         if self.zero_outside is not None:
             self.zero_outside(out, offsets[0])
         return out, lse
@@ -279,7 +351,8 @@ class BackwardPlan:
         self.dkdv = Launch.of_role(loaded, role, grid,
                                    strides + self.dkv_layout.strides + heads
                                    + (np.int32(problem.kv_capacity),) + options
-                                   + _modifier_args(problem))
+                                   + _modifier_args(problem), _functors(problem))
+        self.user = _user_arguments(problem, self.spec, "backward")
         self.dq = self.convert = None
         accum_width = problem.head_dim
         if deterministic:  # dQ by its own pass over the keys, no atomics
@@ -290,7 +363,9 @@ class BackwardPlan:
                 loaded, dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
                 (*(s for x in (q, k, v, dout) for s in element_strides(x)),
-                 *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)))
+                 *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)),
+                _functors(problem))
+            self.dq_user = _user_arguments(problem, dq_spec, "forward")
         elif problem.dtype != np.float32 or problem.packed is not None:
             # The float32 atomics' buffer into dQ's dtype and layout (a dense float32
             # dQ is that buffer itself).
@@ -337,14 +412,15 @@ class BackwardPlan:
         if problem.kv_capacity:
             if self.pieces is None:
                 self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv, *offsets,
-                          alibi_slopes)
+                          alibi_slopes, self.user.pointer)
             else:
                 pieces = [p(x) for p, x in zip(self.pieces, (q, k, v, dout))]
                 self.dkdv(*(x for hi, lo, _ in pieces for x in (hi, lo)), lse_log2, delta,
                           dq_target, dk, dv, *(scales for _, _, scales in pieces), *offsets,
-                          alibi_slopes)
+                          alibi_slopes, self.user.pointer)
         if self.dq is not None:
-            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets, alibi_slopes)
+            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets, alibi_slopes,
+                    self.dq_user.pointer)
         elif self.convert is not None:
             dq = self.dq_layout.empty()
             self.convert(dq_target, dq)

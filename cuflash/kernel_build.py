@@ -82,6 +82,40 @@ def all_variants(sm=90):
 generation = registry.generation
 
 
+@dataclasses.dataclass(frozen=True)
+class UserFunctors:
+    """The user's modifier functors (``cuflash.modifiers``) a kernel is compiled with:
+    their C++ goes before the module source and ``-D`` options name them in
+    ``kernels/common.cuh`` (``CUFLASH_USER_SCORE_MOD``, ``CUFLASH_USER_MASK_MOD``).
+    Equal when their code is equal (the modifiers' cache keys), whatever arrays they
+    read: kernels are shared by every modifier of the same source."""
+
+    key: tuple  # (score cache key or None, mask cache key or None, mask only)
+    prefix: str = dataclasses.field(compare=False)
+    options: tuple = dataclasses.field(compare=False)
+
+    @classmethod
+    def of(cls, score_mod=None, mask_mod=None, built_ins=False):
+        """The functors of ``score_mod`` and ``mask_mod`` (either may be None), or None
+        when both are. ``built_ins``: the calls also take softcap or ALiBi; without them
+        and a score function, the kernels are compiled mask-only (their plain code, the
+        mask on the tiles it cuts: ``CUFLASH_USER_MASK_ONLY``)."""
+        if score_mod is None and mask_mod is None:
+            return None
+        from .modifiers import MODIFIER_PRELUDE
+
+        mods = [m for m in (score_mod, mask_mod) if m is not None]
+        options = tuple(f"-DCUFLASH_USER_{kind}_MOD={m.struct_name}"
+                        for kind, m in (("SCORE", score_mod), ("MASK", mask_mod))
+                        if m is not None)
+        mask_only = score_mod is None and not built_ins
+        if mask_only:
+            options += ("-DCUFLASH_USER_MASK_ONLY",)
+        prefix = MODIFIER_PRELUDE + "".join(m.cxx_source for m in mods)
+        return cls(tuple(None if m is None else m.cache_key for m in (score_mod, mask_mod))
+                   + (mask_only,), prefix, options)
+
+
 class _LoadedVariant:
     """The kernels of one variant on one device, each compiled on first use.
 
@@ -94,23 +128,32 @@ class _LoadedVariant:
         self.variant = variant
         self.names = variant.kernel_names()
         self._kernels = {}
+        self._locks = {}
         self._lock = threading.Lock()
 
-    def kernel(self, role):
-        """The ``cupy.RawKernel`` of ``role``, compiled (or loaded from cache) once."""
-        found = self._kernels.get(role)
+    def kernel(self, role, functors=None):
+        """The ``cupy.RawKernel`` of ``role``, compiled (or loaded from cache) once; with
+        :class:`UserFunctors` (a modified role), compiled with them."""
+        key = role if functors is None else (role, functors)
+        found = self._kernels.get(key)
         if found is not None:
             return found
-        with self._lock:
-            found = self._kernels.get(role)
+        with self._lock:  # one lock a kernel: threads compile different kernels at once
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            found = self._kernels.get(key)
             if found is None:
                 spec = registry.BY_ROLE[role]
                 options = (f"-DCUFLASH_ROLE_{role}",)
                 if spec.needs_sm90a:  # CuPy adds -arch=sm_90; NVRTC keeps the last, sm_90a
                     options += ("-arch=sm_90a",)
-                found = self._kernels[role] = _raw_kernel(
+                prefix = ""
+                if functors is not None:
+                    options += functors.options
+                    prefix = functors.prefix
+                found = self._kernels[key] = _raw_kernel(
                     MODULE_FILE, self.names[role], options,
-                    spec.traits(self.variant.head_dim).shared_bytes)
+                    spec.traits(self.variant.head_dim).shared_bytes, prefix)
             return found
 
 
@@ -227,23 +270,29 @@ def _complete_elf(image):
     return image + b"\0" * max(0, end - len(image))
 
 
-def compile_offline(variant, arch):
-    """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU."""
+def compile_offline(variant, arch, roles=None, functors=None):
+    """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU: every kernel,
+    or the named ``roles``, with :class:`UserFunctors` if given."""
     names = variant.kernel_names()
+    if roles is not None:
+        names = {role: names[role] for role in roles}
     try:
-        log, cubin, lowered = compile_source_offline(MODULE_FILE, list(names.values()), arch)
+        log, cubin, lowered = compile_source_offline(MODULE_FILE, list(names.values()), arch,
+                                                     functors)
     except RuntimeError as exc:
         raise RuntimeError(f"{variant}: {exc}") from exc
     return CompileReport(variant, arch, log, cubin,
                          {role: lowered[name] for role, name in names.items()})
 
 
-def _raw_kernel(source_file, name_expression, options, shared_bytes):
-    """``name_expression`` of ``kernels/source_file`` compiled through NVRTC (or loaded from
-    CuPy's cache), its dynamic shared-memory limit raised to ``shared_bytes`` past 48 KB."""
+def _raw_kernel(source_file, name_expression, options, shared_bytes, prefix=""):
+    """``name_expression`` of ``kernels/source_file`` (after ``prefix``) compiled through
+    NVRTC (or loaded from CuPy's cache), its dynamic shared-memory limit raised to
+    ``shared_bytes`` past 48 KB."""
     import cupy
 
-    module = cupy.RawModule(code=module_source(source_file), options=COMPILE_OPTIONS + options,
+    module = cupy.RawModule(code=prefix + module_source(source_file),
+                            options=COMPILE_OPTIONS + options,
                             name_expressions=[name_expression])
     kernel = module.get_function(name_expression)
     if shared_bytes > 48 * 1024:
@@ -254,34 +303,43 @@ def _raw_kernel(source_file, name_expression, options, shared_bytes):
 _SINGLE_KERNELS = {}
 
 
-def load_kernel(source_file, name_expression, shared_bytes=0, arch=None):
+def load_kernel(source_file, name_expression, shared_bytes=0, arch=None, functors=None):
     """A kernel of another ``.cu`` file of ``kernels/`` (local includes inlined), compiled
-    through NVRTC once per (device, source, name, arch) and cached: the loader for kernels
-    outside the per-(dtype, head_dim) variants. ``arch`` (e.g. ``"sm_90a"``) for kernels
-    that need an arch-specific target; ``shared_bytes`` above 48 KB raises the kernel's
-    dynamic shared-memory limit."""
+    through NVRTC once per (device, source, name, arch, functors) and cached: the loader
+    for kernels outside the per-(dtype, head_dim) variants. ``arch`` (e.g. ``"sm_90a"``)
+    for kernels that need an arch-specific target; ``shared_bytes`` above 48 KB raises the
+    kernel's dynamic shared-memory limit; :class:`UserFunctors` go before the source."""
     import cupy
 
-    key = (cupy.cuda.Device().id, source_file, name_expression, arch, shared_bytes)
+    key = (cupy.cuda.Device().id, source_file, name_expression, arch, shared_bytes, functors)
     with _MODULES_LOCK:
         found = _SINGLE_KERNELS.get(key)
         if found is None:
+            options = (f"-arch={arch}",) if arch else ()
+            prefix = ""
+            if functors is not None:
+                options += functors.options
+                prefix = functors.prefix
             found = _SINGLE_KERNELS[key] = _raw_kernel(
-                source_file, name_expression, (f"-arch={arch}",) if arch else (), shared_bytes)
+                source_file, name_expression, options, shared_bytes, prefix)
     return found
 
 
-def compile_source_offline(source_file, name_expressions, arch):
-    """Compile ``name_expressions`` of ``kernels/source_file`` for ``arch`` without a GPU:
-    ``(log, cubin, lowered names)``, for the compile tests of kernels outside the variants."""
+def compile_source_offline(source_file, name_expressions, arch, functors=None):
+    """Compile ``name_expressions`` of ``kernels/source_file`` for ``arch`` without a GPU
+    (with :class:`UserFunctors` if given): ``(log, cubin, lowered names)``, for the
+    compile tests."""
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(module_source(source_file), source_file, (), ())
+    prefix = functors.prefix if functors is not None else ""
+    options = functors.options if functors is not None else ()
+    prog = nvrtc.createProgram(prefix + module_source(source_file), source_file, (), ())
     try:
         for name in name_expressions:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, COMPILE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v"))
+            nvrtc.compileProgram(prog, COMPILE_OPTIONS + options
+                                 + (f"-arch={arch}", "-Xptxas=-v"))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{source_file} for {arch} failed:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import time
 
-from . import kernel_build
+from . import kernel_build, registry
 from .errors import InvalidArgumentError
 from .problem import DTYPES_BY_NAME
 
@@ -68,6 +68,56 @@ def precompile(dtypes=tuple(DTYPES_BY_NAME), head_dims=kernel_build.HEAD_DIMS, p
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         times = list(pool.map(_compile, jobs))
     return len(jobs), sum(times)
+
+
+def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forward", "backward")):
+    """The (variant, role) pairs that calls with user modifiers of ``dtypes`` x
+    ``head_dims`` launch on a GPU of ``compute_capability``: the dispatch's modified
+    forward, its modified backward (atomic and deterministic) and the deterministic dQ
+    pass."""
+    jobs = []
+    for name in dtypes:
+        dtype = DTYPES_BY_NAME[name]
+        for d in head_dims:
+            variant = kernel_build.Variant(dtype, d, sm)
+            for direction in directions:
+                spec = registry.choose(direction, dtype, d, compute_capability, modified=True)
+                if direction == "forward":
+                    jobs.append((variant, spec.role(modified=True)))
+                else:
+                    jobs += [(variant, spec.role(atomic_dq=True, modified=True)),
+                             (variant, spec.role(modified=True)),
+                             (variant, registry.BY_NAME["backward_dq_general"].role(
+                                 modified=True))]
+    return jobs
+
+
+def precompile_modifiers(score_mod=None, mask_mod=None, dtypes=("bfloat16",),
+                         head_dims=(128,), built_ins=False, threads=None,
+                         directions=("forward", "backward")):
+    """Compile the kernels that calls with these user modifiers (``cuflash.modifiers``)
+    launch, for the current GPU, in parallel threads (NVRTC runs without the GIL): a
+    modifier's kernels are compiled on its first call otherwise. Kernels are shared by
+    every modifier of the same code (whatever arrays it reads). ``built_ins``: for calls
+    that also pass ``softcap`` or ``alibi_slopes``. Returns the number of kernels."""
+    import cupy
+
+    functors = kernel_build.UserFunctors.of(score_mod, mask_mod, built_ins)
+    if functors is None:
+        return 0
+    capability = int(cupy.cuda.Device().compute_capability)
+    jobs = modifier_jobs(dtypes, head_dims, kernel_build.generation(capability), capability,
+                         directions)
+    device = cupy.cuda.Device().id
+
+    def compile_one(job):
+        variant, role = job
+        with cupy.cuda.Device(device):
+            kernel_build.load(variant).kernel(role, functors)
+
+    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, jobs))
+    return len(jobs)
 
 
 def main(argv=None):

@@ -68,13 +68,15 @@ class AttentionProblem:
     packed: PackedSequences = None  # a packed batch of sequences, or None (dense)
     softcap: float = 0.0  # scores become softcap tanh(score / softcap); 0: off
     alibi_slopes_shape: tuple = None  # (H,) or (B, H) of the ALiBi slopes; None: off
-    score_mod: object = None  # a cuflash.modifiers.ScoreMod (CPU path), or None
-    mask_mod: object = None  # a cuflash.modifiers.MaskMod (CPU path), or None
+    score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
+    mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
+    block_mask: object = None  # a cuflash.block_mask.BlockMask holding mask_mod, or None
 
     @property
     def modified(self):
-        """Do score modifiers (SPEC 8) apply?"""
-        return self.softcap > 0 or self.alibi_slopes_shape is not None
+        """Do score modifiers (SPEC 8) apply, built-in or the user's?"""
+        return (self.softcap > 0 or self.alibi_slopes_shape is not None
+                or self.score_mod is not None or self.mask_mod is not None)
 
     @property
     def alibi_batch_stride(self):
@@ -249,9 +251,27 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
     return shape
 
 
+def check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len):
+    """A ``cuflash.block_mask.BlockMask`` for a call of these sizes: the mask function
+    the call uses (its own, or ``mask_mod`` without a block mask)."""
+    if block_mask is None:
+        return mask_mod
+    from .block_mask import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise InvalidArgumentError("block_mask", f"expected a cuflash.block_mask.BlockMask, "
+                                                 f"got {type(block_mask).__name__}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise InvalidArgumentError("mask_mod", "give the mask through block_mask only (it "
+                                               "holds its own mask function)")
+    block_mask.check_call(batch, num_heads, q_len, kv_len)
+    return block_mask.mask_mod
+
+
 def check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len):
-    """User-defined modifiers (``cuflash.modifiers``): of their kinds, on the CPU path
-    (NumPy arrays) in this version, their reads inside their arrays for these sizes."""
+    """User-defined modifiers (``cuflash.modifiers``): of their kinds, their reads inside
+    their arrays for these sizes (the GPU path checks the arrays' kind and device when it
+    packs them)."""
     from .modifiers import MaskMod, ScoreMod
 
     for name, value, kind in (("score_mod", score_mod, ScoreMod),
@@ -262,16 +282,13 @@ def check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_le
             raise InvalidArgumentError(
                 name, f"expected a cuflash.modifiers.{kind.__name__}, got "
                 f"{type(value).__name__}")
-        if xp is not np:
-            raise InvalidArgumentError(
-                name, "user-defined modifiers run on the CPU path (NumPy arrays) only in this "
-                "version; on the GPU the kernels take softcap and alibi_slopes")
         value.check_bounds(batch, num_heads, q_len, kv_len)
 
 
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                     kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
-                    alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None):
+                    alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None,
+                    block_mask=None):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch)."""
@@ -321,13 +338,14 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
                                       batch if alibi_batch is None else alibi_batch)
+    mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len)
     check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len)
     problem = AttentionProblem(
         xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
         softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
         softcap=softcap, alibi_slopes_shape=slopes_shape, score_mod=score_mod,
-        mask_mod=mask_mod)
+        mask_mod=mask_mod, block_mask=block_mask)
     _check_device_limits(problem, named)
     return problem
 
@@ -335,14 +353,14 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
 def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                      causal, window_size, kv_seq_len, softmax_scale, deterministic,
                      synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None,
-                     score_mod=None, mask_mod=None):
+                     score_mod=None, mask_mod=None, block_mask=None):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                               window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
                               allow_tf32=allow_tf32, softcap=softcap,
                               alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod)
+                              mask_mod=mask_mod, block_mask=block_mask)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:

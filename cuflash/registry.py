@@ -87,6 +87,10 @@ class KernelSpec:
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
     modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
+    # The tiles a block owns and visits, (outer, inner), when its modified roles read a
+    # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
+    # backward; None: a user's mask is evaluated on every tile.
+    block_tiles: object = None
 
     def serves_head_dim(self, head_dim):
         if self.exact_head_dims:
@@ -116,6 +120,10 @@ class KernelSpec:
         base = (self.name, self.name + ATOMIC_DQ) if self.direction == "backward" else (
             self.name,)
         return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
+
+    def block_mask_tiles(self, head_dim):
+        """``(outer, inner)`` tiles of a block mask's view for this kernel, or None."""
+        return None if self.block_tiles is None else self.block_tiles(self.traits(head_dim))
 
     def role(self, atomic_dq=False, modified=False):
         """The role of one instantiation."""
@@ -249,6 +257,17 @@ def _fixed(rows, threads=128):
     return lambda d: Traits(rows, threads, 0, ())
 
 
+def _owned_and_visited(traits):
+    """Block-mask tiles of kernels whose traits' tile is owned and whose first template
+    argument is the tile visited."""
+    return traits.tile, traits.template_args[0]
+
+
+def _rows_and_keys(traits):
+    """Block-mask tiles of kernels whose first two template arguments are rows, keys."""
+    return traits.template_args[0], traits.template_args[1]
+
+
 ALL_HEAD_DIMS = (8, 256)
 HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 
@@ -257,12 +276,13 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 KERNELS = (
     KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
                "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
-               modifiers=True),
+               modifiers=True, block_tiles=_owned_and_visited),
     KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
-               modifiers=True),
+               modifiers=True, block_tiles=_owned_and_visited),
     KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True),
+               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True,
+               block_tiles=_rows_and_keys),
     KernelSpec("forward_tf32", "forward", "mma.sync", "tf32", AMPERE_AND_NEWER, ALL_HEAD_DIMS,
                "attention_fwd_tc32", _forward_tf32_traits, dtype_in_template=False),
     KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
@@ -272,7 +292,7 @@ KERNELS = (
                ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
     KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True,
-               modifiers=True),
+               modifiers=True, block_tiles=_owned_and_visited),
     KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
                exact_head_dims=True, modifiers=True),

@@ -957,12 +957,3 @@ def test_modifier_arguments_are_checked(rng):
     with pytest.raises(InvalidArgumentError, match="indices never wrap"):
         cuflash.flash_attention_fwd(q, k, v, 4, 2, 16,
                                     score_mod=modifiers.ScoreMod(too_narrow))
-
-
-@pytest.mark.gpu
-def test_gpu_calls_with_user_modifiers_are_refused(rng):
-    import cuflash
-
-    q, k, v, _ = (cupy.asarray(x) for x in _attention_inputs(rng))
-    with pytest.raises(InvalidArgumentError, match="run on the CPU path"):
-        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16, mask_mod=modifiers.causal_mask())

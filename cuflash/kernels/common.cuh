@@ -2,6 +2,7 @@
 // visible-key rule, tile loads into shared memory and the register
 // micro-tile product. Everything accumulates in float32.
 #pragma once
+#include "modifier_prelude.cuh"
 
 namespace cuflash {
 
@@ -153,9 +154,46 @@ __device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ o
 // The score modifiers of SPEC 8, applied to a scaled score s = scale q.k of
 // query row i and key j (positions within the block's sequence): a soft-cap,
 // s -> softcap tanh(s / softcap), then ALiBi, s -> s - slope |i + kv_len -
-// q_len - j|. Kernels compiled with modifiers (their MODIFIED template flag)
-// take the scores through `apply` on every tile; the others take
-// NoModifiers, whose code is the plain kernels' own.
+// q_len - j|, then the user's score function (cuflash.modifiers), and the
+// user's mask function (false: -inf). Kernels compiled with modifiers (their
+// MODIFIED template flag) take the scores through `apply` wherever
+// `modifies_scores()` and mask with `sees` on tiles that `partial_tile` names;
+// the others take NoModifiers, whose code is the plain kernels' own.
+//
+// The user's functors are compiled in by name: a module built for them
+// defines CUFLASH_USER_SCORE_MOD / CUFLASH_USER_MASK_MOD (-D options) and puts
+// their source before this file; otherwise the identities stand in.
+#ifndef CUFLASH_USER_SCORE_MOD
+#define CUFLASH_USER_SCORE_MOD NoScoreMod
+#endif
+#ifndef CUFLASH_USER_MASK_MOD
+#define CUFLASH_USER_MASK_MOD NoMaskMod
+#endif
+
+// A block mask's view for one kernel's tiles (cuflash.block_mask): `outer`
+// tiles are the ones a block owns (query tiles forward, key tiles backward),
+// `inner` the ones it visits. classes[b, h, outer, inner]: 0 empty, 1 partial,
+// 2 full (the user's mask true on every element); ranges[b, h', outer] =
+// inner tiles [lo, hi) past which every tile is empty. Null classes: every
+// tile partial, no range. Device values are not trusted: a range only narrows
+// the tiles the kernel would visit anyway, and a class only says whether the
+// user's mask is evaluated.
+struct BlockMaskView {
+    const unsigned char* classes;
+    const int* ranges;                                // pairs
+    long long class_batch_stride, class_head_stride;  // 0: broadcast
+    long long range_batch_stride, range_head_stride;
+    int outer_tiles, inner_tiles;
+};
+constexpr unsigned char kFullTile = 2;
+// The arguments of a user's modifiers: the arrays of the score function and
+// of the mask function, and a block mask; one kernel argument passed by value
+// (cuflash.gpu packs it; zeros without).
+struct UserModifierArgs {
+    ModifierArrays score_arrays, mask_arrays;
+    BlockMaskView blocks;
+};
+
 __device__ __forceinline__ float tanh_approx(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -163,13 +201,38 @@ __device__ __forceinline__ float tanh_approx(float x) {
 }
 struct NoModifiers {
     static constexpr bool active = false;
+    static constexpr bool user_mask = false;
+    static constexpr bool mask_only = false;
+    __device__ __forceinline__ constexpr bool modifies_scores() const { return false; }
+    __device__ __forceinline__ constexpr bool sees(int, int) const { return true; }
+    __device__ __forceinline__ constexpr bool partial_tile(int, int) const { return false; }
+    __device__ __forceinline__ void narrow(int, int, int&, int&) const {}
+    template <bool APPROX_TANH = false>
+    __device__ __forceinline__ float apply(float s, int, int, float& derivative) const {
+        derivative = 1.f;
+        return s;
+    }
 };
-struct ScoreModifiers {
+// MASK_ONLY: compiled for a call whose only modifier is the user's mask (no
+// soft-cap, ALiBi or score function): scores are never modified, so the
+// kernels keep their plain code and take the mask on the tiles it cuts.
+template <typename UserScore, typename UserMask, bool MASK_ONLY>
+struct ScoreModifiersOf {
     static constexpr bool active = true;
+    static constexpr bool user_mask = !UserMask::is_identity;
+    static constexpr bool mask_only = MASK_ONLY;
     float softcap, inv_softcap;  // softcap 0: no cap
     float slope;                 // ALiBi's slope for the head, 0: none
     long long offset;            // kv_len - q_len of the sequence: p = i + offset
+    int batch, head;             // the user's b (batch entry or sequence) and h
+    ModifierArrays score_arrays, mask_arrays;  // the user's (fields used only are read)
+    BlockMaskView blocks;
 
+    // Does anything change the scores (else `apply` is the identity)?
+    __device__ __forceinline__ bool modifies_scores() const {
+        if constexpr (MASK_ONLY) return false;
+        return softcap > 0.f || slope != 0.f || !UserScore::is_identity;
+    }
     // The modified score of s (row i, key j) and its derivative d(result)/ds.
     // APPROX_TANH: the hardware's tanh (one MUFU instruction, relative error
     // 2^-11), for 16-bit inputs, as FlashAttention does; tanhf otherwise.
@@ -182,25 +245,66 @@ struct ScoreModifiers {
             derivative = 1.f - t * t;
         }
         if (slope != 0.f) s -= slope * fabsf(static_cast<float>(i + offset - j));
+        if constexpr (!UserScore::is_identity) {
+            const UserScore score_mod{};
+            derivative *= score_mod.grad(s, batch, head, i, j, score_arrays);
+            s = score_mod(s, batch, head, i, j, score_arrays);
+        }
         return s;
     }
+    // The user's mask at (row i, key j).
+    __device__ __forceinline__ bool sees(int i, int j) const {
+        if constexpr (user_mask) return UserMask{}(batch, head, i, j, mask_arrays);
+        return true;
+    }
+    // Must tile (outer, inner) of the block mask take the user's mask element by element?
+    __device__ __forceinline__ bool partial_tile(int outer, int inner) const {
+        if constexpr (!user_mask) return false;
+        if (blocks.classes == nullptr || outer < 0 || outer >= blocks.outer_tiles ||
+            inner < 0 || inner >= blocks.inner_tiles)
+            return true;
+        return blocks.classes[batch * blocks.class_batch_stride + head * blocks.class_head_stride +
+                              static_cast<long long>(outer) * blocks.inner_tiles + inner] !=
+               kFullTile;
+    }
+    // Narrow `count` inner tiles from tile `first` to the block mask's range of
+    // tile `outer` (range head `range_head`).
+    __device__ __forceinline__ void narrow(int outer, int range_head, int& first,
+                                           int& count) const {
+        if constexpr (!user_mask) return;
+        if (blocks.ranges == nullptr || outer < 0 || outer >= blocks.outer_tiles) return;
+        const int* range = blocks.ranges + batch * blocks.range_batch_stride +
+                           range_head * blocks.range_head_stride + 2ll * outer;
+        const int lo = max(first, range[0]), hi = min(first + count, range[1]);
+        first = lo;
+        count = max(0, hi - lo);
+    }
 };
+#ifdef CUFLASH_USER_MASK_ONLY
+constexpr bool kUserMaskOnly = true;
+#else
+constexpr bool kUserMaskOnly = false;
+#endif
+using ScoreModifiers =
+    ScoreModifiersOf<CUFLASH_USER_SCORE_MOD, CUFLASH_USER_MASK_MOD, kUserMaskOnly>;
 template <bool B, typename T, typename F> struct pick_type { using type = T; };
 template <typename T, typename F> struct pick_type<false, T, F> { using type = F; };
 template <bool MODIFIED>
 using Modifiers = typename pick_type<MODIFIED, ScoreModifiers, NoModifiers>::type;
 
 // The modifiers of query head h in the block's sequence (blockIdx.z): slopes
-// [B, H] (batch_stride H) or [H] (0), or none (null).
+// [B, H] (batch_stride H) or [H] (0), or none (null); the user's arguments.
 template <bool MODIFIED>
 __device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
     const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap, int h,
-    const Mask& mask) {
+    const Mask& mask, const UserModifierArgs& user) {
     if constexpr (MODIFIED) {
         const float slope =
             alibi_slopes == nullptr ? 0.f : alibi_slopes[blockIdx.z * alibi_batch_stride + h];
         return ScoreModifiers{softcap, softcap > 0.f ? 1.f / softcap : 0.f, slope,
-                              static_cast<long long>(mask.kv_len) - mask.q_len};
+                              static_cast<long long>(mask.kv_len) - mask.q_len,
+                              static_cast<int>(blockIdx.z), h, user.score_arrays,
+                              user.mask_arrays, user.blocks};
     } else {
         return NoModifiers{};
     }
@@ -213,12 +317,12 @@ struct Strides { long long b, h, s; };
 #define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
 #define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
 #define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
-// The packed calls' offsets (int32 [B + 1] each), null for dense calls, and
-// the ALiBi slopes (float32 [B, H] or [H]), null without; after a kernel's
-// arrays.
+// The packed calls' offsets (int32 [B + 1] each), null for dense calls, the
+// ALiBi slopes (float32 [B, H] or [H]), null without, and the user's
+// modifier arguments (by value); after a kernel's arrays.
 #define CUFLASH_OFFSETS                                                          \
     const int* __restrict__ offsets_q, const int* __restrict__ offsets_k,        \
-        const float* __restrict__ alibi_slopes
+        const float* __restrict__ alibi_slopes, const UserModifierArgs user_args
 // The other modifier arguments, after a kernel's scalars (see ScoreModifiers).
 #define CUFLASH_MODIFIER_PARAMS int alibi_batch_stride, float softcap
 // The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the

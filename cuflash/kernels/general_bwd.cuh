@@ -38,7 +38,10 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
     if (lane == 0) {
         const long long at = (static_cast<long long>(b) * num_heads + h) * q_len + row;
         delta[at] = sum;
-        lse_log2[at] = lse[at] * kLog2e;
+        // A row that sees no key (lse -inf) gets +inf: P = exp2(s - inf) = 0 for
+        // every score, where -inf would give exp2(-inf + inf) = NaN on a score that
+        // a modifier masked with -inf.
+        lse_log2[at] = lse[at] == neg_inf() ? -neg_inf() : lse[at] * kLog2e;
     }
 }
 
@@ -109,7 +112,8 @@ __device__ __forceinline__ void probabilities_and_dscores(
                     mods.template apply<APPROX_TANH>(s[i][j] * (scale_log2 * kLn2), m0 + r,
                                                         n0 + c, derivative) *
                     kLog2e;
-                const float p = mask.visible(m0 + r, n0 + c) ? exp2f(score - lse_s[r]) : 0.f;
+                const float p = mask.visible(m0 + r, n0 + c) && mods.sees(m0 + r, n0 + c)
+                                    ? exp2f(score - lse_s[r]) : 0.f;
                 if (Ps) Ps[r * LDP + c] = p;
                 dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]) * derivative;
             } else {
@@ -193,7 +197,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
             __syncthreads();
             probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(
                 Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs, mask, m0, n0, scale_log2, ty, tx,
-                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask));
+                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args));
             __syncthreads();
             // dV[j] += sum_r P[r][j] dO[r];  dK[j] += sum_r dS[r][j] Q[r]
 #pragma unroll 2
@@ -272,7 +276,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
 
     load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
                               q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
     int n_lo, n_hi;
     mask.key_range(m0, m0 + rows, n_lo, n_hi);
 

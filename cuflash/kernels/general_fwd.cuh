@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     load_tile<BM, D, LD, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_lo, n_hi;
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
                 if constexpr (MODIFIED) {
                     const int key = n0 + tx + 8 * j;
                     float derivative;
-                    s[i][j] = mask.visible(row, key)
+                    s[i][j] = mask.visible(row, key) && mods.sees(row, key)
                                   ? mods.template apply<sizeof(T) == 2>(
                                         s[i][j] * (scale_log2 * kLn2), row, key, derivative) *
                                         kLog2e

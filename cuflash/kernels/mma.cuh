@@ -157,11 +157,13 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 // QTILES tiles of 8 queries from m0; t = lane % 4): P^T = exp2(S^T
 // scale_log2 - lse), with lse (base 2) per query column from shared memory
 // (lse_s, 8-byte aligned); masked only when `edge` (two straight-line
-// versions, so that the unmasked one has no per-element branch). With
-// LOG2_GAIN, P^T comes times 2^LOG2_GAIN.
-template <bool EDGE, int QTILES, int LOG2_GAIN = 0>
+// versions, so that the unmasked one has no per-element branch), by the
+// user's mask too (`mods`, a mask-only kernel's). With LOG2_GAIN, P^T comes
+// times 2^LOG2_GAIN.
+template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
-                                         int key0, int t, const float* lse_s, float scale_log2) {
+                                         int key0, int t, const float* lse_s, float scale_log2,
+                                         const Mods& mods = Mods{}) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // the queries keys key0 and key0 + 8 are seen by
     if (EDGE) {
 #pragma unroll
@@ -176,29 +178,31 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
             if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
             float p = fast_exp2(st[n][e] * scale_log2 - lse_e);
             const int query = m0 + n * 8 + 2 * t + (e & 1);
-            if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1])) p = 0.f;
+            if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1] ||
+                         !mods.sees(query, key0 + 8 * (e >> 1))))
+                p = 0.f;
             st[n][e] = p;
         }
     }
 }
-template <int QTILES, int LOG2_GAIN = 0>
+template <int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
                                       int m0, int key0, int t, const float* lse_s,
-                                      float scale_log2) {
+                                      float scale_log2, const Mods& mods = Mods{}) {
     if (edge)
-        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2);
+        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
     else
-        probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2);
+        probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
 }
 // With score modifiers, both in one pass on every tile (the modifiers'
 // derivative enters dS^T): P^T = exp2(mod(S^T scale) log2 e - lse), masked
-// element by element, and dS^T = P^T (dP^T - Delta) mod'; `scale` is the
-// softmax scale itself.
-template <int QTILES, int LOG2_GAIN = 0>
+// element by element (by the user's mask too where `partial`), and dS^T =
+// P^T (dP^T - Delta) mod'; `scale` is the softmax scale itself.
+template <int QTILES, int LOG2_GAIN = 0, typename Mods>
 __device__ __forceinline__ void modified_probs_and_dscores(
     float (&st)[QTILES][4], float (&dpt)[QTILES][4], const Mask& mask,
-    const ScoreModifiers& mods, int m0, int key0, int t, const float* lse_s,
-    const float* delta_s, float scale) {
+    const Mods& mods, int m0, int key0, int t, const float* lse_s,
+    const float* delta_s, float scale, bool partial = true) {
     int lo[2], hi[2];  // the queries keys key0 and key0 + 8 are seen by
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
@@ -215,7 +219,8 @@ __device__ __forceinline__ void modified_probs_and_dscores(
             const float score = mods.template apply<true>(st[n][e] * scale, query, key,
                                                           derivative);
             float p = fast_exp2(score * kLog2e - lse_e);
-            if (query < lo[e >> 1] || query >= hi[e >> 1]) p = 0.f;
+            if (query < lo[e >> 1] || query >= hi[e >> 1] || (partial && !mods.sees(query, key)))
+                p = 0.f;
             st[n][e] = p;
             dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x)) * derivative;
         }
@@ -235,12 +240,13 @@ __device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dp
     }
 }
 // Both steps.
-template <int QTILES>
+template <int QTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float (&dpt)[QTILES][4],
                                                   const Mask& mask, bool edge, int m0, int key0,
                                                   int t, const float* lse_s,
-                                                  const float* delta_s, float scale_log2) {
-    probs(st, mask, edge, m0, key0, t, lse_s, scale_log2);
+                                                  const float* delta_s, float scale_log2,
+                                                  const Mods& mods = Mods{}) {
+    probs(st, mask, edge, m0, key0, t, lse_s, scale_log2, mods);
     dscores(st, dpt, t, delta_s);
 }
 
@@ -257,6 +263,17 @@ struct QuerySteps {
         m_first = m_lo - m_lo % BM;
         per_head = m_lo < m_hi ? (m_hi - m_first + BM - 1) / BM : 0;
         count = per_head * group;
+    }
+    // Only the query tiles in the block mask's range of key tile `outer` (kv
+    // head hk's ranges: the union over its group's query heads).
+    template <typename Mods>
+    __device__ __forceinline__ void narrow(const Mods& mods, int outer, int hk, int group) {
+        if constexpr (Mods::user_mask) {
+            int first = m_first / BM;
+            mods.narrow(outer, hk, first, per_head);
+            m_first = first * BM;
+            count = per_head * group;
+        }
     }
     __device__ __forceinline__ int head(int step) const { return h_first + step / per_head; }
     __device__ __forceinline__ int row0(int step) const { return m_first + (step % per_head) * BM; }

@@ -27,14 +27,17 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // takes them to base 2 in exp_row: on an edge tile they are scaled here (and
 // masked with -inf), so 1; elsewhere they stay raw and exp_row folds the
 // scale into the FFMA before each exp2 (one instruction a score fewer).
-// With score modifiers (Mods::active) every tile takes the per-element path:
-// the scores are scaled, modified and taken to base 2 here (and masked on an
-// edge tile).
+// With score modifiers that change the scores (mods.modifies_scores()) every
+// tile takes the per-element path: the scores are scaled, modified and taken
+// to base 2 here (and masked on an edge tile). An edge tile of a kernel with a
+// user's mask also takes that mask (the kernels count its partial tiles as
+// edges).
 template <int MT, int NTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                                              const Mask& mask, bool edge, int row0, int n0,
                                              float scale_log2, const Mods& mods = Mods{}) {
-    if (!Mods::active && !edge) return scale_log2;
+    const bool modify = mods.modifies_scores();
+    if (!modify && !edge) return scale_log2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int lo[2], hi[2];  // the keys rows g and g + 8 see
 #pragma unroll
@@ -43,17 +46,17 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
     for (int n = 0; n < NTILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int key = n0 + n * 8 + 2 * t + (e & 1);
-            if constexpr (Mods::active) {
+            const int key = n0 + n * 8 + 2 * t + (e & 1), row = row0 + mt * 16 + g + 8 * (e >> 1);
+            if (Mods::active && modify) {
                 float derivative;
-                s[mt][n][e] = mods.template apply<true>(s[mt][n][e] * (scale_log2 * kLn2),
-                                                        row0 + mt * 16 + g + 8 * (e >> 1), key,
-                                                        derivative) *
+                s[mt][n][e] = mods.template apply<true>(s[mt][n][e] * (scale_log2 * kLn2), row,
+                                                        key, derivative) *
                               kLog2e;
             } else {
                 s[mt][n][e] *= scale_log2;
             }
-            if (edge && (key < lo[e >> 1] || key >= hi[e >> 1])) s[mt][n][e] = neg_inf();
+            if (edge && (key < lo[e >> 1] || key >= hi[e >> 1] || !mods.sees(row, key)))
+                s[mt][n][e] = neg_inf();
         }
     return 1.f;
 }

@@ -93,14 +93,16 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             }
         }
 
-        if constexpr (MODIFIED)
-            modified_probs_and_dscores(
-                st, dpt, mask,
-                score_modifiers<true>(alibi_slopes, alibi_batch_stride, softcap, h, mask), m0,
-                n0 + warp * 16 + g, t, lse_b, delta_b, scale);
-        else
-            probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
-                              m0, n0 + warp * 16 + g, t, lse_b, delta_b, scale_log2);
+        const auto mods =
+            score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+        if constexpr (MODIFIED && !Modifiers<MODIFIED>::mask_only)
+            modified_probs_and_dscores(st, dpt, mask, mods, m0, n0 + warp * 16 + g, t, lse_b,
+                                       delta_b, scale);
+        else  // a mask-only kernel takes the user's mask as an edge (no block mask here)
+            probs_and_dscores(st, dpt, mask,
+                              !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) ||
+                                  Modifiers<MODIFIED>::user_mask,
+                              m0, n0 + warp * 16 + g, t, lse_b, delta_b, scale_log2, mods);
 
         // dV += P^T dO and dK += dS^T Q: A from the registers, B = dO / Q transposed.
 #pragma unroll

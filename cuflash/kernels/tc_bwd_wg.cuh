@@ -91,7 +91,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
 
-    const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+    QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+    steps.narrow(score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
+                                           hk * group, mask, user_args),
+                 blockIdx.x, hk, group);
     auto load_step = [&](int step, int buf) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
@@ -159,21 +162,24 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                              wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
         }
         wgmma_commit();
-        if constexpr (MODIFIED) {  // both at once: the modifiers' derivative enters dS^T
+        const auto mods =
+            score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+        if constexpr (MODIFIED && !Modifiers<MODIFIED>::mask_only) {
+            // both at once: the modifiers' derivative enters dS^T
             wgmma_wait<0>();
             pin_registers(st);
             pin_registers(dpt);
-            modified_probs_and_dscores(
-                st, dpt, mask,
-                score_modifiers<true>(alibi_slopes, alibi_batch_stride, softcap, h, mask),
-                m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, delta_s + buf * BM + q0,
-                scale);
+            modified_probs_and_dscores(st, dpt, mask, mods, m0 + q0, n0 + key_row + g, t,
+                                       lse_s + buf * BM + q0, delta_s + buf * BM + q0, scale,
+                                       mods.partial_tile(blockIdx.x, m0 / BM));
         } else {
             wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
             pin_registers(st);
             const int key_lo = n0 + wg_key0;
-            probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64), m0 + q0,
-                  n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2);
+            probs(st, mask,
+                  !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) ||
+                      mods.partial_tile(blockIdx.x, m0 / BM),
+                  m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2, mods);
             wgmma_wait<0>();
             pin_registers(dpt);
             dscores(st, dpt, t, delta_s + buf * BM + q0);

@@ -44,11 +44,16 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile<BM, DT, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
+    if constexpr (Modifiers<MODIFIED>::user_mask) {  // the block mask's range of key tiles
+        int first = n_start / BN;
+        mods.narrow(m0 / BM, h, first, tiles);
+        n_start = first * BN;
+    }
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
@@ -112,7 +117,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
             }
         }
 
-        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+        const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) ||
+                          mods.partial_tile(m0 / BM, n0 / BN);
         softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp * WM, n0, scale_log2, mods);
 
 #pragma unroll

@@ -8,7 +8,8 @@
 //   S = Q K^T    wgmma m64nBNk16, A and B from shared memory (K-major)
 //   online softmax on the S accumulators (mma_softmax.cuh: same layout)
 //   O += P V     wgmma m64nDk16, A = P from registers, B = V (N-major)
-// Only tiles that cross a mask boundary are masked element by element;
+// Only tiles that cross a mask boundary (or that a user's block mask calls
+// partial) are masked element by element;
 // query tiles are issued most expensive first.
 #pragma once
 #include "mma.cuh"
@@ -105,11 +106,16 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask);
+    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
+    if constexpr (Modifiers<MODIFIED>::user_mask) {  // the block mask's range of key tiles
+        int first = n_start / BN;
+        mods.narrow(m0 / BM, h, first, tiles);
+        n_start = first * BN;
+    }
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_k = [&](int tile, int buf) {
@@ -167,7 +173,8 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     };
     auto edge_tile = [&](int tile) {
         const int n0 = n_start + tile * BN;
-        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN);
+        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) ||
+               mods.partial_tile(m0 / BM, n0 / BN);
     };
 
     if constexpr (!PIPELINE) {

@@ -1,0 +1,262 @@
+"""Block masks (SPEC 8): a user's mask function classified tile by tile, built once and
+reused, so that the kernels skip the tiles it empties and evaluate it only on the
+tiles it cuts.
+
+:func:`create_block_mask` takes a :class:`cuflash.modifiers.MaskMod` and the sizes of
+the calls it serves. On the GPU, one pass (``kernels/block_mask.cu``, the mask's functor
+compiled in) evaluates the mask on every (query, key) pair once and records, for each
+cell of 16 query rows x 16 keys, whether the mask is true on any of its elements and on
+all of them. Each kernel then reads the cells folded into its own tiles (a *view*, made
+once per tile shape and cached): a tile is *empty* (no element visible: skipped),
+*full* (every element visible: the mask is not evaluated) or *partial* (the mask is
+evaluated element by element); and for each tile a block owns, the range of tiles
+outside which every tile is empty, which the kernel's loop is narrowed to.
+
+The block mask holds the mask function: pass it as ``block_mask=`` to
+:func:`cuflash.flash_attention_fwd` (and the backward and vjp) instead of ``mask_mod=``.
+On the CPU path only its mask function is used. The classification is made on first GPU
+use (or by :meth:`BlockMask.classify`) from the mask's arrays as they are then: a block
+mask whose arrays change afterwards must be made again.
+
+Examples
+--------
+>>> import numpy as np
+>>> from cuflash.block_mask import create_block_mask
+>>> from cuflash.modifiers import and_masks, causal_mask, document_mask
+>>> doc_ids = np.repeat(np.arange(4, dtype=np.int32), 256)
+>>> causal_documents = and_masks(document_mask(doc_ids), causal_mask())
+>>> block_mask = create_block_mask(causal_documents, None, None, 1024, 1024)
+>>> block_mask
+BlockMask(..., batch=None, heads=None, q_len=1024, kv_len=1024)
+>>> block_mask.cpu_classes(128, 128)[0, 0]  # 0 empty, 1 partial, 2 full
+array([[1, 0, 0, 0, 0, 0, 0, 0],
+       [2, 1, 0, 0, 0, 0, 0, 0],
+       [0, 0, 1, 0, 0, 0, 0, 0],
+       [0, 0, 2, 1, 0, 0, 0, 0],
+       [0, 0, 0, 0, 1, 0, 0, 0],
+       [0, 0, 0, 0, 2, 1, 0, 0],
+       [0, 0, 0, 0, 0, 0, 1, 0],
+       [0, 0, 0, 0, 0, 0, 2, 1]], dtype=uint8)
+"""
+
+import math
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+CELL = 16  # rows and keys of a classification cell (kernels/block_mask.cu)
+_CELLS_PER_BLOCK = 8
+
+
+def _optional_count(name, value):
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise InvalidArgumentError(name, f"expected a positive int or None, got {value!r}")
+    return int(value)
+
+
+def create_block_mask(mask_mod, batch, heads, q_len, kv_len):
+    """The :class:`BlockMask` of ``mask_mod`` for calls of these sizes.
+
+    Parameters
+    ----------
+    mask_mod : cuflash.modifiers.MaskMod
+        The mask function ``(b, h, q_idx, kv_idx) -> bool``.
+    batch, heads : int or None
+        The calls' batch size and query heads; None when the mask does not read ``b``
+        (``h``): it is then classified once for all of them (with ``b = 0``, ``h = 0``).
+    q_len, kv_len : int
+        The calls' query rows and keys (``kv_seq_len``).
+
+    Raises
+    ------
+    InvalidArgumentError
+        For a ``mask_mod`` that is not a ``MaskMod``, sizes that are not positive, None
+        for an index the mask reads, or reads outside its arrays for these sizes.
+    """
+    return BlockMask(mask_mod, batch, heads, q_len, kv_len)
+
+
+class BlockMask:
+    """A mask function and its tile classification; see :mod:`cuflash.block_mask`."""
+
+    def __init__(self, mask_mod, batch, heads, q_len, kv_len):
+        from .modifiers import MaskMod
+
+        if not isinstance(mask_mod, MaskMod):
+            raise InvalidArgumentError("mask_mod", f"expected a cuflash.modifiers.MaskMod, "
+                                                   f"got {type(mask_mod).__name__}")
+        self.mask_mod = mask_mod
+        self.batch = _optional_count("batch", batch)
+        self.heads = _optional_count("heads", heads)
+        self.q_len = _optional_count("q_len", q_len)
+        self.kv_len = _optional_count("kv_len", kv_len)
+        if self.q_len is None or self.kv_len is None:
+            raise InvalidArgumentError("q_len", "q_len and kv_len must be given")
+        for name, size, index in (("batch", self.batch, "b"), ("heads", self.heads, "h")):
+            if size is None and mask_mod.reads_index(index):
+                raise InvalidArgumentError(
+                    name, f"{mask_mod.name} reads {index}: give the calls' {name} (None "
+                          f"classifies one {index} for all)")
+        mask_mod.check_bounds(self.batch or 1, self.heads or 1, self.q_len, self.kv_len)
+        self._cells = None  # (any_visible, all_visible) on the device, once classified
+        self._views = {}
+
+    def __repr__(self):
+        return (f"BlockMask({self.mask_mod.name}, batch={self.batch}, heads={self.heads}, "
+                f"q_len={self.q_len}, kv_len={self.kv_len})")
+
+    @property
+    def entries(self):
+        """(batch entries, heads) of the classification: 1 where broadcast."""
+        return self.batch or 1, self.heads or 1
+
+    def check_call(self, batch, num_heads, q_len, kv_len):
+        """Raise ``InvalidArgumentError`` unless this block mask serves a call of these
+        sizes."""
+        for name, mine, call in (("batch", self.batch, batch), ("num_heads", self.heads,
+                                                                 num_heads),
+                                 ("q_len", self.q_len, q_len), ("kv_len", self.kv_len,
+                                                                kv_len)):
+            if mine is not None and mine != call:
+                raise InvalidArgumentError(
+                    "block_mask", f"made for {name}={mine}, the call has {name}={call} "
+                                  "(make a block mask for the call's sizes)")
+
+    # ............................................................ classification
+
+    def classify(self):
+        """Evaluate the mask on the GPU (CuPy's current device), once; returns self."""
+        if self._cells is None:
+            import cupy
+
+            from . import kernel_build
+
+            functors = kernel_build.UserFunctors.of(mask_mod=self.mask_mod)
+            kernel = kernel_build.load_kernel("block_mask.cu", "cuflash::classify_mask_cells",
+                                              functors=functors)
+            entries, heads = self.entries
+            q_cells, kv_cells = math.ceil(self.q_len / CELL), math.ceil(self.kv_len / CELL)
+            shape = (entries, heads, q_cells, kv_cells)
+            any_visible = cupy.empty(shape, dtype=np.uint8)
+            all_visible = cupy.empty(shape, dtype=np.uint8)
+            arguments = self.mask_mod.kernel_arguments(cupy)[0]
+            grid = (math.ceil(kv_cells / _CELLS_PER_BLOCK), q_cells, entries * heads)
+            kernel(grid, (CELL * CELL,), (arguments, any_visible, all_visible,
+                                          np.int32(heads), np.int32(self.q_len),
+                                          np.int32(self.kv_len), np.int32(q_cells),
+                                          np.int32(kv_cells)))
+            self._cells = (any_visible, all_visible)
+        return self
+
+    def cpu_classes(self, rows, keys):
+        """The classes of tiles of ``rows`` x ``keys`` ([entries, heads, query tiles, key
+        tiles], uint8: 0 empty, 1 partial, 2 full), from the mask's NumPy evaluator (for
+        tests and the docs; the kernels use :meth:`classify`'s)."""
+        from .modifiers import index_grids
+
+        entries, heads = self.entries
+        visible = self.mask_mod.numpy_mask(*index_grids(entries, heads, self.q_len,
+                                                        self.kv_len))
+        visible = np.broadcast_to(visible, (entries, heads, self.q_len, self.kv_len))
+        inside = np.ones_like(visible)
+        return _fold(np, visible, inside, rows, keys)
+
+    def classes(self, rows, keys):
+        """The classes of tiles of ``rows`` x ``keys`` on the device (as
+        :meth:`cpu_classes`); rows and keys multiples of 16."""
+        any_visible, all_visible = self.classify()._cells
+        return _fold_cells(any_visible, all_visible, rows, keys)
+
+    def view(self, direction, outer, inner, num_heads, num_kv_heads):
+        """The arrays and strides a kernel reads (``kernels/common.cuh``,
+        ``BlockMaskView``), for a kernel whose blocks own ``outer`` rows ("forward") or
+        keys ("backward") and visit tiles of ``inner`` keys (rows); cached."""
+        key = (direction, outer, inner, num_heads, num_kv_heads)
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = _View(self, direction, outer, inner, num_heads,
+                                             num_kv_heads)
+        return found
+
+
+def _fold(xp, visible, inside, rows, keys):
+    """Classes of ``rows`` x ``keys`` tiles from element grids (``inside``: elements that
+    count)."""
+    entries, heads, q_len, kv_len = visible.shape
+    q_tiles, kv_tiles = -(-q_len // rows), -(-kv_len // keys)
+    pad = ((0, 0), (0, 0), (0, q_tiles * rows - q_len), (0, kv_tiles * keys - kv_len))
+    visible = xp.pad(visible & inside, pad)
+    inside = xp.pad(inside, pad)
+    shape = (entries, heads, q_tiles, rows, kv_tiles, keys)
+    any_visible = visible.reshape(shape).any(axis=(3, 5))
+    all_visible = (visible | ~inside).reshape(shape).all(axis=(3, 5))
+    return xp.where(any_visible, xp.where(all_visible, FULL, PARTIAL), EMPTY).astype(np.uint8)
+
+
+def _fold_cells(any_visible, all_visible, rows, keys):
+    """Classes of ``rows`` x ``keys`` tiles from the classification's 16 x 16 cells."""
+    import cupy
+
+    if rows % CELL or keys % CELL:
+        raise ValueError(f"tiles of {rows} x {keys} are not whole {CELL} x {CELL} cells")
+    entries, heads, q_cells, kv_cells = any_visible.shape
+    fold_q, fold_kv = rows // CELL, keys // CELL
+    q_tiles, kv_tiles = -(-q_cells // fold_q), -(-kv_cells // fold_kv)
+    pad = ((0, 0), (0, 0), (0, q_tiles * fold_q - q_cells), (0, kv_tiles * fold_kv - kv_cells))
+    shape = (entries, heads, q_tiles, fold_q, kv_tiles, fold_kv)
+    any_tile = cupy.pad(any_visible, pad, constant_values=0).reshape(shape).max(axis=(3, 5))
+    all_tile = cupy.pad(all_visible, pad, constant_values=1).reshape(shape).min(axis=(3, 5))
+    return cupy.where(any_tile != 0, cupy.where(all_tile != 0, FULL, PARTIAL),
+                      EMPTY).astype(np.uint8)
+
+
+def _ranges(nonempty):
+    """[..., outer, 2] int32: per outer tile the inner tiles [lo, hi) outside which every
+    tile is empty ([0, 0) when all are)."""
+    import cupy
+
+    inner = nonempty.shape[-1]
+    has = nonempty.any(axis=-1)
+    lo = cupy.where(has, nonempty.argmax(axis=-1), 0)
+    hi = cupy.where(has, inner - nonempty[..., ::-1].argmax(axis=-1), 0)
+    return cupy.ascontiguousarray(cupy.stack([lo, hi], axis=-1).astype(np.int32))
+
+
+class _View:
+    """One kernel tile shape's classes and ranges (``BlockMaskView`` in
+    ``kernels/common.cuh``): ``fields()`` gives its record's values."""
+
+    def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads):
+        import cupy
+
+        if direction == "forward":
+            classes = block_mask.classes(outer, inner)
+        else:  # blocks own key tiles: [entries, heads, key tiles, query tiles]
+            classes = cupy.ascontiguousarray(
+                block_mask.classes(inner, outer).transpose(0, 1, 3, 2))
+        entries, heads, outer_tiles, inner_tiles = classes.shape
+        nonempty = classes != EMPTY
+        range_heads = heads
+        if direction == "backward" and heads > 1:  # a block serves a KV head's group
+            group = num_heads // num_kv_heads
+            nonempty = nonempty.reshape(entries, num_kv_heads, group, outer_tiles,
+                                        inner_tiles).any(axis=2)
+            range_heads = num_kv_heads
+        self.classes = cupy.ascontiguousarray(classes)
+        self.ranges = _ranges(nonempty)
+        tile_count = outer_tiles * inner_tiles
+        self.class_strides = (heads * tile_count if entries > 1 else 0,
+                              tile_count if heads > 1 else 0)
+        self.range_strides = (range_heads * outer_tiles * 2 if entries > 1 else 0,
+                              outer_tiles * 2 if range_heads > 1 else 0)
+        self.tiles = (outer_tiles, inner_tiles)
+
+    def fields(self):
+        """The ``BlockMaskView`` record's values, in order."""
+        return (self.classes.data.ptr, self.ranges.data.ptr, *self.class_strides,
+                *self.range_strides, *self.tiles)

@@ -1,0 +1,233 @@
+"""User-defined score and mask functions (SPEC 8) compiled into the GPU kernels, with and
+without a block mask, forward and backward (atomic and deterministic), against the
+float64 oracle: the docs' examples (documents packed in one sequence, prefix-LM, chunked
+local attention), a random mask with rows that see nothing, a learned relative bias
+with a document mask; the block mask's classification against its NumPy twin; the
+errors. GPU tests are marked gpu; the block mask's CPU side runs in CI."""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import dispatch, modifiers
+from cuflash.block_mask import EMPTY, FULL, PARTIAL, create_block_mask
+from cuflash.errors import InvalidArgumentError
+from cuflash.reference import attention_reference, attention_reference_grad
+from support import DTYPES, FLOOR, cupy, rel_error, to_numpy
+
+BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+DOCUMENT_LENGTHS = (300, 40, 200, 100)  # 640 tokens: tiles of 128 empty, full and cut
+
+
+def _documents(xp, lengths=DOCUMENT_LENGTHS):
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return xp.asarray(ids)
+
+
+def _mask_cases(xp, rng, heads, q_len, kv_len):
+    """name -> (score_mod, mask_mod, batch and heads of its block mask)."""
+    documents = modifiers.and_masks(modifiers.document_mask(_documents(xp)),
+                                    modifiers.causal_mask())
+    table = rng.random((heads, q_len, kv_len)) < 0.3
+    table[:, ::7] = False  # rows that see nothing
+    table = xp.asarray(table)
+
+    def random_pattern(b, h, q_idx, kv_idx):
+        return table[h, q_idx, kv_idx]
+
+    bias = xp.asarray(rng.uniform(-1, 1, (heads, 2 * 255 + 1)).astype(np.float32))
+    return {
+        "documents": (None, documents, (None, None)),
+        "prefix_lm": (None, modifiers.prefix_lm_mask(200), (None, None)),
+        "chunked": (None, modifiers.chunked_mask(128), (None, None)),
+        "random": (None, modifiers.MaskMod(random_pattern), (None, heads)),
+        "bias_documents": (modifiers.relative_bias_score(bias), documents, (None, None)),
+    }
+
+
+def _run(rng, name, dtype="bfloat16", head_dim=128, batch=2, heads=4, kv_heads=2,
+         q_len=640, kv_len=640, use_block_mask=True, deterministic=False):
+    """Forward and backward on the GPU with case ``name``, against the oracle."""
+    score_mod, mask_mod, (mask_batch, mask_heads) = _mask_cases(cupy, rng, heads, q_len,
+                                                                kv_len)[name]
+    host = [rng.standard_normal((batch, h, n, head_dim)).astype(DTYPES[dtype])
+            for h, n in ((heads, q_len), (kv_heads, kv_len), (kv_heads, kv_len),
+                         (heads, q_len))]
+    q, k, v, dout = (cupy.asarray(x) for x in host)
+    given = dict(score_mod=score_mod)
+    if use_block_mask:
+        given["block_mask"] = create_block_mask(mask_mod, mask_batch, mask_heads, q_len,
+                                                kv_len)
+    else:
+        given["mask_mod"] = mask_mod
+    args = (heads, kv_heads, head_dim)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *args, **given)
+    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *args, **given,
+                                        deterministic=deterministic)
+    h64 = [x.astype(np.float64) for x in host]
+    ref = dict(score_mod=score_mod, mask_mod=mask_mod)
+    ref_out, ref_lse = attention_reference(*h64[:3], False, 0, **ref)
+    ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, **ref)
+    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                (ref_out, *ref_grads)):
+        got = to_numpy(got).astype(np.float64)
+        assert not np.isnan(got).any(), label
+        err = rel_error(got, want)
+        assert err <= BOUND[dtype] + FLOOR[dtype], (label, err)
+    dead = np.isneginf(ref_lse)
+    got_lse = to_numpy(lse)
+    assert np.array_equal(np.isneginf(got_lse), dead)
+    assert np.allclose(got_lse[~dead], ref_lse[~dead], atol=2e-3)
+    assert np.all(to_numpy(out)[dead] == 0) and np.all(to_numpy(grads[0])[dead] == 0)
+    return dead.any()
+
+
+CASES = ["documents", "prefix_lm", "chunked", "random", "bias_documents"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The kernels of every case, compiled in parallel threads before the tests."""
+    from cuflash import precompile
+
+    rng = np.random.default_rng(0)
+    for score_mod, mask_mod, _ in _mask_cases(cupy, rng, 4, 640, 640).values():
+        precompile.precompile_modifiers(score_mod, mask_mod, ("bfloat16",), (128,))
+    documents = _mask_cases(cupy, rng, 4, 640, 640)["documents"][1]
+    precompile.precompile_modifiers(None, documents, ("float16", "float32"), (64,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("use_block_mask", [True, False])
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_matches_oracle(name, use_block_mask, deterministic, rng, poisoned, compiled):
+    saw_dead_rows = _run(rng, name, use_block_mask=use_block_mask,
+                         deterministic=deterministic)
+    assert saw_dead_rows == (name == "random")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_other_dtypes(dtype, rng, poisoned, compiled):
+    """float16 on the wgmma kernels at D = 64; float32 on the general kernels."""
+    for deterministic in (False, True):
+        _run(rng, "documents", dtype=dtype, head_dim=64, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+def test_gpu_mma_sync_kernels(rng, poisoned, compiled):
+    """The kernels before Hopper read the block mask too."""
+    with dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"):
+        for deterministic in (False, True):
+            _run(rng, "documents", head_dim=128, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+def test_gpu_rectangular_and_batched(rng, poisoned, compiled):
+    """q_len != kv_len, a mask that reads b (classified per batch entry), GQA."""
+    doc_q = cupy.asarray(rng.integers(0, 3, (2, 200)).astype(np.int32))
+    doc_k = cupy.asarray(rng.integers(0, 3, (2, 520)).astype(np.int32))
+    doc_q.sort(axis=1)
+    doc_k.sort(axis=1)
+    mask = modifiers.document_mask(doc_q, doc_k)
+    block_mask = create_block_mask(mask, 2, None, 200, 520)
+    host = [rng.standard_normal((2, h, n, 64)).astype(np.float16)
+            for h, n in ((4, 200), (1, 520), (1, 520), (4, 200))]
+    q, k, v, dout = (cupy.asarray(x) for x in host)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 1, 64, block_mask=block_mask)
+    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 1, 64,
+                                        block_mask=block_mask)
+    h64 = [x.astype(np.float64) for x in host]
+    ref_out, _ = attention_reference(*h64[:3], False, 0, mask_mod=mask)
+    ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, mask_mod=mask)
+    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+        assert rel_error(to_numpy(got).astype(np.float64), want) <= BOUND["float16"] + 2e-4
+
+
+@pytest.mark.gpu
+def test_gpu_classification_matches_numpy(rng):
+    for name, (_, mask_mod, (batch, heads)) in _mask_cases(cupy, rng, 4, 640, 600).items():
+        block_mask = create_block_mask(mask_mod, batch, heads, 640, 600)
+        for rows, keys in ((128, 128), (64, 128), (16, 48)):
+            got = cupy.asnumpy(block_mask.classes(rows, keys))
+            assert np.array_equal(got, block_mask.cpu_classes(rows, keys)), (name, rows, keys)
+
+
+@pytest.mark.gpu
+def test_gpu_errors(rng):
+    q = cupy.asarray(rng.standard_normal((1, 2, 64, 64)).astype(np.float16))
+    host_ids = _documents(np, (30, 34))
+    with pytest.raises(InvalidArgumentError, match="array query_ids is a numpy array; the GPU "
+                                                   "kernels need a cupy array"):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 64,
+                                    mask_mod=modifiers.document_mask(host_ids))
+    block_mask = create_block_mask(modifiers.causal_mask(), None, None, 64, 80)
+    with pytest.raises(InvalidArgumentError, match="block_mask: made for kv_len=80, the call "
+                                                   "has kv_len=64"):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 64, block_mask=block_mask)
+
+
+# ------------------------------------------------------------------ CPU side (CI)
+
+
+def test_cpu_classes_follow_the_definition(rng):
+    """Each tile's class is what its elements say (empty, full, partial)."""
+    for name, (_, mask_mod, (batch, heads)) in _mask_cases(np, rng, 2, 100, 90).items():
+        block_mask = create_block_mask(mask_mod, batch, heads, 100, 90)
+        visible = mask_mod.numpy_mask(*modifiers.index_grids(1, heads or 1, 100, 90))
+        classes = block_mask.cpu_classes(32, 16)
+        for i in range(classes.shape[2]):
+            for j in range(classes.shape[3]):
+                tile = visible[..., 32 * i:32 * i + 32, 16 * j:16 * j + 16]
+                want = [EMPTY if not t.any() else FULL if t.all() else PARTIAL
+                        for t in tile[0]]
+                assert list(classes[0, :, i, j]) == want, (name, i, j)
+
+
+def test_cpu_path_takes_the_block_masks_function(rng):
+    mask = modifiers.prefix_lm_mask(20)
+    block_mask = create_block_mask(mask, None, None, 50, 50)
+    q, k, v = (rng.standard_normal((1, 2, 50, 16)).astype(np.float32) for _ in range(3))
+    with_block = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, block_mask=block_mask)
+    with_mask = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, mask_mod=mask)
+    assert np.array_equal(with_block[0], with_mask[0])
+    ref, _ = attention_reference(*(x.astype(np.float64) for x in (q, k, v)), False, 0,
+                                 mask_mod=mask)
+    assert rel_error(with_block[0], ref) < 1e-5
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, 0, 5),
+     "q_len: expected a positive int or None, got 0"),
+    (lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, None, 5),
+     "q_len: q_len and kv_len must be given"),
+    (lambda: create_block_mask(modifiers.softcap_score(2.0), None, None, 5, 5),
+     "mask_mod: expected a cuflash.modifiers.MaskMod, got ScoreMod"),
+    (lambda: create_block_mask(modifiers.document_mask(np.zeros((2, 5), np.int32)), None,
+                               None, 5, 5),
+     "batch: .* reads b: give the calls' batch"),
+    (lambda: create_block_mask(modifiers.document_mask(np.zeros(5, np.int32)), None, None,
+                               6, 6),
+     "indices never wrap"),
+])
+def test_block_mask_errors(make, problem):
+    with pytest.raises(InvalidArgumentError, match=problem):
+        make()
+
+
+def test_call_errors_with_block_masks(rng):
+    q = rng.standard_normal((2, 2, 8, 16)).astype(np.float32)
+    mask = modifiers.prefix_lm_mask(3)
+    block_mask = create_block_mask(mask, 3, None, 8, 8)
+    with pytest.raises(InvalidArgumentError, match="block_mask: made for batch=3, the call "
+                                                   "has batch=2"):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=block_mask)
+    block_mask = create_block_mask(mask, None, None, 8, 8)
+    with pytest.raises(InvalidArgumentError, match="mask_mod: give the mask through "
+                                                   "block_mask only"):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=block_mask,
+                                    mask_mod=modifiers.prefix_lm_mask(3))
+    with pytest.raises(InvalidArgumentError, match="block_mask: expected a "
+                                                   "cuflash.block_mask.BlockMask"):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=mask)

@@ -194,6 +194,12 @@ struct UserModifierArgs {
     BlockMaskView blocks;
 };
 
+// The built-in modifiers a tile's code is specialized for (ScoreModifiers::kinds).
+template <bool SOFTCAP, bool ALIBI>
+struct BuiltIns {
+    static constexpr bool softcap = SOFTCAP, alibi = ALIBI;
+};
+
 __device__ __forceinline__ float tanh_approx(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -203,6 +209,7 @@ struct NoModifiers {
     static constexpr bool active = false;
     static constexpr bool user_mask = false;
     static constexpr bool mask_only = false;
+    static constexpr long long offset = 0;
     __device__ __forceinline__ constexpr bool modifies_scores() const { return false; }
     __device__ __forceinline__ constexpr bool sees(int, int) const { return true; }
     __device__ __forceinline__ constexpr bool partial_tile(int, int) const { return false; }
@@ -212,6 +219,18 @@ struct NoModifiers {
         derivative = 1.f;
         return s;
     }
+    template <bool APPROX_TANH = false>
+    __device__ __forceinline__ float apply(float s, int, int, float, float& derivative) const {
+        derivative = 1.f;
+        return s;
+    }
+    template <bool APPROX_TANH, bool SOFTCAP, bool ALIBI>
+    __device__ __forceinline__ float apply_with(float s, int, int, float, float& derivative) const {
+        derivative = 1.f;
+        return s;
+    }
+    template <typename F>
+    __device__ __forceinline__ void kinds(F&& f) const { f(BuiltIns<false, false>{}); }
 };
 // MASK_ONLY: compiled for a call whose only modifier is the user's mask (no
 // soft-cap, ALiBi or score function): scores are never modified, so the
@@ -233,24 +252,61 @@ struct ScoreModifiersOf {
         if constexpr (MASK_ONLY) return false;
         return softcap > 0.f || slope != 0.f || !UserScore::is_identity;
     }
-    // The modified score of s (row i, key j) and its derivative d(result)/ds.
+    // The modified score of s (row i, key j) and its derivative d(result)/ds,
+    // for the built-ins compiled in (SOFTCAP, ALIBI: see `kinds`); `distance` is
+    // i + offset - j as a float (the caller's, from a few conversions a tile:
+    // an int-to-float conversion runs at a quarter of the FMA rate).
     // APPROX_TANH: the hardware's tanh (one MUFU instruction, relative error
     // 2^-11), for 16-bit inputs, as FlashAttention does; tanhf otherwise.
-    template <bool APPROX_TANH = false>
-    __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
+    template <bool APPROX_TANH, bool SOFTCAP, bool ALIBI>
+    __device__ __forceinline__ float apply_with(float s, int i, int j, float distance,
+                                                float& derivative) const {
         derivative = 1.f;
-        if (softcap > 0.f) {
+        if constexpr (SOFTCAP) {
             const float t = APPROX_TANH ? tanh_approx(s * inv_softcap) : tanhf(s * inv_softcap);
             s = softcap * t;
             derivative = 1.f - t * t;
         }
-        if (slope != 0.f) s -= slope * fabsf(static_cast<float>(i + offset - j));
+        if constexpr (ALIBI) s -= slope * fabsf(distance);
         if constexpr (!UserScore::is_identity) {
             const UserScore score_mod{};
             derivative *= score_mod.grad(s, batch, head, i, j, score_arrays);
             s = score_mod(s, batch, head, i, j, score_arrays);
         }
         return s;
+    }
+    // Call f(BuiltIns<SOFTCAP, ALIBI>{}) for the built-ins this call has: a
+    // kernel branches once a tile, and each element's code holds only what applies.
+    template <typename F>
+    __device__ __forceinline__ void kinds(F&& f) const {
+        if (softcap > 0.f) {
+            if (slope != 0.f) f(BuiltIns<true, true>{}); else f(BuiltIns<true, false>{});
+        } else {
+            if (slope != 0.f) f(BuiltIns<false, true>{}); else f(BuiltIns<false, false>{});
+        }
+    }
+    // The same with the built-ins read at run time, an element at a time (one
+    // copy of the code: the backward kernels, short of registers for four).
+    template <bool APPROX_TANH = false>
+    __device__ __forceinline__ float apply(float s, int i, int j, float distance,
+                                           float& derivative) const {
+        derivative = 1.f;
+        if (softcap > 0.f) {
+            const float t = APPROX_TANH ? tanh_approx(s * inv_softcap) : tanhf(s * inv_softcap);
+            s = softcap * t;
+            derivative = 1.f - t * t;
+        }
+        if (slope != 0.f) s -= slope * fabsf(distance);
+        if constexpr (!UserScore::is_identity) {
+            const UserScore score_mod{};
+            derivative *= score_mod.grad(s, batch, head, i, j, score_arrays);
+            s = score_mod(s, batch, head, i, j, score_arrays);
+        }
+        return s;
+    }
+    template <bool APPROX_TANH = false>
+    __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
+        return apply<APPROX_TANH>(s, i, j, static_cast<float>(i + offset - j), derivative);
     }
     // The user's mask at (row i, key j).
     __device__ __forceinline__ bool sees(int i, int j) const {

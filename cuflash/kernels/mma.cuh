@@ -163,7 +163,7 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
                                          int key0, int t, const float* lse_s, float scale_log2,
-                                         const Mods& mods = Mods{}) {
+                                         const Mods& mods = Mods{}, bool partial = true) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // the queries keys key0 and key0 + 8 are seen by
     if (EDGE) {
 #pragma unroll
@@ -179,7 +179,7 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
             float p = fast_exp2(st[n][e] * scale_log2 - lse_e);
             const int query = m0 + n * 8 + 2 * t + (e & 1);
             if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1] ||
-                         !mods.sees(query, key0 + 8 * (e >> 1))))
+                         (partial && !mods.sees(query, key0 + 8 * (e >> 1)))))
                 p = 0.f;
             st[n][e] = p;
         }
@@ -188,9 +188,11 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
 template <int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
                                       int m0, int key0, int t, const float* lse_s,
-                                      float scale_log2, const Mods& mods = Mods{}) {
+                                      float scale_log2, const Mods& mods = Mods{},
+                                      bool partial = true) {
     if (edge)
-        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
+        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods,
+                                          partial);
     else
         probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
 }
@@ -206,23 +208,31 @@ __device__ __forceinline__ void modified_probs_and_dscores(
     int lo[2], hi[2];  // the queries keys key0 and key0 + 8 are seen by
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
+    {
+        // ALiBi's distances query + offset - key as floats (see mask_scores).
+        const float query_base = static_cast<float>(m0 + 2 * t + mods.offset);
+        const float key_pos[2] = {static_cast<float>(key0), static_cast<float>(key0 + 8)};
 #pragma unroll
-    for (int n = 0; n < QTILES; ++n) {
-        const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
-        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
+        for (int n = 0; n < QTILES; ++n) {
+            const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
+            const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float lse_e = (e & 1) ? lse2.y : lse2.x;
-            if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
-            const int query = m0 + n * 8 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1);
-            float derivative;
-            const float score = mods.template apply<true>(st[n][e] * scale, query, key,
-                                                          derivative);
-            float p = fast_exp2(score * kLog2e - lse_e);
-            if (query < lo[e >> 1] || query >= hi[e >> 1] || (partial && !mods.sees(query, key)))
-                p = 0.f;
-            st[n][e] = p;
-            dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x)) * derivative;
+            for (int e = 0; e < 4; ++e) {
+                float lse_e = (e & 1) ? lse2.y : lse2.x;
+                if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
+                const int query = m0 + n * 8 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1);
+                const float distance =
+                    query_base + static_cast<float>(n * 8 + (e & 1)) - key_pos[e >> 1];
+                float derivative;
+                const float score =
+                    mods.template apply<true>(st[n][e] * scale, query, key, distance, derivative);
+                float p = fast_exp2(score * kLog2e - lse_e);
+                if (query < lo[e >> 1] || query >= hi[e >> 1] ||
+                    (partial && !mods.sees(query, key)))
+                    p = 0.f;
+                st[n][e] = p;
+                dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x)) * derivative;
+            }
         }
     }
 }

@@ -29,35 +29,56 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // scale into the FFMA before each exp2 (one instruction a score fewer).
 // With score modifiers that change the scores (mods.modifies_scores()) every
 // tile takes the per-element path: the scores are scaled, modified and taken
-// to base 2 here (and masked on an edge tile). An edge tile of a kernel with a
-// user's mask also takes that mask (the kernels count its partial tiles as
-// edges).
+// to base 2 here (and masked on an edge tile). A tile that a user's block mask
+// calls `partial` takes the user's mask too (the kernels count it as an edge).
 template <int MT, int NTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                                              const Mask& mask, bool edge, int row0, int n0,
-                                             float scale_log2, const Mods& mods = Mods{}) {
+                                             float scale_log2, const Mods& mods = Mods{},
+                                             bool partial = true) {
     const bool modify = mods.modifies_scores();
     if (!modify && !edge) return scale_log2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int lo[2], hi[2];  // the keys rows g and g + 8 see
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.row_keys(row0 + mt * 16 + g + 8 * r, lo[r], hi[r]);
+    auto each = [&](auto built_ins, bool modified) {
+        constexpr bool SOFTCAP = decltype(built_ins)::softcap, ALIBI = decltype(built_ins)::alibi;
+        // ALiBi's distances i + offset - j as floats: a conversion a row and one a
+        // tile, then exact additions of small integers.
+        float row_pos[2] = {0.f, 0.f}, key_base = 0.f;
+        if constexpr (ALIBI) {
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = n0 + n * 8 + 2 * t + (e & 1), row = row0 + mt * 16 + g + 8 * (e >> 1);
-            if (Mods::active && modify) {
-                float derivative;
-                s[mt][n][e] = mods.template apply<true>(s[mt][n][e] * (scale_log2 * kLn2), row,
-                                                        key, derivative) *
-                              kLog2e;
-            } else {
-                s[mt][n][e] *= scale_log2;
-            }
-            if (edge && (key < lo[e >> 1] || key >= hi[e >> 1] || !mods.sees(row, key)))
-                s[mt][n][e] = neg_inf();
+            for (int r = 0; r < 2; ++r)
+                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r + mods.offset);
+            key_base = static_cast<float>(n0 + 2 * t);
         }
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + n * 8 + 2 * t + (e & 1),
+                          row = row0 + mt * 16 + g + 8 * (e >> 1);
+                if (modified) {
+                    float derivative;
+                    const float distance =
+                        row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)));
+                    s[mt][n][e] = mods.template apply_with<true, SOFTCAP, ALIBI>(
+                                      s[mt][n][e] * (scale_log2 * kLn2), row, key, distance,
+                                      derivative) *
+                                  kLog2e;
+                } else {
+                    s[mt][n][e] *= scale_log2;
+                }
+                if (edge && (key < lo[e >> 1] || key >= hi[e >> 1] ||
+                             (partial && !mods.sees(row, key))))
+                    s[mt][n][e] = neg_inf();
+            }
+    };
+    if (Mods::active && modify)
+        mods.kinds([&](auto built_ins) { each(built_ins, true); });
+    else
+        each(BuiltIns<false, false>{}, false);
     return 1.f;
 }
 
@@ -117,10 +138,12 @@ template <int MT, int NTILES, int DTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&o)[MT][DTILES][4],
                                              float (&row_max)[MT][2], float (&row_sum)[MT][2],
                                              const Mask& mask, bool edge, int row0, int n0,
-                                             float scale_log2, const Mods& mods = Mods{}) {
+                                             float scale_log2, const Mods& mods = Mods{},
+                                             bool partial = true) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const float score_scale = mask_scores(s, mt, mask, edge, row0, n0, scale_log2, mods);
+        const float score_scale =
+            mask_scores(s, mt, mask, edge, row0, n0, scale_log2, mods, partial);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r, score_scale));

@@ -176,10 +176,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
             pin_registers(st);
             const int key_lo = n0 + wg_key0;
-            probs(st, mask,
-                  !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) ||
-                      mods.partial_tile(blockIdx.x, m0 / BM),
-                  m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2, mods);
+            const bool partial = mods.partial_tile(blockIdx.x, m0 / BM);
+            probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) || partial,
+                  m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2, mods,
+                  partial);
             wgmma_wait<0>();
             pin_registers(dpt);
             dscores(st, dpt, t, delta_s + buf * BM + q0);

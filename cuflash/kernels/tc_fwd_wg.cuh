@@ -171,10 +171,12 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
         wgmma_commit();
         pin_registers(o[0]);
     };
-    auto edge_tile = [&](int tile) {
+    // Whether tile `tile` is masked element by element (an edge), and whether by the
+    // user's mask (partial in the block mask).
+    auto edge_tile = [&](int tile, bool& partial) {
         const int n0 = n_start + tile * BN;
-        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) ||
-               mods.partial_tile(m0 / BM, n0 / BN);
+        partial = mods.partial_tile(m0 / BM, n0 / BN);
+        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
     };
 
     if constexpr (!PIPELINE) {
@@ -191,8 +193,10 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             issue_scores(buf, s);
             wgmma_wait_all();
             pin_registers(s[0]);
-            softmax_tile(s, o, row_max, row_sum, mask, edge_tile(it), m0 + warp_row, n0,
-                         scale_log2, mods);
+            bool partial;
+            const bool edge = edge_tile(it, partial);
+            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n0, scale_log2, mods,
+                         partial);
 
             unsigned pa[BN / 16][4];
             pack_probs(s, pa);
@@ -218,8 +222,10 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             issue_scores(0, s);
             wgmma_wait_all();
             pin_registers(s[0]);
-            softmax_tile(s, o, row_max, row_sum, mask, edge_tile(0), m0 + warp_row, n_start,
-                         scale_log2, mods);
+            bool partial;
+            const bool edge = edge_tile(0, partial);
+            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2,
+                         mods, partial);
             pack_probs(s, pa);
         }
         // Every tile but the last: S(it + 1) and P V(it) in flight together.
@@ -233,6 +239,10 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             if (it + 2 < tiles) load_k(it + 2, buf);
             load_v(it + 1, buf ^ 1);
             cp_async_commit();
+            // The next tile's flags before the wgmma (a block mask's class is a load,
+            // which then overlaps the products).
+            bool partial;
+            const bool edge = edge_tile(it + 1, partial);
 
             pin_registers(o[0]);
             wgmma_fence();
@@ -240,8 +250,9 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             issue_pv(buf, pa);
             wgmma_wait<1>();  // S(it + 1) is done; P V(it) may still run
             pin_registers(s[0]);
-            const float score_scale = mask_scores(s, 0, mask, edge_tile(it + 1), m0 + warp_row,
-                                                  n_start + (it + 1) * BN, scale_log2, mods);
+            const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
+                                                  n_start + (it + 1) * BN, scale_log2, mods,
+                                                  partial);
             const float alpha0 = exp_row(s, row_max, row_sum, 0, 0, score_scale);
             const float alpha1 = exp_row(s, row_max, row_sum, 0, 1, score_scale);
             complete_before_wait(order_slots + threadIdx.x, row_sum[0][0] + row_sum[0][1]);

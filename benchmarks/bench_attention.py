@@ -348,3 +348,50 @@ class Modifiers:
                 / median_gpu_seconds(self.cupy, self.backward) / 1e12)
 
     track_backward_tflops.unit = "TFLOP/s"
+
+
+class Masks:
+    """Forward and backward milliseconds with a block mask (SPEC section 8): documents
+    packed into one sequence (8 x 2048 tokens, causal inside each), prefix-LM (prefix 1024
+    of 4096) and causal chunks of 1024 of 4096; bfloat16, H = 16, D = 128
+    (``python -m cuflash.bench_masks`` prints them next to the varlen call and compiled
+    ``flex_attention``)."""
+
+    params = (["documents", "prefix_lm", "chunked"],)
+    param_names = ["mask"]
+    timeout = 300
+
+    def setup(self, mask):
+        self.cupy, self.cuflash = gpu_modules()
+        from cuflash.bench_masks import case_of, cuflash_mask
+        from cuflash.block_mask import create_block_mask
+
+        case = case_of(mask, 16, 128)
+        rng = self.cupy.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = (
+            rng.standard_normal(case.shape, dtype=np.float32).astype(numpy_dtype("bfloat16"))
+            for _ in range(4))
+        self.args = (case.heads, case.heads, case.head_dim)
+        self.block_mask = create_block_mask(cuflash_mask(mask, case), None, None, case.seqlen,
+                                            case.seqlen)
+        self.out, self.lse = self.forward()
+        self.cupy.cuda.Device().synchronize()
+
+    def forward(self):
+        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, *self.args,
+                                                block_mask=self.block_mask)
+
+    def backward(self):
+        return self.cuflash.flash_attention_bwd(self.dout, self.q, self.k, self.v, self.out,
+                                                self.lse, *self.args, synchronize=False,
+                                                block_mask=self.block_mask)
+
+    def track_forward_ms(self, mask):
+        return median_gpu_seconds(self.cupy, self.forward) * 1e3
+
+    track_forward_ms.unit = "ms"
+
+    def track_backward_ms(self, mask):
+        return median_gpu_seconds(self.cupy, self.backward) * 1e3
+
+    track_backward_ms.unit = "ms"

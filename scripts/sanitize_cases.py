@@ -7,7 +7,8 @@ default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
 forward and backward where Hopper takes wgmma, the wgmma forward without the
 pipelined softmax, the split-D 16-bit backward, float32 on TF32; score modifiers
 (soft-cap, ALiBi) on the dense and packed calls; decoding from a paged cache with
-modifiers and garbage lengths; ring attention over two virtual ranks.
+modifiers and garbage lengths; ring attention over two virtual ranks; user
+score and mask functions with a block mask and garbage document ids.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
 settings to run (names of SETTINGS; default all); SANITIZE_HEAD_DIMS (comma
 separated) narrows the head dims.
@@ -69,6 +70,11 @@ def main(settings):
             failures += packed_calls(rng, dtype, d, path, skipped, cfg)
     if "auto" in settings:
         failures += kvcache_and_ring_calls(rng, head_dims)
+    for setting in settings:
+        if setting in ("auto", "mma-sync", "general"):
+            path, skipped, _ = SETTINGS[setting]
+            with cuflash.kernel_path(path), skip_kernels(*skipped):
+                failures += user_modifier_calls(rng, head_dims)
     print(f"sanitize cases done ({', '.join(settings)}), {failures} with NaN")
     return 1 if failures else 0
 
@@ -124,6 +130,42 @@ def kvcache_and_ring_calls(rng, head_dims):
 
         for result in dist.ThreadGroup(2).run(rank, shards):
             failures += sum(bool(cupy.isnan(x).any()) for x in result)
+    return failures
+
+
+def user_modifier_calls(rng, head_dims):
+    """User functions compiled into the kernels: a document mask read through a block mask
+    (tiles empty, full and partial, rows of the last document that see no key) with
+    garbage document ids past the end (value-derived indices, clamped by the kernels), and
+    a relative bias; forward and backward, atomic and deterministic; the count of NaN
+    results."""
+    from cuflash import modifiers
+    from cuflash.block_mask import create_block_mask
+
+    ids = np.repeat(np.arange(4, dtype=np.int32), [70, 60, 50, 20])
+    ids[-5:] = 10**6  # a value-derived index far outside any array
+    ids = cupy.asarray(ids)
+    documents = modifiers.and_masks(modifiers.document_mask(ids),
+                                    modifiers.causal_mask(offset=-3))
+    doc_bias = cupy.asarray(rng.uniform(-1, 1, 4).astype(np.float32))
+
+    def by_document(score, b, h, q_idx, kv_idx):
+        return score + doc_bias[ids[kv_idx]]  # ids past 3: clamped by the kernels
+
+    bias = modifiers.ScoreMod(by_document)
+    block_mask = create_block_mask(documents, None, None, 200, 200)
+    failures = 0
+    for dtype, d in itertools.product((np.dtype(np.float32), BFLOAT16), head_dims):
+        q = cupy.asarray(rng.standard_normal((1, 4, 200, d)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((1, 2, 200, d)).astype(dtype)) for _ in "kv")
+        for given in (dict(block_mask=block_mask), dict(block_mask=block_mask, score_mod=bias),
+                      dict(mask_mod=documents)):
+            out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, d, **given)
+            failures += bool(cupy.isnan(out).any())
+            for det in (False, True):
+                grads = cuflash.flash_attention_bwd(out, q, k, v, out, lse, 4, 2, d,
+                                                    deterministic=det, **given)
+                failures += sum(bool(cupy.isnan(g).any()) for g in grads)
     return failures
 
 

@@ -277,7 +277,7 @@ def test_docstring_examples_exist():
 GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
                    "the call needs about",
                    "the GPU kernels need a cupy array", "host code needs a numpy array",
-                   "the call runs on device", "user-defined modifiers run on the CPU path")
+                   "the call runs on device", "the modifier does not compile")
 
 
 def _pattern(node):
@@ -415,6 +415,29 @@ def modifier_bad_calls():
         lambda: cuflash.flash_attention_fwd(
             np.ones((1, 2, 4, 16), np.float32), np.ones((1, 2, 4, 16), np.float32),
             np.ones((1, 2, 4, 16), np.float32), 2, 2, 16, score_mod=modifiers.causal_mask()),
+        *block_mask_bad_calls(),
+    ]
+
+
+def block_mask_bad_calls():
+    """One invalid CPU call per documented message of cuflash.block_mask."""
+    from cuflash import modifiers
+    from cuflash.block_mask import create_block_mask
+
+    q = np.ones((1, 2, 64, 16), np.float32)
+    causal = modifiers.causal_mask()
+    return [
+        lambda: create_block_mask(causal, None, None, 0, 5),
+        lambda: create_block_mask(causal, None, None, None, 5),
+        lambda: create_block_mask(modifiers.softcap_score(2.0), None, None, 5, 5),
+        lambda: create_block_mask(modifiers.document_mask(np.zeros((2, 5), np.int32)), None,
+                                  None, 5, 5),
+        lambda: cuflash.flash_attention_fwd(
+            q, q, q, 2, 2, 16, block_mask=create_block_mask(causal, None, None, 64, 80)),
+        lambda: cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=causal),
+        lambda: cuflash.flash_attention_fwd(
+            q, q, q, 2, 2, 16, mask_mod=modifiers.causal_mask(),
+            block_mask=create_block_mask(causal, None, None, 64, 64)),
     ]
 
 

@@ -13,7 +13,7 @@ from cuflash import dispatch, modifiers
 from cuflash.block_mask import EMPTY, FULL, PARTIAL, create_block_mask
 from cuflash.errors import InvalidArgumentError
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, cupy, rel_error, to_numpy
+from support import DTYPES, FLOOR, compile_and_check, cupy, rel_error, to_numpy
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 DOCUMENT_LENGTHS = (300, 40, 200, 100)  # 640 tokens: tiles of 128 empty, full and cut
@@ -231,3 +231,36 @@ def test_call_errors_with_block_masks(rng):
     with pytest.raises(InvalidArgumentError, match="block_mask: expected a "
                                                    "cuflash.block_mask.BlockMask"):
         cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=mask)
+
+
+@pytest.mark.parametrize("dtype, head_dim, arch, with_score", [
+    ("bfloat16", 128, "sm_90a", True), ("float16", 64, "sm_90a", False),
+    ("bfloat16", 128, "sm_80", False), ("float32", 64, "sm_90a", True)])
+def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, rng):
+    """The kernels a call with user modifiers launches, with a document mask and a
+    relative bias compiled in (mask-only without the bias): NVRTC for the arch, no spills,
+    and the wgmma kernels still issue HGMMA; the block mask's classification kernel."""
+    from cuflash import kernel_build, precompile, registry
+
+    score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
+    functors = kernel_build.UserFunctors.of(score_mod if with_score else None, mask_mod)
+    capability = 90 if arch == "sm_90a" else 80
+    variant = kernel_build.Variant(DTYPES[dtype], head_dim, capability)
+    roles = sorted({role for _, role in precompile.modifier_jobs(
+        [dtype], [head_dim], capability, capability)})
+    names = variant.kernel_names()
+    report = compile_and_check(kernel_build.MODULE_FILE, [names[r] for r in roles], arch,
+                               functors)
+    assert len(report) == len(roles)
+    if arch == "sm_90a" and dtype != "float32":
+        from cuflash.kernel_build import compile_offline
+
+        compiled = compile_offline(variant, arch, [r for r in roles if "wgmma" in r], functors)
+        try:
+            opcodes = compiled.sass_opcodes()
+        except RuntimeError as exc:  # no cuobjdump for this NVRTC
+            pytest.skip(str(exc))
+        assert all(ops["HGMMA"] > 0 for ops in opcodes.values()), opcodes
+        assert all(registry.BY_ROLE[r].needs_sm90a for r in opcodes)
+    compile_and_check("block_mask.cu", ["cuflash::classify_mask_cells"], arch,
+                      kernel_build.UserFunctors.of(mask_mod=mask_mod))

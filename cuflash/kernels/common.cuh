@@ -194,11 +194,13 @@ struct UserModifierArgs {
     BlockMaskView blocks;
 };
 
-// The built-in modifiers a tile's code is specialized for (ScoreModifiers::kinds).
+// The built-in modifiers a tile's code is specialized for (ScoreModifiers::kinds),
+// and the states of one in ScoreModifiers::apply2.
 template <bool SOFTCAP, bool ALIBI>
 struct BuiltIns {
     static constexpr bool softcap = SOFTCAP, alibi = ALIBI;
 };
+constexpr int kOff = 0, kOn = 1, kRuntime = 2;
 
 __device__ __forceinline__ float tanh_approx(float x) {
     float y;
@@ -219,15 +221,10 @@ struct NoModifiers {
         derivative = 1.f;
         return s;
     }
-    template <bool APPROX_TANH = false>
-    __device__ __forceinline__ float apply(float s, int, int, float, float& derivative) const {
+    template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
+    __device__ __forceinline__ float apply2(float s2, int, int, float, float& derivative) const {
         derivative = 1.f;
-        return s;
-    }
-    template <bool APPROX_TANH, bool SOFTCAP, bool ALIBI>
-    __device__ __forceinline__ float apply_with(float s, int, int, float, float& derivative) const {
-        derivative = 1.f;
-        return s;
+        return s2;
     }
     template <typename F>
     __device__ __forceinline__ void kinds(F&& f) const { f(BuiltIns<false, false>{}); }
@@ -240,73 +237,62 @@ struct ScoreModifiersOf {
     static constexpr bool active = true;
     static constexpr bool user_mask = !UserMask::is_identity;
     static constexpr bool mask_only = MASK_ONLY;
-    float softcap, inv_softcap;  // softcap 0: no cap
-    float slope;                 // ALiBi's slope for the head, 0: none
-    long long offset;            // kv_len - q_len of the sequence: p = i + offset
-    int batch, head;             // the user's b (batch entry or sequence) and h
+    // In base 2 (scores times log2 e, as the kernels' softmax takes them):
+    float softcap2, inv_softcap2;  // softcap log2 e and its inverse; 0: no cap
+    float slope2;                  // ALiBi's slope for the head times log2 e; 0: none
+    long long offset;              // kv_len - q_len of the sequence: p = i + offset
+    int batch, head;               // the user's b (batch entry or sequence) and h
     ModifierArrays score_arrays, mask_arrays;  // the user's (fields used only are read)
     BlockMaskView blocks;
 
-    // Does anything change the scores (else `apply` is the identity)?
+    // Does anything change the scores (else `apply2` is the identity)?
     __device__ __forceinline__ bool modifies_scores() const {
         if constexpr (MASK_ONLY) return false;
-        return softcap > 0.f || slope != 0.f || !UserScore::is_identity;
+        return softcap2 > 0.f || slope2 != 0.f || !UserScore::is_identity;
     }
-    // The modified score of s (row i, key j) and its derivative d(result)/ds,
-    // for the built-ins compiled in (SOFTCAP, ALIBI: see `kinds`); `distance` is
-    // i + offset - j as a float (the caller's, from a few conversions a tile:
-    // an int-to-float conversion runs at a quarter of the FMA rate).
+    // The modified score of a base-2 score s2 = s log2 e (row i, key j), in base
+    // 2, and its derivative d(result)/d(s2) (that of the natural-units function).
+    // SOFTCAP, ALIBI: kOn or kOff when the code is specialized (see `kinds`),
+    // kRuntime to read the arguments an element at a time (one copy of the
+    // code: the backward kernels, short of registers for four). `distance` is
+    // i + offset - j as a float (the caller's, from a few conversions a tile: an
+    // int-to-float conversion runs at a quarter of the FMA rate).
     // APPROX_TANH: the hardware's tanh (one MUFU instruction, relative error
     // 2^-11), for 16-bit inputs, as FlashAttention does; tanhf otherwise.
-    template <bool APPROX_TANH, bool SOFTCAP, bool ALIBI>
-    __device__ __forceinline__ float apply_with(float s, int i, int j, float distance,
-                                                float& derivative) const {
+    template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
+    __device__ __forceinline__ float apply2(float s2, int i, int j, float distance,
+                                            float& derivative) const {
         derivative = 1.f;
-        if constexpr (SOFTCAP) {
-            const float t = APPROX_TANH ? tanh_approx(s * inv_softcap) : tanhf(s * inv_softcap);
-            s = softcap * t;
+        if (SOFTCAP == kOn || (SOFTCAP == kRuntime && softcap2 > 0.f)) {
+            const float x = s2 * inv_softcap2;
+            const float t = APPROX_TANH ? tanh_approx(x) : tanhf(x);
+            s2 = softcap2 * t;
             derivative = 1.f - t * t;
         }
-        if constexpr (ALIBI) s -= slope * fabsf(distance);
-        if constexpr (!UserScore::is_identity) {
+        if (ALIBI == kOn || (ALIBI == kRuntime && slope2 != 0.f)) s2 -= slope2 * fabsf(distance);
+        if constexpr (!UserScore::is_identity) {  // the user's function in natural units
             const UserScore score_mod{};
-            derivative *= score_mod.grad(s, batch, head, i, j, score_arrays);
-            s = score_mod(s, batch, head, i, j, score_arrays);
+            const float natural = s2 * kLn2;
+            derivative *= score_mod.grad(natural, batch, head, i, j, score_arrays);
+            s2 = score_mod(natural, batch, head, i, j, score_arrays) * kLog2e;
         }
-        return s;
+        return s2;
     }
     // Call f(BuiltIns<SOFTCAP, ALIBI>{}) for the built-ins this call has: a
     // kernel branches once a tile, and each element's code holds only what applies.
     template <typename F>
     __device__ __forceinline__ void kinds(F&& f) const {
-        if (softcap > 0.f) {
-            if (slope != 0.f) f(BuiltIns<true, true>{}); else f(BuiltIns<true, false>{});
+        if (softcap2 > 0.f) {
+            if (slope2 != 0.f) f(BuiltIns<true, true>{}); else f(BuiltIns<true, false>{});
         } else {
-            if (slope != 0.f) f(BuiltIns<false, true>{}); else f(BuiltIns<false, false>{});
+            if (slope2 != 0.f) f(BuiltIns<false, true>{}); else f(BuiltIns<false, false>{});
         }
     }
-    // The same with the built-ins read at run time, an element at a time (one
-    // copy of the code: the backward kernels, short of registers for four).
-    template <bool APPROX_TANH = false>
-    __device__ __forceinline__ float apply(float s, int i, int j, float distance,
-                                           float& derivative) const {
-        derivative = 1.f;
-        if (softcap > 0.f) {
-            const float t = APPROX_TANH ? tanh_approx(s * inv_softcap) : tanhf(s * inv_softcap);
-            s = softcap * t;
-            derivative = 1.f - t * t;
-        }
-        if (slope != 0.f) s -= slope * fabsf(distance);
-        if constexpr (!UserScore::is_identity) {
-            const UserScore score_mod{};
-            derivative *= score_mod.grad(s, batch, head, i, j, score_arrays);
-            s = score_mod(s, batch, head, i, j, score_arrays);
-        }
-        return s;
-    }
+    // In natural units, the built-ins read at run time (the CUDA-core kernels).
     template <bool APPROX_TANH = false>
     __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
-        return apply<APPROX_TANH>(s, i, j, static_cast<float>(i + offset - j), derivative);
+        return apply2<APPROX_TANH>(s * kLog2e, i, j, static_cast<float>(i + offset - j),
+                                   derivative) * kLn2;
     }
     // The user's mask at (row i, key j).
     __device__ __forceinline__ bool sees(int i, int j) const {
@@ -357,7 +343,8 @@ __device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
     if constexpr (MODIFIED) {
         const float slope =
             alibi_slopes == nullptr ? 0.f : alibi_slopes[blockIdx.z * alibi_batch_stride + h];
-        return ScoreModifiers{softcap, softcap > 0.f ? 1.f / softcap : 0.f, slope,
+        return ScoreModifiers{softcap * kLog2e, softcap > 0.f ? 1.f / (softcap * kLog2e) : 0.f,
+                              slope * kLog2e,
                               static_cast<long long>(mask.kv_len) - mask.q_len,
                               static_cast<int>(blockIdx.z), h, user.score_arrays,
                               user.mask_arrays, user.blocks};

@@ -213,9 +213,11 @@ __device__ __forceinline__ float decode_modified_score(
             : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + hk * group +
                            (m - i * group)] * kLog2e;
     float derivative;
+    const long long offset = static_cast<long long>(mask.kv_len) - mask.q_len;
     return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
-                          static_cast<long long>(mask.kv_len) - mask.q_len}
-        .template apply<sizeof(T) == 2>(s, i, j, derivative);
+                          offset}
+        .template apply2<sizeof(T) == 2>(s, i, j, static_cast<float>(i + offset - j),
+                                         derivative);
 }
 
 // Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.

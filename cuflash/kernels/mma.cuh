@@ -197,14 +197,14 @@ __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, 
         probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
 }
 // With score modifiers, both in one pass on every tile (the modifiers'
-// derivative enters dS^T): P^T = exp2(mod(S^T scale) log2 e - lse), masked
-// element by element (by the user's mask too where `partial`), and dS^T =
-// P^T (dP^T - Delta) mod'; `scale` is the softmax scale itself.
+// derivative enters dS^T): P^T = exp2(mod2(S^T scale_log2) - lse) (mod2: the
+// modifiers in base 2), masked element by element (by the user's mask too
+// where `partial`), and dS^T = P^T (dP^T - Delta) mod'.
 template <int QTILES, int LOG2_GAIN = 0, typename Mods>
 __device__ __forceinline__ void modified_probs_and_dscores(
     float (&st)[QTILES][4], float (&dpt)[QTILES][4], const Mask& mask,
     const Mods& mods, int m0, int key0, int t, const float* lse_s,
-    const float* delta_s, float scale, bool partial = true) {
+    const float* delta_s, float scale_log2, bool partial = true) {
     int lo[2], hi[2];  // the queries keys key0 and key0 + 8 are seen by
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
@@ -224,9 +224,9 @@ __device__ __forceinline__ void modified_probs_and_dscores(
                 const float distance =
                     query_base + static_cast<float>(n * 8 + (e & 1)) - key_pos[e >> 1];
                 float derivative;
-                const float score =
-                    mods.template apply<true>(st[n][e] * scale, query, key, distance, derivative);
-                float p = fast_exp2(score * kLog2e - lse_e);
+                const float score2 = mods.template apply2<true>(st[n][e] * scale_log2, query,
+                                                                key, distance, derivative);
+                float p = fast_exp2(score2 - lse_e);
                 if (query < lo[e >> 1] || query >= hi[e >> 1] ||
                     (partial && !mods.sees(query, key)))
                     p = 0.f;

@@ -63,10 +63,9 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                     float derivative;
                     const float distance =
                         row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)));
-                    s[mt][n][e] = mods.template apply_with<true, SOFTCAP, ALIBI>(
-                                      s[mt][n][e] * (scale_log2 * kLn2), row, key, distance,
-                                      derivative) *
-                                  kLog2e;
+                    s[mt][n][e] = mods.template apply2<true, SOFTCAP ? kOn : kOff,
+                                                       ALIBI ? kOn : kOff>(
+                        s[mt][n][e] * scale_log2, row, key, distance, derivative);
                 } else {
                     s[mt][n][e] *= scale_log2;
                 }

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
         if constexpr (MODIFIED && !Modifiers<MODIFIED>::mask_only)
             modified_probs_and_dscores(st, dpt, mask, mods, m0, n0 + warp * 16 + g, t, lse_b,
-                                       delta_b, scale);
+                                       delta_b, scale_log2);
         else  // a mask-only kernel takes the user's mask as an edge (no block mask here)
             probs_and_dscores(st, dpt, mask,
                               !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) ||

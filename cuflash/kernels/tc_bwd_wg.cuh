@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
             pin_registers(st);
             pin_registers(dpt);
             modified_probs_and_dscores(st, dpt, mask, mods, m0 + q0, n0 + key_row + g, t,
-                                       lse_s + buf * BM + q0, delta_s + buf * BM + q0, scale,
+                                       lse_s + buf * BM + q0, delta_s + buf * BM + q0, scale_log2,
                                        mods.partial_tile(blockIdx.x, m0 / BM));
         } else {
             wgmma_wait<1>();  // S^T is done: P^T while dP^T runs

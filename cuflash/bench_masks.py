@@ -26,7 +26,6 @@ distance of the other outputs from cuflash's.
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
@@ -268,23 +267,14 @@ def main(argv=None):
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--no-torch", action="store_true", help="cuflash only")
-    parser.add_argument("--time", type=float, default=0.5, help="seconds a measurement")
-    parser.add_argument("--json", default=None)
+    bench.add_peer_options(parser)
     args = parser.parse_args(argv)
-    reason = bench.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"nothing to measure: {reason}")
+    if bench.no_gpu_to_measure():
         return 0
-    torch, note = bench.import_torch(not args.no_torch)
-    if torch is None:
-        print(f"flex_attention left out: {note}")
+    torch = bench.flex_peer_torch(not args.no_torch)
     records = measure(args.heads, args.head_dim, torch, args.time)
-    print(f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; medians")
-    print(table(records))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    bench.print_report(f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; "
+                       "medians", table(records), records, args.json)
     return 0
 
 

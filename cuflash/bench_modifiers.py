@@ -15,7 +15,6 @@ same modifier (both compute the same function).
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 
@@ -175,26 +174,17 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--no-causal", action="store_true")
-    parser.add_argument("--no-torch", action="store_true", help="cuflash only")
-    parser.add_argument("--time", type=float, default=0.5, help="seconds a measurement")
-    parser.add_argument("--json", default=None)
+    bench.add_peer_options(parser)
     args = parser.parse_args(argv)
-    reason = bench.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"nothing to measure: {reason}")
+    if bench.no_gpu_to_measure():
         return 0
     case = Case("bfloat16", args.head_dim, args.seqlen, not args.no_causal, args.batch,
                 args.heads)
-    torch, note = bench.import_torch(not args.no_torch)
-    if torch is None:
-        print(f"flex_attention left out: {note}")
+    torch = bench.flex_peer_torch(not args.no_torch)
     records = measure(case, torch, args.time)
-    print(f"Score modifiers, bfloat16, {dataclasses.asdict(case)}, softcap {SOFTCAP}, ALiBi "
-          "slopes 2^(-8i/H); medians")
-    print(table(records))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    bench.print_report(f"Score modifiers, bfloat16, {dataclasses.asdict(case)}, softcap "
+                       f"{SOFTCAP}, ALiBi slopes 2^(-8i/H); medians", table(records), records,
+                       args.json)
     return 0
 
 

@@ -51,7 +51,7 @@ def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
                            problem.kv_len, *problem.window)
     if problem.score_mod is not None or problem.mask_mod is not None:
         # Grids over [B, H_kv, G, rows, keys]: query head h = kv head * G + g.
-        grids = (np.arange(problem.batch).reshape(-1, 1, 1, 1, 1),
+        grids = ((np.arange(problem.batch) + problem.first_batch).reshape(-1, 1, 1, 1, 1),
                  (np.arange(problem.num_kv_heads)[:, None] * problem.group_size
                   + np.arange(problem.group_size)[None, :]).reshape(1, problem.num_kv_heads,
                                                                     problem.group_size, 1, 1),

@@ -71,6 +71,7 @@ class AttentionProblem:
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     block_mask: object = None  # a cuflash.block_mask.BlockMask holding mask_mod, or None
+    first_batch: int = 0  # the user modifiers' b of batch entry 0 (a packed call's sequence)
 
     @property
     def modified(self):
@@ -268,7 +269,7 @@ def check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len):
     return block_mask.mask_mod
 
 
-def check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len):
+def check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, kv_len):
     """User-defined modifiers (``cuflash.modifiers``): of their kinds, their reads inside
     their arrays for these sizes (the GPU path checks the arrays' kind and device when it
     packs them)."""
@@ -288,10 +289,11 @@ def check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_le
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                     kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
                     alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None,
-                    block_mask=None):
+                    block_mask=None, modifier_sizes=None):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
-    the batch)."""
+    the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
+    (a packed call's sequences and longest lengths; default the arrays')."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -339,7 +341,8 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
                                       batch if alibi_batch is None else alibi_batch)
     mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len)
-    check_user_modifiers(score_mod, mask_mod, xp, batch, num_heads, q_len, kv_len)
+    check_user_modifiers(score_mod, mask_mod, xp, num_heads,
+                         *(modifier_sizes or (batch, q_len, kv_len)))
     problem = AttentionProblem(
         xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,

@@ -20,12 +20,11 @@ import dataclasses
 
 import numpy as np
 
-from . import plans
-from .api import flash_attention_bwd, flash_attention_fwd
+from . import cpu, plans
 from .errors import InvalidArgumentError
 from .problem import (MAX_GRID_YZ, PackedSequences, _array_module, _check_dtypes, _check_flag,
-                      _check_rank, _count, check_dims, check_head_counts, check_int32,
-                      forward_problem)
+                      _check_rank, _count, backward_problem, check_dims, check_head_counts,
+                      check_int32, forward_problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +91,8 @@ def _heads_first(x, start=None, stop=None):
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale,
-                   allow_tf32, check, extra_arrays=(), softcap=0.0, alibi_slopes=None):
+                   allow_tf32, check, extra_arrays=(), softcap=0.0, alibi_slopes=None,
+                   score_mod=None, mask_mod=None):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
     ``check`` (:func:`verified_offsets`)."""
@@ -125,7 +125,8 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         _heads_first(q), _heads_first(k), _heads_first(v), num_heads, num_kv_heads, head_dim,
         causal, window_size, None, softmax_scale, allow_tf32=allow_tf32,
         extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays], softcap=softcap,
-        alibi_slopes=alibi_slopes, alibi_batch=count)
+        alibi_slopes=alibi_slopes, alibi_batch=count, score_mod=score_mod, mask_mod=mask_mod,
+        modifier_sizes=(count, max_seqlen_q, max_seqlen_k))
     attention = dataclasses.replace(
         attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k))
     offsets_q = offsets_k = None
@@ -148,7 +149,8 @@ def verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None):
+                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
+                               mask_mod=None):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
     Parameters
@@ -169,6 +171,11 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     softcap, alibi_slopes : keyword-only
         As in :func:`cuflash.flash_attention_fwd`; ``[B, num_heads]`` slopes are one row
         a sequence, and ALiBi's positions count within each sequence.
+    score_mod, mask_mod : cuflash.modifiers objects, keyword-only
+        As in :func:`cuflash.flash_attention_fwd`, with ``b`` the sequence and
+        ``q_idx``, ``kv_idx`` positions within it (their reads are bounded for
+        ``max_seqlen_q``, ``max_seqlen_k``). The mask is evaluated on every tile (block
+        masks serve the dense functions).
     check : bool, default False
         Verify device-held offsets before any kernel runs: one device-to-host copy
         (which synchronizes the stream), then the errors below, naming the sequence.
@@ -194,13 +201,14 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
                            head_dim, causal, window_size, softmax_scale, allow_tf32, check,
-                           softcap))
+                           softcap, score_mod, mask_mod))
     plan = plans.get(key)
     if plan is None:
         problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
                                  window_size, softmax_scale, allow_tf32, check, softcap=softcap,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                 mask_mod=mask_mod)
         if problem.xp is np:
             return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale,
                                          alibi_slopes)
@@ -218,17 +226,24 @@ def _sequence_slopes(alibi_slopes, b):
     return np.ascontiguousarray(alibi_slopes[b])
 
 
+def _sequence_problem(problem, b):
+    """A sequence's dense problem, its user modifiers seeing ``b`` as the batch entry."""
+    return dataclasses.replace(problem, first_batch=b)
+
+
 def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
     out = np.zeros(q.shape, dtype=attention.dtype)
     lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
     for b, q0, q1, k0, k1 in problem.sequences():
-        out_b, lse_b = flash_attention_fwd(
-            _heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1),
-            attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
-            window_size, softmax_scale=softmax_scale, softcap=attention.softcap,
-            alibi_slopes=_sequence_slopes(alibi_slopes, b))
+        views = (_heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1))
+        slopes = _sequence_slopes(alibi_slopes, b)
+        sequence = _sequence_problem(forward_problem(
+            *views, attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
+            window_size, None, softmax_scale, softcap=attention.softcap, alibi_slopes=slopes,
+            score_mod=attention.score_mod, mask_mod=attention.mask_mod), b)
+        out_b, lse_b = cpu.forward(sequence, *views, slopes)
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
@@ -263,7 +278,8 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim,
                                causal=False, window_size=0, *, softmax_scale=None,
                                deterministic=False, synchronize=True, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None):
+                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
+                               mask_mod=None):
     """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v.
 
     Parameters
@@ -275,7 +291,7 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As passed to the forward.
     num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32,
-    softcap, alibi_slopes
+    softcap, alibi_slopes, score_mod, mask_mod
         As passed to the forward.
     deterministic, synchronize : bool
         As in :func:`cuflash.flash_attention_bwd`.
@@ -293,7 +309,7 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
                            head_dim, causal, window_size, softmax_scale, deterministic,
-                           synchronize, allow_tf32, check, softcap))
+                           synchronize, allow_tf32, check, softcap, score_mod, mask_mod))
     plan = plans.get(key)
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
@@ -302,7 +318,8 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                  max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
                                  window_size, softmax_scale, allow_tf32, check,
                                  extra_arrays=(("dout", dout), ("out", out)), softcap=softcap,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                 mask_mod=mask_mod)
         _array_module([("q", q), ("lse", lse)])
         _check_rank("lse", lse, 2, "[num_heads, total_q]")
         check_dims("lse", lse, (problem.attention.num_heads, problem.total_q),
@@ -328,13 +345,15 @@ def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size
     dk = np.zeros(k.shape, dtype=attention.dtype)
     dv = np.zeros(v.shape, dtype=attention.dtype)
     for b, q0, q1, k0, k1 in problem.sequences():
-        grads = flash_attention_bwd(
-            _heads_first(dout, q0, q1), _heads_first(q, q0, q1), _heads_first(k, k0, k1),
-            _heads_first(v, k0, k1), _heads_first(out, q0, q1),
-            np.ascontiguousarray(lse[:, q0:q1])[None], attention.num_heads,
-            attention.num_kv_heads, attention.head_dim, causal, window_size,
-            softmax_scale=softmax_scale, softcap=attention.softcap,
-            alibi_slopes=_sequence_slopes(alibi_slopes, b))
+        views = (_heads_first(dout, q0, q1), _heads_first(q, q0, q1), _heads_first(k, k0, k1),
+                 _heads_first(v, k0, k1), _heads_first(out, q0, q1),
+                 np.ascontiguousarray(lse[:, q0:q1])[None])
+        slopes = _sequence_slopes(alibi_slopes, b)
+        sequence = _sequence_problem(backward_problem(
+            *views, attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
+            window_size, None, softmax_scale, False, True, softcap=attention.softcap,
+            alibi_slopes=slopes, score_mod=attention.score_mod, mask_mod=attention.mask_mod), b)
+        grads = cpu.backward(sequence, *views, slopes)
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
         dv[k0:k1] = grads[2][0].transpose(1, 0, 2)
@@ -390,13 +409,15 @@ class VarlenVJP:
             self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, c.num_heads,
             c.num_kv_heads, c.head_dim, c.causal, c.window_size, softmax_scale=c.softmax_scale,
             deterministic=deterministic, synchronize=synchronize, allow_tf32=c.allow_tf32,
-            softcap=c.softcap, alibi_slopes=c.alibi_slopes)
+            softcap=c.softcap, alibi_slopes=c.alibi_slopes, score_mod=c.score_mod,
+            mask_mod=c.mask_mod)
 
 
 def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None):
+                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
+                               mask_mod=None):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
     vjp(dout)``."""
@@ -405,8 +426,10 @@ def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse = flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
         num_kv_heads, head_dim, causal, window_size, softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32, check=check, softcap=softcap, alibi_slopes=alibi_slopes)
+        allow_tf32=allow_tf32, check=check, softcap=softcap, alibi_slopes=alibi_slopes,
+        score_mod=score_mod, mask_mod=mask_mod)
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size, None,
-                             softmax_scale, allow_tf32, softcap, alibi_slopes)
+                             softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod,
+                             mask_mod)
     return out, VarlenVJP(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, config)

@@ -264,3 +264,85 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
         assert all(registry.BY_ROLE[r].needs_sm90a for r in opcodes)
     compile_and_check("block_mask.cu", ["cuflash::classify_mask_cells"], arch,
                       kernel_build.UserFunctors.of(mask_mod=mask_mod))
+
+
+# ------------------------------------------------------------ packed batches (varlen)
+
+VARLEN_Q, VARLEN_K = [37, 0, 90, 12], [50, 8, 90, 30]
+
+
+def _varlen_case(rng, xp, dtype=np.float32, head_dim=16):
+    """Packed sequences with user modifiers that read the sequence index ``b``: a prefix
+    length and a bias per (sequence, head); and the per-sequence oracle."""
+    heads, kv_heads = 4, 2
+    prefixes = np.array([5, 3, 20, 0], np.int32)
+    bias = rng.uniform(-1, 1, (len(VARLEN_Q), heads)).astype(np.float32)
+    device_bias = xp.asarray(bias)
+
+    def per_sequence_bias(score, b, h, q_idx, kv_idx):
+        return score + device_bias[b, h]
+
+    mods = dict(score_mod=modifiers.ScoreMod(per_sequence_bias),
+                mask_mod=modifiers.prefix_lm_mask(xp.asarray(prefixes)))
+    tokens = [rng.standard_normal((sum(n), h, head_dim)).astype(dtype)
+              for n, h in ((VARLEN_Q, heads), (VARLEN_K, kv_heads), (VARLEN_K, kv_heads),
+                           (VARLEN_Q, heads))]
+    cu = [xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
+          for n in (VARLEN_Q, VARLEN_K)]
+    args = (*cu, max(VARLEN_Q), max(VARLEN_K), heads, kv_heads, head_dim)
+
+    def oracle():
+        outs, grads = [], [[], [], []]
+        q_at, k_at = np.cumsum([0] + VARLEN_Q), np.cumsum([0] + VARLEN_K)
+        for b in range(len(VARLEN_Q)):
+            def bias_b(score, b_, h, q_idx, kv_idx):
+                return score + row[h]
+
+            ref = dict(score_mod=modifiers.ScoreMod(bias_b, row=bias[b]),
+                       mask_mod=modifiers.prefix_lm_mask(int(prefixes[b])))
+            q, k, v, dout = (x[lo:hi].transpose(1, 0, 2)[None].astype(np.float64)
+                             for x, lo, hi in zip(tokens, (q_at[b], k_at[b], k_at[b], q_at[b]),
+                                                  (q_at[b + 1], k_at[b + 1], k_at[b + 1],
+                                                   q_at[b + 1])))
+            outs.append(attention_reference(q, k, v, False, 0, **ref)[0][0].transpose(1, 0, 2))
+            for i, g in enumerate(attention_reference_grad(dout, q, k, v, False, 0, **ref)):
+                grads[i].append(g[0].transpose(1, 0, 2))
+        return np.concatenate(outs), [np.concatenate(g) for g in grads]
+
+    return [xp.asarray(x) for x in tokens], args, mods, oracle
+
+
+def _check_varlen(rng, xp, dtype=np.float32, deterministic=False):
+    (q, k, v, dout), args, mods, oracle = _varlen_case(rng, xp, dtype)
+    out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **mods)
+    grads = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, **mods,
+                                               deterministic=deterministic)
+    ref_out, ref_grads = oracle()
+    name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(
+        np.dtype(dtype), "bfloat16")
+    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        got = to_numpy(got).astype(np.float64)
+        assert not np.isnan(got).any(), label
+        assert rel_error(got, want) <= BOUND[name] + FLOOR[name], (label, rel_error(got, want))
+
+
+def test_varlen_cpu_path_sees_the_sequence_index(rng):
+    _check_varlen(rng, np)
+
+
+@pytest.fixture(scope="module")
+def compiled_varlen():
+    """The packed cases' kernels, compiled in parallel threads before the tests."""
+    from cuflash import precompile
+
+    _, _, mods, _ = _varlen_case(np.random.default_rng(0), cupy)
+    precompile.precompile_modifiers(mods["score_mod"], mods["mask_mod"],
+                                    ("bfloat16", "float32"), (16,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_varlen_sees_the_sequence_index(dtype, deterministic, rng, poisoned,
+                                            compiled_varlen):
+    _check_varlen(rng, cupy, DTYPES[dtype], deterministic)

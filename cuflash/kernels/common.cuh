@@ -194,13 +194,14 @@ struct UserModifierArgs {
     BlockMaskView blocks;
 };
 
-// The built-in modifiers a tile's code is specialized for (ScoreModifiers::kinds),
-// and the states of one in ScoreModifiers::apply2.
-template <bool SOFTCAP, bool ALIBI>
-struct BuiltIns {
-    static constexpr bool softcap = SOFTCAP, alibi = ALIBI;
-};
+// The states of a built-in modifier in a tile's code (ScoreModifiers::apply2):
+// compiled out, compiled in, or read at run time; and the pair a tile's code is
+// specialized for (ScoreModifiers::kinds).
 constexpr int kOff = 0, kOn = 1, kRuntime = 2;
+template <int SOFTCAP, int ALIBI>
+struct BuiltIns {
+    static constexpr int softcap = SOFTCAP, alibi = ALIBI;
+};
 
 __device__ __forceinline__ float tanh_approx(float x) {
     float y;
@@ -227,7 +228,7 @@ struct NoModifiers {
         return s2;
     }
     template <typename F>
-    __device__ __forceinline__ void kinds(F&& f) const { f(BuiltIns<false, false>{}); }
+    __device__ __forceinline__ void kinds(F&& f) const { f(BuiltIns<kOff, kOff>{}); }
 };
 // MASK_ONLY: compiled for a call whose only modifier is the user's mask (no
 // soft-cap, ALiBi or score function): scores are never modified, so the
@@ -283,9 +284,9 @@ struct ScoreModifiersOf {
     template <typename F>
     __device__ __forceinline__ void kinds(F&& f) const {
         if (softcap2 > 0.f) {
-            if (slope2 != 0.f) f(BuiltIns<true, true>{}); else f(BuiltIns<true, false>{});
+            if (slope2 != 0.f) f(BuiltIns<kOn, kOn>{}); else f(BuiltIns<kOn, kOff>{});
         } else {
-            if (slope2 != 0.f) f(BuiltIns<false, true>{}); else f(BuiltIns<false, false>{});
+            if (slope2 != 0.f) f(BuiltIns<kOff, kOn>{}); else f(BuiltIns<kOff, kOff>{});
         }
     }
     // In natural units, the built-ins read at run time (the CUDA-core kernels).

@@ -210,7 +210,8 @@ __device__ __forceinline__ void modified_probs_and_dscores(
     for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
     {
         // ALiBi's distances query + offset - key as floats (see mask_scores).
-        const float query_base = static_cast<float>(m0 + 2 * t + mods.offset);
+        const int offset = static_cast<int>(mods.offset);  // kv_len - q_len: an int
+        const float query_base = static_cast<float>(m0 + 2 * t + offset);
         const float key_pos[2] = {static_cast<float>(key0), static_cast<float>(key0 + 8)};
 #pragma unroll
         for (int n = 0; n < QTILES; ++n) {

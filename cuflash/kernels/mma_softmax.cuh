@@ -31,7 +31,10 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // tile takes the per-element path: the scores are scaled, modified and taken
 // to base 2 here (and masked on an edge tile). A tile that a user's block mask
 // calls `partial` takes the user's mask too (the kernels count it as an edge).
-template <int MT, int NTILES, typename Mods = NoModifiers>
+// SPECIALIZE: one copy of the element code per combination of the built-ins
+// (a branch a tile); else one copy that reads them per element (fewer
+// registers: the mma.sync forward).
+template <int MT, int NTILES, typename Mods = NoModifiers, bool SPECIALIZE = true>
 __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                                              const Mask& mask, bool edge, int row0, int n0,
                                              float scale_log2, const Mods& mods = Mods{},
@@ -43,14 +46,15 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.row_keys(row0 + mt * 16 + g + 8 * r, lo[r], hi[r]);
     auto each = [&](auto built_ins, bool modified) {
-        constexpr bool SOFTCAP = decltype(built_ins)::softcap, ALIBI = decltype(built_ins)::alibi;
+        constexpr int SOFTCAP = decltype(built_ins)::softcap, ALIBI = decltype(built_ins)::alibi;
         // ALiBi's distances i + offset - j as floats: a conversion a row and one a
         // tile, then exact additions of small integers.
         float row_pos[2] = {0.f, 0.f}, key_base = 0.f;
-        if constexpr (ALIBI) {
+        if constexpr (ALIBI != kOff) {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r + mods.offset);
+                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r +
+                                                static_cast<int>(mods.offset));
             key_base = static_cast<float>(n0 + 2 * t);
         }
 #pragma unroll
@@ -63,8 +67,7 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                     float derivative;
                     const float distance =
                         row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)));
-                    s[mt][n][e] = mods.template apply2<true, SOFTCAP ? kOn : kOff,
-                                                       ALIBI ? kOn : kOff>(
+                    s[mt][n][e] = mods.template apply2<true, SOFTCAP, ALIBI>(
                         s[mt][n][e] * scale_log2, row, key, distance, derivative);
                 } else {
                     s[mt][n][e] *= scale_log2;
@@ -74,10 +77,14 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                     s[mt][n][e] = neg_inf();
             }
     };
-    if (Mods::active && modify)
-        mods.kinds([&](auto built_ins) { each(built_ins, true); });
-    else
-        each(BuiltIns<false, false>{}, false);
+    if (Mods::active && modify) {
+        if constexpr (SPECIALIZE)
+            mods.kinds([&](auto built_ins) { each(built_ins, true); });
+        else
+            each(BuiltIns<kRuntime, kRuntime>{}, true);
+    } else {
+        each(BuiltIns<kOff, kOff>{}, false);
+    }
     return 1.f;
 }
 
@@ -133,7 +140,7 @@ __device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, i
 // One tile of BN = 8 NTILES keys from key n0, for the MT m16 tiles of a warp
 // whose first row is row0: mask (only when `edge`), scale to base 2, update
 // the running max and sum, rescale O, and leave P = exp2(s - max) in s.
-template <int MT, int NTILES, int DTILES, typename Mods = NoModifiers>
+template <int MT, int NTILES, int DTILES, typename Mods = NoModifiers, bool SPECIALIZE = true>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&o)[MT][DTILES][4],
                                              float (&row_max)[MT][2], float (&row_sum)[MT][2],
                                              const Mask& mask, bool edge, int row0, int n0,
@@ -142,7 +149,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const float score_scale =
-            mask_scores(s, mt, mask, edge, row0, n0, scale_log2, mods, partial);
+            mask_scores<MT, NTILES, Mods, SPECIALIZE>(s, mt, mask, edge, row0, n0, scale_log2,
+                                                      mods, partial);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r, score_scale));

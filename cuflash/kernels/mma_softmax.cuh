@@ -47,14 +47,15 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
     for (int r = 0; r < 2; ++r) mask.row_keys(row0 + mt * 16 + g + 8 * r, lo[r], hi[r]);
     auto each = [&](auto built_ins, bool modified) {
         constexpr int SOFTCAP = decltype(built_ins)::softcap, ALIBI = decltype(built_ins)::alibi;
-        // ALiBi's distances i + offset - j as floats: a conversion a row and one a
-        // tile, then exact additions of small integers.
+        // ALiBi's distances i + offset - j as floats: specialized, a conversion a row
+        // and one a tile, then exact additions of small integers; read at run time,
+        // a conversion an element (fewer registers live across the tile).
+        const int offset = static_cast<int>(mods.offset);  // kv_len - q_len: an int
         float row_pos[2] = {0.f, 0.f}, key_base = 0.f;
-        if constexpr (ALIBI != kOff) {
+        if constexpr (ALIBI == kOn) {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r +
-                                                static_cast<int>(mods.offset));
+                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r + offset);
             key_base = static_cast<float>(n0 + 2 * t);
         }
 #pragma unroll
@@ -66,7 +67,9 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                 if (modified) {
                     float derivative;
                     const float distance =
-                        row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)));
+                        ALIBI == kOn
+                            ? row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)))
+                            : static_cast<float>(row - key + offset);
                     s[mt][n][e] = mods.template apply2<true, SOFTCAP, ALIBI>(
                         s[mt][n][e] * scale_log2, row, key, distance, derivative);
                 } else {

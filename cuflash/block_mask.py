@@ -163,14 +163,17 @@ class BlockMask:
         visible = self.mask_mod.numpy_mask(*index_grids(entries, heads, self.q_len,
                                                         self.kv_len))
         visible = np.broadcast_to(visible, (entries, heads, self.q_len, self.kv_len))
-        inside = np.ones_like(visible)
-        return _fold(np, visible, inside, rows, keys)
+        return _fold(np, visible, visible, rows, keys)  # an element is a cell
 
     def classes(self, rows, keys):
         """The classes of tiles of ``rows`` x ``keys`` on the device (as
         :meth:`cpu_classes`); rows and keys multiples of 16."""
+        import cupy
+
+        if rows % CELL or keys % CELL:
+            raise ValueError(f"tiles of {rows} x {keys} are not whole {CELL} x {CELL} cells")
         any_visible, all_visible = self.classify()._cells
-        return _fold_cells(any_visible, all_visible, rows, keys)
+        return _fold(cupy, any_visible, all_visible, rows // CELL, keys // CELL)
 
     def view(self, direction, outer, inner, num_heads, num_kv_heads):
         """The arrays and strides a kernel reads (``kernels/common.cuh``,
@@ -184,35 +187,18 @@ class BlockMask:
         return found
 
 
-def _fold(xp, visible, inside, rows, keys):
-    """Classes of ``rows`` x ``keys`` tiles from element grids (``inside``: elements that
-    count)."""
-    entries, heads, q_len, kv_len = visible.shape
-    q_tiles, kv_tiles = -(-q_len // rows), -(-kv_len // keys)
-    pad = ((0, 0), (0, 0), (0, q_tiles * rows - q_len), (0, kv_tiles * keys - kv_len))
-    visible = xp.pad(visible & inside, pad)
-    inside = xp.pad(inside, pad)
-    shape = (entries, heads, q_tiles, rows, kv_tiles, keys)
-    any_visible = visible.reshape(shape).any(axis=(3, 5))
-    all_visible = (visible | ~inside).reshape(shape).all(axis=(3, 5))
-    return xp.where(any_visible, xp.where(all_visible, FULL, PARTIAL), EMPTY).astype(np.uint8)
-
-
-def _fold_cells(any_visible, all_visible, rows, keys):
-    """Classes of ``rows`` x ``keys`` tiles from the classification's 16 x 16 cells."""
-    import cupy
-
-    if rows % CELL or keys % CELL:
-        raise ValueError(f"tiles of {rows} x {keys} are not whole {CELL} x {CELL} cells")
+def _fold(xp, any_visible, all_visible, fold_q, fold_kv):
+    """Classes of tiles of ``fold_q`` x ``fold_kv`` cells from each cell's any- and
+    all-visible flags (``[entries, heads, q cells, kv cells]``; the padding past the last
+    cell counts as neither)."""
     entries, heads, q_cells, kv_cells = any_visible.shape
-    fold_q, fold_kv = rows // CELL, keys // CELL
     q_tiles, kv_tiles = -(-q_cells // fold_q), -(-kv_cells // fold_kv)
     pad = ((0, 0), (0, 0), (0, q_tiles * fold_q - q_cells), (0, kv_tiles * fold_kv - kv_cells))
     shape = (entries, heads, q_tiles, fold_q, kv_tiles, fold_kv)
-    any_tile = cupy.pad(any_visible, pad, constant_values=0).reshape(shape).max(axis=(3, 5))
-    all_tile = cupy.pad(all_visible, pad, constant_values=1).reshape(shape).min(axis=(3, 5))
-    return cupy.where(any_tile != 0, cupy.where(all_tile != 0, FULL, PARTIAL),
-                      EMPTY).astype(np.uint8)
+    any_tile = xp.pad(any_visible, pad, constant_values=0).reshape(shape).max(axis=(3, 5))
+    all_tile = xp.pad(all_visible, pad, constant_values=1).reshape(shape).min(axis=(3, 5))
+    return xp.where(any_tile != 0, xp.where(all_tile != 0, FULL, PARTIAL),
+                    EMPTY).astype(np.uint8)
 
 
 def _ranges(nonempty):

@@ -216,12 +216,8 @@ struct NoModifiers {
     __device__ __forceinline__ constexpr bool modifies_scores() const { return false; }
     __device__ __forceinline__ constexpr bool sees(int, int) const { return true; }
     __device__ __forceinline__ constexpr bool partial_tile(int, int) const { return false; }
+    template <int TILE>
     __device__ __forceinline__ void narrow(int, int, int&, int&) const {}
-    template <bool APPROX_TANH = false>
-    __device__ __forceinline__ float apply(float s, int, int, float& derivative) const {
-        derivative = 1.f;
-        return s;
-    }
     template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
     __device__ __forceinline__ float apply2(float s2, int, int, float, float& derivative) const {
         derivative = 1.f;
@@ -310,16 +306,19 @@ struct ScoreModifiersOf {
                               static_cast<long long>(outer) * blocks.inner_tiles + inner] !=
                kFullTile;
     }
-    // Narrow `count` inner tiles from tile `first` to the block mask's range of
-    // tile `outer` (range head `range_head`).
-    __device__ __forceinline__ void narrow(int outer, int range_head, int& first,
+    // Narrow `count` inner tiles of TILE elements from element `start` (a
+    // multiple of TILE) to the block mask's range of tile `outer` (range head
+    // `range_head`).
+    template <int TILE>
+    __device__ __forceinline__ void narrow(int outer, int range_head, int& start,
                                            int& count) const {
         if constexpr (!user_mask) return;
         if (blocks.ranges == nullptr || outer < 0 || outer >= blocks.outer_tiles) return;
         const int* range = blocks.ranges + batch * blocks.range_batch_stride +
                            range_head * blocks.range_head_stride + 2ll * outer;
+        const int first = start / TILE;
         const int lo = max(first, range[0]), hi = min(first + count, range[1]);
-        first = lo;
+        start = lo * TILE;
         count = max(0, hi - lo);
     }
 };

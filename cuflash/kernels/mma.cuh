@@ -279,12 +279,8 @@ struct QuerySteps {
     // head hk's ranges: the union over its group's query heads).
     template <typename Mods>
     __device__ __forceinline__ void narrow(const Mods& mods, int outer, int hk, int group) {
-        if constexpr (Mods::user_mask) {
-            int first = m_first / BM;
-            mods.narrow(outer, hk, first, per_head);
-            m_first = first * BM;
-            count = per_head * group;
-        }
+        mods.template narrow<BM>(outer, hk, m_first, per_head);
+        count = per_head * group;
     }
     __device__ __forceinline__ int head(int step) const { return h_first + step / per_head; }
     __device__ __forceinline__ int row0(int step) const { return m_first + (step % per_head) * BM; }

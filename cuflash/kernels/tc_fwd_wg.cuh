@@ -111,11 +111,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
-    if constexpr (Modifiers<MODIFIED>::user_mask) {  // the block mask's range of key tiles
-        int first = n_start / BN;
-        mods.narrow(m0 / BM, h, first, tiles);
-        n_start = first * BN;
-    }
+    mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_k = [&](int tile, int buf) {

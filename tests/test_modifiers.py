@@ -303,6 +303,61 @@ def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
                 _gpu_run(case, rng, softcap, alibi, deterministic)
 
 
+def _gpu_run_inputs(case, inputs, softcap, slopes=None):
+    """Forward and backward of ``case`` on the given inputs (CuPy), checked by _compare."""
+    q, k, v, dout = inputs
+    kw = dict(softcap=softcap, alibi_slopes=None if slopes is None else cupy.asarray(slopes))
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
+    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw)
+    _compare(case, inputs, (out, lse, *grads), softcap, slopes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_softcap_rows_far_below_the_cap(dtype, softcap, causal, rng, poisoned):
+    """A soft-cap alone lets the bfloat16 forward take the cap as every row's max (caps
+    up to 41.5): rows whose scores all sit far below it (about -1.5 cap, tanh near -0.9)
+    lose nothing; larger caps and float16 track the max."""
+    case = _gpu_case(dtype, batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300,
+                     head_dim=128, causal=causal)
+    unit = np.ones(case.head_dim) / math.sqrt(case.head_dim)
+    size = 1.5 * softcap * math.sqrt(case.head_dim) / 4.0  # |q . k| scale = 1.5 cap
+    sign = np.where(np.arange(case.q_len) % 3 == 0, 1.0, -1.0)[:, None]  # a third above
+    shape = (case.batch, case.heads, case.q_len, case.head_dim)
+    q = sign * size * unit + 0.5 * rng.standard_normal(shape)
+    k = 4.0 * unit + 0.5 * rng.standard_normal(shape)
+    v, dout = rng.standard_normal(shape), rng.standard_normal(shape)
+    inputs = [cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v, dout)]
+    _gpu_run_inputs(case, inputs, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rise", [3.0, 12.0])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_running_max_climbs(dtype, rise, rng, poisoned):
+    """Scores that climb from key tile to key tile (by `rise` in base 2 a tile of 128
+    keys: under and over the forward's slack of 8 before it moves a row's max), with a
+    soft-cap and ALiBi too: the lazy running max loses nothing."""
+    case = _gpu_case(dtype, batch=1, heads=2, kv_heads=2, q_len=200, kv_len=1024,
+                     head_dim=128, causal=False)
+    unit = np.ones(case.head_dim) / math.sqrt(case.head_dim)
+    scale = 1 / math.sqrt(case.head_dim)
+    # score of key j: 2 (0.5 + c j) scale with q = 2 unit, c the climb a key
+    climb = rise * math.log(2) / 128 / (2 * scale)
+    keys = np.arange(case.kv_len)[:, None]
+    q = 2.0 * unit + 0.3 * rng.standard_normal((1, 2, case.q_len, case.head_dim))
+    k = (0.5 + climb * keys) * unit + 0.3 * rng.standard_normal((1, 2, case.kv_len,
+                                                                  case.head_dim))
+    v = rng.standard_normal(k.shape)
+    dout = rng.standard_normal(q.shape)
+    inputs = [cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v, dout)]
+    for softcap, slopes in ((0.0, None), (40.0, None),
+                            (0.0, np.array([0.01, 0.002], np.float32))):
+        _gpu_run_inputs(case, inputs, softcap, slopes)
+
+
 @pytest.mark.gpu
 def test_gpu_slopes_are_read_at_each_call(rng, poisoned):
     """One plan serves calls with other slopes of the same signature (the values are not

@@ -197,7 +197,9 @@ struct UserModifierArgs {
 // The states of a built-in modifier in a tile's code (ScoreModifiers::apply2):
 // compiled out, compiled in, or read at run time; and the pair a tile's code is
 // specialized for (ScoreModifiers::kinds).
-constexpr int kOff = 0, kOn = 1, kRuntime = 2;
+// kRawUnits (ALiBi alone): the bias is added to the raw score q.k, divided by
+// the scale (mask_scores; saves the scaling of every score).
+constexpr int kOff = 0, kOn = 1, kRuntime = 2, kRawUnits = 3;
 template <int SOFTCAP, int ALIBI>
 struct BuiltIns {
     static constexpr int softcap = SOFTCAP, alibi = ALIBI;
@@ -212,19 +214,23 @@ struct NoModifiers {
     static constexpr bool active = false;
     static constexpr bool user_mask = false;
     static constexpr bool mask_only = false;
+    static constexpr bool user_score = false;
+    static constexpr float softcap2 = 0.f, inv_softcap2 = 0.f, slope2 = 0.f;
     static constexpr long long offset = 0;
     __device__ __forceinline__ constexpr bool modifies_scores() const { return false; }
+    __device__ __forceinline__ constexpr bool chain_rule() const { return false; }
     __device__ __forceinline__ constexpr bool sees(int, int) const { return true; }
     __device__ __forceinline__ constexpr bool partial_tile(int, int) const { return false; }
     template <int TILE>
     __device__ __forceinline__ void narrow(int, int, int&, int&) const {}
     template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
-    __device__ __forceinline__ float apply2(float s2, int, int, float, float& derivative) const {
+    __device__ __forceinline__ float apply2(float s, float scale2, int, int, float,
+                                            float& derivative) const {
         derivative = 1.f;
-        return s2;
+        return s * scale2;
     }
     template <typename F>
-    __device__ __forceinline__ void kinds(F&& f) const { f(BuiltIns<kOff, kOff>{}); }
+    __device__ __forceinline__ void kinds(F&& f, bool = false) const { f(BuiltIns<kOff, kOff>{}); }
 };
 // MASK_ONLY: compiled for a call whose only modifier is the user's mask (no
 // soft-cap, ALiBi or score function): scores are never modified, so the
@@ -234,6 +240,7 @@ struct ScoreModifiersOf {
     static constexpr bool active = true;
     static constexpr bool user_mask = !UserMask::is_identity;
     static constexpr bool mask_only = MASK_ONLY;
+    static constexpr bool user_score = !UserScore::is_identity;
     // In base 2 (scores times log2 e, as the kernels' softmax takes them):
     float softcap2, inv_softcap2;  // softcap log2 e and its inverse; 0: no cap
     float slope2;                  // ALiBi's slope for the head times log2 e; 0: none
@@ -247,24 +254,35 @@ struct ScoreModifiersOf {
         if constexpr (MASK_ONLY) return false;
         return softcap2 > 0.f || slope2 != 0.f || !UserScore::is_identity;
     }
-    // The modified score of a base-2 score s2 = s log2 e (row i, key j), in base
-    // 2, and its derivative d(result)/d(s2) (that of the natural-units function).
-    // SOFTCAP, ALIBI: kOn or kOff when the code is specialized (see `kinds`),
-    // kRuntime to read the arguments an element at a time (one copy of the
-    // code: the backward kernels, short of registers for four). `distance` is
-    // i + offset - j as a float (the caller's, from a few conversions a tile: an
-    // int-to-float conversion runs at a quarter of the FMA rate).
-    // APPROX_TANH: the hardware's tanh (one MUFU instruction, relative error
-    // 2^-11), for 16-bit inputs, as FlashAttention does; tanhf otherwise.
+    // May the modified score's derivative differ from 1 (the backward's dS
+    // then takes it)? Not for ALiBi, a shift of the scores.
+    __device__ __forceinline__ bool chain_rule() const {
+        if constexpr (MASK_ONLY) return false;
+        return softcap2 > 0.f || !UserScore::is_identity;
+    }
+    // The modified score of score s (row i, key j) whose base-2 value is s
+    // scale2 (scale2: the softmax scale times log2 e, or just log2 e), in base
+    // 2, and its derivative d(result)/d(s scale2) (that of the natural-units
+    // function). SOFTCAP, ALIBI: kOn or kOff when the code is specialized (see
+    // `kinds`), kRuntime to read the arguments an element at a time (one copy
+    // of the code: the backward kernels, short of registers for four).
+    // `distance` is i + offset - j as a float (the caller's, from a few
+    // conversions a tile: an int-to-float conversion runs at a quarter of the
+    // FMA rate). APPROX_TANH: the hardware's tanh (one MUFU instruction,
+    // relative error 2^-11), for 16-bit inputs, as FlashAttention does; tanhf
+    // otherwise.
     template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
-    __device__ __forceinline__ float apply2(float s2, int i, int j, float distance,
-                                            float& derivative) const {
+    __device__ __forceinline__ float apply2(float s, float scale2, int i, int j,
+                                            float distance, float& derivative) const {
         derivative = 1.f;
+        float s2;
         if (SOFTCAP == kOn || (SOFTCAP == kRuntime && softcap2 > 0.f)) {
-            const float x = s2 * inv_softcap2;
+            const float x = s * (scale2 * inv_softcap2);  // one product an element
             const float t = APPROX_TANH ? tanh_approx(x) : tanhf(x);
             s2 = softcap2 * t;
             derivative = 1.f - t * t;
+        } else {
+            s2 = s * scale2;
         }
         if (ALIBI == kOn || (ALIBI == kRuntime && slope2 != 0.f)) s2 -= slope2 * fabsf(distance);
         if constexpr (!UserScore::is_identity) {  // the user's function in natural units
@@ -276,19 +294,29 @@ struct ScoreModifiersOf {
         return s2;
     }
     // Call f(BuiltIns<SOFTCAP, ALIBI>{}) for the built-ins this call has: a
-    // kernel branches once a tile, and each element's code holds only what applies.
+    // kernel branches once a tile, and each element's code holds only what
+    // applies. raw_units_ok: ALiBi alone (no user score function) may take
+    // kRawUnits (the caller's scale is finite and not 0).
     template <typename F>
-    __device__ __forceinline__ void kinds(F&& f) const {
+    __device__ __forceinline__ void kinds(F&& f, bool raw_units_ok = false) const {
         if (softcap2 > 0.f) {
             if (slope2 != 0.f) f(BuiltIns<kOn, kOn>{}); else f(BuiltIns<kOn, kOff>{});
+        } else if (slope2 != 0.f) {
+            if constexpr (UserScore::is_identity) {
+                if (raw_units_ok) {
+                    f(BuiltIns<kOff, kRawUnits>{});
+                    return;
+                }
+            }
+            f(BuiltIns<kOff, kOn>{});
         } else {
-            if (slope2 != 0.f) f(BuiltIns<kOff, kOn>{}); else f(BuiltIns<kOff, kOff>{});
+            f(BuiltIns<kOff, kOff>{});
         }
     }
     // In natural units, the built-ins read at run time (the CUDA-core kernels).
     template <bool APPROX_TANH = false>
     __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
-        return apply2<APPROX_TANH>(s * kLog2e, i, j, static_cast<float>(i + offset - j),
+        return apply2<APPROX_TANH>(s, kLog2e, i, j, static_cast<float>(i + offset - j),
                                    derivative) * kLn2;
     }
     // The user's mask at (row i, key j).

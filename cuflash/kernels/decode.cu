@@ -216,7 +216,7 @@ __device__ __forceinline__ float decode_modified_score(
     const long long offset = static_cast<long long>(mask.kv_len) - mask.q_len;
     return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
                           offset}
-        .template apply2<sizeof(T) == 2>(s, i, j, static_cast<float>(i + offset - j),
+        .template apply2<sizeof(T) == 2>(s, 1.f, i, j, static_cast<float>(i + offset - j),
                                          derivative);
 }
 

@@ -38,6 +38,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 // D (16x8, f32) += A (16x16, row) * B (16x8, col) for one 16-bit type.
 template <typename T> struct TensorOp;
 template <> struct TensorOp<bf16_t> {
+    static constexpr bool wide_exponent = true;  // float32's exponent range
     static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4],
                                                unsigned b0, unsigned b1) {
         asm volatile(
@@ -54,6 +55,7 @@ template <> struct TensorOp<bf16_t> {
     }
 };
 template <> struct TensorOp<half_t> {
+    static constexpr bool wide_exponent = false;
     static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4],
                                                unsigned b0, unsigned b1) {
         asm volatile(
@@ -159,8 +161,11 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 // (lse_s, 8-byte aligned); masked only when `edge` (two straight-line
 // versions, so that the unmasked one has no per-element branch), by the
 // user's mask too (`mods`, a mask-only kernel's). With LOG2_GAIN, P^T comes
-// times 2^LOG2_GAIN.
-template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
+// times 2^LOG2_GAIN. ALIBI: the scores take ALiBi's bias (mods.slope2, the
+// call's only modifier of the scores: its derivative is 1, so dscores
+// follows as in the plain kernels).
+template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers,
+          bool ALIBI = false>
 __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
                                          int key0, int t, const float* lse_s, float scale_log2,
                                          const Mods& mods = Mods{}, bool partial = true) {
@@ -169,6 +174,13 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
 #pragma unroll
         for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
     }
+    // ALiBi's distances query + offset - key of query m0 + 2 t, as floats
+    float distance0[2] = {0.f, 0.f};
+    if constexpr (ALIBI) {
+        const float query_pos = static_cast<float>(m0 + 2 * t + static_cast<int>(mods.offset));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) distance0[r] = query_pos - static_cast<float>(key0 + 8 * r);
+    }
 #pragma unroll
     for (int n = 0; n < QTILES; ++n) {
         const float2 lse2 = load_shared_float2(lse_s + n * 8 + 2 * t);
@@ -176,6 +188,10 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
         for (int e = 0; e < 4; ++e) {
             float lse_e = (e & 1) ? lse2.y : lse2.x;
             if constexpr (LOG2_GAIN != 0) lse_e -= LOG2_GAIN;
+            if constexpr (ALIBI) {
+                const float distance = distance0[e >> 1] + static_cast<float>(n * 8 + (e & 1));
+                lse_e = fmaf(mods.slope2, fabsf(distance), lse_e);
+            }
             float p = fast_exp2(st[n][e] * scale_log2 - lse_e);
             const int query = m0 + n * 8 + 2 * t + (e & 1);
             if (EDGE && (query < lo[e >> 1] || query >= hi[e >> 1] ||
@@ -185,16 +201,17 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
         }
     }
 }
-template <int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers>
+template <int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers, bool ALIBI = false>
 __device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
                                       int m0, int key0, int t, const float* lse_s,
                                       float scale_log2, const Mods& mods = Mods{},
                                       bool partial = true) {
     if (edge)
-        probs_of<true, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods,
-                                          partial);
+        probs_of<true, QTILES, LOG2_GAIN, Mods, ALIBI>(st, mask, m0, key0, t, lse_s, scale_log2,
+                                                       mods, partial);
     else
-        probs_of<false, QTILES, LOG2_GAIN>(st, mask, m0, key0, t, lse_s, scale_log2, mods);
+        probs_of<false, QTILES, LOG2_GAIN, Mods, ALIBI>(st, mask, m0, key0, t, lse_s,
+                                                        scale_log2, mods);
 }
 // With score modifiers, both in one pass on every tile (the modifiers'
 // derivative enters dS^T): P^T = exp2(mod2(S^T scale_log2) - lse) (mod2: the
@@ -225,7 +242,7 @@ __device__ __forceinline__ void modified_probs_and_dscores(
                 const float distance =
                     query_base + static_cast<float>(n * 8 + (e & 1)) - key_pos[e >> 1];
                 float derivative;
-                const float score2 = mods.template apply2<true>(st[n][e] * scale_log2, query,
+                const float score2 = mods.template apply2<true>(st[n][e], scale_log2, query,
                                                                 key, distance, derivative);
                 float p = fast_exp2(score2 - lse_e);
                 if (query < lo[e >> 1] || query >= hi[e >> 1] ||

@@ -28,9 +28,12 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 // masked with -inf), so 1; elsewhere they stay raw and exp_row folds the
 // scale into the FFMA before each exp2 (one instruction a score fewer).
 // With score modifiers that change the scores (mods.modifies_scores()) every
-// tile takes the per-element path: the scores are scaled, modified and taken
-// to base 2 here (and masked on an edge tile). A tile that a user's block mask
-// calls `partial` takes the user's mask too (the kernels count it as an edge).
+// tile takes the per-element path, which returns the factor of its units:
+// a soft-cap alone leaves tanh(s scale / softcap) (factor softcap log2 e), ALiBi
+// alone (kRawUnits) the raw score plus the bias over the scale (factor: the
+// scale), anything else the modified score in base 2 (factor 1). A tile that
+// a user's block mask calls `partial` takes the user's mask too (the kernels
+// count it as an edge).
 // SPECIALIZE: one copy of the element code per combination of the built-ins
 // (a branch a tile); else one copy that reads them per element (fewer
 // registers: the mma.sync forward).
@@ -45,18 +48,33 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
     int lo[2], hi[2];  // the keys rows g and g + 8 see
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.row_keys(row0 + mt * 16 + g + 8 * r, lo[r], hi[r]);
+    float factor = 1.f;
     auto each = [&](auto built_ins, bool modified) {
         constexpr int SOFTCAP = decltype(built_ins)::softcap, ALIBI = decltype(built_ins)::alibi;
+        constexpr bool CAP_ONLY = SOFTCAP == kOn && ALIBI == kOff && !Mods::user_score;
+        constexpr bool RAW_UNITS = ALIBI == kRawUnits;
         // ALiBi's distances i + offset - j as floats: specialized, a conversion a row
-        // and one a tile, then exact additions of small integers; read at run time,
-        // a conversion an element (fewer registers live across the tile).
+        // and one a tile, then an exact subtraction of a small integer an element;
+        // read at run time, a conversion an element (fewer registers live across
+        // the tile).
         const int offset = static_cast<int>(mods.offset);  // kv_len - q_len: an int
-        float row_pos[2] = {0.f, 0.f}, key_base = 0.f;
-        if constexpr (ALIBI == kOn) {
+        float row_distance[2] = {0.f, 0.f};  // of key n0 + 2 t
+        if constexpr (ALIBI == kOn || RAW_UNITS) {
+            const float key_base = static_cast<float>(n0 + 2 * t);
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                row_pos[r] = static_cast<float>(row0 + mt * 16 + g + 8 * r + offset);
-            key_base = static_cast<float>(n0 + 2 * t);
+                row_distance[r] =
+                    static_cast<float>(row0 + mt * 16 + g + 8 * r + offset) - key_base;
+        }
+        // The units of this kind's result (see above) and its masked value.
+        float cap_scale = 0.f, bias_per_key = 0.f, masked = neg_inf();
+        if constexpr (CAP_ONLY) {
+            cap_scale = scale_log2 * mods.inv_softcap2;
+            factor = mods.softcap2;
+        } else if constexpr (RAW_UNITS) {
+            bias_per_key = -mods.slope2 / scale_log2;
+            factor = scale_log2;
+            if (scale_log2 < 0.f) masked = -neg_inf();
         }
 #pragma unroll
         for (int n = 0; n < NTILES; ++n)
@@ -64,31 +82,58 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + n * 8 + 2 * t + (e & 1),
                           row = row0 + mt * 16 + g + 8 * (e >> 1);
-                if (modified) {
-                    float derivative;
-                    const float distance =
-                        ALIBI == kOn
-                            ? row_pos[e >> 1] - (key_base + static_cast<float>(n * 8 + (e & 1)))
-                            : static_cast<float>(row - key + offset);
-                    s[mt][n][e] = mods.template apply2<true, SOFTCAP, ALIBI>(
-                        s[mt][n][e] * scale_log2, row, key, distance, derivative);
-                } else {
+                const float distance =
+                    ALIBI == kOn || RAW_UNITS
+                        ? row_distance[e >> 1] - static_cast<float>(n * 8 + (e & 1))
+                        : static_cast<float>(row - key + offset);
+                if (!modified) {
                     s[mt][n][e] *= scale_log2;
+                } else if constexpr (CAP_ONLY) {
+                    s[mt][n][e] = tanh_approx(s[mt][n][e] * cap_scale);
+                } else if constexpr (RAW_UNITS) {
+                    s[mt][n][e] = fmaf(bias_per_key, fabsf(distance), s[mt][n][e]);
+                } else {
+                    float derivative;
+                    s[mt][n][e] = mods.template apply2<true, SOFTCAP, ALIBI>(
+                        s[mt][n][e], scale_log2, row, key, distance, derivative);
                 }
                 if (edge && (key < lo[e >> 1] || key >= hi[e >> 1] ||
                              (partial && !mods.sees(row, key))))
-                    s[mt][n][e] = neg_inf();
+                    s[mt][n][e] = masked;
             }
     };
     if (Mods::active && modify) {
-        if constexpr (SPECIALIZE)
-            mods.kinds([&](auto built_ins) { each(built_ins, true); });
-        else
+        if constexpr (SPECIALIZE) {
+            // ALiBi in raw units needs the slope over a scale that is not 0 (nor
+            // tiny) and stays finite
+            const bool raw_units_ok = fabsf(scale_log2) >= 1e-6f &&
+                                      fabsf(mods.slope2) <= 1e30f * fabsf(scale_log2);
+            mods.kinds([&](auto built_ins) { each(built_ins, true); }, raw_units_ok);
+        } else {
             each(BuiltIns<kRuntime, kRuntime>{}, true);
+        }
     } else {
         each(BuiltIns<kOff, kOff>{}, false);
     }
-    return 1.f;
+    return factor;
+}
+
+constexpr float kMaxSlack = 8.f;  // see exp_row
+
+// A soft-cap alone bounds the scores: softcap tanh(.) < softcap, so every row
+// of a block can take softcap log2 e as its max (exp_row's `bound`): no max to
+// reduce, no rescale. Then P = exp2(softcap2 (t - 1)) >= 2^(-2 softcap2),
+// which float32 and bfloat16 hold while softcap2 <= 60 (P >= 2^-120: nothing
+// underflows, not even a row whose scores all sit near -softcap); float16's
+// range would not (WIDE_EXPONENT false). -inf: track the max.
+template <bool WIDE_EXPONENT, typename Mods>
+__device__ __forceinline__ float scores_bound(const Mods& mods) {
+    if constexpr (!Mods::active || Mods::user_score || Mods::mask_only || !WIDE_EXPONENT)
+        return neg_inf();
+    else
+        return mods.softcap2 > 0.f && mods.softcap2 <= 60.f && mods.slope2 == 0.f
+                   ? mods.softcap2
+                   : neg_inf();
 }
 
 // 2. Row r (g or g + 8) of m16 tile mt, scores times `score_scale` (from
@@ -97,23 +142,37 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
 // and return alpha, the factor O's row must take. The row's largest scaled
 // score is the largest raw score times a positive scale, or the smallest
 // times a negative one.
-template <int MT, int NTILES, int LOG2_GAIN = 0>
+// `bound`: an upper bound of the scaled scores that stands for the max of
+// every row (see scores_bound), or -inf to track the max. LAZY: see below
+// (for a caller that skips O's rescale by 1).
+template <int MT, int NTILES, int LOG2_GAIN = 0, bool LAZY = false>
 __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
                                          float (&row_sum)[MT][2], int mt, int r,
-                                         float score_scale) {
-    float mx = neg_inf();
-    if (score_scale >= 0.f) {
+                                         float score_scale, float bound = neg_inf()) {
+    float new_max = bound;
+    if (bound == neg_inf()) {
+        float mx = neg_inf();
+        if (score_scale >= 0.f) {
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n)
-            mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-    } else {
+            for (int n = 0; n < NTILES; ++n)
+                mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        } else {
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n)
-            mx = fmaxf(mx, fmaxf(-s[mt][n][2 * r], -s[mt][n][2 * r + 1]));
+            for (int n = 0; n < NTILES; ++n)
+                mx = fmaxf(mx, fmaxf(-s[mt][n][2 * r], -s[mt][n][2 * r + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // LAZY: the running max moves only when this tile's passes it by more
+        // than kMaxSlack (in base 2; the first tile's always does): below that,
+        // P = exp2(s - max) stays under 2^kMaxSlack, and alpha = 1 (O's rescale
+        // can be skipped). Not with a gain (the float32 pieces keep P in
+        // float16's range).
+        static_assert(!LAZY || LOG2_GAIN == 0, "a lazy max keeps P under 2^kMaxSlack");
+        const float tile_max = fabsf(score_scale) * mx;
+        new_max = LAZY ? (tile_max > row_max[mt][r] + kMaxSlack ? tile_max : row_max[mt][r])
+                       : fmaxf(row_max[mt][r], tile_max);
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float new_max = fmaxf(row_max[mt][r], fabsf(score_scale) * mx);
     const float base = new_max == neg_inf() ? 0.f : new_max;
     const float alpha = fast_exp2(row_max[mt][r] - base);
     row_max[mt][r] = new_max;
@@ -129,7 +188,8 @@ __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_
     return alpha;
 }
 
-// 3. O's row r of m16 tile mt times alpha.
+// 3. O's row r of m16 tile mt times alpha (1 where exp_row's running max did
+// not move: a caller with registers to spare on the branch skips the call).
 template <int MT, int DTILES>
 __device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, int r,
                                             float alpha) {

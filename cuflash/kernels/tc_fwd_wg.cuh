@@ -210,6 +210,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
         cp_async_commit();
         float s[1][NTILES][4];
         unsigned pa[BN / 16][4];
+        const float bound = scores_bound<Op::wide_exponent>(mods);
         if (tiles > 0) {
             cp_async_wait<1>();  // Q, K(0), V(0)
             fence_proxy_async();
@@ -249,13 +250,15 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
             const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
                                                   n_start + (it + 1) * BN, scale_log2, mods,
                                                   partial);
-            const float alpha0 = exp_row(s, row_max, row_sum, 0, 0, score_scale);
-            const float alpha1 = exp_row(s, row_max, row_sum, 0, 1, score_scale);
+            const float alpha0 =
+                exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 0, score_scale, bound);
+            const float alpha1 =
+                exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 1, score_scale, bound);
             complete_before_wait(order_slots + threadIdx.x, row_sum[0][0] + row_sum[0][1]);
             wgmma_wait_all();
             pin_registers(o[0]);
-            rescale_row(o, 0, 0, alpha0);
-            rescale_row(o, 0, 1, alpha1);
+            if (alpha0 != 1.f) rescale_row(o, 0, 0, alpha0);  // mostly 1 (exp_row)
+            if (alpha1 != 1.f) rescale_row(o, 0, 1, alpha1);
             pack_probs(s, pa);
         }
         if (tiles > 0) {  // P V of the last tile

@@ -168,14 +168,14 @@ class UserArguments:
         self.pointer = _function.CPointer(self.record.ctypes.data)
 
 
-_NO_USER_ARGUMENTS = UserArguments()
+NO_USER_ARGUMENTS = UserArguments()
 
 
 def _user_arguments(problem, spec, direction):
     """The :class:`UserArguments` of ``spec``'s launches for ``problem``; its block mask's
     view when the kernel reads one."""
     if problem.score_mod is None and problem.mask_mod is None:
-        return _NO_USER_ARGUMENTS
+        return NO_USER_ARGUMENTS
     view = None
     tiles = spec.block_mask_tiles(problem.head_dim)
     if problem.block_mask is not None and tiles is not None:

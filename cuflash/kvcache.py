@@ -18,7 +18,7 @@ from .errors import InvalidArgumentError
 from .cpu import modify_scores
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
-                      check_alibi_slopes, check_softcap,
+                      check_alibi_slopes, check_softcap, check_user_modifiers,
                       check_dims, check_head_counts, check_int32)
 
 LOG2E = 1.4426950408889634
@@ -60,6 +60,8 @@ class KVCacheProblem:
     return_lse: bool
     softcap: float = 0.0  # SPEC 8; 0 is off
     alibi_batch_stride: int = -1  # ALiBi slopes: H for [B, H], 0 for [H], -1 for none
+    score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
+    mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
 
     @property
     def alibi(self):
@@ -122,7 +124,8 @@ def _check_lengths(lengths, new_len, capacity):
 
 def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                     window_size, cache_seqlens, k_new, v_new, block_table, softmax_scale,
-                    return_lse, check, softcap=0.0, alibi_slopes=None):
+                    return_lse, check, softcap=0.0, alibi_slopes=None, score_mod=None,
+                    mask_mod=None):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
@@ -212,6 +215,8 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     scale = _scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
+    # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
+    check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
     _check_flag("check", check)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
@@ -227,7 +232,8 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
         host_lengths=host_lengths, softmax_scale=scale, window=window,
         return_lse=bool(return_lse), softcap=softcap,
         alibi_batch_stride=-1 if slopes_shape is None else (
-            num_heads if len(slopes_shape) == 2 else 0))
+            num_heads if len(slopes_shape) == 2 else 0),
+        score_mod=score_mod, mask_mod=mask_mod)
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
@@ -237,7 +243,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
                                  causal=True, window_size=0, *, cache_seqlens, k_new=None,
                                  v_new=None, block_table=None, softmax_scale=None,
                                  return_lse=False, check=False, softcap=0.0,
-                                 alibi_slopes=None):
+                                 alibi_slopes=None, score_mod=None, mask_mod=None):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
     Parameters
@@ -283,6 +289,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     alibi_slopes : float32 array ``[num_heads]`` or ``[B, num_heads]``, optional
         ALiBi: adds ``-slope * |p - j|`` to the score of query row ``i`` (at ``p = i +
         L_b - S_q``) and key ``j``, after the soft-cap; on the arrays' device.
+    score_mod, mask_mod : cuflash.modifiers.ScoreMod, MaskMod, optional, keyword-only
+        The user's score and mask functions (SPEC 8), as in
+        :func:`cuflash.flash_attention_fwd` on the sequence's keys: ``b`` is the
+        batch entry, ``h`` the query head, ``q_idx`` the query row ``i`` (``0 ..
+        S_q - 1``; its position in the sequence is ``i + L_b - S_q``) and ``kv_idx``
+        the key ``j`` (``0 .. L_b - 1``). Their arrays' reads are bounded for
+        ``q_idx < S_q`` and ``kv_idx <`` the capacity. Calls with them skip the
+        cached launch plans of device-held lengths.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -315,7 +329,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     Accumulation is always float32.
     """
     key = None
-    if check is False and not isinstance(cache_seqlens, numbers.Integral):
+    if (check is False and not isinstance(cache_seqlens, numbers.Integral)
+            and score_mod is None and mask_mod is None):
         # Device-held lengths: the plan of this signature serves every step.
         given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes)
         key = plans.signature(
@@ -328,7 +343,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
                         alibi_slopes)
     problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                               window_size, cache_seqlens, k_new, v_new, block_table,
-                              softmax_scale, return_lse, check, softcap, alibi_slopes)
+                              softmax_scale, return_lse, check, softcap, alibi_slopes,
+                              score_mod, mask_mod)
     if key is not None and problem.xp is not np and problem.batch * problem.num_heads:
         plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                           block_table)
@@ -362,9 +378,10 @@ def _gather(problem, cache, block_table, b, length):
 
 
 @np.errstate(all="ignore")
-def _attend(problem, q_seq, keys, values, kv_len, slopes=None):
-    """One sequence: q ``[H, S_q, D]``, keys/values float32 ``[H_kv, L, D]`` -> out, lse;
-    ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1, 1]`` or None.
+def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0):
+    """One sequence (batch entry ``b``): q ``[H, S_q, D]``, keys/values float32 ``[H_kv,
+    L, D]`` -> out, lse; ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1,
+    1]`` or None; the user's functions (``problem.score_mod``, ``mask_mod``) after them.
 
     Blocked over query rows and keys with an online softmax in float32.
     """
@@ -388,6 +405,15 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None):
             s, _ = modify_scores(s, r0, r1, c0, c1, q_len, kv_len, problem.softcap, slopes)
             visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len,
                                    *problem.window)
+            if problem.score_mod is not None or problem.mask_mod is not None:
+                # grids over [H_kv, G, rows, keys]: query head h = kv head * G + g
+                grids = (np.int64(b), (np.arange(h_kv)[:, None] * group
+                                       + np.arange(group)[None, :]).reshape(h_kv, group, 1, 1),
+                         np.arange(r0, r1).reshape(-1, 1), np.arange(c0, c1).reshape(1, -1))
+                if problem.score_mod is not None:
+                    s = problem.score_mod.numpy_scores(s, *grids)
+                if problem.mask_mod is not None:
+                    visible = visible & problem.mask_mod.numpy_mask(*grids)
             s = np.where(visible, s, np.float32(-np.inf))
             new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
             base = np.where(np.isfinite(new_max), new_max, np.float32(0))
@@ -429,7 +455,7 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
             row = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
             slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size,
                                                     1, 1)
-        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes)
+        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes, b)
         out[b] = out_b.astype(problem.dtype)
         lse[b] = lse_b
     return out, lse
@@ -523,25 +549,35 @@ def split_cap(longest, keys_per_tile):
 _KERNELS = {}
 
 
-def _kernel(name, shared=0):
+def _kernel(name, shared=0, functors=None):
     """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
-    the kernel of decode.cu from :func:`cuflash.kernel_build.load_kernel`, its occupancy
-    from its registers and shared memory (128 threads a block)."""
+    the kernel of decode.cu from :func:`cuflash.kernel_build.load_kernel` (with the user's
+    modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy from its
+    registers and shared memory (128 threads a block)."""
     import cupy
 
     device_id = cupy.cuda.runtime.getDevice()
-    found = _KERNELS.get((device_id, name))
+    found = _KERNELS.get((device_id, name, functors))
     if found is None:
         from .kernel_build import load_kernel
 
-        kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared)
+        if functors is None:
+            kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared)
+        else:
+            try:
+                kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared,
+                                     functors=functors)
+            except cupy.cuda.compiler.CompileException as exc:
+                raise InvalidArgumentError(
+                    "score_mod" if functors.key[0] is not None else "mask_mod",
+                    f"the modifier does not compile: {exc}") from None
         attributes = cupy.cuda.Device(device_id).attributes
         smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
         per_sm = min(smem_per_sm // (shared + 1024) if shared else 16,
                      attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
                      attributes["MaxThreadsPerMultiProcessor"] // THREADS)
-        found = _KERNELS[(device_id, name)] = (kernel, max(1, per_sm),
+        found = _KERNELS[(device_id, name, functors)] = (kernel, max(1, per_sm),
                                                attributes["MultiProcessorCount"])
     return found
 
@@ -602,6 +638,19 @@ def _modifier_args(problem):
             np.float32(problem.softcap * LOG2E))
 
 
+def _user_modifiers(problem):
+    """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
+    ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
+    from .gpu import NO_USER_ARGUMENTS, UserArguments
+    from .kernel_build import UserFunctors
+
+    if problem.score_mod is None and problem.mask_mod is None:
+        return None, NO_USER_ARGUMENTS
+    functors = UserFunctors.of(problem.score_mod, problem.mask_mod,
+                               built_ins=problem.softcap > 0 or problem.alibi)
+    return functors, UserArguments(problem)
+
+
 def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                 check, alibi_slopes=None):
     """Return ``(out, lse)`` on the current device and stream: append, attend, combine."""
@@ -639,11 +688,13 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
                                    problem.num_kv_heads, problem.head_dim, False, (left, right),
                                    int(cache_seqlens) + problem.new_len,
                                    softmax_scale=problem.softmax_scale,
-                                   softcap=problem.softcap, alibi_slopes=alibi_slopes)
+                                   softcap=problem.softcap, alibi_slopes=alibi_slopes,
+                                   score_mod=problem.score_mod, mask_mod=problem.mask_mod)
     q = unit_last_stride(cupy, q)
     name, keys_per_tile, rows, shared = decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
-    decode, per_sm, sm_count = _kernel(name, shared)
+    functors, user = _user_modifiers(problem)
+    decode, per_sm, sm_count = _kernel(name, shared, functors)
     longest = problem.capacity
     if problem.host_lengths is not None and problem.batch:
         longest = int(problem.host_lengths.max()) + problem.new_len
@@ -661,7 +712,7 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     slopes = np.uint64(0) if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes)
     decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
         q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
-        slopes, *_strides(q), *_strides(k_cache), *_strides(v_cache),
+        slopes, user.pointer, *_strides(q), *_strides(k_cache), *_strides(v_cache),
         np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
         np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
         np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
@@ -684,10 +735,12 @@ class DecodePlan:
     def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
         import cupy
 
-        from .gpu import Launch, element_strides, rows_are_16_byte_aligned, scalar_pointers
+        from .gpu import (NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned,
+                          scalar_pointers)
         from .problem import unit_last_stride
 
         self.problem = problem
+        self.no_user = NO_USER_ARGUMENTS  # plans serve calls without user modifiers
         self.copies = (any(a is not None and a.strides[-1] != a.itemsize
                            for a in (q, k_new, v_new))
                        or not cache_seqlens.flags.c_contiguous
@@ -755,13 +808,14 @@ class DecodePlan:
             self.append(k_new, v_new, k_cache, v_cache, cache_seqlens, self.no_value, table)
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+        no_user = self.no_user.pointer
         if self.combine is None:
             self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        self.no_pointer, self.no_pointer, slopes)
+                        self.no_pointer, self.no_pointer, slopes, no_user)
         else:
             workspace = cupy.cuda.alloc(self.workspace_bytes)
             part_lse = workspace + self.part_lse_offset
             self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        workspace, part_lse, slopes)
+                        workspace, part_lse, slopes, no_user)
             self.combine(workspace, part_lse, out, lse)
         return (out, lse) if problem.return_lse else out

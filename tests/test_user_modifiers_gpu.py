@@ -346,3 +346,135 @@ def compiled_varlen():
 def test_gpu_varlen_sees_the_sequence_index(dtype, deterministic, rng, poisoned,
                                             compiled_varlen):
     _check_varlen(rng, cupy, DTYPES[dtype], deterministic)
+
+
+# ------------------------------------------------------------ KV cache
+
+def _kvcache_cases():
+    from test_kvcache import KVCase
+
+    return [
+        # decoding: the CUDA-core kernel (float32), the tensor-core one (bfloat16)
+        KVCase(dtype="float32", batch=3, capacity=80),
+        KVCase(dtype="bfloat16", new_len=1, head_dim=64),
+        # speculative rows with appends, paged, GQA
+        KVCase(dtype="float16", new_len=4, q_len=4, head_dim=128, heads=8, kv_heads=2,
+               block_size=16, capacity=96),
+        # with the built-ins too (the modified kernels with the user's functions)
+        KVCase(dtype="bfloat16", new_len=3, q_len=3, softcap=3.0, alibi="batch"),
+        # a long chunk on a contiguous cache with an int length: the dense kernels
+        KVCase(dtype="bfloat16", q_len=40, new_len=40, heads=4, kv_heads=1, head_dim=64,
+               capacity=160, lengths="int"),
+    ]
+
+
+def _kvcache_modifiers(rng, case, xp):
+    """A bias per (batch entry, head) and a mask that drops a random quarter of each
+    sequence's keys (the query's first row keeps them all), reading ``b``; and the same
+    per sequence for the oracle (its batch index is 0)."""
+    bias = rng.uniform(-1, 1, (case.batch, case.heads)).astype(np.float32)
+    dropped = (rng.random((case.batch, case.capacity)) < 0.25).astype(np.int32)
+    device_bias, device_dropped = xp.asarray(bias), xp.asarray(dropped)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + device_bias[b, h]
+
+    def kept(b, h, q_idx, kv_idx):
+        return device_dropped[b, kv_idx] == 0 or q_idx == 0
+
+    def of_sequence(b):
+        def biased_b(score, b_, h, q_idx, kv_idx):
+            return score + row[h]
+
+        def kept_b(b_, h, q_idx, kv_idx):
+            return drops[kv_idx] == 0 or q_idx == 0
+
+        return dict(score_mod=modifiers.ScoreMod(biased_b, row=bias[b]),
+                    mask_mod=modifiers.MaskMod(kept_b, drops=dropped[b]))
+
+    return dict(score_mod=modifiers.ScoreMod(biased), mask_mod=modifiers.MaskMod(kept)), \
+        of_sequence
+
+
+def _check_kvcache(case, rng, xp):
+    """flash_attention_with_kvcache with user modifiers against the per-sequence oracle,
+    and the cache written at the appended rows only."""
+    from test_kvcache import expected_caches, host_lengths, key_location, make_inputs
+
+    inputs = make_inputs(case, rng, xp)
+    mods, of_sequence = _kvcache_modifiers(rng, case, xp)
+    want_k, want_v = expected_caches(case, inputs)
+    out, lse = cuflash.flash_attention_with_kvcache(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
+        case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
+        k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],
+        return_lse=True, softcap=case.softcap, alibi_slopes=inputs["alibi_slopes"], **mods)
+    assert np.array_equal(to_numpy(inputs["k_cache"]).view(np.uint8), want_k.view(np.uint8))
+    q = to_numpy(inputs["q"]).astype(np.float64)
+    table = None if inputs["block_table"] is None else to_numpy(inputs["block_table"])
+    slopes = None if inputs["alibi_slopes"] is None else to_numpy(inputs["alibi_slopes"])
+    ref_out, ref_lse = np.zeros(q.shape), np.full(q.shape[:3], -np.inf)
+    for b, length in enumerate(host_lengths(case, inputs)):
+        kv_len = int(length) + case.new_len
+        if kv_len == 0:
+            continue
+        where = [key_location(case, table, b, j) for j in range(kv_len)]
+        keys, values = (np.stack([cache[blk, :, row] for blk, row in where], axis=1)[None]
+                        .astype(np.float64) for cache in (want_k, want_v))
+        ref_out[b], ref_lse[b] = (x[0] for x in attention_reference(
+            q[b:b + 1], keys, values, case.causal, case.window, softcap=case.softcap,
+            alibi_slopes=None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes),
+            **of_sequence(b)))
+    got = to_numpy(out).astype(np.float64)
+    assert not np.isnan(got).any()
+    assert rel_error(got, ref_out) <= BOUND[case.dtype] + FLOOR[case.dtype], \
+        rel_error(got, ref_out)
+    lse = to_numpy(lse)
+    dead = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), dead) and np.all(got[dead] == 0)
+    assert np.allclose(lse[~dead], ref_lse[~dead], atol=2e-3)
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_kvcache_cpu_path_takes_user_modifiers(index, rng):
+    _check_kvcache(_kvcache_cases()[index], rng, np)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(5))
+def test_gpu_kvcache_takes_user_modifiers(index, rng, poisoned):
+    _check_kvcache(_kvcache_cases()[index], rng, cupy)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_decode_kernels_with_user_functors_compile(arch, rng):
+    """The decode kernels (tensor-core and CUDA-core) with a relative bias and a document
+    mask compiled in, and mask-only: NVRTC for the arch, no spills."""
+    from cuflash import kernel_build
+
+    score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
+    names = ["cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2>",
+             "cuflash::kvcache_decode<float, 128, 4>",
+             "cuflash::kvcache_decode<cuflash::half_t, 64, 8>"]
+    for functors in (kernel_build.UserFunctors.of(score_mod, mask_mod),
+                     kernel_build.UserFunctors.of(None, mask_mod)):
+        assert len(compile_and_check("decode.cu", names, arch, functors)) == len(names)
+
+
+def test_kvcache_modifier_reads_are_bounded_by_the_capacity(rng):
+    """A modifier's array must cover every key position up to the capacity."""
+    from test_kvcache import KVCase, make_inputs
+
+    case = KVCase(dtype="float32", capacity=80)
+    inputs = make_inputs(case, rng, np)
+    short = np.zeros((case.batch, case.capacity - 1), np.int32)
+
+    def kept(b, h, q_idx, kv_idx):
+        return short[b, kv_idx] == 0
+
+    with pytest.raises(InvalidArgumentError, match="mask_mod"):
+        cuflash.flash_attention_with_kvcache(
+            inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
+            case.head_dim, cache_seqlens=inputs["cache_seqlens"],
+            mask_mod=modifiers.MaskMod(kept))

@@ -191,33 +191,54 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
         const int* __restrict__ seqlens, int seqlen_value,                                   \
         const int* __restrict__ block_table, T* __restrict__ out, float* __restrict__ lse,   \
         float* __restrict__ part_out, float* __restrict__ part_lse,                          \
-        const float* __restrict__ alibi_slopes, long long q_sb, long long q_sh,              \
+        const float* __restrict__ alibi_slopes, const UserModifierArgs user_args,            \
+        long long q_sb, long long q_sh,                                                      \
         long long q_ss, long long k_sb, long long k_sh, long long k_ss, long long v_sb,      \
         long long v_sh, long long v_ss, int num_heads, int group, int q_len, int new_len,    \
         int capacity, int block_size, int max_blocks, int num_blocks, int win_left,          \
         int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,         \
         int alibi_batch_stride, float softcap_log2
 
-// The score modifiers (SPEC 8) on a score in log2 units (scale log2(e) q.k) of
-// packed row m (query row m / group of query head hk group + m % group) and key
-// j: the soft-cap and the ALiBi slope taken into log2 units, which commutes
-// with both (c tanh(s / c) and slope |p - j| scale linearly).
+// The score modifiers (SPEC 8) of packed row m (query row i = m / group of
+// query head h = hk group + m % group) in sequence b: the soft-cap and the
+// ALiBi slope in log2 units (they commute with the scaling: c tanh(s / c) and
+// slope |p - j| scale linearly), the user's functions and arrays (b, h, i and
+// the key j as in the dense call on the sequence's keys).
+__device__ __forceinline__ ScoreModifiers decode_modifiers(
+    int m, int group, int hk, int b, const Mask& mask, const float* __restrict__ alibi_slopes,
+    int alibi_batch_stride, float softcap_log2, const UserModifierArgs& user) {
+    const int i = m / group, h = hk * group + (m - i * group);
+    const float slope = alibi_slopes == nullptr
+                            ? 0.f
+                            : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + h] *
+                                  kLog2e;
+    return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
+                          static_cast<long long>(mask.kv_len) - mask.q_len, b, h,
+                          user.score_arrays, user.mask_arrays, BlockMaskView{}};
+}
+// Does the call modify the scores (a built-in, or the user's score function)?
+__device__ __forceinline__ bool decode_modifies(const float* alibi_slopes, float softcap_log2) {
+    return ScoreModifiers::user_score || softcap_log2 > 0.f || alibi_slopes != nullptr;
+}
+// A score in log2 units (scale log2(e) q.k) of packed row m and key j, modified.
 template <typename T>
 __device__ __forceinline__ float decode_modified_score(
     float s, int m, int j, int group, int hk, int b, const Mask& mask,
-    const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap_log2) {
+    const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap_log2,
+    const UserModifierArgs& user) {
     const int i = m / group;
-    const float slope =
-        alibi_slopes == nullptr
-            ? 0.f
-            : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + hk * group +
-                           (m - i * group)] * kLog2e;
+    const auto mods = decode_modifiers(m, group, hk, b, mask, alibi_slopes, alibi_batch_stride,
+                                       softcap_log2, user);
     float derivative;
-    const long long offset = static_cast<long long>(mask.kv_len) - mask.q_len;
-    return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
-                          offset}
-        .template apply2<sizeof(T) == 2>(s, 1.f, i, j, static_cast<float>(i + offset - j),
-                                         derivative);
+    return mods.template apply2<sizeof(T) == 2>(
+        s, 1.f, i, j, static_cast<float>(i + static_cast<int>(mods.offset) - j), derivative);
+}
+// The user's mask at packed row m and key j (true without one).
+__device__ __forceinline__ bool decode_sees(int m, int j, int group, int hk, int b,
+                                            const Mask& mask, const UserModifierArgs& user) {
+    if constexpr (!ScoreModifiers::user_mask) return true;
+    const auto mods = decode_modifiers(m, group, hk, b, mask, nullptr, 0, 0.f, user);
+    return mods.sees(m / group, j);
 }
 
 // Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.
@@ -346,17 +367,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
         }
         const int j = key0 + score_key;
         const bool edge = !(key0 >= full_lo && key0 + BN <= full_hi);
-        if (softcap_log2 > 0.f || alibi_slopes != nullptr) {
+        if (decode_modifies(alibi_slopes, softcap_log2)) {
 #pragma unroll
             for (int r = 0; r < RM; ++r)
                 if (row0 + r < rows_total)
                     s[r] = decode_modified_score<T>(s[r], row0 + r, j, group, hk, b, mask,
-                                                 alibi_slopes, alibi_batch_stride, softcap_log2);
+                                                    alibi_slopes, alibi_batch_stride,
+                                                    softcap_log2, user_args);
         }
         float tile_max[RM];
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
-            if (edge && (j < key_lo[r] || j >= key_hi[r])) s[r] = neg_inf();
+            if ((edge && (j < key_lo[r] || j >= key_hi[r])) ||
+                (row0 + r < rows_total && !decode_sees(row0 + r, j, group, hk, b, mask, user_args)))
+                s[r] = neg_inf();
             float x = s[r];
 #pragma unroll
             for (int o = 16; o >= DSUB; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -535,7 +559,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     mask.key_range(row0 / group, last_row / group + 1, range_lo, range_hi);
     int my_lo[2], my_hi[2], full_lo = 0, full_hi = 0x7fffffff;
     const int my_row[2] = {row0 + rw * 16 + g, row0 + rw * 16 + g + 8};
-    const bool modified = softcap_log2 > 0.f || alibi_slopes != nullptr;
+    const bool modified = decode_modifies(alibi_slopes, softcap_log2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int m = my_row[r];
@@ -628,14 +652,16 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x = s[n][e] * scale_log2;
-                    if (modified && my_row[e >> 1] < rows_total)
-                        x = decode_modified_score<T>(x, my_row[e >> 1], key0 + n * 8 + 2 * t + (e & 1),
-                                                  group, hk, b, mask, alibi_slopes,
-                                                  alibi_batch_stride, softcap_log2);
-                    if (edge) {
-                        const int key = key0 + n * 8 + 2 * t + (e & 1);
-                        if (key < my_lo[e >> 1] || key >= my_hi[e >> 1]) x = neg_inf();
-                    }
+                    const int key = key0 + n * 8 + 2 * t + (e & 1);
+                    const bool row_live = my_row[e >> 1] < rows_total;
+                    if (modified && row_live)
+                        x = decode_modified_score<T>(x, my_row[e >> 1], key, group, hk, b, mask,
+                                                     alibi_slopes, alibi_batch_stride,
+                                                     softcap_log2, user_args);
+                    if ((edge && (key < my_lo[e >> 1] || key >= my_hi[e >> 1])) ||
+                        (row_live &&
+                         !decode_sees(my_row[e >> 1], key, group, hk, b, mask, user_args)))
+                        x = neg_inf();
                     s[n][e] = x;
                     new_max[e >> 1] = fmaxf(new_max[e >> 1], x);
                 }

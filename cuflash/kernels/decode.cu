@@ -379,7 +379,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
             if ((edge && (j < key_lo[r] || j >= key_hi[r])) ||
-                (row0 + r < rows_total && !decode_sees(row0 + r, j, group, hk, b, mask, user_args)))
+                (row0 + r < rows_total &&
+                 !decode_sees(row0 + r, j, group, hk, b, mask, user_args)))
                 s[r] = neg_inf();
             float x = s[r];
 #pragma unroll

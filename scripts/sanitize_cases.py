@@ -7,7 +7,7 @@ default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
 forward and backward where Hopper takes wgmma, the wgmma forward without the
 pipelined softmax, the split-D 16-bit backward, float32 on TF32; score modifiers
 (soft-cap, ALiBi) on the dense and packed calls; decoding from a paged cache with
-modifiers and garbage lengths; ring attention over two virtual ranks; user
+modifiers (user functions too) and garbage lengths; ring attention over two virtual ranks; user
 score and mask functions with a block mask and garbage document ids.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
 settings to run (names of SETTINGS; default all); SANITIZE_HEAD_DIMS (comma
@@ -104,21 +104,34 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 
 def kvcache_and_ring_calls(rng, head_dims):
     """Decoding from a paged cache with the score modifiers (device lengths, one of them
-    garbage), and ring attention over two virtual ranks (the merge kernel); the count of
-    NaN results."""
+    garbage), also with user functions whose array values are garbage indices (clamped by
+    the kernels), and ring attention over two virtual ranks (the merge kernel); the count
+    of NaN results."""
     from cuflash import distributed as dist
+    from cuflash import modifiers
 
+    garbage = cupy.asarray(((rng.random(48) < 0.3) * 10**6).astype(np.int32))
+    key_bias = cupy.asarray(rng.uniform(-1, 1, 4).astype(np.float32))
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + key_bias[garbage[kv_idx]]  # a value-derived index far outside
+
+    def kept(b, h, q_idx, kv_idx):
+        return garbage[kv_idx] == 0
+
+    user = dict(score_mod=modifiers.ScoreMod(biased), mask_mod=modifiers.MaskMod(kept))
     failures = 0
     for dtype, d in itertools.product((np.dtype(np.float32), BFLOAT16), head_dims):
         q = cupy.asarray(rng.standard_normal((2, 4, 3, d)).astype(dtype))
         k_cache, v_cache = (cupy.asarray(rng.standard_normal((6, 2, 16, d)).astype(dtype))
                             for _ in "kv")
         table = cupy.asarray(np.array([[0, 1, 2], [3, 4, 5]], np.int32))
-        for lengths in ([20, 45], [7, 10**6]):
+        for lengths, given in itertools.product(([20, 45], [7, 10**6]), ({}, user)):
             out = cuflash.flash_attention_with_kvcache(
                 q, k_cache, v_cache, 4, 2, d, cache_seqlens=cupy.asarray(
                     np.array(lengths, np.int32)), block_table=table, softcap=3.0,
-                alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)))
+                alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)),
+                **given)
             failures += lengths[1] < 48 and bool(cupy.isnan(out).any())
         whole = [cupy.asarray(rng.standard_normal((1, h, 4 * 37, d)).astype(dtype))
                  for h in (4, 2, 2, 4)]

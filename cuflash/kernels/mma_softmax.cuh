@@ -97,10 +97,14 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
                     s[mt][n][e] = mods.template apply2<true, SOFTCAP, ALIBI>(
                         s[mt][n][e], scale_log2, row, key, distance, derivative);
                 }
-                if (edge)
-                    edge_mask<Mods::mask_only && SPECIALIZE>(s[mt][n][e], masked, mods, row,
-                                                             key, lo[e >> 1], hi[e >> 1],
-                                                             partial);
+                if constexpr (Mods::mask_only && SPECIALIZE) {
+                    if (edge)
+                        s[mt][n][e] = masked_eagerly(s[mt][n][e], masked, mods, row, key,
+                                                     lo[e >> 1], hi[e >> 1], partial);
+                } else if (edge && (key < lo[e >> 1] || key >= hi[e >> 1] ||
+                                    (partial && !mods.sees(row, key)))) {
+                    s[mt][n][e] = masked;
+                }
             }
     };
     if (Mods::active && modify) {

@@ -49,19 +49,31 @@ def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
                                   problem.softcap, slopes)
     visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), problem.q_len,
                            problem.kv_len, *problem.window)
-    if problem.score_mod is not None or problem.mask_mod is not None:
-        # Grids over [B, H_kv, G, rows, keys]: query head h = kv head * G + g.
-        grids = ((np.arange(problem.batch) + problem.first_batch).reshape(-1, 1, 1, 1, 1),
-                 (np.arange(problem.num_kv_heads)[:, None] * problem.group_size
-                  + np.arange(problem.group_size)[None, :]).reshape(1, problem.num_kv_heads,
-                                                                    problem.group_size, 1, 1),
-                 np.arange(r0, r1).reshape(-1, 1), np.arange(c0, c1).reshape(1, -1))
-        if problem.score_mod is not None:
-            derivative = derivative * problem.score_mod.numpy_grad(s, *grids)
-            s = problem.score_mod.numpy_scores(s, *grids)
-        if problem.mask_mod is not None:
-            visible = visible & problem.mask_mod.numpy_mask(*grids)
+    batches = (np.arange(problem.batch) + problem.first_batch).reshape(-1, 1, 1, 1, 1)
+    s, visible, derivative = user_modified(problem, s, visible, derivative, batches, r0, r1,
+                                           c0, c1)
     return np.where(visible, s, np.float32(-np.inf)), visible, derivative
+
+
+def user_modified(problem, s, visible, derivative, b, r0, r1, c0, c1):
+    """The user's score and mask functions (``problem.score_mod``, ``mask_mod``) on
+    scores ``s`` ``[..., H_kv, G, rows, keys]`` of rows ``[r0, r1)`` and keys ``[c0,
+    c1)`` (query head h = kv head * G + g) of batch entries ``b`` (an int, or a grid
+    broadcasting against ``s``): the scores, the visibility, and the derivative times the
+    score function's (None: not wanted)."""
+    if problem.score_mod is None and problem.mask_mod is None:
+        return s, visible, derivative
+    heads = (np.arange(problem.num_kv_heads)[:, None] * problem.group_size
+             + np.arange(problem.group_size)[None, :])
+    grids = (b, heads.reshape(problem.num_kv_heads, problem.group_size, 1, 1),
+             np.arange(r0, r1).reshape(-1, 1), np.arange(c0, c1).reshape(1, -1))
+    if problem.score_mod is not None:
+        if derivative is not None:
+            derivative = derivative * problem.score_mod.numpy_grad(s, *grids)
+        s = problem.score_mod.numpy_scores(s, *grids)
+    if problem.mask_mod is not None:
+        visible = visible & problem.mask_mod.numpy_mask(*grids)
+    return s, visible, derivative
 
 
 def _grouped_slopes(problem, alibi_slopes):

@@ -7,6 +7,7 @@ host buffer that each launch passes by pointer. A call then allocates its
 outputs and launches; nothing else runs on the host.
 """
 
+import contextlib
 import math
 
 import cupy
@@ -123,17 +124,26 @@ def _contiguous_slopes(alibi_slopes):
     return cupy.ascontiguousarray(alibi_slopes)
 
 
-def _compiled(loaded, role, functors):
-    """``loaded.kernel(role, functors)``; a user's modifier that NVRTC refuses is an
-    ``InvalidArgumentError`` carrying the compiler's message."""
-    if functors is None:
-        return loaded.kernel(role)
+@contextlib.contextmanager
+def modifier_compile_errors(functors):
+    """Inside: a compilation with the user's modifier ``functors`` (or None) that NVRTC
+    refuses raises an ``InvalidArgumentError`` carrying the compiler's message."""
     try:
-        return loaded.kernel(role, functors)
+        yield
     except cupy.cuda.compiler.CompileException as exc:
+        if functors is None:
+            raise
         raise InvalidArgumentError(
             "score_mod" if functors.key[0] is not None else "mask_mod",
             f"the modifier does not compile: {exc}") from None
+
+
+def _compiled(loaded, role, functors):
+    """``loaded.kernel(role, functors)`` (see :func:`modifier_compile_errors`)."""
+    if functors is None:
+        return loaded.kernel(role)
+    with modifier_compile_errors(functors):
+        return loaded.kernel(role, functors)
 
 
 #: ``UserModifierArgs`` of ``kernels/common.cuh``: the arrays of the user's score and

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import plans
 from .errors import InvalidArgumentError
-from .cpu import modify_scores
+from .cpu import modify_scores, user_modified
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
                       check_alibi_slopes, check_softcap, check_user_modifiers,
@@ -405,15 +405,8 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0):
             s, _ = modify_scores(s, r0, r1, c0, c1, q_len, kv_len, problem.softcap, slopes)
             visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len,
                                    *problem.window)
-            if problem.score_mod is not None or problem.mask_mod is not None:
-                # grids over [H_kv, G, rows, keys]: query head h = kv head * G + g
-                grids = (np.int64(b), (np.arange(h_kv)[:, None] * group
-                                       + np.arange(group)[None, :]).reshape(h_kv, group, 1, 1),
-                         np.arange(r0, r1).reshape(-1, 1), np.arange(c0, c1).reshape(1, -1))
-                if problem.score_mod is not None:
-                    s = problem.score_mod.numpy_scores(s, *grids)
-                if problem.mask_mod is not None:
-                    visible = visible & problem.mask_mod.numpy_mask(*grids)
+            s, visible, _ = user_modified(problem, s, visible, None, np.int64(b), r0, r1, c0,
+                                          c1)
             s = np.where(visible, s, np.float32(-np.inf))
             new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
             base = np.where(np.isfinite(new_max), new_max, np.float32(0))
@@ -559,18 +552,11 @@ def _kernel(name, shared=0, functors=None):
     device_id = cupy.cuda.runtime.getDevice()
     found = _KERNELS.get((device_id, name, functors))
     if found is None:
+        from .gpu import modifier_compile_errors
         from .kernel_build import load_kernel
 
-        if functors is None:
-            kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared)
-        else:
-            try:
-                kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared,
-                                     functors=functors)
-            except cupy.cuda.compiler.CompileException as exc:
-                raise InvalidArgumentError(
-                    "score_mod" if functors.key[0] is not None else "mask_mod",
-                    f"the modifier does not compile: {exc}") from None
+        with modifier_compile_errors(functors):
+            kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared, functors=functors)
         attributes = cupy.cuda.Device(device_id).attributes
         smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256

@@ -362,20 +362,6 @@ template <typename T, typename F> struct pick_type<false, T, F> { using type = F
 template <bool MODIFIED>
 using Modifiers = typename pick_type<MODIFIED, ScoreModifiers, NoModifiers>::type;
 
-// x, or `masked` where key j is outside [lo, hi) or, on a `partial` tile, the
-// user's mask hides (row i, key j), with the mask evaluated on every element
-// and no short circuit: the compiler then shares its loads (a row's, a key's)
-// between the elements of the tile (a partial tile cost about twice a full one
-// with a document mask read element by element). The mask-only wgmma forward
-// takes it; other kernels have no registers to spare (the mma.sync forward
-// spilled 4-8 bytes under its cap at D = 16, 80, 104) and keep the short circuit.
-template <typename Mods>
-__device__ __forceinline__ float masked_eagerly(float x, float masked, const Mods& mods, int i,
-                                                int j, int lo, int hi, bool partial) {
-    const bool seen = (j >= lo && j < hi) & (!partial | mods.sees(i, j));
-    return seen ? x : masked;
-}
-
 // The modifiers of query head h in the block's sequence (blockIdx.z): slopes
 // [B, H] (batch_stride H) or [H] (0), or none (null); the user's arguments.
 template <bool MODIFIED>

@@ -23,6 +23,20 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
 
 // The pieces of softmax_tile, for kernels that rescale O later (while a
 // product that accumulates into O is still in flight).
+// x, or `masked` where key j is outside [lo, hi) or, on a `partial` tile, the
+// user's mask hides (row i, key j), with the mask evaluated on every element
+// and no short circuit: the compiler then shares its loads (a row's, a key's)
+// between the elements of the tile (a partial tile cost about twice a full one
+// with a document mask read element by element). The mask-only wgmma forward
+// takes it; other kernels have no registers to spare (the mma.sync forward
+// spilled 4-8 bytes under its cap at D = 16, 80, 104) and keep the short circuit.
+template <typename Mods>
+__device__ __forceinline__ float masked_eagerly(float x, float masked, const Mods& mods, int i,
+                                                int j, int lo, int hi, bool partial) {
+    const bool seen = (j >= lo && j < hi) & (!partial | mods.sees(i, j));
+    return seen ? x : masked;
+}
+
 // 1. Scores of m16 tile mt, masked (only when `edge`). Returns the factor that
 // takes them to base 2 in exp_row: on an edge tile they are scaled here (and
 // masked with -inf), so 1; elsewhere they stay raw and exp_row folds the

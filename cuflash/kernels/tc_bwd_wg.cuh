@@ -164,45 +164,32 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         wgmma_commit();
         const auto mods =
             score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
-        if constexpr (MODIFIED && !Modifiers<MODIFIED>::mask_only) {
-            const bool partial = mods.partial_tile(blockIdx.x, m0 / BM);
-            // ALiBi alone may take the plain kernel's order (P^T while dP^T runs):
-            // not with a user's score function, nor where the registers hold one
-            // path, not two (compile reports: the D = 64 class, BM = 128, and the
-            // atomic kernels of the D = 128 class short of 128 columns spill).
-            constexpr bool ALIBI_OVERLAPS = !Modifiers<MODIFIED>::user_score && BM == 64 &&
-                                            !(ATOMIC_DQ && DT == 128 && DK < DT);
-            if (!ALIBI_OVERLAPS || mods.chain_rule()) {
-                // both at once: the modifiers' derivative enters dS^T
-                wgmma_wait<0>();
-                pin_registers(st);
-                pin_registers(dpt);
-                modified_probs_and_dscores(st, dpt, mask, mods, m0 + q0, n0 + key_row + g, t,
-                                           lse_s + buf * BM + q0, delta_s + buf * BM + q0,
-                                           scale_log2, partial);
-            } else if constexpr (ALIBI_OVERLAPS) {
-                // ALiBi alone (derivative 1)
-                wgmma_wait<1>();
-                pin_registers(st);
-                const int key_lo = n0 + wg_key0;
-                const bool edge =
-                    !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) || partial;
-                probs<STILES, 0, Modifiers<MODIFIED>, true>(st, mask, edge, m0 + q0,
-                                                            n0 + key_row + g, t,
-                                                            lse_s + buf * BM + q0, scale_log2,
-                                                            mods, partial);
-                wgmma_wait<0>();
-                pin_registers(dpt);
-                dscores(st, dpt, t, delta_s + buf * BM + q0);
-            }
+        const bool partial = mods.partial_tile(blockIdx.x, m0 / BM);
+        // Modified scores take P^T and dS^T in one pass after both products (the
+        // modifiers' derivative enters dS^T); ALiBi alone (derivative 1) may take
+        // the plain kernel's order, P^T while dP^T runs: not with a user's score
+        // function, nor where the registers hold one path, not two (compile
+        // reports: the D = 64 class, BM = 128, and the atomic kernels of the D =
+        // 128 class short of 128 columns spill).
+        constexpr bool SCORES_MODIFIED = MODIFIED && !Modifiers<MODIFIED>::mask_only;
+        constexpr bool ALIBI_OVERLAPS = SCORES_MODIFIED && !Modifiers<MODIFIED>::user_score &&
+                                        BM == 64 && !(ATOMIC_DQ && DT == 128 && DK < DT);
+        if (SCORES_MODIFIED && (!ALIBI_OVERLAPS || mods.chain_rule())) {
+            wgmma_wait<0>();
+            pin_registers(st);
+            pin_registers(dpt);
+            modified_probs_and_dscores(st, dpt, mask, mods, m0 + q0, n0 + key_row + g, t,
+                                       lse_s + buf * BM + q0, delta_s + buf * BM + q0,
+                                       scale_log2, partial);
         } else {
             wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
             pin_registers(st);
             const int key_lo = n0 + wg_key0;
-            const bool partial = mods.partial_tile(blockIdx.x, m0 / BM);
-            probs(st, mask, !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) || partial,
-                  m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2, mods,
-                  partial);
+            const bool edge =
+                !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) || partial;
+            probs<STILES, 0, Modifiers<MODIFIED>, ALIBI_OVERLAPS>(
+                st, mask, edge, m0 + q0, n0 + key_row + g, t, lse_s + buf * BM + q0, scale_log2,
+                mods, partial);
             wgmma_wait<0>();
             pin_registers(dpt);
             dscores(st, dpt, t, delta_s + buf * BM + q0);

@@ -9,10 +9,13 @@ outputs and launches; nothing else runs on the host.
 
 import contextlib
 import math
+import struct
+import threading
 
 import cupy
 import numpy as np
 from cupy.cuda import function as _function
+from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
 from . import dispatch, kernel_build, registry
 from .errors import InvalidArgumentError
@@ -20,6 +23,7 @@ from .modifiers import MODIFIER_ARRAYS_DTYPE
 from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
+FLOAT32 = np.dtype(np.float32)
 _DEVICES = {}
 
 
@@ -49,43 +53,80 @@ def _mask_args(problem):
     return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
 
 
-def scalar_pointers(values):
-    """``(storage, pointers)``: each scalar (NumPy scalars of at most 8 bytes) in its own
-    8-byte slot of one host buffer, and a kernel-argument pointer to each slot. CuPy
-    passes a pointer argument through as it is, where it would otherwise convert every
-    scalar at every launch; keep ``storage`` alive as long as the pointers."""
-    storage = np.zeros(max(1, len(values)), dtype=np.int64)
-    raw = storage.view(np.uint8)
-    for i, value in enumerate(values):
-        data = np.asarray(value).tobytes()
-        raw[8 * i:8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    base = storage.ctypes.data
-    return storage, tuple(_function.CPointer(base + 8 * i) for i in range(len(values)))
-
-
 class Launch:
-    """One kernel launch with its grid, block, shared memory and scalar arguments fixed:
-    ``launch(*arrays)`` passes the arrays, then the scalars."""
+    """One kernel launch with its grid, block, shared memory and trailing arguments fixed:
+    ``launch(stream, *addresses)`` passes the call's device addresses (ints, 0 for
+    none) first, then the fixed arguments, straight to ``cuLaunchKernel``.
 
-    __slots__ = ("function", "grid", "block", "shared_bytes", "scalars", "_storage")
+    The fixed arguments are NumPy scalars of at most 8 bytes, or records passed by
+    value (an object with an ``address`` of its host bytes, such as
+    :class:`UserArguments`); they are packed once, with the array of parameter
+    pointers, so that a launch only writes the addresses into their slots. A
+    lock keeps two threads from sharing the slots: the driver copies them before
+    ``cuLaunchKernel`` returns.
+    """
 
-    def __init__(self, function, grid, threads, shared_bytes, scalars=()):
-        self.function = function
+    __slots__ = ("function", "grid", "block", "shared_bytes", "fixed", "_dimensions",
+                 "_storage", "_params", "_params_address", "_pack", "_lock")
+
+    def __init__(self, function, grid, threads, shared_bytes, fixed=()):
+        self.function = function  # keeps its module loaded
         self.grid = tuple(max(1, int(g)) for g in grid)
+        self.grid += (1,) * (3 - len(self.grid))
         self.block = (int(threads), 1, 1)
         self.shared_bytes = int(shared_bytes)
-        self._storage, self.scalars = scalar_pointers(scalars)
+        self.fixed = tuple(fixed)
+        self._dimensions = (function.ptr, *self.grid, *self.block, self.shared_bytes)
+        self._params_address = None
+        self._lock = threading.Lock()
 
     @classmethod
-    def of_role(cls, loaded, role, grid, scalars=(), functors=None):
+    def of_role(cls, loaded, role, grid, fixed=(), functors=None):
         """The launch of kernel ``role`` of a loaded variant (its registry traits), with
         the user's modifier functors (``kernel_build.UserFunctors``) if given."""
         traits = loaded.variant.traits(role)
         return cls(_compiled(loaded, role, functors).kernel, grid, traits.threads,
-                   traits.shared_bytes, scalars)
+                   traits.shared_bytes, fixed)
 
-    def __call__(self, *arrays):
-        self.function(self.grid, self.block, arrays + self.scalars, self.shared_bytes)
+    def _lay_out(self, count):
+        """The slots of ``count`` addresses, then one a fixed scalar, and the array of
+        parameter pointers (a record's points at the record)."""
+        storage = np.zeros(count + len(self.fixed), dtype=np.int64)
+        raw = storage.view(np.uint8)
+        base = storage.ctypes.data
+        params = np.array([base + 8 * i for i in range(len(storage))], dtype=np.uint64)
+        for i, value in enumerate(self.fixed, start=count):
+            if hasattr(value, "address"):
+                params[i] = value.address
+            else:
+                data = np.asarray(value).tobytes()
+                if len(data) > 8:
+                    raise TypeError(f"a fixed kernel argument of {len(data)} bytes")
+                raw[8 * i:8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._storage, self._params = storage, params  # alive while the launch is
+        self._pack = struct.Struct(f"<{count}Q").pack_into
+        self._params_address = params.ctypes.data
+        return self._params_address
+
+    def __call__(self, stream, *addresses):
+        with self._lock:
+            params = self._params_address
+            if params is None:
+                params = self._lay_out(len(addresses))
+            self._pack(self._storage, 0, *addresses)
+            _launch_kernel(*self._dimensions, stream, params, 0)
+
+
+def address(a):
+    """The device address of a CuPy array or memory pointer, 0 for None."""
+    if a is None:
+        return 0
+    return a.data.ptr if isinstance(a, cupy.ndarray) else a.ptr
+
+
+def current_stream():
+    """The current CUDA stream's handle, as :class:`Launch` takes it."""
+    return cupy.cuda.get_current_stream().ptr
 
 
 def _query_grid(problem):
@@ -161,8 +202,9 @@ USER_ARGS_DTYPE = np.dtype({
 
 
 class UserArguments:
-    """The ``UserModifierArgs`` argument of one kernel launch: a host record that every
-    launch passes by pointer (``pointer``), zeros for a call without user modifiers."""
+    """The ``UserModifierArgs`` argument of one kernel launch: a host record passed by
+    value (its host ``address`` for :class:`Launch`, ``pointer`` for a CuPy kernel
+    call), zeros for a call without user modifiers."""
 
     def __init__(self, problem=None, view=None):
         self.record = np.zeros(1, dtype=USER_ARGS_DTYPE)
@@ -175,7 +217,8 @@ class UserArguments:
             for name, value in zip(USER_ARGS_DTYPE.names[2:], view.fields()):
                 self.record[name] = value
             self.view = view  # keeps its arrays alive
-        self.pointer = _function.CPointer(self.record.ctypes.data)
+        self.address = self.record.ctypes.data
+        self.pointer = _function.CPointer(self.address)
 
 
 NO_USER_ARGUMENTS = UserArguments()
@@ -220,18 +263,19 @@ class Float16Pieces:
                                     (*strides, np.int32(heads), np.int32(seq_len),
                                      np.int32(valid_rows)))
 
-    def __call__(self, x):
+    def __call__(self, stream, x):
         """``(hi, lo, scales)``: float16 arrays of ``x``'s shape, the head_dim padded
         with zeros to its class's width (64 or 128), with hi + lo = x * scale on the
         valid rows of each head (22 significant bits), and float32 ``scales`` of
         shape ``[batch, heads]``: for each head the power of two that puts its max |x|
         in [2^13, 2^14)."""
         abs_max = cupy.zeros(self.shape[:2], dtype=np.float32)
-        self.abs_max(x, abs_max)
+        self.abs_max(stream, x.data.ptr, abs_max.data.ptr)
         hi = cupy.empty(self.pieces_shape, dtype=np.float16)
         lo = cupy.empty(self.pieces_shape, dtype=np.float16)
         scales = cupy.empty(self.shape[:2], dtype=np.float32)
-        self.split(x, abs_max, hi, lo, scales)
+        self.split(stream, x.data.ptr, abs_max.data.ptr, hi.data.ptr, lo.data.ptr,
+                   scales.data.ptr)
         return hi, lo, scales
 
 
@@ -258,12 +302,12 @@ class OutputLayout:
         self.dtype = problem.dtype
 
     def empty(self):
-        return cupy.empty(self.shape, dtype=self.dtype)
+        return cupy.ndarray(self.shape, self.dtype)
 
 
 def _zero_outside(loaded, problem, layout, rows):
     """The launch that zeroes a packed output's rows outside every sequence, or None
-    (dense): ``launch(output, offsets)``."""
+    (dense): ``launch(stream, output, offsets)`` (addresses)."""
     if problem.packed is None:
         return None
     d = problem.head_dim
@@ -297,9 +341,9 @@ class ForwardPlan:
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
-        self.main = Launch.of_role(loaded, self.spec.role(modified=problem.modified), grid,
-                                   (*strides, *tail), _functors(problem))
         self.user = _user_arguments(problem, self.spec, "forward")
+        self.main = Launch.of_role(loaded, self.spec.role(modified=problem.modified), grid,
+                                   (self.user, *strides, *tail), _functors(problem))
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
     def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None):
@@ -311,16 +355,19 @@ class ForwardPlan:
             q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
         alibi_slopes = _contiguous_slopes(alibi_slopes)
         out = self.out.empty()
-        lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+        lse = cupy.ndarray(problem.lse_shape, FLOAT32)
+        stream = current_stream()
+        tail = (out.data.ptr, lse.data.ptr, address(offsets[0]), address(offsets[1]),
+                address(alibi_slopes))
         if self.pieces is None:
-            self.main(q, k, v, out, lse, *offsets, alibi_slopes, self.user.pointer)
+            self.main(stream, q.data.ptr, k.data.ptr, v.data.ptr, *tail)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
-                pieces(x) for pieces, x in zip(self.pieces, (q, k, v)))
-            self.main(qh, ql, kh, kl, vh, vl, out, lse, qs, ks, vs, *offsets, alibi_slopes,
-                      self.user.pointer)
+                pieces(stream, x) for pieces, x in zip(self.pieces, (q, k, v)))
+            self.main(stream, qh.data.ptr, ql.data.ptr, kh.data.ptr, kl.data.ptr, vh.data.ptr,
+                      vl.data.ptr, *tail[:2], qs.data.ptr, ks.data.ptr, vs.data.ptr, *tail[2:])
         if self.zero_outside is not None:
-            self.zero_outside(out, offsets[0])
+            self.zero_outside(stream, out.data.ptr, tail[2])
         return out, lse
 
 
@@ -337,11 +384,6 @@ class BackwardPlan:
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
         role = self.spec.role(atomic_dq=not deterministic, modified=problem.modified)
-        self.delta = Launch.of_role(
-            loaded, "backward_delta",
-            (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-            (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
-             np.int32(problem.q_len)))
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
@@ -358,11 +400,11 @@ class BackwardPlan:
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
-        self.dkdv = Launch.of_role(loaded, role, grid,
-                                   strides + self.dkv_layout.strides + heads
-                                   + (np.int32(problem.kv_capacity),) + options
-                                   + _modifier_args(problem), _functors(problem))
         self.user = _user_arguments(problem, self.spec, "backward")
+        self.dkdv = Launch.of_role(loaded, role, grid,
+                                   (self.user, *strides, *self.dkv_layout.strides, *heads,
+                                    np.int32(problem.kv_capacity), *options,
+                                    *_modifier_args(problem)), _functors(problem))
         self.dq = self.convert = None
         accum_width = problem.head_dim
         if deterministic:  # dQ by its own pass over the keys, no atomics
@@ -372,10 +414,10 @@ class BackwardPlan:
             self.dq = Launch.of_role(
                 loaded, dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
-                (*(s for x in (q, k, v, dout) for s in element_strides(x)),
+                (_user_arguments(problem, dq_spec, "forward"),
+                 *(s for x in (q, k, v, dout) for s in element_strides(x)),
                  *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)),
                 _functors(problem))
-            self.dq_user = _user_arguments(problem, dq_spec, "forward")
         elif problem.dtype != np.float32 or problem.packed is not None:
             # The float32 atomics' buffer into dQ's dtype and layout (a dense float32
             # dQ is that buffer itself).
@@ -391,6 +433,13 @@ class BackwardPlan:
         if self.convert is not None:
             self.dq_bytes = 4 * math.prod(problem.q_shape) // problem.head_dim * accum_width
         self.workspace_bytes = 2 * self.row_bytes + self.dq_bytes
+        # Delta, lse log2 e, and zeros in the float32 dQ the atomics add into (its own
+        # array for a dense float32 problem, else the workspace's), a row a warp.
+        self.delta = Launch.of_role(
+            loaded, "backward_delta",
+            (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
+            (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
+             np.int32(problem.q_len), np.int32(0 if deterministic else accum_width)))
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
         self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout,
                                             problem.kv_capacity)
@@ -405,39 +454,42 @@ class BackwardPlan:
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
         alibi_slopes = _contiguous_slopes(alibi_slopes)
+        stream = current_stream()
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
-        # the atomic backward when it needs converting (zeroed), at 256-byte boundaries.
+        # the atomic backward when it needs converting, at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
-        delta, lse_log2 = workspace, workspace + self.row_bytes
-        self.delta(dout, output, lse, delta, lse_log2)
-        dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
+        delta, lse_log2 = workspace.ptr, workspace.ptr + self.row_bytes
         if self.deterministic:
-            dq = dq_target = self.dq_layout.empty()
+            dq = self.dq_layout.empty()
+            dq_target = dq.data.ptr
         elif self.convert is None:  # dense float32: the atomics' buffer is dQ
-            dq = dq_target = cupy.zeros(problem.q_shape, dtype=np.float32)
+            dq = cupy.ndarray(problem.q_shape, FLOAT32)
+            dq_target = dq.data.ptr
         else:
-            dq_target = workspace + 2 * self.row_bytes
-            cupy.cuda.runtime.memsetAsync(dq_target.ptr, 0, self.dq_bytes,
-                                          cupy.cuda.get_current_stream().ptr)
+            dq_target = workspace.ptr + 2 * self.row_bytes
+        self.delta(stream, dout.data.ptr, output.data.ptr, lse.data.ptr, delta, lse_log2,
+                   0 if self.deterministic else dq_target)
+        dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
+        tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes))
         if problem.kv_capacity:
+            gradients = (lse_log2, delta, dq_target, dk.data.ptr, dv.data.ptr)
             if self.pieces is None:
-                self.dkdv(q, k, v, dout, lse_log2, delta, dq_target, dk, dv, *offsets,
-                          alibi_slopes, self.user.pointer)
+                self.dkdv(stream, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr,
+                          *gradients, *tail)
             else:
-                pieces = [p(x) for p, x in zip(self.pieces, (q, k, v, dout))]
-                self.dkdv(*(x for hi, lo, _ in pieces for x in (hi, lo)), lse_log2, delta,
-                          dq_target, dk, dv, *(scales for _, _, scales in pieces), *offsets,
-                          alibi_slopes, self.user.pointer)
+                pieces = [p(stream, x) for p, x in zip(self.pieces, (q, k, v, dout))]
+                self.dkdv(stream, *(x.data.ptr for hi, lo, _ in pieces for x in (hi, lo)),
+                          *gradients, *(scales.data.ptr for _, _, scales in pieces), *tail)
         if self.dq is not None:
-            self.dq(q, k, v, dout, lse_log2, delta, dq, *offsets, alibi_slopes,
-                    self.dq_user.pointer)
+            self.dq(stream, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, lse_log2, delta,
+                    dq.data.ptr, *tail)
         elif self.convert is not None:
             dq = self.dq_layout.empty()
-            self.convert(dq_target, dq)
+            self.convert(stream, dq_target, dq.data.ptr)
         if self.zero_outside_q is not None:
-            self.zero_outside_q(dq, offsets[0])
-            self.zero_outside_k(dk, offsets[1])
-            self.zero_outside_k(dv, offsets[1])
+            self.zero_outside_q(stream, dq.data.ptr, tail[0])
+            self.zero_outside_k(stream, dk.data.ptr, tail[1])
+            self.zero_outside_k(stream, dv.data.ptr, tail[1])
         if synchronize:
             cupy.cuda.get_current_stream().synchronize()
         return dq, dk, dv

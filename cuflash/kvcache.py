@@ -721,18 +721,14 @@ class DecodePlan:
     def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
         import cupy
 
-        from .gpu import (NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned,
-                          scalar_pointers)
+        from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
         from .problem import unit_last_stride
 
         self.problem = problem
-        self.no_user = NO_USER_ARGUMENTS  # plans serve calls without user modifiers
         self.copies = (any(a is not None and a.strides[-1] != a.itemsize
                            for a in (q, k_new, v_new))
                        or not cache_seqlens.flags.c_contiguous
                        or (block_table is not None and not block_table.flags.c_contiguous))
-        self._storage, (self.no_value, self.no_pointer) = scalar_pointers(
-            (np.int32(0), np.uint64(0)))
         q = unit_last_stride(cupy, q)
         cxx = _cxx_type(problem.dtype)
         _, paging = _paging_args(problem, block_table)
@@ -756,7 +752,8 @@ class DecodePlan:
         self.decode = Launch(
             decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
             THREADS, shared,
-            (*element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
+            (NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
+             *element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
              np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
              np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
              np.int32(self.splits), np.int32(row_tiles),
@@ -787,21 +784,24 @@ class DecodePlan:
             cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
             if block_table is not None:
                 block_table = cupy.ascontiguousarray(block_table)
-        table = self.no_pointer if block_table is None else block_table
-        slopes = (self.no_pointer if alibi_slopes is None
-                  else cupy.ascontiguousarray(alibi_slopes))
-        if self.append is not None:
-            self.append(k_new, v_new, k_cache, v_cache, cache_seqlens, self.no_value, table)
+        from .gpu import address, current_stream
+
+        stream = current_stream()
+        table = address(block_table)
+        slopes = 0 if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes).data.ptr
+        lengths = cache_seqlens.data.ptr
+        if self.append is not None:  # 0: the lengths' value (they are on the device)
+            self.append(stream, k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr,
+                        v_cache.data.ptr, lengths, 0, table)
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
-        no_user = self.no_user.pointer
+        inputs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths, 0, table,
+                  out.data.ptr, lse.data.ptr)
         if self.combine is None:
-            self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        self.no_pointer, self.no_pointer, slopes, no_user)
+            self.decode(stream, *inputs, 0, 0, slopes)
         else:
             workspace = cupy.cuda.alloc(self.workspace_bytes)
-            part_lse = workspace + self.part_lse_offset
-            self.decode(q, k_cache, v_cache, cache_seqlens, self.no_value, table, out, lse,
-                        workspace, part_lse, slopes, no_user)
-            self.combine(workspace, part_lse, out, lse)
+            part_lse = workspace.ptr + self.part_lse_offset
+            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes)
+            self.combine(stream, workspace.ptr, part_lse, out.data.ptr, lse.data.ptr)
         return (out, lse) if problem.return_lse else out

@@ -32,10 +32,8 @@ def signature(arrays, scalars):
             return None
         memory = a.data
         parts += (a.dtype, a.shape, a.strides, memory.device_id, memory.ptr & 15)
-    parts += (cupy.cuda.runtime.getDevice(), dispatch.current(), dispatch.excluded())
-    for x in scalars:
-        parts += (type(x), x)
-    return tuple(parts)
+    return (*parts, cupy.cuda.runtime.getDevice(), dispatch.current(), dispatch.excluded(),
+            *map(type, scalars), *scalars)
 
 
 def get(key):

@@ -41,12 +41,15 @@ def main(d=128, s=4096, causal=False, ncu=False):
                 plan = gpu.BackwardPlan(problem, do, q, k, v, out, True, deterministic)
                 delta = cupy.empty(problem.lse_shape, dtype=cupy.float32)
                 lse_log2 = cupy.empty(problem.lse_shape, dtype=cupy.float32)
-                plan.delta(do, out, lse, delta, lse_log2)
                 dk, dv = cupy.empty_like(k), cupy.empty_like(v)
-                dq = cupy.zeros(q.shape, dtype=cupy.float32)
+                dq = cupy.cuda.alloc(max(plan.dq_bytes, 4 * q.size))  # zeroed by delta
+                stream = gpu.current_stream()
+                plan.delta(stream, do.data.ptr, out.data.ptr, lse.data.ptr, delta.data.ptr,
+                           lse_log2.data.ptr, 0 if deterministic else dq.ptr)
+                pointers = [x.data.ptr for x in (q, k, v, do, lse_log2, delta)]
 
-                def call(plan=plan):
-                    plan.dkdv(q, k, v, do, lse_log2, delta, dq, dk, dv, None, None, None)
+                def call(plan=plan, pointers=pointers):
+                    plan.dkdv(stream, *pointers, dq.ptr, dk.data.ptr, dv.data.ptr, 0, 0, 0)
                 if ncu:
                     call()
                     continue

@@ -49,10 +49,10 @@ def host_times(calls, **kw):
 
 def primitive_costs(calls):
     """Microseconds per call of the host-side pieces a cached call is made of."""
-    from cuflash import plans
+    from cuflash import gpu, plans
 
     q, k, v, _ = tiny_inputs()
-    key_args = (1, 1, 64, True, 0, None, None, False)
+    key_args = (1, 1, 64, True, 0, None, None, False, 0.0, None, None, None)
 
     def per_call(fn):
         fn()
@@ -65,11 +65,12 @@ def primitive_costs(calls):
     plan = plans.get(plans.signature((q, k, v), key_args))
     out, lse = cupy.empty_like(q), cupy.empty(q.shape[:3], dtype=np.float32)
     costs = {
-        "signature (3 arrays, 8 scalars)": per_call(lambda: plans.signature((q, k, v), key_args)),
+        "signature (3 arrays, 12 scalars)": per_call(lambda: plans.signature((q, k, v), key_args)),
         "plans.get": per_call(lambda: plans.get(plans.signature((q, k, v), key_args))),
         "cupy.empty": per_call(lambda: cupy.empty((1, 1, 16, 64), dtype=np.float32)),
         "cupy.cuda.alloc": per_call(lambda: cupy.cuda.alloc(4096)),
-        "one kernel launch": per_call(lambda: plan.main(q, k, v, out, lse)),
+        "one kernel launch": per_call(lambda: plan.main(
+            gpu.current_stream(), *(x.data.ptr for x in (q, k, v, out, lse)), 0, 0, 0)),
         "the forward plan's call": per_call(lambda: plan(q, k, v)),
     }
     cupy.cuda.get_current_stream().synchronize()

@@ -2,7 +2,8 @@
 //
 //   attention_bwd_delta    Delta = rowsum(dO * O) and lse in base 2 (lse
 //                          log2 e), float32 [B, H, S_q] each: the lse every
-//                          dK/dV and dQ kernel takes.
+//                          dK/dV and dQ kernel takes; and zeros in the
+//                          float32 dQ rows the atomic kernels add into.
 //   attention_bwd_dkdv     one block per (key tile, KV head, batch): loops over
 //                          the query heads sharing the KV head and over the
 //                          query tiles that can see the key tile, keeps dK and
@@ -23,12 +24,17 @@ namespace cuflash {
 template <typename T, int D>
 __global__ void __launch_bounds__(128) attention_bwd_delta(
     const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-    float* __restrict__ delta, float* __restrict__ lse_log2, CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(out), int num_heads, int q_len) {
+    float* __restrict__ delta, float* __restrict__ lse_log2, float* __restrict__ dq_accum,
+    CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len, int accum_width) {
     CUFLASH_STRIDES_OF(dout); CUFLASH_STRIDES_OF(out);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
     if (row >= q_len) return;
+    const long long at = (static_cast<long long>(b) * num_heads + h) * q_len + row;
+    // dQ's accumulator rows: accum_width floats (a multiple of 8) each, 16-byte
+    // aligned; none when accum_width is 0 (the deterministic backward).
+    float4* dq_row = reinterpret_cast<float4*>(dq_accum + at * accum_width);
+    for (int c = lane; c < accum_width / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     const T* dO = dout + offset_of(dout_st, b, h, row);
     const T* O = out + offset_of(out_st, b, h, row);
     float sum = 0.f;
@@ -36,7 +42,6 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) {
-        const long long at = (static_cast<long long>(b) * num_heads + h) * q_len + row;
         delta[at] = sum;
         // A row that sees no key (lse -inf) gets +inf: P = exp2(s - inf) = 0 for
         // every score, where -inf would give exp2(-inf + inf) = NaN on a score that

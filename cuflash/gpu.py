@@ -265,7 +265,7 @@ class Float16Pieces:
 
     def __call__(self, stream, x):
         """``(hi, lo, scales)``: float16 arrays of ``x``'s shape, the head_dim padded
-        with zeros to its class's width (64 or 128), with hi + lo = x * scale on the
+        with zeros to its class's width (64, 128 or 256), with hi + lo = x * scale on the
         valid rows of each head (22 significant bits), and float32 ``scales`` of
         shape ``[batch, heads]``: for each head the power of two that puts its max |x|
         in [2^13, 2^14)."""

@@ -185,6 +185,14 @@ def _forward_pieces_traits(d):
     return Traits(128, 256, 2 * width * (2 * 128 + 8 * keys) + 1024, (keys,))
 
 
+def _forward_pieces_wide_traits(d):
+    """kernels/split_fwd_wide_wg.cuh: 64 rows, one 64-key tile of K and of V, each as two
+    float16 pieces 256 columns wide, and each warpgroup's half of S in float32."""
+    rows, keys, width = 64, 64, 256
+    return Traits(rows, 256, 2 * 2 * width * (rows + 2 * keys) + FLOAT_BYTES * 2 * rows * keys
+                  + 1024)
+
+
 def _forward_tf32_traits(d):
     rows, keys = 64, (64 if d <= 64 else 32 if d <= 128 else 16)
     return Traits(rows, 2 * rows, FLOAT_BYTES * (rows + 4 * keys) * _pitch(d), (rows, keys))
@@ -288,6 +296,9 @@ KERNELS = (
     KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
                "attention_fwd_split", _forward_pieces_traits, needs_sm90a=True,
                dtype_in_template=False),
+    KernelSpec("forward_float32_pieces_wide", "forward", "wgmma", "float32", HOPPER,
+               (136, 256), "attention_fwd_split_wide", _forward_pieces_wide_traits,
+               needs_sm90a=True, dtype_in_template=False),
     KernelSpec("forward_general", "forward", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
     KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
@@ -318,10 +329,10 @@ KERNELS = (
                ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
     KernelSpec("packed_zero_outside", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_zero_outside", _fixed(256, threads=256)),
-    KernelSpec("float16_pieces_abs_max", "helper", "cuda cores", "float32", HOPPER, (8, 128),
-               "attention_abs_max", _fixed(32), dtype_in_template=False),
-    KernelSpec("float16_pieces_split", "helper", "cuda cores", "float32", HOPPER, (8, 128),
-               "attention_split_f16", _fixed(4), dtype_in_template=False),
+    KernelSpec("float16_pieces_abs_max", "helper", "cuda cores", "float32", HOPPER,
+               ALL_HEAD_DIMS, "attention_abs_max", _fixed(32), dtype_in_template=False),
+    KernelSpec("float16_pieces_split", "helper", "cuda cores", "float32", HOPPER,
+               ALL_HEAD_DIMS, "attention_split_f16", _fixed(4), dtype_in_template=False),
 )
 BY_NAME = {spec.name: spec for spec in KERNELS}
 BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}

@@ -31,6 +31,7 @@ def _cases(dtypes, head_dims):
 
 SIXTEEN_BIT = _cases(("bfloat16", "float16"), OFF_GRID)
 FLOAT32 = _cases(("float32",), (8, 24, 40, 56, 72, 88, 104, 120))
+FLOAT32_WIDE = _cases(("float32",), (136, 152, 168, 184, 200, 232, 248))
 
 
 def _hopper():
@@ -76,3 +77,15 @@ def test_float32_every_head_dim_on_pieces(case, deterministic, rng, poisoned):
     assert gpu.choose(p, "forward", True).name == "forward_float32_pieces"
     assert gpu.choose(p, "backward", True).name == "backward_float32_pieces"
     run_and_check(case, cupy, rng, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("case", FLOAT32_WIDE, ids=str)
+def test_float32_wide_head_dims_forward_on_pieces(case, rng, poisoned):
+    """float32 at float32 accuracy on the 16-bit wgmma at head dims 136-256: the forward
+    (the backward runs the general kernels there)."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    q, k, v, _ = random_inputs(case, rng, cupy)
+    p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
+    assert gpu.choose(p, "forward", True).name == "forward_float32_pieces_wide"
+    run_and_check(case, cupy, rng)

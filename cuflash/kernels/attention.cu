@@ -8,6 +8,7 @@
 #include "tc_bwd_wide.cuh"
 #include "tc_bwd_wg.cuh"
 #include "split_fwd_wg.cuh"
+#include "split_fwd_wide_wg.cuh"
 #include "split_bwd_wg.cuh"
 #include "tc32_fwd.cuh"
 #include "tc32_bwd.cuh"

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
 }
 
 // One warp a row, 4 rows a block; pieces written [B, H, seq_len, DP]
-// contiguous (DP = the head_dim's class, 64 or 128; zeros in the padding
+// contiguous (DP = the head_dim's class, 64, 128 or 256; zeros in the padding
 // columns), rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128) attention_split_f16(

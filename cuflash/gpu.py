@@ -383,7 +383,9 @@ class BackwardPlan:
                        or not lse_is_contiguous)
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
-        role = self.spec.role(atomic_dq=not deterministic, modified=problem.modified)
+        # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own.
+        self.atomic = not deterministic and self.spec.dq_kernel is None
+        role = self.spec.role(atomic_dq=self.atomic, modified=problem.modified)
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
@@ -407,10 +409,17 @@ class BackwardPlan:
                                     *_modifier_args(problem)), _functors(problem))
         self.dq = self.convert = None
         accum_width = problem.head_dim
-        if deterministic:  # dQ by its own pass over the keys, no atomics
+        rows, batch = _query_grid(problem)
+        if self.spec.dq_kernel is not None:  # the float32 pieces' own dQ kernel
+            dq_spec = registry.BY_NAME[self.spec.dq_kernel]
+            tile = dq_spec.traits(problem.head_dim).tile
+            self.dq = Launch.of_role(
+                loaded, dq_spec.role(), (math.ceil(rows / tile), problem.num_heads, batch),
+                (self.user, *strides, *self.dq_layout.strides, *heads, *options,
+                 *_modifier_args(problem)))
+        elif deterministic:  # dQ by its own pass over the keys, no atomics
             dq_spec = registry.BY_NAME["backward_dq_general"]
             tile = dq_spec.traits(problem.head_dim).tile
-            rows, batch = _query_grid(problem)
             self.dq = Launch.of_role(
                 loaded, dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
@@ -439,7 +448,7 @@ class BackwardPlan:
             loaded, "backward_delta",
             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
             (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
-             np.int32(problem.q_len), np.int32(0 if deterministic else accum_width)))
+             np.int32(problem.q_len), np.int32(accum_width if self.atomic else 0)))
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
         self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout,
                                             problem.kv_capacity)
@@ -459,7 +468,7 @@ class BackwardPlan:
         # the atomic backward when it needs converting, at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
         delta, lse_log2 = workspace.ptr, workspace.ptr + self.row_bytes
-        if self.deterministic:
+        if not self.atomic:
             dq = self.dq_layout.empty()
             dq_target = dq.data.ptr
         elif self.convert is None:  # dense float32: the atomics' buffer is dQ
@@ -468,21 +477,23 @@ class BackwardPlan:
         else:
             dq_target = workspace.ptr + 2 * self.row_bytes
         self.delta(stream, dout.data.ptr, output.data.ptr, lse.data.ptr, delta, lse_log2,
-                   0 if self.deterministic else dq_target)
+                   dq_target if self.atomic else 0)
         dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
         tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes))
+        inputs, scales = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr), ()
+        if self.pieces is None:
+            kernel_inputs, kernel_scales = inputs, scales
+        else:  # the pieces kernels' inputs (a dQ kernel of the registry takes plain ones)
+            pieces = [p(stream, x) for p, x in zip(self.pieces, (q, k, v, dout))]
+            kernel_inputs = tuple(x.data.ptr for hi, lo, _ in pieces for x in (hi, lo))
+            kernel_scales = tuple(scale.data.ptr for _, _, scale in pieces)
+            if self.spec.dq_kernel is not None:
+                inputs, scales = kernel_inputs, kernel_scales
         if problem.kv_capacity:
-            gradients = (lse_log2, delta, dq_target, dk.data.ptr, dv.data.ptr)
-            if self.pieces is None:
-                self.dkdv(stream, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr,
-                          *gradients, *tail)
-            else:
-                pieces = [p(stream, x) for p, x in zip(self.pieces, (q, k, v, dout))]
-                self.dkdv(stream, *(x.data.ptr for hi, lo, _ in pieces for x in (hi, lo)),
-                          *gradients, *(scales.data.ptr for _, _, scales in pieces), *tail)
+            self.dkdv(stream, *kernel_inputs, lse_log2, delta, dq_target, dk.data.ptr,
+                      dv.data.ptr, *kernel_scales, *tail)
         if self.dq is not None:
-            self.dq(stream, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, lse_log2, delta,
-                    dq.data.ptr, *tail)
+            self.dq(stream, *inputs, lse_log2, delta, dq.data.ptr, *scales, *tail)
         elif self.convert is not None:
             dq = self.dq_layout.empty()
             self.convert(stream, dq_target, dq.data.ptr)

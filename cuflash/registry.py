@@ -86,6 +86,9 @@ class KernelSpec:
     exact_head_dims: bool = False
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
+    # A backward kernel of dK and dV only: the helper that computes dQ (every call, atomic
+    # or deterministic alike), else None (dQ by atomics here, or by backward_dq_general).
+    dq_kernel: str = None
     modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
@@ -117,8 +120,8 @@ class KernelSpec:
         """The compiled roles: the name, for the backward its deterministic and
         atomic-dQ instantiations, and with ``modifiers`` each of those again with the
         score modifiers (``role(...)`` names them)."""
-        base = (self.name, self.name + ATOMIC_DQ) if self.direction == "backward" else (
-            self.name,)
+        base = ((self.name, self.name + ATOMIC_DQ)
+                if self.direction == "backward" and self.dq_kernel is None else (self.name,))
         return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
 
     def block_mask_tiles(self, head_dim):
@@ -134,7 +137,7 @@ class KernelSpec:
         args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
         args.append(str(head_dim))
         args += [_cxx(a) for a in self.traits(head_dim).template_args]
-        if self.direction == "backward":
+        if self.direction == "backward" and self.dq_kernel is None:
             args.append("true" if ATOMIC_DQ in role else "false")
         if self.modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
@@ -240,6 +243,24 @@ def _backward_pieces_traits(d):
     return Traits(keys, 256, smem, ())
 
 
+def _backward_pieces_wide_traits(d):
+    """kernels/split_bwd_wide_wg.cuh, dK and dV: 64 keys of K and V and a 32-row query
+    tile of Q and dO, each as two float16 pieces 256 columns wide, P^T handed between the
+    warpgroups in float32, lse and Delta of the tile, four maxima."""
+    rows, keys, width = 32, 64, 256
+    return Traits(keys, 256, 2 * 2 * width * (2 * keys + 2 * rows) + FLOAT_BYTES * (
+        keys * rows + 2 * rows + 4) + 1024)
+
+
+def _dq_pieces_wide_traits(d):
+    """kernels/split_bwd_wide_wg.cuh, dQ: 64 rows of Q and dO and a 32-key tile of K and
+    V as pieces 256 columns wide, P and dS handed over in float32, lse and Delta of the
+    rows, four maxima and dS's exponent."""
+    rows, keys, width = 64, 32, 256
+    return Traits(rows, 256, 2 * 2 * width * (2 * rows + 2 * keys) + FLOAT_BYTES * (
+        2 * rows * keys + 2 * rows + 5) + 1024)
+
+
 def _backward_tf32_traits(d):
     rows, keys = (64, 64) if d <= 64 else (32, 64)
     p = _pitch(d)
@@ -315,16 +336,24 @@ KERNELS = (
     KernelSpec("backward_float32_pieces", "backward", "wgmma", "float32", HOPPER, (8, 128),
                "attention_bwd_split", _backward_pieces_traits, needs_sm90a=True,
                dtype_in_template=False),
+    KernelSpec("backward_float32_pieces_wide", "backward", "wgmma", "float32", HOPPER,
+               (136, 256), "attention_bwd_split_wide", _backward_pieces_wide_traits,
+               needs_sm90a=True, dtype_in_template=False,
+               dq_kernel="backward_dq_float32_pieces_wide"),
     KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits, modifiers=True),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
-    # deterministic dQ pass; the atomic dQ's conversion to its dtype and
+    # deterministic dQ pass; the dQ of the float32 pieces past head_dim 128 (the
+    # backward's dq_kernel); the atomic dQ's conversion to its dtype and
     # layout (512 elements a block); zeros in the rows of a packed output that no
     # sequence covers; the float16 pieces of float32 operands.
     KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
     KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits, modifiers=True),
+    KernelSpec("backward_dq_float32_pieces_wide", "helper", "wgmma", "float32", HOPPER,
+               (136, 256), "attention_bwd_dq_split_wide", _dq_pieces_wide_traits,
+               needs_sm90a=True, dtype_in_template=False),
     KernelSpec("backward_dq_convert", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
     KernelSpec("packed_zero_outside", "helper", "cuda cores", "any", AMPERE_AND_NEWER,

@@ -71,8 +71,8 @@ def test_shared_memory_fits(sm, limit_kb):
 
 def test_every_head_dim_has_tensor_core_kernels():
     """16-bit calls have a tensor-core forward and backward at every head_dim on both
-    generations; float32 has the float16-pieces kernels on Hopper (the backward up to
-    128), TF32 ones with allow_tf32 (the backward up to 128)."""
+    generations; float32 has the float16-pieces kernels at every head_dim on Hopper, TF32
+    ones with allow_tf32 (the backward up to 128)."""
     for dtype in registry.SIXTEEN_BIT_DTYPES:
         for d in kernel_build.HEAD_DIMS:
             for capability in (80, 86, 90):
@@ -82,8 +82,7 @@ def test_every_head_dim_has_tensor_core_kernels():
     for d in kernel_build.HEAD_DIMS:
         for direction in ("forward", "backward"):
             spec = registry.choose(direction, np.float32, d, 90)
-            pieces = direction == "forward" or d <= 128
-            assert spec.precision == ("float32" if pieces else "any"), (d, spec.name)
+            assert spec.precision == "float32" and spec.instruction == "wgmma", (d, spec.name)
             tf32 = registry.choose(direction, np.float32, d, 80, allow_tf32=True)
             assert tf32.precision == ("tf32" if direction == "forward" or d <= 128 else "any")
     with pytest.raises(LookupError):
@@ -121,6 +120,11 @@ def expected_hgmma(role, head_dim):
         return 3 * (width + traits.template_args[0]) // 16
     if spec.name == "forward_float32_pieces_wide":  # a warpgroup's half of the steps of S
         return 3 * ((steps + 1) // 2 + 64 // 16)  # and P V over a 64-key tile
+    if spec.name in ("backward_float32_pieces_wide", "backward_dq_float32_pieces_wide"):
+        # S^T and dP^T (S and dP) over the exact steps in one code path; dV or dK over
+        # the head dim's 64-column chunks (dQ: a warpgroup's two), 2 k16 steps each
+        chunks = -(-head_dim // 64) if spec.direction == "backward" else 2
+        return 3 * (steps + 2 * chunks)
     if spec.name == "backward_float32_pieces":  # S^T, dP^T: width / 16; dV or dK: 64 / 16;
         dq = 2 if registry.ATOMIC_DQ in role else 0  # dQ: 2 key steps
         return 3 * (2 * width // 16 + 64 // 16 + dq)

@@ -69,7 +69,7 @@ def test_every_head_dim_split_d_backward(case, rng, poisoned):
 @pytest.mark.parametrize("case", FLOAT32, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_float32_every_head_dim_on_pieces(case, deterministic, rng, poisoned):
-    """float32 at float32 accuracy on the 16-bit wgmma for every head_dim up to 128."""
+    """float32 at float32 accuracy on the 16-bit wgmma, head dims up to 128."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     q, k, v, _ = random_inputs(case, rng, cupy)
@@ -80,12 +80,14 @@ def test_float32_every_head_dim_on_pieces(case, deterministic, rng, poisoned):
 
 
 @pytest.mark.parametrize("case", FLOAT32_WIDE, ids=str)
-def test_float32_wide_head_dims_forward_on_pieces(case, rng, poisoned):
-    """float32 at float32 accuracy on the 16-bit wgmma at head dims 136-256: the forward
-    (the backward runs the general kernels there)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float32_wide_head_dims_on_pieces(case, deterministic, rng, poisoned):
+    """float32 at float32 accuracy on the 16-bit wgmma at head dims 136-256: the wide
+    forward, and the wide backward (dK and dV, then dQ by its own kernel)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
     assert gpu.choose(p, "forward", True).name == "forward_float32_pieces_wide"
-    run_and_check(case, cupy, rng)
+    assert gpu.choose(p, "backward", True).name == "backward_float32_pieces_wide"
+    run_and_check(case, cupy, rng, deterministic=deterministic)

@@ -149,6 +149,18 @@ def test_gpu_other_kernels_read_the_offsets(path, dtype, rng, poisoned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [152, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_float32_wide_pieces_read_the_offsets(head_dim, deterministic, rng, poisoned):
+    """float32 past head_dim 128 on a Hopper GPU: the wide float16-pieces kernels."""
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("wgmma needs compute capability 9.0")
+    lengths_q, lengths_k = _random_lengths(rng, 5, 150), _random_lengths(rng, 5, 150)
+    _check_against_oracle(rng, cupy, lengths_q, lengths_k, head_dim=head_dim,
+                          deterministic=deterministic, causal=False, window=(40, 10))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_tf32(head_dim, rng, poisoned):
     lengths = _random_lengths(rng, 4, 250)

@@ -10,5 +10,6 @@
 #include "split_fwd_wg.cuh"
 #include "split_fwd_wide_wg.cuh"
 #include "split_bwd_wg.cuh"
+#include "split_bwd_wide_wg.cuh"
 #include "tc32_fwd.cuh"
 #include "tc32_bwd.cuh"

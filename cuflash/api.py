@@ -63,9 +63,9 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         newer) take every product in TF32, operands rounded to 10 mantissa
         bits, at relative errors of about 5e-4 instead of 4e-7 (see the
         performance page). Without it, float32 keeps float32 accuracy: on
-        H100/H200 at ``head_dim`` 64 and 128 on the 16-bit tensor cores (each
-        operand as two float16 pieces, three products each; 2x-4x torch's
-        efficient float32 attention), elsewhere on the general kernels.
+        H100/H200 on the 16-bit tensor cores at every ``head_dim`` (each operand
+        as two float16 pieces, three products each; 2x-4x torch's efficient
+        float32 attention), on other GPUs on the general kernels.
         Ignored for float16/bfloat16 and on the CPU path, which is float32
         throughout.
     softcap : float, default 0.0, keyword-only

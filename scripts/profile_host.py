@@ -1,6 +1,6 @@
 """Host time per call on a tiny problem, and where it goes (cProfile).
 
-Usage: python scripts/profile_host.py [--calls 1000] [--profile]
+Usage: python scripts/profile_host.py [--calls 1000] [--profile] [--parts] [--import-torch]
 
 Times ``flash_attention_fwd`` and ``flash_attention_bwd(..., synchronize=False)`` as
 wall time over ``--calls`` calls (the GPU work of the tiny problem takes a few
@@ -83,7 +83,14 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--parts", action="store_true",
                         help="also time the pieces of a cached call (signature, allocation, launch)")
+    parser.add_argument("--import-torch", action="store_true",
+                        help="import torch and touch its CUDA first, as the benchmark's process "
+                             "does (its host times run higher than this script's)")
     args = parser.parse_args()
+    if args.import_torch:
+        import torch
+
+        torch.zeros(1, device="cuda")
     forward, backward = host_times(args.calls)
     print(f"host time per call: forward {forward:.1f} us, backward {backward:.1f} us "
           f"(bfloat16, B=1 H=1 S=16 D=64, causal, {args.calls} calls)")

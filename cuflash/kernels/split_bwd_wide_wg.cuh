@@ -112,14 +112,7 @@ __device__ __forceinline__ void add_pieces_times(float (&own)[OWN][4], const flo
                                                  int first, float factor) {
     constexpr unsigned ATOM = 1024, COLUMN_BLOCK = 32 * 64;  // a 64-column block of B
     unsigned a_hi[2][4], a_lo[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            split_pack(x[2 * kk + j][0], x[2 * kk + j][1], a_hi[kk][2 * j], a_lo[kk][2 * j]);
-            split_pack(x[2 * kk + j][2], x[2 * kk + j][3], a_hi[kk][2 * j + 1],
-                       a_lo[kk][2 * j + 1]);
-        }
+    split_fragments(x, a_hi, a_lo);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
         const half_t* hi = b_hi + (first + c) * COLUMN_BLOCK;

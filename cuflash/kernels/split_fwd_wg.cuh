@@ -54,6 +54,22 @@ __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, uns
     lo = TensorOp<half_t>::pack(x0 - h0, x1 - h1);
 }
 
+// An m64 accumulator fragment of 2 KSTEPS 8-column tiles as the hi and lo
+// pieces of wgmma A fragments, one a k16 step (the columns become the k index).
+template <int KSTEPS>
+__device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
+                                                unsigned (&hi)[KSTEPS][4],
+                                                unsigned (&lo)[KSTEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            split_pack(x[2 * kk + j][0], x[2 * kk + j][1], hi[kk][2 * j], lo[kk][2 * j]);
+            split_pack(x[2 * kk + j][2], x[2 * kk + j][3], hi[kk][2 * j + 1],
+                       lo[kk][2 * j + 1]);
+        }
+}
+
 // 32 rows a block (8 a warp), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict__ x,
@@ -219,15 +235,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
 
         // P (times 2^14) as hi and lo A fragments, 16 keys a step.
         unsigned p_hi[BN / 16][4], p_lo[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                split_pack(s[0][2 * kk + j][0], s[0][2 * kk + j][1], p_hi[kk][2 * j],
-                           p_lo[kk][2 * j]);
-                split_pack(s[0][2 * kk + j][2], s[0][2 * kk + j][3], p_hi[kk][2 * j + 1],
-                           p_lo[kk][2 * j + 1]);
-            }
+        split_fragments(s[0], p_hi, p_lo);
 
         // This tile's P V in a fresh accumulator (cross products first), then
         // O = O alpha + it.

@@ -163,15 +163,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
 
         // P (times 2^14) as hi and lo A fragments, 16 keys a step.
         unsigned p_hi[BN / 16][4], p_lo[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                split_pack(s[0][2 * kk + j][0], s[0][2 * kk + j][1], p_hi[kk][2 * j],
-                           p_lo[kk][2 * j]);
-                split_pack(s[0][2 * kk + j][2], s[0][2 * kk + j][3], p_hi[kk][2 * j + 1],
-                           p_lo[kk][2 * j + 1]);
-            }
+        split_fragments(s[0], p_hi, p_lo);
 
         cp_async_wait<1>();  // V(it) is in; K(it + 1) may still be on its way
         fence_proxy_async();

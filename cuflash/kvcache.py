@@ -29,7 +29,12 @@ ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
 BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
-TC_STAGES = 2  # K/V tiles in the tensor-core kernel's pipeline (2: double buffering)
+# K/V tiles in the tensor-core kernel's pipeline: 2 (three blocks an SM up to head_dim
+# 128), or 3 (two blocks an SM) for sequences of LONG_CACHE_KEYS keys or more, whose
+# blocks stream long enough that two deeper ones an SM read faster (decode_tc_stages).
+TC_STAGES = 2
+LONG_CACHE_STAGES = 3
+LONG_CACHE_KEYS = 2048
 # With this many packed query rows (S_q x group) or more, a host-held length
 # and a contiguous cache, the dense tensor-core forward serves the call.
 DENSE_MIN_ROWS = 64
@@ -347,7 +352,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
                               score_mod, mask_mod)
     if key is not None and problem.xp is not np and problem.batch * problem.num_heads:
         plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                          block_table)
+                          block_table, alibi_slopes)
         plans.remember(key, plan)
         return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                     alibi_slopes)
@@ -473,12 +478,12 @@ def decode_shape(itemsize, head_dim, rows):
     return keys, shared
 
 
-def decode_tc_shape(head_dim, row_warps, stages=None):
-    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages>`` (``DecodeTcShape``
-    of decode.cu): keys a tile, packed query rows a block and the dynamic shared memory."""
-    stages = TC_STAGES if stages is None else stages
+def decode_tc_shape(head_dim, row_warps, stages, keys=None):
+    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys>``
+    (``DecodeTcShape`` of decode.cu): keys a tile, packed query rows a block and the
+    dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
+    keys = decode_tc_keys(head_dim) if keys is None else keys
     chunks = head_dim // 8
-    keys = 64 if head_dim <= 128 else 32
     key_warps = min(4 // row_warps, keys // 16)
     rows = 16 * row_warps
     pitch = chunks + 1
@@ -486,6 +491,27 @@ def decode_tc_shape(head_dim, row_warps, stages=None):
     reduce_bytes = key_warps * rows * head_dim * 4
     shared = max(kv_bytes, reduce_bytes) + rows * pitch * 16 + 2 * key_warps * rows * 4
     return keys, rows, shared
+
+
+def decode_tc_keys(head_dim):
+    """Keys a tile of the tensor-core decode kernel: 16 KB of K up to head_dim 128."""
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_tc_stages(head_dim, longest):
+    """K/V tiles in the tensor-core kernel's pipeline for sequences of up to ``longest``
+    keys (see :data:`LONG_CACHE_KEYS`)."""
+    if head_dim <= 128 and longest >= LONG_CACHE_KEYS:
+        return LONG_CACHE_STAGES
+    return TC_STAGES
+
+
+def longest_sequence(problem):
+    """Keys of the longest sequence after the append: from host-held lengths, else the
+    capacity (device-held lengths may be anything up to it)."""
+    if problem.host_lengths is not None and problem.batch:
+        return int(problem.host_lengths.max()) + problem.new_len
+    return problem.capacity
 
 
 def uses_tensor_cores(problem):
@@ -501,9 +527,10 @@ def decode_kernel(problem):
     packed_rows = problem.q_len * problem.group_size
     if uses_tensor_cores(problem):
         row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
-        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps)
+        stages = decode_tc_stages(problem.head_dim, longest_sequence(problem))
+        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages)
         return (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
-                f"{TC_STAGES}>", keys_per_tile, rows, shared)
+                f"{stages}, {keys_per_tile}>", keys_per_tile, rows, shared)
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim,
                                          rows)
@@ -610,11 +637,36 @@ def _paging_args(problem, block_table):
                    np.int32(problem.max_blocks), np.int32(max(problem.num_blocks, 1)))
 
 
-def _dense_serves(problem, cache_seqlens, block_table):
-    """Long query chunks on a contiguous cache with a host-held length: the dense forward's
-    tensor-core kernels (the same semantics with ``kv_seq_len = L``)."""
-    return (block_table is None and isinstance(cache_seqlens, numbers.Integral)
-            and problem.q_len * problem.group_size >= DENSE_MIN_ROWS)
+def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes):
+    """The dense forward's plan (:class:`cuflash.gpu.ForwardPlan`) for a long query chunk
+    on a contiguous cache, or None (the split-KV kernels serve the call). Its tensor-core
+    kernels read each key once for a tile of many query rows of one head. With an int
+    length the plan reads ``kv_seq_len`` keys; with the lengths on the device its call takes
+    each sequence's count of keys as ``offsets=(None, counts)``, which only the kernels of
+    the registry's ``reads_key_counts`` read (the Hopper ones)."""
+    if block_table is not None or problem.q_len * problem.group_size < DENSE_MIN_ROWS:
+        return None
+    from .gpu import ForwardPlan
+    from .problem import forward_problem
+
+    host_length = isinstance(cache_seqlens, numbers.Integral)
+    attention = forward_problem(q, k_cache, v_cache, problem.num_heads, problem.num_kv_heads,
+                                problem.head_dim, False, problem.window,
+                                int(cache_seqlens) + problem.new_len if host_length else None,
+                                problem.softmax_scale, softcap=problem.softcap,
+                                alibi_slopes=alibi_slopes, score_mod=problem.score_mod,
+                                mask_mod=problem.mask_mod)
+    plan = ForwardPlan(attention, q, k_cache, v_cache)
+    return plan if host_length or plan.spec.reads_key_counts else None
+
+
+def _key_counts(problem, cache_seqlens):
+    """Where the dense forward finds each sequence's keys for device-held lengths: the
+    lengths themselves without an append (the kernels clamp them to the capacity), else a
+    new int32 ``[B]`` that the append fills with ``clamped length + S_new``."""
+    import cupy
+
+    return cupy.empty(problem.batch, np.int32) if problem.new_len else cache_seqlens
 
 
 def _modifier_args(problem):
@@ -655,37 +707,35 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
     table_ptr, paging = _paging_args(problem, block_table)
     cxx = _cxx_type(problem.dtype)
+    dense = None
+    if problem.batch * problem.num_heads:
+        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
+                            alibi_slopes)
+    key_counts = None
+    if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
+        key_counts = _key_counts(problem, cache_seqlens)
     if problem.new_len and problem.batch and problem.num_kv_heads:
         k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
         append = _kernel(f"cuflash::kvcache_append<{cxx}>")[0]
         elements = problem.new_len * problem.head_dim
         append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
             k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
+            np.uint64(0) if key_counts is None else key_counts,
             *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
             np.int32(problem.new_len), np.int32(problem.head_dim), *paging))
     if problem.batch * problem.num_heads == 0:
         return (cupy.empty(problem.q_shape, dtype=problem.dtype),
                 cupy.empty(problem.lse_shape, dtype=np.float32))
-    if _dense_serves(problem, cache_seqlens, block_table):
-        from .api import flash_attention_fwd
-
-        left, right = problem.window
-        return flash_attention_fwd(q, k_cache, v_cache, problem.num_heads,
-                                   problem.num_kv_heads, problem.head_dim, False, (left, right),
-                                   int(cache_seqlens) + problem.new_len,
-                                   softmax_scale=problem.softmax_scale,
-                                   softcap=problem.softcap, alibi_slopes=alibi_slopes,
-                                   score_mod=problem.score_mod, mask_mod=problem.mask_mod)
+    if dense is not None:  # key_counts None: an int length
+        return dense(q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes)
     q = unit_last_stride(cupy, q)
     name, keys_per_tile, rows, shared = decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
     decode, per_sm, sm_count = _kernel(name, shared, functors)
-    longest = problem.capacity
-    if problem.host_lengths is not None and problem.batch:
-        longest = int(problem.host_lengths.max()) + problem.new_len
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = num_splits(blocks, per_sm * sm_count, *split_cap(longest, keys_per_tile))
+    splits = num_splits(blocks, per_sm * sm_count,
+                        *split_cap(longest_sequence(problem), keys_per_tile))
     out = cupy.empty(problem.q_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
@@ -714,11 +764,13 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
 class DecodePlan:
     """The launches of one call signature with device-held lengths (``check=False``):
     the append, the split-KV kernel and the combine with their grids and scalar arguments
-    fixed, so that a decoding step only allocates its outputs and launches. (Host-held
-    lengths change every step and size the split count, so those calls take
+    fixed (or, for long query chunks on a contiguous cache, the dense forward's plan), so
+    that a decoding step only allocates its outputs and launches. (Host-held lengths
+    change every step and size the split count, so those calls take
     :func:`gpu_forward`.)"""
 
-    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                 alibi_slopes=None):
         import cupy
 
         from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
@@ -742,6 +794,10 @@ class DecodePlan:
                 (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
                  *element_strides(v_cache), np.int32(problem.new_len),
                  np.int32(problem.head_dim), *paging))
+        self.dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
+                                 alibi_slopes)
+        if self.dense is not None:
+            return
         name, keys_per_tile, rows, shared = decode_kernel(problem)
         row_tiles = -(-problem.q_len * problem.group_size // rows)
         decode, per_sm, sm_count = _kernel(name, shared)
@@ -790,9 +846,14 @@ class DecodePlan:
         table = address(block_table)
         slopes = 0 if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes).data.ptr
         lengths = cache_seqlens.data.ptr
+        key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
         if self.append is not None:  # 0: the lengths' value (they are on the device)
             self.append(stream, k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr,
-                        v_cache.data.ptr, lengths, 0, table)
+                        v_cache.data.ptr, lengths, 0, table, address(key_counts))
+        if self.dense is not None:
+            out, lse = self.dense(q, k_cache, v_cache, offsets=(None, key_counts),
+                                  alibi_slopes=alibi_slopes)
+            return (out, lse) if problem.return_lse else out
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         inputs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths, 0, table,

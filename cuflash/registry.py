@@ -86,6 +86,10 @@ class KernelSpec:
     exact_head_dims: bool = False
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
+    # A forward kernel that also takes per-entry key counts as its offsets_k with no
+    # offsets_q (a chunk of queries over a KV cache with device-held lengths:
+    # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
+    reads_key_counts: bool = False
     # A backward kernel of dK and dV only: the helper that computes dQ (every call, atomic
     # or deterministic alike), else None (dQ by atomics here, or by backward_dq_general).
     dq_kernel: str = None
@@ -305,10 +309,10 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 KERNELS = (
     KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
                "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited),
+               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),
     KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited),
+               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),
     KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True,
                block_tiles=_rows_and_keys),
@@ -316,10 +320,10 @@ KERNELS = (
                "attention_fwd_tc32", _forward_tf32_traits, dtype_in_template=False),
     KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
                "attention_fwd_split", _forward_pieces_traits, needs_sm90a=True,
-               dtype_in_template=False),
+               dtype_in_template=False, reads_key_counts=True),
     KernelSpec("forward_float32_pieces_wide", "forward", "wgmma", "float32", HOPPER,
                (136, 256), "attention_fwd_split_wide", _forward_pieces_wide_traits,
-               needs_sm90a=True, dtype_in_template=False),
+               needs_sm90a=True, dtype_in_template=False, reads_key_counts=True),
     KernelSpec("forward_general", "forward", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
     KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,

@@ -105,7 +105,8 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 def kvcache_and_ring_calls(rng, head_dims):
     """Decoding from a paged cache with the score modifiers (device lengths, one of them
     garbage), also with user functions whose array values are garbage indices (clamped by
-    the kernels), and ring attention over two virtual ranks (the merge kernel); the count
+    the kernels), a chunk of queries on a contiguous cache (the dense forward) with
+    garbage lengths, and ring attention over two virtual ranks (the merge kernel); the count
     of NaN results."""
     from cuflash import distributed as dist
     from cuflash import modifiers
@@ -133,6 +134,17 @@ def kvcache_and_ring_calls(rng, head_dims):
                 alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)),
                 **given)
             failures += lengths[1] < 48 and bool(cupy.isnan(out).any())
+        # a chunk of 32 rows (x 2 heads a KV head): the dense forward, its key counts
+        # written by the append from garbage lengths
+        q_chunk = cupy.asarray(rng.standard_normal((2, 4, 32, d)).astype(dtype))
+        new_rows = [cupy.asarray(rng.standard_normal((2, 2, 32, d)).astype(dtype))
+                    for _ in "kv"]
+        contiguous = [cupy.asarray(rng.standard_normal((2, 2, 80, d)).astype(dtype))
+                      for _ in "kv"]
+        out = cuflash.flash_attention_with_kvcache(
+            q_chunk, *contiguous, 4, 2, d, k_new=new_rows[0], v_new=new_rows[1],
+            cache_seqlens=cupy.asarray(np.array([-9, 10**6], np.int32)), softcap=3.0)
+        failures += bool(cupy.isnan(out).any())
         whole = [cupy.asarray(rng.standard_normal((1, h, 4 * 37, d)).astype(dtype))
                  for h in (4, 2, 2, 4)]
         shards = [tuple(dist.shard(x, "zigzag", r, 2) for x in whole) for r in range(2)]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cuflash import InvalidArgumentError, kernel_build
-from cuflash import kvcache
-from cuflash.kvcache import (ROW_TILES, decode_shape, decode_tc_shape,
+from cuflash import kvcache, plans
+from cuflash.kvcache import (ROW_TILES, decode_shape, decode_tc_keys, decode_tc_shape,
                              flash_attention_with_kvcache, num_splits)
 from cuflash.reference import attention_reference
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
@@ -414,8 +414,8 @@ def _kernel_names(dtype_names, head_dims):
             names.append(f"cuflash::kvcache_combine<{cxx}, {d}>")
             names += [f"cuflash::kvcache_decode<{cxx}, {d}, {rm}>" for rm in ROW_TILES]
             if DTYPES[dtype].itemsize == 2 and d % 16 == 0:
-                names += [f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}>"
-                          for rw in (1, 2, 4) for stages in (2, 3)]
+                names += [f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}, "
+                          f"{decode_tc_keys(d)}>" for rw in (1, 2, 4) for stages in (2, 3)]
     return names
 
 
@@ -425,8 +425,8 @@ def test_decode_kernels_compile_without_spills(arch):
     slow test below compiles every dtype, head_dim and tile)."""
     names = ["cuflash::kvcache_append<cuflash::bf16_t>",
              "cuflash::kvcache_combine<cuflash::bf16_t, 128>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64>",
              "cuflash::kvcache_decode<float, 128, 4>"]
     compile_and_check("decode.cu", names, arch)
 
@@ -473,6 +473,24 @@ def test_decode_shape_fits_every_gpu():
     assert 2 * (decode_tc_shape(128, 1, 3)[2] + 1024) <= 228 * 1024
 
 
+def test_key_count_kernels_are_the_registrys():
+    """The forward kernels that read per-entry key counts (CUFLASH_FORWARD_SEQUENCE) are the
+    registry's ``reads_key_counts`` ones: the dense path of device-held lengths trusts it."""
+    import re
+
+    from cuflash import registry
+
+    source = kernel_build.module_source()
+    for spec in registry.KERNELS:
+        if spec.direction != "forward":
+            continue
+        start = re.search(rf"__global__[^;{{]*\b{spec.template}\(", source)
+        assert start is not None, spec.template
+        body = source[start.end():]
+        uses = re.search(r"CUFLASH_FORWARD_SEQUENCE|CUFLASH_SEQUENCE_OF", body).group(0)
+        assert (uses == "CUFLASH_FORWARD_SEQUENCE") == spec.reads_key_counts, spec.name
+
+
 def test_split_choice():
     """One wave where a wave holds the work; long sequences split; short ones do not."""
     assert num_splits(blocks=8, slots=396, tiles=512, cap=128) == 49  # B = 1, 32k keys
@@ -512,10 +530,17 @@ GPU_CASES = [
            head_dim=256, dtype="float16"),
     KVCase(batch=2, heads=4, kv_heads=2, capacity=3000, head_dim=40, dtype="float32",
            causal=False, window=(100, 50), q_len=4),
-    # long query chunks: the dense kernels (contiguous, int length) and the split kernel
+    # long query chunks: the dense kernels on a contiguous cache (an int length, lengths on
+    # the device) and the split kernel on a paged one
     KVCase(batch=2, heads=8, kv_heads=2, capacity=700, lengths="int", q_len=40,
            new_len=40, head_dim=128),
     KVCase(batch=2, heads=8, kv_heads=2, capacity=700, q_len=40, new_len=40, head_dim=128),
+    KVCase(batch=4, heads=8, kv_heads=2, capacity=900, q_len=64, new_len=64, head_dim=80,
+           dtype="float16", window=300, softcap=4.0, alibi="batch"),
+    KVCase(batch=3, heads=4, kv_heads=4, capacity=520, q_len=70, head_dim=128,
+           dtype="float32", alibi="heads"),
+    KVCase(batch=3, heads=6, kv_heads=2, capacity=333, q_len=50, new_len=20, head_dim=64,
+           causal=False, window=(40, 9)),
     KVCase(batch=2, heads=8, kv_heads=2, capacity=704, block_size=64, q_len=33, new_len=33,
            head_dim=64, dtype="float16", lengths="int"),
 ]
@@ -528,12 +553,22 @@ def test_gpu_long_caches(case, rng, poisoned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[11:16], ids=str)
+def test_gpu_query_chunks_through_plans(case, rng, poisoned):
+    """Long query chunks with check=False: the launch plans of device-held lengths (the
+    dense forward's on a contiguous cache) and an int length's call."""
+    plans.clear()
+    for _ in range(2):  # the second call of the signature takes the plan
+        run_case(case, rng, xp=cupy)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("case", [GPU_CASES[5], GPU_CASES[6], GPU_CASES[9], GPU_CASES[10],
-                                  GPU_CASES[12]], ids=str)
+                                  GPU_CASES[-1]], ids=str)
 def test_gpu_pipeline_depths(case, stages, rng, poisoned, monkeypatch):
     """The tensor-core kernel with two and three K/V tiles in its pipeline."""
-    monkeypatch.setattr(kvcache, "TC_STAGES", stages)
+    monkeypatch.setattr(kvcache, "decode_tc_stages", lambda head_dim, longest: stages)
     run_case(case, rng, xp=cupy)
 
 
@@ -588,8 +623,11 @@ def _fenced(rng, shape, dtype, fence=4096):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paged", [False, True])
-def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged):
+@pytest.mark.parametrize("paged, q_len", [(False, 2), (True, 2), (False, 32)],
+                         ids=["contiguous", "paged", "contiguous-dense"])
+def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged, q_len):
+    """Split-KV kernels (2 query rows) and the dense forward (32 rows x 4 heads a KV head),
+    as many rows appended: every row sees a key whatever the lengths hold."""
     b, h, hk, d, bs, max_blocks, num_blocks = 4, 8, 2, 128, 16, 8, 20
     dtype = DTYPES["bfloat16"]
     if paged:
@@ -599,9 +637,9 @@ def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged):
     buf_k, k_cache = _fenced(rng, shape, dtype)
     buf_v, v_cache = _fenced(rng, shape, dtype)
     fence_k, fence_v = buf_k.copy(), buf_v.copy()
-    q = cupy.asarray(rng.standard_normal((b, h, 2, d)).astype(dtype))
-    k_new = cupy.asarray(rng.standard_normal((b, hk, 2, d)).astype(dtype))
-    v_new = cupy.asarray(rng.standard_normal((b, hk, 2, d)).astype(dtype))
+    q = cupy.asarray(rng.standard_normal((b, h, q_len, d)).astype(dtype))
+    k_new = cupy.asarray(rng.standard_normal((b, hk, q_len, d)).astype(dtype))
+    v_new = cupy.asarray(rng.standard_normal((b, hk, q_len, d)).astype(dtype))
     lengths = cupy.asarray(np.array([5, -70000, 2**31 - 1, 10**6], np.int32))
     table = None
     if paged:

@@ -124,7 +124,10 @@ struct Mask {
 };
 
 // The attention problem of one block's batch entry (blockIdx.z).
-// Dense calls (no offsets): entry b of [B, H, S, D] arrays, its rows from 0.
+// Dense calls (no offsets): entry b of [B, H, S, D] arrays, its rows from 0;
+// with KEY_COUNTS (the kernels that take CUFLASH_FORWARD_SEQUENCE) also
+// offsets_k alone, for a chunk of queries over a KV cache: entry b sees its
+// first offsets_k[b] keys, clamped into [0, kv_len].
 // Packed calls: the arrays hold every sequence's rows end to end as one batch
 // entry ([1, H, total, D] views: the q_len and kv_len arguments are the totals)
 // and sequence b is rows [offsets[b], offsets[b + 1]) of q (and of out, lse,
@@ -141,11 +144,18 @@ struct Sequence {
 
 __device__ __forceinline__ int clamped(int x, int lo, int hi) { return min(max(x, lo), hi); }
 
+template <bool KEY_COUNTS>
 __device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ offsets_q,
                                                 const int* __restrict__ offsets_k, int q_len,
                                                 int kv_len, int kv_capacity, int left,
                                                 int right) {
-    if (offsets_q == nullptr) return Sequence{b, 0, 0, kv_capacity, Mask{q_len, kv_len, left, right}};
+    if (offsets_q == nullptr) {
+        int keys = kv_len;
+        if constexpr (KEY_COUNTS) {
+            if (offsets_k != nullptr) keys = clamped(offsets_k[b], 0, kv_len);
+        }
+        return Sequence{b, 0, 0, kv_capacity, Mask{q_len, keys, left, right}};
+    }
     const int q0 = clamped(offsets_q[b], 0, q_len), q1 = clamped(offsets_q[b + 1], q0, q_len);
     const int k0 = clamped(offsets_k[b], 0, kv_len), k1 = clamped(offsets_k[b + 1], k0, kv_len);
     return Sequence{0, q0, k0, k1 - k0, Mask{q1 - q0, k1 - k0, left, right}};
@@ -397,10 +407,18 @@ struct Strides { long long b, h, s; };
 // The other modifier arguments, after a kernel's scalars (see ScoreModifiers).
 #define CUFLASH_MODIFIER_PARAMS int alibi_batch_stride, float softcap
 // The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the
-// rows a head of the arrays.
+// rows a head of the arrays. The Hopper forward kernels (the registry's
+// `reads_key_counts`) take CUFLASH_FORWARD_SEQUENCE, which also reads
+// per-entry key counts (sequence_of). The others do not: a key count read from
+// memory holds a register for the whole kernel, and the mma.sync forward has
+// none to spare at some head dims.
 #define CUFLASH_SEQUENCE_OF(kv_capacity)                                                     \
-    const Sequence seq = sequence_of(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,          \
-                                     kv_capacity, win_left, win_right);                      \
+    const Sequence seq = sequence_of<false>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,   \
+                                            kv_capacity, win_left, win_right);               \
+    const Mask mask = seq.mask
+#define CUFLASH_FORWARD_SEQUENCE                                                             \
+    const Sequence seq = sequence_of<true>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,    \
+                                           kv_len, win_left, win_right);                     \
     const Mask mask = seq.mask
 
 __device__ __forceinline__ long long offset_of(const Strides& st, int b, int h, int s) {

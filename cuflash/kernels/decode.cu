@@ -49,35 +49,43 @@ struct DecodeShape {
 };
 
 // Where the keys of one sequence live: a contiguous cache (table == nullptr,
-// the sequence's own slab) or a paged one (a row of the block table).
+// the sequence's own slab) or a paged one (a row of the block table). Made by
+// cache_rows; a power-of-two block size takes shifts and masks, not divisions.
 struct CacheRows {
     const int* table;  // this sequence's row of the block table, or nullptr
     int batch_index, block_size, num_blocks;
+    int block_shift;  // log2(block_size) for a power of two, else -1
 
+    __device__ __forceinline__ int slot(int j) const {
+        return block_shift >= 0 ? j >> block_shift : j / block_size;
+    }
     // The block (contiguous: the sequence) and the row within it of key j >= 0.
     __device__ __forceinline__ int page(int j) const {
         if (table == nullptr) return batch_index;
-        return min(max(__ldg(table + j / block_size), 0), num_blocks - 1);  // untrusted: clamped
+        return min(max(__ldg(table + slot(j)), 0), num_blocks - 1);  // untrusted: clamped
     }
     __device__ __forceinline__ int row(int j) const {
-        return table == nullptr ? j : j % block_size;
+        if (table == nullptr) return j;
+        return block_shift >= 0 ? j & (block_size - 1) : j - slot(j) * block_size;
     }
     // Element offsets of key j's row in K and V (head offset not included).
     __device__ __forceinline__ void offsets(int j, long long k_sb, long long k_ss,
                                             long long v_sb, long long v_ss, long long& k_off,
                                             long long& v_off) const {
-        long long page = batch_index;
-        int row = j;
-        if (table != nullptr) {
-            const int slot = j / block_size;
-            const int id = __ldg(table + slot);
-            page = min(max(id, 0), num_blocks - 1);  // untrusted: clamped into the buffer
-            row = j - slot * block_size;
-        }
-        k_off = page * k_sb + row * k_ss;
-        v_off = page * v_sb + row * v_ss;
+        const long long block = page(j);
+        const int r = row(j);
+        k_off = block * k_sb + r * k_ss;
+        v_off = block * v_sb + r * v_ss;
     }
 };
+
+__device__ __forceinline__ CacheRows cache_rows(const int* block_table, int b, int max_blocks,
+                                                int block_size, int num_blocks) {
+    const bool power_of_two = (block_size & (block_size - 1)) == 0;
+    return CacheRows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
+                                            : nullptr,
+                     b, block_size, num_blocks, power_of_two ? __ffs(block_size) - 1 : -1};
+}
 
 // A device-held length (or the host's value), clamped so that it and the
 // appended rows fit the capacity.
@@ -117,43 +125,101 @@ __device__ __forceinline__ void unpack(const uint4& c, float (&x)[N]) {
     }
 }
 
+// Which 16-byte chunks of a [BN][CH]-chunk tile this thread copies: chunk
+// (row_of(it), chunk_of(it)) in pass `it` of ITERS, while covers(it). Where CH
+// divides the block's threads, a thread keeps one chunk column and its rows step
+// by ROWS_A_PASS.
+template <int BN, int CH>
+struct TileChunks {
+    static constexpr int ITERS = (BN * CH + kDecodeThreads - 1) / kDecodeThreads;
+    static constexpr bool EVEN = kDecodeThreads % CH == 0;
+    static constexpr int ROWS_A_PASS = EVEN ? kDecodeThreads / CH : 0;
+
+    __device__ static __forceinline__ bool covers(int it) {
+        return (it + 1) * kDecodeThreads <= BN * CH ||
+               static_cast<int>(threadIdx.x) + it * kDecodeThreads < BN * CH;
+    }
+    __device__ static __forceinline__ int row_of(int it) {
+        if constexpr (EVEN) return static_cast<int>(threadIdx.x) / CH + it * ROWS_A_PASS;
+        return (static_cast<int>(threadIdx.x) + it * kDecodeThreads) / CH;
+    }
+    __device__ static __forceinline__ int chunk_of(int it) {
+        if constexpr (EVEN) return static_cast<int>(threadIdx.x) % CH;
+        return (static_cast<int>(threadIdx.x) + it * kDecodeThreads) % CH;
+    }
+};
+
+// The block ids (paged cache) of the rows of keys [key0, key0 + BN) that this
+// thread copies in load_kv_tile; keys past key_end - 1 take its block. Read a
+// tile ahead of its copies, so that the block-table reads are not in the
+// copies' latency. Unused (and not read) for a contiguous cache.
+template <int BN, int CH>
+struct TilePages {
+    using Chunks = TileChunks<BN, CH>;
+    int page[Chunks::ITERS];
+
+    __device__ __forceinline__ void read(const CacheRows& rows, int key0, int key_end) {
+        if (rows.table == nullptr) return;
+#pragma unroll
+        for (int it = 0; it < Chunks::ITERS; ++it)
+            page[it] = rows.page(min(key0 + Chunks::row_of(it), key_end - 1));
+    }
+};
+
 // Keys [key0, key0 + BN) of one KV head into shared memory ([BN][PITCH] 16-byte
-// chunks for K and for V), keys at or past key_end as zeros (never read). The
-// row offsets (block-table reads for a paged cache) are all computed first, so
-// their loads overlap, then the copies go out as 16-byte cp.async (one commit
-// group), or element by element where rows are not 16-byte aligned.
+// chunks for K and for V), keys at or past key_end as zeros (never read): 16-byte
+// cp.async (one commit group), or element by element where rows are not 16-byte
+// aligned. A contiguous cache steps each thread's row addresses by a constant;
+// a paged one takes the blocks `pages` read.
 template <typename T, int BN, int CH, int PITCH>
 __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T* k_head,
-                                             const T* v_head, const CacheRows& rows, int key0,
+                                             const T* v_head, const CacheRows& rows,
+                                             const TilePages<BN, CH>& pages, int key0,
                                              int key_end, long long k_sb, long long k_ss,
                                              long long v_sb, long long v_ss, bool aligned) {
+    using Chunks = TileChunks<BN, CH>;
     constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
-    constexpr int ITERS = (BN * CH + kDecodeThreads - 1) / kDecodeThreads;
-    int page[ITERS];  // block ids (read first, so that the loads overlap)
+    if (aligned && rows.table == nullptr && Chunks::EVEN) {
+        const int n0 = Chunks::row_of(0), c = Chunks::chunk_of(0);
+        const T* k_src = k_head + rows.batch_index * k_sb + (key0 + n0) * k_ss + c * ELEMS;
+        const T* v_src = v_head + rows.batch_index * v_sb + (key0 + n0) * v_ss + c * ELEMS;
+        const long long k_step = Chunks::ROWS_A_PASS * k_ss, v_step = Chunks::ROWS_A_PASS * v_ss;
 #pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        const int j = key0 + (threadIdx.x + it * kDecodeThreads) / CH;
-        page[it] = rows.page(min(j, key_end - 1));
-    }
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        const int idx = threadIdx.x + it * kDecodeThreads;
-        if (idx >= BN * CH) break;
-        const int n = idx / CH, c = idx - (idx / CH) * CH, j = key0 + n;
-        const bool valid = j < key_end;
-        const int row = rows.row(j);
-        const T* k_src = k_head + page[it] * k_sb + row * k_ss + c * ELEMS;
-        const T* v_src = v_head + page[it] * v_sb + row * v_ss + c * ELEMS;
+        for (int it = 0; it < Chunks::ITERS; ++it) {
+            const int n = n0 + it * Chunks::ROWS_A_PASS;
+            const bool valid = key0 + n < key_end;
+            cp_async_16(k_dst + n * PITCH + c, valid ? k_src + it * k_step : k_head, valid);
+            cp_async_16(v_dst + n * PITCH + c, valid ? v_src + it * v_step : v_head, valid);
+        }
+    } else {
+        // Chunk `it`'s place in the tile and its rows in K and V.
+        struct Chunk { int dst; bool valid; const T* k_src; const T* v_src; };
+        auto chunk = [&](int it) {
+            const int n = Chunks::row_of(it), c = Chunks::chunk_of(it), j = key0 + n;
+            const long long block = rows.table == nullptr ? rows.batch_index : pages.page[it];
+            const int row = rows.row(j);
+            return Chunk{n * PITCH + c, j < key_end, k_head + block * k_sb + row * k_ss + c * ELEMS,
+                         v_head + block * v_sb + row * v_ss + c * ELEMS};
+        };
         if (aligned) {
-            cp_async_16(k_dst + n * PITCH + c, valid ? k_src : k_head, valid);
-            cp_async_16(v_dst + n * PITCH + c, valid ? v_src : v_head, valid);
-        } else {
-            T* kd = reinterpret_cast<T*>(k_dst + n * PITCH + c);
-            T* vd = reinterpret_cast<T*>(v_dst + n * PITCH + c);
 #pragma unroll
-            for (int e = 0; e < ELEMS; ++e) {
-                kd[e] = valid ? k_src[e] : T{};
-                vd[e] = valid ? v_src[e] : T{};
+            for (int it = 0; it < Chunks::ITERS; ++it) {
+                if (!Chunks::covers(it)) break;
+                const Chunk x = chunk(it);
+                cp_async_16(k_dst + x.dst, x.valid ? x.k_src : k_head, x.valid);
+                cp_async_16(v_dst + x.dst, x.valid ? x.v_src : v_head, x.valid);
+            }
+        } else {
+            for (int it = 0; it < Chunks::ITERS; ++it) {
+                if (!Chunks::covers(it)) break;
+                const Chunk x = chunk(it);
+                T* kd = reinterpret_cast<T*>(k_dst + x.dst);
+                T* vd = reinterpret_cast<T*>(v_dst + x.dst);
+#pragma unroll
+                for (int e = 0; e < ELEMS; ++e) {
+                    kd[e] = x.valid ? x.k_src[e] : T{};
+                    vd[e] = x.valid ? x.v_src[e] : T{};
+                }
             }
         }
     }
@@ -161,23 +227,25 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
 }
 
 // k_new / v_new [B, H_kv, S_new, D] into the cache at rows cached_length(b) ..
-// One thread an element; grid (ceil(S_new * D / 128), H_kv, B).
+// One thread an element; grid (ceil(S_new * D / 128), H_kv, B). With key_counts
+// (not null), each sequence's keys after the append, cached_length + S_new, go
+// there too (the dense forward's per-sequence key counts for a chunk of queries).
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
     const T* __restrict__ k_new, const T* __restrict__ v_new, T* __restrict__ k_cache,
     T* __restrict__ v_cache, const int* __restrict__ seqlens, int seqlen_value,
-    const int* __restrict__ block_table, long long kn_sb, long long kn_sh, long long kn_ss,
-    long long vn_sb, long long vn_sh, long long vn_ss, long long k_sb, long long k_sh,
-    long long k_ss, long long v_sb, long long v_sh, long long v_ss, int new_len, int head_dim,
-    int capacity, int block_size, int max_blocks, int num_blocks) {
+    const int* __restrict__ block_table, int* __restrict__ key_counts, long long kn_sb,
+    long long kn_sh, long long kn_ss, long long vn_sb, long long vn_sh, long long vn_ss,
+    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
+    long long v_ss, int new_len, int head_dim, int capacity, int block_size, int max_blocks,
+    int num_blocks) {
     const int hk = blockIdx.y, b = blockIdx.z;
     const long long idx = static_cast<long long>(blockIdx.x) * kDecodeThreads + threadIdx.x;
     if (idx >= static_cast<long long>(new_len) * head_dim) return;
     const int t = static_cast<int>(idx / head_dim), d = static_cast<int>(idx % head_dim);
     const int pos = cached_length(seqlens, seqlen_value, b, new_len, capacity) + t;
-    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
-                                                : nullptr,
-                         b, block_size, num_blocks};
+    if (key_counts != nullptr && idx == 0 && hk == 0) key_counts[b] = pos + new_len;
+    const CacheRows rows = cache_rows(block_table, b, max_blocks, block_size, num_blocks);
     long long k_off, v_off;
     rows.offsets(pos, k_sb, k_ss, v_sb, v_ss, k_off, v_off);
     k_cache[k_off + hk * k_sh + d] = k_new[b * kn_sb + hk * kn_sh + t * kn_ss + d];
@@ -268,9 +336,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
     const int rows_total = q_len * group;
     const int kv_len = cached_length(seqlens, seqlen_value, b, new_len, capacity) + new_len;
     const Mask mask{q_len, kv_len, win_left, win_right};
-    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
-                                                : nullptr,
-                         b, block_size, num_blocks};
+    const CacheRows rows = cache_rows(block_table, b, max_blocks, block_size, num_blocks);
 
     // Each row's visible keys [lo, hi); the block's range; the keys all rows see.
     int key_lo[RM], key_hi[RM];
@@ -298,9 +364,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
     const T* v_head = v_cache + hk * v_sh;
     auto load_tile = [&](int stage, int tile) {
         uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
+        TilePages<BN, CH> pages;
+        pages.read(rows, range_lo + tile * BN, range_hi);
         load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
-                                       range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss,
-                                       aligned != 0);
+                                       pages, range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb,
+                                       v_ss, aligned != 0);
     };
     if (tile_begin < tile_end) load_tile(0, tile_begin);  // in flight while Q loads
 
@@ -487,13 +555,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
     }
 }
 
-// The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES> (mirrored by cuflash/kvcache.py's
-// decode_tc_shape): ROW_WARPS m16 row tiles a block, KEY_WARPS warps sharing each
-// K/V tile by keys (each with its own online softmax, merged at the end).
-template <typename T, int D, int ROW_WARPS, int STAGES>
+// The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES, BN> (mirrored by
+// cuflash/kvcache.py's decode_tc_shape): ROW_WARPS m16 row tiles a block, BN keys
+// a K/V tile, STAGES tiles in the pipeline, KEY_WARPS warps sharing each tile by
+// keys (each with its own online softmax, merged at the end).
+template <typename T, int D, int ROW_WARPS, int STAGES, int BN>
 struct DecodeTcShape {
-    static constexpr int CH = D / 8;              // 16-byte chunks a row
-    static constexpr int BN = D <= 128 ? 64 : 32;  // keys a tile (16 KB of K at D = 128)
+    static constexpr int CH = D / 8;  // 16-byte chunks a row
     static constexpr int KEY_WARPS_FIT = kDecodeWarps / ROW_WARPS;
     static constexpr int KEY_WARPS = KEY_WARPS_FIT < BN / 16 ? KEY_WARPS_FIT : BN / 16;
     static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys a warp takes of each tile
@@ -516,14 +584,14 @@ struct DecodeTcShape {
 // [16 rw, 16 rw + 16) of the block and keys [kw WARP_KEYS, (kw + 1) WARP_KEYS) of
 // each tile, keeps its own online softmax, and accumulates O += P V in registers;
 // the KEY_WARPS warps of a row tile merge by log-sum-exp at the end.
-template <typename T, int D, int ROW_WARPS, int STAGES>
+template <typename T, int D, int ROW_WARPS, int STAGES, int BN>
 __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ? 3 : 1)
     kvcache_decode_tc(
     CUFLASH_DECODE_PARAMS(T)) {
-    using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES>;
+    using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES, BN>;
     static_assert(STAGES >= 2, "at least double buffering");
     using Op = TensorOp<T>;
-    constexpr int CH = Shape::CH, BN = Shape::BN, PITCH = Shape::PITCH, BM = Shape::BM;
+    constexpr int CH = Shape::CH, PITCH = Shape::PITCH, BM = Shape::BM;
     constexpr int KEY_WARPS = Shape::KEY_WARPS, WARP_KEYS = Shape::WARP_KEYS;
     constexpr int NT = WARP_KEYS / 8;  // 8-key tiles of S a warp
     constexpr int DT = D / 8;          // 8-column tiles of O
@@ -548,9 +616,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     const int rows_total = q_len * group;
     const int kv_len = cached_length(seqlens, seqlen_value, b, new_len, capacity) + new_len;
     const Mask mask{q_len, kv_len, win_left, win_right};
-    const CacheRows rows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
-                                                : nullptr,
-                         b, block_size, num_blocks};
+    const CacheRows rows = cache_rows(block_table, b, max_blocks, block_size, num_blocks);
 
     // The block's key range (rows are sorted by query index, so the first and the
     // last row bound it), this thread's two rows' ranges, the keys every row of
@@ -577,23 +643,29 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
         full_hi = min(full_hi, __shfl_xor_sync(0xffffffffu, full_hi, o));
     }
     const int tiles = range_hi > range_lo ? (range_hi - range_lo + BN - 1) / BN : 0;
+    // The split's tiles: `count` consecutive ones from `first`.
     const int per_split = (tiles + num_splits - 1) / num_splits;
-    const int tile_begin = min(tiles, split * per_split);
-    const int tile_end = min(tiles, tile_begin + per_split);
+    const int first = min(tiles, split * per_split);
+    const int count = min(tiles, first + per_split) - first;
+    auto tile_of = [&](int step) { return first + step; };
 
     const T* k_head = k_cache + hk * k_sh;
     const T* v_head = v_cache + hk * v_sh;
-    auto load_tile = [&](int stage, int tile) {
+    // `pages` holds the block ids of the next tile to load, read a tile ahead.
+    TilePages<BN, CH> pages;
+    auto load_tile = [&](int stage, int step) {
         uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
         load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
-                                       range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss,
-                                       aligned != 0);
+                                       pages, range_lo + tile_of(step) * BN, range_hi, k_sb,
+                                       k_ss, v_sb, v_ss, aligned != 0);
+        if (step + 1 < count) pages.read(rows, range_lo + tile_of(step + 1) * BN, range_hi);
     };
     // STAGES - 1 tiles in flight while Q loads (empty groups keep the count uniform).
+    if (count > 0) pages.read(rows, range_lo + first * BN, range_hi);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (tile_begin + st < tile_end) {
-            load_tile(st, tile_begin + st);
+        if (st < count) {
+            load_tile(st, st);
         } else {
             cp_async_commit();
         }
@@ -618,12 +690,12 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
     const uint4* q_rows = q_s + (rw * 16 + a_row) * PITCH + a_chunk;
 
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-        const int step = tile - tile_begin, stage = step % STAGES;
+    for (int step = 0; step < count; ++step) {
+        const int tile = tile_of(step), stage = step % STAGES;
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile `step` is in; every warp is done with step - 1's stage
-        if (tile + STAGES - 1 < tile_end) {
-            load_tile((step + STAGES - 1) % STAGES, tile + STAGES - 1);
+        if (step + STAGES - 1 < count) {
+            load_tile((step + STAGES - 1) % STAGES, step + STAGES - 1);
         } else {
             cp_async_commit();
         }
@@ -667,19 +739,25 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
                     new_max[e >> 1] = fmaxf(new_max[e >> 1], x);
                 }
             }
-            float base[2];
+            float base[2], alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
                 new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
                 base[r] = new_max[r] == neg_inf() ? 0.f : new_max[r];
-                const float alpha = fast_exp2(row_max[r] - base[r]);
+                alpha[r] = fast_exp2(row_max[r] - base[r]);
                 row_max[r] = new_max[r];
-                row_sum[r] *= alpha;
+                row_sum[r] *= alpha[r];
+            }
+            // Past the first tiles a row's maximum seldom moves: the warp rescales its
+            // accumulator only when some row's does (a NaN scale counts as moved).
+            if (__any_sync(0xffffffffu, !(alpha[0] == 1.f && alpha[1] == 1.f))) {
 #pragma unroll
                 for (int d = 0; d < DT; ++d) {
-                    o_acc[d][2 * r] *= alpha;
-                    o_acc[d][2 * r + 1] *= alpha;
+                    o_acc[d][0] *= alpha[0];
+                    o_acc[d][1] *= alpha[0];
+                    o_acc[d][2] *= alpha[1];
+                    o_acc[d][3] *= alpha[1];
                 }
             }
 #pragma unroll

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
-    CUFLASH_SEQUENCE_OF(kv_len);
+    CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ql = Qh + BM * DP;

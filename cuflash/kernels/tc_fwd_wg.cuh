@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(128 * WG, 1) attention_fwd_wgmma(
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
-    CUFLASH_SEQUENCE_OF(kv_len);
+    CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * DL;      // two buffers of BN x DL

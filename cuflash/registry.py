@@ -86,6 +86,9 @@ class KernelSpec:
     exact_head_dims: bool = False
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
+    # (smallest, largest) head_dim served to calls without score modifiers where that
+    # differs from head_dims (their compiled roles keep head_dims), else None.
+    plain_head_dims: tuple = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
     # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
@@ -99,10 +102,14 @@ class KernelSpec:
     # backward; None: a user's mask is evaluated on every tile.
     block_tiles: object = None
 
-    def serves_head_dim(self, head_dim):
+    def serves_head_dim(self, head_dim, modified=True):
+        """Whether it serves ``head_dim``; ``modified`` False: for a call without score
+        modifiers (``plain_head_dims`` where given)."""
         if self.exact_head_dims:
             return head_dim in self.head_dims
-        return self.head_dims[0] <= head_dim <= self.head_dims[1]
+        low, high = self.head_dims if modified or self.plain_head_dims is None \
+            else self.plain_head_dims
+        return low <= head_dim <= high
 
     def serves_dtype(self, dtype, allow_tf32=False):
         dtype = np.dtype(dtype)
@@ -307,9 +314,13 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # In order of preference within each direction: the dispatch takes the first
 # kernel that serves the call.
 KERNELS = (
+    # Calls without modifiers up to D = 32 take forward_wgmma, two blocks an SM there
+    # (attention_fwd_wgmma's launch bounds): a key tile's products are too short to hide
+    # one block's softmax, and two blocks' hide each other's.
     KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
                "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),
+               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True,
+               plain_head_dims=(40, 128)),
     KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
                modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),
@@ -398,7 +409,7 @@ def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
     for spec in KERNELS:
         if (spec.direction != direction or spec.name in excluded
                 or sm not in spec.archs or (spec.needs_sm90a and compute_capability != 90)
-                or not spec.serves_head_dim(head_dim)
+                or not spec.serves_head_dim(head_dim, modified)
                 or not spec.serves_dtype(dtype, allow_tf32)
                 or (modified and not spec.modifiers)):
             continue
@@ -418,6 +429,9 @@ def coverage_table():
         gpus = "sm_90 (H100/H200)" if spec.archs == HOPPER else "sm_80 and newer"
         dims = (", ".join(map(str, spec.head_dims)) if spec.exact_head_dims
                 else f"{spec.head_dims[0]}-{spec.head_dims[1]}")
+        if spec.plain_head_dims is not None:
+            low, high = spec.plain_head_dims
+            dims += f" ({low}-{high} without modifiers)"
         rows.append(f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
                     f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |")
     return "\n".join(rows)

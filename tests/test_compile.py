@@ -94,6 +94,11 @@ def test_dispatch_order():
     assert registry.choose("forward", bf16, 64, 90, tensor_cores=False).name == "forward_general"
     assert registry.choose("forward", bf16, 64, 90).name == "forward_wgmma_pipelined"
     assert registry.choose("forward", bf16, 200, 90).name == "forward_wgmma"
+    # up to D = 32 the unpipelined kernel at two blocks an SM, unless scores are modified
+    assert registry.choose("forward", bf16, 32, 90).name == "forward_wgmma"
+    assert registry.choose("forward", bf16, 40, 90).name == "forward_wgmma_pipelined"
+    assert registry.choose("forward", bf16, 32, 90, modified=True).name == \
+        "forward_wgmma_pipelined"
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_pipelined", "forward_wgmma"}

@@ -330,8 +330,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     Notes
     -----
     CuPy arrays run on the current device and stream: the append, the
-    split-KV attention kernel and the combine of the splits, in that order.
-    Accumulation is always float32.
+    split-KV attention kernel and the combine of the splits, in that order
+    (long query chunks on a contiguous cache take the dense forward's kernels
+    after the append instead: see the KV-cache page). Accumulation is always
+    float32.
     """
     key = None
     if (check is False and not isinstance(cache_seqlens, numbers.Integral)

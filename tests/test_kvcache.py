@@ -473,6 +473,28 @@ def test_decode_shape_fits_every_gpu():
     assert 2 * (decode_tc_shape(128, 1, 3)[2] + 1024) <= 228 * 1024
 
 
+def test_pipeline_depth_follows_the_longest_sequence():
+    """Three K/V tiles in the tensor-core decode kernel's pipeline (two blocks an SM) for
+    sequences of LONG_CACHE_KEYS keys or more up to head_dim 128, two otherwise."""
+    dtype = DTYPES["bfloat16"]
+
+    def stages(lengths, head_dim=128, capacity=4096, new_len=0):
+        q = np.zeros((2, 8, 1, head_dim), dtype)
+        cache = np.zeros((2, 2, capacity, head_dim), dtype)
+        new = np.zeros((2, 2, new_len, head_dim), dtype) if new_len else None
+        problem = kvcache.kvcache_problem(q, cache, cache, 8, 2, head_dim, True, 0, lengths,
+                                          new, new, None, None, False, False)
+        name = kvcache.decode_kernel(problem)[0]
+        return int(name.split(",")[3])
+
+    long_enough = kvcache.LONG_CACHE_KEYS
+    assert stages(np.array([10, long_enough], np.int32)) == 3
+    assert stages(np.array([10, long_enough - 1], np.int32)) == 2
+    assert stages(np.array([10, long_enough - 1], np.int32), new_len=1) == 3  # after the append
+    assert stages(100) == 2
+    assert stages(np.array([0, 4000], np.int32), head_dim=256) == 2
+
+
 def test_key_count_kernels_are_the_registrys():
     """The forward kernels that read per-entry key counts (CUFLASH_FORWARD_SEQUENCE) are the
     registry's ``reads_key_counts`` ones: the dense path of device-held lengths trusts it."""

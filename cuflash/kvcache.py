@@ -35,8 +35,8 @@ BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of 
 TC_STAGES = 2
 LONG_CACHE_STAGES = 3
 LONG_CACHE_KEYS = 2048
-# With this many packed query rows (S_q x group) or more, a host-held length
-# and a contiguous cache, the dense tensor-core forward serves the call.
+# With this many packed query rows (S_q x group) or more and a contiguous cache, the
+# dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
 CPU_KEY_BLOCK = 512
 CPU_ROW_BLOCK = 256

@@ -134,6 +134,7 @@ struct TileChunks {
     static constexpr int ITERS = (BN * CH + kDecodeThreads - 1) / kDecodeThreads;
     static constexpr bool EVEN = kDecodeThreads % CH == 0;
     static constexpr int ROWS_A_PASS = EVEN ? kDecodeThreads / CH : 0;
+    static_assert(!EVEN || BN % ROWS_A_PASS == 0, "a column's passes cover whole rows");
 
     __device__ static __forceinline__ bool covers(int it) {
         return (it + 1) * kDecodeThreads <= BN * CH ||

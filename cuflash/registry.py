@@ -384,10 +384,12 @@ BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
 
 def variant_roles(dtype, head_dim, sm):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
-    generation ``sm``)."""
+    generation ``sm``); a kernel's roles without score modifiers only where it serves such
+    calls (``plain_head_dims``)."""
     return {role: spec.name_expression(role, dtype, head_dim)
             for spec in KERNELS if spec.compiled_for(dtype, head_dim, sm)
-            for role in spec.roles()}
+            for role in spec.roles()
+            if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)}
 
 
 def generation(compute_capability):

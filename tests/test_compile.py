@@ -89,6 +89,26 @@ def test_every_head_dim_has_tensor_core_kernels():
         registry.choose("forward", np.float64, 64, 90)
 
 
+def test_every_chosen_kernel_is_in_its_variant():
+    """The roles the dispatch can choose for calls without modifiers are compiled in the
+    variant the GPU path loads, and a kernel's plain roles are left out only where it serves
+    no plain call (forward_wgmma_pipelined up to D = 32)."""
+    for dtype in registry.SIXTEEN_BIT_DTYPES + (np.dtype(np.float32),):
+        for head_dim in kernel_build.HEAD_DIMS:
+            for capability in (80, 90):
+                names = kernel_build.Variant(dtype, head_dim,
+                                             registry.generation(capability)).kernel_names()
+                for direction in ("forward", "backward"):
+                    for tensor_cores in (True, False):
+                        spec = registry.choose(direction, dtype, head_dim, capability,
+                                               tensor_cores=tensor_cores)
+                        assert spec.role() in names, (spec.name, dtype, head_dim)
+    bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
+    small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (32, 40))
+    assert "forward_wgmma_pipelined" not in small and "forward_wgmma_pipelined" in large
+    assert "forward_wgmma_pipelined_modified" in small
+
+
 def test_dispatch_order():
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     assert registry.choose("forward", bf16, 64, 90, tensor_cores=False).name == "forward_general"

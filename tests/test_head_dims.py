@@ -66,28 +66,17 @@ def test_every_head_dim_split_d_backward(case, rng, poisoned):
         run_and_check(case, cupy, rng)
 
 
-@pytest.mark.parametrize("case", FLOAT32, ids=str)
+@pytest.mark.parametrize("case", FLOAT32 + FLOAT32_WIDE, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_float32_every_head_dim_on_pieces(case, deterministic, rng, poisoned):
-    """float32 at float32 accuracy on the 16-bit wgmma, head dims up to 128."""
+    """float32 at float32 accuracy on the 16-bit wgmma: up to head_dim 128 the pieces
+    kernels, at 136-256 the wide forward and the wide backward (dK and dV, then dQ by its
+    own kernel)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     q, k, v, _ = random_inputs(case, rng, cupy)
     p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
-    assert gpu.choose(p, "forward", True).name == "forward_float32_pieces"
-    assert gpu.choose(p, "backward", True).name == "backward_float32_pieces"
-    run_and_check(case, cupy, rng, deterministic=deterministic)
-
-
-@pytest.mark.parametrize("case", FLOAT32_WIDE, ids=str)
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_float32_wide_head_dims_on_pieces(case, deterministic, rng, poisoned):
-    """float32 at float32 accuracy on the 16-bit wgmma at head dims 136-256: the wide
-    forward, and the wide backward (dK and dV, then dQ by its own kernel)."""
-    if not _hopper():
-        pytest.skip("wgmma needs compute capability 9.0")
-    q, k, v, _ = random_inputs(case, rng, cupy)
-    p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
-    assert gpu.choose(p, "forward", True).name == "forward_float32_pieces_wide"
-    assert gpu.choose(p, "backward", True).name == "backward_float32_pieces_wide"
+    wide = "_wide" if case.head_dim > 128 else ""
+    assert gpu.choose(p, "forward", True).name == "forward_float32_pieces" + wide
+    assert gpu.choose(p, "backward", True).name == "backward_float32_pieces" + wide
     run_and_check(case, cupy, rng, deterministic=deterministic)

@@ -352,17 +352,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     // skipped; every other row is written, zeros included.
     float* dst = wg == 0 ? dv : dk;
     const float out_scale = (wg == 0 ? 1.f : scale) * (1.f / (1 << LOG2_GAIN));
-    const long long tile_key = offset_of(dkv_st, b, hk, n0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = warp_row + g + 8 * r;
-        if (key >= seq.key_rows - n0) continue;
-        float2* row = reinterpret_cast<float2*>(dst + tile_key + key * dkv_st.s);
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-            if (D == DP || d * 8 < D)  // past D: the pieces' padding columns
-                row[d * 4 + t] = make_float2(own[d][2 * r] * out_scale, own[d][2 * r + 1] * out_scale);
-    }
+    store_key_rows<D>(dst + offset_of(dkv_st, b, hk, n0), dkv_st.s, own, warp_row, g, t,
+                      seq.key_rows - n0, out_scale);
 }
 
 }  // namespace cuflash

@@ -54,6 +54,27 @@ __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, uns
     lo = TensorOp<half_t>::pack(x0 - h0, x1 - h1);
 }
 
+// A warpgroup's rows of dK or dV from its float32 accumulator (the m64 fragment
+// of COLS 8-column tiles), times out_scale: `dst` is the tile's first row (row
+// stride ss); rows at or past valid_rows are skipped, columns past D not written
+// (the pieces' padding).
+template <int D, int COLS>
+__device__ __forceinline__ void store_key_rows(float* dst, long long ss,
+                                               const float (&own)[COLS][4], int warp_row,
+                                               int g, int t, int valid_rows, float out_scale) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = warp_row + g + 8 * r;
+        if (key >= valid_rows) continue;
+        float2* row = reinterpret_cast<float2*>(dst + key * ss);
+#pragma unroll
+        for (int d = 0; d < COLS; ++d)
+            if (d * 8 < D)
+                row[d * 4 + t] = make_float2(own[d][2 * r] * out_scale,
+                                             own[d][2 * r + 1] * out_scale);
+    }
+}
+
 // An m64 accumulator fragment of 2 KSTEPS 8-column tiles as the hi and lo
 // pieces of wgmma A fragments, one a k16 step (the columns become the k index).
 template <int KSTEPS>

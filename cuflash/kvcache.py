@@ -26,7 +26,8 @@ SOURCE_FILE = "decode.cu"
 THREADS = 128
 TILE_BYTES = 16384  # kDecodeTileBytes of decode.cu
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
-MAX_SPLITS = 128
+NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
+MAX_SPLITS = 128  # kMaxSplits of decode.cu: the combine takes a thread a split
 MIN_KEYS_PER_SPLIT = 256
 BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
 # K/V tiles in the tensor-core kernel's pipeline: 2 (three blocks an SM up to head_dim
@@ -481,7 +482,7 @@ def decode_shape(itemsize, head_dim, rows):
 
 
 def decode_tc_shape(head_dim, row_warps, stages, keys=None):
-    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys>``
+    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys, paged>``
     (``DecodeTcShape`` of decode.cu): keys a tile, packed query rows a block and the
     dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
     keys = decode_tc_keys(head_dim) if keys is None else keys
@@ -516,6 +517,17 @@ def longest_sequence(problem):
     return problem.capacity
 
 
+def decode_tc_name(problem, row_warps, stages, keys):
+    """The name expression of ``kvcache_decode_tc`` with these tiles for ``problem``: its
+    own instantiation for a paged cache, and the narrow one (the query rows as the MMA's
+    8-wide N, K and V as its A operand: half the products) where a block's packed query
+    rows fit 8."""
+    narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
+    return (f"cuflash::kvcache_decode_tc<{_cxx_type(problem.dtype)}, {problem.head_dim}, "
+            f"{row_warps}, {stages}, {keys}, {'true' if problem.paged else 'false'}, "
+            f"{'true' if narrow else 'false'}>")
+
+
 def uses_tensor_cores(problem):
     """float16/bfloat16 with head_dim a multiple of 16 run on mma.sync (kvcache_decode_tc)."""
     return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
@@ -531,8 +543,8 @@ def decode_kernel(problem):
         row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
         stages = decode_tc_stages(problem.head_dim, longest_sequence(problem))
         keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages)
-        return (f"cuflash::kvcache_decode_tc<{cxx}, {problem.head_dim}, {row_warps}, "
-                f"{stages}, {keys_per_tile}>", keys_per_tile, rows, shared)
+        name = decode_tc_name(problem, row_warps, stages, keys_per_tile)
+        return name, keys_per_tile, rows, shared
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim,
                                          rows)
@@ -758,7 +770,7 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         shared_mem=shared)
     if splits > 1:
         combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
-        combine((-(-part_rows // 4),), (THREADS,), (part_out, part_lse, out, lse,
+        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse,
                                                     np.int64(part_rows), np.int32(splits)))
     return out, lse
 
@@ -822,7 +834,7 @@ class DecodePlan:
         if self.splits > 1:
             self.combine = Launch(
                 _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
-                (-(-self.part_rows // 4),), THREADS, 0,
+                (self.part_rows,), THREADS, 0,
                 (np.int64(self.part_rows), np.int32(self.splits)))
             # The splits' partial rows and their lse in one workspace (256-byte aligned).
             self.part_lse_offset = -(-4 * self.part_rows * self.splits * problem.head_dim

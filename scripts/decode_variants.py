@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from cuflash import kvcache, plans
-from cuflash.kvcache import decode_tc_shape, flash_attention_with_kvcache
+from cuflash.kvcache import decode_tc_name, decode_tc_shape, flash_attention_with_kvcache
 
 CASES = [(1, 32768, 0, 1), (16, 8192, 0, 1), (64, 2048, 0, 1), (256, 512, 0, 1),
          (1, 32768, 16, 1), (16, 8192, 16, 1), (64, 2048, 16, 1), (256, 512, 16, 1),
@@ -76,8 +76,8 @@ def use_variant(original, keys, stages, smem_floor=0):
             return name, k, rows, shared
         row_warps = rows // 16
         k, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages, keys)
-        return (f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {problem.head_dim}, "
-                f"{row_warps}, {stages}, {keys}>", k, rows, max(shared, smem_floor))
+        return (decode_tc_name(problem, row_warps, stages, keys), k, rows,
+                max(shared, smem_floor))
     return chosen
 
 
@@ -94,8 +94,9 @@ def warm(variants):
 
     names = ["cuflash::kvcache_append<cuflash::bf16_t>",
              f"cuflash::kvcache_combine<cuflash::bf16_t, {HEAD_DIM}>"]
-    names += [f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {HEAD_DIM}, 1, {stages}, {keys}>"
-              for _, keys, stages in variants]
+    names += [f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {HEAD_DIM}, 1, {stages}, {keys}, "
+              f"{paged}, {narrow}>" for _, keys, stages in variants
+              for paged in ("false", "true") for narrow in ("false", "true")]
     with ProcessPoolExecutor(len(names)) as pool:
         for name in pool.map(_compile, names):
             print("compiled", name, flush=True)

@@ -105,7 +105,7 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 def kvcache_and_ring_calls(rng, head_dims):
     """Decoding from a paged cache with the score modifiers (device lengths, one of them
     garbage), also with user functions whose array values are garbage indices (clamped by
-    the kernels), a chunk of queries on a contiguous cache (the dense forward) with
+    the kernels), one row a sequence on small blocks and on a window across blocks, a chunk of queries on a contiguous cache (the dense forward) with
     garbage lengths, and ring attention over two virtual ranks (the merge kernel); the count
     of NaN results."""
     from cuflash import distributed as dist
@@ -134,6 +134,17 @@ def kvcache_and_ring_calls(rng, head_dims):
                 alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)),
                 **given)
             failures += lengths[1] < 48 and bool(cupy.isnan(out).any())
+        # one row a sequence (the narrow kernel) on blocks of 8 keys (block ids read with
+        # the copies) and on a window that starts inside blocks (loads across two)
+        q_row = q[:, :, :1]
+        small_blocks = [x.reshape(12, 2, 8, d) for x in (k_cache, v_cache)]
+        for blocks, ids, window in ((small_blocks, np.arange(12).reshape(2, 6), 0),
+                                    ((k_cache, v_cache), table.get(), 21)):
+            out = cuflash.flash_attention_with_kvcache(
+                q_row, *blocks, 4, 2, d, window_size=window, cache_seqlens=cupy.asarray(
+                    np.array([40, 10**6], np.int32)), block_table=cupy.asarray(
+                    ids.astype(np.int32)))
+            failures += bool(cupy.isnan(out[0]).any())
         # a chunk of 32 rows (x 2 heads a KV head): the dense forward, its key counts
         # written by the append from garbage lengths
         q_chunk = cupy.asarray(rng.standard_normal((2, 4, 32, d)).astype(dtype))

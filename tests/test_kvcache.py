@@ -209,6 +209,12 @@ CASES = [
     KVCase(dtype="bfloat16", block_size=32, capacity=96, new_len=1, vllm_layout=True,
            heads=8, kv_heads=4, head_dim=256),
     KVCase(dtype="float16", block_size=5, capacity=35, new_len=6, q_len=6, lengths="full"),
+    # one query row a sequence on blocks below 16 keys and on 24-key blocks under a window
+    # (the tensor-core kernel's loads inside one block, across two, block ids per copy)
+    KVCase(dtype="bfloat16", block_size=8, capacity=96, new_len=1, heads=8, kv_heads=2,
+           head_dim=128),
+    KVCase(dtype="float16", block_size=24, capacity=120, heads=8, kv_heads=1, head_dim=64,
+           window=37),
     # masking: windows, no causal, a tuple window, a custom scale, an int length
     KVCase(dtype="float32", window=5, q_len=3, new_len=3),
     KVCase(dtype="bfloat16", causal=False, q_len=4, lengths="int", head_dim=120),
@@ -415,7 +421,10 @@ def _kernel_names(dtype_names, head_dims):
             names += [f"cuflash::kvcache_decode<{cxx}, {d}, {rm}>" for rm in ROW_TILES]
             if DTYPES[dtype].itemsize == 2 and d % 16 == 0:
                 names += [f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}, "
-                          f"{decode_tc_keys(d)}>" for rw in (1, 2, 4) for stages in (2, 3)]
+                          f"{decode_tc_keys(d)}, {paged}, {narrow}>"
+                          for rw, narrow in ((1, "true"), (1, "false"), (2, "false"),
+                                             (4, "false"))
+                          for stages in (2, 3) for paged in ("false", "true")]
     return names
 
 
@@ -425,8 +434,10 @@ def test_decode_kernels_compile_without_spills(arch):
     slow test below compiles every dtype, head_dim and tile)."""
     names = ["cuflash::kvcache_append<cuflash::bf16_t>",
              "cuflash::kvcache_combine<cuflash::bf16_t, 128>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 3, 64, true, true>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, false>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, true, false>",
              "cuflash::kvcache_decode<float, 128, 4>"]
     compile_and_check("decode.cu", names, arch)
 
@@ -511,6 +522,16 @@ def test_key_count_kernels_are_the_registrys():
         body = source[start.end():]
         uses = re.search(r"CUFLASH_FORWARD_SEQUENCE|CUFLASH_SEQUENCE_OF", body).group(0)
         assert (uses == "CUFLASH_FORWARD_SEQUENCE") == spec.reads_key_counts, spec.name
+
+
+def test_split_cap_is_the_combines():
+    """The combine takes a thread a split: MAX_SPLITS is its kMaxSplits (kDecodeThreads)."""
+    import re
+
+    source = kernel_build.module_source("decode.cu")
+    assert re.search(r"constexpr int kMaxSplits = kDecodeThreads;", source)
+    assert re.search(rf"constexpr int kDecodeThreads = {kvcache.THREADS};", source)
+    assert kvcache.MAX_SPLITS == kvcache.THREADS
 
 
 def test_split_choice():

@@ -453,8 +453,9 @@ def test_decode_kernels_with_user_functors_compile(arch, rng):
     from cuflash import kernel_build
 
     score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
-    names = ["cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64>",
+    names = ["cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, true, false>",
+             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, false, false>",
              "cuflash::kvcache_decode<float, 128, 4>",
              "cuflash::kvcache_decode<cuflash::half_t, 64, 8>"]
     for functors in (kernel_build.UserFunctors.of(score_mod, mask_mod),

@@ -125,102 +125,194 @@ __device__ __forceinline__ void unpack(const uint4& c, float (&x)[N]) {
     }
 }
 
-// Which 16-byte chunks of a [BN][CH]-chunk tile this thread copies: chunk
-// (row_of(it), chunk_of(it)) in pass `it` of ITERS, while covers(it). Where CH
-// divides the block's threads, a thread keeps one chunk column and its rows step
-// by ROWS_A_PASS.
-template <int BN, int CH>
+// Which 16-byte chunks of a [BN][CH]-chunk tile thread `thread` of the THREADS that
+// copy it takes: chunk (row_of(it), chunk_of(it)) in pass `it` of ITERS, while
+// covers(it). Where CH divides THREADS, a thread keeps one chunk column and its rows
+// step by ROWS_A_PASS.
+template <int BN, int CH, int THREADS>
 struct TileChunks {
-    static constexpr int ITERS = (BN * CH + kDecodeThreads - 1) / kDecodeThreads;
-    static constexpr bool EVEN = kDecodeThreads % CH == 0;
-    static constexpr int ROWS_A_PASS = EVEN ? kDecodeThreads / CH : 0;
+    static constexpr int ITERS = (BN * CH + THREADS - 1) / THREADS;
+    static constexpr bool EVEN = THREADS % CH == 0;
+    static constexpr int ROWS_A_PASS = EVEN ? THREADS / CH : 0;
     static_assert(!EVEN || BN % ROWS_A_PASS == 0, "a column's passes cover whole rows");
 
-    __device__ static __forceinline__ bool covers(int it) {
-        return (it + 1) * kDecodeThreads <= BN * CH ||
-               static_cast<int>(threadIdx.x) + it * kDecodeThreads < BN * CH;
+    __device__ static __forceinline__ bool covers(int it, int thread) {
+        return (it + 1) * THREADS <= BN * CH || thread + it * THREADS < BN * CH;
     }
-    __device__ static __forceinline__ int row_of(int it) {
-        if constexpr (EVEN) return static_cast<int>(threadIdx.x) / CH + it * ROWS_A_PASS;
-        return (static_cast<int>(threadIdx.x) + it * kDecodeThreads) / CH;
+    __device__ static __forceinline__ int row_of(int it, int thread) {
+        if constexpr (EVEN) return thread / CH + it * ROWS_A_PASS;
+        return (thread + it * THREADS) / CH;
     }
-    __device__ static __forceinline__ int chunk_of(int it) {
-        if constexpr (EVEN) return static_cast<int>(threadIdx.x) % CH;
-        return (static_cast<int>(threadIdx.x) + it * kDecodeThreads) % CH;
+    __device__ static __forceinline__ int chunk_of(int it, int thread) {
+        if constexpr (EVEN) return thread % CH;
+        return (thread + it * THREADS) % CH;
     }
 };
 
-// The block ids (paged cache) of the rows of keys [key0, key0 + BN) that this
-// thread copies in load_kv_tile; keys past key_end - 1 take its block. Read a
-// tile ahead of its copies, so that the block-table reads are not in the
-// copies' latency. Unused (and not read) for a contiguous cache.
-template <int BN, int CH>
-struct TilePages {
-    using Chunks = TileChunks<BN, CH>;
-    int page[Chunks::ITERS];
+// Blocks of at least this many keys: a thread's rows of one load lie in a few
+// consecutive blocks, whose ids TileSource holds (smaller blocks read theirs per copy).
+constexpr int kRunBlockKeys = 16;
 
+// Where this thread's chunks of the tiles come from: the BN rows of each load, the
+// loads STRIDE rows apart, in order. A contiguous cache: the K and V addresses of the
+// chunk in its first row of the next load (where the 16-byte path keeps one chunk
+// column a thread). A paged cache (PAGED: the kernel may be given one): the ids of the
+// blocks its rows of keys [key0, key0 + BN) lie in (keys past key_end - 1 take its
+// block), read a load ahead of their copies so that the block-table reads are not in
+// the copies' latency: one a row where the thread has few rows, else the PAGES
+// consecutive blocks from the one of its first row (blocks of kRunBlockKeys keys or
+// more; below, the ids are read with the copies).
+template <typename T, int BN, int CH, int THREADS, int STRIDE, bool PAGED>
+struct TileSource {
+    using Chunks = TileChunks<BN, CH, THREADS>;
+    static constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
+    static constexpr int SPAN = (BN - 1 + kRunBlockKeys - 1) / kRunBlockKeys + 1;
+    static constexpr bool BY_ROW = Chunks::ITERS <= SPAN;
+    static constexpr int PAGES = BY_ROW ? Chunks::ITERS : SPAN;
+    int thread;  // this thread's index among the THREADS that copy the tiles
+    const T* k_next;
+    const T* v_next;
+    int page[PAGED ? PAGES : 1];
+    int first_slot;  // the block-table slot of page[0] (not BY_ROW)
+
+    // The contiguous cursor at the load of keys from key0 (unused by a paged cache).
+    __device__ __forceinline__ void start(const T* k_head, const T* v_head, const CacheRows& rows,
+                                          int key0, long long k_sb, long long k_ss,
+                                          long long v_sb, long long v_ss) {
+        const long long row = key0 + Chunks::row_of(0, thread);
+        const int column = Chunks::chunk_of(0, thread) * ELEMS;
+        k_next = k_head + rows.batch_index * k_sb + row * k_ss + column;
+        v_next = v_head + rows.batch_index * v_sb + row * v_ss + column;
+    }
+    __device__ __forceinline__ bool contiguous(const CacheRows& rows) const {
+        return !PAGED || rows.table == nullptr;
+    }
+    // The block ids of the load of keys from key0.
     __device__ __forceinline__ void read(const CacheRows& rows, int key0, int key_end) {
-        if (rows.table == nullptr) return;
+        if constexpr (PAGED) {
+            if (rows.table == nullptr) return;
+            if constexpr (BY_ROW) {
 #pragma unroll
-        for (int it = 0; it < Chunks::ITERS; ++it)
-            page[it] = rows.page(min(key0 + Chunks::row_of(it), key_end - 1));
+                for (int it = 0; it < PAGES; ++it)
+                    page[it] = rows.page(min(key0 + Chunks::row_of(it, thread), key_end - 1));
+            } else {
+                if (rows.block_size < kRunBlockKeys) return;
+                first_slot = rows.slot(min(key0 + Chunks::row_of(0, thread), key_end - 1));
+#pragma unroll
+                for (int q = 0; q < PAGES; ++q)
+                    page[q] = rows.page(min((first_slot + q) * rows.block_size, key_end - 1));
+            }
+        }
+    }
+    // The block of key j (< key_end), of row j - key0 = row_of(it) of the load read.
+    __device__ __forceinline__ int block_of(const CacheRows& rows, int it, int j) const {
+        if constexpr (!PAGED) {
+            return rows.batch_index;
+        } else {
+            if (rows.table == nullptr) return rows.batch_index;
+            if constexpr (BY_ROW) {
+                return page[it];
+            } else {
+                if (rows.block_size < kRunBlockKeys) return rows.page(j);
+                const int q = rows.slot(j) - first_slot;
+                int block = page[0];
+#pragma unroll
+                for (int p = 1; p < PAGES; ++p) block = q == p ? page[p] : block;
+                return block;
+            }
+        }
     }
 };
 
 // Keys [key0, key0 + BN) of one KV head into shared memory ([BN][PITCH] 16-byte
 // chunks for K and for V), keys at or past key_end as zeros (never read): 16-byte
 // cp.async (one commit group), or element by element where rows are not 16-byte
-// aligned. A contiguous cache steps each thread's row addresses by a constant;
-// a paged one takes the blocks `pages` read.
-template <typename T, int BN, int CH, int PITCH>
+// aligned. Where the rows are one run of memory rows (a contiguous cache, or a full
+// load inside one block of a paged one), each thread keeps its chunk column and steps
+// its addresses by a constant, at fixed offsets where the rows are dense; elsewhere
+// each copy takes its block from `source`.
+template <typename T, int BN, int CH, int PITCH, int THREADS, int STRIDE, bool PAGED>
 __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T* k_head,
                                              const T* v_head, const CacheRows& rows,
-                                             const TilePages<BN, CH>& pages, int key0,
-                                             int key_end, long long k_sb, long long k_ss,
-                                             long long v_sb, long long v_ss, bool aligned) {
-    using Chunks = TileChunks<BN, CH>;
+                                             TileSource<T, BN, CH, THREADS, STRIDE, PAGED>& source,
+                                             int key0, int key_end, long long k_sb,
+                                             long long k_ss, long long v_sb, long long v_ss,
+                                             bool aligned) {
+    using Chunks = TileChunks<BN, CH, THREADS>;
     constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
-    if (aligned && rows.table == nullptr && Chunks::EVEN) {
-        const int n0 = Chunks::row_of(0), c = Chunks::chunk_of(0);
-        const T* k_src = k_head + rows.batch_index * k_sb + (key0 + n0) * k_ss + c * ELEMS;
-        const T* v_src = v_head + rows.batch_index * v_sb + (key0 + n0) * v_ss + c * ELEMS;
-        const long long k_step = Chunks::ROWS_A_PASS * k_ss, v_step = Chunks::ROWS_A_PASS * v_ss;
+    const int thread = source.thread;
+    const bool full = key0 + BN <= key_end;
+    const bool contiguous = source.contiguous(rows);
+    const T* k_src = source.k_next;
+    const T* v_src = source.v_next;
+    if (contiguous) {  // on to the next load whichever way this one copies
+        source.k_next += STRIDE * k_ss;
+        source.v_next += STRIDE * v_ss;
+    }
+    if constexpr (Chunks::EVEN) {
+        const bool one_block = !contiguous && full && rows.block_size >= kRunBlockKeys &&
+                               rows.slot(key0) == rows.slot(key0 + BN - 1);
+        if (aligned && (contiguous || one_block)) {
+            const int n0 = Chunks::row_of(0, thread), c = Chunks::chunk_of(0, thread);
+            if (!contiguous) {
+                const long long block = source.page[0], row = rows.row(key0) + n0;
+                k_src = k_head + block * k_sb + row * k_ss + c * ELEMS;
+                v_src = v_head + block * v_sb + row * v_ss + c * ELEMS;
+            }
+            constexpr long long PASS = Chunks::ROWS_A_PASS * CH * ELEMS;  // rows of D elements
+            const long long k_pass = Chunks::ROWS_A_PASS * k_ss;
+            const long long v_pass = Chunks::ROWS_A_PASS * v_ss;
+            if (full && k_pass == PASS && v_pass == PASS) {  // dense rows: fixed offsets
+#pragma unroll
+                for (int it = 0; it < Chunks::ITERS; ++it) {
+                    const int n = n0 + it * Chunks::ROWS_A_PASS;
+                    cp_async_16_stream(k_dst + n * PITCH + c, k_src + it * PASS, true);
+                    cp_async_16_stream(v_dst + n * PITCH + c, v_src + it * PASS, true);
+                }
+            } else {
+#pragma unroll
+                for (int it = 0; it < Chunks::ITERS; ++it) {
+                    const int n = n0 + it * Chunks::ROWS_A_PASS;
+                    const bool valid = full || key0 + n < key_end;
+                    cp_async_16_stream(k_dst + n * PITCH + c, valid ? k_src : k_head, valid);
+                    cp_async_16_stream(v_dst + n * PITCH + c, valid ? v_src : v_head, valid);
+                    k_src += k_pass;
+                    v_src += v_pass;
+                }
+            }
+            cp_async_commit();
+            return;
+        }
+    }
+    // Chunk `it`'s place in the tile and its rows in K and V.
+    struct Chunk { int dst; bool valid; const T* k_src; const T* v_src; };
+    auto chunk = [&](int it) {
+        const int n = Chunks::row_of(it, thread), c = Chunks::chunk_of(it, thread);
+        const int j = min(key0 + n, key_end - 1);
+        const long long block = source.block_of(rows, it, j);
+        const int row = rows.row(j);
+        return Chunk{n * PITCH + c, key0 + n < key_end,
+                     k_head + block * k_sb + row * k_ss + c * ELEMS,
+                     v_head + block * v_sb + row * v_ss + c * ELEMS};
+    };
+    if (aligned) {
 #pragma unroll
         for (int it = 0; it < Chunks::ITERS; ++it) {
-            const int n = n0 + it * Chunks::ROWS_A_PASS;
-            const bool valid = key0 + n < key_end;
-            cp_async_16(k_dst + n * PITCH + c, valid ? k_src + it * k_step : k_head, valid);
-            cp_async_16(v_dst + n * PITCH + c, valid ? v_src + it * v_step : v_head, valid);
+            if (!Chunks::covers(it, thread)) break;
+            const Chunk x = chunk(it);
+            cp_async_16_stream(k_dst + x.dst, x.valid ? x.k_src : k_head, x.valid);
+            cp_async_16_stream(v_dst + x.dst, x.valid ? x.v_src : v_head, x.valid);
         }
     } else {
-        // Chunk `it`'s place in the tile and its rows in K and V.
-        struct Chunk { int dst; bool valid; const T* k_src; const T* v_src; };
-        auto chunk = [&](int it) {
-            const int n = Chunks::row_of(it), c = Chunks::chunk_of(it), j = key0 + n;
-            const long long block = rows.table == nullptr ? rows.batch_index : pages.page[it];
-            const int row = rows.row(j);
-            return Chunk{n * PITCH + c, j < key_end, k_head + block * k_sb + row * k_ss + c * ELEMS,
-                         v_head + block * v_sb + row * v_ss + c * ELEMS};
-        };
-        if (aligned) {
+        for (int it = 0; it < Chunks::ITERS; ++it) {
+            if (!Chunks::covers(it, thread)) break;
+            const Chunk x = chunk(it);
+            T* kd = reinterpret_cast<T*>(k_dst + x.dst);
+            T* vd = reinterpret_cast<T*>(v_dst + x.dst);
 #pragma unroll
-            for (int it = 0; it < Chunks::ITERS; ++it) {
-                if (!Chunks::covers(it)) break;
-                const Chunk x = chunk(it);
-                cp_async_16(k_dst + x.dst, x.valid ? x.k_src : k_head, x.valid);
-                cp_async_16(v_dst + x.dst, x.valid ? x.v_src : v_head, x.valid);
-            }
-        } else {
-            for (int it = 0; it < Chunks::ITERS; ++it) {
-                if (!Chunks::covers(it)) break;
-                const Chunk x = chunk(it);
-                T* kd = reinterpret_cast<T*>(k_dst + x.dst);
-                T* vd = reinterpret_cast<T*>(v_dst + x.dst);
-#pragma unroll
-                for (int e = 0; e < ELEMS; ++e) {
-                    kd[e] = x.valid ? x.k_src[e] : T{};
-                    vd[e] = x.valid ? x.v_src[e] : T{};
-                }
+            for (int e = 0; e < ELEMS; ++e) {
+                kd[e] = x.valid ? x.k_src[e] : T{};
+                vd[e] = x.valid ? x.v_src[e] : T{};
             }
         }
     }
@@ -363,13 +455,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
 
     const T* k_head = k_cache + hk * k_sh;
     const T* v_head = v_cache + hk * v_sh;
+    // The tiles load in order, tile_begin first.
+    TileSource<T, BN, CH, kDecodeThreads, BN, true> source;
+    source.thread = tid;
+    source.start(k_head, v_head, rows, range_lo + tile_begin * BN, k_sb, k_ss, v_sb, v_ss);
     auto load_tile = [&](int stage, int tile) {
         uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
-        TilePages<BN, CH> pages;
-        pages.read(rows, range_lo + tile * BN, range_hi);
-        load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
-                                       pages, range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb,
-                                       v_ss, aligned != 0);
+        source.read(rows, range_lo + tile * BN, range_hi);
+        load_kv_tile<T, BN, CH, PITCH, kDecodeThreads, BN, true>(
+            k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows, source,
+            range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss, aligned != 0);
     };
     if (tile_begin < tile_end) load_tile(0, tile_begin);  // in flight while Q loads
 
@@ -556,6 +651,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
     }
 }
 
+// A barrier of the THREADS threads of key slice `slice` (named barrier 1 + slice), a
+// warp's own sync where they are one warp.
+template <int THREADS>
+__device__ __forceinline__ void slice_sync(int slice) {
+    if constexpr (THREADS == 32) {
+        __syncwarp();
+    } else {
+        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + slice), "n"(THREADS) : "memory");
+    }
+}
+
 // The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES, BN> (mirrored by
 // cuflash/kvcache.py's decode_tc_shape): ROW_WARPS m16 row tiles a block, BN keys
 // a K/V tile, STAGES tiles in the pipeline, KEY_WARPS warps sharing each tile by
@@ -584,18 +690,25 @@ struct DecodeTcShape {
 // Warp (rw, kw) computes S = Q K^T on mma.sync m16n8k16 for query rows
 // [16 rw, 16 rw + 16) of the block and keys [kw WARP_KEYS, (kw + 1) WARP_KEYS) of
 // each tile, keeps its own online softmax, and accumulates O += P V in registers;
-// the KEY_WARPS warps of a row tile merge by log-sum-exp at the end.
-template <typename T, int D, int ROW_WARPS, int STAGES, int BN>
-__global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ? 3 : 1)
+// the KEY_WARPS warps of a row tile merge by log-sum-exp at the end. PAGED: the cache
+// is paged (block_table given), else contiguous (its own instantiation: no block ids
+// held in registers).
+template <typename T, int D, int ROW_WARPS, int STAGES, int BN, bool PAGED, bool NARROW>
+__global__ void __launch_bounds__(kDecodeThreads,
+                                  (D <= 128 && ROW_WARPS == 1) ? (STAGES == 2 ? 3 : 2) : 1)
     kvcache_decode_tc(
     CUFLASH_DECODE_PARAMS(T)) {
     using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES, BN>;
     static_assert(STAGES >= 2, "at least double buffering");
+    static_assert(!NARROW || ROW_WARPS == 1, "a narrow block is one tile of 8 rows");
     using Op = TensorOp<T>;
     constexpr int CH = Shape::CH, PITCH = Shape::PITCH, BM = Shape::BM;
     constexpr int KEY_WARPS = Shape::KEY_WARPS, WARP_KEYS = Shape::WARP_KEYS;
-    constexpr int NT = WARP_KEYS / 8;  // 8-key tiles of S a warp
-    constexpr int DT = D / 8;          // 8-column tiles of O
+    // Tiles of S (keys x rows) a warp a K/V tile: 8-key ones of m16 rows, or (NARROW)
+    // 16-key ones of n8 rows; tiles of O: 8 columns of m16 rows, or 16 of n8 rows.
+    constexpr int ST = NARROW ? WARP_KEYS / 16 : WARP_KEYS / 8;
+    constexpr int OT = NARROW ? D / 16 : D / 8;
+    constexpr int ROWS = NARROW ? 8 : BM;  // packed query rows the block computes
     constexpr int ELEMS = 8;
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* kv_tiles = reinterpret_cast<uint4*>(smem);  // [STAGES][K, V][BN][PITCH] chunks
@@ -613,7 +726,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     const int rw = active ? warp / KEY_WARPS : 0, kw = warp % KEY_WARPS;
 
     const int hk = blockIdx.y, b = blockIdx.z;
-    const int split = blockIdx.x / row_tiles, row0 = (blockIdx.x % row_tiles) * BM;
+    const int split = blockIdx.x / row_tiles, row0 = (blockIdx.x % row_tiles) * ROWS;
     const int rows_total = q_len * group;
     const int kv_len = cached_length(seqlens, seqlen_value, b, new_len, capacity) + new_len;
     const Mask mask{q_len, kv_len, win_left, win_right};
@@ -621,12 +734,14 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
 
     // The block's key range (rows are sorted by query index, so the first and the
     // last row bound it), this thread's two rows' ranges, the keys every row of
-    // the warp sees.
-    const int last_row = min(row0 + BM, rows_total) - 1;
+    // the warp sees. A thread's rows: g and g + 8 of its warp's m16 tile, or
+    // (NARROW) columns 2t and 2t + 1 of the n8 tile.
+    const int last_row = min(row0 + ROWS, rows_total) - 1;
     int range_lo, range_hi;
     mask.key_range(row0 / group, last_row / group + 1, range_lo, range_hi);
     int my_lo[2], my_hi[2], full_lo = 0, full_hi = 0x7fffffff;
-    const int my_row[2] = {row0 + rw * 16 + g, row0 + rw * 16 + g + 8};
+    const int tile_row[2] = {NARROW ? 2 * t : rw * 16 + g, NARROW ? 2 * t + 1 : rw * 16 + g + 8};
+    const int my_row[2] = {row0 + tile_row[0], row0 + tile_row[1]};
     const bool modified = decode_modifies(alibi_slopes, softcap_log2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -639,7 +754,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
         }
     }
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
+    for (int o = 1; o < 32; o <<= 1) {
         full_lo = max(full_lo, __shfl_xor_sync(0xffffffffu, full_lo, o));
         full_hi = min(full_hi, __shfl_xor_sync(0xffffffffu, full_hi, o));
     }
@@ -652,23 +767,33 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
 
     const T* k_head = k_cache + hk * k_sh;
     const T* v_head = v_cache + hk * v_sh;
-    // `pages` holds the block ids of the next tile to load, read a tile ahead.
-    TilePages<BN, CH> pages;
+    // The ROW_WARPS warps of key slice kw copy its rows of each tile themselves and
+    // wait for them alone (slice_sync): the slices stream independently, no block
+    // barrier a tile. `source` points at the slice's next rows (tiles load in order; a
+    // paged cache's block ids read a tile ahead).
+    constexpr int SLICE_THREADS = ROW_WARPS * 32;
+    const int slice = kw * WARP_KEYS;
+    TileSource<T, WARP_KEYS, CH, SLICE_THREADS, BN, PAGED> source;
+    source.thread = rw * 32 + lane;
+    source.start(k_head, v_head, rows, range_lo + first * BN + slice, k_sb, k_ss, v_sb, v_ss);
     auto load_tile = [&](int stage, int step) {
-        uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
-        load_kv_tile<T, BN, CH, PITCH>(k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows,
-                                       pages, range_lo + tile_of(step) * BN, range_hi, k_sb,
-                                       k_ss, v_sb, v_ss, aligned != 0);
-        if (step + 1 < count) pages.read(rows, range_lo + tile_of(step + 1) * BN, range_hi);
+        uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS + slice * PITCH;
+        load_kv_tile<T, WARP_KEYS, CH, PITCH, SLICE_THREADS, BN, PAGED>(
+            k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows, source,
+            range_lo + tile_of(step) * BN + slice, range_hi, k_sb, k_ss, v_sb, v_ss, aligned != 0);
+        if (step + 1 < count)
+            source.read(rows, range_lo + tile_of(step + 1) * BN + slice, range_hi);
     };
     // STAGES - 1 tiles in flight while Q loads (empty groups keep the count uniform).
-    if (count > 0) pages.read(rows, range_lo + first * BN, range_hi);
+    if (active) {
+        if (count > 0) source.read(rows, range_lo + first * BN + slice, range_hi);
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < count) {
-            load_tile(st, st);
-        } else {
-            cp_async_commit();
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < count) {
+                load_tile(st, st);
+            } else {
+                cp_async_commit();
+            }
         }
     }
 
@@ -683,68 +808,113 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
         reinterpret_cast<T*>(q_s)[r * PITCH * ELEMS + d] = x;
     }
 
-    float o_acc[DT][4];
+    float o_acc[OT][4];
 #pragma unroll
-    for (int d = 0; d < DT; ++d) o_acc[d][0] = o_acc[d][1] = o_acc[d][2] = o_acc[d][3] = 0.f;
+    for (int d = 0; d < OT; ++d) o_acc[d][0] = o_acc[d][1] = o_acc[d][2] = o_acc[d][3] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
     const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
     const uint4* q_rows = q_s + (rw * 16 + a_row) * PITCH + a_chunk;
+    __syncthreads();  // Q is in
+    // NARROW: Q^T as the B operand of S^T = K Q^T, in registers for the whole block
+    // (lanes 8i..8i+7 address the 8 rows of 16-byte chunk 2 kk + i).
+    unsigned q_frag[NARROW ? D / 16 : 1][2];
+    if constexpr (NARROW) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+            unsigned x[4];
+            ldmatrix_x4(x, q_s + (lane & 7) * PITCH + 2 * kk + (lane >> 3));
+            q_frag[kk][0] = x[0];
+            q_frag[kk][1] = x[1];
+            if (kk + 1 < D / 16) {
+                q_frag[kk + 1][0] = x[2];
+                q_frag[kk + 1][1] = x[3];
+            }
+        }
+    }
+    // Element e of an S tile n: its row (0 or 1 of the thread's) and key in the warp's
+    // slice; element e of an O tile: its row.
+    auto row_of = [](int e) { return NARROW ? (e & 1) : (e >> 1); };
+    auto key_of = [&](int n, int e) {
+        return NARROW ? n * 16 + g + 8 * (e >> 1) : n * 8 + 2 * t + (e & 1);
+    };
 
-    for (int step = 0; step < count; ++step) {
+    for (int step = 0; active && step < count; ++step) {
         const int tile = tile_of(step), stage = step % STAGES;
         cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile `step` is in; every warp is done with step - 1's stage
+        // The slice's rows of tile `step` are in; its warps are done with step - 1's stage.
+        slice_sync<SLICE_THREADS>(kw);
         if (step + STAGES - 1 < count) {
             load_tile((step + STAGES - 1) % STAGES, step + STAGES - 1);
         } else {
             cp_async_commit();
         }
-        if (active) {
+        {
             const uint4* k_tile = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS + kw * WARP_KEYS * PITCH;
             const uint4* v_tile = k_tile + Shape::TILE_CHUNKS;
-            float s[NT][4];
+            float s[ST][4];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned qa[4];
-                ldmatrix_x4(qa, q_rows + 2 * kk);
+                if constexpr (NARROW) {  // S^T = K Q^T: K the A operand
 #pragma unroll
-                for (int n = 0; n < NT; n += 2) {
-                    unsigned kb[4];
-                    ldmatrix_x4(kb, k_tile + (n * 8 + b_row) * PITCH + 2 * kk + b_chunk);
-                    Op::mma(s[n], qa, kb[0], kb[1]);
-                    Op::mma(s[n + 1], qa, kb[2], kb[3]);
+                    for (int n = 0; n < ST; ++n) {
+                        unsigned ka[4];
+                        ldmatrix_x4(ka, k_tile + (n * 16 + a_row) * PITCH + 2 * kk + a_chunk);
+                        Op::mma(s[n], ka, q_frag[kk][0], q_frag[kk][1]);
+                    }
+                } else {
+                    unsigned qa[4];
+                    ldmatrix_x4(qa, q_rows + 2 * kk);
+#pragma unroll
+                    for (int n = 0; n < ST; n += 2) {
+                        unsigned kb[4];
+                        ldmatrix_x4(kb, k_tile + (n * 8 + b_row) * PITCH + 2 * kk + b_chunk);
+                        Op::mma(s[n], qa, kb[0], kb[1]);
+                        Op::mma(s[n + 1], qa, kb[2], kb[3]);
+                    }
                 }
             }
             const int key0 = range_lo + tile * BN + kw * WARP_KEYS;
             const bool edge = !(key0 >= full_lo && key0 + WARP_KEYS <= full_hi);
             float new_max[2] = {row_max[0], row_max[1]};
+            if (!edge && !modified && !ScoreModifiers::user_mask) {  // every score as it is
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+                for (int n = 0; n < ST; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[n][e] *= scale_log2;
+                        new_max[row_of(e)] = fmaxf(new_max[row_of(e)], s[n][e]);
+                    }
+                }
+            } else {
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
+                    const int r = row_of(e), key = key0 + key_of(n, e);
                     float x = s[n][e] * scale_log2;
-                    const int key = key0 + n * 8 + 2 * t + (e & 1);
-                    const bool row_live = my_row[e >> 1] < rows_total;
+                    const bool row_live = my_row[r] < rows_total;
                     if (modified && row_live)
-                        x = decode_modified_score<T>(x, my_row[e >> 1], key, group, hk, b, mask,
+                        x = decode_modified_score<T>(x, my_row[r], key, group, hk, b, mask,
                                                      alibi_slopes, alibi_batch_stride,
                                                      softcap_log2, user_args);
-                    if ((edge && (key < my_lo[e >> 1] || key >= my_hi[e >> 1])) ||
-                        (row_live &&
-                         !decode_sees(my_row[e >> 1], key, group, hk, b, mask, user_args)))
+                    if ((edge && (key < my_lo[r] || key >= my_hi[r])) ||
+                        (row_live && !decode_sees(my_row[r], key, group, hk, b, mask, user_args)))
                         x = neg_inf();
                     s[n][e] = x;
-                    new_max[e >> 1] = fmaxf(new_max[e >> 1], x);
+                    new_max[r] = fmaxf(new_max[r], x);
                 }
+            }
             }
             float base[2], alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
-                new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
+                // Over the lanes that hold the row: those of one g, or (NARROW) of one t.
+#pragma unroll
+                for (int o = NARROW ? 4 : 1; o < (NARROW ? 32 : 4); o <<= 1)
+                    new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], o));
                 base[r] = new_max[r] == neg_inf() ? 0.f : new_max[r];
                 alpha[r] = fast_exp2(row_max[r] - base[r]);
                 row_max[r] = new_max[r];
@@ -754,30 +924,43 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
             // accumulator only when some row's does (a NaN scale counts as moved).
             if (__any_sync(0xffffffffu, !(alpha[0] == 1.f && alpha[1] == 1.f))) {
 #pragma unroll
-                for (int d = 0; d < DT; ++d) {
-                    o_acc[d][0] *= alpha[0];
-                    o_acc[d][1] *= alpha[0];
-                    o_acc[d][2] *= alpha[1];
-                    o_acc[d][3] *= alpha[1];
+                for (int d = 0; d < OT; ++d) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o_acc[d][e] *= alpha[row_of(e)];
                 }
             }
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+            for (int n = 0; n < ST; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = fast_exp2(s[n][e] - base[e >> 1]);
+                    const float p = fast_exp2(s[n][e] - base[row_of(e)]);
                     s[n][e] = p;
-                    row_sum[e >> 1] += p;
+                    row_sum[row_of(e)] += p;
+                }
+            }
+            if constexpr (NARROW) {
+                // O^T += V^T P^T: V^T the A operand (transposed loads), P^T the B operand
+                // (each 8x8 block of S^T transposed in registers).
+#pragma unroll
+                for (int n = 0; n < ST; ++n) {
+                    const unsigned p_lo = movmatrix_trans(Op::pack(s[n][0], s[n][1]));
+                    const unsigned p_hi = movmatrix_trans(Op::pack(s[n][2], s[n][3]));
+#pragma unroll
+                    for (int d = 0; d < OT; ++d) {
+                        unsigned va[4];
+                        ldmatrix_x4_trans(va, v_tile + (n * 16 + b_row) * PITCH + 2 * d + b_chunk);
+                        Op::mma(o_acc[d], va, p_lo, p_hi);
+                    }
                 }
             }
 #pragma unroll
-            for (int kk = 0; kk < WARP_KEYS / 16; ++kk) {
+            for (int kk = 0; kk < (NARROW ? 0 : WARP_KEYS / 16); ++kk) {
                 const unsigned pa[4] = {Op::pack(s[2 * kk][0], s[2 * kk][1]),
                                         Op::pack(s[2 * kk][2], s[2 * kk][3]),
                                         Op::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                         Op::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-                for (int d = 0; d < DT; d += 2) {
+                for (int d = 0; d < OT; d += 2) {
                     unsigned vb[4];
                     ldmatrix_x4_trans(vb, v_tile + (kk * 16 + a_row) * PITCH + d + a_chunk);
                     Op::mma(o_acc[d], pa, vb[0], vb[1]);
@@ -793,11 +976,12 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     if (active) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-            if (t == 0) {
-                max_s[kw * BM + rw * 16 + g + 8 * r] = row_max[r];
-                sum_s[kw * BM + rw * 16 + g + 8 * r] = row_sum[r];
+#pragma unroll
+            for (int o = NARROW ? 4 : 1; o < (NARROW ? 32 : 4); o <<= 1)
+                row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], o);
+            if ((NARROW ? g : t) == 0) {
+                max_s[kw * BM + tile_row[r]] = row_max[r];
+                sum_s[kw * BM + tile_row[r]] = row_sum[r];
             }
         }
     }
@@ -805,21 +989,26 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     if (active) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = rw * 16 + g + 8 * r;
+            const int row = tile_row[r];
             float top = neg_inf();
 #pragma unroll
             for (int k = 0; k < KEY_WARPS; ++k) top = fmaxf(top, max_s[k * BM + row]);
             const float factor = fast_exp2(row_max[r] - (top == neg_inf() ? 0.f : top));
-            float* dst = reduce_s + (kw * BM + row) * D + 2 * t;
+            float* dst = reduce_s + (kw * BM + row) * D;
 #pragma unroll
-            for (int d = 0; d < DT; ++d) {
-                *reinterpret_cast<float2*>(dst + d * 8) =
-                    make_float2(o_acc[d][2 * r] * factor, o_acc[d][2 * r + 1] * factor);
+            for (int d = 0; d < OT; ++d) {
+                if constexpr (NARROW) {  // columns 16 d + g and 16 d + g + 8 of row 2t + r
+                    dst[16 * d + g] = o_acc[d][r] * factor;
+                    dst[16 * d + g + 8] = o_acc[d][2 + r] * factor;
+                } else {
+                    *reinterpret_cast<float2*>(dst + d * 8 + 2 * t) =
+                        make_float2(o_acc[d][2 * r] * factor, o_acc[d][2 * r + 1] * factor);
+                }
             }
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < BM * D; idx += kDecodeThreads) {
+    for (int idx = tid; idx < ROWS * D; idx += kDecodeThreads) {
         const int r = idx / D, d = idx - (idx / D) * D, m = row0 + r;
         if (m >= rows_total) continue;
         float top = neg_inf();
@@ -848,36 +1037,64 @@ __global__ void __launch_bounds__(kDecodeThreads, (D <= 128 && ROW_WARPS == 1) ?
     }
 }
 
-// Merge the num_splits partials of each output row by log-sum-exp, splits in
-// order. One warp a row; grid (ceil(rows / 4)).
+// Merge the num_splits (at most kMaxSplits) partials of each output row by
+// log-sum-exp, in a fixed order (the same bits on every run). One block a row: a
+// thread a split's weight, then a thread a column, its partials' loads in flight
+// together. Grid (rows).
+constexpr int kMaxSplits = kDecodeThreads;  // cuflash/kvcache.py's MAX_SPLITS
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kDecodeThreads) kvcache_combine(
+__global__ void __launch_bounds__(kDecodeThreads, 4) kvcache_combine(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, T* __restrict__ out,
     float* __restrict__ lse, long long rows, int num_splits) {
-    const int lane = threadIdx.x & 31;
-    const long long row = static_cast<long long>(blockIdx.x) * kDecodeWarps + (threadIdx.x >> 5);
+    __shared__ float weight_s[kMaxSplits];
+    __shared__ float warp_max_s[kDecodeWarps], warp_sum_s[kDecodeWarps];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long row = blockIdx.x;
     if (row >= rows) return;
-    const float* row_lse = part_lse + row * num_splits;
-    float top = neg_inf();
-    for (int s = lane; s < num_splits; s += 32) top = fmaxf(top, row_lse[s]);
+    const int splits = min(num_splits, kMaxSplits);
+    const float split_lse = tid < splits ? part_lse[row * num_splits + tid] : neg_inf();
+    float top = split_lse;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    if (lane == 0) warp_max_s[warp] = top;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) top = fmaxf(top, warp_max_s[w]);
     const float base = top == neg_inf() ? 0.f : top;
-    float total = 0.f;
-    for (int s = lane; s < num_splits; s += 32) total += fast_exp2(row_lse[s] - base);
+    const float weight = tid < splits ? fast_exp2(split_lse - base) : 0.f;
+    weight_s[tid] = weight;
+    float total = weight;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    const bool seen = total != 0.f;
-    const float inv = seen ? 1.f / total : 0.f;
-    for (int d = lane; d < D; d += 32) {
+    if (lane == 0) warp_sum_s[warp] = total;
+    __syncthreads();
+    total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) total += warp_sum_s[w];
+    const bool seen = total != 0.f;  // a NaN total counts as seen: NaN is never hidden
+    // total is in [1, splits] where seen (the top split weighs 1): the fast reciprocal is
+    // within 2 ulp there, and a division routine's call would spill
+    const float inv = seen ? __fdividef(1.f, total) : 0.f;
+    if (tid == 0) lse[row] = seen ? (base + log2f(total)) * kLn2 : neg_inf();
+    constexpr int BATCH = 8;  // partials in flight at once
+#pragma unroll
+    for (int pass = 0; pass < (D + kDecodeThreads - 1) / kDecodeThreads; ++pass) {
+        const int d = tid + pass * kDecodeThreads;
+        if (d >= D) break;
+        const float* column = part_out + row * num_splits * D + d;
         float o = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float w = fast_exp2(row_lse[s] - base);
-            if (w != 0.f) o += w * part_out[(row * num_splits + s) * D + d];
+        int s = 0;
+        for (; s + BATCH <= splits; s += BATCH) {
+            float x[BATCH];
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) x[k] = column[(s + k) * D];
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) o += weight_s[s + k] * x[k];
         }
+        for (; s < splits; ++s) o += weight_s[s] * column[s * D];
         out[row * D + d] = from_float<T>(o * inv);
     }
-    if (lane == 0) lse[row] = seen ? (base + log2f(total)) * kLn2 : neg_inf();
 }
 
 }  // namespace cuflash

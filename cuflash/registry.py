@@ -174,6 +174,8 @@ def _pitch(head_dim):
 def _forward_wgmma_traits(pipelined):
     def traits(d):
         keys = 128 if head_dim_class(d) <= 128 else 64
+        if not pipelined and 32 < d <= 96:
+            keys = 64  # two blocks an SM: S, P and O of a 64-key tile in 128 registers
         warpgroups = 2
         width = head_dim_class(d)  # shared-memory tiles of the class's width
         smem = 2 * width * (64 * warpgroups + 4 * keys) + FLOAT_BYTES * 128 * warpgroups + 1024
@@ -314,13 +316,14 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # In order of preference within each direction: the dispatch takes the first
 # kernel that serves the call.
 KERNELS = (
-    # Calls without modifiers up to D = 32 take forward_wgmma, two blocks an SM there
-    # (attention_fwd_wgmma's launch bounds): a key tile's products are too short to hide
-    # one block's softmax, and two blocks' hide each other's.
+    # Calls without modifiers up to D = 96 take forward_wgmma, two blocks an SM there
+    # (attention_fwd_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
+    # products are too short to hide one block's softmax, and two blocks' hide each
+    # other's.
     KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
                "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
                modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True,
-               plain_head_dims=(40, 128)),
+               plain_head_dims=(104, 128)),
     KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
                modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),

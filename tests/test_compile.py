@@ -92,7 +92,7 @@ def test_every_head_dim_has_tensor_core_kernels():
 def test_every_chosen_kernel_is_in_its_variant():
     """The roles the dispatch can choose for calls without modifiers are compiled in the
     variant the GPU path loads, and a kernel's plain roles are left out only where it serves
-    no plain call (forward_wgmma_pipelined up to D = 32)."""
+    no plain call (forward_wgmma_pipelined up to D = 96)."""
     for dtype in registry.SIXTEEN_BIT_DTYPES + (np.dtype(np.float32),):
         for head_dim in kernel_build.HEAD_DIMS:
             for capability in (80, 90):
@@ -104,7 +104,7 @@ def test_every_chosen_kernel_is_in_its_variant():
                                                tensor_cores=tensor_cores)
                         assert spec.role() in names, (spec.name, dtype, head_dim)
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
-    small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (32, 40))
+    small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (96, 104))
     assert "forward_wgmma_pipelined" not in small and "forward_wgmma_pipelined" in large
     assert "forward_wgmma_pipelined_modified" in small
 
@@ -112,12 +112,13 @@ def test_every_chosen_kernel_is_in_its_variant():
 def test_dispatch_order():
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     assert registry.choose("forward", bf16, 64, 90, tensor_cores=False).name == "forward_general"
-    assert registry.choose("forward", bf16, 64, 90).name == "forward_wgmma_pipelined"
+    assert registry.choose("forward", bf16, 128, 90).name == "forward_wgmma_pipelined"
     assert registry.choose("forward", bf16, 200, 90).name == "forward_wgmma"
-    # up to D = 32 the unpipelined kernel at two blocks an SM, unless scores are modified
+    # up to D = 96 the unpipelined kernel at two blocks an SM, unless scores are modified
     assert registry.choose("forward", bf16, 32, 90).name == "forward_wgmma"
-    assert registry.choose("forward", bf16, 40, 90).name == "forward_wgmma_pipelined"
-    assert registry.choose("forward", bf16, 32, 90, modified=True).name == \
+    assert registry.choose("forward", bf16, 96, 90).name == "forward_wgmma"
+    assert registry.choose("forward", bf16, 104, 90).name == "forward_wgmma_pipelined"
+    assert registry.choose("forward", bf16, 64, 90, modified=True).name == \
         "forward_wgmma_pipelined"
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
@@ -194,9 +195,9 @@ def test_precompile_job_list():
     """``python -m cuflash.precompile`` compiles every role of every variant asked for."""
     from cuflash import precompile
 
-    jobs = precompile.jobs_for(["bfloat16", "float32"], [64, 136], sm=90)
+    jobs = precompile.jobs_for(["bfloat16", "float32"], [128, 136], sm=90)
     expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
-                   for n in ("bfloat16", "float32") for d in (64, 136))
+                   for n in ("bfloat16", "float32") for d in (128, 136))
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {
         "forward_general", "forward_mma_sync", "forward_wgmma", "forward_wgmma_pipelined",

@@ -77,11 +77,14 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 // tile's softmax runs while P V does (O is rescaled once P V is done). One
 // barrier a key tile: after it, K(it + 2) and V(it + 1) load into the buffers
 // that S(it) and P V(it - 1), done by then, have released.
-// Unpipelined and unmodified up to D = 32: two blocks an SM (128 registers), which
-// hide each other's softmax where a key tile's products are short (the registry's
-// forward_wgmma serves those calls); the modified roles spill under that cap.
+// Unpipelined and unmodified up to D = 32, and up to D = 96 on 64-key tiles: two
+// blocks an SM (128 registers), which hide each other's softmax where a key tile's
+// products are short (the registry's forward_wgmma serves those calls); the modified
+// roles spill under that cap.
 template <typename T, int D, int BN, int WG, bool PIPELINE, bool MODIFIED>
-__global__ void __launch_bounds__(128 * WG, (D <= 32 && !PIPELINE && !MODIFIED) ? 2 : 1)
+__global__ void __launch_bounds__(128 * WG,
+                                  ((D <= 32 || (D <= 96 && BN <= 64)) && !PIPELINE && !MODIFIED)
+                                      ? 2 : 1)
     attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,

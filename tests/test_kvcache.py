@@ -506,6 +506,27 @@ def test_pipeline_depth_follows_the_longest_sequence():
     assert stages(np.array([0, 4000], np.int32), head_dim=256) == 2
 
 
+def test_decode_kernel_instantiation_follows_the_call():
+    """The tensor-core decode kernel: its paged instantiation for a block table, the narrow
+    one (rows as the MMA's N side) where a block's packed query rows fit NARROW_ROWS."""
+    dtype = DTYPES["bfloat16"]
+
+    def name(q_len, heads, kv_heads, paged):
+        q = np.zeros((2, heads, q_len, 128), dtype)
+        shape = (4, kv_heads, 16, 128) if paged else (2, kv_heads, 64, 128)
+        cache = np.zeros(shape, dtype)
+        table = np.arange(4, dtype=np.int32).reshape(2, 2) if paged else None
+        problem = kvcache.kvcache_problem(q, cache, cache, heads, kv_heads, 128, True, 0, 10,
+                                          None, None, table, None, False, False)
+        return kvcache.decode_kernel(problem)[0]
+
+    assert name(1, 32, 8, False).endswith(", false, true>")
+    assert name(1, 32, 8, True).endswith(", true, true>")
+    assert name(2, 32, 8, False).endswith(", false, true>")  # 8 packed rows
+    assert name(1, 36, 4, False).endswith(", false, false>")  # 9 packed rows
+    assert name(4, 32, 8, True).endswith(", true, false>")
+
+
 def test_key_count_kernels_are_the_registrys():
     """The forward kernels that read per-entry key counts (CUFLASH_FORWARD_SEQUENCE) are the
     registry's ``reads_key_counts`` ones: the dense path of device-held lengths trusts it."""

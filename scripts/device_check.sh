@@ -3,7 +3,7 @@
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
 #   steps: precompile, tests, demo (the default), families, fuzz, quick, asv, bench-float32,
-#          bench-tf32, first-call, train, sanitize, ncu (Nsight Compute on the first launch of
+#          bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on the first launch of
 #          NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall reasons, tensor pipe use)
 # "families" runs tests/test_kernel_families.py in its own process (a kernel fault
 # there cannot spoil the rest of the suite); "tests" then leaves that file out.
@@ -47,6 +47,8 @@ for step in $steps; do
     bench-tf32) TAIL=30 run bench-tf32 150 python3 -m cuflash.bench --dtype float32 --allow-tf32 \
            --head-dims 64,128 --seqlens 1024,4096 --no-first-call --no-memory --time-budget 90 \
            --json "$OUT/h200-tf32.json" ;;
+    decode) TAIL=24 run decode 200 python3 -m cuflash.bench --decode --no-first-call --no-memory \
+           --json "$OUT/h200-decode.json" ;;
     first-call) TAIL=10 run first-call 90 python3 -m cuflash.bench --dtype bfloat16 --head-dims 128 \
            --seqlens 1024 --no-torch --no-memory --time-budget 30 ;;
     train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \

@@ -11,6 +11,10 @@
 //                  output; with several it writes a partial (out, lse) in
 //                  float32 that kvcache_combine merges by log-sum-exp, in a
 //                  fixed order (the same bits on every run).
+// kvcache_decode_tc  the same grid and outputs on mma.sync for float16/bfloat16
+//                  (head_dim a multiple of 16): each warp copies and computes its
+//                  own slice of the keys of a tile; up to 8 packed rows (NARROW)
+//                  the rows are the product's 8-wide side.
 //
 // Lengths and block ids that live on the device are never trusted: a length
 // is clamped to [0, capacity - S_new] and a block id to [0, num_blocks), so no

@@ -537,7 +537,6 @@ def decode_kernel(problem):
     """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
     split-KV kernel that serves ``problem``: the tensor-core one (16-bit, head_dim a
     multiple of 16; 16, 32 or 64 packed rows a block) or the CUDA-core one."""
-    cxx = _cxx_type(problem.dtype)
     packed_rows = problem.q_len * problem.group_size
     if uses_tensor_cores(problem):
         row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
@@ -548,7 +547,7 @@ def decode_kernel(problem):
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim,
                                          rows)
-    name = f"cuflash::kvcache_decode<{cxx}, {problem.head_dim}, {rows}>"
+    name = f"cuflash::kvcache_decode<{_cxx_type(problem.dtype)}, {problem.head_dim}, {rows}>"
     return name, keys_per_tile, rows, shared
 
 
@@ -770,8 +769,8 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         shared_mem=shared)
     if splits > 1:
         combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
-        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse,
-                                                    np.int64(part_rows), np.int32(splits)))
+        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse, np.int64(part_rows),
+                                            np.int32(splits)))
     return out, lse
 
 

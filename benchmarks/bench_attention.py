@@ -174,6 +174,28 @@ class Attention:
     track_peak_memory.unit = "bytes"
 
 
+class DeterministicBackward:
+    """The backward with ``deterministic=True`` (dQ by a pass of its own, no atomics):
+    bfloat16, S = 4096, causal and not, D = 64, 128 and 256; the inputs of Attention."""
+
+    params = (["bfloat16"], [64, 128, 256], [4096], CAUSAL)
+    param_names = Attention.param_names
+    timeout = 300
+
+    def setup(self, *params):
+        self.case = Attention()
+        self.case.setup(*params)
+
+    def track_backward_tflops(self, *params):
+        case = self.case
+        seconds = case.median_seconds(lambda: case.cuflash.flash_attention_bwd(
+            case.dout, case.q, case.k, case.v, case.out, case.lse, case.heads, case.heads,
+            case.head_dim, case.causal, synchronize=False, deterministic=True))
+        return BACKWARD_FLOP_FACTOR * case.forward_flop_count() / seconds / 1e12
+
+    track_backward_tflops.unit = "TFLOP/s"
+
+
 class HostTime:
     """Host time of one tiny bfloat16 call, nothing synchronized (targets: 15 us, 30 us).
 

@@ -254,7 +254,7 @@ class Float16Pieces:
     def __init__(self, loaded, shape, strides, valid_rows):
         batch, heads, seq_len, head_dim = shape
         self.shape = shape
-        self.pieces_shape = (batch, heads, seq_len, registry.head_dim_class(head_dim))
+        self.pieces_shape = (batch, heads, seq_len, head_dim)
         self.abs_max = Launch.of_role(loaded, "float16_pieces_abs_max",
                                       (math.ceil(valid_rows / 32), heads, batch),
                                       (*strides, np.int32(valid_rows)))
@@ -264,11 +264,11 @@ class Float16Pieces:
                                      np.int32(valid_rows)))
 
     def __call__(self, stream, x):
-        """``(hi, lo, scales)``: float16 arrays of ``x``'s shape, the head_dim padded
-        with zeros to its class's width (64, 128 or 256), with hi + lo = x * scale on the
-        valid rows of each head (22 significant bits), and float32 ``scales`` of
-        shape ``[batch, heads]``: for each head the power of two that puts its max |x|
-        in [2^13, 2^14)."""
+        """``(hi, lo, scales)``: contiguous float16 arrays of ``x``'s shape (the kernels
+        fill their tiles' padding columns with zeros), with hi + lo = x * scale on the
+        valid rows of each head (22 significant bits), and float32 ``scales`` of shape
+        ``[batch, heads]``: for each head the power of two that puts its max |x| in
+        [2^13, 2^14)."""
         abs_max = cupy.zeros(self.shape[:2], dtype=np.float32)
         self.abs_max(stream, x.data.ptr, abs_max.data.ptr)
         hi = cupy.empty(self.pieces_shape, dtype=np.float16)
@@ -384,7 +384,7 @@ class BackwardPlan:
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
         # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own.
-        self.atomic = not deterministic and self.spec.dq_kernel is None
+        self.atomic = not deterministic and self.spec.atomic_dq(problem.head_dim)
         role = self.spec.role(atomic_dq=self.atomic, modified=problem.modified)
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
@@ -408,23 +408,20 @@ class BackwardPlan:
                                     np.int32(problem.kv_capacity), *options,
                                     *_modifier_args(problem)), _functors(problem))
         self.dq = self.convert = None
+        self.dq_reads_pieces = False
         accum_width = problem.head_dim
         rows, batch = _query_grid(problem)
-        if self.spec.dq_kernel is not None:  # the float32 pieces' own dQ kernel
-            dq_spec = registry.BY_NAME[self.spec.dq_kernel]
-            tile = dq_spec.traits(problem.head_dim).tile
-            self.dq = Launch.of_role(
-                loaded, dq_spec.role(), (math.ceil(rows / tile), problem.num_heads, batch),
-                (self.user, *strides, *self.dq_layout.strides, *heads, *options,
-                 *_modifier_args(problem)))
-        elif deterministic:  # dQ by its own pass over the keys, no atomics
-            dq_spec = registry.BY_NAME["backward_dq_general"]
+        if not self.atomic:  # dQ by a pass of its own over the keys
+            dq_spec = registry.BY_NAME[self.spec.dq_kernel or "backward_dq_general"]
+            # The float32 pieces' own dQ kernel reads the pieces; the others the inputs.
+            self.dq_reads_pieces = dq_spec.precision == "float32"
+            dq_strides = strides if self.dq_reads_pieces else tuple(
+                s for x in (q, k, v, dout) for s in element_strides(x))
             tile = dq_spec.traits(problem.head_dim).tile
             self.dq = Launch.of_role(
                 loaded, dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
-                (_user_arguments(problem, dq_spec, "forward"),
-                 *(s for x in (q, k, v, dout) for s in element_strides(x)),
+                (_user_arguments(problem, dq_spec, "forward"), *dq_strides,
                  *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)),
                 _functors(problem))
         elif problem.dtype != np.float32 or problem.packed is not None:
@@ -487,7 +484,7 @@ class BackwardPlan:
             pieces = [p(stream, x) for p, x in zip(self.pieces, (q, k, v, dout))]
             kernel_inputs = tuple(x.data.ptr for hi, lo, _ in pieces for x in (hi, lo))
             kernel_scales = tuple(scale.data.ptr for _, _, scale in pieces)
-            if self.spec.dq_kernel is not None:
+            if self.dq_reads_pieces:
                 inputs, scales = kernel_inputs, kernel_scales
         if problem.kv_capacity:
             self.dkdv(stream, *kernel_inputs, lse_log2, delta, dq_target, dk.data.ptr,

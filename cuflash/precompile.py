@@ -73,7 +73,7 @@ def precompile(dtypes=tuple(DTYPES_BY_NAME), head_dims=kernel_build.HEAD_DIMS, p
 def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forward", "backward")):
     """The (variant, role) pairs that calls with user modifiers of ``dtypes`` x
     ``head_dims`` launch on a GPU of ``compute_capability``: the dispatch's modified
-    forward, its modified backward (atomic and deterministic) and the deterministic dQ
+    forward, its modified backward (atomic, where it adds dQ so, and not) and its dQ
     pass."""
     jobs = []
     for name in dtypes:
@@ -85,10 +85,11 @@ def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forwar
                 if direction == "forward":
                     jobs.append((variant, spec.role(modified=True)))
                 else:
-                    jobs += [(variant, spec.role(atomic_dq=True, modified=True)),
-                             (variant, spec.role(modified=True)),
-                             (variant, registry.BY_NAME["backward_dq_general"].role(
-                                 modified=True))]
+                    dq_pass = registry.BY_NAME[spec.dq_kernel or "backward_dq_general"]
+                    jobs += [(variant, spec.role(modified=True)),
+                             (variant, dq_pass.role(modified=True))]
+                    if spec.atomic_dq(d):
+                        jobs.append((variant, spec.role(atomic_dq=True, modified=True)))
     return jobs
 
 

@@ -93,8 +93,11 @@ class KernelSpec:
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
     # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
     reads_key_counts: bool = False
-    # A backward kernel of dK and dV only: the helper that computes dQ (every call, atomic
-    # or deterministic alike), else None (dQ by atomics here, or by backward_dq_general).
+    # The backward's dQ: by float32 atomics in the kernel for the calls that are not
+    # deterministic at the head dims ``atomic_dq_head_dims`` (smallest, largest; None:
+    # never, the kernel has no atomic instantiation), else by the helper ``dq_kernel``
+    # after it (None: backward_dq_general).
+    atomic_dq_head_dims: tuple = (8, 256)
     dq_kernel: str = None
     modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
@@ -127,12 +130,23 @@ class KernelSpec:
         return (sm in self.archs and self.serves_head_dim(head_dim)
                 and self.serves_dtype(dtype, allow_tf32=True))
 
-    def roles(self):
+    def atomic_dq(self, head_dim):
+        """Whether a backward call at ``head_dim`` that is not deterministic adds dQ by
+        atomics in this kernel."""
+        if self.direction != "backward" or self.atomic_dq_head_dims is None:
+            return False
+        low, high = self.atomic_dq_head_dims
+        return low <= head_dim <= high
+
+    def roles(self, head_dim=None):
         """The compiled roles: the name, for the backward its deterministic and
-        atomic-dQ instantiations, and with ``modifiers`` each of those again with the
+        atomic-dQ instantiations (at ``head_dim`` where given: the atomic one where
+        :meth:`atomic_dq` holds), and with ``modifiers`` each of those again with the
         score modifiers (``role(...)`` names them)."""
-        base = ((self.name, self.name + ATOMIC_DQ)
-                if self.direction == "backward" and self.dq_kernel is None else (self.name,))
+        base = (self.name,)
+        if self.direction == "backward" and self.atomic_dq_head_dims is not None and (
+                head_dim is None or self.atomic_dq(head_dim)):
+            base += (self.name + ATOMIC_DQ,)
         return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
 
     def block_mask_tiles(self, head_dim):
@@ -148,7 +162,7 @@ class KernelSpec:
         args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
         args.append(str(head_dim))
         args += [_cxx(a) for a in self.traits(head_dim).template_args]
-        if self.direction == "backward" and self.dq_kernel is None:
+        if self.direction == "backward" and self.atomic_dq_head_dims is not None:
             args.append("true" if ATOMIC_DQ in role else "false")
         if self.modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
@@ -295,6 +309,14 @@ def _dq_general_traits(d):
                   (rows, keys))
 
 
+def _dq_wgmma_traits(d):
+    """kernels/tc_bwd_dq_wg.cuh: 128 query rows (64 a warpgroup), Q and dO resident, two
+    buffers of K and V of 64-key tiles (32 in the 256 class, where 64 would not fit)."""
+    rows, width = 128, head_dim_class(d)
+    keys = 32 if width == 256 else 64
+    return Traits(rows, 256, 2 * width * (2 * rows + 4 * keys) + 1024, (keys,))
+
+
 def _fixed(rows, threads=128):
     return lambda d: Traits(rows, threads, 0, ())
 
@@ -342,7 +364,8 @@ KERNELS = (
                ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
     KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited),
+               modifiers=True, block_tiles=_owned_and_visited, atomic_dq_head_dims=(8, 128),
+               dq_kernel="backward_dq_wgmma"),
     KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
                exact_head_dims=True, modifiers=True),
@@ -357,18 +380,22 @@ KERNELS = (
     KernelSpec("backward_float32_pieces_wide", "backward", "wgmma", "float32", HOPPER,
                (136, 256), "attention_bwd_split_wide", _backward_pieces_wide_traits,
                needs_sm90a=True, dtype_in_template=False,
-               dq_kernel="backward_dq_float32_pieces_wide"),
+               atomic_dq_head_dims=None, dq_kernel="backward_dq_float32_pieces_wide"),
     KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits, modifiers=True),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
-    # deterministic dQ pass; the dQ of the float32 pieces past head_dim 128 (the
-    # backward's dq_kernel); the atomic dQ's conversion to its dtype and
+    # deterministic dQ pass on the CUDA cores; the backward_wgmma's dQ pass (its
+    # deterministic calls, and every call past head_dim 128); the dQ of the float32
+    # pieces past head_dim 128; the atomic dQ's conversion to its dtype and
     # layout (512 elements a block); zeros in the rows of a packed output that no
     # sequence covers; the float16 pieces of float32 operands.
     KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
     KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits, modifiers=True),
+    KernelSpec("backward_dq_wgmma", "helper", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
+               "attention_bwd_dq_wgmma", _dq_wgmma_traits, needs_sm90a=True, modifiers=True,
+               block_tiles=_owned_and_visited),
     KernelSpec("backward_dq_float32_pieces_wide", "helper", "wgmma", "float32", HOPPER,
                (136, 256), "attention_bwd_dq_split_wide", _dq_pieces_wide_traits,
                needs_sm90a=True, dtype_in_template=False),
@@ -391,7 +418,7 @@ def variant_roles(dtype, head_dim, sm):
     calls (``plain_head_dims``)."""
     return {role: spec.name_expression(role, dtype, head_dim)
             for spec in KERNELS if spec.compiled_for(dtype, head_dim, sm)
-            for role in spec.roles()
+            for role in spec.roles(head_dim)
             if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)}
 
 

@@ -12,7 +12,8 @@ N_SS = (32, 64, 128)   # S = Q K^T: N = keys per tile (32: half a backward query
 N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = head_dim
 # rounded up to 16 (every head_dim on its exact width)
 N_SS_MN = (64, 128)    # dQ = dS K in the backward: N = 64 or 128 columns of head_dim
-N_SS_NB = (64, 128)    # dV, dK with P^T, dS^T from shared memory: N = 64 or 128 columns
+N_SS_NB = (32, 48, 64, 80, 96, 112, 128, 144)  # dV, dK from P^T, dS^T in shared memory:
+# N = a warpgroup's columns past head_dim 128 (tc_bwd_wg.cuh's best_split)
 OUT = Path(__file__).resolve().parent.parent / "cuflash" / "kernels" / "wgmma_ops.cuh"
 
 

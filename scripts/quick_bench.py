@@ -1,9 +1,11 @@
 """Kernel-development timing: cuflash (both paths) vs torch SDPA on a few cases.
 
-Usage: python scripts/quick_bench.py [--float32] [D,S,causal ...]   e.g. 128,4096,0 64,1024,1
+Usage: python scripts/quick_bench.py [--float32] [--rows=auto,det,flash] [D,S,causal ...]
+e.g. 128,4096,0 64,1024,1 (--rows: only the rows named)
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
-Rows: the default dispatch ("auto"), the general kernels, and kernels of the registry
-the default passes over on this device (``cuflash.dispatch.skip_kernels``): for 16 bits
+Rows: the default dispatch ("auto"; "det" its deterministic backward), the general kernels,
+and kernels of the registry the default passes over on this device
+(``cuflash.dispatch.skip_kernels``): for 16 bits
 "mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" = the
 wgmma forward without the pipelined softmax, "split-d" = the split-D mma.sync
 backward; for float32 "tf32" = allow_tf32 (auto is the float16 pieces on Hopper
@@ -20,13 +22,15 @@ from cuflash.bench import time_calls
 from cuflash.dispatch import skip_kernels
 from cuflash.problem import BFLOAT16
 
-# row name -> (kernel path, kernels skipped, allow_tf32)
-PATHS_16 = {"auto": ("auto", (), False), "general": ("general", (), False),
-            "mma": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"), False),
-            "wg": ("auto", ("forward_wgmma_pipelined",), False),
-            "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False)}
-PATHS_32 = {"auto": ("auto", (), False), "general": ("general", (), False),
-            "tf32": ("auto", (), True)}
+# row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
+PATHS_16 = {"auto": ("auto", (), False, False), "det": ("auto", (), False, True),
+            "general": ("general", (), False, False),
+            "mma": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"), False,
+                    False),
+            "wg": ("auto", ("forward_wgmma_pipelined",), False, False),
+            "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False, False)}
+PATHS_32 = {"auto": ("auto", (), False, False), "general": ("general", (), False, False),
+            "tf32": ("auto", (), True, False)}
 
 
 def median_ms(fn):
@@ -34,7 +38,7 @@ def median_ms(fn):
     return time_calls([fn], 0.2).median * 1e3
 
 
-def main(cases, float32=False):
+def main(cases, float32=False, only=None):
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -49,14 +53,16 @@ def main(cases, float32=False):
                        for _ in range(4))
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         rows = []
-        for name, (path, skipped, tf32) in (PATHS_32 if float32 else PATHS_16).items():
+        for name, (path, skipped, tf32, det) in (PATHS_32 if float32 else PATHS_16).items():
+            if only and name not in only:
+                continue
             with cuflash.kernel_path(path), skip_kernels(*skipped):
                 fwd = median_ms(lambda: cuflash.flash_attention_fwd(
                     q, k, v, h, h, d, causal, allow_tf32=tf32))
                 out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal,
                                                        allow_tf32=tf32)
                 bwd = median_ms(lambda: cuflash.flash_attention_bwd(
-                    do, q, k, v, out, lse, h, h, d, causal, allow_tf32=tf32))
+                    do, q, k, v, out, lse, h, h, d, causal, allow_tf32=tf32, deterministic=det))
             rows.append((name, fwd, bwd))
         if torch is not None:
             tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
@@ -64,6 +70,8 @@ def main(cases, float32=False):
                         (("flash", SDPBackend.FLASH_ATTENTION),
                          ("cudnn", SDPBackend.CUDNN_ATTENTION)))
             for name, backend in backends:
+                if only and name not in only:
+                    continue
                 with sdpa_kernel(backend):
                     f = torch.nn.functional.scaled_dot_product_attention
                     fwd = median_ms(lambda: f(tq, tk, tv, is_causal=causal))
@@ -81,6 +89,8 @@ def main(cases, float32=False):
 if __name__ == "__main__":
     args = sys.argv[1:]
     float32 = "--float32" in args
-    args = [a for a in args if a != "--float32"] or [
+    only = [a.split("=", 1)[1].split(",") for a in args if a.startswith("--rows=")]
+    args = [a for a in args if a != "--float32" and not a.startswith("--rows=")] or [
         "64,4096,0", "128,4096,0", "128,4096,1", "256,4096,0", "128,1024,0"]
-    main([(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)], float32)
+    main([(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)], float32,
+         only[0] if only else None)

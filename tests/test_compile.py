@@ -126,10 +126,30 @@ def test_dispatch_order():
     assert registry.choose("forward", bf16, 64, 90, excluded=skipped).name == "forward_mma_sync"
 
 
+def test_dq_passes():
+    """The Hopper 16-bit backward adds dQ by atomics up to head_dim 128 and takes its
+    wgmma dQ pass past it (every call) and for deterministic calls; the variants hold
+    exactly the roles those paths launch."""
+    bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
+    spec = registry.choose("backward", bf16, 128, 90)
+    assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
+    assert spec.atomic_dq(128) and not spec.atomic_dq(136) and not spec.atomic_dq(256)
+    for head_dim, atomic in ((64, True), (128, True), (136, False), (192, False)):
+        roles = kernel_build.Variant(bf16, head_dim, 90).kernel_names()
+        assert ("backward_wgmma_atomic_dq" in roles) == atomic, head_dim
+        assert {"backward_wgmma", "backward_dq_wgmma", "backward_dq_wgmma_modified"} <= set(roles)
+    # before Hopper and for float32 the dQ pass is the CUDA-core one
+    assert registry.choose("backward", bf16, 64, 80).dq_kernel is None
+    assert registry.choose("backward", np.dtype(np.float32), 64, 90).dq_kernel is None
+    wide = registry.choose("backward", np.dtype(np.float32), 200, 90)
+    assert wide.dq_kernel == "backward_dq_float32_pieces_wide" and not wide.atomic_dq(200)
+
+
 SASS_JOBS = [("bfloat16", 128, "sm_90a"), ("float16", 256, "sm_90a"), ("float32", 64, "sm_80"),
              ("float32", 128, "sm_90a"), ("bfloat16", 64, "sm_80"), ("float16", 64, "sm_90a"),
              ("bfloat16", 80, "sm_90a"), ("float16", 40, "sm_80"), ("bfloat16", 200, "sm_90a"),
-             ("float32", 96, "sm_90a"), ("float16", 152, "sm_80"), ("float32", 200, "sm_90a")]
+             ("float32", 96, "sm_90a"), ("float16", 152, "sm_80"), ("float32", 200, "sm_90a"),
+             ("float16", 192, "sm_90a")]
 
 
 def expected_hgmma(role, head_dim):
@@ -151,14 +171,18 @@ def expected_hgmma(role, head_dim):
         # the head dim's 64-column chunks (dQ: a warpgroup's two), 2 k16 steps each
         chunks = -(-head_dim // 64) if spec.direction == "backward" else 2
         return 3 * (steps + 2 * chunks)
+    if spec.name == "backward_dq_wgmma":  # S and dP over the head_dim, dQ over the keys
+        return 2 * steps + traits.template_args[0] // 16
     if spec.name == "backward_float32_pieces":  # S^T, dP^T: width / 16; dV or dK: 64 / 16;
         dq = 2 if registry.ATOMIC_DQ in role else 0  # dQ: 2 key steps
         return 3 * (2 * width // 16 + 64 // 16 + dq)
     # backward_wgmma: S^T and dP^T over the head_dim, dV and dK over the query rows,
-    # dQ in 8 16-key steps (128 keys, or 64 keys in two column chunks)
+    # dQ (atomic, up to D = 128) in 8 16-key steps; in the 256 class below 256 columns
+    # a copy of the loop a warpgroup
     rows = traits.template_args[0]
     dq = 8 if registry.ATOMIC_DQ in role else 0
-    return 2 * steps + 2 * rows // 16 + dq
+    copies = 2 if width == 256 and 16 * steps < 256 else 1
+    return copies * (2 * steps + 2 * rows // 16) + dq
 
 
 @pytest.mark.slow
@@ -202,7 +226,8 @@ def test_precompile_job_list():
     assert {role for _, role in jobs} >= {
         "forward_general", "forward_mma_sync", "forward_wgmma", "forward_wgmma_pipelined",
         "forward_tf32", "forward_float32_pieces", "backward_wgmma_atomic_dq", "backward_mma_sync",
-        "backward_mma_sync_split_d", "backward_float32_pieces", "backward_tf32"}
+        "backward_mma_sync_split_d", "backward_float32_pieces", "backward_tf32",
+        "backward_dq_wgmma", "backward_dq_wgmma_modified"}
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

@@ -153,7 +153,7 @@ def test_packed_slopes_have_a_row_per_sequence():
 
 def test_registry_has_modified_kernels_for_every_call():
     """Every (dtype, head_dim, GPU, option) a plain call serves has kernels compiled with
-    the modifiers, forward and backward (and the deterministic dQ pass), in the variant
+    the modifiers, forward and backward (and their dQ pass), in the variant
     the GPU path loads; 16-bit calls keep the tensor cores (the backward before Hopper at
     the mma.sync kernel's head dims 64 and 128)."""
     from cuflash import kernel_build
@@ -163,7 +163,6 @@ def test_registry_has_modified_kernels_for_every_call():
             for capability in (80, 86, 90):
                 names = kernel_build.Variant(dtype, head_dim,
                                              registry.generation(capability)).kernel_names()
-                assert registry.BY_NAME["backward_dq_general"].role(modified=True) in names
                 for direction in ("forward", "backward"):
                     for allow_tf32 in (False, True):
                         for tensor_cores in (True, False):
@@ -171,10 +170,12 @@ def test_registry_has_modified_kernels_for_every_call():
                                                    allow_tf32=allow_tf32,
                                                    tensor_cores=tensor_cores, modified=True)
                             assert spec.modifiers, (spec.name, dtype, head_dim, capability)
-                            for atomic_dq in (False, True):
-                                role = spec.role(atomic_dq=atomic_dq and
-                                                 direction == "backward", modified=True)
+                            for atomic_dq in (False, spec.atomic_dq(head_dim)):
+                                role = spec.role(atomic_dq=atomic_dq, modified=True)
                                 assert role in names, role
+                            if direction == "backward":  # dQ's pass (deterministic calls)
+                                dq = registry.BY_NAME[spec.dq_kernel or "backward_dq_general"]
+                                assert dq.role(modified=True) in names, dq.name
                     spec = registry.choose(direction, dtype, head_dim, capability,
                                            modified=True)
                     if dtype == DTYPES["float32"] or (
@@ -193,7 +194,8 @@ def test_registry_has_modified_kernels_for_every_call():
 GPU_MODIFIERS = [(5.0, None), (0.0, "heads"), (0.0, "batch_heads"), (2.0, "heads"),
                  (2.0, "batch_heads")]
 
-# Head dims of each tile class (40: the 64 class off the k16 grid; 96: the 128 class),
+# Head dims of each tile class (40: the 64 class off the k16 grid; 96: the 128 class;
+# 192: the 256 class's backward with a copy of its loop a warpgroup),
 # causal and not, GQA, windows, S_q != S_k both ways (ALiBi's position p = i + S_k - S_q),
 # several key tiles (the pipelined wgmma loop), keys past kv_seq_len, rows that see no key.
 GPU_SHAPES = [
@@ -203,6 +205,7 @@ GPU_SHAPES = [
     dict(head_dim=256, q_len=33, kv_len=90),
     dict(head_dim=40, causal=False, window=(20, 3)),
     dict(head_dim=96, q_len=130, kv_len=100, kv_seq_len=77),
+    dict(head_dim=192, q_len=70, kv_len=130, causal=False),
 ]
 
 

@@ -235,7 +235,8 @@ def test_call_errors_with_block_masks(rng):
 
 @pytest.mark.parametrize("dtype, head_dim, arch, with_score", [
     ("bfloat16", 128, "sm_90a", True), ("float16", 64, "sm_90a", False),
-    ("bfloat16", 128, "sm_80", False), ("float32", 64, "sm_90a", True)])
+    ("bfloat16", 128, "sm_80", False), ("float32", 64, "sm_90a", True),
+    ("bfloat16", 192, "sm_90a", True)])
 def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, rng):
     """The kernels a call with user modifiers launches, with a document mask and a
     relative bias compiled in (mask-only without the bias): NVRTC for the arch, no spills,

@@ -7,6 +7,7 @@
 #include "tc_bwd.cuh"
 #include "tc_bwd_wide.cuh"
 #include "tc_bwd_wg.cuh"
+#include "tc_bwd_dq_wg.cuh"
 #include "split_fwd_wg.cuh"
 #include "split_fwd_wide_wg.cuh"
 #include "split_bwd_wg.cuh"

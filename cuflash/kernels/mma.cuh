@@ -388,31 +388,39 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
     }
 }
 
-// The end of a dK/dV block: rows g and g + 8 of a warp's 16 keys (from key
-// key0 of a tile whose first rows dk and dv point at, rows row_stride
-// elements apart, `keys` keys inside the capacity), DN 8-column tiles from
-// column col0, dK times scale. Keys past the capacity and columns past D (a
-// tile's padding) are skipped; every other row is written, zeros included.
-template <typename T, int D, int DN>
-__device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
-                                           long long row_stride, int key0, int keys, int col0,
-                                           const float (&dk_acc)[DN][4],
-                                           const float (&dv_acc)[DN][4], float scale) {
+// Rows g and g + 8 of a warp's 16 keys of a dK or dV tile (from key key0 of a
+// tile whose first row `out` points at, rows row_stride elements apart, `keys`
+// keys inside the capacity), TILES 8-column tiles from column col0, times
+// scale. Keys past the capacity and columns past D (a tile's padding) are
+// skipped; every other row is written, zeros included.
+template <typename T, int D, int TILES>
+__device__ __forceinline__ void store_key_rows(T* __restrict__ out, long long row_stride,
+                                               int key0, int keys, int col0,
+                                               const float (&acc)[TILES][4], float scale) {
     using Op = TensorOp<T>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + g + 8 * r;
         if (key >= keys) continue;
-        unsigned* dk_row = reinterpret_cast<unsigned*>(dk + key * row_stride + col0);
-        unsigned* dv_row = reinterpret_cast<unsigned*>(dv + key * row_stride + col0);
+        unsigned* row = reinterpret_cast<unsigned*>(out + key * row_stride + col0);
 #pragma unroll
-        for (int d = 0; d < DN; ++d) {
+        for (int d = 0; d < TILES; ++d) {
             if (col0 + d * 8 >= D) continue;  // padding columns of the tile
-            dk_row[d * 4 + t] = Op::pack(dk_acc[d][2 * r] * scale, dk_acc[d][2 * r + 1] * scale);
-            dv_row[d * 4 + t] = Op::pack(dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+            row[d * 4 + t] = Op::pack(acc[d][2 * r] * scale, acc[d][2 * r + 1] * scale);
         }
     }
+}
+
+// The end of a dK/dV block: dK times scale and dV of the same DN tiles from
+// column col0 (store_key_rows).
+template <typename T, int D, int DN>
+__device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
+                                           long long row_stride, int key0, int keys, int col0,
+                                           const float (&dk_acc)[DN][4],
+                                           const float (&dv_acc)[DN][4], float scale) {
+    store_key_rows<T, D, DN>(dk, row_stride, key0, keys, col0, dk_acc, scale);
+    store_key_rows<T, D, DN>(dv, row_stride, key0, keys, col0, dv_acc, 1.f);
 }
 
 }  // namespace cuflash

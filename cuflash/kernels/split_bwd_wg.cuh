@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
     int num_heads, int group, int kv_capacity,
     CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
-    // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
+    // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
     constexpr int BM = 64, BN = 64, NT = 256, KSTEPS = DP / 16, HALF = KSTEPS / 2;
     constexpr int SN = BM / 2, STILES = SN / 8, DTILES = DP / 8;
@@ -110,18 +110,18 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         const long long q_at = offset_of(q_st, b, h, m0), do_at = offset_of(dout_st, b, h, m0);
         T* Qb = Qs + buf * 2 * PLANE;
         T* dOb = dOs + buf * 2 * PLANE;
-        cp_async_tile_sw128<BM, DP, NT>(Qb, qh + q_at, q_st.s, rows);
-        cp_async_tile_sw128<BM, DP, NT>(Qb + PLANE, ql + q_at, q_st.s, rows);
-        cp_async_tile_sw128<BM, DP, NT>(dOb, doh + do_at, dout_st.s, rows);
-        cp_async_tile_sw128<BM, DP, NT>(dOb + PLANE, dol + do_at, dout_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT, D>(Qb, qh + q_at, q_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT, D>(Qb + PLANE, ql + q_at, q_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT, D>(dOb, doh + do_at, dout_st.s, rows);
+        cp_async_tile_sw128<BM, DP, NT, D>(dOb + PLANE, dol + do_at, dout_st.s, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
         const long long k_at = offset_of(k_st, b, hk, n0), v_at = offset_of(v_st, b, hk, n0);
-        cp_async_tile_sw128<BN, DP, NT>(Ks, kh + k_at, k_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(Ks + PLANE, kl + k_at, k_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(Vs, vh + v_at, v_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(Vs + PLANE, vl + v_at, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(Ks, kh + k_at, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(Ks + PLANE, kl + k_at, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(Vs, vh + v_at, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(Vs + PLANE, vl + v_at, v_st.s, keys);
         load_step(0, 0);
     }
     cp_async_commit();

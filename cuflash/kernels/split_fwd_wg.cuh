@@ -91,7 +91,7 @@ __device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
         }
 }
 
-// 32 rows a block (8 a warp), one atomic a warp.
+// 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict__ x,
                                                          unsigned* __restrict__ abs_max_bits,
@@ -99,12 +99,14 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
+#pragma unroll
     for (int r = 0; r < 8; ++r) {
         const int row = blockIdx.x * 32 + warp * 8 + r;
-        if (row >= rows) break;
-        const float* src = x + offset_of(x_st, blockIdx.z, blockIdx.y, row);
+        if (row < rows) {
+            const float* src = x + offset_of(x_st, blockIdx.z, blockIdx.y, row);
 #pragma unroll
-        for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(src[d]));
+            for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(src[d]));
+        }
     }
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
@@ -112,9 +114,9 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
         atomicMax(abs_max_bits + blockIdx.z * gridDim.y + blockIdx.y, __float_as_uint(m));
 }
 
-// One warp a row, 4 rows a block; pieces written [B, H, seq_len, DP]
-// contiguous (DP = the head_dim's class, 64, 128 or 256; zeros in the padding
-// columns), rows [0, rows) of each head.
+// One warp a row, 4 rows a block; pieces written [B, H, seq_len, D] contiguous
+// (the kernels that read them fill their tiles' padding columns with zeros),
+// rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128) attention_split_f16(
     const float* __restrict__ x, const float* __restrict__ abs_max, half_t* __restrict__ hi,
@@ -127,12 +129,11 @@ __global__ void __launch_bounds__(128) attention_split_f16(
     if (blockIdx.x == 0 && threadIdx.x == 0) scale_out[b * num_heads + h] = scale;
     if (row >= rows) return;
     const float* src = x + offset_of(x_st, b, h, row);
-    constexpr int DP = head_dim_class(D);
-    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * DP;
+    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * D;
 #pragma unroll
-    for (int d = 2 * lane; d < DP; d += 64) {
-        unsigned pair_hi = 0, pair_lo = 0;
-        if (d < D) split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
+    for (int d = 2 * lane; d < D; d += 64) {
+        unsigned pair_hi, pair_lo;
+        split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
         *reinterpret_cast<unsigned*>(hi + at + d) = pair_hi;
         *reinterpret_cast<unsigned*>(lo + at + d) = pair_lo;
     }
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
     CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
-    // The pieces are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
+    // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
     constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DP / 8;
     constexpr int KSTEPS = DP / 16, HALF = KSTEPS / 2;
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
                 s_v = v_scales[kv_head];
 
-    cp_async_tile_sw128<BM, DP, NT>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
-    cp_async_tile_sw128<BM, DP, NT>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, DP, NT, D>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
+    cp_async_tile_sw128<BM, DP, NT, D>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     const long long k_head = offset_of(k_st, b, hk, 0), v_head = offset_of(v_st, b, hk, 0);
@@ -190,10 +191,10 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
         T* kb = Ks + buf * 2 * BN * DP;
         T* vb = Vs + buf * 2 * BN * DP;
-        cp_async_tile_sw128<BN, DP, NT>(kb, kh + k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(kb + BN * DP, kl + k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(vb, vh + v_head + n0 * v_st.s, v_st.s, keys);
-        cp_async_tile_sw128<BN, DP, NT>(vb + BN * DP, vl + v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(kb, kh + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(kb + BN * DP, kl + k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(vb, vh + v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, DP, NT, D>(vb + BN * DP, vl + v_head + n0 * v_st.s, v_st.s, keys);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();

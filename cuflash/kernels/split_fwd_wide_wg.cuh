@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
     CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
     CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
-    constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the pieces' width
+    constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the tiles' width
     constexpr int NTILES = BN / 8, OTILES = DP / 2 / 8;   // O: 128 columns a warpgroup
     constexpr int KW = (round_up(D, 16) / 16 + 1) / 2;    // k16 steps a warpgroup
     constexpr int CHUNK = 4;                              // k16 steps a fresh S sum

@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     constexpr bool EXCHANGE = SPLIT_D;   // and S^T, dP^T by queries, P^T, dS^T via smem
     constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    // dQ per warpgroup: at D = 64 (BM = 128) split by queries (M = 64 of them);
-    // at D = 128, 256 by columns.
+    // The atomic dQ per warpgroup: at D = 64 (BM = 128) split by queries (M = 64 of
+    // them); at D = 128 by columns.
     constexpr bool DQ_SPLIT_QUERIES = BM == 128;
     constexpr int DQ_KSTEPS = BN / 16;
     static_assert((DT == 64 && BM == 128) || ((DT == 128 || DT == 256) && BM == 64), "tile shape");
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     cp_async_commit();
 
     // The loop over query tiles for one warpgroup's columns (WarpgroupColumns):
-    // up to DK = 208 with SPLIT_D each warpgroup runs its own copy, its columns
+    // with SPLIT_D below DK = 256 each warpgroup runs its own copy, its columns
     // compiled in.
     auto run = [&](auto columns) {
         using Columns = decltype(columns);

@@ -412,7 +412,7 @@ class BackwardPlan:
         accum_width = problem.head_dim
         rows, batch = _query_grid(problem)
         if not self.atomic:  # dQ by a pass of its own over the keys
-            dq_spec = registry.BY_NAME[self.spec.dq_kernel or "backward_dq_general"]
+            dq_spec = self.spec.dq_pass()
             # The float32 pieces' own dQ kernel reads the pieces; the others the inputs.
             self.dq_reads_pieces = dq_spec.precision == "float32"
             dq_strides = strides if self.dq_reads_pieces else tuple(

@@ -85,7 +85,7 @@ def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forwar
                 if direction == "forward":
                     jobs.append((variant, spec.role(modified=True)))
                 else:
-                    dq_pass = registry.BY_NAME[spec.dq_kernel or "backward_dq_general"]
+                    dq_pass = spec.dq_pass()
                     jobs += [(variant, spec.role(modified=True)),
                              (variant, dq_pass.role(modified=True))]
                     if spec.atomic_dq(d):

@@ -149,6 +149,11 @@ class KernelSpec:
             base += (self.name + ATOMIC_DQ,)
         return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
 
+    def dq_pass(self):
+        """The spec of the helper that computes a backward's dQ when its kernel does not
+        add it by atomics (``dq_kernel``, or the CUDA-core pass)."""
+        return BY_NAME[self.dq_kernel or "backward_dq_general"]
+
     def block_mask_tiles(self, head_dim):
         """``(outer, inner)`` tiles of a block mask's view for this kernel, or None."""
         return None if self.block_tiles is None else self.block_tiles(self.traits(head_dim))
@@ -317,6 +322,15 @@ def _dq_wgmma_traits(d):
     return Traits(rows, 256, 2 * width * (2 * rows + 4 * keys) + 1024, (keys,))
 
 
+def _dq_mma_sync_traits(d):
+    """kernels/tc_bwd_dq.cuh: 64 query rows (16 a warp), Q and dO resident, two buffers of
+    K and V: 64-key tiles, 32 in the 128 class and 16 in the 256 class (96 KB of shared
+    memory there, within the 99 KB of an sm_86 or sm_89 block)."""
+    rows, width = 64, head_dim_class(d)
+    keys = {64: 64, 128: 32, 256: 16}[width]
+    return Traits(rows, 2 * rows, 2 * width * (2 * rows + 4 * keys), (rows, keys))
+
+
 def _fixed(rows, threads=128):
     return lambda d: Traits(rows, threads, 0, ())
 
@@ -368,10 +382,10 @@ KERNELS = (
                dq_kernel="backward_dq_wgmma"),
     KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
-               exact_head_dims=True, modifiers=True),
+               exact_head_dims=True, modifiers=True, dq_kernel="backward_dq_mma_sync"),
     KernelSpec("backward_mma_sync_split_d", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits,
-               padded_dq=True),
+               padded_dq=True, dq_kernel="backward_dq_mma_sync"),
     KernelSpec("backward_tf32", "backward", "mma.sync", "tf32", AMPERE_AND_NEWER, (8, 128),
                "attention_bwd_dkdv_tc32", _backward_tf32_traits, dtype_in_template=False),
     KernelSpec("backward_float32_pieces", "backward", "wgmma", "float32", HOPPER, (8, 128),
@@ -385,7 +399,8 @@ KERNELS = (
                ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits, modifiers=True),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
     # deterministic dQ pass on the CUDA cores; the backward_wgmma's dQ pass (its
-    # deterministic calls, and every call past head_dim 128); the dQ of the float32
+    # deterministic calls, and every call past head_dim 128); the mma.sync
+    # backwards' dQ pass (their deterministic calls); the dQ of the float32
     # pieces past head_dim 128; the atomic dQ's conversion to its dtype and
     # layout (512 elements a block); zeros in the rows of a packed output that no
     # sequence covers; the float16 pieces of float32 operands.
@@ -396,6 +411,9 @@ KERNELS = (
     KernelSpec("backward_dq_wgmma", "helper", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
                "attention_bwd_dq_wgmma", _dq_wgmma_traits, needs_sm90a=True, modifiers=True,
                block_tiles=_owned_and_visited),
+    KernelSpec("backward_dq_mma_sync", "helper", "mma.sync", "16-bit", AMPERE_AND_NEWER,
+               ALL_HEAD_DIMS, "attention_bwd_dq_tc", _dq_mma_sync_traits, modifiers=True,
+               block_tiles=_rows_and_keys),
     KernelSpec("backward_dq_float32_pieces_wide", "helper", "wgmma", "float32", HOPPER,
                (136, 256), "attention_bwd_dq_split_wide", _dq_pieces_wide_traits,
                needs_sm90a=True, dtype_in_template=False),

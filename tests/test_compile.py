@@ -128,8 +128,9 @@ def test_dispatch_order():
 
 def test_dq_passes():
     """The Hopper 16-bit backward adds dQ by atomics up to head_dim 128 and takes its
-    wgmma dQ pass past it (every call) and for deterministic calls; the variants hold
-    exactly the roles those paths launch."""
+    wgmma dQ pass past it (every call) and for deterministic calls; before Hopper the
+    16-bit backwards add dQ by atomics and their deterministic calls take the mma.sync dQ
+    pass; the variants hold exactly the roles those paths launch."""
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     spec = registry.choose("backward", bf16, 128, 90)
     assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
@@ -138,9 +139,15 @@ def test_dq_passes():
         roles = kernel_build.Variant(bf16, head_dim, 90).kernel_names()
         assert ("backward_wgmma_atomic_dq" in roles) == atomic, head_dim
         assert {"backward_wgmma", "backward_dq_wgmma", "backward_dq_wgmma_modified"} <= set(roles)
-    # before Hopper and for float32 the dQ pass is the CUDA-core one
-    assert registry.choose("backward", bf16, 64, 80).dq_kernel is None
+    for head_dim in (64, 72, 128, 256):
+        spec = registry.choose("backward", bf16, head_dim, 80)
+        assert spec.dq_kernel == "backward_dq_mma_sync" and spec.atomic_dq(head_dim)
+        roles = kernel_build.Variant(bf16, head_dim, 80).kernel_names()
+        assert {"backward_dq_mma_sync", "backward_dq_mma_sync_modified"} <= set(roles)
+    # float32 (and a modified call past the mma.sync backward's head dims: the general
+    # backward) take the CUDA-core dQ pass
     assert registry.choose("backward", np.dtype(np.float32), 64, 90).dq_kernel is None
+    assert registry.choose("backward", bf16, 72, 80, modified=True).dq_kernel is None
     wide = registry.choose("backward", np.dtype(np.float32), 200, 90)
     assert wide.dq_kernel == "backward_dq_float32_pieces_wide" and not wide.atomic_dq(200)
 

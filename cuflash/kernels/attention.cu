@@ -6,6 +6,7 @@
 #include "tc_fwd_wg.cuh"
 #include "tc_bwd.cuh"
 #include "tc_bwd_wide.cuh"
+#include "tc_bwd_dq.cuh"
 #include "tc_bwd_wg.cuh"
 #include "tc_bwd_dq_wg.cuh"
 #include "split_fwd_wg.cuh"

@@ -292,6 +292,66 @@ __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float 
     dscores(st, dpt, t, delta_s);
 }
 
+// The dQ passes (tc_bwd_dq.cuh, tc_bwd_dq_wg.cuh), on a warp's S and dP
+// accumulators in the m16n8 layout of mma.sync and wgmma alike (rows row0 + g
+// and row0 + g + 8, BN = 8 NTILES keys from n0): P = exp2(S scale_log2 - lse)
+// masked, then dS = P (dP - Delta) in place of dP. lse (base 2; +inf for a row
+// that sees nothing or is padding) and Delta per row. EDGE: keys outside a row's interval (and, on a
+// `partial` tile, where the user's mask hides them) get P = 0. MODIFIED: the
+// modifiers' scores and derivative (apply2) on every element.
+template <bool EDGE, bool MODIFIED, int NTILES, typename Mods>
+__device__ __forceinline__ void query_dscores(float (&s)[NTILES][4], float (&dp)[NTILES][4],
+                                              const Mask& mask, const Mods& mods, int row0,
+                                              int n0, int t, const float (&row_lse)[2],
+                                              const float (&row_delta)[2], float scale_log2,
+                                              bool partial) {
+    int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if (EDGE) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mask.row_keys(row0 + 8 * r, lo[r], hi[r]);
+    }
+    const int offset = static_cast<int>(mods.offset);  // kv_len - q_len (ALiBi): an int
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, row = row0 + 8 * r, key = n0 + n * 8 + 2 * t + (e & 1);
+            float p, derivative = 1.f;
+            if constexpr (MODIFIED) {
+                const float distance = static_cast<float>(row + offset - key);
+                const float score2 = mods.template apply2<true>(s[n][e], scale_log2, row, key,
+                                                                distance, derivative);
+                p = fast_exp2(score2 - row_lse[r]);
+            } else {
+                p = fast_exp2(fmaf(s[n][e], scale_log2, -row_lse[r]));
+            }
+            if (EDGE && (key < lo[r] || key >= hi[r] || (partial && !mods.sees(row, key))))
+                p = 0.f;
+            dp[n][e] = p * (dp[n][e] - row_delta[r]);
+            if constexpr (MODIFIED) dp[n][e] *= derivative;
+        }
+}
+// One key tile's P and dS in a dQ pass (query_dscores): with score modifiers that change
+// the scores on every element; else masked on an edge tile (`edge`: the rows' intervals
+// cut it, or the block mask calls it partial) and straight elsewhere.
+template <bool SCORES_MODIFIED, int NTILES, typename Mods>
+__device__ __forceinline__ void query_tile_dscores(float (&s)[NTILES][4], float (&dp)[NTILES][4],
+                                                   const Mask& mask, const Mods& mods, bool edge,
+                                                   int row0, int n0, int t,
+                                                   const float (&row_lse)[2],
+                                                   const float (&row_delta)[2], float scale_log2,
+                                                   bool partial) {
+    if (SCORES_MODIFIED)
+        query_dscores<true, SCORES_MODIFIED>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
+                                             scale_log2, partial);
+    else if (edge)
+        query_dscores<true, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
+                                   scale_log2, partial);
+    else
+        query_dscores<false, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
+                                    scale_log2, false);
+}
+
 // The steps of a backward block over its key tile [n0, n1): each query head of
 // KV head hk in turn, each with its tiles of BM query rows that see the keys.
 template <int BM>

@@ -14,50 +14,12 @@
 //                                    B = K N-major (smem), as O += P V forward
 // and dQ times the softmax scale is stored in the inputs' dtype at the end.
 // With score modifiers dS takes their derivative (ScoreModifiers::apply2); a
-// block mask's view is the forward's (the same query and key tiles).
+// block mask's view is the forward's (the same query and key tiles). The
+// mma.sync kernel of the same pass is tc_bwd_dq.cuh.
 #pragma once
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
-
-// On a warp's S and dP accumulators (rows row0 + g and row0 + g + 8, BN = 8
-// NTILES keys from n0): P = exp2(S scale_log2 - lse) masked, then dS = P (dP -
-// Delta) in place of dP. lse (base 2; +inf for a row that sees nothing or is
-// padding) and Delta per row. EDGE: keys outside a row's interval (and, on a
-// `partial` tile, where the user's mask hides them) get P = 0. MODIFIED: the
-// modifiers' scores and derivative (apply2) on every element.
-template <bool EDGE, bool MODIFIED, int NTILES, typename Mods>
-__device__ __forceinline__ void query_dscores(float (&s)[NTILES][4], float (&dp)[NTILES][4],
-                                              const Mask& mask, const Mods& mods, int row0,
-                                              int n0, int t, const float (&row_lse)[2],
-                                              const float (&row_delta)[2], float scale_log2,
-                                              bool partial) {
-    int lo[2] = {0, 0}, hi[2] = {0, 0};
-    if (EDGE) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mask.row_keys(row0 + 8 * r, lo[r], hi[r]);
-    }
-    const int offset = static_cast<int>(mods.offset);  // kv_len - q_len (ALiBi): an int
-#pragma unroll
-    for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, row = row0 + 8 * r, key = n0 + n * 8 + 2 * t + (e & 1);
-            float p, derivative = 1.f;
-            if constexpr (MODIFIED) {
-                const float distance = static_cast<float>(row + offset - key);
-                const float score2 = mods.template apply2<true>(s[n][e], scale_log2, row, key,
-                                                                distance, derivative);
-                p = fast_exp2(score2 - row_lse[r]);
-            } else {
-                p = fast_exp2(fmaf(s[n][e], scale_log2, -row_lse[r]));
-            }
-            if (EDGE && (key < lo[r] || key >= hi[r] || (partial && !mods.sees(row, key))))
-                p = 0.f;
-            dp[n][e] = p * (dp[n][e] - row_delta[r]);
-            if constexpr (MODIFIED) dp[n][e] *= derivative;
-        }
-}
 
 template <typename T, int D, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
@@ -165,16 +127,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
         wgmma_wait<0>();
         pin_registers(s);
         pin_registers(dp);
-        const int row0 = m0 + warp_row + g;
-        if (SCORES_MODIFIED)
-            query_dscores<true, SCORES_MODIFIED>(s, dp, mask, mods, row0, n0, t, row_lse,
-                                                 row_delta, scale_log2, partial);
-        else if (edge)
-            query_dscores<true, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
-                                       scale_log2, partial);
-        else
-            query_dscores<false, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
-                                        scale_log2, false);
+        query_tile_dscores<SCORES_MODIFIED>(s, dp, mask, mods, edge, m0 + warp_row + g, n0, t,
+                                            row_lse, row_delta, scale_log2, partial);
 
         // dQ += dS K: dS as the A fragments, 16 keys a step.
         unsigned dsa[BN / 16][4];

@@ -7,7 +7,8 @@ import numpy as np
 
 import cuflash
 from cuflash.problem import BFLOAT16
-from cuflash.reference import attention_reference, attention_reference_grad
+from cuflash.reference import (_mask, _modified_scores, attention_reference,
+                               attention_reference_grad)
 
 try:
     import cupy
@@ -125,15 +126,11 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
     group = case.heads // case.kv_heads
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scale = 1 / math.sqrt(case.head_dim) if case.scale is None else case.scale
-    from cuflash.reference import _mask
-
     kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
     visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
     s = q @ np.swapaxes(k, -1, -2) * np.float32(scale)
     derivative = np.float32(1)
     if softcap or alibi_slopes is not None:
-        from cuflash.reference import _modified_scores
-
         s, derivative = (x.astype(np.float32) for x in _modified_scores(
             s, case.q_len, kv_len, softcap, alibi_slopes))
     s = _round(s, dt)
@@ -234,6 +231,15 @@ def run_and_check(case, xp, rng, deterministic=False, allow_tf32=False):
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
     dq, dk, dv = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
                                              deterministic=deterministic)
+    check_results(case, (q, k, v, dout), out, lse, (dq, dk, dv), allow_tf32)
+    return out, lse, (dq, dk, dv)
+
+
+def check_results(case, inputs, out, lse, grads, allow_tf32=False):
+    """The forward's ``out`` and ``lse`` and the backward's ``grads`` (dq, dk, dv) of
+    ``case`` on ``inputs`` (q, k, v, dout) against the oracle, by the tolerance rule."""
+    q, k, v, dout = inputs
+    dq, dk, dv = grads
     ref_out, ref_lse, ref_grads = oracle(case, q, k, v, dout)
     inherited_grads = oracle(case, q, k, v, dout, out=out, lse=lse)[2]
     tf32 = allow_tf32 and case.dtype == "float32"
@@ -255,7 +261,61 @@ def run_and_check(case, xp, rng, deterministic=False, allow_tf32=False):
     if case.kv_seq_len is not None:
         assert np.all(to_numpy(dk)[:, :, case.kv_seq_len:] == 0)
         assert np.all(to_numpy(dv)[:, :, case.kv_seq_len:] == 0)
-    return out, lse, (dq, dk, dv)
+
+
+def alibi_slopes(rng, kind, batch, heads):
+    """Random ALiBi slopes: None, ``[heads]`` (kind "heads") or ``[batch, heads]``."""
+    if kind is None:
+        return None
+    shape = (heads,) if kind == "heads" else (batch, heads)
+    return rng.uniform(0.02, 0.6, size=shape).astype(np.float32)
+
+
+def weighty_score_max(case, q, k, softcap, slopes):
+    """Largest |score| (before and after the modifiers) among the visible scores whose
+    probability is above 1e-6: the magnitude whose float32 rounding the results carry
+    (far keys that ALiBi pushes to huge negative scores weigh nothing)."""
+    q, k = (to_numpy(a).astype(np.float64) for a in (q, k))
+    k = np.repeat(k, case.heads // case.kv_heads, axis=1)
+    kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
+    raw = q @ np.swapaxes(k, -1, -2) / math.sqrt(case.head_dim)
+    modified, _ = _modified_scores(raw, case.q_len, kv_len, softcap, slopes)
+    visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
+    scores = np.where(visible, modified, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weighty = visible & (scores - np.where(np.isfinite(top), top, 0) > math.log(1e-6))
+    if not weighty.any():
+        return 0.0
+    return float(max(np.abs(raw[weighty]).max(), np.abs(modified[weighty]).max()))
+
+
+def check_modified_results(case, inputs, results, softcap, slopes):
+    """``results`` (out, lse, dq, dk, dv of one dense problem, [B, H, S, D]) against the
+    oracle with the modifiers: support.check_close for each, the lse, and exact zeros in
+    rows that see no key and for keys past kv_seq_len."""
+    q, k, v, dout = (to_numpy(x) for x in inputs)
+    out, lse, *grads = (to_numpy(x) for x in results)
+    h64 = [x.astype(np.float64) for x in (q, k, v, dout)]
+    args = (case.causal, case.window, case.kv_seq_len)
+    mods = dict(softcap=softcap, alibi_slopes=slopes)
+    ref_out, ref_lse = attention_reference(*h64[:3], *args, **mods)
+    ref_grads = attention_reference_grad(h64[3], *h64[:3], *args, **mods)
+    inherited = attention_reference_grad(h64[3], *h64[:3], *args, out=out.astype(np.float64),
+                                         lse=lse.astype(np.float64), **mods)
+    naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout, **mods)
+    score_max = weighty_score_max(case, q, k, softcap, slopes)
+    assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
+    check_lse(lse, ref_lse)
+    for name, got, ref, naive, given in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads,
+                                            inherited):
+        assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
+        check_close(name, got, ref, naive, case.dtype, given, score_max)
+    dead = np.isneginf(ref_lse)
+    assert np.all(out[dead] == 0) and np.all(grads[0][dead] == 0)
+    if case.kv_seq_len is not None:
+        assert np.all(grads[1][:, :, case.kv_seq_len:] == 0)
+        assert np.all(grads[2][:, :, case.kv_seq_len:] == 0)
 
 
 def grid_cases():

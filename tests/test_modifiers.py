@@ -10,22 +10,14 @@ import pytest
 
 import cuflash
 from cuflash import registry
-from cuflash.reference import (_mask, _modified_scores, attention_reference,
-                               attention_reference_grad)
-from support import (DTYPES, FLOOR, Case, check_close, check_lse, cupy, naive_in_dtype,
+from cuflash.reference import attention_reference, attention_reference_grad
+from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results, cupy,
                      random_inputs, rel_error, to_numpy)
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
 # (softcap, ALiBi slopes' shape: None, "heads" or "batch_heads")
 MODIFIERS = [(5.0, None), (0.0, "heads"), (2.0, "batch_heads")]
-
-
-def _slopes(rng, kind, batch, heads):
-    if kind is None:
-        return None
-    shape = (heads,) if kind == "heads" else (batch, heads)
-    return rng.uniform(0.02, 0.6, size=shape).astype(np.float32)
 
 
 def _check(rng, xp, dtype="float32", batch=2, heads=4, kv_heads=2, q_len=45, kv_len=70,
@@ -37,7 +29,7 @@ def _check(rng, xp, dtype="float32", batch=2, heads=4, kv_heads=2, q_len=45, kv_
 
     host = [make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len),
             make(heads, q_len)]
-    slopes = _slopes(rng, alibi, batch, heads)
+    slopes = alibi_slopes(rng, alibi, batch, heads)
     q, k, v, dout = (xp.asarray(x) for x in host)
     kw = dict(kv_seq_len=kv_seq_len, softcap=softcap,
               alibi_slopes=None if slopes is None else xp.asarray(slopes))
@@ -174,7 +166,7 @@ def test_registry_has_modified_kernels_for_every_call():
                                 role = spec.role(atomic_dq=atomic_dq, modified=True)
                                 assert role in names, role
                             if direction == "backward":  # dQ's pass (deterministic calls)
-                                dq = registry.BY_NAME[spec.dq_kernel or "backward_dq_general"]
+                                dq = spec.dq_pass()
                                 assert dq.role(modified=True) in names, dq.name
                     spec = registry.choose(direction, dtype, head_dim, capability,
                                            modified=True)
@@ -215,59 +207,12 @@ def _gpu_case(dtype, **shape):
                           causal=True), **shape})
 
 
-def _weighty_score_max(case, q, k, softcap, slopes):
-    """Largest |score| (before and after the modifiers) among the visible scores whose
-    probability is above 1e-6: the magnitude whose float32 rounding the results carry
-    (far keys that ALiBi pushes to huge negative scores weigh nothing)."""
-    q, k = (to_numpy(a).astype(np.float64) for a in (q, k))
-    k = np.repeat(k, case.heads // case.kv_heads, axis=1)
-    kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
-    raw = q @ np.swapaxes(k, -1, -2) / math.sqrt(case.head_dim)
-    modified, _ = _modified_scores(raw, case.q_len, kv_len, softcap, slopes)
-    visible = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)
-    scores = np.where(visible, modified, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    weighty = visible & (scores - np.where(np.isfinite(top), top, 0) > math.log(1e-6))
-    if not weighty.any():
-        return 0.0
-    return float(max(np.abs(raw[weighty]).max(), np.abs(modified[weighty]).max()))
-
-
-def _compare(case, inputs, results, softcap, slopes):
-    """``results`` (out, lse, dq, dk, dv of one dense problem, [B, H, S, D]) against the
-    oracle with the modifiers: support.check_close for each, the lse, and exact zeros in
-    rows that see no key and for keys past kv_seq_len."""
-    q, k, v, dout = (to_numpy(x) for x in inputs)
-    out, lse, *grads = (to_numpy(x) for x in results)
-    h64 = [x.astype(np.float64) for x in (q, k, v, dout)]
-    args = (case.causal, case.window, case.kv_seq_len)
-    mods = dict(softcap=softcap, alibi_slopes=slopes)
-    ref_out, ref_lse = attention_reference(*h64[:3], *args, **mods)
-    ref_grads = attention_reference_grad(h64[3], *h64[:3], *args, **mods)
-    inherited = attention_reference_grad(h64[3], *h64[:3], *args, out=out.astype(np.float64),
-                                         lse=lse.astype(np.float64), **mods)
-    naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout, **mods)
-    score_max = _weighty_score_max(case, q, k, softcap, slopes)
-    assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
-    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
-    check_lse(lse, ref_lse)
-    for name, got, ref, naive, given in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads,
-                                            inherited):
-        assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
-        check_close(name, got, ref, naive, case.dtype, given, score_max)
-    dead = np.isneginf(ref_lse)
-    assert np.all(out[dead] == 0) and np.all(grads[0][dead] == 0)
-    if case.kv_seq_len is not None:
-        assert np.all(grads[1][:, :, case.kv_seq_len:] == 0)
-        assert np.all(grads[2][:, :, case.kv_seq_len:] == 0)
-
-
 def _gpu_run(case, rng, softcap, alibi, deterministic=False, slopes_view=None):
     """Forward and backward of ``case`` on the GPU with the modifiers, checked by
-    :func:`_compare`. ``slopes_view`` turns the device slopes into another view of the
-    same values (a strided one, say)."""
+    :func:`support.check_modified_results`. ``slopes_view`` turns the device slopes into
+    another view of the same values (a strided one, say)."""
     q, k, v, dout = random_inputs(case, rng, cupy)
-    slopes = _slopes(rng, alibi, case.batch, case.heads)
+    slopes = alibi_slopes(rng, alibi, case.batch, case.heads)
     device_slopes = None if slopes is None else cupy.asarray(slopes)
     if slopes_view is not None and device_slopes is not None:
         device_slopes = slopes_view(device_slopes)
@@ -275,7 +220,7 @@ def _gpu_run(case, rng, softcap, alibi, deterministic=False, slopes_view=None):
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
     grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
                                         deterministic=deterministic)
-    _compare(case, (q, k, v, dout), (out, lse, *grads), softcap, slopes)
+    check_modified_results(case, (q, k, v, dout), (out, lse, *grads), softcap, slopes)
 
 
 @pytest.mark.gpu
@@ -307,12 +252,13 @@ def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
 
 
 def _gpu_run_inputs(case, inputs, softcap, slopes=None):
-    """Forward and backward of ``case`` on the given inputs (CuPy), checked by _compare."""
+    """Forward and backward of ``case`` on the given inputs (CuPy), checked by
+    support.check_modified_results."""
     q, k, v, dout = inputs
     kw = dict(softcap=softcap, alibi_slopes=None if slopes is None else cupy.asarray(slopes))
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
     grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw)
-    _compare(case, inputs, (out, lse, *grads), softcap, slopes)
+    check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
 
 
 @pytest.mark.gpu
@@ -400,7 +346,7 @@ def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, 
 
     host = [make(sum(lengths_q), heads), make(sum(lengths_k), kv_heads),
             make(sum(lengths_k), kv_heads), make(sum(lengths_q), heads)]
-    slopes = _slopes(rng, alibi, len(lengths_q), heads)
+    slopes = alibi_slopes(rng, alibi, len(lengths_q), heads)
     offsets_q, offsets_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
                             for n in (lengths_q, lengths_k))
     q, k, v, dout = (cupy.asarray(x) for x in host)
@@ -430,5 +376,5 @@ def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, 
                   dense(host[3], q0, q1))
         results = (dense(out, q0, q1), lse[None, :, q0:q1], dense(dq, q0, q1),
                    dense(dk, k0, k1), dense(dv, k0, k1))
-        _compare(case, inputs, results, softcap, None if slopes is None
+        check_modified_results(case, inputs, results, softcap, None if slopes is None
                  else slopes[b] if slopes.ndim == 2 else slopes)

@@ -1,0 +1,269 @@
+"""cuflash's CUDA-core and mma.sync kernels run on the CPU, for tests without a GPU.
+
+The kernels' own source (``cuflash/kernels``) is compiled by the host's C++
+compiler against ``runtime.h``, a CUDA runtime of fibers (one a CUDA thread,
+a block at a time) whose warp-collective instructions follow PTX's definitions
+lane by lane. Each ``asm`` statement is rewritten into a call of the
+simulator's version of its instruction; the rest of the source compiles as it
+is. A launch takes the arguments as ``cuLaunchKernel`` does, from NumPy arrays
+and scalars.
+
+>>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
+>>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP
+
+What it checks: indexing, fragment layouts, masking, the order of copies and
+waits (a tile read before its cp.async group completes reads NaN poison),
+barriers that never meet (a deadlock is an error). What it does not: speed,
+races between threads (the fibers run in a fixed order), the hardware's
+rounding inside mma (products are summed in float64 here).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuflash" / "kernels"
+RUNTIME = Path(__file__).resolve().parent / "runtime.h"
+CACHE_DIR = Path(os.environ.get("CUFLASH_SIM_CACHE", Path(tempfile.gettempdir()) / "cuflash-sim"))
+COMPILER_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
+
+
+class SimulationError(RuntimeError):
+    """A simulated launch failed: a deadlock, a shared-memory address outside the block's,
+    an instruction the simulator does not model."""
+
+
+def compiler():
+    """The host C++ compiler (``CXX`` or ``g++``), or None."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+# ------------------------------------------------------------------- the source
+
+
+def inlined(headers, kernel_dir=KERNEL_DIR):
+    """The kernel headers ``headers`` (names in ``kernel_dir``, by default
+    ``cuflash/kernels``) with their local includes inlined once each, as
+    ``cuflash.kernel_build.module_source`` does."""
+    seen = set()
+
+    def inline(path):
+        if path.name in seen:
+            return ""
+        seen.add(path.name)
+        out = []
+        for line in path.read_text().splitlines():
+            m = re.match(r'\s*#include\s+"([^"]+)"', line)
+            if m:
+                out.append(inline(path.parent / m.group(1)))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return "\n".join(inline(Path(kernel_dir) / h) for h in headers) + "\n"
+
+
+def _split_top_level(text, separator):
+    """``text`` split at ``separator`` outside string literals and brackets."""
+    parts, depth, start, i, quoted = [], 0, 0, 0, False
+    while i < len(text):
+        c = text[i]
+        if quoted:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    parts.append(text[start:])
+    return parts
+
+
+def _operands(text):
+    """``"constraint"(expression)`` operands: a list of (constraint, expression)."""
+    found = []
+    for part in _split_top_level(text, ","):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r'"([^"]*)"\s*\((.*)\)', part, re.S)
+        if m is None:
+            raise ValueError(f"an asm operand the simulator cannot read: {part!r}")
+        found.append((m.group(1), m.group(2).strip()))
+    return found
+
+
+# instruction text -> simulator function; the arguments are the outputs, then the inputs
+_INSTRUCTIONS = (
+    ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ldmatrix_x4_trans"),
+    ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix_x4"),
+    ("movmatrix.sync.aligned.m8n8.trans.b16", "movmatrix_trans"),
+    ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma_bf16"),
+    ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "mma_f16"),
+    ("cvt.rn.bf16x2.f32", "cvt_rn_bf16x2_f32"),
+    ("cvt.rn.f16x2.f32", "cvt_rn_f16x2_f32"),
+    ("cvt.rn.f16.f32", "cvt_rn_f16_f32"),
+    ("cvt.f32.f16", "cvt_f32_f16"),
+    ("ex2.approx.ftz.f32", "ex2_approx_ftz_f32"),
+    ("tanh.approx.f32", "tanh_approx_f32"),
+    ("ld.shared.v2.f32", "ld_shared_v2_f32"),
+    ("cp.async.commit_group", "cp_async_commit_group"),
+    ("cp.async.wait_group", "cp_async_wait_group"),
+)
+
+
+def _translate(body):
+    """The simulator call for the body of one ``asm(...)`` statement."""
+    sections = _split_top_level(body, ":")
+    template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', sections[0]))
+    outputs = _operands(sections[1]) if len(sections) > 1 else []
+    inputs = _operands(sections[2]) if len(sections) > 2 else []
+    args = [e for _, e in outputs] + [e for _, e in inputs]
+    if "cp.async.ca.shared.global" in template and "ignore" in template:
+        # setp.eq.u32 ignore, %2, 0; cp.async.ca [%0], [%1], BYTES, ignore
+        size = re.search(r"\],\s*(\d+),\s*ignore", template).group(1)
+        return f"::sim::cp_async_ignore_src({args[0]}, {args[1]}, {size}, ({args[2]}) == 0)"
+    if "cp.async.cg.shared.global" in template:
+        size = re.search(r"\],\s*(\d+),", template).group(1)
+        return f"::sim::cp_async({args[0]}, {args[1]}, {size}, {args[2]})"
+    for instruction, function in _INSTRUCTIONS:
+        if instruction in template:
+            return f"::sim::{function}({', '.join(args)})"
+    # Not modelled: an error if a launch reaches it (it may sit in a branch for
+    # another architecture).
+    text = template.strip().splitlines()[0] if template.strip() else "asm"
+    return f'::sim::unsupported("{text.replace(chr(92), "").replace(chr(34), "")}")'
+
+
+_ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
+
+
+def rewrite(source):
+    """``source`` with each asm statement a simulator call and each ``extern __shared__``
+    array the block's dynamic shared memory."""
+    out, pos = [], 0
+    for m in _ASM.finditer(source):
+        if m.start() < pos:
+            continue
+        depth, i, quoted = 1, m.end(), False
+        while depth:
+            c = source[i]
+            if quoted:
+                if c == "\\":
+                    i += 1
+                elif c == '"':
+                    quoted = False
+            elif c == '"':
+                quoted = True
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+            i += 1
+        out += [source[pos:m.start()], _translate(source[m.end():i - 1])]
+        pos = i
+    out.append(source[pos:])
+    text = "".join(out)
+    return re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
+                  r"\1* \2 = static_cast<\1*>(::sim::dynamic_shared());", text)
+
+
+# ---------------------------------------------------------------------- modules
+
+
+class Module:
+    """The compiled kernels of :func:`build`: ``launch(name, grid, threads, shared_bytes,
+    args)`` runs the kernel ``name`` (one of its name expressions)."""
+
+    def __init__(self, library_path, names):
+        self._library = ctypes.CDLL(str(library_path))
+        self._library.sim_failure.restype = ctypes.c_char_p
+        self._entries = {}
+        for i, name in enumerate(names):
+            entry = getattr(self._library, f"sim_kernel_{i}")
+            entry.restype = ctypes.c_int
+            entry.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
+            self._entries[name] = entry
+
+    def launch(self, name, grid, threads, shared_bytes, args):
+        """Run kernel ``name`` on ``grid`` (up to 3 dims) of blocks of ``threads``.
+
+        ``args``, in the kernel's order: NumPy arrays (their address; the caller keeps
+        them alive), None (a null pointer), NumPy scalars (their bytes, so their type
+        must be the parameter's), or one-element structured arrays (a record passed by
+        value).
+        """
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if min(grid) <= 0:
+            return
+        storage, pointers = [], (ctypes.c_void_p * max(1, len(args)))()
+        for i, a in enumerate(args):
+            if a is None or (isinstance(a, np.ndarray) and a.dtype.names is None):
+                cell = np.array([0 if a is None else a.ctypes.data], dtype=np.uint64)
+            elif isinstance(a, np.ndarray):  # a record by value
+                cell = a
+            elif isinstance(a, np.generic):
+                cell = np.array([a])
+            else:
+                raise TypeError(f"argument {i}: a NumPy array, scalar or record, got {type(a)}")
+            storage.append(cell)
+            pointers[i] = cell.ctypes.data
+        status = self._entries[name](*grid, int(threads), int(shared_bytes), pointers)
+        if status:
+            raise SimulationError(f"{name}: {self._library.sim_failure().decode()}")
+
+
+def translation_unit(names, headers, kernel_dir=KERNEL_DIR):
+    """The C++ of a module holding kernels ``names`` from kernel ``headers`` (of
+    ``kernel_dir``)."""
+    lines = [f'#include "{RUNTIME}"', rewrite(inlined(headers, kernel_dir))]
+    for i, name in enumerate(names):
+        lines.append(f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
+                     f'unsigned threads, unsigned long long shared_bytes, void** params) {{\n'
+                     f'    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, dim3{{threads, 1, 1}}, '
+                     f'shared_bytes, params);\n}}')
+    lines.append('extern "C" const char* sim_failure() { return ::sim::failure; }')
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _built(names, headers, kernel_dir):
+    source = translation_unit(list(names), headers, kernel_dir)
+    digest = hashlib.sha256((source + RUNTIME.read_text() + " ".join(COMPILER_FLAGS)).encode())
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    library = CACHE_DIR / f"kernels-{digest.hexdigest()[:20]}.so"
+    if not library.exists():
+        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+            cpp = Path(tmp) / "kernels.cpp"
+            cpp.write_text(source)
+            built = Path(tmp) / "kernels.so"
+            done = subprocess.run([compiler(), *COMPILER_FLAGS, "-o", str(built), str(cpp)],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"the simulated kernels do not compile:\n{done.stderr[-6000:]}")
+            os.replace(built, library)  # atomic: parallel test workers may build it too
+    return Module(library, list(names))
+
+
+def build(names, headers=("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh",
+                          "tc_bwd_wide.cuh", "tc_bwd_dq.cuh")):
+    """The simulated kernels ``names`` (C++ name expressions, as the registry writes
+    them) of ``headers`` in :data:`KERNEL_DIR`, compiled once per process and cached on
+    disk by their source."""
+    return _built(tuple(names), tuple(headers), KERNEL_DIR)

@@ -1,0 +1,449 @@
+// A CUDA runtime for the host compiler, just large enough to run cuflash's
+// CUDA-core and mma.sync kernels on the CPU (tests/simulator.py builds them).
+//
+// Every CUDA thread of a block is a fiber (ucontext) on one host thread, run
+// in turn by a scheduler until it reaches a barrier or ends; __syncthreads and
+// the warp-collective instructions (shuffles, ldmatrix, movmatrix, mma.sync)
+// are barriers over the block or the warp, so their results follow PTX's
+// definitions lane by lane. cp.async copies are held per thread and done when
+// a cp.async.wait_group lets their group complete: a kernel that reads a tile
+// before waiting for it reads the poison the shared memory was filled with.
+// Shared memory lies in the first 4 GB of the address space, so that the
+// 32-bit shared addresses the kernels compute (cvta) name it.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __CUDA_ARCH__ 800
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+namespace sim {
+
+constexpr size_t kStackBytes = 1 << 20;
+constexpr unsigned char kSharedPoison = 0xff;  // NaN in float32, float16 and bfloat16
+
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    int bytes, valid_bytes;
+};
+
+struct Barrier {
+    int expected = 0, arrived = 0;
+    unsigned generation = 0;
+};
+
+struct Fiber {
+    ucontext_t context;
+    void* stack = nullptr;
+    dim3 tid;
+    int lane = 0, warp = 0;
+    bool done = false;
+    std::vector<PendingCopy> copies;   // issued, not yet in a committed group
+    std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
+};
+
+struct Warp {
+    Barrier barrier;
+    alignas(16) unsigned char in[32][64];
+};
+
+inline dim3 block_idx, block_dim, grid_dim;
+inline Fiber* current = nullptr;
+inline ucontext_t scheduler_context;
+inline std::vector<Fiber> fibers;
+inline std::vector<Warp> warps;
+inline Barrier block_barrier;
+inline unsigned char* shared_memory = nullptr;
+inline size_t shared_capacity = 0;
+inline long long progress = 0;
+inline const char* failure = nullptr;
+
+inline void yield() { swapcontext(&current->context, &scheduler_context); }
+
+inline void arrive(Barrier& b) {
+    const unsigned generation = b.generation;
+    ++progress;
+    if (++b.arrived >= b.expected) {
+        b.arrived = 0;
+        ++b.generation;
+        return;
+    }
+    while (b.generation == generation) yield();
+}
+
+// A thread that ends no longer counts at its block's and warp's barriers.
+inline void leave(Barrier& b) {
+    --b.expected;
+    if (b.arrived > 0 && b.arrived >= b.expected) {
+        b.arrived = 0;
+        ++b.generation;
+    }
+}
+
+inline void* dynamic_shared() { return shared_memory; }
+
+inline void* shared_pointer(unsigned address) {
+    unsigned char* p = reinterpret_cast<unsigned char*>(static_cast<uintptr_t>(address));
+    if (p < shared_memory || p >= shared_memory + shared_capacity) {
+        failure = "a shared-memory address outside the block's dynamic shared memory";
+        return shared_memory;
+    }
+    return p;
+}
+
+// One warp-collective step: each lane offers `mine`, then computes its result
+// from every lane's offer (offer(l) reads lane l's), then the warp waits until
+// every lane has read before the slots are reused.
+template <typename In, typename F>
+inline auto collective(const In& mine, F&& compute) {
+    static_assert(sizeof(In) <= sizeof(Warp::in[0]), "offer too large");
+    Warp& w = warps[current->warp];
+    memcpy(w.in[current->lane], &mine, sizeof(In));
+    arrive(w.barrier);
+    auto offer = [&w](int lane) {
+        In x;
+        memcpy(&x, w.in[lane], sizeof(In));
+        return x;
+    };
+    auto result = compute(current->lane, offer);
+    arrive(w.barrier);
+    return result;
+}
+
+// ---- conversions ---------------------------------------------------------------
+
+inline float half_to_float(unsigned short bits) {
+    _Float16 h;
+    memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
+inline unsigned short float_to_half(float x) {
+    const _Float16 h = static_cast<_Float16>(x);  // round to nearest even
+    unsigned short bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+inline float bf16_to_float(unsigned short bits) {
+    const unsigned u = static_cast<unsigned>(bits) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned short float_to_bf16(float x) {
+    unsigned u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+    return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float flush_denormal(float x) { return fabsf(x) < 1.17549435e-38f ? copysignf(0.f, x) : x; }
+
+// An instruction the simulator does not model, reached at run time.
+inline void unsupported(const char* instruction) { failure = instruction; yield(); }
+
+}  // namespace sim
+
+// ---- CUDA built-ins --------------------------------------------------------------
+
+#define threadIdx (sim::current->tid)
+#define blockIdx (sim::block_idx)
+#define blockDim (sim::block_dim)
+#define gridDim (sim::grid_dim)
+
+inline void __syncthreads() { sim::arrive(sim::block_barrier); }
+inline void __syncwarp(unsigned = 0xffffffffu) { sim::arrive(sim::warps[sim::current->warp].barrier); }
+inline unsigned __float_as_uint(float x) { unsigned u; memcpy(&u, &x, 4); return u; }
+inline int __float_as_int(float x) { int u; memcpy(&u, &x, 4); return u; }
+inline float __uint_as_float(unsigned u) { float x; memcpy(&x, &u, 4); return x; }
+inline float __int_as_float(int u) { float x; memcpy(&x, &u, 4); return x; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float atomicAdd(float* p, float x) { const float old = *p; *p = old + x; return old; }
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+template <typename A, typename B>
+inline auto min(A a, B b) -> std::common_type_t<A, B> { return b < a ? b : a; }
+template <typename A, typename B>
+inline auto max(A a, B b) -> std::common_type_t<A, B> { return b > a ? b : a; }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
+    return sim::collective(value, [&](int lane, auto offer) { return offer(lane ^ lane_mask); });
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T value, int source) {
+    return sim::collective(value, [&](int, auto offer) { return offer(source & 31); });
+}
+
+// ---- the PTX instructions the kernels' asm statements hold -------------------------
+// (tests/simulator.py rewrites each asm statement into a call of one of these)
+
+namespace sim {
+
+inline void cvt_f32_f16(float& out, unsigned short in) { out = half_to_float(in); }
+inline void cvt_rn_f16_f32(unsigned short& out, float in) { out = float_to_half(in); }
+// d = {upper: a, lower: b}
+inline void cvt_rn_f16x2_f32(unsigned& out, float a, float b) {
+    out = (static_cast<unsigned>(float_to_half(a)) << 16) | float_to_half(b);
+}
+inline void cvt_rn_bf16x2_f32(unsigned& out, float a, float b) {
+    out = (static_cast<unsigned>(float_to_bf16(a)) << 16) | float_to_bf16(b);
+}
+inline void ex2_approx_ftz_f32(float& out, float in) { out = flush_denormal(exp2f(flush_denormal(in))); }
+inline void tanh_approx_f32(float& out, float in) { out = tanhf(in); }
+
+inline void cp_async(unsigned dst, const void* src, int bytes, int valid_bytes) {
+    current->copies.push_back(PendingCopy{shared_pointer(dst), src, bytes, valid_bytes});
+}
+// cp.async with the ignore-src predicate: zeros, `src` unread, where `ignore`.
+inline void cp_async_ignore_src(unsigned dst, const void* src, int bytes, bool ignore) {
+    cp_async(dst, src, bytes, ignore ? 0 : bytes);
+}
+inline void cp_async_commit_group() {
+    current->groups.push_back(std::move(current->copies));
+    current->copies.clear();
+}
+inline void cp_async_wait_group(int pending) {
+    auto& groups = current->groups;
+    while (static_cast<int>(groups.size()) > pending) {
+        for (const PendingCopy& c : groups.front()) {
+            if (c.valid_bytes > 0) memcpy(c.dst, c.src, c.valid_bytes);
+            memset(static_cast<unsigned char*>(c.dst) + c.valid_bytes, 0, c.bytes - c.valid_bytes);
+        }
+        groups.erase(groups.begin());
+    }
+}
+
+inline void ld_shared_v2_f32(float& x, float& y, unsigned address) {
+    const float* p = static_cast<const float*>(shared_pointer(address));
+    x = p[0];
+    y = p[1];
+}
+
+// Four 8x8 b16 matrices; lanes 8 i .. 8 i + 7 give the row addresses of matrix i.
+inline void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned address) {
+    unsigned* out[4] = {&r0, &r1, &r2, &r3};
+    struct Regs { unsigned r[4]; };
+    const Regs regs = collective(address, [](int lane, auto offer) {
+        Regs x;
+        for (int i = 0; i < 4; ++i) {
+            const unsigned char* row =
+                static_cast<const unsigned char*>(shared_pointer(offer(8 * i + lane / 4)));
+            memcpy(&x.r[i], row + 4 * (lane % 4), 4);
+        }
+        return x;
+    });
+    for (int i = 0; i < 4; ++i) *out[i] = regs.r[i];
+}
+inline void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                              unsigned address) {
+    unsigned* out[4] = {&r0, &r1, &r2, &r3};
+    struct Regs { unsigned r[4]; };
+    const Regs regs = collective(address, [](int lane, auto offer) {
+        Regs x;
+        for (int i = 0; i < 4; ++i) {
+            unsigned short e[2];
+            for (int j = 0; j < 2; ++j) {
+                const unsigned char* row = static_cast<const unsigned char*>(
+                    shared_pointer(offer(8 * i + 2 * (lane % 4) + j)));
+                memcpy(&e[j], row + 2 * (lane / 4), 2);
+            }
+            x.r[i] = e[0] | (static_cast<unsigned>(e[1]) << 16);
+        }
+        return x;
+    });
+    for (int i = 0; i < 4; ++i) *out[i] = regs.r[i];
+}
+// An 8x8 b16 matrix a row of two elements a lane (lane 4 i + j: row i, columns
+// 2 j, 2 j + 1), transposed in the same layout.
+inline void movmatrix_trans(unsigned& out, unsigned in) {
+    out = collective(in, [](int lane, auto offer) {
+        unsigned short e[2];
+        for (int j = 0; j < 2; ++j) {
+            const int row = 2 * (lane % 4) + j, col = lane / 4;  // of the source
+            const unsigned x = offer(4 * row + col / 2);
+            e[j] = static_cast<unsigned short>(col % 2 ? x >> 16 : x & 0xffffu);
+        }
+        return static_cast<unsigned>(e[0] | (static_cast<unsigned>(e[1]) << 16));
+    });
+}
+
+// D (16x8, f32) = A (16x16, row) B (16x8, col) + C, the m16n8k16 fragments.
+template <bool BF16>
+inline void mma_m16n8k16(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                         unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    struct Offer { unsigned a[4], b[2]; float c[4]; };
+    struct Out { float d[4]; };
+    auto element = [](unsigned x, int half) {
+        const unsigned short bits = static_cast<unsigned short>(half ? x >> 16 : x & 0xffffu);
+        return BF16 ? bf16_to_float(bits) : half_to_float(bits);
+    };
+    const Offer mine{{a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3}};
+    const Out out = collective(mine, [&](int lane, auto offer) {
+        // A[r][k]: lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2.
+        auto a_at = [&](int r, int k) {
+            return element(offer(4 * (r % 8) + (k % 8) / 2).a[(r >= 8) + 2 * (k >= 8)], k % 2);
+        };
+        // B[k][n]: lane 4 n + (k % 8) / 2, register k >= 8, half k % 2.
+        auto b_at = [&](int k, int n) {
+            return element(offer(4 * n + (k % 8) / 2).b[k >= 8], k % 2);
+        };
+        const int g = lane / 4, t = lane % 4;
+        const Offer me = offer(lane);
+        Out o;
+        for (int e = 0; e < 4; ++e) {
+            const int r = g + 8 * (e >> 1), n = 2 * t + (e & 1);
+            double sum = me.c[e];
+            for (int k = 0; k < 16; ++k) sum += static_cast<double>(a_at(r, k)) * b_at(k, n);
+            o.d[e] = static_cast<float>(sum);
+        }
+        return o;
+    });
+    c0 = out.d[0];
+    c1 = out.d[1];
+    c2 = out.d[2];
+    c3 = out.d[3];
+}
+inline void mma_bf16(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                     unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    mma_m16n8k16<true>(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1);
+}
+inline void mma_f16(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                    unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    mma_m16n8k16<false>(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1);
+}
+
+// ---- launches ----------------------------------------------------------------------
+
+inline void fiber_entry(unsigned lo, unsigned hi) {
+    auto* body = reinterpret_cast<std::function<void()>*>(
+        static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
+    (*body)();
+    ++progress;
+    current->done = true;
+    leave(block_barrier);
+    leave(warps[current->warp].barrier);
+    // returns to uc_link: the scheduler
+}
+
+// Runs `thread_body()` as every thread of every block of the grid; returns 0, or
+// 1 with `failure` set (a deadlock, or an address outside shared memory).
+template <typename F>
+inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body) {
+    const int threads = static_cast<int>(block.x * block.y * block.z);
+    if (threads % 32 != 0 || block.y != 1 || block.z != 1) {
+        failure = "blocks of whole warps along x only";
+        return 1;
+    }
+    failure = nullptr;
+    grid_dim = grid;
+    block_dim = block;
+    shared_capacity = std::max<size_t>(shared_bytes, 16);
+#ifdef MAP_32BIT
+    void* shared = mmap(nullptr, shared_capacity, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_32BIT, -1, 0);
+#else  // a hint below 4 GB where the system has no MAP_32BIT
+    void* shared = mmap(reinterpret_cast<void*>(uintptr_t{1} << 30), shared_capacity,
+                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+#endif
+    if (shared != MAP_FAILED && reinterpret_cast<uintptr_t>(shared) + shared_capacity > (uintptr_t{1} << 32)) {
+        munmap(shared, shared_capacity);
+        shared = MAP_FAILED;
+    }
+    if (shared == MAP_FAILED) {
+        failure = "no memory for shared memory below 4 GB";
+        return 1;
+    }
+    shared_memory = static_cast<unsigned char*>(shared);
+    fibers.assign(threads, Fiber{});
+    for (Fiber& f : fibers)
+        f.stack = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    std::function<void()> body = thread_body;
+    const uintptr_t body_address = reinterpret_cast<uintptr_t>(&body);
+    int status = 0;
+    for (unsigned z = 0; z < grid.z && !status; ++z)
+        for (unsigned y = 0; y < grid.y && !status; ++y)
+            for (unsigned x = 0; x < grid.x && !status; ++x) {
+                block_idx = dim3{x, y, z};
+                memset(shared_memory, kSharedPoison, shared_capacity);
+                block_barrier = Barrier{threads, 0, 0};
+                warps.assign(threads / 32, Warp{});
+                for (Warp& w : warps) w.barrier = Barrier{32, 0, 0};
+                for (int i = 0; i < threads; ++i) {
+                    Fiber& f = fibers[i];
+                    f.tid = dim3{static_cast<unsigned>(i), 0, 0};
+                    f.lane = i % 32;
+                    f.warp = i / 32;
+                    f.done = false;
+                    f.copies.clear();
+                    f.groups.clear();
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = f.stack;
+                    f.context.uc_stack.ss_size = kStackBytes;
+                    f.context.uc_link = &scheduler_context;
+                    makecontext(&f.context, reinterpret_cast<void (*)()>(fiber_entry), 2,
+                                static_cast<unsigned>(body_address & 0xffffffffu),
+                                static_cast<unsigned>(body_address >> 32));
+                }
+                for (int live = threads; live > 0 && !status;) {
+                    const long long before = progress;
+                    live = 0;
+                    for (Fiber& f : fibers) {
+                        if (f.done) continue;
+                        current = &f;
+                        swapcontext(&scheduler_context, &f.context);
+                        live += !f.done;
+                        if (failure) status = 1;
+                    }
+                    if (live > 0 && progress == before && !status) {
+                        failure = "deadlock: every live thread waits at a barrier";
+                        status = 1;
+                    }
+                }
+            }
+    for (Fiber& f : fibers) munmap(f.stack, kStackBytes);
+    munmap(shared, shared_capacity);
+    current = nullptr;
+    return status;
+}
+
+// A kernel launch as cuLaunchKernel takes it: `params[i]` points at argument i.
+template <typename... Args, size_t... I>
+inline int launch_with(void (*kernel)(Args...), dim3 grid, dim3 block, size_t shared_bytes,
+                       void** params, std::index_sequence<I...>) {
+    return run_grid(grid, block, shared_bytes, [&]() {
+        kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<Args>>*>(params[I])...);
+    });
+}
+template <typename... Args>
+inline int launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t shared_bytes,
+                  void** params) {
+    return launch_with(kernel, grid, block, shared_bytes, params,
+                       std::index_sequence_for<Args...>{});
+}
+
+}  // namespace sim

@@ -1,0 +1,103 @@
+"""The kernels of A100-class GPUs (mma.sync and the CUDA cores, the registry's sm_80
+generation) run in the CPU simulator (``tests/simulator``) against the float64 oracle,
+without a GPU: the forward, the backward with dQ by atomics and by its deterministic
+pass, the split-D backward, the general kernels, and the score modifiers. The same
+checks as the GPU tests (support.check_results), on NaN-poisoned outputs."""
+
+import numpy as np
+import pytest
+
+import simulated_attention
+import simulator
+from support import (Case, alibi_slopes, check_modified_results, check_results,
+                     random_inputs)
+
+pytestmark = pytest.mark.skipif(simulator.compiler() is None,
+                                reason="the simulator needs a host C++ compiler (g++ or CXX)")
+
+# Every head-dim class and its tile shapes (Q in registers or not, exact head dims),
+# each option of SPEC 2-3 somewhere: GQA/MQA, causal rows that see no key (S_q > S_k),
+# windows, kv_seq_len, [B, S, H, D] strides, one query row.
+CASES = [
+    Case(dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=2, q_len=150, kv_len=100,
+         causal=True),
+    Case(dtype="float16", head_dim=128, batch=2, heads=2, kv_heads=1, q_len=70, kv_len=140,
+         window=(30, 10)),
+    Case(dtype="bfloat16", head_dim=40, batch=1, heads=3, kv_heads=1, q_len=90, kv_len=90,
+         causal=True, window=40),
+    Case(dtype="float16", head_dim=96, batch=1, heads=2, kv_heads=2, q_len=80, kv_len=120,
+         kv_seq_len=77, bshd=True),
+    Case(dtype="bfloat16", head_dim=200, batch=1, heads=2, kv_heads=1, q_len=1, kv_len=70),
+    Case(dtype="float16", head_dim=256, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=50,
+         causal=True),
+    Case(dtype="bfloat16", head_dim=8, batch=1, heads=2, kv_heads=2, q_len=70, kv_len=70,
+         causal=True, scale=0.3),
+]
+
+
+def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None):
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, softcap=softcap,
+              alibi_slopes=slopes, excluded=excluded)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
+    grads = simulated_attention.backward(dout, q, k, v, out, lse, *case.args, **kw,
+                                         deterministic=deterministic)
+    return (q, k, v, dout), out, lse, grads
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tensor_core_kernels_match_oracle(case, deterministic, rng):
+    """forward_mma_sync, backward_mma_sync (D = 64, 128) or backward_mma_sync_split_d,
+    with dQ by float32 atomics or by backward_dq_mma_sync."""
+    inputs, out, lse, grads = _run(case, rng, deterministic)
+    check_results(case, inputs, out, lse, grads)
+
+
+@pytest.mark.parametrize("case", [
+    Case(dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90,
+         causal=True),
+    Case(dtype="bfloat16", head_dim=160, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=60,
+         window=(20, 5)),
+], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_general_kernels_match_oracle(case, deterministic, rng):
+    """The CUDA-core kernels: float32's path before Hopper, and every call with rows off
+    the 16-byte grid."""
+    inputs, out, lse, grads = _run(case, rng, deterministic,
+                                   excluded=("forward_mma_sync", "backward_mma_sync",
+                                             "backward_mma_sync_split_d"))
+    check_results(case, inputs, out, lse, grads)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 136])
+def test_modified_kernels_match_oracle(head_dim, deterministic, rng):
+    """Soft-cap and ALiBi on the mma.sync kernels (D = 64; the modified dQ pass when
+    deterministic) and, past the mma.sync backward's head dims, the general backward."""
+    case = Case(dtype="bfloat16", head_dim=head_dim, batch=2, heads=4, kv_heads=2, q_len=45,
+                kv_len=70, causal=True)
+    softcap, slopes = 4.0, alibi_slopes(rng, "batch_heads", case.batch, case.heads)
+    inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes)
+    check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
+
+
+def test_simulator_finds_a_tile_read_before_its_copy_lands(rng, tmp_path, monkeypatch):
+    """A kernel that reads a tile without waiting for its cp.async group reads the NaN
+    the simulator poisons shared memory with, so such a bug fails these tests."""
+    source = (simulator.KERNEL_DIR / "tc_bwd_dq.cuh").read_text()
+    broken = source.replace("cp_async_wait<1>();", "", 1)
+    assert broken != source
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for path in simulator.KERNEL_DIR.glob("*.cuh"):
+        (kernels / path.name).write_text(broken if path.name == "tc_bwd_dq.cuh"
+                                         else path.read_text())
+    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
+    case = CASES[0]
+    q, k, v, dout = random_inputs(case, rng)
+    out = np.zeros(q.shape, q.dtype)
+    lse = np.zeros(q.shape[:3], np.float32)
+    dq, _, _ = simulated_attention.backward(dout, q, k, v, out, lse, *case.args,
+                                            deterministic=True)
+    assert np.isnan(dq.astype(np.float32)).any()

@@ -1,10 +1,10 @@
-"""The GPU path of an A100-class GPU (the registry's sm_80 kernels: mma.sync and the CUDA
-cores) run in the CPU simulator (``tests/simulator``) on NumPy arrays.
+"""The GPU path run in the CPU simulator (``tests/simulator``) on NumPy arrays: the
+registry's kernels for an A100-class GPU (compute capability 8.0: mma.sync and the CUDA
+cores) or for an H100/H200 (9.0: wgmma) in 16 bits.
 
 :func:`forward` and :func:`backward` launch the kernels the registry chooses for
-compute capability 8.0 with the arguments ``cuflash.gpu``'s plans pass, in the
-same order, so that a test can hold the results against the float64 oracle
-without a GPU. Dense problems; score modifiers the built-in ones (softcap,
+``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order,
+so that a test can hold the results against the float64 oracle without a GPU. Dense problems; score modifiers the built-in ones (softcap,
 ALiBi). Outputs are poisoned with NaN before the kernels run.
 """
 
@@ -18,7 +18,6 @@ from cuflash.modifiers import MODIFIER_ARRAYS_DTYPE
 from cuflash.problem import backward_problem, forward_problem
 
 LOG2E = 1.4426950408889634
-CAPABILITY = 80
 #: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros in the size of
 #: cuflash.gpu's record (two ModifierArrays and a BlockMaskView of 56 bytes).
 NO_USER_ARGUMENTS = np.zeros(1, dtype=np.dtype(
@@ -53,7 +52,7 @@ def _poisoned(shape, dtype):
 class Kernels:
     """The kernels one call launches, compiled into one simulated module."""
 
-    def __init__(self, problem, specs):
+    def __init__(self, problem, specs, capability):
         self.problem = problem
         self.roles = {}
         for spec, atomic in specs:
@@ -61,7 +60,8 @@ class Kernels:
                              modified=problem.modified and spec.modifiers)
             self.roles[spec.name] = (spec, role, spec.name_expression(
                 role, problem.dtype, problem.head_dim))
-        self.module = simulator.build(sorted({name for _, _, name in self.roles.values()}))
+        self.module = simulator.build(sorted({name for _, _, name in self.roles.values()}),
+                                      arch=capability)
 
     def launch(self, spec_name, grid, args):
         spec, _, name = self.roles[spec_name]
@@ -75,15 +75,15 @@ class Kernels:
 
 def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
             kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            excluded=()):
-    """``(out, lse)`` of the sm_80 forward kernel the registry chooses (``excluded``: kernels
-    to pass over)."""
+            excluded=(), capability=80):
+    """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
+    (``excluded``: kernels to pass over)."""
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                               kv_seq_len, softmax_scale, softcap=softcap,
                               alibi_slopes=alibi_slopes)
-    spec = registry.choose("forward", problem.dtype, head_dim, CAPABILITY,
+    spec = registry.choose("forward", problem.dtype, head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
-    kernels = Kernels(problem, [(spec, False)])
+    kernels = Kernels(problem, [(spec, False)], capability)
     out = _poisoned(problem.q_shape, problem.dtype)
     lse = _poisoned(problem.lse_shape, np.float32)
     grid = (math.ceil(problem.q_len / kernels.tile(spec.name)), num_heads, problem.batch)
@@ -97,20 +97,20 @@ def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_siz
 
 def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
              window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
-             softcap=0.0, alibi_slopes=None, excluded=()):
-    """``(dq, dk, dv)`` of the sm_80 backward the registry chooses: the Delta kernel, the
-    dK/dV kernel and either its float32 atomics for dQ and their conversion, or the dQ
-    pass of its ``dq_kernel`` (``deterministic``)."""
+             softcap=0.0, alibi_slopes=None, excluded=(), capability=80):
+    """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``: the Delta
+    kernel, the dK/dV kernel and either its float32 atomics for dQ and their conversion,
+    or its dQ pass (deterministic calls, and the kernels without atomics)."""
     problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
                                causal, window_size, kv_seq_len, softmax_scale, deterministic,
                                True, softcap=softcap, alibi_slopes=alibi_slopes)
-    spec = registry.choose("backward", problem.dtype, head_dim, CAPABILITY,
+    spec = registry.choose("backward", problem.dtype, head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
     atomic = not deterministic and spec.atomic_dq(head_dim)
     dq_spec = None if atomic else spec.dq_pass()
     helpers = [registry.BY_NAME["backward_delta"]]
     helpers.append(registry.BY_NAME["backward_dq_convert"] if atomic else dq_spec)
-    kernels = Kernels(problem, [(spec, atomic)] + [(h, False) for h in helpers])
+    kernels = Kernels(problem, [(spec, atomic)] + [(h, False) for h in helpers], capability)
 
     accum_width = registry.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
     rows = problem.batch * num_heads * problem.q_len

@@ -1,16 +1,18 @@
-"""The kernels of A100-class GPUs (mma.sync and the CUDA cores, the registry's sm_80
-generation) run in the CPU simulator (``tests/simulator``) against the float64 oracle,
-without a GPU: the forward, the backward with dQ by atomics and by its deterministic
-pass, the split-D backward, the general kernels, and the score modifiers. The same
-checks as the GPU tests (support.check_results), on NaN-poisoned outputs."""
+"""The 16-bit kernels of A100-class GPUs (mma.sync, the registry's sm_80 generation) and of
+H100/H200 (wgmma), and the CUDA-core kernels, run in the CPU simulator
+(``tests/simulator``) against the float64 oracle, without a GPU: the forwards, the
+backwards with dQ by atomics and by their dQ passes, the split-D backward, the general
+kernels, and the score modifiers. The same checks as the GPU tests
+(support.check_results), on NaN-poisoned outputs."""
 
-import numpy as np
+import math
+
 import pytest
 
 import simulated_attention
 import simulator
-from support import (Case, alibi_slopes, check_modified_results, check_results,
-                     random_inputs)
+from support import (Case, alibi_slopes, check_modified_results, check_results, oracle,
+                     random_inputs, rel_error)
 
 pytestmark = pytest.mark.skipif(simulator.compiler() is None,
                                 reason="the simulator needs a host C++ compiler (g++ or CXX)")
@@ -35,22 +37,34 @@ CASES = [
 ]
 
 
-def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None):
+def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capability=80):
     q, k, v, dout = random_inputs(case, rng)
     kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, softcap=softcap,
-              alibi_slopes=slopes, excluded=excluded)
+              alibi_slopes=slopes, excluded=excluded, capability=capability)
     out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
     grads = simulated_attention.backward(dout, q, k, v, out, lse, *case.args, **kw,
                                          deterministic=deterministic)
     return (q, k, v, dout), out, lse, grads
 
 
+@pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_tensor_core_kernels_match_oracle(case, deterministic, rng):
-    """forward_mma_sync, backward_mma_sync (D = 64, 128) or backward_mma_sync_split_d,
-    with dQ by float32 atomics or by backward_dq_mma_sync."""
-    inputs, out, lse, grads = _run(case, rng, deterministic)
+def test_tensor_core_kernels_match_oracle(case, deterministic, capability, rng):
+    """Before Hopper: forward_mma_sync, backward_mma_sync (D = 64, 128) or
+    backward_mma_sync_split_d, with dQ by float32 atomics or by backward_dq_mma_sync.
+    H100/H200: forward_wgmma_pipelined (D = 104-128) or forward_wgmma, backward_wgmma with
+    dQ by atomics (up to D = 128) or by backward_dq_wgmma."""
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=capability)
+    check_results(case, inputs, out, lse, grads)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.head_dim in (64, 128)], ids=str)
+def test_unpipelined_wgmma_forward_matches_oracle(case, rng):
+    """The wgmma forward without the pipelined softmax where the pipelined one serves by
+    default (D = 104-128), and the pipelined one where the other does (up to D = 96)."""
+    skipped = ("forward_wgmma_pipelined",) if case.head_dim > 96 else ("forward_wgmma",)
+    inputs, out, lse, grads = _run(case, rng, False, excluded=skipped, capability=90)
     check_results(case, inputs, out, lse, grads)
 
 
@@ -70,34 +84,49 @@ def test_general_kernels_match_oracle(case, deterministic, rng):
     check_results(case, inputs, out, lse, grads)
 
 
+@pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 136])
-def test_modified_kernels_match_oracle(head_dim, deterministic, rng):
-    """Soft-cap and ALiBi on the mma.sync kernels (D = 64; the modified dQ pass when
-    deterministic) and, past the mma.sync backward's head dims, the general backward."""
+def test_modified_kernels_match_oracle(head_dim, deterministic, capability, rng):
+    """Soft-cap and ALiBi on the tensor-core kernels (the modified dQ passes when
+    deterministic, and past D = 128 on Hopper) and, before Hopper past the mma.sync
+    backward's head dims, the general backward."""
     case = Case(dtype="bfloat16", head_dim=head_dim, batch=2, heads=4, kv_heads=2, q_len=45,
                 kv_len=70, causal=True)
     softcap, slopes = 4.0, alibi_slopes(rng, "batch_heads", case.batch, case.heads)
-    inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes)
+    inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes,
+                                   capability=capability)
     check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
+
+
+def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):
+    """The relative error of dQ of the deterministic backward of ``case`` with ``old``
+    replaced by ``new`` in kernel header ``header``."""
+    source = (simulator.KERNEL_DIR / header).read_text()
+    broken = source.replace(old, new, 1)
+    assert broken != source
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for path in simulator.KERNEL_DIR.glob("*.cuh"):
+        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
+    q, k, v, dout = random_inputs(case, rng)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, capability=capability)
+    dq, _, _ = simulated_attention.backward(dout, q, k, v, out, lse, *case.args,
+                                            deterministic=True, capability=capability)
+    return rel_error(dq, oracle(case, q, k, v, dout)[2][0])
 
 
 def test_simulator_finds_a_tile_read_before_its_copy_lands(rng, tmp_path, monkeypatch):
     """A kernel that reads a tile without waiting for its cp.async group reads the NaN
     the simulator poisons shared memory with, so such a bug fails these tests."""
-    source = (simulator.KERNEL_DIR / "tc_bwd_dq.cuh").read_text()
-    broken = source.replace("cp_async_wait<1>();", "", 1)
-    assert broken != source
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == "tc_bwd_dq.cuh"
-                                         else path.read_text())
-    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
-    case = CASES[0]
-    q, k, v, dout = random_inputs(case, rng)
-    out = np.zeros(q.shape, q.dtype)
-    lse = np.zeros(q.shape[:3], np.float32)
-    dq, _, _ = simulated_attention.backward(dout, q, k, v, out, lse, *case.args,
-                                            deterministic=True)
-    assert np.isnan(dq.astype(np.float32)).any()
+    assert _broken_dq(CASES[0], "tc_bwd_dq.cuh", "cp_async_wait<1>();", "", 80, rng,
+                      tmp_path, monkeypatch) == math.inf
+
+
+def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
+    """A wgmma operand read with the wrong stride between its 64-column blocks (K in the
+    Hopper dQ pass's dQ += dS K, at D = 128) gives results far from the oracle's (about
+    1e-3 from it when right)."""
+    assert _broken_dq(CASES[1], "tc_bwd_dq_wg.cuh", "BN * 64 * sizeof(T), ATOM)",
+                      "BN * 32 * sizeof(T), ATOM)", 90, rng, tmp_path, monkeypatch) > 0.1

@@ -123,9 +123,33 @@ _INSTRUCTIONS = (
     ("ex2.approx.ftz.f32", "ex2_approx_ftz_f32"),
     ("tanh.approx.f32", "tanh_approx_f32"),
     ("ld.shared.v2.f32", "ld_shared_v2_f32"),
+    ("st.shared.f32", "st_shared_f32"),
     ("cp.async.commit_group", "cp_async_commit_group"),
     ("cp.async.wait_group", "cp_async_wait_group"),
 )
+
+
+_NO_OPS = ("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "fence.proxy.async")
+
+
+def _wgmma(template, outputs, inputs):
+    """The simulator call of one ``wgmma.mma_async`` (see ``sim::wgmma``)."""
+    m = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", template)
+    n, bf16 = int(m.group(1)), m.group(2) == "bf16"
+    a_registers = len(inputs) == 6  # four A registers, B's descriptor, the flag
+    flags = re.search(r"p,\s*1,\s*1((?:,\s*\d)*);", template).group(1)
+    transposes = [int(x) for x in re.findall(r"\d", flags)]
+    trans_a, trans_b = (0, transposes[0]) if a_registers else transposes
+    accumulators = ", ".join(f"&({e})" for _, e in outputs)
+    if a_registers:
+        a_regs, a_desc = "{" + ", ".join(e for _, e in inputs[:4]) + "}", "0ull"
+    else:
+        a_regs, a_desc = "{0u, 0u, 0u, 0u}", inputs[0][1]
+    b_desc, accumulate = inputs[-2][1], inputs[-1][1]
+    return (f"{{ float* const sim_d[] = {{{accumulators}}}; const unsigned sim_a[4] = {a_regs}; "
+            f"::sim::wgmma<{n}, {str(bf16).lower()}, {str(a_registers).lower()}, "
+            f"{str(bool(trans_a)).lower()}, {str(bool(trans_b)).lower()}>"
+            f"(sim_d, sim_a, {a_desc}, {b_desc}, ({accumulate}) != 0); }}")
 
 
 def _translate(body):
@@ -135,6 +159,17 @@ def _translate(body):
     outputs = _operands(sections[1]) if len(sections) > 1 else []
     inputs = _operands(sections[2]) if len(sections) > 2 else []
     args = [e for _, e in outputs] + [e for _, e in inputs]
+    if not template.strip() or any(op in template for op in _NO_OPS):
+        return "(void)0"  # a register pin, or what runs in order here anyway
+    if "wgmma.mma_async" in template:
+        return _wgmma(template, outputs, inputs)
+    if "mov.b32 {a, b}" in template and "cvt.f32.f16" in template:
+        return f"::sim::unpack_f16x2_f32({', '.join(args)})"
+    if "red.global.add.v2.f32" in template:  # setp.ne p, %3, 0; @p red [%0], {%1, %2}
+        return f"::sim::red_global_add_v2_f32({args[0]}, {args[1]}, {args[2]}, ({args[3]}) != 0)"
+    m = re.search(r"bar\.(sync|arrive)\s+%0,\s*(\d+)", template)
+    if m:
+        return f"::sim::bar_{m.group(1)}({args[0]}, {m.group(2)})"
     if "cp.async.ca.shared.global" in template and "ignore" in template:
         # setp.eq.u32 ignore, %2, 0; cp.async.ca [%0], [%1], BYTES, ignore
         size = re.search(r"\],\s*(\d+),\s*ignore", template).group(1)
@@ -243,8 +278,9 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR):
 
 
 @functools.lru_cache(maxsize=None)
-def _built(names, headers, kernel_dir):
-    source = translation_unit(list(names), headers, kernel_dir)
+def _built(names, headers, kernel_dir, arch):
+    source = f"#define __CUDA_ARCH__ {arch}0\n" + translation_unit(list(names), headers,
+                                                                  kernel_dir)
     digest = hashlib.sha256((source + RUNTIME.read_text() + " ".join(COMPILER_FLAGS)).encode())
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     library = CACHE_DIR / f"kernels-{digest.hexdigest()[:20]}.so"
@@ -261,9 +297,13 @@ def _built(names, headers, kernel_dir):
     return Module(library, list(names))
 
 
-def build(names, headers=("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh",
-                          "tc_bwd_wide.cuh", "tc_bwd_dq.cuh")):
+HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc_bwd_wide.cuh",
+           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh")
+
+
+def build(names, headers=HEADERS, arch=80):
     """The simulated kernels ``names`` (C++ name expressions, as the registry writes
-    them) of ``headers`` in :data:`KERNEL_DIR`, compiled once per process and cached on
-    disk by their source."""
-    return _built(tuple(names), tuple(headers), KERNEL_DIR)
+    them) of ``headers`` in :data:`KERNEL_DIR`, with ``__CUDA_ARCH__`` of compute
+    capability ``arch`` (80 or 90), compiled once per process and cached on disk by their
+    source."""
+    return _built(tuple(names), tuple(headers), KERNEL_DIR, int(arch))

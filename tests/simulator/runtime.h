@@ -8,8 +8,10 @@
 // definitions lane by lane. cp.async copies are held per thread and done when
 // a cp.async.wait_group lets their group complete: a kernel that reads a tile
 // before waiting for it reads the poison the shared memory was filled with.
-// Shared memory lies in the first 4 GB of the address space, so that the
-// 32-bit shared addresses the kernels compute (cvta) name it.
+// A shared address (cvta.to.shared, what ldmatrix, cp.async and the wgmma
+// descriptors take) is the offset into the block's shared memory, as on the GPU.
+// wgmma runs when it is issued, on the warpgroup's 128 threads; its fence,
+// commit and wait are no-ops.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -29,7 +31,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#ifndef __CUDA_ARCH__
 #define __CUDA_ARCH__ 800
+#endif
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -68,9 +72,20 @@ struct Fiber {
     std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
 };
 
-struct Warp {
+// The threads of a warp (32) or a warpgroup (128) and the slots of their offers
+// to a collective instruction.
+template <int THREADS>
+struct Group {
     Barrier barrier;
-    alignas(16) unsigned char in[32][64];
+    alignas(16) unsigned char in[THREADS][64];
+};
+using Warp = Group<32>;
+using Warpgroup = Group<128>;
+
+// bar.sync / bar.arrive with an id and a thread count.
+struct NamedBarrier {
+    int arrived = 0;
+    unsigned generation = 0;
 };
 
 inline dim3 block_idx, block_dim, grid_dim;
@@ -78,6 +93,8 @@ inline Fiber* current = nullptr;
 inline ucontext_t scheduler_context;
 inline std::vector<Fiber> fibers;
 inline std::vector<Warp> warps;
+inline std::vector<Warpgroup> warpgroups;
+inline NamedBarrier named_barriers[16];
 inline Barrier block_barrier;
 inline unsigned char* shared_memory = nullptr;
 inline size_t shared_capacity = 0;
@@ -108,32 +125,47 @@ inline void leave(Barrier& b) {
 
 inline void* dynamic_shared() { return shared_memory; }
 
+inline size_t shared_address(const void* p) {
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    if (q < shared_memory || q > shared_memory + shared_capacity) {
+        failure = "cvta.to.shared of a pointer outside the block's shared memory";
+        return 0;
+    }
+    return static_cast<size_t>(q - shared_memory);
+}
 inline void* shared_pointer(unsigned address) {
-    unsigned char* p = reinterpret_cast<unsigned char*>(static_cast<uintptr_t>(address));
-    if (p < shared_memory || p >= shared_memory + shared_capacity) {
+    if (address >= shared_capacity) {
         failure = "a shared-memory address outside the block's dynamic shared memory";
         return shared_memory;
     }
-    return p;
+    return shared_memory + address;
 }
 
-// One warp-collective step: each lane offers `mine`, then computes its result
-// from every lane's offer (offer(l) reads lane l's), then the warp waits until
-// every lane has read before the slots are reused.
-template <typename In, typename F>
-inline auto collective(const In& mine, F&& compute) {
-    static_assert(sizeof(In) <= sizeof(Warp::in[0]), "offer too large");
-    Warp& w = warps[current->warp];
-    memcpy(w.in[current->lane], &mine, sizeof(In));
-    arrive(w.barrier);
-    auto offer = [&w](int lane) {
+// One collective step of a warp or a warpgroup: each thread offers `mine`, then
+// computes its result from every member's offer (offer(r) reads rank r's), then
+// the group waits until every member has read before the slots are reused.
+template <typename In, typename F, int THREADS>
+inline auto collective_of(Group<THREADS>& group, int rank, const In& mine, F&& compute) {
+    static_assert(sizeof(In) <= sizeof(group.in[0]), "offer too large");
+    memcpy(group.in[rank], &mine, sizeof(In));
+    arrive(group.barrier);
+    auto offer = [&group](int r) {
         In x;
-        memcpy(&x, w.in[lane], sizeof(In));
+        memcpy(&x, group.in[r], sizeof(In));
         return x;
     };
-    auto result = compute(current->lane, offer);
-    arrive(w.barrier);
+    auto result = compute(rank, offer);
+    arrive(group.barrier);
     return result;
+}
+template <typename In, typename F>
+inline auto collective(const In& mine, F&& compute) {
+    return collective_of(warps[current->warp], current->lane, mine, compute);
+}
+template <typename In, typename F>
+inline auto warpgroup_collective(const In& mine, F&& compute) {
+    const int thread = static_cast<int>(current->tid.x);
+    return collective_of(warpgroups[thread / 128], thread % 128, mine, compute);
 }
 
 // ---- conversions ---------------------------------------------------------------
@@ -183,7 +215,7 @@ inline float __uint_as_float(unsigned u) { float x; memcpy(&x, &u, 4); return x;
 inline float __int_as_float(int u) { float x; memcpy(&x, &u, 4); return x; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline float atomicAdd(float* p, float x) { const float old = *p; *p = old + x; return old; }
-inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+inline size_t __cvta_generic_to_shared(const void* p) { return sim::shared_address(p); }
 template <typename A, typename B>
 inline auto min(A a, B b) -> std::common_type_t<A, B> { return b < a ? b : a; }
 template <typename A, typename B>
@@ -336,6 +368,110 @@ inline void mma_f16(float& c0, float& c1, float& c2, float& c3, unsigned a0, uns
     mma_m16n8k16<false>(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1);
 }
 
+// {a, b} = the float16 halves of x (low, high), as floats
+inline void unpack_f16x2_f32(float& a, float& b, unsigned x) {
+    a = half_to_float(static_cast<unsigned short>(x & 0xffffu));
+    b = half_to_float(static_cast<unsigned short>(x >> 16));
+}
+inline void st_shared_f32(unsigned address, float x) {
+    memcpy(shared_pointer(address), &x, 4);
+}
+// @p red.global.add.v2.f32
+inline void red_global_add_v2_f32(float* p, float x, float y, bool predicate) {
+    if (predicate) {
+        p[0] += x;
+        p[1] += y;
+    }
+}
+inline void bar_arrive(unsigned id, unsigned threads) {
+    NamedBarrier& b = named_barriers[id % 16];
+    ++progress;
+    if (++b.arrived >= static_cast<int>(threads)) {
+        b.arrived = 0;
+        ++b.generation;
+    }
+}
+inline void bar_sync(unsigned id, unsigned threads) {
+    NamedBarrier& b = named_barriers[id % 16];
+    const unsigned generation = b.generation;
+    bar_arrive(id, threads);
+    while (b.generation == generation) yield();
+}
+
+// An element of a wgmma operand in shared memory through its matrix descriptor
+// (start address, leading and stride byte offsets, 128-byte swizzle): K-major,
+// element (row, k) of a [rows][16] operand (8-row groups SBO apart, rows 128
+// bytes apart); MN-major, element (k, mn) (64-element blocks of MN LBO apart,
+// 8-k groups SBO apart, k rows 128 bytes apart). The swizzle XORs the 16-byte
+// chunk with the row within its 1024-byte atom.
+struct Descriptor {
+    unsigned start, lead, stride;
+    bool swizzle128;
+    explicit Descriptor(unsigned long long d)
+        : start(static_cast<unsigned>(d & 0x3fff) << 4),
+          lead(static_cast<unsigned>((d >> 16) & 0x3fff) << 4),
+          stride(static_cast<unsigned>((d >> 32) & 0x3fff) << 4),
+          swizzle128((d >> 62) == 1) {
+        if (!swizzle128) failure = "a wgmma descriptor without the 128-byte swizzle";
+    }
+    static unsigned swizzled(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
+    unsigned k_major(int row, int k) const {
+        return swizzled(start + (row / 8) * stride + (row % 8) * 128 + 2 * k);
+    }
+    unsigned mn_major(int k, int mn) const {
+        return swizzled(start + (mn / 64) * lead + (k / 8) * stride + (k % 8) * 128 + 2 * (mn % 64));
+    }
+};
+template <bool BF16>
+inline float shared_element(unsigned address) {
+    unsigned short bits;
+    memcpy(&bits, shared_pointer(address), 2);
+    return BF16 ? bf16_to_float(bits) : half_to_float(bits);
+}
+
+// wgmma.mma_async m64nNk16 with float32 accumulators on the warpgroup: D (64 x N)
+// (+)= A (64 x 16) B (16 x N). `d`: this thread's N / 2 accumulators in the
+// operand order (n8 tile j, element e: row 16 warp + g + 8 (e >> 1), column 8 j +
+// 2 t + (e & 1)); A from shared memory (`a_desc`, K-major or, TRANS_A, M-major) or
+// from registers (`a_regs`: each warp its 16 rows in the mma.sync A layout); B
+// K-major or, TRANS_B, N-major.
+template <int N, bool BF16, bool A_REGISTERS, bool TRANS_A, bool TRANS_B>
+inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long long a_desc,
+                  unsigned long long b_desc, bool accumulate) {
+    struct Offer { unsigned a[4]; };
+    Offer mine;
+    memcpy(mine.a, a_regs, sizeof(mine.a));
+    warpgroup_collective(mine, [&](int rank, auto offer) {
+        const Descriptor a_layout(A_REGISTERS ? b_desc : a_desc), b_layout(b_desc);
+        float a[64][16];
+        for (int r = 0; r < 64; ++r)
+            for (int k = 0; k < 16; ++k) {
+                if (A_REGISTERS) {
+                    const unsigned x =
+                        offer(32 * (r / 16) + 4 * (r % 8) + (k % 8) / 2).a[((r % 16) >= 8) + 2 * (k >= 8)];
+                    const unsigned short bits = static_cast<unsigned short>(k % 2 ? x >> 16 : x & 0xffffu);
+                    a[r][k] = BF16 ? bf16_to_float(bits) : half_to_float(bits);
+                } else {
+                    a[r][k] = shared_element<BF16>(TRANS_A ? a_layout.mn_major(k, r)
+                                                           : a_layout.k_major(r, k));
+                }
+            }
+        const int warp = rank / 32, g = (rank % 32) / 4, t = rank % 4;
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+                double sum = 0;
+                for (int k = 0; k < 16; ++k)
+                    sum += static_cast<double>(a[row][k]) *
+                           shared_element<BF16>(TRANS_B ? b_layout.mn_major(k, col)
+                                                        : b_layout.k_major(col, k));
+                float* out = d[4 * j + e];
+                *out = static_cast<float>(accumulate ? *out + sum : sum);
+            }
+        return 0;
+    });
+}
+
 // ---- launches ----------------------------------------------------------------------
 
 inline void fiber_entry(unsigned lo, unsigned hi) {
@@ -346,6 +482,7 @@ inline void fiber_entry(unsigned lo, unsigned hi) {
     current->done = true;
     leave(block_barrier);
     leave(warps[current->warp].barrier);
+    leave(warpgroups[current->tid.x / 128].barrier);
     // returns to uc_link: the scheduler
 }
 
@@ -362,19 +499,10 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
     grid_dim = grid;
     block_dim = block;
     shared_capacity = std::max<size_t>(shared_bytes, 16);
-#ifdef MAP_32BIT
     void* shared = mmap(nullptr, shared_capacity, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_32BIT, -1, 0);
-#else  // a hint below 4 GB where the system has no MAP_32BIT
-    void* shared = mmap(reinterpret_cast<void*>(uintptr_t{1} << 30), shared_capacity,
-                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-#endif
-    if (shared != MAP_FAILED && reinterpret_cast<uintptr_t>(shared) + shared_capacity > (uintptr_t{1} << 32)) {
-        munmap(shared, shared_capacity);
-        shared = MAP_FAILED;
-    }
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (shared == MAP_FAILED) {
-        failure = "no memory for shared memory below 4 GB";
+        failure = "no memory for the block's shared memory";
         return 1;
     }
     shared_memory = static_cast<unsigned char*>(shared);
@@ -393,6 +521,10 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                 block_barrier = Barrier{threads, 0, 0};
                 warps.assign(threads / 32, Warp{});
                 for (Warp& w : warps) w.barrier = Barrier{32, 0, 0};
+                warpgroups.assign((threads + 127) / 128, Warpgroup{});
+                for (size_t i = 0; i < warpgroups.size(); ++i)
+                    warpgroups[i].barrier = Barrier{std::min(128, threads - 128 * static_cast<int>(i)), 0, 0};
+                for (NamedBarrier& b : named_barriers) b = NamedBarrier{};
                 for (int i = 0; i < threads; ++i) {
                     Fiber& f = fibers[i];
                     f.tid = dim3{static_cast<unsigned>(i), 0, 0};

@@ -1,6 +1,6 @@
 """The GPU path run in the CPU simulator (``tests/simulator``) on NumPy arrays: the
 registry's kernels for an A100-class GPU (compute capability 8.0: mma.sync and the CUDA
-cores) or for an H100/H200 (9.0: wgmma) in 16 bits.
+cores) or for an H100/H200 (9.0: wgmma, float32 on its float16 pieces).
 
 :func:`forward` and :func:`backward` launch the kernels the registry chooses for
 ``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order,
@@ -73,6 +73,24 @@ class Kernels:
         return spec.traits(self.problem.head_dim).tile
 
 
+PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
+
+
+def _pieces(kernels, x, valid_rows):
+    """``(hi, lo, scales)``: the float16 pieces of float32 ``x`` (``cuflash.gpu``'s
+    Float16Pieces), rows past ``valid_rows`` of each head left poisoned."""
+    batch, heads, seq_len, _ = x.shape
+    abs_max = np.zeros((batch, heads), np.float32)
+    kernels.launch("float16_pieces_abs_max", (math.ceil(valid_rows / 32), heads, batch),
+                   [x, abs_max, *_strides(x), np.int32(valid_rows)])
+    hi, lo = _poisoned(x.shape, np.float16), _poisoned(x.shape, np.float16)
+    scales = _poisoned((batch, heads), np.float32)
+    kernels.launch("float16_pieces_split", (math.ceil(valid_rows / 4), heads, batch),
+                   [x, abs_max, hi, lo, scales, *_strides(x), np.int32(heads),
+                    np.int32(seq_len), np.int32(valid_rows)])
+    return hi, lo, scales
+
+
 def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
             kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
             excluded=(), capability=80):
@@ -83,15 +101,26 @@ def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_siz
                               alibi_slopes=alibi_slopes)
     spec = registry.choose("forward", problem.dtype, head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
-    kernels = Kernels(problem, [(spec, False)], capability)
+    pieces = spec.precision == "float32"
+    helpers = [registry.BY_NAME[name] for name in PIECES_HELPERS] if pieces else []
+    kernels = Kernels(problem, [(spec, False)] + [(h, False) for h in helpers], capability)
     out = _poisoned(problem.q_shape, problem.dtype)
     lse = _poisoned(problem.lse_shape, np.float32)
     grid = (math.ceil(problem.q_len / kernels.tile(spec.name)), num_heads, problem.batch)
+    if pieces:
+        (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
+            _pieces(kernels, x, rows) for x, rows in ((q, problem.q_len), (k, problem.kv_len),
+                                                      (v, problem.kv_len)))
+        inputs, scales = (qh, ql, kh, kl, vh, vl), (qs, ks, vs)
+        strides = tuple(s for x in (qh, kh, vh) for s in _contiguous_strides(x.shape))
+    else:
+        inputs, scales = (q, k, v), ()
+        strides = (*_strides(q), *_strides(k), *_strides(v))
     kernels.launch(spec.name, grid, [
-        q, k, v, out, lse, None, None, alibi_slopes, NO_USER_ARGUMENTS,
-        *_strides(q), *_strides(k), *_strides(v), *_contiguous_strides(out.shape),
-        np.int32(num_heads), np.int32(problem.group_size), *_mask_args(problem),
-        np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem, alibi_slopes)])
+        *inputs, out, lse, *scales, None, None, alibi_slopes, NO_USER_ARGUMENTS, *strides,
+        *_contiguous_strides(out.shape), np.int32(num_heads), np.int32(problem.group_size),
+        *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
+        *_modifier_args(problem, alibi_slopes)])
     return out, lse
 
 
@@ -108,43 +137,60 @@ def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=
                            excluded=frozenset(excluded), modified=problem.modified)
     atomic = not deterministic and spec.atomic_dq(head_dim)
     dq_spec = None if atomic else spec.dq_pass()
+    pieces = spec.precision == "float32"
+    # a dense float32 dQ is the atomics' buffer itself, else converted
+    convert = atomic and problem.dtype != np.float32
     helpers = [registry.BY_NAME["backward_delta"]]
-    helpers.append(registry.BY_NAME["backward_dq_convert"] if atomic else dq_spec)
+    helpers += [registry.BY_NAME["backward_dq_convert"]] if convert else []
+    helpers += [] if atomic else [dq_spec]
+    helpers += [registry.BY_NAME[name] for name in PIECES_HELPERS] if pieces else []
     kernels = Kernels(problem, [(spec, atomic)] + [(h, False) for h in helpers], capability)
 
     accum_width = registry.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
     rows = problem.batch * num_heads * problem.q_len
     delta = _poisoned(rows, np.float32)
     lse_log2 = _poisoned(rows, np.float32)
-    dq_accum = _poisoned(rows * accum_width, np.float32) if atomic else None
+    dq = _poisoned(problem.q_shape, problem.dtype)
+    dq_accum = None
+    if atomic:
+        dq_accum = _poisoned(rows * accum_width, np.float32) if convert else dq
     kernels.launch("backward_delta", (math.ceil(problem.q_len / 4), num_heads, problem.batch), [
         dout, out, lse, delta, lse_log2, dq_accum, *_strides(dout), *_strides(out),
         np.int32(num_heads), np.int32(problem.q_len),
         np.int32(accum_width if atomic else 0)])
 
-    dq = _poisoned(problem.q_shape, problem.dtype)
     dk = _poisoned(problem.kv_shape, problem.dtype)
     dv = _poisoned(problem.kv_shape, problem.dtype)
     heads = (np.int32(num_heads), np.int32(problem.group_size))
     options = (*_mask_args(problem), np.float32(problem.softmax_scale),
                np.float32(problem.softmax_scale * LOG2E))
     input_strides = tuple(s for x in (q, k, v, dout) for s in _strides(x))
+    inputs, scales, strides = (q, k, v, dout), (), input_strides
+    if pieces:
+        made = [_pieces(kernels, x, rows) for x, rows in (
+            (q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len), (dout, problem.q_len))]
+        inputs = tuple(x for hi, lo, _ in made for x in (hi, lo))
+        scales = tuple(scale for _, _, scale in made)
+        strides = tuple(s for hi, _, _ in made for s in _contiguous_strides(hi.shape))
     modifiers = _modifier_args(problem, alibi_slopes)
     grid = (math.ceil(problem.kv_capacity / kernels.tile(spec.name)), num_kv_heads,
             problem.batch)
     kernels.launch(spec.name, grid, [
-        q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, None, None, alibi_slopes,
-        NO_USER_ARGUMENTS, *input_strides, *_contiguous_strides(dk.shape), *heads,
+        *inputs, lse_log2, delta, dq_accum, dk, dv, *scales, None, None, alibi_slopes,
+        NO_USER_ARGUMENTS, *strides, *_contiguous_strides(dk.shape), *heads,
         np.int32(problem.kv_capacity), *options, *modifiers])
-    if atomic:
+    if convert:
         count = math.prod(problem.q_shape)
         kernels.launch("backward_dq_convert", (math.ceil(count / 512),), [
             dq_accum, dq, *_contiguous_strides(dq.shape), np.int64(count),
             np.int32(accum_width), np.int32(num_heads), np.int32(problem.q_len)])
-    else:
+    elif not atomic:  # the float32 pieces' own dQ pass reads the pieces, the others the inputs
+        reads_pieces = dq_spec.precision == "float32"
         grid = (math.ceil(problem.q_len / kernels.tile(dq_spec.name)), num_heads,
                 problem.batch)
         kernels.launch(dq_spec.name, grid, [
-            q, k, v, dout, lse_log2, delta, dq, None, None, alibi_slopes, NO_USER_ARGUMENTS,
-            *input_strides, *_contiguous_strides(dq.shape), *heads, *options, *modifiers])
+            *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq,
+            *(scales if reads_pieces else ()), None, None, alibi_slopes, NO_USER_ARGUMENTS,
+            *(strides if reads_pieces else input_strides), *_contiguous_strides(dq.shape),
+            *heads, *options, *modifiers])
     return dq, dk, dv

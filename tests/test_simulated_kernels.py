@@ -68,9 +68,31 @@ def test_unpipelined_wgmma_forward_matches_oracle(case, rng):
     check_results(case, inputs, out, lse, grads)
 
 
-@pytest.mark.parametrize("case", [
+FLOAT32_CASES = [
     Case(dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90,
          causal=True),
+    Case(dtype="float32", head_dim=40, batch=2, heads=3, kv_heads=3, q_len=90, kv_len=50,
+         window=(20, 10), bshd=True),
+    Case(dtype="float32", head_dim=128, batch=1, heads=2, kv_heads=1, q_len=1, kv_len=80,
+         kv_seq_len=61),
+    Case(dtype="float32", head_dim=160, batch=1, heads=2, kv_heads=1, q_len=50, kv_len=70,
+         window=(20, 5)),
+    Case(dtype="float32", head_dim=256, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=40,
+         causal=True),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
+def test_float32_pieces_kernels_match_oracle(case, deterministic, rng):
+    """float32 on H100/H200: the float16 pieces (abs_max and split), the pieces forward and
+    backward (the wide kernels and their dQ pass past D = 128), float32 accuracy."""
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=90)
+    check_results(case, inputs, out, lse, grads)
+
+
+@pytest.mark.parametrize("case", [
+    FLOAT32_CASES[0],
     Case(dtype="bfloat16", head_dim=160, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=60,
          window=(20, 5)),
 ], ids=str)

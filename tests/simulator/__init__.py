@@ -298,7 +298,8 @@ def _built(names, headers, kernel_dir, arch):
 
 
 HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc_bwd_wide.cuh",
-           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh")
+           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh", "split_fwd_wg.cuh",
+           "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh", "split_bwd_wide_wg.cuh")
 
 
 def build(names, headers=HEADERS, arch=80):

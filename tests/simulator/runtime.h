@@ -44,6 +44,7 @@ struct alignas(8) float2 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 namespace sim {
@@ -215,6 +216,7 @@ inline float __uint_as_float(unsigned u) { float x; memcpy(&x, &u, 4); return x;
 inline float __int_as_float(int u) { float x; memcpy(&x, &u, 4); return x; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline float atomicAdd(float* p, float x) { const float old = *p; *p = old + x; return old; }
+inline unsigned atomicMax(unsigned* p, unsigned x) { const unsigned old = *p; *p = old > x ? old : x; return old; }
 inline size_t __cvta_generic_to_shared(const void* p) { return sim::shared_address(p); }
 template <typename A, typename B>
 inline auto min(A a, B b) -> std::common_type_t<A, B> { return b < a ? b : a; }

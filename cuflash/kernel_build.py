@@ -34,25 +34,26 @@ CXX_TYPES = registry.CXX_TYPES
 COMPILE_OPTIONS = ("-std=c++17",)
 
 
+def inlined_source(path, seen):
+    """The text of kernel source ``path`` with its local includes inlined, each file once
+    (``seen``: the file names inlined so far, updated)."""
+    if path.name in seen:
+        return ""
+    seen.add(path.name)
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r'\s*#include\s+"([^"]+)"', line)
+        if m:
+            out.append(inlined_source(path.parent / m.group(1), seen))
+        elif line.strip() != "#pragma once":
+            out.append(line)
+    return "\n".join(out)
+
+
 @functools.lru_cache(maxsize=None)
 def module_source(name=MODULE_FILE):
     """The ``.cu`` file with its local includes inlined (each once)."""
-    seen = set()
-
-    def inline(path):
-        if path.name in seen:
-            return ""
-        seen.add(path.name)
-        out = []
-        for line in path.read_text().splitlines():
-            m = re.match(r'\s*#include\s+"([^"]+)"', line)
-            if m:
-                out.append(inline(path.parent / m.group(1)))
-            elif line.strip() != "#pragma once":
-                out.append(line)
-        return "\n".join(out)
-
-    return inline(KERNEL_DIR / name) + "\n"
+    return inlined_source(KERNEL_DIR / name, set()) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -352,6 +352,21 @@ __device__ __forceinline__ void query_tile_dscores(float (&s)[NTILES][4], float 
                                     scale_log2, false);
 }
 
+// lse (base 2) and Delta of a dQ pass's lane rows row0 and row0 + 8 of its query
+// tile (`rows` of them real; the tile's first row at `head_row0` of lse and Delta);
+// padding rows get lse = +inf (P = 0) and Delta = 0.
+__device__ __forceinline__ void query_row_stats(const float* __restrict__ lse,
+                                                const float* __restrict__ delta,
+                                                long long head_row0, int row0, int rows,
+                                                float (&row_lse)[2], float (&row_delta)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        row_lse[r] = row < rows ? lse[head_row0 + row] : -neg_inf();
+        row_delta[r] = row < rows ? delta[head_row0 + row] : 0.f;
+    }
+}
+
 // The steps of a backward block over its key tile [n0, n1): each query head of
 // KV head hk in turn, each with its tiles of BM query rows that see the keys.
 template <int BM>
@@ -448,22 +463,23 @@ __device__ __forceinline__ void atomic_dq_tile(const T* dSs, const T* Ks,
     }
 }
 
-// Rows g and g + 8 of a warp's 16 keys of a dK or dV tile (from key key0 of a
-// tile whose first row `out` points at, rows row_stride elements apart, `keys`
-// keys inside the capacity), TILES 8-column tiles from column col0, times
-// scale. Keys past the capacity and columns past D (a tile's padding) are
-// skipped; every other row is written, zeros included.
+// Rows g and g + 8 of a warp's 16 rows of an output tile from its accumulator
+// fragment (the keys of a dK or dV tile, or the query rows of a dQ pass): from
+// row row0 of a tile whose first row `out` points at, rows row_stride elements
+// apart, `rows` of them inside the output, TILES 8-column tiles from column
+// col0, times scale. Rows past the output and columns past D (a tile's
+// padding) are skipped; every other row is written, zeros included.
 template <typename T, int D, int TILES>
-__device__ __forceinline__ void store_key_rows(T* __restrict__ out, long long row_stride,
-                                               int key0, int keys, int col0,
-                                               const float (&acc)[TILES][4], float scale) {
+__device__ __forceinline__ void store_fragment_rows(T* __restrict__ out, long long row_stride,
+                                                    int row0, int rows, int col0,
+                                                    const float (&acc)[TILES][4], float scale) {
     using Op = TensorOp<T>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int key = key0 + g + 8 * r;
-        if (key >= keys) continue;
-        unsigned* row = reinterpret_cast<unsigned*>(out + key * row_stride + col0);
+        const int index = row0 + g + 8 * r;
+        if (index >= rows) continue;
+        unsigned* row = reinterpret_cast<unsigned*>(out + index * row_stride + col0);
 #pragma unroll
         for (int d = 0; d < TILES; ++d) {
             if (col0 + d * 8 >= D) continue;  // padding columns of the tile
@@ -473,14 +489,14 @@ __device__ __forceinline__ void store_key_rows(T* __restrict__ out, long long ro
 }
 
 // The end of a dK/dV block: dK times scale and dV of the same DN tiles from
-// column col0 (store_key_rows).
+// column col0 (store_fragment_rows).
 template <typename T, int D, int DN>
 __device__ __forceinline__ void store_dkdv(T* __restrict__ dk, T* __restrict__ dv,
                                            long long row_stride, int key0, int keys, int col0,
                                            const float (&dk_acc)[DN][4],
                                            const float (&dv_acc)[DN][4], float scale) {
-    store_key_rows<T, D, DN>(dk, row_stride, key0, keys, col0, dk_acc, scale);
-    store_key_rows<T, D, DN>(dv, row_stride, key0, keys, col0, dv_acc, 1.f);
+    store_fragment_rows<T, D, DN>(dk, row_stride, key0, keys, col0, dk_acc, scale);
+    store_fragment_rows<T, D, DN>(dv, row_stride, key0, keys, col0, dv_acc, 1.f);
 }
 
 }  // namespace cuflash

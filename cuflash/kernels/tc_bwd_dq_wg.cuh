@@ -77,15 +77,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
 
-    // lse (base 2) and Delta of the thread's rows; padding rows get lse = +inf (P = 0).
     const long long head_row0 = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     float row_lse[2], row_delta[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = warp_row + g + 8 * r;
-        row_lse[r] = row < rows ? lse[head_row0 + row] : -neg_inf();
-        row_delta[r] = row < rows ? delta[head_row0 + row] : 0.f;
-    }
+    query_row_stats(lse, delta, head_row0, warp_row + g, rows, row_lse, row_delta);
 
     float acc[DTILES][4];
 #pragma unroll
@@ -152,16 +146,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     }
     cp_async_wait<0>();  // Q's and dO's copies, when no key tile was read
 
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = warp_row + g + 8 * r;
-        if (row >= rows) continue;
-        unsigned* dst = reinterpret_cast<unsigned*>(dq + offset_of(dq_st, b, h, m0 + row));
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-            if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                dst[d * 4 + t] = Op::pack(acc[d][2 * r] * scale, acc[d][2 * r + 1] * scale);
-    }
+    store_fragment_rows<T, D, DTILES>(dq + offset_of(dq_st, b, h, m0), dq_st.s, warp_row, rows,
+                                      0, acc, scale);
 }
 
 }  // namespace cuflash

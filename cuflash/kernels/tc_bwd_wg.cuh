@@ -355,9 +355,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
         cp_async_wait<0>();
 
         const long long tile_key = offset_of(dkv_st, b, hk, n0);
-        store_key_rows<T, D, DK_TILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
+        store_fragment_rows<T, D, DK_TILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
                                        columns.dk_first, dk_acc, scale);
-        store_key_rows<T, D, DV_TILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
+        store_fragment_rows<T, D, DV_TILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
                                        columns.dv_first, dv_acc, 1.f);
     };
     constexpr SplitPlan plan = best_split(DK);

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuflash" / "kernels"
+from cuflash import kernel_build
+
+KERNEL_DIR = kernel_build.KERNEL_DIR  # the kernels of the cuflash whose registry runs them
 RUNTIME = Path(__file__).resolve().parent / "runtime.h"
 CACHE_DIR = Path(os.environ.get("CUFLASH_SIM_CACHE", Path(tempfile.gettempdir()) / "cuflash-sim"))
 COMPILER_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
@@ -51,24 +53,11 @@ def compiler():
 
 def inlined(headers, kernel_dir=KERNEL_DIR):
     """The kernel headers ``headers`` (names in ``kernel_dir``, by default
-    ``cuflash/kernels``) with their local includes inlined once each, as
-    ``cuflash.kernel_build.module_source`` does."""
+    ``cuflash/kernels``) with their local includes inlined once each, as the library's
+    modules are (``cuflash.kernel_build.inlined_source``)."""
     seen = set()
-
-    def inline(path):
-        if path.name in seen:
-            return ""
-        seen.add(path.name)
-        out = []
-        for line in path.read_text().splitlines():
-            m = re.match(r'\s*#include\s+"([^"]+)"', line)
-            if m:
-                out.append(inline(path.parent / m.group(1)))
-            elif line.strip() != "#pragma once":
-                out.append(line)
-        return "\n".join(out)
-
-    return "\n".join(inline(Path(kernel_dir) / h) for h in headers) + "\n"
+    return "\n".join(kernel_build.inlined_source(Path(kernel_dir) / h, seen)
+                     for h in headers) + "\n"
 
 
 def _split_top_level(text, separator):

@@ -2,10 +2,12 @@
 registry's kernels for an A100-class GPU (compute capability 8.0: mma.sync and the CUDA
 cores) or for an H100/H200 (9.0: wgmma, float32 on its float16 pieces).
 
-:func:`forward` and :func:`backward` launch the kernels the registry chooses for
-``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order,
-so that a test can hold the results against the float64 oracle without a GPU. Dense problems; score modifiers the built-in ones (softcap,
-ALiBi). Outputs are poisoned with NaN before the kernels run.
+:func:`forward` and :func:`backward` (dense) and :func:`varlen_forward` and
+:func:`varlen_backward` (packed batches) launch the kernels the registry chooses for
+``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order, so
+that a test can hold the results against the float64 oracle without a GPU. Score
+modifiers: the built-in ones (softcap, ALiBi). Outputs are poisoned with NaN before the
+kernels run.
 """
 
 import math
@@ -16,12 +18,14 @@ import simulator
 from cuflash import registry
 from cuflash.modifiers import MODIFIER_ARRAYS_DTYPE
 from cuflash.problem import backward_problem, forward_problem
+from cuflash.varlen import _heads_first, varlen_problem
 
 LOG2E = 1.4426950408889634
 #: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros in the size of
 #: cuflash.gpu's record (two ModifierArrays and a BlockMaskView of 56 bytes).
 NO_USER_ARGUMENTS = np.zeros(1, dtype=np.dtype(
     [("bytes", np.uint8, 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56)]))
+PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
 
 
 def _strides(a):
@@ -49,11 +53,29 @@ def _poisoned(shape, dtype):
     return np.full(shape, np.nan, dtype=dtype)
 
 
-class Kernels:
-    """The kernels one call launches, compiled into one simulated module."""
+class _Output:
+    """An output of ``heads`` heads and ``rows`` rows a head, NaN-poisoned, as
+    ``cuflash.gpu.OutputLayout`` lays it out: ``array`` (dense ``[B, heads, rows, D]``,
+    packed ``[rows, heads, D]``), ``view`` (``[B, heads, rows, D]`` either way) and the
+    kernels' ``strides``."""
 
-    def __init__(self, problem, specs, capability):
-        self.problem = problem
+    def __init__(self, problem, heads, rows):
+        d = problem.head_dim
+        if problem.packed is None:
+            self.array = _poisoned((problem.batch, heads, rows, d), problem.dtype)
+            self.view = self.array
+        else:
+            self.array = _poisoned((rows, heads, d), problem.dtype)
+            self.view = _heads_first(self.array)
+        self.strides = _strides(self.view)
+
+
+class Kernels:
+    """The kernels one call launches, compiled into one simulated module; ``guard``: each
+    launch's arrays between guard pages (``simulator.Module.launch``)."""
+
+    def __init__(self, problem, specs, capability, guard=False):
+        self.problem, self.guard = problem, guard
         self.roles = {}
         for spec, atomic in specs:
             role = spec.role(atomic_dq=atomic,
@@ -66,14 +88,35 @@ class Kernels:
     def launch(self, spec_name, grid, args):
         spec, _, name = self.roles[spec_name]
         traits = spec.traits(self.problem.head_dim)
-        self.module.launch(name, grid, traits.threads, traits.shared_bytes, args)
+        self.module.launch(name, grid, traits.threads, traits.shared_bytes, args, self.guard)
 
     def tile(self, spec_name):
         spec = self.roles[spec_name][0]
         return spec.traits(self.problem.head_dim).tile
 
 
-PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
+def _query_grid(problem, tile):
+    rows, batch = ((problem.q_len, problem.batch) if problem.packed is None
+                   else (problem.packed.max_q_len, problem.packed.count))
+    return math.ceil(rows / tile), problem.num_heads, batch
+
+
+def _key_grid(problem, tile):
+    rows, batch = ((problem.kv_capacity, problem.batch) if problem.packed is None
+                   else (problem.packed.max_kv_len, problem.packed.count))
+    return math.ceil(rows / tile), problem.num_kv_heads, batch
+
+
+def _helpers(*names):
+    return [(registry.BY_NAME[name], False) for name in names]
+
+
+def _zero_outside(kernels, problem, output, offsets):
+    """Zeros in a packed output's rows outside every sequence (``packed_zero_outside``)."""
+    rows, heads, d = output.array.shape
+    kernels.launch("packed_zero_outside", (64,), [
+        output.array, offsets, np.int32(problem.packed.count), np.int32(rows),
+        np.int64(heads * d)])
 
 
 def _pieces(kernels, x, valid_rows):
@@ -91,22 +134,20 @@ def _pieces(kernels, x, valid_rows):
     return hi, lo, scales
 
 
-def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
-            kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            excluded=(), capability=80):
-    """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
-    (``excluded``: kernels to pass over)."""
-    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                              kv_seq_len, softmax_scale, softcap=softcap,
-                              alibi_slopes=alibi_slopes)
-    spec = registry.choose("forward", problem.dtype, head_dim, capability,
+def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, excluded=(),
+                capability=80, guard=False):
+    """``(out, lse)`` of ``problem`` (validated; q, k, v as ``[B, H, S, D]`` views, a packed
+    problem's as ``[1, H, total, D]`` with its ``offsets``) on the kernels the registry
+    chooses for ``capability`` (``guard``: see :class:`Kernels`)."""
+    spec = registry.choose("forward", problem.dtype, problem.head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
     pieces = spec.precision == "float32"
-    helpers = [registry.BY_NAME[name] for name in PIECES_HELPERS] if pieces else []
-    kernels = Kernels(problem, [(spec, False)] + [(h, False) for h in helpers], capability)
-    out = _poisoned(problem.q_shape, problem.dtype)
+    packed = problem.packed is not None
+    helpers = _helpers(*(PIECES_HELPERS if pieces else ()),
+                       *(("packed_zero_outside",) if packed else ()))
+    kernels = Kernels(problem, [(spec, False)] + helpers, capability, guard)
+    out = _Output(problem, problem.num_heads, problem.q_len)
     lse = _poisoned(problem.lse_shape, np.float32)
-    grid = (math.ceil(problem.q_len / kernels.tile(spec.name)), num_heads, problem.batch)
     if pieces:
         (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
             _pieces(kernels, x, rows) for x, rows in ((q, problem.q_len), (k, problem.kv_len),
@@ -116,51 +157,52 @@ def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_siz
     else:
         inputs, scales = (q, k, v), ()
         strides = (*_strides(q), *_strides(k), *_strides(v))
-    kernels.launch(spec.name, grid, [
-        *inputs, out, lse, *scales, None, None, alibi_slopes, NO_USER_ARGUMENTS, *strides,
-        *_contiguous_strides(out.shape), np.int32(num_heads), np.int32(problem.group_size),
+    kernels.launch(spec.name, _query_grid(problem, kernels.tile(spec.name)), [
+        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, NO_USER_ARGUMENTS,
+        *strides, *out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
         *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
         *_modifier_args(problem, alibi_slopes)])
-    return out, lse
+    if packed:
+        _zero_outside(kernels, problem, out, offsets[0])
+    return out.array, lse
 
 
-def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
-             window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
-             softcap=0.0, alibi_slopes=None, excluded=(), capability=80):
-    """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``: the Delta
-    kernel, the dK/dV kernel and either its float32 atomics for dQ and their conversion,
-    or its dQ pass (deterministic calls, and the kernels without atomics)."""
-    problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
-                               causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                               True, softcap=softcap, alibi_slopes=alibi_slopes)
+def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None, None),
+                 alibi_slopes=None, excluded=(), capability=80, guard=False):
+    """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
+    Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
+    conversion, or its dQ pass (deterministic calls, and the kernels without atomics)."""
+    head_dim, num_heads = problem.head_dim, problem.num_heads
     spec = registry.choose("backward", problem.dtype, head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
     atomic = not deterministic and spec.atomic_dq(head_dim)
     dq_spec = None if atomic else spec.dq_pass()
     pieces = spec.precision == "float32"
+    packed = problem.packed is not None
     # a dense float32 dQ is the atomics' buffer itself, else converted
-    convert = atomic and problem.dtype != np.float32
-    helpers = [registry.BY_NAME["backward_delta"]]
-    helpers += [registry.BY_NAME["backward_dq_convert"]] if convert else []
-    helpers += [] if atomic else [dq_spec]
-    helpers += [registry.BY_NAME[name] for name in PIECES_HELPERS] if pieces else []
-    kernels = Kernels(problem, [(spec, atomic)] + [(h, False) for h in helpers], capability)
+    convert = atomic and (problem.dtype != np.float32 or packed)
+    helpers = _helpers("backward_delta", *(("backward_dq_convert",) if convert else ()),
+                       *(PIECES_HELPERS if pieces else ()),
+                       *(("packed_zero_outside",) if packed else ()))
+    if not atomic:
+        helpers.append((dq_spec, False))
+    kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard)
 
     accum_width = registry.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
-    rows = problem.batch * num_heads * problem.q_len
+    rows = math.prod(problem.lse_shape)
     delta = _poisoned(rows, np.float32)
     lse_log2 = _poisoned(rows, np.float32)
-    dq = _poisoned(problem.q_shape, problem.dtype)
+    dq = _Output(problem, num_heads, problem.q_len)
     dq_accum = None
     if atomic:
-        dq_accum = _poisoned(rows * accum_width, np.float32) if convert else dq
+        dq_accum = _poisoned(rows * accum_width, np.float32) if convert else dq.array
     kernels.launch("backward_delta", (math.ceil(problem.q_len / 4), num_heads, problem.batch), [
         dout, out, lse, delta, lse_log2, dq_accum, *_strides(dout), *_strides(out),
         np.int32(num_heads), np.int32(problem.q_len),
         np.int32(accum_width if atomic else 0)])
 
-    dk = _poisoned(problem.kv_shape, problem.dtype)
-    dv = _poisoned(problem.kv_shape, problem.dtype)
+    dk = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
+    dv = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
     heads = (np.int32(num_heads), np.int32(problem.group_size))
     options = (*_mask_args(problem), np.float32(problem.softmax_scale),
                np.float32(problem.softmax_scale * LOG2E))
@@ -173,24 +215,83 @@ def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=
         scales = tuple(scale for _, _, scale in made)
         strides = tuple(s for hi, _, _ in made for s in _contiguous_strides(hi.shape))
     modifiers = _modifier_args(problem, alibi_slopes)
-    grid = (math.ceil(problem.kv_capacity / kernels.tile(spec.name)), num_kv_heads,
-            problem.batch)
-    kernels.launch(spec.name, grid, [
-        *inputs, lse_log2, delta, dq_accum, dk, dv, *scales, None, None, alibi_slopes,
-        NO_USER_ARGUMENTS, *strides, *_contiguous_strides(dk.shape), *heads,
-        np.int32(problem.kv_capacity), *options, *modifiers])
+    if problem.kv_capacity:
+        kernels.launch(spec.name, _key_grid(problem, kernels.tile(spec.name)), [
+            *inputs, lse_log2, delta, dq_accum, dk.array, dv.array, *scales, *offsets,
+            alibi_slopes, NO_USER_ARGUMENTS, *strides, *dk.strides, *heads,
+            np.int32(problem.kv_capacity), *options, *modifiers])
     if convert:
         count = math.prod(problem.q_shape)
         kernels.launch("backward_dq_convert", (math.ceil(count / 512),), [
-            dq_accum, dq, *_contiguous_strides(dq.shape), np.int64(count),
-            np.int32(accum_width), np.int32(num_heads), np.int32(problem.q_len)])
+            dq_accum, dq.array, *dq.strides, np.int64(count), np.int32(accum_width),
+            np.int32(num_heads), np.int32(problem.q_len)])
     elif not atomic:  # the float32 pieces' own dQ pass reads the pieces, the others the inputs
         reads_pieces = dq_spec.precision == "float32"
-        grid = (math.ceil(problem.q_len / kernels.tile(dq_spec.name)), num_heads,
-                problem.batch)
-        kernels.launch(dq_spec.name, grid, [
-            *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq,
-            *(scales if reads_pieces else ()), None, None, alibi_slopes, NO_USER_ARGUMENTS,
-            *(strides if reads_pieces else input_strides), *_contiguous_strides(dq.shape),
-            *heads, *options, *modifiers])
-    return dq, dk, dv
+        kernels.launch(dq_spec.name, _query_grid(problem, kernels.tile(dq_spec.name)), [
+            *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq.array,
+            *(scales if reads_pieces else ()), *offsets, alibi_slopes, NO_USER_ARGUMENTS,
+            *(strides if reads_pieces else input_strides), *dq.strides, *heads, *options,
+            *modifiers])
+    if packed:
+        _zero_outside(kernels, problem, dq, offsets[0])
+        _zero_outside(kernels, problem, dk, offsets[1])
+        _zero_outside(kernels, problem, dv, offsets[1])
+    return dq.array, dk.array, dv.array
+
+
+def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
+            kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
+            excluded=(), capability=80):
+    """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
+    (``excluded``: kernels to pass over)."""
+    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
+                              kv_seq_len, softmax_scale, softcap=softcap,
+                              alibi_slopes=alibi_slopes)
+    return run_forward(problem, q, k, v, alibi_slopes=alibi_slopes, excluded=excluded,
+                       capability=capability)
+
+
+def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
+             window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
+             softcap=0.0, alibi_slopes=None, excluded=(), capability=80):
+    """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``."""
+    problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
+                               causal, window_size, kv_seq_len, softmax_scale, deterministic,
+                               True, softcap=softcap, alibi_slopes=alibi_slopes)
+    return run_backward(problem, dout, q, k, v, out, lse, deterministic,
+                        alibi_slopes=alibi_slopes, excluded=excluded, capability=capability)
+
+
+def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
+            num_kv_heads, head_dim, causal, window_size, extra_arrays=()):
+    return varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          num_heads, num_kv_heads, head_dim, causal, window_size, None, False,
+                          False, extra_arrays=extra_arrays).attention
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
+                   device_offsets=None, capability=80, guard=False):
+    """``(out [total_q, H, D], lse [H, total_q])`` of a packed batch (validated with the
+    host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
+    would be, else the same)."""
+    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      num_heads, num_kv_heads, head_dim, causal, window_size)
+    out, lse = run_forward(problem, *map(_heads_first, (q, k, v)),
+                           offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
+                           capability=capability, guard=guard)
+    return out, lse[0]
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
+                    window_size=0, deterministic=False, device_offsets=None, capability=80,
+                    guard=False):
+    """``(dq, dk, dv)`` of a packed batch (see :func:`varlen_forward`)."""
+    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      num_heads, num_kv_heads, head_dim, causal, window_size,
+                      extra_arrays=[("dout", dout), ("output", out)])
+    return run_backward(problem, *map(_heads_first, (dout, q, k, v, out)),
+                        np.ascontiguousarray(lse[None]), deterministic,
+                        offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
+                        capability=capability, guard=guard)

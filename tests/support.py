@@ -318,6 +318,70 @@ def check_modified_results(case, inputs, results, softcap, slopes):
         assert np.all(grads[2][:, :, case.kv_seq_len:] == 0)
 
 
+# Bounds of a packed call against the float64 oracle (the oracle sees the same rounded
+# inputs), on each sequence.
+PACKED_BOUND = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
+
+
+def packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp=np):
+    """Fresh packed q, k, v, dout (``[tokens, heads, D]``) and int32 offsets of the lengths."""
+    def make(total, h):
+        return xp.asarray(rng.standard_normal((total, h, head_dim)).astype(DTYPES[dtype]))
+
+    q = make(sum(lengths_q), heads)
+    k, v = make(sum(lengths_k), kv_heads), make(sum(lengths_k), kv_heads)
+    dout = make(sum(lengths_q), heads)
+    cu_q = xp.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
+    cu_k = xp.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    return q, k, v, dout, cu_q, cu_k
+
+
+def check_packed_results(inputs, out, lse, grads, lengths_q, lengths_k, dtype, causal=True,
+                         window=0, softmax_scale=None, allow_tf32=False, bound=None):
+    """A packed call's ``out``, ``lse`` ``[H, total_q]`` and ``grads`` (dq, dk, dv) on
+    ``inputs`` (q, k, v, dout, ``[tokens, heads, D]``) against the oracle on each
+    sequence; zeros where a sequence has no query row or no key."""
+    q = inputs[0]
+    heads = q.shape[1]
+    dq, dk, dv = grads
+    bound = PACKED_BOUND[dtype] if bound is None else bound
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, inputs[1].shape, inputs[2].shape)
+    offsets_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    offsets_k = np.concatenate([[0], np.cumsum(lengths_k)])
+    host = [to_numpy(x).astype(np.float64) for x in inputs]
+    got = [to_numpy(x).astype(np.float64) for x in (out, dq, dk, dv)]
+    lse = to_numpy(lse)
+    for b in range(len(lengths_q)):
+        q0, q1, k0, k1 = offsets_q[b], offsets_q[b + 1], offsets_k[b], offsets_k[b + 1]
+        if q1 == q0:
+            assert np.all(got[2][k0:k1] == 0) and np.all(got[3][k0:k1] == 0), b
+            continue
+        if k1 == k0:  # no key: zeros, lse -inf, zero gradients
+            assert np.all(got[0][q0:q1] == 0) and np.all(got[1][q0:q1] == 0), b
+            assert np.all(np.isneginf(lse[:, q0:q1])), b
+            continue
+
+        def dense(x, start, stop):
+            return x[start:stop].transpose(1, 0, 2)[None]
+
+        qb, kb, vb, db = (dense(host[0], q0, q1), dense(host[1], k0, k1),
+                          dense(host[2], k0, k1), dense(host[3], q0, q1))
+        ref_out, ref_lse = attention_reference(qb, kb, vb, causal, window,
+                                               softmax_scale=softmax_scale)
+        ref_grads = attention_reference_grad(db, qb, kb, vb, causal, window,
+                                             softmax_scale=softmax_scale)
+        for name, x, ref in zip(("out", "dq", "dk", "dv"),
+                                (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
+                                (ref_out, *ref_grads)):
+            err = rel_error(x.transpose(1, 0, 2)[None], ref)
+            assert err <= bound + FLOOR[dtype], (b, name, err)
+        dead = np.isneginf(ref_lse[0])
+        assert np.array_equal(np.isneginf(lse[:, q0:q1]), dead), b
+        lse_tolerance = 1e-4 if not allow_tf32 else 2e-3  # TF32 rounds q and k
+        assert np.allclose(lse[:, q0:q1][~dead], ref_lse[0][~dead], atol=lse_tolerance), b
+
+
 def grid_cases():
     """The configuration grid of the foundation issue (each option, each dtype)."""
     cases = []

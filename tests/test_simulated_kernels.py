@@ -7,12 +7,13 @@ kernels, and the score modifiers. The same checks as the GPU tests
 
 import math
 
+import numpy as np
 import pytest
 
 import simulated_attention
 import simulator
-from support import (Case, alibi_slopes, check_modified_results, check_results, oracle,
-                     random_inputs, rel_error)
+from support import (Case, alibi_slopes, check_modified_results, check_packed_results,
+                     check_results, oracle, packed_inputs, random_inputs, rel_error)
 
 pytestmark = pytest.mark.skipif(simulator.compiler() is None,
                                 reason="the simulator needs a host C++ compiler (g++ or CXX)")
@@ -119,6 +120,82 @@ def test_modified_kernels_match_oracle(head_dim, deterministic, capability, rng)
     inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes,
                                    capability=capability)
     check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
+
+
+# Packed batches: sequences of no query row, of no key, GQA, windows (test_varlen's mix).
+PACKED_CASES = [
+    dict(lengths_q=[5, 0, 17, 1, 9], lengths_k=[5, 3, 17, 1, 9], head_dim=64),
+    dict(lengths_q=[6, 66], lengths_k=[6, 0], heads=4, kv_heads=4, head_dim=40,
+         causal=False),
+    dict(lengths_q=[3, 70, 20], lengths_k=[9, 80, 20], heads=6, kv_heads=1, head_dim=128,
+         window=(12, 1), causal=False),
+    dict(lengths_q=[40, 30], lengths_k=[50, 30], head_dim=200),
+]
+
+
+@pytest.mark.parametrize("capability, dtype", [(80, "bfloat16"), (90, "float16"),
+                                               (90, "float32")])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", PACKED_CASES, ids=str)
+def test_packed_kernels_match_oracle(case, deterministic, capability, dtype, rng):
+    """The kernels read each sequence's rows from the offsets; rows outside every sequence
+    are zeros (packed_zero_outside)."""
+    case = dict(dict(heads=4, kv_heads=2, causal=True, window=0), **case)
+    lengths_q, lengths_k = case["lengths_q"], case["lengths_k"]
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, case["heads"],
+                                              case["kv_heads"], case["head_dim"], dtype)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), case["heads"], case["kv_heads"],
+            case["head_dim"], case["causal"], case["window"])
+    out, lse = simulated_attention.varlen_forward(q, k, v, *args, capability=capability)
+    grads = simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args,
+                                                deterministic=deterministic,
+                                                capability=capability)
+    check_packed_results((q, k, v, dout), out, lse, grads, lengths_q, lengths_k, dtype,
+                         case["causal"], case["window"])
+
+
+GARBAGE_OFFSETS = ([0, -50, 10**6, 20], [100, 10, 130, 2**31 - 1], [-7, 500, -3, 130])
+
+
+def _garbage_offsets_run(rng, capability, dtype, offsets, deterministic=False):
+    """A packed forward and backward whose kernels read garbage device ``offsets``, every
+    array between guard pages (a fault raises simulator.SimulationError)."""
+    lengths = [40, 60, 30]
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 2, 2, 64, dtype)
+    garbage = np.array(offsets, np.int32)
+    args = (cu_q, cu_k, max(lengths), max(lengths), 2, 2, 64, True)
+    kw = dict(device_offsets=(garbage, garbage), capability=capability, guard=True)
+    out, lse = simulated_attention.varlen_forward(q, k, v, *args, **kw)
+    return simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args,
+                                               deterministic=deterministic, **kw)
+
+
+@pytest.mark.parametrize("capability, dtype", [(80, "float16"), (90, "bfloat16"),
+                                               (90, "float32")])
+@pytest.mark.parametrize("offsets", GARBAGE_OFFSETS, ids=str)
+def test_garbage_device_offsets_stay_inside_the_arrays(offsets, capability, dtype, rng):
+    """Device offsets are never trusted (SPEC 7): negative, decreasing, past the totals or
+    longer than max_seqlen, no kernel reads or writes outside its arrays."""
+    for deterministic in (False, True):
+        grads = _garbage_offsets_run(rng, capability, dtype, offsets, deterministic)
+        assert all(g.shape[1:] == (2, 64) for g in grads)
+
+
+def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
+    """The guard pages of the test above see an access outside an array: with the
+    sequence's first query row taken from the offsets unclamped, the kernels fault."""
+    source = (simulator.KERNEL_DIR / "common.cuh").read_text()
+    broken = source.replace("const int q0 = clamped(offsets_q[b], 0, q_len)",
+                            "const int q0 = offsets_q[b]")
+    assert broken != source
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for path in simulator.KERNEL_DIR.glob("*.cuh"):
+        (kernels / path.name).write_text(broken if path.name == "common.cuh"
+                                         else path.read_text())
+    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
+    with pytest.raises(simulator.SimulationError, match="faulted"):
+        _garbage_offsets_run(rng, 80, "float16", [0, -50, 10**6, 20])
 
 
 def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):

@@ -7,71 +7,20 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, cupy, rel_error, to_numpy
-
-# Bounds against the float64 oracle (the oracle sees the same rounded inputs).
-BOUND = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
-
-
-def _packed(rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp):
-    def make(total, h):
-        return xp.asarray(rng.standard_normal((total, h, head_dim)).astype(DTYPES[dtype]))
-
-    q = make(sum(lengths_q), heads)
-    k, v = make(sum(lengths_k), kv_heads), make(sum(lengths_k), kv_heads)
-    dout = make(sum(lengths_q), heads)
-    cu_q = xp.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
-    cu_k = xp.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
-    return q, k, v, dout, cu_q, cu_k
-
+from support import check_packed_results, cupy, packed_inputs
 
 def _check_against_oracle(rng, xp, lengths_q, lengths_k, heads=4, kv_heads=2, head_dim=32,
                           dtype="float32", causal=True, window=0, deterministic=False,
                           softmax_scale=None, allow_tf32=False, bound=None):
-    q, k, v, dout, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, heads, kv_heads, head_dim,
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim,
                                         dtype, xp)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k), heads, kv_heads, head_dim, causal,
             window)
     out, vjp = cuflash.flash_attention_varlen_vjp(q, k, v, *args, softmax_scale=softmax_scale,
                                                   allow_tf32=allow_tf32)
-    dq, dk, dv = vjp(dout, deterministic=deterministic)
-    bound = BOUND[dtype] if bound is None else bound
-    assert out.shape == q.shape and vjp.lse.shape == (heads, q.shape[0])
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    offsets_q = np.concatenate([[0], np.cumsum(lengths_q)])
-    offsets_k = np.concatenate([[0], np.cumsum(lengths_k)])
-    host = [to_numpy(x).astype(np.float64) for x in (q, k, v, dout)]
-    got = [to_numpy(x).astype(np.float64) for x in (out, dq, dk, dv)]
-    lse = to_numpy(vjp.lse)
-    for b in range(len(lengths_q)):
-        q0, q1, k0, k1 = offsets_q[b], offsets_q[b + 1], offsets_k[b], offsets_k[b + 1]
-        if q1 == q0:
-            assert np.all(got[2][k0:k1] == 0) and np.all(got[3][k0:k1] == 0), b
-            continue
-        if k1 == k0:  # no key: zeros, lse -inf, zero gradients
-            assert np.all(got[0][q0:q1] == 0) and np.all(got[1][q0:q1] == 0), b
-            assert np.all(np.isneginf(lse[:, q0:q1])), b
-            continue
-
-        def dense(x, start, stop):
-            return x[start:stop].transpose(1, 0, 2)[None]
-
-        qb, kb, vb, db = (dense(host[0], q0, q1), dense(host[1], k0, k1),
-                          dense(host[2], k0, k1), dense(host[3], q0, q1))
-        ref_out, ref_lse = attention_reference(qb, kb, vb, causal, window,
-                                               softmax_scale=softmax_scale)
-        ref_grads = attention_reference_grad(db, qb, kb, vb, causal, window,
-                                             softmax_scale=softmax_scale)
-        for name, x, ref in zip(("out", "dq", "dk", "dv"),
-                                (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
-                                (ref_out, *ref_grads)):
-            err = rel_error(x.transpose(1, 0, 2)[None], ref)
-            assert err <= bound + FLOOR[dtype], (b, name, err)
-        dead = np.isneginf(ref_lse[0])
-        assert np.array_equal(np.isneginf(lse[:, q0:q1]), dead), b
-        lse_tolerance = 1e-4 if not allow_tf32 else 2e-3  # TF32 rounds q and k
-        assert np.allclose(lse[:, q0:q1][~dead], ref_lse[0][~dead], atol=lse_tolerance), b
+    grads = vjp(dout, deterministic=deterministic)
+    check_packed_results((q, k, v, dout), out, vjp.lse, grads, lengths_q, lengths_k, dtype,
+                         causal, window, softmax_scale, allow_tf32, bound)
 
 
 CASES = [
@@ -180,7 +129,7 @@ def test_gpu_one_long_sequence_and_many_short(dtype, rng, poisoned):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_deterministic_repeats_bitwise(dtype, rng):
     lengths = _random_lengths(rng, 5, 400)
-    q, k, v, dout, cu_q, cu_k = _packed(rng, lengths, lengths, 4, 2, 128, dtype, cupy)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 4, 2, 128, dtype, cupy)
     args = (cu_q, cu_k, max(lengths), max(lengths), 4, 2, 128, True)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args)
     first = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args,
@@ -196,7 +145,7 @@ def test_gpu_tokens_outside_every_sequence_get_zero_gradients(rng, poisoned):
     """Device offsets that end short of the totals (unchecked): the tokens past the last
     offset belong to no sequence; their gradients are zeros and the rest is right."""
     lengths = [50, 0, 70]
-    q, k, v, dout, cu_q, cu_k = _packed(rng, lengths + [30], lengths + [40], 4, 2, 64,
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths + [30], lengths + [40], 4, 2, 64,
                                         "bfloat16", cupy)
     cu_q, cu_k = cu_q[:-1], cu_k[:-1]  # the last "sequence" is outside every sequence
     args = (cu_q, cu_k, 70, 70, 4, 2, 64, True)
@@ -216,7 +165,7 @@ def test_gpu_untrusted_offsets_stay_inside_the_arrays(rng):
     max_seqlen): no fault, no write outside the outputs (guard bytes around a copy of the
     inputs stay intact), and check=True names the sequence."""
     lengths = [40, 60, 30]
-    q, k, v, dout, _, _ = _packed(rng, lengths, lengths, 2, 2, 64, "float16", cupy)
+    q, k, v, dout, _, _ = packed_inputs(rng, lengths, lengths, 2, 2, 64, "float16", cupy)
     for offsets in ([0, -50, 10**6, 20], [100, 10, 130, 2**31 - 1], [-7, 500, -3, 130]):
         cu = cupy.asarray(np.array(offsets, np.int32))
         args = (cu, cu, 60, 60, 2, 2, 64, True)
@@ -231,7 +180,7 @@ def test_gpu_untrusted_offsets_stay_inside_the_arrays(rng):
 @pytest.mark.gpu
 def test_gpu_device_offsets_checked_on_request(rng):
     lengths = [10, 30]
-    q, k, v, _, cu_q, cu_k = _packed(rng, lengths, lengths, 2, 2, 32, "bfloat16", cupy)
+    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 2, 2, 32, "bfloat16", cupy)
     cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, 30, 30, 2, 2, 32, check=True)
     with pytest.raises(cuflash.InvalidArgumentError,
                        match="cu_seqlens_q: sequence 1: length 30 exceeds max_seqlen_q = 20"):
@@ -244,7 +193,7 @@ def test_gpu_graph_capture_replays_the_packed_call(rng):
     synchronize=False) capture into a CUDA graph and replay, on new values in the same
     buffers, to the direct calls' results."""
     lengths = [100, 7, 260]
-    q, k, v, dout, cu_q, cu_k = _packed(rng, lengths, lengths, 4, 2, 64, "bfloat16", cupy)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 4, 2, 64, "bfloat16", cupy)
     args = (cu_q, cu_k, 260, 260, 4, 2, 64, True)
 
     def step():
@@ -276,7 +225,7 @@ def test_gpu_graph_capture_replays_the_packed_call(rng):
 def test_packed_equal_lengths_match_the_dense_call(rng):
     """Equal lengths packed: the dense call's result, bitwise (the same per-sequence math)."""
     B, S, H, D = 3, 20, 2, 16
-    q, k, v, dout, cu_q, cu_k = _packed(rng, [S] * B, [S] * B, H, H, D, "float32", np)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, [S] * B, [S] * B, H, H, D, "float32", np)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, S, S, H, H, D, True)
     dense = [x.reshape(B, S, H, D).transpose(0, 2, 1, 3) for x in (q, k, v)]
     ref, ref_lse = cuflash.flash_attention_fwd(*dense, H, H, D, True)
@@ -318,7 +267,7 @@ def test_bad_input_is_rejected(index):
 
 
 def test_backward_checks_its_extra_arrays(rng):
-    q, k, v, dout, cu_q, cu_k = _packed(rng, [3, 5], [4, 5], 2, 2, 8, "float32", np)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, [3, 5], [4, 5], 2, 2, 8, "float32", np)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, 5, 5, 2, 2, 8)
     args = (cu_q, cu_k, 5, 5, 2, 2, 8)
     with pytest.raises(cuflash.InvalidArgumentError, match="lse: has heads 3"):

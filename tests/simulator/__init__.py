@@ -30,6 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # NumPy 1
+    byte_bounds = np.byte_bounds
+
 from cuflash import kernel_build
 
 KERNEL_DIR = kernel_build.KERNEL_DIR  # the kernels of the cuflash whose registry runs them
@@ -218,6 +223,10 @@ class Module:
     def __init__(self, library_path, names):
         self._library = ctypes.CDLL(str(library_path))
         self._library.sim_failure.restype = ctypes.c_char_p
+        self._library.sim_fault_address.restype = ctypes.c_ulonglong
+        self._library.sim_guarded_alloc.restype = ctypes.c_void_p
+        self._library.sim_guarded_alloc.argtypes = [ctypes.c_ulonglong]
+        self._library.sim_guarded_free.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         self._entries = {}
         for i, name in enumerate(names):
             entry = getattr(self._library, f"sim_kernel_{i}")
@@ -225,21 +234,30 @@ class Module:
             entry.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
             self._entries[name] = entry
 
-    def launch(self, name, grid, threads, shared_bytes, args):
+    def launch(self, name, grid, threads, shared_bytes, args, guard=False):
         """Run kernel ``name`` on ``grid`` (up to 3 dims) of blocks of ``threads``.
 
         ``args``, in the kernel's order: NumPy arrays (their address; the caller keeps
         them alive), None (a null pointer), NumPy scalars (their bytes, so their type
         must be the parameter's), or one-element structured arrays (a record passed by
-        value).
+        value). With ``guard``, each array is copied into memory between inaccessible
+        pages for the launch (and back after it): a read or write past its end, or far
+        before its start, raises SimulationError naming the argument.
         """
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return
-        storage, pointers = [], (ctypes.c_void_p * max(1, len(args)))()
+        storage, pointers, guarded = [], (ctypes.c_void_p * max(1, len(args)))(), []
         for i, a in enumerate(args):
             if a is None or (isinstance(a, np.ndarray) and a.dtype.names is None):
-                cell = np.array([0 if a is None else a.ctypes.data], dtype=np.uint64)
+                address = 0 if a is None else a.ctypes.data
+                if guard and a is not None:
+                    low, high = byte_bounds(a)  # the memory a view spans
+                    copy = self._library.sim_guarded_alloc(max(1, high - low))
+                    ctypes.memmove(copy, low, high - low)
+                    guarded.append((i, low, high, copy))
+                    address = copy + (address - low)
+                cell = np.array([address], dtype=np.uint64)
             elif isinstance(a, np.ndarray):  # a record by value
                 cell = a
             elif isinstance(a, np.generic):
@@ -248,7 +266,19 @@ class Module:
                 raise TypeError(f"argument {i}: a NumPy array, scalar or record, got {type(a)}")
             storage.append(cell)
             pointers[i] = cell.ctypes.data
-        status = self._entries[name](*grid, int(threads), int(shared_bytes), pointers)
+        try:
+            status = self._entries[name](*grid, int(threads), int(shared_bytes), pointers)
+            for _, low, high, copy in guarded:  # outputs come back (inputs are unchanged)
+                ctypes.memmove(low, copy, high - low)
+        finally:
+            for _, low, high, copy in guarded:
+                self._library.sim_guarded_free(copy, max(1, high - low))
+        if status == 2:
+            fault = self._library.sim_fault_address()
+            near = [i for i, low, high, copy in guarded
+                    if copy - 4096 <= fault < copy + (high - low) + 4096]
+            where = f"argument {near[0]}'s guard page" if near else "memory of no argument"
+            raise SimulationError(f"{name}: an access at {fault:#x} faulted ({where})")
         if status:
             raise SimulationError(f"{name}: {self._library.sim_failure().decode()}")
 
@@ -262,7 +292,12 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR):
                      f'unsigned threads, unsigned long long shared_bytes, void** params) {{\n'
                      f'    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, dim3{{threads, 1, 1}}, '
                      f'shared_bytes, params);\n}}')
-    lines.append('extern "C" const char* sim_failure() { return ::sim::failure; }')
+    lines += ['extern "C" const char* sim_failure() { return ::sim::failure; }',
+              'extern "C" unsigned long long sim_fault_address() { return ::sim::fault_address; }',
+              'extern "C" void* sim_guarded_alloc(unsigned long long bytes) '
+              '{ return ::sim::guarded_alloc(bytes); }',
+              'extern "C" void sim_guarded_free(void* p, unsigned long long bytes) '
+              '{ ::sim::guarded_free(p, bytes); }']
     return "\n".join(lines) + "\n"
 
 

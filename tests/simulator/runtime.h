@@ -14,6 +14,8 @@
 // commit and wait are no-ops.
 #pragma once
 #include <math.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -101,6 +103,9 @@ inline unsigned char* shared_memory = nullptr;
 inline size_t shared_capacity = 0;
 inline long long progress = 0;
 inline const char* failure = nullptr;
+// A read or write that faulted (a guard page of a guarded argument, say): its address.
+inline sigjmp_buf fault_recovery;
+inline volatile uintptr_t fault_address = 0;
 
 inline void yield() { swapcontext(&current->context, &scheduler_context); }
 
@@ -488,8 +493,32 @@ inline void fiber_entry(unsigned lo, unsigned hi) {
     // returns to uc_link: the scheduler
 }
 
-// Runs `thread_body()` as every thread of every block of the grid; returns 0, or
-// 1 with `failure` set (a deadlock, or an address outside shared memory).
+inline void on_fault(int, siginfo_t* info, void*) {
+    fault_address = reinterpret_cast<uintptr_t>(info->si_addr);
+    siglongjmp(fault_recovery, 1);
+}
+
+// Memory of `bytes` whose end lies against an inaccessible page (and whose first page
+// follows one), 16-byte aligned: a kernel's access past an argument's end faults.
+inline void* guarded_alloc(size_t bytes) {
+    const size_t page = 4096, data = (bytes + 15) / 16 * 16, pages = (data + page - 1) / page;
+    unsigned char* base = static_cast<unsigned char*>(
+        mmap(nullptr, (pages + 2) * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+             -1, 0));
+    if (base == MAP_FAILED) return nullptr;
+    mprotect(base, page, PROT_NONE);
+    mprotect(base + (pages + 1) * page, page, PROT_NONE);
+    return base + (pages + 1) * page - data;
+}
+inline void guarded_free(void* p, size_t bytes) {
+    const size_t page = 4096, data = (bytes + 15) / 16 * 16, pages = (data + page - 1) / page;
+    unsigned char* base = static_cast<unsigned char*>(p) + data - (pages + 1) * page;
+    munmap(base, (pages + 2) * page);
+}
+
+// Runs `thread_body()` as every thread of every block of the grid; returns 0, 1 with
+// `failure` set (a deadlock, an address outside shared memory), or 2 when an access
+// faulted (`fault_address`).
 template <typename F>
 inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body) {
     const int threads = static_cast<int>(block.x * block.y * block.z);
@@ -514,7 +543,16 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     std::function<void()> body = thread_body;
     const uintptr_t body_address = reinterpret_cast<uintptr_t>(&body);
-    int status = 0;
+    volatile int status = 0;
+    struct sigaction on_segv = {}, before_segv, before_bus;
+    on_segv.sa_sigaction = on_fault;
+    on_segv.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigaction(SIGSEGV, &on_segv, &before_segv);
+    sigaction(SIGBUS, &on_segv, &before_bus);
+    if (sigsetjmp(fault_recovery, 1)) {
+        failure = "an access faulted";
+        status = 2;
+    }
     for (unsigned z = 0; z < grid.z && !status; ++z)
         for (unsigned y = 0; y < grid.y && !status; ++y)
             for (unsigned x = 0; x < grid.x && !status; ++x) {
@@ -559,6 +597,8 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                     }
                 }
             }
+    sigaction(SIGSEGV, &before_segv, nullptr);
+    sigaction(SIGBUS, &before_bus, nullptr);
     for (Fiber& f : fibers) munmap(f.stack, kStackBytes);
     munmap(shared, shared_capacity);
     current = nullptr;

@@ -163,12 +163,13 @@ def oracle(case, inputs, k_cache, v_cache):
     return out, lse
 
 
-def run_case(case, rng, xp=np, check=False):
-    """Call on ``case`` and assert: out and lse against the oracle, the cache written
-    exactly at the appended rows and nowhere else."""
+def run_case(case, rng, xp=np, check=False, call=flash_attention_with_kvcache):
+    """``call`` (the library's function, or a stand-in of the same signature) on ``case``,
+    and assert: out and lse against the oracle, the cache written exactly at the appended
+    rows and nowhere else."""
     inputs = make_inputs(case, rng, xp)
     want_k, want_v = expected_caches(case, inputs)
-    out, lse = flash_attention_with_kvcache(
+    out, lse = call(
         inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
         case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
         k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],

@@ -1,19 +1,25 @@
 """The 16-bit kernels of A100-class GPUs (mma.sync, the registry's sm_80 generation) and of
-H100/H200 (wgmma), and the CUDA-core kernels, run in the CPU simulator
-(``tests/simulator``) against the float64 oracle, without a GPU: the forwards, the
-backwards with dQ by atomics and by their dQ passes, the split-D backward, the general
-kernels, and the score modifiers. The same checks as the GPU tests
-(support.check_results), on NaN-poisoned outputs."""
+H100/H200 (wgmma), float32 on its pieces, the CUDA-core kernels and the KV-cache decode
+kernels run in the CPU simulator (``tests/simulator``) against the float64 oracle,
+without a GPU: the forwards, the backwards with dQ by atomics and by their dQ passes,
+the split-D backward, the general kernels, the score modifiers, packed batches and
+decoding from contiguous and paged caches. The same checks as the GPU tests
+(support.check_results, test_kvcache.run_case), on NaN-poisoned outputs; device-held
+offsets, lengths and block ids holding garbage under guard pages."""
 
+import functools
 import math
 
 import numpy as np
 import pytest
 
 import simulated_attention
+import simulated_kvcache
 import simulator
-from support import (Case, alibi_slopes, check_modified_results, check_packed_results,
+from support import (DTYPES, Case, alibi_slopes, check_modified_results, check_packed_results,
                      check_results, oracle, packed_inputs, random_inputs, rel_error)
+from test_kvcache import CASES as KV_CASES
+from test_kvcache import run_case
 
 pytestmark = pytest.mark.skipif(simulator.compiler() is None,
                                 reason="the simulator needs a host C++ compiler (g++ or CXX)")
@@ -196,6 +202,49 @@ def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     with pytest.raises(simulator.SimulationError, match="faulted"):
         _garbage_offsets_run(rng, 80, "float16", [0, -50, 10**6, 20])
+
+
+# The decode kernels are one code for every GPU; long query chunks on a contiguous cache
+# take the dense forward, whose Hopper kernels read device-held key counts.
+KV_RUNS = [(case, 80) for case in KV_CASES] + [
+    (case, 90) for case in KV_CASES
+    if not case.block_size and case.q_len * (case.heads // case.kv_heads) >= 64]
+
+
+@pytest.mark.parametrize("case, capability", KV_RUNS, ids=str)
+def test_kvcache_kernels_match_oracle(case, capability, rng):
+    """Every case of test_kvcache (appends across blocks, paged and shared blocks, vLLM's
+    layout, windows, modifiers, long chunks on the dense kernels): the append, the split-KV
+    kernel and the combine of its splits, the cache bitwise unchanged but for the new
+    rows."""
+    run_case(case, rng, call=functools.partial(simulated_kvcache.forward,
+                                               capability=capability))
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("paged, q_len", [(False, 2), (True, 2), (False, 32)],
+                         ids=["contiguous", "paged", "contiguous-dense"])
+def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng):
+    """Device-held lengths and block ids are never trusted (SPEC 6): test_kvcache's garbage
+    (negative, past the capacity, block ids out of range) under guard pages, appends and
+    the attention alike, every row finite."""
+    b, h, hk, d, bs, max_blocks, num_blocks = 4, 8, 2, 128, 16, 8, 20
+    dtype = DTYPES["bfloat16"]
+    shape = (num_blocks, hk, bs, d) if paged else (b, hk, max_blocks * bs, d)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(dtype) for _ in "kv")
+    q = rng.standard_normal((b, h, q_len, d)).astype(dtype)
+    k_new, v_new = (rng.standard_normal((b, hk, q_len, d)).astype(dtype) for _ in "kv")
+    garbage_lengths = np.array([5, -70000, 2**31 - 1, 10**6], np.int32)
+    table = garbage_table = None
+    if paged:
+        table = np.arange(b * max_blocks, dtype=np.int32).reshape(b, max_blocks) % num_blocks
+        garbage_table = np.array([[3, -1, 2**30, -2**31] * 2, [19, 20, 7, 0] * 2,
+                                  [1000, 5, 6, 7] * 2, [-5] * 8], np.int32)
+    out, lse = simulated_kvcache.forward(
+        q, k_cache, v_cache, h, hk, d, cache_seqlens=np.zeros(b, np.int32), k_new=k_new,
+        v_new=v_new, block_table=table, return_lse=True, capability=capability,
+        device_lengths=garbage_lengths, device_table=garbage_table, guard=True)
+    assert np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()
 
 
 def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):

@@ -157,13 +157,16 @@ def _translate(body):
         return "(void)0"  # a register pin, or what runs in order here anyway
     if "wgmma.mma_async" in template:
         return _wgmma(template, outputs, inputs)
-    if "mov.b32 {a, b}" in template and "cvt.f32.f16" in template:
+    if re.search(r"mov\.b32\s*\{\s*\w+,\s*\w+\s*\}", template) and "cvt.f32.f16" in template:
         return f"::sim::unpack_f16x2_f32({', '.join(args)})"
+    if "%%dynamic_smem_size" in template:
+        return f"::sim::mov_dynamic_smem_size({args[0]})"
     if "red.global.add.v2.f32" in template:  # setp.ne p, %3, 0; @p red [%0], {%1, %2}
         return f"::sim::red_global_add_v2_f32({args[0]}, {args[1]}, {args[2]}, ({args[3]}) != 0)"
-    m = re.search(r"bar\.(sync|arrive)\s+%0,\s*(\d+)", template)
+    m = re.search(r"bar\.(sync|arrive)\s+%0,\s*(\d+|%1)", template)
     if m:
-        return f"::sim::bar_{m.group(1)}({args[0]}, {m.group(2)})"
+        count = args[1] if m.group(2) == "%1" else m.group(2)
+        return f"::sim::bar_{m.group(1)}({args[0]}, {count})"
     if "cp.async.ca.shared.global" in template and "ignore" in template:
         # setp.eq.u32 ignore, %2, 0; cp.async.ca [%0], [%1], BYTES, ignore
         size = re.search(r"\],\s*(\d+),\s*ignore", template).group(1)
@@ -185,7 +188,8 @@ _ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
 
 def rewrite(source):
     """``source`` with each asm statement a simulator call and each ``extern __shared__``
-    array the block's dynamic shared memory."""
+    array the block's dynamic shared memory (a static ``__shared__`` one is a function's
+    static: the fibers of one block share it, and blocks run one at a time)."""
     out, pos = [], 0
     for m in _ASM.finditer(source):
         if m.start() < pos:
@@ -209,7 +213,8 @@ def rewrite(source):
         pos = i
     out.append(source[pos:])
     text = "".join(out)
-    return re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
+    return re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+(?:\s+\w+)*?)\s+(\w+)\s*"
+                  r"\[\s*\]\s*;",
                   r"\1* \2 = static_cast<\1*>(::sim::dynamic_shared());", text)
 
 

@@ -33,6 +33,8 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __shared__ static  // one block runs at a time: a function's static is its block's
+#define __align__(n) alignas(n)
 #ifndef __CUDA_ARCH__
 #define __CUDA_ARCH__ 800
 #endif
@@ -46,6 +48,13 @@ struct alignas(8) float2 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
@@ -228,6 +237,16 @@ inline auto min(A a, B b) -> std::common_type_t<A, B> { return b < a ? b : a; }
 template <typename A, typename B>
 inline auto max(A a, B b) -> std::common_type_t<A, B> { return b > a ? b : a; }
 
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline int __any_sync(unsigned, int predicate) {
+    return sim::collective(predicate != 0, [](int, auto offer) {
+        bool any = false;
+        for (int lane = 0; lane < 32; ++lane) any = any || offer(lane);
+        return static_cast<int>(any);
+    });
+}
+inline void __trap() { sim::unsupported("trap"); }
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
     return sim::collective(value, [&](int lane, auto offer) { return offer(lane ^ lane_mask); });
@@ -380,6 +399,7 @@ inline void unpack_f16x2_f32(float& a, float& b, unsigned x) {
     a = half_to_float(static_cast<unsigned short>(x & 0xffffu));
     b = half_to_float(static_cast<unsigned short>(x >> 16));
 }
+inline void mov_dynamic_smem_size(unsigned& out) { out = static_cast<unsigned>(shared_capacity); }
 inline void st_shared_f32(unsigned address, float x) {
     memcpy(shared_pointer(address), &x, 4);
 }

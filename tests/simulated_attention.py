@@ -6,8 +6,9 @@ cores) or for an H100/H200 (9.0: wgmma, float32 on its float16 pieces).
 :func:`varlen_backward` (packed batches) launch the kernels the registry chooses for
 ``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order, so
 that a test can hold the results against the float64 oracle without a GPU. Score
-modifiers: the built-in ones (softcap, ALiBi). Outputs are poisoned with NaN before the
-kernels run.
+modifiers: the built-in ones (softcap, ALiBi) and the user's score and mask functions
+(compiled in as the library does; no block mask, so a mask is evaluated on every
+tile). Outputs are poisoned with NaN before the kernels run.
 """
 
 import math
@@ -15,17 +16,31 @@ import math
 import numpy as np
 
 import simulator
-from cuflash import registry
-from cuflash.modifiers import MODIFIER_ARRAYS_DTYPE
+from cuflash import kernel_build, registry
+from cuflash.gpu import USER_ARGS_DTYPE
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import _heads_first, varlen_problem
 
 LOG2E = 1.4426950408889634
-#: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros in the size of
-#: cuflash.gpu's record (two ModifierArrays and a BlockMaskView of 56 bytes).
-NO_USER_ARGUMENTS = np.zeros(1, dtype=np.dtype(
-    [("bytes", np.uint8, 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56)]))
+#: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros.
+NO_USER_ARGUMENTS = np.zeros(1, dtype=USER_ARGS_DTYPE)
 PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
+
+
+def user_arguments(problem):
+    """The ``UserModifierArgs`` record of ``problem``'s score and mask functions (their
+    NumPy arrays; no block mask: the kernels evaluate the mask on every tile), and the
+    functors to compile the kernels with (None without)."""
+    if problem.score_mod is None and problem.mask_mod is None:
+        return NO_USER_ARGUMENTS, None
+    record = np.zeros(1, dtype=USER_ARGS_DTYPE)
+    for field, mod in (("score_arrays", problem.score_mod), ("mask_arrays", problem.mask_mod)):
+        if mod is not None:
+            record[field] = mod.kernel_arguments(np)[0]
+    functors = kernel_build.UserFunctors.of(
+        problem.score_mod, problem.mask_mod,
+        built_ins=problem.softcap > 0 or problem.alibi_slopes_shape is not None)
+    return record, functors
 
 
 def _strides(a):
@@ -76,6 +91,7 @@ class Kernels:
 
     def __init__(self, problem, specs, capability, guard=False):
         self.problem, self.guard = problem, guard
+        self.user, functors = user_arguments(problem)
         self.roles = {}
         for spec, atomic in specs:
             role = spec.role(atomic_dq=atomic,
@@ -83,7 +99,7 @@ class Kernels:
             self.roles[spec.name] = (spec, role, spec.name_expression(
                 role, problem.dtype, problem.head_dim))
         self.module = simulator.build(sorted({name for _, _, name in self.roles.values()}),
-                                      arch=capability)
+                                      arch=capability, functors=functors)
 
     def launch(self, spec_name, grid, args):
         spec, _, name = self.roles[spec_name]
@@ -158,7 +174,7 @@ def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, exclu
         inputs, scales = (q, k, v), ()
         strides = (*_strides(q), *_strides(k), *_strides(v))
     kernels.launch(spec.name, _query_grid(problem, kernels.tile(spec.name)), [
-        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, NO_USER_ARGUMENTS,
+        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, kernels.user,
         *strides, *out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
         *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
         *_modifier_args(problem, alibi_slopes)])
@@ -218,7 +234,7 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
     if problem.kv_capacity:
         kernels.launch(spec.name, _key_grid(problem, kernels.tile(spec.name)), [
             *inputs, lse_log2, delta, dq_accum, dk.array, dv.array, *scales, *offsets,
-            alibi_slopes, NO_USER_ARGUMENTS, *strides, *dk.strides, *heads,
+            alibi_slopes, kernels.user, *strides, *dk.strides, *heads,
             np.int32(problem.kv_capacity), *options, *modifiers])
     if convert:
         count = math.prod(problem.q_shape)
@@ -229,7 +245,7 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
         reads_pieces = dq_spec.precision == "float32"
         kernels.launch(dq_spec.name, _query_grid(problem, kernels.tile(dq_spec.name)), [
             *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq.array,
-            *(scales if reads_pieces else ()), *offsets, alibi_slopes, NO_USER_ARGUMENTS,
+            *(scales if reads_pieces else ()), *offsets, alibi_slopes, kernels.user,
             *(strides if reads_pieces else input_strides), *dq.strides, *heads, *options,
             *modifiers])
     if packed:
@@ -241,23 +257,26 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
 
 def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
             kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            excluded=(), capability=80):
+            score_mod=None, mask_mod=None, excluded=(), capability=80):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over)."""
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                               kv_seq_len, softmax_scale, softcap=softcap,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, score_mod=score_mod,
+                              mask_mod=mask_mod)
     return run_forward(problem, q, k, v, alibi_slopes=alibi_slopes, excluded=excluded,
                        capability=capability)
 
 
 def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
              window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
-             softcap=0.0, alibi_slopes=None, excluded=(), capability=80):
+             softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, excluded=(),
+             capability=80):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``."""
     problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
                                causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                               True, softcap=softcap, alibi_slopes=alibi_slopes)
+                               True, softcap=softcap, alibi_slopes=alibi_slopes,
+                               score_mod=score_mod, mask_mod=mask_mod)
     return run_backward(problem, dout, q, k, v, out, lse, deterministic,
                         alibi_slopes=alibi_slopes, excluded=excluded, capability=capability)
 

@@ -16,8 +16,11 @@ import pytest
 import simulated_attention
 import simulated_kvcache
 import simulator
-from support import (DTYPES, Case, alibi_slopes, check_modified_results, check_packed_results,
-                     check_results, oracle, packed_inputs, random_inputs, rel_error)
+from cuflash import modifiers
+from cuflash.reference import attention_reference, attention_reference_grad
+from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results,
+                     check_packed_results, check_results, oracle, packed_inputs,
+                     random_inputs, rel_error)
 from test_kvcache import CASES as KV_CASES
 from test_kvcache import run_case
 
@@ -126,6 +129,55 @@ def test_modified_kernels_match_oracle(head_dim, deterministic, capability, rng)
     inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes,
                                    capability=capability)
     check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
+
+
+def _user_modifier_cases(rng, heads, length):
+    """name -> (score_mod, mask_mod) of NumPy arrays: the docs' examples (documents packed
+    in one sequence, prefix-LM, chunked local attention), a random mask with rows that
+    see nothing, a learned relative bias with the document mask."""
+    ids = np.repeat(np.arange(4, dtype=np.int32), (70, 20, 50, length - 140))
+    documents = modifiers.and_masks(modifiers.document_mask(ids), modifiers.causal_mask())
+    table = rng.random((heads, length, length)) < 0.3
+    table[:, ::7] = False
+
+    def random_pattern(b, h, q_idx, kv_idx):
+        return table[h, q_idx, kv_idx]
+
+    bias = rng.uniform(-1, 1, (heads, 2 * 255 + 1)).astype(np.float32)
+    return {"documents": (None, documents), "prefix_lm": (None, modifiers.prefix_lm_mask(60)),
+            "chunked": (None, modifiers.chunked_mask(64)),
+            "random": (None, modifiers.MaskMod(random_pattern)),
+            "bias_documents": (modifiers.relative_bias_score(bias), documents)}
+
+
+USER_RUNS = [(name, capability, deterministic)
+             for name in ("documents", "prefix_lm", "chunked", "random", "bias_documents")
+             for capability, deterministic in ((80, True), (90, False))]
+USER_RUNS += [("bias_documents", 80, False), ("bias_documents", 90, True)]
+
+
+@pytest.mark.parametrize("name, capability, deterministic", USER_RUNS, ids=str)
+def test_user_modifier_kernels_match_oracle(name, capability, deterministic, rng):
+    """The kernels compiled with the user's functors (mask-only, and a score function
+    with a mask), their arrays read through the modifier record, forward and backward."""
+    batch, heads, kv_heads, length, head_dim = 1, 4, 2, 160, 64
+    score_mod, mask_mod = _user_modifier_cases(rng, heads, length)[name]
+    host = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES["bfloat16"])
+            for h in (heads, kv_heads, kv_heads, heads)]
+    q, k, v, dout = host
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, capability=capability)
+    out, lse = simulated_attention.forward(q, k, v, heads, kv_heads, head_dim, **kw)
+    grads = simulated_attention.backward(dout, q, k, v, out, lse, heads, kv_heads, head_dim,
+                                         deterministic=deterministic, **kw)
+    h64 = [x.astype(np.float64) for x in host]
+    ref = dict(score_mod=score_mod, mask_mod=mask_mod)
+    ref_out, ref_lse = attention_reference(*h64[:3], False, 0, **ref)
+    ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, **ref)
+    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                (ref_out, *ref_grads)):
+        assert rel_error(got, want) <= 2e-2 + FLOOR["bfloat16"], label
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    assert np.all(out[np.isneginf(ref_lse)] == 0)
 
 
 # Packed batches: sequences of no query row, of no key, GQA, windows (test_varlen's mix).

@@ -288,10 +288,10 @@ class Module:
             raise SimulationError(f"{name}: {self._library.sim_failure().decode()}")
 
 
-def translation_unit(names, headers, kernel_dir=KERNEL_DIR):
+def translation_unit(names, headers, kernel_dir=KERNEL_DIR, prefix=""):
     """The C++ of a module holding kernels ``names`` from kernel ``headers`` (of
-    ``kernel_dir``)."""
-    lines = [f'#include "{RUNTIME}"', rewrite(inlined(headers, kernel_dir))]
+    ``kernel_dir``), after ``prefix`` (the user's modifier functors)."""
+    lines = [f'#include "{RUNTIME}"', rewrite(prefix + inlined(headers, kernel_dir))]
     for i, name in enumerate(names):
         lines.append(f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
                      f'unsigned threads, unsigned long long shared_bytes, void** params) {{\n'
@@ -306,10 +306,23 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR):
     return "\n".join(lines) + "\n"
 
 
+def _defines(options):
+    """``-DNAME=VALUE`` / ``-DNAME`` compiler options as #define lines."""
+    lines = []
+    for option in options:
+        name, _, value = option[2:].partition("=")
+        lines.append(f"#define {name} {value}".rstrip())
+    return "\n".join(lines)
+
+
 @functools.lru_cache(maxsize=None)
-def _built(names, headers, kernel_dir, arch):
-    source = f"#define __CUDA_ARCH__ {arch}0\n" + translation_unit(list(names), headers,
-                                                                  kernel_dir)
+def _built(names, headers, kernel_dir, arch, functors):
+    defines = f"#define __CUDA_ARCH__ {arch}0\n"
+    prefix = ""
+    if functors is not None:  # the user's modifier functors, as kernel_build compiles them
+        defines += _defines(functors.options) + "\n"
+        prefix = functors.prefix
+    source = defines + translation_unit(list(names), headers, kernel_dir, prefix)
     digest = hashlib.sha256((source + RUNTIME.read_text() + " ".join(COMPILER_FLAGS)).encode())
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     library = CACHE_DIR / f"kernels-{digest.hexdigest()[:20]}.so"
@@ -331,9 +344,10 @@ HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc
            "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh", "split_bwd_wide_wg.cuh")
 
 
-def build(names, headers=HEADERS, arch=80):
+def build(names, headers=HEADERS, arch=80, functors=None):
     """The simulated kernels ``names`` (C++ name expressions, as the registry writes
     them) of ``headers`` in :data:`KERNEL_DIR`, with ``__CUDA_ARCH__`` of compute
-    capability ``arch`` (80 or 90), compiled once per process and cached on disk by their
-    source."""
-    return _built(tuple(names), tuple(headers), KERNEL_DIR, int(arch))
+    capability ``arch`` (80 or 90) and the user's modifier ``functors``
+    (``cuflash.kernel_build.UserFunctors``, or None), compiled once per process and cached
+    on disk by their source."""
+    return _built(tuple(names), tuple(headers), KERNEL_DIR, int(arch), functors)

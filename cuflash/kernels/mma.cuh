@@ -144,6 +144,47 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
         dst, src, stride, valid_rows, [](int r, int c) { return swizzled<DT>(r, c); });
 }
 
+// Two products over the head dim (KSTEPS k16 steps) for a warp's 16 rows from row a0
+// of tiles A1, A2 against NTILES * 8 rows of tiles B1, B2 (all [rows][DT], swizzled<DT>):
+// acc1 += A1 B1^T and acc2 += A2 B2^T, e.g. S = Q K^T and dP = dO V^T of a dQ pass, or
+// S^T = K Q^T and dP^T = V dO^T of a dK/dV kernel. A by ldmatrix, B by pairs of n8 tiles.
+template <typename T, int DT, int KSTEPS, int NTILES>
+__device__ __forceinline__ void paired_products(const T* A1, const T* A2, const T* B1,
+                                                const T* B2, int a0, float (&acc1)[NTILES][4],
+                                                float (&acc2)[NTILES][4]) {
+    using Op = TensorOp<T>;
+    const int lane = threadIdx.x & 31;
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+#pragma unroll 2  // bounds register pressure
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        unsigned a1[4], a2[4];
+        ldmatrix_x4(a1, A1 + swizzled<DT>(a0 + a_row, 2 * ks + a_chunk));
+        ldmatrix_x4(a2, A2 + swizzled<DT>(a0 + a_row, 2 * ks + a_chunk));
+#pragma unroll
+        for (int n = 0; n < NTILES; n += 2) {
+            unsigned b1[4], b2[4];
+            ldmatrix_x4(b1, B1 + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
+            ldmatrix_x4(b2, B2 + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
+            Op::mma(acc1[n], a1, b1[0], b1[1]);
+            Op::mma(acc1[n + 1], a1, b1[2], b1[3]);
+            Op::mma(acc2[n], a2, b2[0], b2[1]);
+            Op::mma(acc2[n + 1], a2, b2[2], b2[3]);
+        }
+    }
+}
+
+// K and V of the BN keys from key n0 (of kv_len) into buffer `buf` of two [BN][DT]
+// buffers each, as cp_async_tile lays them out (not committed).
+template <int BN, int DT, int NT, int D, typename T>
+__device__ __forceinline__ void load_kv_tiles(T* Ks, T* Vs, int buf, const T* __restrict__ k_head,
+                                              long long k_stride, const T* __restrict__ v_head,
+                                              long long v_stride, int n0, int kv_len) {
+    const int keys = kv_len - n0;
+    cp_async_tile<BN, DT, NT, D>(Ks + buf * BN * DT, k_head + n0 * k_stride, k_stride, keys);
+    cp_async_tile<BN, DT, NT, D>(Vs + buf * BN * DT, v_head + n0 * v_stride, v_stride, keys);
+}
+
 // lse (base 2, from the Delta pass) and Delta of query rows [0, BM) of a tile
 // into shared memory with cp.async (in the caller's group), from lse_rows /
 // delta_rows (the tile's first row). Plain loads stalled the warps that

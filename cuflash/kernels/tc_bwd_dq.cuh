@@ -4,7 +4,9 @@
 // before Hopper.
 //
 // One block of BM / 16 warps per (query tile of BM rows, query head, batch
-// entry), 16 rows a warp, looping over the key tiles its rows see (BN keys).
+// entry), 16 rows a warp, looping over the key tiles its rows see (BN keys);
+// launch bounds of two blocks an SM (ptxas spilled the modified role at the
+// default's register target).
 // Q and dO stay in swizzled shared memory; K and V of the next tile load by
 // cp.async into a second buffer while this one is computed. Per key tile, on
 // a warp's rows:
@@ -23,7 +25,7 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
-__global__ void __launch_bounds__(BM * 2) attention_bwd_dq_tc(
+__global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
@@ -66,9 +68,8 @@ __global__ void __launch_bounds__(BM * 2) attention_bwd_dq_tc(
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
-        const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile<BN, DT, NT, D>(Ks + buf * BN * DT, k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile<BN, DT, NT, D>(Vs + buf * BN * DT, v_head + n0 * v_st.s, v_st.s, keys);
+        load_kv_tiles<BN, DT, NT, D>(Ks, Vs, buf, k_head, k_st.s, v_head, v_st.s,
+                                     n_start + tile * BN, mask.kv_len);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -83,9 +84,8 @@ __global__ void __launch_bounds__(BM * 2) attention_bwd_dq_tc(
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 
-    // ldmatrix row and chunk of this lane for an A fragment and for a pair of B ones.
+    // ldmatrix row and chunk of this lane for the A fragments of dS K's B operand.
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
-    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
     for (int it = 0; it < tiles; ++it) {
         const int n0 = n_start + it * BN, buf = it & 1;
         if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
@@ -100,22 +100,7 @@ __global__ void __launch_bounds__(BM * 2) attention_bwd_dq_tc(
         for (int n = 0; n < NTILES; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll 2  // bounds register pressure
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            unsigned qa[4], oa[4];
-            ldmatrix_x4(qa, Qs + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
-            ldmatrix_x4(oa, dOs + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
-#pragma unroll
-            for (int n = 0; n < NTILES; n += 2) {
-                unsigned kb[4], vb[4];
-                ldmatrix_x4(kb, Kb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
-                ldmatrix_x4(vb, Vb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
-                Op::mma(s[n], qa, kb[0], kb[1]);
-                Op::mma(s[n + 1], qa, kb[2], kb[3]);
-                Op::mma(dp[n], oa, vb[0], vb[1]);
-                Op::mma(dp[n + 1], oa, vb[2], vb[3]);
-            }
-        }
+        paired_products<T, DT, KSTEPS, NTILES>(Qs, dOs, Kb, Vb, warp * 16, s, dp);
         const bool partial = mods.partial_tile(m0 / BM, n0 / BN);
         const bool edge = !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
         query_tile_dscores<SCORES_MODIFIED>(s, dp, mask, mods, edge, m0 + warp * 16 + g, n0, t,

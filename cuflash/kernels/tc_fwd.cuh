@@ -53,9 +53,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const T* k_head = k + offset_of(k_st, b, hk, 0);
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
-        const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile<BN, DT, NT, D>(Ks + buf * BN * DT, k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile<BN, DT, NT, D>(Vs + buf * BN * DT, v_head + n0 * v_st.s, v_st.s, keys);
+        load_kv_tiles<BN, DT, NT, D>(Ks, Vs, buf, k_head, k_st.s, v_head, v_st.s,
+                                     n_start + tile * BN, mask.kv_len);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();

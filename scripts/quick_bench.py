@@ -6,7 +6,8 @@ B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timi
 Rows: the default dispatch ("auto"; "det" its deterministic backward), the general kernels,
 and kernels of the registry the default passes over on this device
 (``cuflash.dispatch.skip_kernels``): for 16 bits
-"mma" = the mma.sync forward and backward where Hopper takes wgmma, "wg" = the
+"mma" = the mma.sync forward and backward where Hopper takes wgmma ("mma-det" its
+deterministic backward, dQ by the mma.sync pass), "wg" = the
 wgmma forward without the pipelined softmax, "split-d" = the split-D mma.sync
 backward; for float32 "tf32" = allow_tf32 (auto is the float16 pieces on Hopper
 up to head_dim 128); then torch SDPA's backends. The full comparison is
@@ -27,6 +28,8 @@ PATHS_16 = {"auto": ("auto", (), False, False), "det": ("auto", (), False, True)
             "general": ("general", (), False, False),
             "mma": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"), False,
                     False),
+            "mma-det": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"),
+                        False, True),
             "wg": ("auto", ("forward_wgmma_pipelined",), False, False),
             "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False, False)}
 PATHS_32 = {"auto": ("auto", (), False, False), "general": ("general", (), False, False),

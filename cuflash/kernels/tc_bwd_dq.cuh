@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 
-    // ldmatrix row and chunk of this lane for the A fragments of dS K's B operand.
+    // ldmatrix row and chunk of this lane for K's transposed fragments (dQ += dS K's B).
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
     for (int it = 0; it < tiles; ++it) {
         const int n0 = n_start + it * BN, buf = it & 1;

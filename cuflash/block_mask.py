@@ -175,15 +175,17 @@ class BlockMask:
         any_visible, all_visible = self.classify()._cells
         return _fold(cupy, any_visible, all_visible, rows // CELL, keys // CELL)
 
-    def view(self, direction, outer, inner, num_heads, num_kv_heads):
+    def view(self, direction, outer, inner, num_heads, num_kv_heads, host=False):
         """The arrays and strides a kernel reads (``kernels/common.cuh``,
         ``BlockMaskView``), for a kernel whose blocks own ``outer`` rows ("forward") or
-        keys ("backward") and visit tiles of ``inner`` keys (rows); cached."""
-        key = (direction, outer, inner, num_heads, num_kv_heads)
+        keys ("backward") and visit tiles of ``inner`` keys (rows); cached. ``host``: in
+        host memory from :meth:`cpu_classes`, for host builds of the kernels (the
+        test suite's simulator)."""
+        key = (direction, outer, inner, num_heads, num_kv_heads, host)
         found = self._views.get(key)
         if found is None:
             found = self._views[key] = _View(self, direction, outer, inner, num_heads,
-                                             num_kv_heads)
+                                             num_kv_heads, host)
         return found
 
 
@@ -201,30 +203,33 @@ def _fold(xp, any_visible, all_visible, fold_q, fold_kv):
                     EMPTY).astype(np.uint8)
 
 
-def _ranges(nonempty):
+def _ranges(xp, nonempty):
     """[..., outer, 2] int32: per outer tile the inner tiles [lo, hi) outside which every
     tile is empty ([0, 0) when all are)."""
-    import cupy
-
     inner = nonempty.shape[-1]
     has = nonempty.any(axis=-1)
-    lo = cupy.where(has, nonempty.argmax(axis=-1), 0)
-    hi = cupy.where(has, inner - nonempty[..., ::-1].argmax(axis=-1), 0)
-    return cupy.ascontiguousarray(cupy.stack([lo, hi], axis=-1).astype(np.int32))
+    lo = xp.where(has, nonempty.argmax(axis=-1), 0)
+    hi = xp.where(has, inner - nonempty[..., ::-1].argmax(axis=-1), 0)
+    return xp.ascontiguousarray(xp.stack([lo, hi], axis=-1).astype(np.int32))
 
 
 class _View:
     """One kernel tile shape's classes and ranges (``BlockMaskView`` in
-    ``kernels/common.cuh``): ``fields()`` gives its record's values."""
+    ``kernels/common.cuh``), on the device or (``host``) in host memory: ``fields()``
+    gives its record's values."""
 
-    def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads):
-        import cupy
+    def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads,
+                 host=False):
+        if host:
+            xp, classes_of = np, block_mask.cpu_classes
+        else:
+            import cupy as xp
 
+            classes_of = block_mask.classes
         if direction == "forward":
-            classes = block_mask.classes(outer, inner)
+            classes = classes_of(outer, inner)
         else:  # blocks own key tiles: [entries, heads, key tiles, query tiles]
-            classes = cupy.ascontiguousarray(
-                block_mask.classes(inner, outer).transpose(0, 1, 3, 2))
+            classes = xp.ascontiguousarray(classes_of(inner, outer).transpose(0, 1, 3, 2))
         entries, heads, outer_tiles, inner_tiles = classes.shape
         nonempty = classes != EMPTY
         range_heads = heads
@@ -233,8 +238,8 @@ class _View:
             nonempty = nonempty.reshape(entries, num_kv_heads, group, outer_tiles,
                                         inner_tiles).any(axis=2)
             range_heads = num_kv_heads
-        self.classes = cupy.ascontiguousarray(classes)
-        self.ranges = _ranges(nonempty)
+        self.classes = xp.ascontiguousarray(classes)
+        self.ranges = _ranges(xp, nonempty)
         tile_count = outer_tiles * inner_tiles
         self.class_strides = (heads * tile_count if entries > 1 else 0,
                               tile_count if heads > 1 else 0)
@@ -244,5 +249,6 @@ class _View:
 
     def fields(self):
         """The ``BlockMaskView`` record's values, in order."""
-        return (self.classes.data.ptr, self.ranges.data.ptr, *self.class_strides,
-                *self.range_strides, *self.tiles)
+        addresses = [a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+                     for a in (self.classes, self.ranges)]
+        return (*addresses, *self.class_strides, *self.range_strides, *self.tiles)

@@ -6,9 +6,10 @@ cores) or for an H100/H200 (9.0: wgmma, float32 on its float16 pieces).
 :func:`varlen_backward` (packed batches) launch the kernels the registry chooses for
 ``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order, so
 that a test can hold the results against the float64 oracle without a GPU. Score
-modifiers: the built-in ones (softcap, ALiBi) and the user's score and mask functions
-(compiled in as the library does; no block mask, so a mask is evaluated on every
-tile). Outputs are poisoned with NaN before the kernels run.
+modifiers: the built-in ones (softcap, ALiBi) and the user's score and mask functions,
+compiled in as the library does, with their block mask's view in host memory (its
+classes from the mask's NumPy twin). Outputs are poisoned with NaN before the kernels
+run.
 """
 
 import math
@@ -16,8 +17,8 @@ import math
 import numpy as np
 
 import simulator
-from cuflash import kernel_build, registry
-from cuflash.gpu import USER_ARGS_DTYPE
+from cuflash import registry
+from cuflash.gpu import USER_ARGS_DTYPE, _functors
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import _heads_first, varlen_problem
 
@@ -27,20 +28,26 @@ NO_USER_ARGUMENTS = np.zeros(1, dtype=USER_ARGS_DTYPE)
 PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
 
 
-def user_arguments(problem):
-    """The ``UserModifierArgs`` record of ``problem``'s score and mask functions (their
-    NumPy arrays; no block mask: the kernels evaluate the mask on every tile), and the
-    functors to compile the kernels with (None without)."""
+def user_arguments(problem, spec, direction):
+    """The ``UserModifierArgs`` record of ``spec``'s launches for ``problem``: its score
+    and mask functions' NumPy arrays and, for a kernel that reads one, its block mask's
+    view in host memory (``direction`` as ``cuflash.gpu`` asks for it), as
+    ``cuflash.gpu.UserArguments`` makes them on the device; and the view, which the
+    record points into."""
     if problem.score_mod is None and problem.mask_mod is None:
         return NO_USER_ARGUMENTS, None
     record = np.zeros(1, dtype=USER_ARGS_DTYPE)
     for field, mod in (("score_arrays", problem.score_mod), ("mask_arrays", problem.mask_mod)):
         if mod is not None:
             record[field] = mod.kernel_arguments(np)[0]
-    functors = kernel_build.UserFunctors.of(
-        problem.score_mod, problem.mask_mod,
-        built_ins=problem.softcap > 0 or problem.alibi_slopes_shape is not None)
-    return record, functors
+    view = None
+    tiles = spec.block_mask_tiles(problem.head_dim)
+    if problem.block_mask is not None and tiles is not None:
+        view = problem.block_mask.view(direction, *tiles, problem.num_heads,
+                                       problem.num_kv_heads, host=True)
+        for name, value in zip(USER_ARGS_DTYPE.names[2:], view.fields()):
+            record[name] = value
+    return record, view
 
 
 def _strides(a):
@@ -91,7 +98,8 @@ class Kernels:
 
     def __init__(self, problem, specs, capability, guard=False):
         self.problem, self.guard = problem, guard
-        self.user, functors = user_arguments(problem)
+        functors = _functors(problem)  # the user's, as the GPU path compiles them (or None)
+        self._users = {}
         self.roles = {}
         for spec, atomic in specs:
             role = spec.role(atomic_dq=atomic,
@@ -109,6 +117,15 @@ class Kernels:
     def tile(self, spec_name):
         spec = self.roles[spec_name][0]
         return spec.traits(self.problem.head_dim).tile
+
+    def user(self, spec_name, direction):
+        """The ``UserModifierArgs`` record of kernel ``spec_name`` (see
+        :func:`user_arguments`), kept with its view while the kernels are."""
+        key = (spec_name, direction)
+        if key not in self._users:
+            self._users[key] = user_arguments(self.problem, self.roles[spec_name][0],
+                                              direction)
+        return self._users[key][0]
 
 
 def _query_grid(problem, tile):
@@ -174,7 +191,8 @@ def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, exclu
         inputs, scales = (q, k, v), ()
         strides = (*_strides(q), *_strides(k), *_strides(v))
     kernels.launch(spec.name, _query_grid(problem, kernels.tile(spec.name)), [
-        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, kernels.user,
+        *inputs, out.array, lse, *scales, *offsets, alibi_slopes,
+        kernels.user(spec.name, "forward"),
         *strides, *out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
         *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
         *_modifier_args(problem, alibi_slopes)])
@@ -234,8 +252,8 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
     if problem.kv_capacity:
         kernels.launch(spec.name, _key_grid(problem, kernels.tile(spec.name)), [
             *inputs, lse_log2, delta, dq_accum, dk.array, dv.array, *scales, *offsets,
-            alibi_slopes, kernels.user, *strides, *dk.strides, *heads,
-            np.int32(problem.kv_capacity), *options, *modifiers])
+            alibi_slopes, kernels.user(spec.name, "backward"), *strides, *dk.strides,
+            *heads, np.int32(problem.kv_capacity), *options, *modifiers])
     if convert:
         count = math.prod(problem.q_shape)
         kernels.launch("backward_dq_convert", (math.ceil(count / 512),), [
@@ -245,7 +263,8 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
         reads_pieces = dq_spec.precision == "float32"
         kernels.launch(dq_spec.name, _query_grid(problem, kernels.tile(dq_spec.name)), [
             *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq.array,
-            *(scales if reads_pieces else ()), *offsets, alibi_slopes, kernels.user,
+            *(scales if reads_pieces else ()), *offsets, alibi_slopes,
+            kernels.user(dq_spec.name, "forward"),
             *(strides if reads_pieces else input_strides), *dq.strides, *heads, *options,
             *modifiers])
     if packed:
@@ -257,26 +276,26 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
 
 def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
             kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            score_mod=None, mask_mod=None, excluded=(), capability=80):
+            score_mod=None, mask_mod=None, block_mask=None, excluded=(), capability=80):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over)."""
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                               kv_seq_len, softmax_scale, softcap=softcap,
                               alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod)
+                              mask_mod=mask_mod, block_mask=block_mask)
     return run_forward(problem, q, k, v, alibi_slopes=alibi_slopes, excluded=excluded,
                        capability=capability)
 
 
 def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
              window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
-             softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, excluded=(),
-             capability=80):
+             softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None,
+             excluded=(), capability=80):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``."""
     problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
                                causal, window_size, kv_seq_len, softmax_scale, deterministic,
                                True, softcap=softcap, alibi_slopes=alibi_slopes,
-                               score_mod=score_mod, mask_mod=mask_mod)
+                               score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     return run_backward(problem, dout, q, k, v, out, lse, deterministic,
                         alibi_slopes=alibi_slopes, excluded=excluded, capability=capability)
 

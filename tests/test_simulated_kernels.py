@@ -17,6 +17,7 @@ import simulated_attention
 import simulated_kvcache
 import simulator
 from cuflash import modifiers
+from cuflash.block_mask import create_block_mask
 from cuflash.reference import attention_reference, attention_reference_grad
 from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results,
                      check_packed_results, check_results, oracle, packed_inputs,
@@ -144,28 +145,36 @@ def _user_modifier_cases(rng, heads, length):
         return table[h, q_idx, kv_idx]
 
     bias = rng.uniform(-1, 1, (heads, 2 * 255 + 1)).astype(np.float32)
-    return {"documents": (None, documents), "prefix_lm": (None, modifiers.prefix_lm_mask(60)),
-            "chunked": (None, modifiers.chunked_mask(64)),
-            "random": (None, modifiers.MaskMod(random_pattern)),
-            "bias_documents": (modifiers.relative_bias_score(bias), documents)}
+    return {"documents": (None, documents, None),
+            "prefix_lm": (None, modifiers.prefix_lm_mask(60), None),
+            "chunked": (None, modifiers.chunked_mask(64), None),
+            "random": (None, modifiers.MaskMod(random_pattern), heads),
+            "bias_documents": (modifiers.relative_bias_score(bias), documents, None)}
 
 
-USER_RUNS = [(name, capability, deterministic)
+# (case, capability, deterministic, through a block mask)
+USER_RUNS = [(name, capability, deterministic, block)
              for name in ("documents", "prefix_lm", "chunked", "random", "bias_documents")
-             for capability, deterministic in ((80, True), (90, False))]
-USER_RUNS += [("bias_documents", 80, False), ("bias_documents", 90, True)]
+             for capability, deterministic, block in ((80, True, False), (90, False, True))]
+USER_RUNS += [("bias_documents", 80, False, True), ("documents", 90, True, True)]
 
 
-@pytest.mark.parametrize("name, capability, deterministic", USER_RUNS, ids=str)
-def test_user_modifier_kernels_match_oracle(name, capability, deterministic, rng):
+@pytest.mark.parametrize("name, capability, deterministic, block", USER_RUNS, ids=str)
+def test_user_modifier_kernels_match_oracle(name, capability, deterministic, block, rng):
     """The kernels compiled with the user's functors (mask-only, and a score function
-    with a mask), their arrays read through the modifier record, forward and backward."""
+    with a mask), their arrays read through the modifier record, forward and backward;
+    with ``block``, through a block mask (each kernel's view of its classes and ranges:
+    empty tiles skipped, the mask evaluated only on the tiles it cuts)."""
     batch, heads, kv_heads, length, head_dim = 1, 4, 2, 160, 64
-    score_mod, mask_mod = _user_modifier_cases(rng, heads, length)[name]
+    score_mod, mask_mod, mask_heads = _user_modifier_cases(rng, heads, length)[name]
     host = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES["bfloat16"])
             for h in (heads, kv_heads, kv_heads, heads)]
     q, k, v, dout = host
-    kw = dict(score_mod=score_mod, mask_mod=mask_mod, capability=capability)
+    kw = dict(score_mod=score_mod, capability=capability)
+    if block:
+        kw["block_mask"] = create_block_mask(mask_mod, None, mask_heads, length, length)
+    else:
+        kw["mask_mod"] = mask_mod
     out, lse = simulated_attention.forward(q, k, v, heads, kv_heads, head_dim, **kw)
     grads = simulated_attention.backward(dout, q, k, v, out, lse, heads, kv_heads, head_dim,
                                          deterministic=deterministic, **kw)

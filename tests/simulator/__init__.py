@@ -295,8 +295,8 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR, prefix=""):
     for i, name in enumerate(names):
         lines.append(f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
                      f'unsigned threads, unsigned long long shared_bytes, void** params) {{\n'
-                     f'    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, dim3{{threads, 1, 1}}, '
-                     f'shared_bytes, params);\n}}')
+                     f'    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, '
+                     f'dim3{{threads, 1, 1}}, shared_bytes, params);\n}}')
     lines += ['extern "C" const char* sim_failure() { return ::sim::failure; }',
               'extern "C" unsigned long long sim_fault_address() { return ::sim::fault_address; }',
               'extern "C" void* sim_guarded_alloc(unsigned long long bytes) '
@@ -340,8 +340,9 @@ def _built(names, headers, kernel_dir, arch, functors):
 
 
 HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc_bwd_wide.cuh",
-           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh", "split_fwd_wg.cuh",
-           "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh", "split_bwd_wide_wg.cuh")
+           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh",
+           "split_fwd_wg.cuh", "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh",
+           "split_bwd_wide_wg.cuh")
 
 
 def build(names, headers=HEADERS, arch=80, functors=None):

@@ -65,9 +65,10 @@ def inlined(headers, kernel_dir=KERNEL_DIR):
                      for h in headers) + "\n"
 
 
-def _split_top_level(text, separator):
-    """``text`` split at ``separator`` outside string literals and brackets."""
-    parts, depth, start, i, quoted = [], 0, 0, 0, False
+def _unquoted(text, start=0):
+    """``(index, character, depth)`` of each character of ``text`` from ``start`` that lies
+    outside string literals, with the brackets open around it (from ``start``)."""
+    depth, i, quoted = 0, start, False
     while i < len(text):
         c = text[i]
         if quoted:
@@ -77,14 +78,20 @@ def _split_top_level(text, separator):
                 quoted = False
         elif c == '"':
             quoted = True
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == separator and depth == 0:
+        else:
+            depth -= c in ")]}"
+            yield i, c, depth
+            depth += c in "([{"
+        i += 1
+
+
+def _split_top_level(text, separator):
+    """``text`` split at ``separator`` outside string literals and brackets."""
+    parts, start = [], 0
+    for i, c, depth in _unquoted(text):
+        if c == separator and depth == 0:
             parts.append(text[start:i])
             start = i + 1
-        i += 1
     parts.append(text[start:])
     return parts
 
@@ -194,23 +201,10 @@ def rewrite(source):
     for m in _ASM.finditer(source):
         if m.start() < pos:
             continue
-        depth, i, quoted = 1, m.end(), False
-        while depth:
-            c = source[i]
-            if quoted:
-                if c == "\\":
-                    i += 1
-                elif c == '"':
-                    quoted = False
-            elif c == '"':
-                quoted = True
-            elif c == "(":
-                depth += 1
-            elif c == ")":
-                depth -= 1
-            i += 1
-        out += [source[pos:m.start()], _translate(source[m.end():i - 1])]
-        pos = i
+        # the statement's closing parenthesis: the first ")" that closes more than it opened
+        end = next(i for i, c, depth in _unquoted(source, m.end()) if depth < 0)
+        out += [source[pos:m.start()], _translate(source[m.end():end])]
+        pos = end + 1
     out.append(source[pos:])
     text = "".join(out)
     return re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+(?:\s+\w+)*?)\s+(\w+)\s*"

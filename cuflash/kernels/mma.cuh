@@ -146,8 +146,10 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
 
 // Two products over the head dim (KSTEPS k16 steps) for a warp's 16 rows from row a0
 // of tiles A1, A2 against NTILES * 8 rows of tiles B1, B2 (all [rows][DT], swizzled<DT>):
-// acc1 += A1 B1^T and acc2 += A2 B2^T, e.g. S = Q K^T and dP = dO V^T of a dQ pass, or
-// S^T = K Q^T and dP^T = V dO^T of a dK/dV kernel. A by ldmatrix, B by pairs of n8 tiles.
+// acc1 += A1 B1^T and acc2 += A2 B2^T, e.g. S = Q K^T and dP = dO V^T of the dQ pass.
+// A by ldmatrix, B by pairs of n8 tiles. (tc_bwd.cuh's S^T and dP^T are this loop
+// written out: its atomic modified role at D = 128 has 255 registers, and with this
+// helper ptxas spilled 12 bytes there.)
 template <typename T, int DT, int KSTEPS, int NTILES>
 __device__ __forceinline__ void paired_products(const T* A1, const T* A2, const T* B1,
                                                 const T* B2, int a0, float (&acc1)[NTILES][4],

@@ -58,8 +58,9 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
     k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
-    // ldmatrix row/chunk of this lane for an A fragment (the transposed B operands).
+    // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
 
     float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
@@ -75,7 +76,22 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         for (int n = 0; n < QTILES; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
-        paired_products<T, DT, KSTEPS, QTILES>(Ks, Vs, Qb, dOb, warp * 16, st, dpt);
+#pragma unroll 2
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            unsigned ka[4], va[4];
+            ldmatrix_x4(ka, Ks + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
+            ldmatrix_x4(va, Vs + swizzled<DT>(warp * 16 + a_row, 2 * ks + a_chunk));
+#pragma unroll
+            for (int n = 0; n < QTILES; n += 2) {
+                unsigned qb[4], ob[4];
+                ldmatrix_x4(qb, Qb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
+                ldmatrix_x4(ob, dOb + swizzled<DT>(n * 8 + b_row, 2 * ks + b_chunk));
+                Op::mma(st[n], ka, qb[0], qb[1]);
+                Op::mma(st[n + 1], ka, qb[2], qb[3]);
+                Op::mma(dpt[n], va, ob[0], ob[1]);
+                Op::mma(dpt[n + 1], va, ob[2], ob[3]);
+            }
+        }
 
         const auto mods =
             score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);

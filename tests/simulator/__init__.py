@@ -1,21 +1,24 @@
-"""cuflash's CUDA-core and mma.sync kernels run on the CPU, for tests without a GPU.
+"""cuflash's kernels run on the CPU, for tests without a GPU.
 
 The kernels' own source (``cuflash/kernels``) is compiled by the host's C++
 compiler against ``runtime.h``, a CUDA runtime of fibers (one a CUDA thread,
-a block at a time) whose warp-collective instructions follow PTX's definitions
-lane by lane. Each ``asm`` statement is rewritten into a call of the
-simulator's version of its instruction; the rest of the source compiles as it
-is. A launch takes the arguments as ``cuLaunchKernel`` does, from NumPy arrays
-and scalars.
+a block at a time) whose barriers and warp-collective instructions follow PTX's
+definitions lane by lane: shuffles, ``ldmatrix``, ``movmatrix``, ``mma.sync``, and
+``wgmma`` on its warpgroup through its shared-memory descriptors. Each ``asm``
+statement is rewritten into a call of the simulator's version of its instruction;
+the rest of the source compiles as it is. A launch takes the arguments as
+``cuLaunchKernel`` does, from NumPy arrays and scalars.
 
 >>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
 >>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP
 
 What it checks: indexing, fragment layouts, masking, the order of copies and
 waits (a tile read before its cp.async group completes reads NaN poison),
-barriers that never meet (a deadlock is an error). What it does not: speed,
-races between threads (the fibers run in a fixed order), the hardware's
-rounding inside mma (products are summed in float64 here).
+barriers that never meet (a deadlock is an error), and with ``guard`` any access
+outside an argument's memory (a fault is an error). What it does not: speed, races
+between threads (the fibers run in a fixed order), the hardware's rounding inside a
+matrix instruction (products are summed in float64 here), a read of a ``wgmma``
+accumulator before its wait (``wgmma`` runs when it is issued).
 """
 
 import ctypes

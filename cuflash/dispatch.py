@@ -51,7 +51,7 @@ def skip_kernels(*names):
     compare kernels.
 
     >>> import cuflash
-    >>> with cuflash.dispatch.skip_kernels("forward_wgmma_pipelined"):
+    >>> with cuflash.dispatch.skip_kernels("forward_wgmma_ws"):
     ...     pass
     """
     from . import registry

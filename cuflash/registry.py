@@ -16,7 +16,7 @@ take ``round_up(D, 16) / 16`` k16 steps; see ``kernels/common.cuh``).
 
 >>> from cuflash import registry
 >>> [spec.name for spec in registry.KERNELS if spec.direction == "forward"][:2]
-['forward_wgmma_pipelined', 'forward_wgmma']
+['forward_wgmma_ws', 'forward_wgmma']
 """
 
 import dataclasses
@@ -190,17 +190,24 @@ def _pitch(head_dim):
 
 # ---- traits of each kernel, per head_dim -------------------------------------
 
-def _forward_wgmma_traits(pipelined):
-    def traits(d):
-        keys = 128 if head_dim_class(d) <= 128 else 64
-        if not pipelined and 32 < d <= 96:
-            keys = 64  # two blocks an SM: S, P and O of a 64-key tile in 128 registers
-        warpgroups = 2
-        width = head_dim_class(d)  # shared-memory tiles of the class's width
-        smem = 2 * width * (64 * warpgroups + 4 * keys) + FLOAT_BYTES * 128 * warpgroups + 1024
-        args = (keys, warpgroups, pipelined)
-        return Traits(64 * warpgroups, 128 * warpgroups, smem, args)
-    return traits
+def _forward_wgmma_traits(d):
+    keys = 128 if d <= 32 else 64  # two blocks an SM: S, P and O of a tile in 128 registers
+    warpgroups = 2
+    width = head_dim_class(d)  # shared-memory tiles of the class's width
+    smem = 2 * width * (64 * warpgroups + 4 * keys) + 1024
+    return Traits(64 * warpgroups, 128 * warpgroups, smem, (keys, warpgroups))
+
+
+def _forward_ws_traits(d):
+    """kernels/forward_wgmma_ws.cuh: 128 query rows (a producer and two consumer
+    warpgroups), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
+    where the 128-column O leaves no registers for 128-key scores), the stage rings'
+    barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
+    width = head_dim_class(d)
+    keys, stages = (64, 2) if width == 256 else (128, 3)
+    smem = (2 * width * (128 + 2 * stages * keys) + 2 * 16 * stages + 8
+            + FLOAT_BYTES * 256 + 1024)
+    return Traits(128, 384, smem, (keys, stages))
 
 
 def _forward_mma_sync_traits(d):
@@ -352,17 +359,20 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # In order of preference within each direction: the dispatch takes the first
 # kernel that serves the call.
 KERNELS = (
-    # Calls without modifiers up to D = 96 take forward_wgmma, two blocks an SM there
+    # The warp-specialized forward serves every call with score modifiers and the calls
+    # without from D = 72 up; below that the two-blocks-an-SM forward_wgmma measured
+    # faster (D = 64, S = 1024: 318 against 299 TFLOP/s; docs/kernels/forward-sm90-wgmma.md).
+    KernelSpec("forward_wgmma_ws", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
+               "forward_wgmma_ws", _forward_ws_traits, needs_sm90a=True, modifiers=True,
+               block_tiles=_owned_and_visited, reads_key_counts=True,
+               plain_head_dims=(72, 256)),
+    # Calls without modifiers up to D = 64 take forward_wgmma, two blocks an SM there
     # (attention_fwd_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
     # products are too short to hide one block's softmax, and two blocks' hide each
     # other's.
-    KernelSpec("forward_wgmma_pipelined", "forward", "wgmma", "16-bit", HOPPER, (8, 128),
-               "attention_fwd_wgmma", _forward_wgmma_traits(True), needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True,
-               plain_head_dims=(104, 128)),
-    KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "attention_fwd_wgmma", _forward_wgmma_traits(False), needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited, reads_key_counts=True),
+    KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, (8, 64),
+               "attention_fwd_wgmma", _forward_wgmma_traits, needs_sm90a=True,
+               reads_key_counts=True),
     KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
                ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True,
                block_tiles=_rows_and_keys),

@@ -6,9 +6,9 @@ B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timi
 Rows: the default dispatch ("auto"; "det" its deterministic backward), the general kernels,
 and kernels of the registry the default passes over on this device
 (``cuflash.dispatch.skip_kernels``): for 16 bits
-"mma" = the mma.sync forward and backward where Hopper takes wgmma ("mma-det" its
-deterministic backward, dQ by the mma.sync pass), "wg" = the
-wgmma forward without the pipelined softmax, "split-d" = the split-D mma.sync
+"sync" = the default without the warp-specialized forward (forward_wgmma up to
+D = 64, the mma.sync forward above), "mma" = the mma.sync forward and backward where Hopper takes wgmma ("mma-det" its
+deterministic backward, dQ by the mma.sync pass), "split-d" = the split-D mma.sync
 backward; for float32 "tf32" = allow_tf32 (auto is the float16 pieces on Hopper
 up to head_dim 128); then torch SDPA's backends. The full comparison is
 `python -m cuflash.bench`.
@@ -26,11 +26,11 @@ from cuflash.problem import BFLOAT16
 # row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
 PATHS_16 = {"auto": ("auto", (), False, False), "det": ("auto", (), False, True),
             "general": ("general", (), False, False),
-            "mma": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"), False,
-                    False),
-            "mma-det": ("auto", ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"),
-                        False, True),
-            "wg": ("auto", ("forward_wgmma_pipelined",), False, False),
+            "mma": ("auto", ("forward_wgmma_ws", "forward_wgmma",
+                             "backward_wgmma"), False, False),
+            "mma-det": ("auto", ("forward_wgmma_ws", "forward_wgmma",
+                                 "backward_wgmma"), False, True),
+            "sync": ("auto", ("forward_wgmma_ws",), False, False),
             "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False, False)}
 PATHS_32 = {"auto": ("auto", (), False, False), "general": ("general", (), False, False),
             "tf32": ("auto", (), True, False)}

@@ -92,7 +92,7 @@ def test_every_head_dim_has_tensor_core_kernels():
 def test_every_chosen_kernel_is_in_its_variant():
     """The roles the dispatch can choose for calls without modifiers are compiled in the
     variant the GPU path loads, and a kernel's plain roles are left out only where it serves
-    no plain call (forward_wgmma_pipelined up to D = 96)."""
+    no plain call (forward_wgmma_ws up to D = 64)."""
     for dtype in registry.SIXTEEN_BIT_DTYPES + (np.dtype(np.float32),):
         for head_dim in kernel_build.HEAD_DIMS:
             for capability in (80, 90):
@@ -104,25 +104,27 @@ def test_every_chosen_kernel_is_in_its_variant():
                                                tensor_cores=tensor_cores)
                         assert spec.role() in names, (spec.name, dtype, head_dim)
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
-    small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (96, 104))
-    assert "forward_wgmma_pipelined" not in small and "forward_wgmma_pipelined" in large
-    assert "forward_wgmma_pipelined_modified" in small
+    small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (64, 72))
+    assert "forward_wgmma_ws" not in small and "forward_wgmma_ws" in large
+    assert "forward_wgmma_ws_modified" in small
+    assert "forward_wgmma" in small and "forward_wgmma" not in large
 
 
 def test_dispatch_order():
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     assert registry.choose("forward", bf16, 64, 90, tensor_cores=False).name == "forward_general"
-    assert registry.choose("forward", bf16, 128, 90).name == "forward_wgmma_pipelined"
-    assert registry.choose("forward", bf16, 200, 90).name == "forward_wgmma"
-    # up to D = 96 the unpipelined kernel at two blocks an SM, unless scores are modified
-    assert registry.choose("forward", bf16, 32, 90).name == "forward_wgmma"
-    assert registry.choose("forward", bf16, 96, 90).name == "forward_wgmma"
-    assert registry.choose("forward", bf16, 104, 90).name == "forward_wgmma_pipelined"
-    assert registry.choose("forward", bf16, 64, 90, modified=True).name == \
-        "forward_wgmma_pipelined"
+    # the warp-specialized forward from D = 72 up and for every modified call; up to
+    # D = 64 the plain calls take forward_wgmma at two blocks an SM
+    for head_dim in (72, 96, 128, 200, 256):
+        assert registry.choose("forward", bf16, head_dim, 90).name == "forward_wgmma_ws"
+    for head_dim in (8, 32, 64):
+        assert registry.choose("forward", bf16, head_dim, 90).name == "forward_wgmma"
+    for head_dim in (8, 64, 128, 256):
+        assert registry.choose("forward", bf16, head_dim, 90, modified=True).name == \
+            "forward_wgmma_ws"
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
-    skipped = {"forward_wgmma_pipelined", "forward_wgmma"}
+    skipped = {"forward_wgmma_ws", "forward_wgmma"}
     assert registry.choose("forward", bf16, 64, 90, excluded=skipped).name == "forward_mma_sync"
 
 
@@ -161,14 +163,14 @@ SASS_JOBS = [("bfloat16", 128, "sm_90a"), ("float16", 256, "sm_90a"), ("float32"
 
 def expected_hgmma(role, head_dim):
     """The HGMMA instructions a wgmma kernel issues (each k16 step of each product once
-    in the code; the pipelined forward issues S and P V in two places)."""
+    in the code; the warp-specialized forward issues S and P V in two places)."""
     spec = registry.BY_ROLE[role]
     traits = spec.traits(head_dim)
     steps = -(-head_dim // 16)  # k16 steps over the head_dim, its exact width
     width = registry.head_dim_class(head_dim)
     if spec.name.startswith("forward_wgmma"):
         keys = traits.template_args[0]
-        return (2 if spec.name.endswith("pipelined") else 1) * (steps + keys // 16)
+        return (2 if spec.name == "forward_wgmma_ws" else 1) * (steps + keys // 16)
     if spec.name == "forward_float32_pieces":  # three products each, on the class's width
         return 3 * (width + traits.template_args[0]) // 16
     if spec.name == "forward_float32_pieces_wide":  # a warpgroup's half of the steps of S
@@ -220,6 +222,11 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             assert ops["HMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
+        if spec.name == "forward_wgmma_ws":
+            # the producer's copies, the stage barriers' arrivals and waits, and the
+            # registers handed from the producer to the consumers
+            assert ops["LDGSTS"] > 0 and ops["SYNCS"] > 0, (role, ops)
+            assert ops["SETMAXREG"] + ops["USETMAXREG"] == 2, (role, ops)
 
 
 def test_precompile_job_list():
@@ -231,7 +238,7 @@ def test_precompile_job_list():
                    for n in ("bfloat16", "float32") for d in (128, 136))
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {
-        "forward_general", "forward_mma_sync", "forward_wgmma", "forward_wgmma_pipelined",
+        "forward_general", "forward_mma_sync", "forward_wgmma_ws", "forward_wgmma_ws_modified",
         "forward_tf32", "forward_float32_pieces", "backward_wgmma_atomic_dq", "backward_mma_sync",
         "backward_mma_sync_split_d", "backward_float32_pieces", "backward_tf32",
         "backward_dq_wgmma", "backward_dq_wgmma_modified"}

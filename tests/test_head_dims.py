@@ -56,7 +56,7 @@ def test_every_head_dim_deterministic(case, rng, poisoned):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_every_head_dim_on_mma_sync(case, deterministic, rng, poisoned):
     """The kernels of A100-class GPUs (on an H100/H200 the wgmma ones serve by default)."""
-    with dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma"):
+    with dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"):
         run_and_check(case, cupy, rng, deterministic=deterministic)
 
 

@@ -21,7 +21,7 @@ WIDE_CASES += [
          kv_seq_len=333),
     Case(dtype="float16", head_dim=128, q_len=257, kv_len=129, bshd=True),
 ]
-WGMMA_16_BIT = ("forward_wgmma_pipelined", "forward_wgmma", "backward_wgmma")
+WGMMA_16_BIT = ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma")
 
 
 def _hopper():
@@ -66,13 +66,14 @@ def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned):
         run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("case", [c for c in WIDE_CASES if c.head_dim != 256], ids=str)
-def test_unpipelined_wgmma_forward_matches_oracle(case, rng, poisoned):
-    """On an H100/H200 the pipelined wgmma forward serves head_dim <= 128 by default; this
-    runs the one without the pipeline there."""
+@pytest.mark.parametrize("case", WIDE_CASES, ids=str)
+def test_forwards_without_warp_specialization_match_oracle(case, rng, poisoned):
+    """On an H100/H200 the warp-specialized forward serves head_dim >= 72 and every
+    modified call; this runs the next in line there (forward_wgmma up to D = 64, the
+    mma.sync forward above)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
-    with dispatch.skip_kernels("forward_wgmma_pipelined"):
+    with dispatch.skip_kernels("forward_wgmma_ws"):
         run_and_check(case, cupy, rng)
 
 

@@ -242,7 +242,7 @@ def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
     from cuflash import dispatch
 
     context = (dispatch.kernel_path("general") if path == "general" else
-               dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma",
+               dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma",
                                      "backward_wgmma"))
     with context:
         for head_dim in (40, 64, 128):

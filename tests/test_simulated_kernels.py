@@ -16,7 +16,7 @@ import pytest
 import simulated_attention
 import simulated_kvcache
 import simulator
-from cuflash import modifiers
+from cuflash import modifiers, registry
 from cuflash.block_mask import create_block_mask
 from cuflash.reference import attention_reference, attention_reference_grad
 from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results,
@@ -64,18 +64,35 @@ def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capabi
 def test_tensor_core_kernels_match_oracle(case, deterministic, capability, rng):
     """Before Hopper: forward_mma_sync, backward_mma_sync (D = 64, 128) or
     backward_mma_sync_split_d, with dQ by float32 atomics or by backward_dq_mma_sync.
-    H100/H200: forward_wgmma_pipelined (D = 104-128) or forward_wgmma, backward_wgmma with
+    H100/H200: forward_wgmma_ws (from D = 72) or forward_wgmma, backward_wgmma with
     dQ by atomics (up to D = 128) or by backward_dq_wgmma."""
     inputs, out, lse, grads = _run(case, rng, deterministic, capability=capability)
     check_results(case, inputs, out, lse, grads)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.head_dim in (64, 128)], ids=str)
-def test_unpipelined_wgmma_forward_matches_oracle(case, rng):
-    """The wgmma forward without the pipelined softmax where the pipelined one serves by
-    default (D = 104-128), and the pipelined one where the other does (up to D = 96)."""
-    skipped = ("forward_wgmma_pipelined",) if case.head_dim > 96 else ("forward_wgmma",)
-    inputs, out, lse, grads = _run(case, rng, False, excluded=skipped, capability=90)
+# More key tiles than the warp-specialized forward has stages (three of 128 keys up to
+# head_dim 128, two of 64 keys past it), so that its stage rings wrap and each barrier
+# goes through several phases; two query tiles; rows that see no key (S_q > S_k).
+RING_CASES = [
+    Case(dtype="bfloat16", head_dim=128, batch=1, heads=2, kv_heads=1, q_len=200, kv_len=600,
+         causal=True),
+    Case(dtype="float16", head_dim=96, batch=1, heads=1, kv_heads=1, q_len=140, kv_len=530,
+         kv_seq_len=517),
+    Case(dtype="bfloat16", head_dim=256, batch=1, heads=1, kv_heads=1, q_len=150, kv_len=140,
+         causal=True, window=(100, 0)),
+    Case(dtype="float16", head_dim=200, batch=1, heads=1, kv_heads=1, q_len=60, kv_len=300),
+]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=str)
+def test_warp_specialized_forward_wraps_its_stage_rings(case, rng):
+    """forward_wgmma_ws over more key tiles than stages: the producer refills each stage
+    once both consumers hand it back, and the consumers wait for each phase (a missed
+    wait reads the poison or an older tile: the simulator lands a stage's copies only
+    when a consumer's wait sees them complete)."""
+    assert registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90).name == \
+        "forward_wgmma_ws"
+    inputs, out, lse, grads = _run(case, rng, False, capability=90)
     check_results(case, inputs, out, lse, grads)
 
 
@@ -339,3 +356,36 @@ def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
     1e-3 from it when right)."""
     assert _broken_dq(CASES[1], "tc_bwd_dq_wg.cuh", "BN * 64 * sizeof(T), ATOM)",
                       "BN * 32 * sizeof(T), ATOM)", 90, rng, tmp_path, monkeypatch) > 0.1
+
+
+def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch):
+    """Run the Hopper forward of ``case`` with ``old`` replaced by ``new`` in kernel header
+    ``header``; the relative error of its output."""
+    source = (simulator.KERNEL_DIR / header).read_text()
+    broken = source.replace(old, new, 1)
+    assert broken != source
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for path in simulator.KERNEL_DIR.glob("*.cuh"):
+        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
+    q, k, v, dout = random_inputs(case, rng)
+    out, _ = simulated_attention.forward(q, k, v, *case.args, capability=90)
+    return rel_error(out, oracle(case, q, k, v, dout)[0])
+
+
+@pytest.mark.parametrize("old, new", [
+    # the producer refills a stage without waiting for the consumers to hand it back
+    ("mbarrier_wait(&empty[stage(use)], parity(use) ^ 1);", "(void)use;"),
+    # a consumer reads a stage without waiting for its copies
+    ("mbarrier_wait(&full[stage(use)], parity(use));", "(void)use;"),
+], ids=["refill-early", "read-early"])
+def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized forward with one side of its stage handshake left out: a
+    deadlock, a fault or results far from the oracle's, never a pass."""
+    try:
+        error = _broken_forward(RING_CASES[0], "mbarrier.cuh", old, new, rng, tmp_path,
+                                monkeypatch)
+    except simulator.SimulationError:
+        return
+    assert not error < 0.05, error

@@ -89,7 +89,7 @@ def test_gpu_other_kernels_read_the_offsets(path, dtype, rng, poisoned):
     if path == "general":
         context = dispatch.kernel_path("general")
     else:
-        context = dispatch.skip_kernels("forward_wgmma_pipelined", "forward_wgmma",
+        context = dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma",
                                         "backward_wgmma", "forward_float32_pieces",
                                         "backward_float32_pieces")
     with context:

@@ -4,6 +4,7 @@
 #include "general_bwd.cuh"
 #include "tc_fwd.cuh"
 #include "tc_fwd_wg.cuh"
+#include "forward_wgmma_ws.cuh"
 #include "tc_bwd.cuh"
 #include "tc_bwd_wide.cuh"
 #include "tc_bwd_dq.cuh"

@@ -1,4 +1,7 @@
-// Hopper (sm_90a) forward kernel for float16/bfloat16 on wgmma.
+// Hopper (sm_90a) forward kernel for float16/bfloat16 on wgmma, for calls
+// without score modifiers up to head_dim 64 (two blocks an SM); the
+// warp-specialized forward_wgmma_ws.cuh serves the others. This file also holds
+// the wgmma helpers both use.
 //
 // One block of WG warpgroups per (query tile of 64 WG rows, head, batch);
 // warpgroup w owns rows [64 w, 64 w + 64), each of its warps 16 of them.
@@ -8,8 +11,7 @@
 //   S = Q K^T    wgmma m64nBNk16, A and B from shared memory (K-major)
 //   online softmax on the S accumulators (mma_softmax.cuh: same layout)
 //   O += P V     wgmma m64nDk16, A = P from registers, B = V (N-major)
-// Only tiles that cross a mask boundary (or that a user's block mask calls
-// partial) are masked element by element;
+// Only tiles that cross a mask boundary are masked element by element;
 // query tiles are issued most expensive first.
 #pragma once
 #include "mma.cuh"
@@ -72,19 +74,10 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
     });
 }
 
-// PIPELINE overlaps the softmax with the wgmma within a warpgroup: S of the
-// next key tile and P V of this one are issued together, and the next
-// tile's softmax runs while P V does (O is rescaled once P V is done). One
-// barrier a key tile: after it, K(it + 2) and V(it + 1) load into the buffers
-// that S(it) and P V(it - 1), done by then, have released.
-// Unpipelined and unmodified up to D = 32, and up to D = 96 on 64-key tiles: two
-// blocks an SM (128 registers), which hide each other's softmax where a key tile's
-// products are short (the registry's forward_wgmma serves those calls); the modified
-// roles spill under that cap.
-template <typename T, int D, int BN, int WG, bool PIPELINE, bool MODIFIED>
-__global__ void __launch_bounds__(128 * WG,
-                                  ((D <= 32 || (D <= 96 && BN <= 64)) && !PIPELINE && !MODIFIED)
-                                      ? 2 : 1)
+// Up to D = 32, and up to D = 96 on 64-key tiles, two blocks an SM (128 registers):
+// they hide each other's softmax where a key tile's products are short.
+template <typename T, int D, int BN, int WG>
+__global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ? 2 : 1)
     attention_fwd_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
@@ -103,7 +96,6 @@ __global__ void __launch_bounds__(128 * WG,
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * DL;      // two buffers of BN x DL
     T* Vs = Ks + 2 * BN * DL;  // two buffers of BN x DL
-    float* order_slots = reinterpret_cast<float*>(Vs + 2 * BN * DL);  // NT, see complete_before_wait
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -113,7 +105,7 @@ __global__ void __launch_bounds__(128 * WG,
     if (rows <= 0) return;  // packed: past the sequence's rows
     q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
     out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    const auto mods = score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -182,102 +174,32 @@ __global__ void __launch_bounds__(128 * WG,
         return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
     };
 
-    if constexpr (!PIPELINE) {
-        for (int it = 0; it < tiles; ++it) {
-            const int n0 = n_start + it * BN, buf = it & 1;
-            if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            fence_proxy_async();
-            __syncthreads();
-
-            float s[1][NTILES][4];
-            wgmma_fence();
-            issue_scores(buf, s);
-            wgmma_wait_all();
-            pin_registers(s[0]);
-            bool partial;
-            const bool edge = edge_tile(it, partial);
-            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n0, scale_log2, mods,
-                         partial);
-
-            unsigned pa[BN / 16][4];
-            pack_probs(s, pa);
-            pin_registers(o[0]);
-            wgmma_fence();
-            issue_pv(buf, pa);
-            wgmma_wait_all();
-            pin_registers(o[0]);
-            __syncthreads();  // this buffer is refilled two iterations later
-        }
-    } else {
-        // cp.async groups from here: K(1), then per tile K(it + 2) and V(it + 1),
-        // each waited for at the start of the next tile.
-        if (tiles > 1) load_k(1, 1);
+    for (int it = 0; it < tiles; ++it) {
+        const int n0 = n_start + it * BN, buf = it & 1;
+        if (it + 1 < tiles) load_kv(it + 1, buf ^ 1);
         cp_async_commit();
-        float s[1][NTILES][4];
-        unsigned pa[BN / 16][4];
-        const float bound = scores_bound<Op::wide_exponent>(mods);
-        if (tiles > 0) {
-            cp_async_wait<1>();  // Q, K(0), V(0)
-            fence_proxy_async();
-            __syncthreads();
-            wgmma_fence();
-            issue_scores(0, s);
-            wgmma_wait_all();
-            pin_registers(s[0]);
-            bool partial;
-            const bool edge = edge_tile(0, partial);
-            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2,
-                         mods, partial);
-            pack_probs(s, pa);
-        }
-        // Every tile but the last: S(it + 1) and P V(it) in flight together.
-        for (int it = 0; it + 1 < tiles; ++it) {
-            const int buf = it & 1;
-            cp_async_wait<0>();  // K(it + 1) and V(it)
-            fence_proxy_async();
-            // Every warpgroup is done with S(it) and P V(it - 1): K buffer `buf` and
-            // V buffer `buf ^ 1` are free.
-            __syncthreads();
-            if (it + 2 < tiles) load_k(it + 2, buf);
-            load_v(it + 1, buf ^ 1);
-            cp_async_commit();
-            // The next tile's flags before the wgmma (a block mask's class is a load,
-            // which then overlaps the products).
-            bool partial;
-            const bool edge = edge_tile(it + 1, partial);
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
 
-            pin_registers(o[0]);
-            wgmma_fence();
-            issue_scores(buf ^ 1, s);
-            issue_pv(buf, pa);
-            wgmma_wait<1>();  // S(it + 1) is done; P V(it) may still run
-            pin_registers(s[0]);
-            const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
-                                                  n_start + (it + 1) * BN, scale_log2, mods,
-                                                  partial);
-            const float alpha0 =
-                exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 0, score_scale, bound);
-            const float alpha1 =
-                exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 1, score_scale, bound);
-            complete_before_wait(order_slots + threadIdx.x, row_sum[0][0] + row_sum[0][1]);
-            wgmma_wait_all();
-            pin_registers(o[0]);
-            if (alpha0 != 1.f) rescale_row(o, 0, 0, alpha0);  // mostly 1 (exp_row)
-            if (alpha1 != 1.f) rescale_row(o, 0, 1, alpha1);
-            pack_probs(s, pa);
-        }
-        if (tiles > 0) {  // P V of the last tile
-            cp_async_wait<0>();  // V(tiles - 1)
-            fence_proxy_async();
-            __syncthreads();
-            pin_registers(o[0]);
-            wgmma_fence();
-            issue_pv((tiles - 1) & 1, pa);
-            wgmma_wait_all();
-            pin_registers(o[0]);
-        }
+        float s[1][NTILES][4];
+        wgmma_fence();
+        issue_scores(buf, s);
+        wgmma_wait_all();
+        pin_registers(s[0]);
+        bool partial;
+        const bool edge = edge_tile(it, partial);
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n0, scale_log2, mods,
+                     partial);
+
+        unsigned pa[BN / 16][4];
+        pack_probs(s, pa);
+        pin_registers(o[0]);
+        wgmma_fence();
+        issue_pv(buf, pa);
+        wgmma_wait_all();
+        pin_registers(o[0]);
+        __syncthreads();  // this buffer is refilled two iterations later
     }
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 

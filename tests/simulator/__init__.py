@@ -4,7 +4,8 @@ The kernels' own source (``cuflash/kernels``) is compiled by the host's C++
 compiler against ``runtime.h``, a CUDA runtime of fibers (one a CUDA thread,
 a block at a time) whose barriers and warp-collective instructions follow PTX's
 definitions lane by lane: shuffles, ``ldmatrix``, ``movmatrix``, ``mma.sync``, and
-``wgmma`` on its warpgroup through its shared-memory descriptors. Each ``asm``
+``wgmma`` on its warpgroup through its shared-memory descriptors, and the
+``mbarrier`` phases of the warp-specialized kernels. Each ``asm``
 statement is rewritten into a call of the simulator's version of its instruction;
 the rest of the source compiles as it is. A launch takes the arguments as
 ``cuLaunchKernel`` does, from NumPy arrays and scalars.
@@ -14,7 +15,8 @@ the rest of the source compiles as it is. A launch takes the arguments as
 
 What it checks: indexing, fragment layouts, masking, the order of copies and
 waits (a tile read before its cp.async group completes reads NaN poison),
-barriers that never meet (a deadlock is an error), and with ``guard`` any access
+barriers that never meet and mbarrier phases that never complete (a deadlock is
+an error), and with ``guard`` any access
 outside an argument's memory (a fault is an error). What it does not: speed, races
 between threads (the fibers run in a fixed order), the hardware's rounding inside a
 matrix instruction (products are summed in float64 here), a read of a ``wgmma``
@@ -130,10 +132,16 @@ _INSTRUCTIONS = (
     ("st.shared.f32", "st_shared_f32"),
     ("cp.async.commit_group", "cp_async_commit_group"),
     ("cp.async.wait_group", "cp_async_wait_group"),
+    ("cp.async.mbarrier.arrive.noinc.shared", "cp_async_mbarrier_arrive"),
+    ("mbarrier.init.shared", "mbarrier_init"),
+    ("mbarrier.try_wait.parity.shared", "mbarrier_wait"),
+    ("mbarrier.arrive.shared", "mbarrier_arrive"),
 )
 
 
-_NO_OPS = ("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "fence.proxy.async")
+# setmaxnreg moves registers between warpgroups: nothing to model.
+_NO_OPS = ("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "fence.proxy.async",
+           "setmaxnreg")
 
 
 def _wgmma(template, outputs, inputs):
@@ -337,7 +345,7 @@ def _built(names, headers, kernel_dir, arch, functors):
 
 
 HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc_bwd_wide.cuh",
-           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh",
+           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "forward_wgmma_ws.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh",
            "split_fwd_wg.cuh", "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh",
            "split_bwd_wide_wg.cuh")
 

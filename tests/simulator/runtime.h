@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -418,6 +419,65 @@ inline void bar_arrive(unsigned id, unsigned threads) {
         ++b.generation;
     }
 }
+// mbarrier (shared-memory barriers with phases): the state of each, by its shared
+// address, for the block that runs. A phase completes when its expected arrivals
+// have come; a wait for parity p passes once the phase of that parity is done, i.e.
+// while the current phase's parity is not p.
+// Copies tied to a barrier by cp.async.mbarrier.arrive land when a waiter sees
+// their phase complete (not when issued): a consumer that reads a stage without
+// waiting for it reads the poison or an older tile.
+struct Mbarrier {
+    int expected = 0, pending = 0;
+    unsigned phase = 0;
+    std::vector<PendingCopy> attached, completed;
+};
+inline std::map<unsigned, Mbarrier> mbarriers;
+inline void mbarrier_init(unsigned address, unsigned count) {
+    shared_pointer(address);
+    if (address % 8) failure = "an mbarrier not 8-byte aligned";
+    mbarriers[address] = Mbarrier{static_cast<int>(count), static_cast<int>(count), 0};
+    ++progress;
+}
+inline Mbarrier* mbarrier_at(unsigned address) {
+    auto found = mbarriers.find(address);
+    if (found != mbarriers.end()) return &found->second;
+    failure = "an mbarrier used before its mbarrier.init";
+    yield();
+    return nullptr;
+}
+inline void mbarrier_arrive(unsigned address) {
+    Mbarrier* m = mbarrier_at(address);
+    if (m == nullptr) return;
+    ++progress;
+    if (--m->pending == 0) {
+        m->pending = m->expected;
+        ++m->phase;
+        m->completed.insert(m->completed.end(), m->attached.begin(), m->attached.end());
+        m->attached.clear();
+    }
+}
+inline void land(const PendingCopy& c) {
+    if (c.valid_bytes > 0) memcpy(c.dst, c.src, c.valid_bytes);
+    memset(static_cast<unsigned char*>(c.dst) + c.valid_bytes, 0, c.bytes - c.valid_bytes);
+}
+// cp.async.mbarrier.arrive.noinc: every cp.async of this thread so far, committed
+// or not, joins the barrier's phase, and the thread arrives.
+inline void cp_async_mbarrier_arrive(unsigned address) {
+    Mbarrier* m = mbarrier_at(address);
+    if (m == nullptr) return;
+    for (auto& group : current->groups) m->attached.insert(m->attached.end(), group.begin(), group.end());
+    m->attached.insert(m->attached.end(), current->copies.begin(), current->copies.end());
+    current->groups.clear();
+    current->copies.clear();
+    mbarrier_arrive(address);
+}
+inline void mbarrier_wait(unsigned address, unsigned parity) {
+    Mbarrier* m = mbarrier_at(address);
+    if (m == nullptr) return;
+    while ((m->phase & 1u) == (parity & 1u)) yield();
+    for (const PendingCopy& c : m->completed) land(c);
+    m->completed.clear();
+}
 inline void bar_sync(unsigned id, unsigned threads) {
     NamedBarrier& b = named_barriers[id % 16];
     const unsigned generation = b.generation;
@@ -585,6 +645,7 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                 for (size_t i = 0; i < warpgroups.size(); ++i)
                     warpgroups[i].barrier = Barrier{std::min(128, threads - 128 * static_cast<int>(i)), 0, 0};
                 for (NamedBarrier& b : named_barriers) b = NamedBarrier{};
+                mbarriers.clear();
                 for (int i = 0; i < threads; ++i) {
                     Fiber& f = fibers[i];
                     f.tid = dim3{static_cast<unsigned>(i), 0, 0};

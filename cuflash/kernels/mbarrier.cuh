@@ -1,0 +1,88 @@
+// The shared-memory barriers of the warp-specialized Hopper kernels (sm_90):
+// a producer warpgroup fills stages of shared memory, consumer warpgroups
+// wait for them and hand them back, with no block-wide barrier in the loop.
+//
+// An mbarrier is 8 bytes of shared memory with an expected arrival count and
+// a phase bit: the phase completes when that many arrivals have come, and
+// the next one begins. A waiter names the parity of the phase it waits for;
+// a fresh barrier is in phase 0, and a wait for parity 1 passes at once (the
+// "previous" phase counts as done), which is how a producer's first pass
+// over the empty stages goes through.
+#pragma once
+#include "mma.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+// One arrival of the executing thread (release: its earlier writes are
+// visible to a thread whose wait sees the phase complete).
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
+// Wait until the phase of parity `parity` has completed (acquire).
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// One arrival once every cp.async this thread has issued so far has landed (the
+// arrival counts towards the phase: .noinc). The consumer that waits on the
+// barrier then fences (fence.proxy.async) before wgmma reads the tile.
+__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar))
+                 : "memory");
+}
+
+// Registers move from the producer warpgroup to the consumers (sm_90a; each
+// role one branch, the kernel capped at entry by __launch_bounds__(n, 1)).
+template <int REGISTERS>
+__device__ __forceinline__ void registers_down() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void registers_up() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+
+// The ring of STAGES shared-memory stages of one operand: `full[s]` completes
+// when the copies of the producer's 128 threads into stage s have landed; `empty[s]`
+// when each of the CONSUMERS warpgroups has finished reading it. Use i of the
+// ring (0, 1, ...) is stage i % STAGES in phase (i / STAGES) & 1.
+template <int STAGES, int CONSUMERS>
+struct StageRing {
+    unsigned long long full[STAGES], empty[STAGES];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 128);
+            mbarrier_init(&empty[s], CONSUMERS);
+        }
+    }
+    static __device__ __forceinline__ int stage(int use) { return use % STAGES; }
+    static __device__ __forceinline__ unsigned parity(int use) { return (use / STAGES) & 1; }
+    // Producer: wait until use `use` may overwrite its stage.
+    __device__ __forceinline__ void wait_empty(int use) {
+        mbarrier_wait(&empty[stage(use)], parity(use) ^ 1);
+    }
+    // Producer: use `use`'s copies are issued; the stage is full once they land.
+    __device__ __forceinline__ void filled(int use) { cp_async_arrive(&full[stage(use)]); }
+    // Consumer: wait until use `use`'s stage holds its tile.
+    __device__ __forceinline__ void wait_full(int use) {
+        mbarrier_wait(&full[stage(use)], parity(use));
+    }
+    // Consumer: one thread of a warpgroup, once the warpgroup's reads are done.
+    __device__ __forceinline__ void release(int use, bool signalling) {
+        if (signalling) mbarrier_arrive(&empty[stage(use)]);
+    }
+};
+
+}  // namespace cuflash

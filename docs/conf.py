@@ -41,8 +41,7 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md", "results", "history",
-                    "_generated"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md", "results", "_generated"]
 templates_path = []
 
 # MyST: $...$ math, ::: fences for admonitions, anchors for ## and ### headings.

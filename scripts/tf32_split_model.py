@@ -1,4 +1,4 @@
-"""NumPy model of float32 products on tensor cores (docs/perf-notes.md, versions 3 and 8).
+"""NumPy model of float32 products on tensor cores (docs/kernels/tf32.md, float32-pieces.md).
 
 Two sums, as the three-pass float32 kernels compute them:
 - "dot": a q.k score, 128 unit normals each side (S = Q K^T, D = 128);

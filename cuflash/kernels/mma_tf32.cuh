@@ -4,7 +4,7 @@
 // accumulators. (A three-pass hi/lo split for float32 accuracy was measured
 // at 3-18x the general kernel's error, the tensor cores truncating as they
 // accumulate; float32 accuracy now runs on two float16 pieces and the wgmma,
-// split_fwd_wg.cuh. The kernel notes keep the measurements.)
+// split_fwd_wg.cuh. docs/kernels/tf32.md keeps the measurements.)
 //
 // Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4):
 //   A (16 x 8, row):  a0 (g, t)  a1 (g + 8, t)  a2 (g, t + 4)  a3 (g + 8, t + 4)

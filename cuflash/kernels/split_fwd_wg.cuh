@@ -4,8 +4,8 @@
 // significant bits), and each product runs as three: hi*hi + hi*lo + lo*hi.
 // The tensor cores round each accumulation toward zero at the scale of the
 // largest addend, the accumulator included, so sums run in short chunks in
-// fresh accumulators added with round-to-nearest FADDs (docs/perf-notes.md,
-// versions 3, 9 and 10; scripts/tf32_split_model.py): S in two halves of D,
+// fresh accumulators added with round-to-nearest FADDs (docs/kernels/tf32.md
+// and float32-pieces.md; scripts/tf32_split_model.py): S in two halves of D,
 // O one key tile (64 keys) at a time; and within a chunk the small cross
 // products (hi*lo, lo*hi) go first, while the accumulator is small, so that
 // only the hi*hi steps round at the scale of the sum.

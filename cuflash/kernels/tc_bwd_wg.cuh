@@ -20,8 +20,8 @@
 //   and dP^T for query columns [32 w, 32 w + 32) only (EXCHANGE), both write
 //   their P^T and dS^T halves to shared memory, and dV, dK take A from there.
 //   dQ is attention_bwd_dq_wgmma's (tc_bwd_dq_wg.cuh), for every call: the
-//   atomics of 64-key tiles were slower than that second pass (kernel notes,
-//   version 22).
+//   atomics of 64-key tiles were slower than that second pass
+//   (docs/kernels/backward-sm90-wgmma.md).
 // Per query tile, for each warpgroup (M = 64 keys):
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)

@@ -1,0 +1,324 @@
+"""Decoding from a KV cache (``--decode``, SPEC section 6): ``flash_attention_with_kvcache``
+on contiguous and paged caches, next to torch SDPA on a contiguous cache of the same keys and
+values."""
+
+import contextlib
+import dataclasses
+import functools
+
+import numpy as np
+
+from .cases import DTYPES, sets_spanning_l2
+from .environment import cupy
+from .formatting import _format_ratio, _format_us
+from .implementations import TORCH_BACKENDS, forced_backend, sdpa_backends
+from .measure import _first_line, agreement, forward_output, free_memory, run_or_reason
+from .progress import progress_bar
+from .timing import time_calls
+
+# Decoding from a KV cache (issue 15, SPEC section 6): bfloat16, D=128, H=32, H_kv=8.
+DECODE_BATCH_CACHE = ((1, 32768), (16, 8192), (64, 2048), (256, 512))  # S_q = 1
+DECODE_BLOCK_SIZES = (0, 16, 256)  # 0: contiguous
+DECODE_LONG_QUERY_CACHE = (16, 8192)  # B, cache length of the longer query blocks
+DECODE_LONG_QUERY_LENS = (4, 512)  # speculative decoding, chunked prefill
+DECODE_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+DECODE_TARGET_TB_PER_S = 3.4  # 80% of the H200's copy rate, where the cache is >= 256 MB
+DECODE_TARGET_MIN_BYTES = 256e6
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decoding step from a KV cache of ``cache_len`` keys a sequence (SPEC section 6).
+
+    ``block_size`` 0 is a contiguous cache ``[B, H_kv, L, D]``; otherwise the
+    cache is paged in blocks of that many keys.
+    """
+
+    batch: int
+    cache_len: int
+    q_len: int = 1
+    block_size: int = 0
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def layout(self):
+        return "contiguous" if self.block_size == 0 else f"paged {self.block_size}"
+
+    @property
+    def group(self):
+        """The same step on a contiguous cache: the case torch is timed on."""
+        return dataclasses.replace(self, block_size=0)
+
+    @property
+    def cache_bytes(self):
+        """Bytes of keys and values the step reads: ``2 * B * H_kv * L * D * itemsize``."""
+        return (2 * self.batch * self.kv_heads * self.cache_len * self.head_dim
+                * DTYPES[self.dtype].itemsize)
+
+
+def decode_cases():
+    """The decode table: S_q = 1 on every layout, then longer query blocks (contiguous)."""
+    cases = [DecodeCase(batch, cache_len, block_size=block_size)
+             for batch, cache_len in DECODE_BATCH_CACHE for block_size in DECODE_BLOCK_SIZES]
+    batch, cache_len = DECODE_LONG_QUERY_CACHE
+    return cases + [DecodeCase(batch, cache_len, q_len) for q_len in DECODE_LONG_QUERY_LENS]
+
+
+def kvcache_function():
+    """``(flash_attention_with_kvcache, "")``, or ``(None, why)`` while cuflash has none."""
+    import cuflash
+
+    function = getattr(cuflash, "flash_attention_with_kvcache", None)
+    if function is not None:
+        return function, ""
+    try:
+        from ..kvcache import flash_attention_with_kvcache
+    except Exception as exc:  # noqa: BLE001 - absent or broken: the table is skipped
+        return None, (f"cuflash.flash_attention_with_kvcache is not available "
+                      f"({type(exc).__name__}: {_first_line(exc)})")
+    return flash_attention_with_kvcache, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputSet:
+    """Queries, the cache as cuflash reads it, and the same keys and values contiguous."""
+
+    q: object
+    k: object  # [B, H_kv, L, D], contiguous: what torch reads
+    v: object
+    cache_seqlens: object  # int32 [B] on the device
+    k_cache: object  # k itself, or its paged copy
+    v_cache: object
+    block_table: object = None
+
+
+def make_decode_sets(case, count, seed=0):
+    """``count`` standard-normal input sets of ``case`` on a contiguous cache."""
+    rng = cupy.random.default_rng(seed)
+    dtype = DTYPES[case.dtype]
+
+    def draw(heads, rows):
+        shape = (case.batch, heads, rows, case.head_dim)
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    sets = []
+    for _ in range(count):
+        k, v = draw(case.kv_heads, case.cache_len), draw(case.kv_heads, case.cache_len)
+        sets.append(DecodeInputSet(draw(case.heads, case.q_len), k, v,
+                                   cupy.full(case.batch, case.cache_len, dtype=np.int32), k, v))
+    return sets
+
+
+def paged_input_set(x, block_size, seed=0):
+    """``x`` with its cache copied into shuffled blocks of ``block_size`` keys.
+
+    Blocks ``[num_blocks, H_kv, block_size, D]``; ``block_table[b, j]`` holds
+    keys ``j * block_size ..`` of sequence ``b``. The cache length must be a
+    multiple of ``block_size``.
+    """
+    xp = cupy.get_array_module(x.k)  # NumPy arrays work too
+    batch, kv_heads, cache_len, head_dim = x.k.shape
+    if cache_len % block_size:
+        raise ValueError(f"cache length {cache_len} is not a multiple of {block_size}")
+    per_sequence = cache_len // block_size
+    order = xp.asarray(np.random.default_rng(seed).permutation(batch * per_sequence))
+    block_table = order.astype(np.int32).reshape(batch, per_sequence)
+
+    def paged(cache):
+        blocks = cache.reshape(batch, kv_heads, per_sequence, block_size, head_dim)
+        blocks = blocks.transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads, block_size, head_dim)
+        out = xp.empty_like(blocks)
+        out[order] = blocks
+        return out
+
+    return dataclasses.replace(x, k_cache=paged(x.k), v_cache=paged(x.v),
+                               block_table=block_table)
+
+
+class CuflashDecode:
+    """``cuflash.flash_attention_with_kvcache``: bottom-right causal, no appended rows."""
+
+    name = "cuflash"
+
+    def __init__(self, case, function):
+        self.case, self.function = case, function
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def forward_call(self, x):
+        c = self.case
+        return functools.partial(self.function, x.q, x.k_cache, x.v_cache, c.heads, c.kv_heads,
+                                 c.head_dim, True, cache_seqlens=x.cache_seqlens,
+                                 block_table=x.block_table)
+
+
+class TorchDecode:
+    """SDPA with one forced backend on the contiguous cache, bottom-right causal.
+
+    ``S_q = 1`` sees every key (no mask); longer query blocks take
+    ``causal_lower_right``. GQA by ``enable_gqa=True``, or, when the backend
+    refuses it, by k and v repeated to the query heads (copied once, untimed);
+    ``gqa`` says which.
+    """
+
+    def __init__(self, case, torch, backend):
+        self.case, self.torch, self.backend = case, torch, backend
+        self.name = TORCH_BACKENDS[backend.name]
+        self.gqa = None
+
+    def context(self):
+        return forced_backend(self.torch, self.backend)
+
+    def forward_call(self, x):
+        torch, c = self.torch, self.case
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        q, k, v = (torch.from_dlpack(a) for a in (x.q, x.k, x.v))
+        mask = None
+        if c.q_len > 1:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(c.q_len, c.cache_len)
+        try:
+            sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+            self.gqa = "enable_gqa=True"
+            return lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        except Exception:  # noqa: BLE001 - the backend's refusal; repeat k/v instead
+            group = c.heads // c.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            self.gqa = "k/v repeated"
+            return lambda: sdpa(q, k, v, attn_mask=mask)
+
+
+def decode_record(case, impl, timing, note, rel_error=None):
+    """A JSON-ready record of one decode measurement."""
+    record = {"impl": impl.name, **dataclasses.asdict(case), "layout": case.layout,
+              "cache_bytes": case.cache_bytes, "note": note, "rel_error": rel_error,
+              "gqa": getattr(impl, "gqa", None), "median_s": None}
+    if timing is not None:
+        record.update(timing.summary())
+    return record
+
+
+def decode_table(function, torch, budget, l2_bytes):
+    """Decode records: cuflash on every case, torch's peers once a contiguous group."""
+    cases = decode_cases()
+    groups = list(dict.fromkeys(c.group for c in cases))
+    peers = sdpa_backends(torch, DECODE_PEERS)
+    left = len(cases) + len(groups) * len(peers)
+    records = []
+    bar = progress_bar(len(cases), "decode cases")
+    for group in groups:
+        if budget.remaining() <= 0:
+            records += [decode_record(c, CuflashDecode(c, function), None,
+                                      "time budget exhausted") for c in cases if c.group == group]
+            bar.update(sum(c.group == group for c in cases))
+            continue
+        set_bytes = 2 * group.cache_bytes  # q is small; out too
+        contiguous_sets = make_decode_sets(group, sets_spanning_l2(set_bytes, l2_bytes))
+        reference = None
+        for case in (c for c in cases if c.group == group):
+            bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} "
+                                f"{case.layout}")
+            impls = [CuflashDecode(case, function)]
+            if case.block_size == 0:
+                impls += [TorchDecode(case, torch, backend) for backend in peers]
+            inputs = contiguous_sets if case.block_size == 0 else [
+                paged_input_set(x, case.block_size) for x in contiguous_sets]
+            for impl in impls:
+                timing, note = None, "time budget exhausted"
+                if budget.remaining() > 0:
+                    timing, note = run_or_reason(impl, lambda impl=impl: time_calls(
+                        [impl.forward_call(x) for x in inputs], budget.target_for(left)))
+                left -= 1
+                rel_error = None
+                if timing is not None and reference is not None:
+                    rel_error = agreement(impl, inputs[0], reference)
+                elif timing is not None:  # the first output of the group is the reference
+                    reference, _ = run_or_reason(impl, lambda impl=impl: forward_output(
+                        impl, inputs[0]))
+                records.append(decode_record(case, impl, timing, note, rel_error))
+            del inputs
+            free_memory(torch)
+            bar.update(1)
+        del contiguous_sets, reference
+        free_memory(torch)
+    bar.close()
+    return records
+
+
+def format_decode(record):
+    """The decode table: time, cache bytes per second, torch's times and the ratio."""
+    title = ("### Decoding from a KV cache (forward time in us; TB/s = cache bytes read / "
+             "cuflash time)")
+    if not record.get("records"):
+        return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
+    records = record["records"]
+    peers = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "cuflash"))
+    torch_by_group = {}
+    for r in records:
+        if r["impl"] != "cuflash":
+            torch_by_group[(r["batch"], r["cache_len"], r["q_len"], r["impl"])] = r
+    first = records[0]
+    lines = [title, "",
+             f"{first['dtype']}, D={first['head_dim']}, H={first['heads']}, "
+             f"H_kv={first['kv_heads']}, causal (bottom-right); torch SDPA on a contiguous "
+             "cache of the same keys and values, without a mask at S_q = 1 (every key "
+             "visible), with `causal_lower_right(S_q, L)` above.", "",
+             "| B | cache | S_q | layout | cuflash | TB/s | " + " | ".join(peers)
+             + " | faster torch / cuflash |", "|---|---|---|---|---|---|" + "---|" * len(peers)
+             + "---|"]
+    below = []
+    for r in (r for r in records if r["impl"] == "cuflash"):
+        mine = r["median_s"]
+        theirs = [torch_by_group.get((r["batch"], r["cache_len"], r["q_len"], peer), {})
+                  .get("median_s") for peer in peers]
+        measured = [t for t in theirs if t is not None]
+        ratio = min(measured) / mine if measured and mine is not None else None
+        rate = None if mine is None else r["cache_bytes"] / mine / 1e12
+        lines.append(f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {r['layout']} | "
+                     f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
+                     + " | ".join(_format_us(t) for t in theirs)
+                     + f" | {_format_ratio(ratio)} |")
+        misses = [f"{ratio:.2f}x"] if ratio is not None and ratio < 1 else []
+        if rate is not None and r["q_len"] == 1 and r["cache_bytes"] >= DECODE_TARGET_MIN_BYTES \
+                and rate < DECODE_TARGET_TB_PER_S:
+            misses.append(f"{rate:.2f} TB/s")
+        if misses:
+            below.append(f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {r['layout']} "
+                         f"({', '.join(misses)})")
+    lines += ["", "Targets: cuflash time <= the faster torch backend's (ratio >= 1); "
+              f">= {DECODE_TARGET_TB_PER_S:g} TB/s where the cache is >= "
+              f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB. Below target: "
+              + (", ".join(below) if below else "none") + "."]
+    modes = {}
+    for r in records:
+        if r.get("gqa"):
+            modes.setdefault(r["impl"], {}).setdefault(r["gqa"], 0)
+            modes[r["impl"]][r["gqa"]] += 1
+    if modes:
+        lines += ["", "torch's grouped-query attention: " + "; ".join(
+            f"{impl} " + ", ".join(f"{mode} ({count} case{'s' if count > 1 else ''})"
+                                   for mode, count in by_mode.items())
+            for impl, by_mode in modes.items()) + "."]
+    errors = {}
+    for r in records:
+        if r["rel_error"] is not None:
+            key = f"{r['impl']} {r['layout']}" if r["impl"] == "cuflash" else r["impl"]
+            errors[key] = max(errors.get(key, 0.0), r["rel_error"])
+    if errors:
+        lines += ["", "Largest relative L2 distance of an output from the first of its keys "
+                  "and values (cuflash contiguous where it ran): "
+                  + ", ".join(f"{key} {error:.1e}" for key, error in errors.items())]
+    notes = {}
+    for r in records:
+        if r["median_s"] is None:
+            notes[(r["impl"], r["note"])] = notes.get((r["impl"], r["note"]), 0) + 1
+    if notes:
+        lines += ["", "Not measured (–):", ""] + [
+            f"- {impl}: {note} ({count} case{'s' if count > 1 else ''})"
+            for (impl, note), count in notes.items()]
+    return "\n".join(lines)

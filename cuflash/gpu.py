@@ -19,7 +19,7 @@ from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
 from . import dispatch, kernel_build, registry
 from .errors import InvalidArgumentError
-from .modifiers import MODIFIER_ARRAYS_DTYPE
+from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import registry
+from .modifiers.cxx import MODIFIER_PRELUDE
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 MODULE_FILE = "attention.cu"
@@ -103,8 +104,6 @@ class UserFunctors:
         mask on the tiles it cuts: ``CUFLASH_USER_MASK_ONLY``)."""
         if score_mod is None and mask_mod is None:
             return None
-        from .modifiers import MODIFIER_PRELUDE
-
         mods = [m for m in (score_mod, mask_mod) if m is not None]
         options = tuple(f"-DCUFLASH_USER_{kind}_MOD={m.struct_name}"
                         for kind, m in (("SCORE", score_mod), ("MASK", mask_mod))

@@ -12,26 +12,18 @@ import numbers
 
 import numpy as np
 
+# BFLOAT16 and DTYPES_BY_NAME are imported from here by the scripts, tests and benchmarks.
+from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
 from .errors import InvalidArgumentError
 from .masking import normalize_window
+from .modifiers.api import MaskMod, ScoreMod
+from .modifiers.block_mask import BlockMask
 
 try:  # CuPy is optional: the CPU path needs only NumPy.
     import cupy
 except ImportError:  # pragma: no cover - exercised only without CuPy
     cupy = None
 
-try:
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover
-    BFLOAT16 = None
-
-# The dtypes the library computes in, by name (bfloat16 needs ml_dtypes).
-DTYPES_BY_NAME = {name: d for name, d in (("float32", np.dtype(np.float32)),
-                                          ("float16", np.dtype(np.float16)),
-                                          ("bfloat16", BFLOAT16)) if d is not None}
-SUPPORTED_DTYPES = tuple(DTYPES_BY_NAME.values())
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
 MAX_INT32 = 2**31 - 1
@@ -257,8 +249,6 @@ def check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len):
     the call uses (its own, or ``mask_mod`` without a block mask)."""
     if block_mask is None:
         return mask_mod
-    from .block_mask import BlockMask
-
     if not isinstance(block_mask, BlockMask):
         raise InvalidArgumentError("block_mask", f"expected a cuflash.block_mask.BlockMask, "
                                                  f"got {type(block_mask).__name__}")
@@ -273,8 +263,6 @@ def check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, kv_le
     """User-defined modifiers (``cuflash.modifiers``): of their kinds, their reads inside
     their arrays for these sizes (the GPU path checks the arrays' kind and device when it
     packs them)."""
-    from .modifiers import MaskMod, ScoreMod
-
     for name, value, kind in (("score_mod", score_mod, ScoreMod),
                               ("mask_mod", mask_mod, MaskMod)):
         if value is None:

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from .problem import BFLOAT16
+from .dtypes import BFLOAT16
 
 FLOAT_BYTES = 4
 SIXTEEN_BIT_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)

@@ -13,7 +13,7 @@
   after the marker) skips a block whose modules are not installed.
 * ``test_docstring_examples`` runs the doctests of every ``cuflash`` module.
 * The ``test_error_table_*`` tests hold the Troubleshooting page's table of
-  error messages to the ``InvalidArgumentError`` calls in ``cuflash/*.py``
+  error messages to the ``InvalidArgumentError`` calls in ``cuflash/**/*.py``
   and to the messages that real calls produce.
 """
 
@@ -293,12 +293,12 @@ def _pattern(node):
 def error_call_sites():
     """``{"file:line": regex}`` for every ``InvalidArgumentError(arg, reason)`` call."""
     sites = {}
-    for path in sorted((ROOT / "cuflash").glob("*.py")):
+    for path in sorted((ROOT / "cuflash").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id == "InvalidArgumentError"):
                 arg, reason = node.args
-                sites[f"{path.name}:{node.lineno}"] = re.compile(
+                sites[f"{path.relative_to(ROOT)}:{node.lineno}"] = re.compile(
                     f"^{_pattern(arg)}: {_pattern(reason)}$", re.S)
     return sites
 

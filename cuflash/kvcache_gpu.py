@@ -9,9 +9,8 @@ import numbers
 
 import numpy as np
 
-from .kvcache import (DENSE_MIN_ROWS, LOG2E, THREADS, _check_block_ids, _check_lengths,
-                      _cxx_type, _kernel, _modifier_args, _paging_args,
-                      decode_kernel, longest_sequence, num_splits, split_cap)
+from . import kvcache  # its functions are read at call time (tools replace some)
+from .kvcache import DENSE_MIN_ROWS, LOG2E, THREADS
 
 
 def _verify_on_host(problem, cache_seqlens, block_table):
@@ -31,10 +30,10 @@ def _verify_on_host(problem, cache_seqlens, block_table):
     else:
         lengths = host[:problem.batch].astype(np.int64)
         host = host[problem.batch:]
-        _check_lengths(lengths, problem.new_len, problem.capacity)
+        kvcache._check_lengths(lengths, problem.new_len, problem.capacity)
     if block_table is not None:
         table = host.reshape(problem.batch, problem.max_blocks)
-        _check_block_ids(table, lengths, problem.new_len, problem.block_size,
+        kvcache._check_block_ids(table, lengths, problem.new_len, problem.block_size,
                          problem.num_blocks)
 
 
@@ -106,8 +105,8 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     if not isinstance(cache_seqlens, numbers.Integral):
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
-    table_ptr, paging = _paging_args(problem, block_table)
-    cxx = _cxx_type(problem.dtype)
+    table_ptr, paging = kvcache._paging_args(problem, block_table)
+    cxx = kvcache._cxx_type(problem.dtype)
     dense = None
     if problem.batch * problem.num_heads:
         dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
@@ -117,7 +116,7 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         key_counts = _key_counts(problem, cache_seqlens)
     if problem.new_len and problem.batch and problem.num_kv_heads:
         k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-        append = _kernel(f"cuflash::kvcache_append<{cxx}>")[0]
+        append = kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0]
         elements = problem.new_len * problem.head_dim
         append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
             k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
@@ -131,13 +130,13 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         return dense(q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes,
                      sinks=sinks)
     q = unit_last_stride(cupy, q)
-    name, keys_per_tile, rows, shared = decode_kernel(problem)
+    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
-    decode, per_sm, sm_count = _kernel(name, shared, functors)
+    decode, per_sm, sm_count = kvcache._kernel(name, shared, functors)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = num_splits(blocks, per_sm * sm_count,
-                        *split_cap(longest_sequence(problem), keys_per_tile))
+    splits = kvcache.num_splits(blocks, per_sm * sm_count,
+                        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile))
     out = cupy.empty(problem.q_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
@@ -155,10 +154,10 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
         np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
         np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
-        np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)),
+        np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)),
         shared_mem=shared)
     if splits > 1:
-        combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
+        combine = kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
         combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse, sinks,
                                             np.int64(part_rows), np.int32(splits),
                                             np.int32(problem.num_heads),
@@ -187,14 +186,14 @@ class DecodePlan:
                        or not cache_seqlens.flags.c_contiguous
                        or (block_table is not None and not block_table.flags.c_contiguous))
         q = unit_last_stride(cupy, q)
-        cxx = _cxx_type(problem.dtype)
-        _, paging = _paging_args(problem, block_table)
+        cxx = kvcache._cxx_type(problem.dtype)
+        _, paging = kvcache._paging_args(problem, block_table)
         self.append = None
         if problem.new_len and problem.num_kv_heads:
             k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
             elements = problem.new_len * problem.head_dim
             self.append = Launch(
-                _kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
+                kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
                 (-(-elements // THREADS), problem.num_kv_heads, problem.batch), THREADS, 0,
                 (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
                  *element_strides(v_cache), np.int32(problem.new_len),
@@ -203,12 +202,12 @@ class DecodePlan:
                                  alibi_slopes)
         if self.dense is not None:
             return
-        name, keys_per_tile, rows, shared = decode_kernel(problem)
+        name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
         row_tiles = -(-problem.q_len * problem.group_size // rows)
-        decode, per_sm, sm_count = _kernel(name, shared)
+        decode, per_sm, sm_count = kvcache._kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
-        self.splits = num_splits(blocks, per_sm * sm_count,
-                                 *split_cap(problem.capacity, keys_per_tile))
+        self.splits = kvcache.num_splits(blocks, per_sm * sm_count,
+                                 *kvcache.split_cap(problem.capacity, keys_per_tile))
         left, right = problem.window
         self.decode = Launch(
             decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
@@ -219,12 +218,12 @@ class DecodePlan:
              np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
              np.int32(self.splits), np.int32(row_tiles),
              np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
-             np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)))
+             np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)))
         self.part_rows = problem.batch * problem.num_heads * problem.q_len
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
-                _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
+                kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
                 (self.part_rows,), THREADS, 0,
                 (np.int64(self.part_rows), np.int32(self.splits), np.int32(problem.num_heads),
                  np.int32(problem.q_len)))

@@ -441,7 +441,7 @@ def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                mask_mod=None, sinks=None):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
-    vjp(dout)``."""
+    vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     from .api import AttentionConfig
 
     out, lse = flash_attention_varlen_fwd(

@@ -108,14 +108,13 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     }
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len;
-    const float sink2 = sink_log2(sinks, h);  // attention sinks: see add_sink
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
         const int r = ty + 16 * i;
         float total = row_sum8(row_sum[i]);
         if (r >= rows) continue;
         float top = row_max[i], o_scale = 1.f;
-        if (sinks != nullptr) o_scale = add_sink(sink2, top, total);
+        if (sinks != nullptr) o_scale = add_sink(sink_log2(sinks, h), top, total);  // sinks
         // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
         // from a NaN input is not 0, so it reaches out and lse, never hidden.
         const float inv = total != 0.f ? o_scale / total : 0.f;

@@ -395,9 +395,9 @@ __device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
 // softmax with a zero value vector. At a row's end, with its max `row_max` in
 // base 2 and its sum `total` relative to it, add exp2(sink2 - max) for sink2 =
 // sink log2 e, moving the max where the sink is above it (a row that saw no
-// key, total 0 whatever its max: max = sink2, total = 1, O = 0, lse = sink
-// exactly); returns the factor O's row takes. A -inf sink changes nothing;
-// NaN propagates.
+// key, total 0 whatever its max: max = sink2, total = 1 exactly, O = 0, lse =
+// sink2 ln 2 = sink to two roundings); returns the factor O's row takes. A
+// -inf sink changes nothing; NaN propagates.
 __device__ __forceinline__ float add_sink(float sink2, float& row_max, float& total) {
     if (total == 0.f) row_max = neg_inf();
     const float new_max = fmaxf(row_max, sink2);

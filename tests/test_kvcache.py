@@ -105,10 +105,7 @@ def make_inputs(case, rng, xp=np):
     if case.alibi:
         shape = (h,) if case.alibi == "heads" else (b, h)
         slopes = rng.uniform(0.05, 1.0, size=shape).astype(np.float32)
-    sinks = None
-    if case.sinks:
-        sinks = rng.uniform(-1.0, 3.0, h).astype(np.float32)
-        sinks[0] = 6.0  # dominates its rows
+    sinks = rng.uniform(-1.0, 4.0, h).astype(np.float32) if case.sinks else None
     return dict(q=move(q), k_cache=move(k_cache), v_cache=move(v_cache), k_new=move(k_new),
                 v_new=move(v_new), cache_seqlens=lengths, block_table=move(table),
                 alibi_slopes=move(slopes), sinks=move(sinks))
@@ -244,8 +241,7 @@ CASES = [
            kv_heads=1, head_dim=96, capacity=140),
     KVCase(dtype="bfloat16", alibi="batch", softcap=2.5, q_len=80, new_len=80, heads=8,
            kv_heads=2, head_dim=128, capacity=200, lengths="int", causal=False),
-    # attention sinks: the tensor-core and CUDA-core decode kernels (an empty cache: rows
-    # of no key), several splits and their combine, and a long chunk on the dense kernels
+    # attention sinks: both decode kernels (an empty cache), splits, a long chunk (dense)
     KVCase(dtype="bfloat16", sinks=True, q_len=2, new_len=0),
     KVCase(dtype="float32", sinks=True, capacity=600, new_len=1, head_dim=40),
     KVCase(dtype="float32", sinks=True, batch=1, heads=2, kv_heads=1, capacity=600, new_len=1,

@@ -15,22 +15,24 @@ def _empty_forward(problem):
 
 
 def _empty_backward(problem):
-    """No query row: dq is empty and no key receives any gradient."""
+    """No query row: dq is empty and no key receives any gradient (nor any sink)."""
     xp = problem.xp
-    return (xp.empty(problem.q_shape, dtype=problem.dtype),
-            xp.zeros(problem.kv_shape, dtype=problem.dtype),
-            xp.zeros(problem.kv_shape, dtype=problem.dtype))
+    grads = (xp.empty(problem.q_shape, dtype=problem.dtype),
+             xp.zeros(problem.kv_shape, dtype=problem.dtype),
+             xp.zeros(problem.kv_shape, dtype=problem.dtype))
+    return (*grads, xp.zeros(problem.num_heads, np.float32)) if problem.sinks else grads
 
 
-def _arrays_and_slopes(arrays, alibi_slopes):
-    """The arrays of a call's plan signature: the slopes join them when given."""
-    return arrays if alibi_slopes is None else (*arrays, alibi_slopes)
+def _arrays_and_slopes(arrays, alibi_slopes, sinks=None):
+    """The arrays of a call's plan signature: the slopes and the sinks join them when
+    given (the signature's scalars say which are there)."""
+    return (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None))
 
 
 def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
                         allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None, block_mask=None):
+                        mask_mod=None, block_mask=None, sinks=None):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -91,6 +93,12 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         (:func:`cuflash.block_mask.create_block_mask`, made once for calls of these
         sizes and reused): the kernels skip the tiles it empties and evaluate the
         mask only on the tiles it cuts. Instead of ``mask_mod``.
+    sinks : float32 array ``[num_heads]``, optional, keyword-only
+        Attention sinks (gpt-oss): a learned logit a query head that joins every row's
+        softmax with a zero value vector, ``out_i = sum_j exp(s_ij) v_j /
+        (exp(sinks[h]) + sum_j exp(s_ij))``; ``lse`` includes it (a row that sees no
+        key gives zeros and ``lse = sinks[h]``). Of ``q``'s array kind and device; the
+        backward must be given the same array and then also returns ``dsinks``.
 
     Returns
     -------
@@ -98,7 +106,7 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
         Contiguous. Rows that see no key are zeros.
     lse : array, float32, shape ``[B, num_heads, S_q]``
         Contiguous natural-log sum of ``exp(softmax_scale * q . k)`` over the
-        visible keys; ``-inf`` for a row that sees no key.
+        visible keys (and ``exp(sinks[h])``); ``-inf`` for a row that sees no key.
 
     Raises
     ------
@@ -111,33 +119,35 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     CuPy arrays run on the current device and stream; NumPy arrays run on the
     CPU path with the same semantics. Accumulation is always float32.
     """
-    key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes),
+    key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes, sinks),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
                            softmax_scale, allow_tf32, softcap, score_mod, mask_mod,
-                           block_mask))
+                           block_mask, alibi_slopes is None, sinks is None))
     plan = plans.get(key)
     if plan is None:
         problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                   window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                   score_mod=score_mod, mask_mod=mask_mod,
-                                  block_mask=block_mask)
+                                  block_mask=block_mask, sinks=sinks)
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
-            return cpu.forward(problem, q, k, v, alibi_slopes)
+            return cpu.forward(problem, q, k, v, alibi_slopes, sinks)
         from . import gpu  # imported on first GPU use only
 
         plan = gpu.ForwardPlan(problem, q, k, v)
         plans.remember(key, plan)
-    return plan(q, k, v, alibi_slopes=alibi_slopes)
+    return plan(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                         causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
                         deterministic=False, synchronize=True, allow_tf32=False, softcap=0.0,
-                        alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None):
-    """Gradients of :func:`flash_attention_fwd` with respect to q, k and v.
+                        alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None,
+                        sinks=None):
+    """Gradients of :func:`flash_attention_fwd` with respect to q, k and v (and the
+    attention sinks, when given).
 
     Parameters
     ----------
@@ -153,6 +163,8 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         As passed to the forward.
     kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod, mask_mod, block_mask : keyword-only
         As passed to the forward.
+    sinks : float32 array ``[num_heads]``, optional, keyword-only
+        The forward's attention sinks (the same array): ``dsinks`` is returned too.
     deterministic : bool, default False
         Bitwise-reproducible gradients: dQ is computed by its own pass over
         the keys instead of float32 atomics (on H100/H200 on the tensor cores,
@@ -169,6 +181,10 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         With GQA the gradients of query heads sharing a KV head are summed.
         Gradients of keys at or beyond ``kv_seq_len`` are zero. All three are
         contiguous.
+    dsinks : float32 array ``[num_heads]``, only with ``sinks``
+        ``-sum_{b, i} exp(sinks[h] - lse) Delta`` over batch entries and rows, with
+        ``Delta = rowsum(dout * output)`` (a fixed-order reduction: with
+        ``deterministic`` the same bits on every run).
 
     Raises
     ------
@@ -176,10 +192,11 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         Before any kernel runs, naming the argument and the reason (every
         message is listed in the Troubleshooting page).
     """
-    key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes),
+    key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes, sinks),
                           (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
                            softmax_scale, deterministic, synchronize, allow_tf32, softcap,
-                           score_mod, mask_mod, block_mask))
+                           score_mod, mask_mod, block_mask, alibi_slopes is None,
+                           sinks is None))
     plan = plans.get(key)
     if plan is None:
         problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
@@ -187,17 +204,18 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
                                    deterministic, synchronize, allow_tf32=allow_tf32,
                                    softcap=softcap, alibi_slopes=alibi_slopes,
                                    score_mod=score_mod, mask_mod=mask_mod,
-                                   block_mask=block_mask)
+                                   block_mask=block_mask, sinks=sinks)
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
-            return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes)
+            return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes, sinks)
         from . import gpu  # imported on first GPU use only
 
         plan = gpu.BackwardPlan(problem, dout, q, k, v, output, lse.flags.c_contiguous,
                                 bool(deterministic))
         plans.remember(key, plan)
-    return plan(dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes)
+    return plan(dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes,
+                sinks=sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +233,7 @@ class AttentionConfig:
     softcap : float
     alibi_slopes : array or None
     score_mod, mask_mod, block_mask : cuflash.modifiers, cuflash.block_mask objects or None
+    sinks : array or None
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -231,6 +250,7 @@ class AttentionConfig:
     score_mod: object = None
     mask_mod: object = None
     block_mask: object = None
+    sinks: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +287,8 @@ class AttentionVJP:
         Returns
         -------
         dq, dk, dv : arrays
-            As returned by :func:`flash_attention_bwd`.
+            As returned by :func:`flash_attention_bwd` (with ``config.sinks``, ``dsinks``
+            after them).
         """
         c = self.config
         return flash_attention_bwd(
@@ -276,17 +297,18 @@ class AttentionVJP:
             softmax_scale=c.softmax_scale, deterministic=deterministic,
             synchronize=synchronize, allow_tf32=c.allow_tf32, softcap=c.softcap,
             alibi_slopes=c.alibi_slopes, score_mod=c.score_mod, mask_mod=c.mask_mod,
-            block_mask=c.block_mask)
+            block_mask=c.block_mask, sinks=c.sinks)
 
 
 def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                         window_size=0, kv_seq_len=None, *, softmax_scale=None,
                         allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None, block_mask=None):
+                        mask_mod=None, block_mask=None, sinks=None):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
-    :func:`flash_attention_fwd`.
+    :func:`flash_attention_fwd` (``sinks`` included: the vjp then returns ``dsinks``
+    fourth).
 
     Returns
     -------
@@ -306,10 +328,10 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     """
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
                              kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes,
-                             score_mod, mask_mod, block_mask)
+                             score_mod, mask_mod, block_mask, sinks)
     out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                                    window_size, kv_seq_len, softmax_scale=softmax_scale,
                                    allow_tf32=allow_tf32, softcap=softcap,
                                    alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                   mask_mod=mask_mod, block_mask=block_mask)
+                                   mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
     return out, AttentionVJP(q, k, v, out, lse, config)

@@ -7,6 +7,7 @@ skips key blocks that no query row of the block can see.
 
 import numpy as np
 
+from . import sinks as attention_sinks
 from .masking import key_range, query_range, visible_keys
 
 ROWS = 128  # query rows per block
@@ -90,9 +91,12 @@ QUIET = np.errstate(all="ignore")
 
 
 @QUIET
-def forward(problem, q, k, v, alibi_slopes=None):
-    """Return ``(out, lse)`` for a validated problem on NumPy arrays."""
+def forward(problem, q, k, v, alibi_slopes=None, sinks=None):
+    """Return ``(out, lse)`` for a validated problem on NumPy arrays (``sinks``: float32
+    ``[H]`` attention sinks, or None)."""
     slopes = _grouped_slopes(problem, alibi_slopes)
+    sink = None if sinks is None else attention_sinks.grouped(
+        sinks, problem.num_kv_heads, problem.group_size)
     out = np.empty(problem.q_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     shape5 = (problem.batch, problem.num_kv_heads, problem.group_size)
@@ -113,6 +117,8 @@ def forward(problem, q, k, v, alibi_slopes=None):
             row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + p @ _kv_block(v, c0, c1)
             row_max = new_max
+        if sink is not None:
+            row_max, row_sum, acc = attention_sinks.fold_into_rows(row_max, row_sum, acc, sink)
         seen = row_sum != 0  # a NaN sum (from a NaN input) counts as seen: never hidden
         o = np.where(seen, acc / row_sum, np.float32(0))
         block_lse = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))
@@ -122,8 +128,9 @@ def forward(problem, q, k, v, alibi_slopes=None):
 
 
 @QUIET
-def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None):
-    """Return ``(dq, dk, dv)`` for a validated problem on NumPy arrays."""
+def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None, sinks=None):
+    """Return ``(dq, dk, dv)`` for a validated problem on NumPy arrays, and ``dsinks``
+    (float32 ``[H]``) after them with ``sinks``."""
     slopes = _grouped_slopes(problem, alibi_slopes)
     scale = np.float32(problem.softmax_scale)
     dq = np.zeros(problem.q_shape, dtype=np.float32)
@@ -150,4 +157,8 @@ def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None):
             dk[:, :, c0:c1] += scale * (np.swapaxes(ds, -1, -2) @ q_blk).sum(axis=2)
             grouped_dq[:, :, :, r0:r1] += scale * (ds @ k_blk)
     cast = problem.dtype
-    return dq.astype(cast), dk.astype(cast), dv.astype(cast)
+    grads = dq.astype(cast), dk.astype(cast), dv.astype(cast)
+    if sinks is None:
+        return grads
+    delta = attention_sinks.row_deltas(dout, output)
+    return (*grads, attention_sinks.gradient(np, sinks, lse, delta, 1))

@@ -18,6 +18,7 @@ from cupy.cuda import function as _function
 from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
 from . import dispatch, kernel_build, registry
+from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 from .problem import unit_last_stride
@@ -158,8 +159,9 @@ def _modifier_args(problem):
 
 
 def _contiguous_slopes(alibi_slopes):
-    """The kernels read the slopes as a C-contiguous ``[H]`` or ``[B, H]`` array (a
-    strided view, e.g. a column of a bigger table, is copied; None stays None)."""
+    """The kernels read the slopes (and the sinks) as a C-contiguous ``[H]`` or ``[B, H]``
+    array (a strided view, e.g. a column of a bigger table, is copied; None stays
+    None)."""
     if alibi_slopes is None or alibi_slopes.flags.c_contiguous:
         return alibi_slopes
     return cupy.ascontiguousarray(alibi_slopes)
@@ -346,19 +348,20 @@ class ForwardPlan:
                                    (self.user, *strides, *tail), _functors(problem))
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
-    def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None):
+    def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None, sinks=None):
         """``(out, lse)``; ``offsets``: a packed problem's ``cu_seqlens_q``, ``cu_seqlens_k``
         (out then ``[total_q, H, D]``, zeros in rows outside every sequence);
-        ``alibi_slopes`` as the problem says."""
+        ``alibi_slopes`` as the problem says; ``sinks``: float32 ``[H]`` attention sinks
+        (every forward kernel's row finish adds them), or None."""
         problem = self.problem
         if self.copies:  # a last stride other than 1 (the signature fixes which)
             q, k, v = (unit_last_stride(cupy, a) for a in (q, k, v))
-        alibi_slopes = _contiguous_slopes(alibi_slopes)
+        alibi_slopes, sinks = _contiguous_slopes(alibi_slopes), _contiguous_slopes(sinks)
         out = self.out.empty()
         lse = cupy.ndarray(problem.lse_shape, FLOAT32)
         stream = current_stream()
         tail = (out.data.ptr, lse.data.ptr, address(offsets[0]), address(offsets[1]),
-                address(alibi_slopes))
+                address(alibi_slopes), address(sinks))
         if self.pieces is None:
             self.main(stream, q.data.ptr, k.data.ptr, v.data.ptr, *tail)
         else:
@@ -451,10 +454,11 @@ class BackwardPlan:
                                             problem.kv_capacity)
 
     def __call__(self, dout, q, k, v, output, lse, synchronize, offsets=(None, None),
-                 alibi_slopes=None):
+                 alibi_slopes=None, sinks=None):
         """``(dq, dk, dv)``; ``offsets`` and ``alibi_slopes`` as in
         :meth:`ForwardPlan.__call__` (a packed problem's gradients tokens first, zeros in
-        rows outside every sequence)."""
+        rows outside every sequence); with ``sinks``, ``dsinks`` fourth (a CuPy reduction
+        of the lse and the Delta rows: the kernels need no sinks, the lse holds them)."""
         problem = self.problem
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
@@ -475,8 +479,12 @@ class BackwardPlan:
             dq_target = workspace.ptr + 2 * self.row_bytes
         self.delta(stream, dout.data.ptr, output.data.ptr, lse.data.ptr, delta, lse_log2,
                    dq_target if self.atomic else 0)
+        dsinks = None
+        if sinks is not None:
+            rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta
+            dsinks = attention_sinks.gradient(cupy, sinks, lse, rows, 1)
         dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
-        tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes))
+        tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes), 0)
         inputs, scales = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr), ()
         if self.pieces is None:
             kernel_inputs, kernel_scales = inputs, scales
@@ -500,4 +508,4 @@ class BackwardPlan:
             self.zero_outside_k(stream, dv.data.ptr, tail[1])
         if synchronize:
             cupy.cuda.get_current_stream().synchronize()
-        return dq, dk, dv
+        return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)

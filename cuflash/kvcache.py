@@ -14,11 +14,12 @@ import numbers
 import numpy as np
 
 from . import plans
+from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .cpu import modify_scores, user_modified
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
-                      check_alibi_slopes, check_softcap, check_user_modifiers,
+                      check_alibi_slopes, check_sinks, check_softcap, check_user_modifiers,
                       check_dims, check_head_counts, check_int32)
 
 LOG2E = 1.4426950408889634
@@ -68,6 +69,7 @@ class KVCacheProblem:
     alibi_batch_stride: int = -1  # ALiBi slopes: H for [B, H], 0 for [H], -1 for none
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
+    sinks: bool = False  # attention sinks (float32 [H]) given
 
     @property
     def alibi(self):
@@ -131,7 +133,7 @@ def _check_lengths(lengths, new_len, capacity):
 def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                     window_size, cache_seqlens, k_new, v_new, block_table, softmax_scale,
                     return_lse, check, softcap=0.0, alibi_slopes=None, score_mod=None,
-                    mask_mod=None):
+                    mask_mod=None, sinks=None):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
@@ -221,6 +223,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     scale = _scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
+    has_sinks = check_sinks(sinks, q, num_heads)
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
@@ -239,7 +242,7 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
         return_lse=bool(return_lse), softcap=softcap,
         alibi_batch_stride=-1 if slopes_shape is None else (
             num_heads if len(slopes_shape) == 2 else 0),
-        score_mod=score_mod, mask_mod=mask_mod)
+        score_mod=score_mod, mask_mod=mask_mod, sinks=has_sinks)
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
@@ -249,7 +252,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
                                  causal=True, window_size=0, *, cache_seqlens, k_new=None,
                                  v_new=None, block_table=None, softmax_scale=None,
                                  return_lse=False, check=False, softcap=0.0,
-                                 alibi_slopes=None, score_mod=None, mask_mod=None):
+                                 alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
     Parameters
@@ -303,6 +306,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
         the key ``j`` (``0 .. L_b - 1``). Their arrays' reads are bounded for
         ``q_idx < S_q`` and ``kv_idx <`` the capacity. Calls with them skip the
         cached launch plans of device-held lengths.
+    sinks : float32 array ``[num_heads]``, optional, keyword-only
+        Attention sinks, as in :func:`cuflash.flash_attention_fwd`: ``exp(sinks[h])``
+        joins each row's softmax with a zero value (once a row, also when the keys are
+        split across blocks); on the arrays' device.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -318,7 +325,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     out : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
         Rows that see no key are zeros.
     lse : array, float32, shape ``[B, num_heads, S_q]``
-        Only with ``return_lse``; ``-inf`` for rows that see no key.
+        Only with ``return_lse``; ``-inf`` for rows that see no key (``sinks[h]`` with
+        sinks).
 
     Raises
     ------
@@ -340,7 +348,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     if (check is False and not isinstance(cache_seqlens, numbers.Integral)
             and score_mod is None and mask_mod is None):
         # Device-held lengths: the plan of this signature serves every step.
-        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes)
+        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes,
+                 sinks)
         key = plans.signature(
             tuple(a for a in given if a is not None),
             ("kvcache", tuple(a is None for a in given), num_heads, num_kv_heads, head_dim,
@@ -348,23 +357,25 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
         plan = plans.get(key)
         if plan is not None:
             return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                        alibi_slopes)
+                        alibi_slopes, sinks)
     problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
                               window_size, cache_seqlens, k_new, v_new, block_table,
                               softmax_scale, return_lse, check, softcap, alibi_slopes,
-                              score_mod, mask_mod)
-    if key is not None and problem.xp is not np and problem.batch * problem.num_heads:
+                              score_mod, mask_mod, sinks)
+    if problem.xp is np:
+        out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                               block_table, alibi_slopes, sinks)
+        return (out, lse) if problem.return_lse else out
+    from .kvcache_gpu import DecodePlan, gpu_forward  # imported on first GPU use only
+
+    if key is not None and problem.batch * problem.num_heads:
         plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                           block_table, alibi_slopes)
         plans.remember(key, plan)
         return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                    alibi_slopes)
-    if problem.xp is np:
-        out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                               block_table, alibi_slopes)
-    else:
-        out, lse = gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                               block_table, check, alibi_slopes)
+                    alibi_slopes, sinks)
+    out, lse = gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                           block_table, check, alibi_slopes, sinks)
     return (out, lse) if problem.return_lse else out
 
 
@@ -386,10 +397,11 @@ def _gather(problem, cache, block_table, b, length):
 
 
 @np.errstate(all="ignore")
-def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0):
+def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
     """One sequence (batch entry ``b``): q ``[H, S_q, D]``, keys/values float32 ``[H_kv,
     L, D]`` -> out, lse; ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1,
-    1]`` or None; the user's functions (``problem.score_mod``, ``mask_mod``) after them.
+    1]`` or None; the user's functions (``problem.score_mod``, ``mask_mod``) after them;
+    ``sink`` the attention sinks as float32 ``[1, H_kv, G, 1, 1]``, or None.
 
     Blocked over query rows and keys with an online softmax in float32.
     """
@@ -423,6 +435,9 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0):
             row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + p @ values[:, None, c0:c1]
             row_max = new_max
+        if sink is not None:
+            row_max, row_sum, acc = attention_sinks.fold_into_rows(row_max, row_sum, acc,
+                                                                   sink[0])
         seen = row_sum != 0  # a NaN sum counts as seen: NaN is never hidden
         out[:, :, r0:r1] = np.where(seen, acc / row_sum, np.float32(0))
         lse[:, :, r0:r1] = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))[..., 0]
@@ -437,7 +452,7 @@ def _append_cpu(problem, cache, new, block_table, lengths):
 
 
 def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                alibi_slopes=None):
+                alibi_slopes=None, sinks=None):
     """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
     lengths = problem.host_lengths
     if problem.new_len:
@@ -447,6 +462,8 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     if problem.num_heads == 0:
         return out, lse
+    sink = None if sinks is None else attention_sinks.grouped(
+        sinks, problem.num_kv_heads, problem.group_size)
     for b in range(problem.batch):
         kv_len = int(lengths[b]) + problem.new_len
         keys = _gather(problem, k_cache, block_table, b, kv_len)
@@ -456,7 +473,7 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
             row = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
             slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size,
                                                     1, 1)
-        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes, b)
+        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes, b, sink)
         out[b] = out_b.astype(problem.dtype)
         lse[b] = lse_b
     return out, lse
@@ -614,72 +631,10 @@ def _cxx_type(dtype):
     return CXX_TYPES[np.dtype(dtype)]
 
 
-def _verify_on_host(problem, cache_seqlens, block_table):
-    """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
-    import cupy
-
-    parts = []
-    if not isinstance(cache_seqlens, numbers.Integral):
-        parts.append(cache_seqlens.ravel())
-    if block_table is not None:
-        parts.append(cupy.ascontiguousarray(block_table).ravel())
-    if not parts:
-        return
-    host = cupy.asnumpy(cupy.concatenate(parts) if len(parts) > 1 else parts[0])
-    if isinstance(cache_seqlens, numbers.Integral):
-        lengths = problem.host_lengths
-    else:
-        lengths = host[:problem.batch].astype(np.int64)
-        host = host[problem.batch:]
-        _check_lengths(lengths, problem.new_len, problem.capacity)
-    if block_table is not None:
-        table = host.reshape(problem.batch, problem.max_blocks)
-        _check_block_ids(table, lengths, problem.new_len, problem.block_size,
-                         problem.num_blocks)
-
-
-def _length_args(cache_seqlens):
-    if isinstance(cache_seqlens, numbers.Integral):
-        return np.uint64(0), np.int32(int(cache_seqlens))
-    return cache_seqlens, np.int32(0)
-
-
 def _paging_args(problem, block_table):
     table = np.uint64(0) if block_table is None else block_table
     return table, (np.int32(problem.capacity), np.int32(problem.block_size),
                    np.int32(problem.max_blocks), np.int32(max(problem.num_blocks, 1)))
-
-
-def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes):
-    """The dense forward's plan (:class:`cuflash.gpu.ForwardPlan`) for a long query chunk
-    on a contiguous cache, or None (the split-KV kernels serve the call). Its tensor-core
-    kernels read each key once for a tile of many query rows of one head. With an int
-    length the plan reads ``kv_seq_len`` keys; with the lengths on the device its call takes
-    each sequence's count of keys as ``offsets=(None, counts)``, which only the kernels of
-    the registry's ``reads_key_counts`` read (the Hopper ones)."""
-    if block_table is not None or problem.q_len * problem.group_size < DENSE_MIN_ROWS:
-        return None
-    from .gpu import ForwardPlan
-    from .problem import forward_problem
-
-    host_length = isinstance(cache_seqlens, numbers.Integral)
-    attention = forward_problem(q, k_cache, v_cache, problem.num_heads, problem.num_kv_heads,
-                                problem.head_dim, False, problem.window,
-                                int(cache_seqlens) + problem.new_len if host_length else None,
-                                problem.softmax_scale, softcap=problem.softcap,
-                                alibi_slopes=alibi_slopes, score_mod=problem.score_mod,
-                                mask_mod=problem.mask_mod)
-    plan = ForwardPlan(attention, q, k_cache, v_cache)
-    return plan if host_length or plan.spec.reads_key_counts else None
-
-
-def _key_counts(problem, cache_seqlens):
-    """Where the dense forward finds each sequence's keys for device-held lengths: the
-    lengths themselves without an append (the kernels clamp them to the capacity), else a
-    new int32 ``[B]`` that the append fills with ``clamped length + S_new``."""
-    import cupy
-
-    return cupy.empty(problem.batch, np.int32) if problem.new_len else cache_seqlens
 
 
 def _modifier_args(problem):
@@ -687,195 +642,3 @@ def _modifier_args(problem):
     in log2 units (the kernels' scores are ``scale log2(e) q . k``)."""
     return (np.int32(max(problem.alibi_batch_stride, 0)),
             np.float32(problem.softcap * LOG2E))
-
-
-def _user_modifiers(problem):
-    """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
-    ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
-    from .gpu import NO_USER_ARGUMENTS, UserArguments
-    from .kernel_build import UserFunctors
-
-    if problem.score_mod is None and problem.mask_mod is None:
-        return None, NO_USER_ARGUMENTS
-    functors = UserFunctors.of(problem.score_mod, problem.mask_mod,
-                               built_ins=problem.softcap > 0 or problem.alibi)
-    return functors, UserArguments(problem)
-
-
-def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                check, alibi_slopes=None):
-    """Return ``(out, lse)`` on the current device and stream: append, attend, combine."""
-    import cupy
-
-    from .gpu import element_strides as _strides
-    from .gpu import rows_are_16_byte_aligned as _aligned
-    from .problem import unit_last_stride
-
-    if check:
-        _verify_on_host(problem, cache_seqlens, block_table)
-    if block_table is not None:
-        block_table = cupy.ascontiguousarray(block_table)
-    if not isinstance(cache_seqlens, numbers.Integral):
-        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
-    seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
-    table_ptr, paging = _paging_args(problem, block_table)
-    cxx = _cxx_type(problem.dtype)
-    dense = None
-    if problem.batch * problem.num_heads:
-        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
-                            alibi_slopes)
-    key_counts = None
-    if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
-        key_counts = _key_counts(problem, cache_seqlens)
-    if problem.new_len and problem.batch and problem.num_kv_heads:
-        k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-        append = _kernel(f"cuflash::kvcache_append<{cxx}>")[0]
-        elements = problem.new_len * problem.head_dim
-        append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
-            k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
-            np.uint64(0) if key_counts is None else key_counts,
-            *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
-            np.int32(problem.new_len), np.int32(problem.head_dim), *paging))
-    if problem.batch * problem.num_heads == 0:
-        return (cupy.empty(problem.q_shape, dtype=problem.dtype),
-                cupy.empty(problem.lse_shape, dtype=np.float32))
-    if dense is not None:  # key_counts None: an int length
-        return dense(q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes)
-    q = unit_last_stride(cupy, q)
-    name, keys_per_tile, rows, shared = decode_kernel(problem)
-    row_tiles = -(-problem.q_len * problem.group_size // rows)
-    functors, user = _user_modifiers(problem)
-    decode, per_sm, sm_count = _kernel(name, shared, functors)
-    blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = num_splits(blocks, per_sm * sm_count,
-                        *split_cap(longest_sequence(problem), keys_per_tile))
-    out = cupy.empty(problem.q_shape, dtype=problem.dtype)
-    lse = cupy.empty(problem.lse_shape, dtype=np.float32)
-    part_rows = problem.batch * problem.num_heads * problem.q_len
-    if splits > 1:
-        part_out = cupy.empty((part_rows * splits, problem.head_dim), dtype=np.float32)
-        part_lse = cupy.empty(part_rows * splits, dtype=np.float32)
-    else:
-        part_out = part_lse = np.uint64(0)
-    left, right = problem.window
-    slopes = np.uint64(0) if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes)
-    decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
-        q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
-        slopes, user.pointer, *_strides(q), *_strides(k_cache), *_strides(v_cache),
-        np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
-        np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
-        np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
-        np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)),
-        shared_mem=shared)
-    if splits > 1:
-        combine = _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
-        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse, np.int64(part_rows),
-                                            np.int32(splits)))
-    return out, lse
-
-
-class DecodePlan:
-    """The launches of one call signature with device-held lengths (``check=False``):
-    the append, the split-KV kernel and the combine with their grids and scalar arguments
-    fixed (or, for long query chunks on a contiguous cache, the dense forward's plan), so
-    that a decoding step only allocates its outputs and launches. (Host-held lengths
-    change every step and size the split count, so those calls take
-    :func:`gpu_forward`.)"""
-
-    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                 alibi_slopes=None):
-        import cupy
-
-        from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
-        from .problem import unit_last_stride
-
-        self.problem = problem
-        self.copies = (any(a is not None and a.strides[-1] != a.itemsize
-                           for a in (q, k_new, v_new))
-                       or not cache_seqlens.flags.c_contiguous
-                       or (block_table is not None and not block_table.flags.c_contiguous))
-        q = unit_last_stride(cupy, q)
-        cxx = _cxx_type(problem.dtype)
-        _, paging = _paging_args(problem, block_table)
-        self.append = None
-        if problem.new_len and problem.num_kv_heads:
-            k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-            elements = problem.new_len * problem.head_dim
-            self.append = Launch(
-                _kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
-                (-(-elements // THREADS), problem.num_kv_heads, problem.batch), THREADS, 0,
-                (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
-                 *element_strides(v_cache), np.int32(problem.new_len),
-                 np.int32(problem.head_dim), *paging))
-        self.dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 alibi_slopes)
-        if self.dense is not None:
-            return
-        name, keys_per_tile, rows, shared = decode_kernel(problem)
-        row_tiles = -(-problem.q_len * problem.group_size // rows)
-        decode, per_sm, sm_count = _kernel(name, shared)
-        blocks = problem.batch * problem.num_kv_heads * row_tiles
-        self.splits = num_splits(blocks, per_sm * sm_count,
-                                 *split_cap(problem.capacity, keys_per_tile))
-        left, right = problem.window
-        self.decode = Launch(
-            decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
-            THREADS, shared,
-            (NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
-             *element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
-             np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
-             np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
-             np.int32(self.splits), np.int32(row_tiles),
-             np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
-             np.float32(problem.softmax_scale * LOG2E), *_modifier_args(problem)))
-        self.part_rows = problem.batch * problem.num_heads * problem.q_len
-        self.combine = None
-        if self.splits > 1:
-            self.combine = Launch(
-                _kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
-                (self.part_rows,), THREADS, 0,
-                (np.int64(self.part_rows), np.int32(self.splits)))
-            # The splits' partial rows and their lse in one workspace (256-byte aligned).
-            self.part_lse_offset = -(-4 * self.part_rows * self.splits * problem.head_dim
-                                     // 256) * 256
-            self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
-
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                 alibi_slopes=None):
-        import cupy
-
-        from .problem import unit_last_stride
-
-        problem = self.problem
-        if self.copies:  # the signature fixes which
-            q, k_new, v_new = (a if a is None else unit_last_stride(cupy, a)
-                               for a in (q, k_new, v_new))
-            cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
-            if block_table is not None:
-                block_table = cupy.ascontiguousarray(block_table)
-        from .gpu import address, current_stream
-
-        stream = current_stream()
-        table = address(block_table)
-        slopes = 0 if alibi_slopes is None else cupy.ascontiguousarray(alibi_slopes).data.ptr
-        lengths = cache_seqlens.data.ptr
-        key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
-        if self.append is not None:  # 0: the lengths' value (they are on the device)
-            self.append(stream, k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr,
-                        v_cache.data.ptr, lengths, 0, table, address(key_counts))
-        if self.dense is not None:
-            out, lse = self.dense(q, k_cache, v_cache, offsets=(None, key_counts),
-                                  alibi_slopes=alibi_slopes)
-            return (out, lse) if problem.return_lse else out
-        out = cupy.empty(problem.q_shape, dtype=problem.dtype)
-        lse = cupy.empty(problem.lse_shape, dtype=np.float32)
-        inputs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths, 0, table,
-                  out.data.ptr, lse.data.ptr)
-        if self.combine is None:
-            self.decode(stream, *inputs, 0, 0, slopes)
-        else:
-            workspace = cupy.cuda.alloc(self.workspace_bytes)
-            part_lse = workspace.ptr + self.part_lse_offset
-            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes)
-            self.combine(stream, workspace.ptr, part_lse, out.data.ptr, lse.data.ptr)
-        return (out, lse) if problem.return_lse else out

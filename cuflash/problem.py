@@ -64,6 +64,7 @@ class AttentionProblem:
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     block_mask: object = None  # a cuflash.block_mask.BlockMask holding mask_mod, or None
     first_batch: int = 0  # the user modifiers' b of batch entry 0 (a packed call's sequence)
+    sinks: bool = False  # attention sinks: a float32 [H] logit a query head joins every row
 
     @property
     def modified(self):
@@ -244,6 +245,20 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
     return shape
 
 
+def check_sinks(sinks, q, num_heads):
+    """Are there attention sinks? float32 ``sinks`` ``[num_heads]`` (one logit a query
+    head), of ``q``'s array kind and device, or None."""
+    if sinks is None:
+        return False
+    _array_module([("q", q), ("sinks", sinks)])
+    if sinks.dtype != np.float32:
+        raise InvalidArgumentError("sinks", f"expected dtype float32, got {sinks.dtype}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise InvalidArgumentError(
+            "sinks", f"expected shape ({num_heads},) [num_heads], got {tuple(sinks.shape)}")
+    return True
+
+
 def check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len):
     """A ``cuflash.block_mask.BlockMask`` for a call of these sizes: the mask function
     the call uses (its own, or ``mask_mod`` without a block mask)."""
@@ -277,7 +292,7 @@ def check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, kv_le
 def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                     kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
                     alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None,
-                    block_mask=None, modifier_sizes=None):
+                    block_mask=None, modifier_sizes=None, sinks=None):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
@@ -328,6 +343,7 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
                                       batch if alibi_batch is None else alibi_batch)
+    has_sinks = check_sinks(sinks, q, num_heads)
     mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len)
     check_user_modifiers(score_mod, mask_mod, xp, num_heads,
                          *(modifier_sizes or (batch, q_len, kv_len)))
@@ -336,7 +352,7 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
         softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
         softcap=softcap, alibi_slopes_shape=slopes_shape, score_mod=score_mod,
-        mask_mod=mask_mod, block_mask=block_mask)
+        mask_mod=mask_mod, block_mask=block_mask, sinks=has_sinks)
     _check_device_limits(problem, named)
     return problem
 
@@ -344,14 +360,14 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
 def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
                      causal, window_size, kv_seq_len, softmax_scale, deterministic,
                      synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None,
-                     score_mod=None, mask_mod=None, block_mask=None):
+                     score_mod=None, mask_mod=None, block_mask=None, sinks=None):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
                               window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
                               allow_tf32=allow_tf32, softcap=softcap,
                               alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod, block_mask=block_mask)
+                              mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:

@@ -72,12 +72,13 @@ def _user_modified(raw, derivative, visible, kv_len, score_mod, mask_mod):
 
 
 def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None,
-                   softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
+                   softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
     """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]``, the scale and the
     score modifiers' derivative.
 
     With ``given_lse``, the probabilities are ``exp(score - given_lse)``, as a
-    backward computes them from the log-sum-exp it is handed.
+    backward computes them from the log-sum-exp it is handed. With ``sinks`` (``[H]``)
+    each row's normalizer has one more term ``exp(sinks[h])`` whose value is zero.
     """
     num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
     kv_capacity = k.shape[2]
@@ -91,9 +92,15 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
                                                   score_mod, mask_mod)
     scores = np.where(visible, raw, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[None, :, None, None]
+        row_max = np.maximum(row_max, sink)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     weights = np.exp(scores - row_max)
     total = weights.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - row_max)
     seen = total != 0  # rows that see no key sum to 0; a NaN sum stays NaN
     with np.errstate(divide="ignore", invalid="ignore"):
         probs = np.where(seen, weights / total, 0.0)
@@ -106,7 +113,7 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
 
 def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
                         softmax_scale=None, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None):
+                        mask_mod=None, sinks=None):
     """Return ``(out, lse)`` in float64.
 
     Parameters
@@ -123,32 +130,35 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
         The score modifiers of SPEC 8.
     score_mod, mask_mod : cuflash.modifiers.ScoreMod, MaskMod, optional
         User-defined modifiers, evaluated in float64 after the built-in ones.
+    sinks : array_like ``[H]``, optional
+        Attention sinks: ``exp(sinks[h])`` joins each row's normalizer, its value zero.
 
     Returns
     -------
     out : numpy.ndarray, float64 ``[B, H, S_q, D]``
         Zeros in rows that see no key.
     lse : numpy.ndarray, float64 ``[B, H, S_q]``
-        ``-inf`` in rows that see no key.
+        ``-inf`` in rows that see no key (``sinks[h]`` with sinks).
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     probs, lse, _, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale,
                                       softcap=softcap, alibi_slopes=alibi_slopes,
-                                      score_mod=score_mod, mask_mod=mask_mod)
+                                      score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     return probs @ _expand_kv(v, q.shape[1]), lse
 
 
 def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
                              softmax_scale=None, out=None, lse=None, softcap=0.0,
-                             alibi_slopes=None, score_mod=None, mask_mod=None):
-    """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle.
+                             alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
+    """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle (and
+    ``dsinks`` ``[H]`` after them with ``sinks``).
 
     Parameters
     ----------
     dout : array_like, ``[B, H, S_q, D]``
         Gradient of the loss with respect to the output.
     q, k, v, causal, window, kv_seq_len, softmax_scale, softcap, alibi_slopes
-    score_mod, mask_mod
+    score_mod, mask_mod, sinks
         As in :func:`attention_reference`.
     out : array_like, ``[B, H, S_q, D]``, optional
         An output to take ``Delta = rowsum(dout * out)`` from, as the flash
@@ -165,13 +175,15 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dq : numpy.ndarray, float64, shape of ``q``
     dk, dv : numpy.ndarray, float64, shape of ``k``
         With GQA the gradients of query heads that share a KV head are summed.
+    dsinks : numpy.ndarray, float64 ``[H]``, only with ``sinks``
+        ``-sum_{b, i} exp(sinks[h] - lse) Delta`` (the sink's probability times Delta).
     """
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
-    probs, _, scale, derivative = _probabilities(q, k, causal, window, kv_seq_len,
-                                                 softmax_scale, lse, softcap, alibi_slopes,
-                                                 score_mod, mask_mod)
+    probs, row_lse, scale, derivative = _probabilities(q, k, causal, window, kv_seq_len,
+                                                       softmax_scale, lse, softcap,
+                                                       alibi_slopes, score_mod, mask_mod, sinks)
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)
@@ -184,4 +196,12 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dk = scale * np.swapaxes(dscores, -1, -2) @ q
     group = num_heads // num_kv_heads
     fold = (q.shape[0], num_kv_heads, group, kv_capacity, head_dim)
-    return dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold).sum(axis=2)
+    grads = dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold).sum(axis=2)
+    if sinks is None:
+        return grads
+    if lse is not None:
+        row_lse = np.asarray(lse, dtype=np.float64)
+    sink = np.asarray(sinks, dtype=np.float64)[None, :, None]
+    with np.errstate(invalid="ignore"):
+        share = np.where(np.isneginf(row_lse), 0.0, np.exp(sink - row_lse))
+    return (*grads, -(share * delta[..., 0]).sum(axis=(0, 2)))

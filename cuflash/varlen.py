@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from . import cpu, plans
+from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .problem import (MAX_GRID_YZ, PackedSequences, _array_module, _check_dtypes, _check_flag,
                       _check_rank, _count, backward_problem, check_dims, check_head_counts,
@@ -92,7 +93,7 @@ def _heads_first(x, start=None, stop=None):
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale,
                    allow_tf32, check, extra_arrays=(), softcap=0.0, alibi_slopes=None,
-                   score_mod=None, mask_mod=None):
+                   score_mod=None, mask_mod=None, sinks=None):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
     ``check`` (:func:`verified_offsets`)."""
@@ -126,7 +127,7 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         causal, window_size, None, softmax_scale, allow_tf32=allow_tf32,
         extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays], softcap=softcap,
         alibi_slopes=alibi_slopes, alibi_batch=count, score_mod=score_mod, mask_mod=mask_mod,
-        modifier_sizes=(count, max_seqlen_q, max_seqlen_k))
+        modifier_sizes=(count, max_seqlen_q, max_seqlen_k), sinks=sinks)
     attention = dataclasses.replace(
         attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k))
     offsets_q = offsets_k = None
@@ -150,7 +151,7 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
                                check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None):
+                               mask_mod=None, sinks=None):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
     Parameters
@@ -176,6 +177,10 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         ``q_idx``, ``kv_idx`` positions within it (their reads are bounded for
         ``max_seqlen_q``, ``max_seqlen_k``). The mask is evaluated on every tile (block
         masks serve the dense functions).
+    sinks : float32 array ``[num_heads]``, optional, keyword-only
+        Attention sinks, as in :func:`cuflash.flash_attention_fwd` (the same logits for
+        every sequence; a row of a sequence with no key gives zeros and
+        ``lse = sinks[h]``).
     check : bool, default False
         Verify device-held offsets before any kernel runs: one device-to-host copy
         (which synchronizes the stream), then the errors below, naming the sequence.
@@ -198,25 +203,25 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         ``max_seqlen_*`` (naming the sequence).
     """
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
+    key = plans.signature((*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
                            head_dim, causal, window_size, softmax_scale, allow_tf32, check,
-                           softcap, score_mod, mask_mod))
+                           softcap, score_mod, mask_mod, alibi_slopes is None, sinks is None))
     plan = plans.get(key)
     if plan is None:
         problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
                                  window_size, softmax_scale, allow_tf32, check, softcap=softcap,
                                  alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                 mask_mod=mask_mod)
+                                 mask_mod=mask_mod, sinks=sinks)
         if problem.xp is np:
             return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale,
-                                         alibi_slopes)
+                                         alibi_slopes, sinks)
         plan = PackedForward(problem, q, k, v)
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
 
 
 def _sequence_slopes(alibi_slopes, b):
@@ -231,7 +236,8 @@ def _sequence_problem(problem, b):
     return dataclasses.replace(problem, first_batch=b)
 
 
-def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes):
+def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes,
+                          sinks=None):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
     out = np.zeros(q.shape, dtype=attention.dtype)
@@ -242,8 +248,8 @@ def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, 
         sequence = _sequence_problem(forward_problem(
             *views, attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
             window_size, None, softmax_scale, softcap=attention.softcap, alibi_slopes=slopes,
-            score_mod=attention.score_mod, mask_mod=attention.mask_mod), b)
-        out_b, lse_b = cpu.forward(sequence, *views, slopes)
+            score_mod=attention.score_mod, mask_mod=attention.mask_mod, sinks=sinks), b)
+        out_b, lse_b = cpu.forward(sequence, *views, slopes, sinks)
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
@@ -262,7 +268,7 @@ class PackedForward:
         if problem.has_rows:
             self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks=None):
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
@@ -270,7 +276,8 @@ class PackedForward:
                     xp.full((attention.num_heads, self.problem.total_q), -np.inf,
                             dtype=np.float32))
         out, lse = self.dense(*map(_heads_first, (q, k, v)),
-                              offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
+                              offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes,
+                              sinks=sinks)
         return out, lse[0]
 
 
@@ -279,8 +286,9 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                causal=False, window_size=0, *, softmax_scale=None,
                                deterministic=False, synchronize=True, allow_tf32=False,
                                check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None):
-    """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v.
+                               mask_mod=None, sinks=None):
+    """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v (and the
+    attention sinks, when given).
 
     Parameters
     ----------
@@ -291,7 +299,7 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As passed to the forward.
     num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32,
-    softcap, alibi_slopes, score_mod, mask_mod
+    softcap, alibi_slopes, score_mod, mask_mod, sinks
         As passed to the forward.
     deterministic, synchronize : bool
         As in :func:`cuflash.flash_attention_bwd`.
@@ -304,12 +312,15 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     dk, dv : arrays, shape of ``k``
         With GQA the gradients of query heads sharing a KV head are summed. Tokens of
         no sequence (none, when the offsets end at the totals) get zeros.
+    dsinks : float32 array ``[num_heads]``, only with ``sinks``
+        As in :func:`cuflash.flash_attention_bwd`, summed over every sequence's rows.
     """
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    key = plans.signature(arrays if alibi_slopes is None else (*arrays, alibi_slopes),
+    key = plans.signature((*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
                           ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
                            head_dim, causal, window_size, softmax_scale, deterministic,
-                           synchronize, allow_tf32, check, softcap, score_mod, mask_mod))
+                           synchronize, allow_tf32, check, softcap, score_mod, mask_mod,
+                           alibi_slopes is None, sinks is None))
     plan = plans.get(key)
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
@@ -319,7 +330,7 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                  window_size, softmax_scale, allow_tf32, check,
                                  extra_arrays=(("dout", dout), ("out", out)), softcap=softcap,
                                  alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                 mask_mod=mask_mod)
+                                 mask_mod=mask_mod, sinks=sinks)
         _array_module([("q", q), ("lse", lse)])
         _check_rank("lse", lse, 2, "[num_heads, total_q]")
         check_dims("lse", lse, (problem.attention.num_heads, problem.total_q),
@@ -328,18 +339,19 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
             raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
         if problem.xp is np:
             return _backward_per_sequence(problem, dout, q, k, v, out, lse, causal,
-                                          window_size, softmax_scale, alibi_slopes)
+                                          window_size, softmax_scale, alibi_slopes, sinks)
         plan = PackedBackward(problem, dout, q, k, v, out, lse, bool(deterministic))
         plans.remember(key, plan)
     if check:
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize),
-                alibi_slopes)
+                alibi_slopes, sinks)
 
 
 def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size,
-                           softmax_scale, alibi_slopes):
-    """The CPU path: one dense backward a sequence, on views."""
+                           softmax_scale, alibi_slopes, sinks=None):
+    """The CPU path: one dense backward a sequence, on views (and the sinks' gradient over
+    every sequence's rows)."""
     attention = problem.attention
     dq = np.zeros(q.shape, dtype=attention.dtype)
     dk = np.zeros(k.shape, dtype=attention.dtype)
@@ -357,7 +369,13 @@ def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
         dv[k0:k1] = grads[2][0].transpose(1, 0, 2)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    rows = np.zeros(problem.total_q, dtype=bool)  # the tokens of some sequence
+    for _, q0, q1, _, _ in problem.sequences():
+        rows[q0:q1] = True
+    delta = np.where(rows, attention_sinks.row_deltas(dout, out).T, np.float32(0))
+    return dq, dk, dv, attention_sinks.gradient(np, sinks, lse, delta, 0)
 
 
 class PackedBackward:
@@ -374,13 +392,16 @@ class PackedBackward:
                                           lse.flags.c_contiguous, deterministic)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize,
-                 alibi_slopes):
+                 alibi_slopes, sinks=None):
         xp = self.problem.xp
         if self.dense is None:  # no query row: no gradient anywhere
             grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+            if sinks is not None:
+                grads += (xp.zeros(sinks.shape, dtype=np.float32),)
         else:
             grads = self.dense(*map(_heads_first, (dout, q, k, v, out)), lse[None], False,
-                               offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes)
+                               offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes,
+                               sinks=sinks)
         if synchronize:
             xp.cuda.get_current_stream().synchronize()
         return grads
@@ -389,7 +410,7 @@ class PackedBackward:
 @dataclasses.dataclass(frozen=True)
 class VarlenVJP:
     """The residuals of one packed forward pass; calling it runs the backward pass
-    (``dq, dk, dv = vjp(dout)``), any number of times."""
+    (``dq, dk, dv = vjp(dout)``, and ``dsinks`` fourth with sinks), any number of times."""
 
     q: object
     k: object
@@ -410,26 +431,26 @@ class VarlenVJP:
             c.num_kv_heads, c.head_dim, c.causal, c.window_size, softmax_scale=c.softmax_scale,
             deterministic=deterministic, synchronize=synchronize, allow_tf32=c.allow_tf32,
             softcap=c.softcap, alibi_slopes=c.alibi_slopes, score_mod=c.score_mod,
-            mask_mod=c.mask_mod)
+            mask_mod=c.mask_mod, sinks=c.sinks)
 
 
 def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
                                window_size=0, *, softmax_scale=None, allow_tf32=False,
                                check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None):
+                               mask_mod=None, sinks=None):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
-    vjp(dout)``."""
+    vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     from .api import AttentionConfig
 
     out, lse = flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
         num_kv_heads, head_dim, causal, window_size, softmax_scale=softmax_scale,
         allow_tf32=allow_tf32, check=check, softcap=softcap, alibi_slopes=alibi_slopes,
-        score_mod=score_mod, mask_mod=mask_mod)
+        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size, None,
                              softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod,
-                             mask_mod)
+                             mask_mod, sinks=sinks)
     return out, VarlenVJP(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, config)

@@ -168,10 +168,11 @@ def _pieces(kernels, x, valid_rows):
 
 
 def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, excluded=(),
-                capability=80, guard=False):
+                capability=80, guard=False, sinks=None):
     """``(out, lse)`` of ``problem`` (validated; q, k, v as ``[B, H, S, D]`` views, a packed
     problem's as ``[1, H, total, D]`` with its ``offsets``) on the kernels the registry
-    chooses for ``capability`` (``guard``: see :class:`Kernels`)."""
+    chooses for ``capability`` (``guard``: see :class:`Kernels`; ``sinks``: float32
+    ``[H]`` attention sinks, or None)."""
     spec = registry.choose("forward", problem.dtype, problem.head_dim, capability,
                            excluded=frozenset(excluded), modified=problem.modified)
     pieces = spec.precision == "float32"
@@ -191,7 +192,7 @@ def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, exclu
         inputs, scales = (q, k, v), ()
         strides = (*_strides(q), *_strides(k), *_strides(v))
     kernels.launch(spec.name, _query_grid(problem, kernels.tile(spec.name)), [
-        *inputs, out.array, lse, *scales, *offsets, alibi_slopes,
+        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, sinks,
         kernels.user(spec.name, "forward"),
         *strides, *out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
         *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
@@ -252,7 +253,7 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
     if problem.kv_capacity:
         kernels.launch(spec.name, _key_grid(problem, kernels.tile(spec.name)), [
             *inputs, lse_log2, delta, dq_accum, dk.array, dv.array, *scales, *offsets,
-            alibi_slopes, kernels.user(spec.name, "backward"), *strides, *dk.strides,
+            alibi_slopes, None, kernels.user(spec.name, "backward"), *strides, *dk.strides,
             *heads, np.int32(problem.kv_capacity), *options, *modifiers])
     if convert:
         count = math.prod(problem.q_shape)
@@ -263,7 +264,7 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
         reads_pieces = dq_spec.precision == "float32"
         kernels.launch(dq_spec.name, _query_grid(problem, kernels.tile(dq_spec.name)), [
             *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq.array,
-            *(scales if reads_pieces else ()), *offsets, alibi_slopes,
+            *(scales if reads_pieces else ()), *offsets, alibi_slopes, None,
             kernels.user(dq_spec.name, "forward"),
             *(strides if reads_pieces else input_strides), *dq.strides, *heads, *options,
             *modifiers])
@@ -276,15 +277,16 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
 
 def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
             kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            score_mod=None, mask_mod=None, block_mask=None, excluded=(), capability=80):
+            score_mod=None, mask_mod=None, block_mask=None, excluded=(), capability=80,
+            sinks=None):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over)."""
     problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
                               kv_seq_len, softmax_scale, softcap=softcap,
                               alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod, block_mask=block_mask)
+                              mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
     return run_forward(problem, q, k, v, alibi_slopes=alibi_slopes, excluded=excluded,
-                       capability=capability)
+                       capability=capability, sinks=sinks)
 
 
 def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
@@ -309,7 +311,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
-                   device_offsets=None, capability=80, guard=False):
+                   device_offsets=None, capability=80, guard=False, sinks=None):
     """``(out [total_q, H, D], lse [H, total_q])`` of a packed batch (validated with the
     host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
     would be, else the same)."""
@@ -317,7 +319,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                       num_heads, num_kv_heads, head_dim, causal, window_size)
     out, lse = run_forward(problem, *map(_heads_first, (q, k, v)),
                            offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
-                           capability=capability, guard=guard)
+                           capability=capability, guard=guard, sinks=sinks)
     return out, lse[0]
 
 

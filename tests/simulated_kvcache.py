@@ -32,13 +32,13 @@ def _module(name, capability):
 def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
             window_size=0, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
             softmax_scale=None, return_lse=False, check=False, softcap=0.0, alibi_slopes=None,
-            capability=80, device_lengths=None, device_table=None, guard=False):
+            capability=80, device_lengths=None, device_table=None, guard=False, sinks=None):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
     ``capability`` (no user modifiers)."""
     problem = kvcache.kvcache_problem(
         q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal, window_size,
         cache_seqlens, k_new, v_new, block_table, softmax_scale, return_lse, check,
-        softcap=softcap, alibi_slopes=alibi_slopes)
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
     if isinstance(lengths, numbers.Integral):
@@ -77,7 +77,7 @@ def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
     if dense:  # the dense forward over the cache, its key counts per entry
         out, lse = simulated_attention.run_forward(
             attention, q, k_cache, v_cache, offsets=(None, key_counts),
-            alibi_slopes=alibi_slopes, capability=capability, guard=guard)
+            alibi_slopes=alibi_slopes, capability=capability, guard=guard, sinks=sinks)
         return (out, lse) if return_lse else out
 
     name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
@@ -100,7 +100,7 @@ def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
         name, (splits * row_tiles, problem.num_kv_heads, problem.batch), kvcache.THREADS,
         shared, [
             np.ascontiguousarray(q), k_cache, v_cache, lengths_array, length_value, table, out,
-            lse, part_out, part_lse, slopes, simulated_attention.NO_USER_ARGUMENTS,
+            lse, part_out, part_lse, slopes, sinks, simulated_attention.NO_USER_ARGUMENTS,
             *_strides(np.ascontiguousarray(q)), *_strides(k_cache), *_strides(v_cache),
             np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
             np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
@@ -111,5 +111,6 @@ def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
         combine = f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>"
         _module(combine, capability).launch(
             combine, (part_rows,), kvcache.THREADS, 0,
-            [part_out, part_lse, out, lse, np.int64(part_rows), np.int32(splits)], guard)
+            [part_out, part_lse, out, lse, sinks, np.int64(part_rows), np.int32(splits),
+             np.int32(problem.num_heads), np.int32(problem.q_len)], guard)
     return (out, lse) if return_lse else out

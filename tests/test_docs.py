@@ -535,6 +535,8 @@ def bad_calls():
         fwd(softcap=-1.0),
         fwd(alibi_slopes=a(8, dtype=f64)),
         fwd(alibi_slopes=a(3)),
+        fwd(sinks=a(8, dtype=f64)),
+        fwd(sinks=a(3)),
         fwd(q=huge, k=huge, v=huge, num_heads=1, num_kv_heads=1, head_dim=8),
         fwd(q=a(0, 1, 2**31, 8), k=a(0, 1, 8, 8), v=a(0, 1, 8, 8), num_heads=1,
             num_kv_heads=1, head_dim=8),

@@ -44,6 +44,7 @@ class KVCase:
     shared_blocks: bool = False  # sequences share their first block
     softcap: float = 0.0  # score modifiers (SPEC 8)
     alibi: str = ""  # ALiBi slopes: "" none, "heads" [H], "batch" [B, H]
+    sinks: bool = False  # attention sinks (float32 [H])
 
     def __str__(self):
         default = dataclasses.asdict(KVCase())
@@ -104,9 +105,10 @@ def make_inputs(case, rng, xp=np):
     if case.alibi:
         shape = (h,) if case.alibi == "heads" else (b, h)
         slopes = rng.uniform(0.05, 1.0, size=shape).astype(np.float32)
+    sinks = rng.uniform(-1.0, 4.0, h).astype(np.float32) if case.sinks else None
     return dict(q=move(q), k_cache=move(k_cache), v_cache=move(v_cache), k_new=move(k_new),
                 v_new=move(v_new), cache_seqlens=lengths, block_table=move(table),
-                alibi_slopes=move(slopes))
+                alibi_slopes=move(slopes), sinks=move(sinks))
 
 
 def host_lengths(case, inputs):
@@ -143,10 +145,11 @@ def oracle(case, inputs, k_cache, v_cache):
     table = None if inputs["block_table"] is None else to_numpy(inputs["block_table"])
     out = np.zeros(q.shape)
     lse = np.zeros(q.shape[:3])
+    sinks = None if inputs.get("sinks") is None else to_numpy(inputs["sinks"])
     for b, length in enumerate(host_lengths(case, inputs)):
         kv_len = int(length) + case.new_len
-        if kv_len == 0:  # no key at all: zeros and -inf (the oracle needs one key)
-            out[b], lse[b] = 0.0, -np.inf
+        if kv_len == 0:  # no key at all: zeros and -inf or the sinks (the oracle needs a key)
+            out[b], lse[b] = 0.0, -np.inf if sinks is None else sinks[:, None]
             continue
         where = [key_location(case, table, b, j) for j in range(kv_len)]
         keys = np.stack([k_cache[blk, :, row] for blk, row in where], axis=1)
@@ -158,7 +161,8 @@ def oracle(case, inputs, k_cache, v_cache):
         ref_out, ref_lse = attention_reference(q[b:b + 1], keys[None].astype(np.float64),
                                                values[None].astype(np.float64), case.causal,
                                                case.window, None, case.scale,
-                                               softcap=case.softcap, alibi_slopes=slopes)
+                                               softcap=case.softcap, alibi_slopes=slopes,
+                                               sinks=sinks)
         out[b], lse[b] = ref_out[0], ref_lse[0]
     return out, lse
 
@@ -174,7 +178,8 @@ def run_case(case, rng, xp=np, check=False, call=flash_attention_with_kvcache):
         case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
         k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],
         softmax_scale=case.scale, return_lse=True, check=check, softcap=case.softcap,
-        alibi_slopes=inputs["alibi_slopes"])
+        alibi_slopes=inputs["alibi_slopes"],
+        **({} if inputs["sinks"] is None else {"sinks": inputs["sinks"]}))
     assert type(out) is type(inputs["q"])
     assert out.dtype == DTYPES[case.dtype] and out.shape == inputs["q"].shape
     assert lse.dtype == np.float32 and lse.shape == inputs["q"].shape[:3]
@@ -236,6 +241,14 @@ CASES = [
            kv_heads=1, head_dim=96, capacity=140),
     KVCase(dtype="bfloat16", alibi="batch", softcap=2.5, q_len=80, new_len=80, heads=8,
            kv_heads=2, head_dim=128, capacity=200, lengths="int", causal=False),
+    # attention sinks: both decode kernels (an empty cache), splits, a long chunk (dense)
+    KVCase(dtype="bfloat16", sinks=True, q_len=2, new_len=0),
+    KVCase(dtype="float32", sinks=True, capacity=600, new_len=1, head_dim=40),
+    KVCase(dtype="float32", sinks=True, batch=1, heads=2, kv_heads=1, capacity=600, new_len=1,
+           head_dim=40, lengths="full"),
+    KVCase(dtype="float16", sinks=True, batch=2, kv_heads=1, capacity=600, q_len=3, new_len=3,
+           block_size=40, softcap=3.0, lengths="full"),
+    KVCase(dtype="bfloat16", sinks=True, q_len=40, new_len=9, heads=4, kv_heads=1),
 ]
 
 

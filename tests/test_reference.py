@@ -71,3 +71,25 @@ def test_given_out_and_lse_are_what_the_gradients_use(rng):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
     shifted = attention_reference_grad(dout, q, k, v, **opts, out=out, lse=lse - math.log(2))
     np.testing.assert_allclose(shifted[2], 2 * exact[2], rtol=1e-12)  # dv = P^T dout
+
+
+def test_sinks_are_a_key_of_zero_value(rng):
+    """A sink is one more key of the row whose score is sinks[h] and whose value is zero:
+    the oracle with sinks equals the plain formula with that key appended, and -inf sinks
+    change nothing."""
+    q, k, v = (rng.standard_normal((2, 3, 7, 8)) for _ in range(3))
+    sinks = rng.uniform(-1, 2, 3)
+    out, lse = attention_reference(q, k, v, causal=True, sinks=sinks)
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(8)
+    scores = np.where(np.tril(np.ones((7, 7), bool)), scores, -np.inf)
+    scores = np.concatenate([scores, np.broadcast_to(sinks[None, :, None, None],
+                                                     (2, 3, 7, 1))], axis=-1)
+    weights = np.exp(scores)
+    v_sink = np.concatenate([v, np.zeros((2, 3, 1, 8))], axis=2)
+    np.testing.assert_allclose(lse, np.log(weights.sum(-1)), rtol=1e-12)
+    np.testing.assert_allclose(out, weights @ v_sink / weights.sum(-1, keepdims=True),
+                               rtol=1e-10)
+    plain = attention_reference(q, k, v, causal=True)
+    none = attention_reference(q, k, v, causal=True, sinks=np.full(3, -np.inf))
+    for a, b in zip(plain, none):
+        np.testing.assert_array_equal(a, b)

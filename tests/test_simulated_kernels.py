@@ -16,6 +16,7 @@ import pytest
 import simulated_attention
 import simulated_kvcache
 import simulator
+import cuflash
 from cuflash import modifiers, registry
 from cuflash.block_mask import create_block_mask
 from cuflash.reference import attention_reference, attention_reference_grad
@@ -389,3 +390,65 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
     except simulator.SimulationError:
         return
     assert not error < 0.05, error
+
+
+# Attention sinks: each forward kernel family's row finish (mma.sync, wgmma warp-specialized
+# and not, the float32 pieces and their wide kernel, the CUDA cores), causal rows that see no
+# key; two runs through the (unchanged) backward kernels on the sinks' lse.
+SINK_CASE = Case(dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=2, q_len=50,
+                 kv_len=30, causal=True)
+SINK_RUNS = [
+    (SINK_CASE, 80, (), True),
+    (SINK_CASE, 90, (), True),
+    (Case(dtype="float16", head_dim=136, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=50,
+          window=(20, 5)), 90, (), False),
+    (Case(dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=30,
+          causal=True), 90, (), False),
+    (Case(dtype="float32", head_dim=160, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=30,
+          causal=True), 90, (), False),
+    (Case(dtype="float32", head_dim=40, batch=2, heads=2, kv_heads=1, q_len=40, kv_len=30,
+          causal=True), 80, (), False),
+]
+
+
+@pytest.mark.parametrize("case, capability, excluded, backward", SINK_RUNS, ids=str)
+def test_sink_kernels_match_oracle(case, capability, excluded, backward, rng):
+    """Every forward kernel adds exp(sinks[h]) to its rows' sums (add_sink): out and lse
+    against the oracle, rows that see no key zeros with lse = sinks[h]; the backward's
+    kernels on that lse give the oracle's gradients, and dsinks from the lse and Delta."""
+    from cuflash import sinks as attention_sinks
+    from sink_checks import check_sink_results, random_sinks
+
+    q, k, v, dout = random_inputs(case, rng)
+    sinks = random_sinks(rng, case.heads)
+    kw = dict(softmax_scale=case.scale, excluded=excluded, capability=capability)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, sinks=sinks, **kw)
+    results = [out, lse]
+    if backward:
+        results += simulated_attention.backward(dout, q, k, v, out, lse, *case.args, **kw)
+        delta = attention_sinks.row_deltas(dout, out)
+        results.append(attention_sinks.gradient(np, sinks, lse, delta, 1))
+    dead = check_sink_results((q, k, v, dout), results, sinks, case.dtype, case.causal,
+                              case.window, softmax_scale=case.scale, kernels=True)
+    assert dead.any() == case.causal
+
+
+def test_packed_sink_kernels_match_oracle(rng):
+    """Packed batches: each sequence's rows take the sinks, a sequence of no key gives
+    zeros and lse = sinks[h]."""
+    from sink_checks import NO_KEY_LSE_RTOL, random_sinks
+
+    lengths_q, lengths_k, heads = [20, 7, 33], [25, 0, 30], 4
+    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, 2, 64,
+                                           "bfloat16")
+    sinks = random_sinks(rng, heads)
+    out, lse = simulated_attention.varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q),
+                                                  max(lengths_k), heads, 2, 64, True,
+                                                  sinks=sinks)
+    want_out, want_lse = cuflash.flash_attention_varlen_fwd(
+        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), heads, 2, 64, True, sinks=sinks)
+    assert rel_error(out, want_out.astype(np.float64)) <= 1e-2
+    assert np.max(np.abs(lse - want_lse)) <= 1e-4 * (1 + np.abs(want_lse).max())
+    assert np.all(out[20:27].astype(np.float32) == 0)
+    no_key = np.broadcast_to(sinks[:, None], (heads, 7))
+    assert np.all(np.abs(lse[:, 20:27] - no_key) <= NO_KEY_LSE_RTOL["kernels"] * np.abs(no_key))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import InvalidArgumentError
+from cuflash import InvalidArgumentError, distributed
 from support import HAS_GPU, cupy
 
 B, H, HK, S, D = 2, 4, 2, 16, 32
@@ -169,3 +169,47 @@ def test_too_large_for_the_device_grid():
 
 def test_error_is_a_value_error():
     assert issubclass(InvalidArgumentError, ValueError)
+
+
+SINKS_CASES = {
+    "wrong shape": (lambda xp: xp.zeros(H + 1, np.float32), "sinks", "expected shape (4,)"),
+    "per batch entry": (lambda xp: xp.zeros((B, H), np.float32), "sinks", "expected shape"),
+    "float64": (lambda xp: xp.zeros(H), "sinks", "expected dtype float32, got float64"),
+    "float16": (lambda xp: xp.zeros(H, np.float16), "sinks", "expected dtype float32"),
+    "a list": (lambda xp: [0.0] * H, "sinks", "expected numpy.ndarray or cupy.ndarray"),
+}
+
+
+@pytest.mark.parametrize("name", SINKS_CASES)
+def test_sinks_errors(name):
+    """Bad sinks fail every entry point before any work, naming sinks."""
+    make, arg, fragment = SINKS_CASES[name]
+    sinks = make(np)
+    expect(arg, fragment, fwd, *inputs(), sinks=sinks)
+    expect(arg, fragment, cuflash.flash_attention_bwd, *backward_args(), H, HK, D, sinks=sinks)
+    expect(arg, fragment, cuflash.flash_attention_vjp, *inputs(), H, HK, D, sinks=sinks)
+    q, k, v = (x[0].transpose(1, 0, 2) for x in inputs())
+    cu = np.array([0, S], np.int32)
+    expect(arg, fragment, cuflash.flash_attention_varlen_fwd, q, k, v, cu, cu, S, S, H, HK, D,
+           sinks=sinks)
+    expect(arg, fragment, cuflash.flash_attention_varlen_bwd, q, q, k, v, q,
+           np.zeros((H, S), np.float32), cu, cu, S, S, H, HK, D, sinks=sinks)
+    q4, k4, v4 = inputs()
+    expect(arg, fragment, cuflash.flash_attention_with_kvcache, q4, k4, v4, H, HK, D,
+           cache_seqlens=S, sinks=sinks)
+    group = distributed.ThreadGroup(1)
+    expect(arg, fragment, lambda: group.run(
+        lambda g: distributed.ring_attention_fwd(q4, k4, v4, H, HK, D, group=g,
+                                                 layout="contiguous", sinks=sinks),
+        [()]))
+
+
+@pytest.mark.gpu
+def test_sinks_of_the_other_array_kind_or_device():
+    q, k, v = inputs(cupy)
+    expect("sinks", "mixed", fwd, q, k, v, sinks=np.zeros(H, np.float32))
+    expect("sinks", "mixed", fwd, *inputs(), sinks=cupy.zeros(H, np.float32))
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        with cupy.cuda.Device(1):
+            elsewhere = cupy.zeros(H, np.float32)
+        expect("sinks", "different devices", fwd, q, k, v, sinks=elsewhere)

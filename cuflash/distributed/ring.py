@@ -5,9 +5,11 @@ import dataclasses
 
 import numpy as np
 
+from .. import sinks as attention_sinks
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..errors import InvalidArgumentError
 from ..masking import normalize_window
+from ..problem import check_sinks
 from .groups import start_exchange
 from .layout import array_module, chunk_count, segments, step_calls
 
@@ -96,9 +98,34 @@ def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
                                    np.int32(shard_len), np.int32(head_dim)))
 
 
+def _add_sinks(xp, out_acc, lse_acc, sinks):
+    """The merged rows (float32 ``[B, H, S_shard, D]``, ``[B, H, S_shard]``) with the
+    attention sinks joined once: ``lse <- logaddexp(lse, sinks[h])`` and the output
+    rescaled by ``exp(old lse - new lse)`` (a row that saw no key: zeros, lse the sink)."""
+    sink = sinks.astype(np.float32)[None, :, None]
+    new = xp.logaddexp(lse_acc, sink)
+    with np.errstate(invalid="ignore"):
+        keep = xp.where(xp.isneginf(new), xp.float32(0), xp.exp(lse_acc - new))
+    return out_acc * keep[..., None], new.astype(np.float32)
+
+
+def _summed_in_rank_order(group, rank, size, part):
+    """The sum over the ranks of each one's ``part`` (an array of one shape), passed
+    around the ring and added in rank order: the same bits on every rank and run."""
+    parts = {rank: part}
+    held = part
+    for step in range(size - 1):
+        (held,) = start_exchange(group, (held,)).wait()  # rank - 1 - step's part
+        parts[(rank - 1 - step) % size] = held
+    total = parts[0]
+    for r in range(1, size):
+        total = total + parts[r]
+    return total
+
+
 def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                        window_size=0, *, group, layout="zigzag", softmax_scale=None,
-                       allow_tf32=False):
+                       allow_tf32=False, sinks=None):
     """This rank's shard of the attention over the whole sequence, forward pass.
 
     Parameters
@@ -111,6 +138,9 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
     group : process group
         ``rank``, ``size`` and ``exchange(arrays)``: e.g. a rank of :class:`ThreadGroup`.
     layout : {"zigzag", "contiguous"}
+    sinks : float32 array ``[num_heads]``, optional
+        Attention sinks, as in :func:`cuflash.flash_attention_fwd` (the same on every
+        rank): they join each row once, after the steps' merge.
 
     Returns
     -------
@@ -119,6 +149,7 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
         This rank's rows of the single call's results.
     """
     schedule = _Schedule(group, layout, q, k, v, causal, window_size)
+    check_sinks(sinks, q, num_heads)
     xp = array_module(q)
     out_acc = lse_acc = None
     k_now, v_now = k, v
@@ -140,27 +171,34 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
         if not last:
             k_now, v_now = incoming.wait()
     if out_acc is None:  # no row sees any key
-        return xp.zeros(q.shape, dtype=q.dtype), xp.full(q.shape[:3], -np.inf, np.float32)
+        out_acc = xp.zeros(q.shape, dtype=np.float32)
+        lse_acc = xp.full(q.shape[:3], -np.inf, np.float32)
+    if sinks is not None:
+        out_acc, lse_acc = _add_sinks(xp, out_acc, lse_acc, sinks)
     return out_acc.astype(q.dtype), lse_acc
 
 
 def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
                        causal=False, window_size=0, *, group, layout="zigzag",
-                       softmax_scale=None, deterministic=False, allow_tf32=False):
+                       softmax_scale=None, deterministic=False, allow_tf32=False, sinks=None):
     """Gradients of :func:`ring_attention_fwd` for this rank's shards.
 
     ``out`` and ``lse`` are this rank's results of the forward (the merged ones: every
     pair's backward takes its probabilities from them). The dK/dV accumulators of each
     K/V shard travel around the ring with it and come back to its owner. With
     ``deterministic`` every rank adds its pairs in a fixed order: the same bits on
-    every run.
+    every run. With ``sinks`` (the forward's), ``dsinks`` comes fourth: every rank's rows'
+    share summed around the ring in rank order, the same on every rank (the gradient of
+    the whole sequence's loss).
 
     Returns
     -------
     dq : array, shape and dtype of ``q``
     dk, dv : arrays, shape and dtype of ``k``
+    dsinks : float32 array ``[num_heads]``, only with ``sinks``
     """
     schedule = _Schedule(group, layout, q, k, v, causal, window_size)
+    check_sinks(sinks, q, num_heads)
     xp = array_module(q)
     dq_acc = xp.zeros(q.shape, dtype=np.float32)
     k_now, v_now = k, v
@@ -192,12 +230,17 @@ def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_di
         if not last:
             k_now, v_now = incoming.wait()
     dk_acc, dv_acc = sending.wait()
-    return dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+    grads = dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+    if sinks is None:
+        return grads
+    part = attention_sinks.gradient(xp, sinks, lse, attention_sinks.row_deltas(dout, out), 1)
+    return (*grads, _summed_in_rank_order(group, schedule.rank, schedule.size, part))
 
 
 @dataclasses.dataclass(frozen=True)
 class RingVJP:
-    """The residuals of one ring forward on one rank; ``dq, dk, dv = vjp(dout)``."""
+    """The residuals of one ring forward on one rank; ``dq, dk, dv = vjp(dout)`` (and
+    ``dsinks`` fourth with sinks)."""
 
     q: object
     k: object
@@ -214,10 +257,10 @@ class RingVJP:
 
 def ring_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
                        window_size=0, *, group, layout="zigzag", softmax_scale=None,
-                       allow_tf32=False):
+                       allow_tf32=False, sinks=None):
     """:func:`ring_attention_fwd` plus a :class:`RingVJP` for the matching backward."""
     arguments = (num_heads, num_kv_heads, head_dim, causal, window_size)
     options = dict(group=group, layout=layout, softmax_scale=softmax_scale,
-                   allow_tf32=allow_tf32)
+                   allow_tf32=allow_tf32, sinks=sinks)
     out, lse = ring_attention_fwd(q, k, v, *arguments, **options)
     return out, RingVJP(q, k, v, out, lse, arguments, options)

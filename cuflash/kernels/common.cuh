@@ -391,6 +391,27 @@ __device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
     }
 }
 
+// Attention sinks (gpt-oss): a logit a query head that joins every row's
+// softmax with a zero value vector. At a row's end, with its max `row_max` in
+// base 2 and its sum `total` relative to it, add exp2(sink2 - max) for sink2 =
+// sink log2 e, moving the max where the sink is above it (a row that saw no
+// key, total 0 whatever its max: max = sink2, total = 1 exactly, O = 0, lse =
+// sink2 ln 2 = sink to two roundings); returns the factor O's row takes. A
+// -inf sink changes nothing; NaN propagates.
+__device__ __forceinline__ float add_sink(float sink2, float& row_max, float& total) {
+    if (total == 0.f) row_max = neg_inf();
+    const float new_max = fmaxf(row_max, sink2);
+    const float base = new_max == neg_inf() ? 0.f : new_max;  // no -inf - -inf
+    const float alpha = fast_exp2(row_max - base);
+    total = fmaf(total, alpha, fast_exp2(sink2 - base));
+    row_max = new_max;
+    return alpha;
+}
+// Head h's sink in base 2, or -inf without sinks (add_sink then changes nothing).
+__device__ __forceinline__ float sink_log2(const float* __restrict__ sinks, int h) {
+    return sinks == nullptr ? neg_inf() : sinks[h] * kLog2e;
+}
+
 // Strides in elements of a [B, H, S, D] tensor whose last stride is 1.
 struct Strides { long long b, h, s; };
 
@@ -399,11 +420,14 @@ struct Strides { long long b, h, s; };
 #define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
 #define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
 // The packed calls' offsets (int32 [B + 1] each), null for dense calls, the
-// ALiBi slopes (float32 [B, H] or [H]), null without, and the user's
-// modifier arguments (by value); after a kernel's arrays.
+// ALiBi slopes (float32 [B, H] or [H]), null without, the attention sinks
+// (float32 [H], read by the forward kernels' row finish only: see add_sink),
+// null without, and the user's modifier arguments (by value); after a
+// kernel's arrays.
 #define CUFLASH_OFFSETS                                                          \
     const int* __restrict__ offsets_q, const int* __restrict__ offsets_k,        \
-        const float* __restrict__ alibi_slopes, const UserModifierArgs user_args
+        const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, \
+        const UserModifierArgs user_args
 // The other modifier arguments, after a kernel's scalars (see ScoreModifiers).
 #define CUFLASH_MODIFIER_PARAMS int alibi_batch_stride, float softcap
 // The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the

@@ -356,7 +356,8 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
         const int* __restrict__ seqlens, int seqlen_value,                                   \
         const int* __restrict__ block_table, T* __restrict__ out, float* __restrict__ lse,   \
         float* __restrict__ part_out, float* __restrict__ part_lse,                          \
-        const float* __restrict__ alibi_slopes, const UserModifierArgs user_args,            \
+        const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,             \
+        const UserModifierArgs user_args,                                                    \
         long long q_sb, long long q_sh,                                                      \
         long long q_ss, long long k_sb, long long k_sh, long long k_ss, long long v_sb,      \
         long long v_sh, long long v_ss, int num_heads, int group, int q_len, int new_len,    \
@@ -639,10 +640,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
         float rmax = neg_inf();
 #pragma unroll
         for (int rr = 0; rr < RM; ++rr) rmax = rr == r ? row_max[rr] : rmax;
+        const int i = m / group, h = hk * group + (m - i * group);
+        // Attention sinks enter once a row: here unsplit, else in kvcache_combine.
+        if (sinks != nullptr && num_splits == 1) o *= add_sink(sink_log2(sinks, h), rmax, l);
         const bool seen = l != 0.f;  // a NaN sum counts as seen: NaN is never hidden
         const float value = seen ? o / l : 0.f;
         const float row_lse2 = seen ? rmax + log2f(l) : neg_inf();
-        const int i = m / group, h = hk * group + (m - i * group);
         const long long row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
         if (num_splits == 1) {
             out[row * D + d] = from_float<T>(value);
@@ -1018,17 +1021,19 @@ __global__ void __launch_bounds__(kDecodeThreads,
         float top = neg_inf();
 #pragma unroll
         for (int k = 0; k < KEY_WARPS; ++k) top = fmaxf(top, max_s[k * BM + r]);
-        const float base = top == neg_inf() ? 0.f : top;
+        float base = top == neg_inf() ? 0.f : top;
         float o = 0.f, l = 0.f;
 #pragma unroll
         for (int k = 0; k < KEY_WARPS; ++k) {
             o += reduce_s[(k * BM + r) * D + d];
             l += sum_s[k * BM + r] * fast_exp2(max_s[k * BM + r] - base);
         }
+        const int i = m / group, h = hk * group + (m - i * group);
+        // Attention sinks enter once a row: here unsplit, else in kvcache_combine.
+        if (sinks != nullptr && num_splits == 1) o *= add_sink(sink_log2(sinks, h), base, l);
         const bool seen = l != 0.f;  // a NaN sum counts as seen: NaN is never hidden
         const float value = seen ? o / l : 0.f;
         const float row_lse2 = seen ? base + log2f(l) : neg_inf();
-        const int i = m / group, h = hk * group + (m - i * group);
         const long long row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
         if (num_splits == 1) {
             out[row * D + d] = from_float<T>(value);
@@ -1044,13 +1049,15 @@ __global__ void __launch_bounds__(kDecodeThreads,
 // Merge the num_splits (at most kMaxSplits) partials of each output row by
 // log-sum-exp, in a fixed order (the same bits on every run). One block a row: a
 // thread a split's weight, then a thread a column, its partials' loads in flight
-// together. Grid (rows).
+// together. Grid (rows). Attention sinks (`sinks` not null; row = (b H + h) S_q
+// + i) join as one more partial whose output is zero.
 constexpr int kMaxSplits = kDecodeThreads;  // cuflash/kvcache.py's MAX_SPLITS
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, 4) kvcache_combine(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, T* __restrict__ out,
-    float* __restrict__ lse, long long rows, int num_splits) {
+    float* __restrict__ lse, const float* __restrict__ sinks, long long rows, int num_splits,
+    int num_heads, int q_len) {
     __shared__ float weight_s[kMaxSplits];
     __shared__ float warp_max_s[kDecodeWarps], warp_sum_s[kDecodeWarps];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1058,7 +1065,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kvcache_combine(
     if (row >= rows) return;
     const int splits = min(num_splits, kMaxSplits);
     const float split_lse = tid < splits ? part_lse[row * num_splits + tid] : neg_inf();
-    float top = split_lse;
+    const float sink2 =
+        sinks == nullptr ? neg_inf() : sink_log2(sinks, static_cast<int>(row / q_len % num_heads));
+    float top = fmaxf(split_lse, sink2);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
     if (lane == 0) warp_max_s[warp] = top;
@@ -1073,12 +1082,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kvcache_combine(
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     if (lane == 0) warp_sum_s[warp] = total;
     __syncthreads();
-    total = 0.f;
+    total = sinks == nullptr ? 0.f : fast_exp2(sink2 - base);
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) total += warp_sum_s[w];
     const bool seen = total != 0.f;  // a NaN total counts as seen: NaN is never hidden
-    // total is in [1, splits] where seen (the top split weighs 1): the fast reciprocal is
-    // within 2 ulp there, and a division routine's call would spill
+    // total is in [1, splits + 1] where seen (the top split or the sink weighs 1): the
+    // fast reciprocal is within 2 ulp there, and a division routine's call would spill
     const float inv = seen ? __fdividef(1.f, total) : 0.f;
     if (tid == 0) lse[row] = seen ? (base + log2f(total)) * kLn2 : neg_inf();
     constexpr int BATCH = 8;  // partials in flight at once

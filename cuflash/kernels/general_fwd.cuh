@@ -111,16 +111,18 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
         const int r = ty + 16 * i;
-        const float total = row_sum8(row_sum[i]);
+        float total = row_sum8(row_sum[i]);
         if (r >= rows) continue;
+        float top = row_max[i], o_scale = 1.f;
+        if (sinks != nullptr) o_scale = add_sink(sink_log2(sinks, h), top, total);  // sinks
         // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
         // from a NaN input is not 0, so it reaches out and lse, never hidden.
-        const float inv = total != 0.f ? 1.f / total : 0.f;
+        const float inv = total != 0.f ? o_scale / total : 0.f;
         T* o_row = out + offset_of(out_st, b, h, m0 + r);
 #pragma unroll
         for (int e = 0; e < NE; ++e) o_row[tx + 8 * e] = from_float<T>(acc[i][e] * inv);
         if (tx == 0)
-            lse[row_base + m0 + r] = total != 0.f ? row_max[i] * kLn2 + logf(total) : neg_inf();
+            lse[row_base + m0 + r] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
     }
 }
 

@@ -241,12 +241,15 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&
 
 // The end of a row block: O / sum through store(row, d, x0, x1) (columns
 // 8d + 2t and 8d + 2t + 1 of tile row `row`, rows < rows only) and
-// lse[row] = max ln 2 + ln(sum), at lse_rows + row.
+// lse[row] = max ln 2 + ln(sum), at lse_rows + row. With attention sinks
+// (`sinks` not null) head h's sink joins each row's sum first (add_sink).
 template <int MT, int DTILES, typename Store>
 __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
                                             const float (&row_max)[MT][2],
                                             const float (&row_sum)[MT][2], int row0, int rows,
-                                            float* __restrict__ lse_rows, Store store) {
+                                            float* __restrict__ lse_rows, Store store,
+                                            const float* __restrict__ sinks = nullptr,
+                                            int h = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -257,14 +260,16 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
             total += __shfl_xor_sync(0xffffffffu, total, 2);
             const int row = row0 + mt * 16 + g + 8 * r;
             if (row >= rows) continue;
+            float top = row_max[mt][r], o_scale = 1.f;
+            if (sinks != nullptr) o_scale = add_sink(sink_log2(sinks, h), top, total);
             // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
             // from a NaN input is not 0, so it reaches out and lse, never hidden.
-            const float inv = total != 0.f ? 1.f / total : 0.f;
+            const float inv = total != 0.f ? o_scale / total : 0.f;
 #pragma unroll
             for (int d = 0; d < DTILES; ++d)
                 store(row, d, o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
             if (t == 0)
-                lse_rows[row] = total != 0.f ? row_max[mt][r] * kLn2 + logf(total) : neg_inf();
+                lse_rows[row] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
         }
 }
 

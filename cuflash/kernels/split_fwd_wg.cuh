@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
                     if (d * 8 < D)  // past D: the pieces' padding columns
                         reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             make_float2(x0 * out_scale, x1 * out_scale);
-                });
+                }, sinks, h);
 }
 
 }  // namespace cuflash

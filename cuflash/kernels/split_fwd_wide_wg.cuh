@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
                         reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) +
                                                   column)[t] =
                             make_float2(x0 * out_scale, x1 * out_scale);
-                });
+                }, sinks, h);
 }
 
 }  // namespace cuflash

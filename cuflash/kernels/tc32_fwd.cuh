@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
                 [&](int row, int d, float x0, float x1) {
                     *reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) + d * 8 + 2 * t) =
                         make_float2(x0, x1);
-                });
+                }, sinks, h);
 }
 
 }  // namespace cuflash

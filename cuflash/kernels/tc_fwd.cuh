@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
                     if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
                         reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             Op::pack(x0, x1);
-                });
+                }, sinks, h);
 }
 
 }  // namespace cuflash

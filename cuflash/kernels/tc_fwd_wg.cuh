@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
                     if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
                         reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                             Op::pack(x0, x1);
-                });
+                }, sinks, h);
 }
 
 }  // namespace cuflash

@@ -1,0 +1,274 @@
+"""The GPU path of :func:`cuflash.flash_attention_with_kvcache` (SPEC section 6): the
+append, the split-KV kernel of ``kernels/decode.cu`` and the combine of its splits (or,
+for long query chunks on a contiguous cache, the dense forward's plan), one call at a
+time (:func:`gpu_forward`) or as a launch plan for device-held lengths
+(:class:`DecodePlan`). The tile shapes, the split count and the kernel lookup are
+:mod:`cuflash.kvcache`'s."""
+
+import numbers
+
+import numpy as np
+
+from . import kvcache  # its functions are read at call time (tools replace some)
+from .kvcache import DENSE_MIN_ROWS, LOG2E, THREADS
+
+
+def _verify_on_host(problem, cache_seqlens, block_table):
+    """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
+    import cupy
+
+    parts = []
+    if not isinstance(cache_seqlens, numbers.Integral):
+        parts.append(cache_seqlens.ravel())
+    if block_table is not None:
+        parts.append(cupy.ascontiguousarray(block_table).ravel())
+    if not parts:
+        return
+    host = cupy.asnumpy(cupy.concatenate(parts) if len(parts) > 1 else parts[0])
+    if isinstance(cache_seqlens, numbers.Integral):
+        lengths = problem.host_lengths
+    else:
+        lengths = host[:problem.batch].astype(np.int64)
+        host = host[problem.batch:]
+        kvcache._check_lengths(lengths, problem.new_len, problem.capacity)
+    if block_table is not None:
+        table = host.reshape(problem.batch, problem.max_blocks)
+        kvcache._check_block_ids(table, lengths, problem.new_len, problem.block_size,
+                         problem.num_blocks)
+
+
+def _length_args(cache_seqlens):
+    if isinstance(cache_seqlens, numbers.Integral):
+        return np.uint64(0), np.int32(int(cache_seqlens))
+    return cache_seqlens, np.int32(0)
+
+
+def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes):
+    """The dense forward's plan (:class:`cuflash.gpu.ForwardPlan`) for a long query chunk
+    on a contiguous cache, or None (the split-KV kernels serve the call). Its tensor-core
+    kernels read each key once for a tile of many query rows of one head. With an int
+    length the plan reads ``kv_seq_len`` keys; with the lengths on the device its call takes
+    each sequence's count of keys as ``offsets=(None, counts)``, which only the kernels of
+    the registry's ``reads_key_counts`` read (the Hopper ones)."""
+    if block_table is not None or problem.q_len * problem.group_size < DENSE_MIN_ROWS:
+        return None
+    from .gpu import ForwardPlan
+    from .problem import forward_problem
+
+    host_length = isinstance(cache_seqlens, numbers.Integral)
+    attention = forward_problem(q, k_cache, v_cache, problem.num_heads, problem.num_kv_heads,
+                                problem.head_dim, False, problem.window,
+                                int(cache_seqlens) + problem.new_len if host_length else None,
+                                problem.softmax_scale, softcap=problem.softcap,
+                                alibi_slopes=alibi_slopes, score_mod=problem.score_mod,
+                                mask_mod=problem.mask_mod)
+    plan = ForwardPlan(attention, q, k_cache, v_cache)
+    return plan if host_length or plan.spec.reads_key_counts else None
+
+
+def _key_counts(problem, cache_seqlens):
+    """Where the dense forward finds each sequence's keys for device-held lengths: the
+    lengths themselves without an append (the kernels clamp them to the capacity), else a
+    new int32 ``[B]`` that the append fills with ``clamped length + S_new``."""
+    import cupy
+
+    return cupy.empty(problem.batch, np.int32) if problem.new_len else cache_seqlens
+
+
+def _user_modifiers(problem):
+    """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
+    ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
+    from .gpu import NO_USER_ARGUMENTS, UserArguments
+    from .kernel_build import UserFunctors
+
+    if problem.score_mod is None and problem.mask_mod is None:
+        return None, NO_USER_ARGUMENTS
+    functors = UserFunctors.of(problem.score_mod, problem.mask_mod,
+                               built_ins=problem.softcap > 0 or problem.alibi)
+    return functors, UserArguments(problem)
+
+
+def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                check, alibi_slopes=None, sinks=None):
+    """Return ``(out, lse)`` on the current device and stream: append, attend, combine
+    (``sinks``: the attention sinks, which the unsplit kernel or the combine adds)."""
+    import cupy
+
+    from .gpu import element_strides as _strides
+    from .gpu import rows_are_16_byte_aligned as _aligned
+    from .problem import unit_last_stride
+
+    if check:
+        _verify_on_host(problem, cache_seqlens, block_table)
+    if block_table is not None:
+        block_table = cupy.ascontiguousarray(block_table)
+    if not isinstance(cache_seqlens, numbers.Integral):
+        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+    seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
+    table_ptr, paging = kvcache._paging_args(problem, block_table)
+    cxx = kvcache._cxx_type(problem.dtype)
+    dense = None
+    if problem.batch * problem.num_heads:
+        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
+                            alibi_slopes)
+    key_counts = None
+    if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
+        key_counts = _key_counts(problem, cache_seqlens)
+    if problem.new_len and problem.batch and problem.num_kv_heads:
+        k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+        append = kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0]
+        elements = problem.new_len * problem.head_dim
+        append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
+            k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
+            np.uint64(0) if key_counts is None else key_counts,
+            *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
+            np.int32(problem.new_len), np.int32(problem.head_dim), *paging))
+    if problem.batch * problem.num_heads == 0:
+        return (cupy.empty(problem.q_shape, dtype=problem.dtype),
+                cupy.empty(problem.lse_shape, dtype=np.float32))
+    if dense is not None:  # key_counts None: an int length
+        return dense(q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes,
+                     sinks=sinks)
+    q = unit_last_stride(cupy, q)
+    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
+    row_tiles = -(-problem.q_len * problem.group_size // rows)
+    functors, user = _user_modifiers(problem)
+    decode, per_sm, sm_count = kvcache._kernel(name, shared, functors)
+    blocks = problem.batch * problem.num_kv_heads * row_tiles
+    splits = kvcache.num_splits(blocks, per_sm * sm_count,
+                        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile))
+    out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+    lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+    part_rows = problem.batch * problem.num_heads * problem.q_len
+    if splits > 1:
+        part_out = cupy.empty((part_rows * splits, problem.head_dim), dtype=np.float32)
+        part_lse = cupy.empty(part_rows * splits, dtype=np.float32)
+    else:
+        part_out = part_lse = np.uint64(0)
+    left, right = problem.window
+    slopes, sinks = (np.uint64(0) if a is None else cupy.ascontiguousarray(a)
+                     for a in (alibi_slopes, sinks))
+    decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
+        q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
+        slopes, sinks, user.pointer, *_strides(q), *_strides(k_cache), *_strides(v_cache),
+        np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
+        np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
+        np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
+        np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)),
+        shared_mem=shared)
+    if splits > 1:
+        combine = kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
+        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse, sinks,
+                                            np.int64(part_rows), np.int32(splits),
+                                            np.int32(problem.num_heads),
+                                            np.int32(problem.q_len)))
+    return out, lse
+
+
+class DecodePlan:
+    """The launches of one call signature with device-held lengths (``check=False``):
+    the append, the split-KV kernel and the combine with their grids and scalar arguments
+    fixed (or, for long query chunks on a contiguous cache, the dense forward's plan), so
+    that a decoding step only allocates its outputs and launches. (Host-held lengths
+    change every step and size the split count, so those calls take
+    :func:`gpu_forward`.)"""
+
+    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                 alibi_slopes=None):
+        import cupy
+
+        from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
+        from .problem import unit_last_stride
+
+        self.problem = problem
+        self.copies = (any(a is not None and a.strides[-1] != a.itemsize
+                           for a in (q, k_new, v_new))
+                       or not cache_seqlens.flags.c_contiguous
+                       or (block_table is not None and not block_table.flags.c_contiguous))
+        q = unit_last_stride(cupy, q)
+        cxx = kvcache._cxx_type(problem.dtype)
+        _, paging = kvcache._paging_args(problem, block_table)
+        self.append = None
+        if problem.new_len and problem.num_kv_heads:
+            k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+            elements = problem.new_len * problem.head_dim
+            self.append = Launch(
+                kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
+                (-(-elements // THREADS), problem.num_kv_heads, problem.batch), THREADS, 0,
+                (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
+                 *element_strides(v_cache), np.int32(problem.new_len),
+                 np.int32(problem.head_dim), *paging))
+        self.dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
+                                 alibi_slopes)
+        if self.dense is not None:
+            return
+        name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
+        row_tiles = -(-problem.q_len * problem.group_size // rows)
+        decode, per_sm, sm_count = kvcache._kernel(name, shared)
+        blocks = problem.batch * problem.num_kv_heads * row_tiles
+        self.splits = kvcache.num_splits(blocks, per_sm * sm_count,
+                                 *kvcache.split_cap(problem.capacity, keys_per_tile))
+        left, right = problem.window
+        self.decode = Launch(
+            decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
+            THREADS, shared,
+            (NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
+             *element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
+             np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
+             np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
+             np.int32(self.splits), np.int32(row_tiles),
+             np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
+             np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)))
+        self.part_rows = problem.batch * problem.num_heads * problem.q_len
+        self.combine = None
+        if self.splits > 1:
+            self.combine = Launch(
+                kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
+                (self.part_rows,), THREADS, 0,
+                (np.int64(self.part_rows), np.int32(self.splits), np.int32(problem.num_heads),
+                 np.int32(problem.q_len)))
+            # The splits' partial rows and their lse in one workspace (256-byte aligned).
+            self.part_lse_offset = -(-4 * self.part_rows * self.splits * problem.head_dim
+                                     // 256) * 256
+            self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                 alibi_slopes=None, sinks=None):
+        import cupy
+
+        from .problem import unit_last_stride
+
+        problem = self.problem
+        if self.copies:  # the signature fixes which
+            q, k_new, v_new = (a if a is None else unit_last_stride(cupy, a)
+                               for a in (q, k_new, v_new))
+            cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+            if block_table is not None:
+                block_table = cupy.ascontiguousarray(block_table)
+        from .gpu import address, current_stream
+
+        stream = current_stream()
+        table = address(block_table)
+        slopes, sink_ptr = (0 if a is None else cupy.ascontiguousarray(a).data.ptr
+                            for a in (alibi_slopes, sinks))
+        lengths = cache_seqlens.data.ptr
+        key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
+        if self.append is not None:  # 0: the lengths' value (they are on the device)
+            self.append(stream, k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr,
+                        v_cache.data.ptr, lengths, 0, table, address(key_counts))
+        if self.dense is not None:
+            out, lse = self.dense(q, k_cache, v_cache, offsets=(None, key_counts),
+                                  alibi_slopes=alibi_slopes, sinks=sinks)
+            return (out, lse) if problem.return_lse else out
+        out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+        lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+        inputs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths, 0, table,
+                  out.data.ptr, lse.data.ptr)
+        if self.combine is None:
+            self.decode(stream, *inputs, 0, 0, slopes, sink_ptr)
+        else:
+            workspace = cupy.cuda.alloc(self.workspace_bytes)
+            part_lse = workspace.ptr + self.part_lse_offset
+            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes, sink_ptr)
+            self.combine(stream, workspace.ptr, part_lse, out.data.ptr, lse.data.ptr, sink_ptr)
+        return (out, lse) if problem.return_lse else out

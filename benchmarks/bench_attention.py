@@ -37,8 +37,10 @@ BACKWARD_FLOP_FACTOR = 2.5
 TRACK_REPEATS = 10
 HOST_TIME_SHAPE = (1, 1, 16, 64)  # B, H, S, D: the GPU work is a few microseconds
 # name: (batch, cache length, block size; 0 is a contiguous cache); bfloat16, D=128, H=32/8.
-DECODE_CASES = {"b16-cache8192-contiguous": (16, 8192, 0),
-                "b1-cache32768-paged256": (1, 32768, 256)}
+DECODE_CASES = {
+    "b16-cache8192-contiguous": (16, 8192, 0),
+    "b1-cache32768-paged256": (1, 32768, 256),
+}
 MODIFIER_SHAPE = (4, 16, 4096, 128)  # B, H, S, D of Modifiers (bfloat16, causal)
 VARLEN_HEAD_DIM = 128  # Varlen: the causal packed batch of uniform lengths, H = 2048 / 128
 
@@ -104,7 +106,8 @@ class Attention:
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
             rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtype(dtype))
-            for _ in range(4))
+            for _ in range(4)
+        )
         self.out, self.lse = self.forward()
         self.synchronize()
 
@@ -115,14 +118,32 @@ class Attention:
     def forward(self):
         """Enqueue one forward pass; return ``(out, lse)``."""
         return self.cuflash.flash_attention_fwd(
-            self.q, self.k, self.v, self.heads, self.heads, self.head_dim, self.causal,
-            allow_tf32=self.allow_tf32)
+            self.q,
+            self.k,
+            self.v,
+            self.heads,
+            self.heads,
+            self.head_dim,
+            self.causal,
+            allow_tf32=self.allow_tf32,
+        )
 
     def backward(self, out, lse):
         """Enqueue one backward pass (without its host synchronization)."""
         return self.cuflash.flash_attention_bwd(
-            self.dout, self.q, self.k, self.v, out, lse, self.heads, self.heads,
-            self.head_dim, self.causal, synchronize=False, allow_tf32=self.allow_tf32)
+            self.dout,
+            self.q,
+            self.k,
+            self.v,
+            out,
+            lse,
+            self.heads,
+            self.heads,
+            self.head_dim,
+            self.causal,
+            synchronize=False,
+            allow_tf32=self.allow_tf32,
+        )
 
     def median_seconds(self, enqueue):
         """Median GPU time of ``enqueue()`` over ``TRACK_REPEATS`` CUDA-event timings."""
@@ -188,9 +209,22 @@ class DeterministicBackward:
 
     def track_backward_tflops(self, *params):
         case = self.case
-        seconds = case.median_seconds(lambda: case.cuflash.flash_attention_bwd(
-            case.dout, case.q, case.k, case.v, case.out, case.lse, case.heads, case.heads,
-            case.head_dim, case.causal, synchronize=False, deterministic=True))
+        seconds = case.median_seconds(
+            lambda: case.cuflash.flash_attention_bwd(
+                case.dout,
+                case.q,
+                case.k,
+                case.v,
+                case.out,
+                case.lse,
+                case.heads,
+                case.heads,
+                case.head_dim,
+                case.causal,
+                synchronize=False,
+                deterministic=True,
+            )
+        )
         return BACKWARD_FLOP_FACTOR * case.forward_flop_count() / seconds / 1e12
 
     track_backward_tflops.unit = "TFLOP/s"
@@ -211,8 +245,9 @@ class HostTime:
         batch, self.heads, seqlen, self.head_dim = HOST_TIME_SHAPE
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
-            rng.standard_normal(HOST_TIME_SHAPE, dtype=np.float32)
-            .astype(numpy_dtype("bfloat16")) for _ in range(4))
+            rng.standard_normal(HOST_TIME_SHAPE, dtype=np.float32).astype(numpy_dtype("bfloat16"))
+            for _ in range(4)
+        )
         self.out, self.lse = self.time_forward_call()
         self.time_backward_call()
         self.teardown()
@@ -221,13 +256,24 @@ class HostTime:
         self.cupy.cuda.Device().synchronize()
 
     def time_forward_call(self):
-        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, self.heads, self.heads,
-                                                self.head_dim, True)
+        return self.cuflash.flash_attention_fwd(
+            self.q, self.k, self.v, self.heads, self.heads, self.head_dim, True
+        )
 
     def time_backward_call(self):
         return self.cuflash.flash_attention_bwd(
-            self.dout, self.q, self.k, self.v, self.out, self.lse, self.heads, self.heads,
-            self.head_dim, True, synchronize=False)
+            self.dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            self.heads,
+            self.heads,
+            self.head_dim,
+            True,
+            synchronize=False,
+        )
 
 
 class Decode:
@@ -260,8 +306,17 @@ class Decode:
     def decode(self):
         """Enqueue one step; return the output."""
         c, x = self.case, self.x
-        return self.function(x.q, x.k_cache, x.v_cache, c.heads, c.kv_heads, c.head_dim, True,
-                             cache_seqlens=x.cache_seqlens, block_table=x.block_table)
+        return self.function(
+            x.q,
+            x.k_cache,
+            x.v_cache,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            True,
+            cache_seqlens=x.cache_seqlens,
+            block_table=x.block_table,
+        )
 
     def time_decode(self, case):
         self.decode()
@@ -289,21 +344,31 @@ class Varlen:
         self.cupy, self.cuflash = gpu_modules()
         from cuflash.bench import varlen_cases
 
-        self.case = next(c for c in varlen_cases((VARLEN_HEAD_DIM,))
-                         if c.kind == "uniform" and c.causal)
+        self.case = next(
+            c for c in varlen_cases((VARLEN_HEAD_DIM,)) if c.kind == "uniform" and c.causal
+        )
         shape = (self.case.tokens, self.case.heads, self.case.head_dim)
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
             rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtype("bfloat16"))
-            for _ in range(4))
+            for _ in range(4)
+        )
         self.cu_seqlens = self.cupy.asarray(self.case.cu_seqlens)
         self.out, self.lse = self.forward()
         self.cupy.cuda.Device().synchronize()
 
     def _args(self):
         c = self.case
-        return (self.cu_seqlens, self.cu_seqlens, c.max_seqlen, c.max_seqlen, c.heads, c.heads,
-                c.head_dim, c.causal)
+        return (
+            self.cu_seqlens,
+            self.cu_seqlens,
+            c.max_seqlen,
+            c.max_seqlen,
+            c.heads,
+            c.heads,
+            c.head_dim,
+            c.causal,
+        )
 
     def forward(self):
         """Enqueue one forward pass; return ``(out, lse)``."""
@@ -312,8 +377,8 @@ class Varlen:
     def backward(self):
         """Enqueue one backward pass (without its host synchronization)."""
         return self.cuflash.flash_attention_varlen_bwd(
-            self.dout, self.q, self.k, self.v, self.out, self.lse, *self._args(),
-            synchronize=False)
+            self.dout, self.q, self.k, self.v, self.out, self.lse, *self._args(), synchronize=False
+        )
 
     def track_forward_tflops(self):
         return self.case.flops("fwd") / median_gpu_seconds(self.cupy, self.forward) / 1e12
@@ -344,7 +409,8 @@ class Modifiers:
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
             rng.standard_normal(MODIFIER_SHAPE, dtype=np.float32).astype(numpy_dtype("bfloat16"))
-            for _ in range(4))
+            for _ in range(4)
+        )
         self.args = (heads, heads, head_dim, True)
         self.options = cuflash_options(modifier, heads)
         self.flops = forward_flops(batch, heads, seqlen, head_dim, True)
@@ -352,13 +418,20 @@ class Modifiers:
         self.cupy.cuda.Device().synchronize()
 
     def forward(self):
-        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, *self.args,
-                                                **self.options)
+        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, *self.args, **self.options)
 
     def backward(self):
-        return self.cuflash.flash_attention_bwd(self.dout, self.q, self.k, self.v, self.out,
-                                                self.lse, *self.args, synchronize=False,
-                                                **self.options)
+        return self.cuflash.flash_attention_bwd(
+            self.dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            *self.args,
+            synchronize=False,
+            **self.options,
+        )
 
     def track_forward_tflops(self, modifier):
         return self.flops / median_gpu_seconds(self.cupy, self.forward) / 1e12
@@ -366,8 +439,9 @@ class Modifiers:
     track_forward_tflops.unit = "TFLOP/s"
 
     def track_backward_tflops(self, modifier):
-        return (BACKWARD_FLOP_FACTOR * self.flops
-                / median_gpu_seconds(self.cupy, self.backward) / 1e12)
+        return (
+            BACKWARD_FLOP_FACTOR * self.flops / median_gpu_seconds(self.cupy, self.backward) / 1e12
+        )
 
     track_backward_tflops.unit = "TFLOP/s"
 
@@ -392,21 +466,32 @@ class Masks:
         rng = self.cupy.random.default_rng(0)
         self.q, self.k, self.v, self.dout = (
             rng.standard_normal(case.shape, dtype=np.float32).astype(numpy_dtype("bfloat16"))
-            for _ in range(4))
+            for _ in range(4)
+        )
         self.args = (case.heads, case.heads, case.head_dim)
-        self.block_mask = create_block_mask(cuflash_mask(mask, case), None, None, case.seqlen,
-                                            case.seqlen)
+        self.block_mask = create_block_mask(
+            cuflash_mask(mask, case), None, None, case.seqlen, case.seqlen
+        )
         self.out, self.lse = self.forward()
         self.cupy.cuda.Device().synchronize()
 
     def forward(self):
-        return self.cuflash.flash_attention_fwd(self.q, self.k, self.v, *self.args,
-                                                block_mask=self.block_mask)
+        return self.cuflash.flash_attention_fwd(
+            self.q, self.k, self.v, *self.args, block_mask=self.block_mask
+        )
 
     def backward(self):
-        return self.cuflash.flash_attention_bwd(self.dout, self.q, self.k, self.v, self.out,
-                                                self.lse, *self.args, synchronize=False,
-                                                block_mask=self.block_mask)
+        return self.cuflash.flash_attention_bwd(
+            self.dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            *self.args,
+            synchronize=False,
+            block_mask=self.block_mask,
+        )
 
     def track_forward_ms(self, mask):
         return median_gpu_seconds(self.cupy, self.forward) * 1e3

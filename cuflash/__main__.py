@@ -49,8 +49,10 @@ def main(argv=None):
     print(f"causal attention, {dtype.name}, B={b} H={h} H_kv={hk} S={s} D={d}")
 
     rng = np.random.default_rng()
-    q, k, v, dout = (xp.asarray(rng.standard_normal(shape).astype(dtype))
-                     for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d)))
+    q, k, v, dout = (
+        xp.asarray(rng.standard_normal(shape).astype(dtype))
+        for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d))
+    )
 
     def timed(fn, repeats=10):
         """Result of ``fn`` and its mean wall time over ``repeats`` calls after a warm-up."""
@@ -75,12 +77,19 @@ def main(argv=None):
     pick = lambda x, heads: to_host(x[:1, :heads]).astype(np.float64)  # noqa: E731
     ref_out, _ = attention_reference(pick(q, group), pick(k, 1), pick(v, 1), causal=True)
     ref_dq, ref_dk, ref_dv = attention_reference_grad(
-        pick(dout, group), pick(q, group), pick(k, 1), pick(v, 1), causal=True)
-    errors = {"out": _rel(pick(out, group), ref_out), "dq": _rel(pick(dq, group), ref_dq),
-              "dk": _rel(to_host(dk[:1, :1]), ref_dk), "dv": _rel(to_host(dv[:1, :1]), ref_dv)}
+        pick(dout, group), pick(q, group), pick(k, 1), pick(v, 1), causal=True
+    )
+    errors = {
+        "out": _rel(pick(out, group), ref_out),
+        "dq": _rel(pick(dq, group), ref_dq),
+        "dk": _rel(to_host(dk[:1, :1]), ref_dk),
+        "dv": _rel(to_host(dv[:1, :1]), ref_dv),
+    }
     bound = 2e-2 if dtype == BFLOAT16 else 1e-5
-    print("relative error vs float64 oracle: " +
-          ", ".join(f"{name} {err:.2e}" for name, err in errors.items()))
+    print(
+        "relative error vs float64 oracle: "
+        + ", ".join(f"{name} {err:.2e}" for name, err in errors.items())
+    )
     ok = all(err < bound for err in errors.values())
     print("check passed" if ok else f"CHECK FAILED (bound {bound})")
     return 0 if ok else 1

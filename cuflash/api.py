@@ -10,16 +10,20 @@ from .problem import backward_problem, forward_problem
 
 def _empty_forward(problem):
     xp = problem.xp
-    return (xp.empty(problem.q_shape, dtype=problem.dtype),
-            xp.empty(problem.lse_shape, dtype=np.float32))
+    return (
+        xp.empty(problem.q_shape, dtype=problem.dtype),
+        xp.empty(problem.lse_shape, dtype=np.float32),
+    )
 
 
 def _empty_backward(problem):
     """No query row: dq is empty and no key receives any gradient (nor any sink)."""
     xp = problem.xp
-    grads = (xp.empty(problem.q_shape, dtype=problem.dtype),
-             xp.zeros(problem.kv_shape, dtype=problem.dtype),
-             xp.zeros(problem.kv_shape, dtype=problem.dtype))
+    grads = (
+        xp.empty(problem.q_shape, dtype=problem.dtype),
+        xp.zeros(problem.kv_shape, dtype=problem.dtype),
+        xp.zeros(problem.kv_shape, dtype=problem.dtype),
+    )
     return (*grads, xp.zeros(problem.num_heads, np.float32)) if problem.sinks else grads
 
 
@@ -29,10 +33,26 @@ def _arrays_and_slopes(arrays, alibi_slopes, sinks=None):
     return (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None))
 
 
-def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                        window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None, block_mask=None, sinks=None):
+def flash_attention_fwd(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    kv_seq_len=None,
+    *,
+    softmax_scale=None,
+    allow_tf32=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    sinks=None,
+):
     """Fused scaled-dot-product attention, forward pass.
 
     Parameters
@@ -119,17 +139,46 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     CuPy arrays run on the current device and stream; NumPy arrays run on the
     CPU path with the same semantics. Accumulation is always float32.
     """
-    key = plans.signature(_arrays_and_slopes((q, k, v), alibi_slopes, sinks),
-                          (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, allow_tf32, softcap, score_mod, mask_mod,
-                           block_mask, alibi_slopes is None, sinks is None))
+    key = plans.signature(
+        _arrays_and_slopes((q, k, v), alibi_slopes, sinks),
+        (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            kv_seq_len,
+            softmax_scale,
+            allow_tf32,
+            softcap,
+            score_mod,
+            mask_mod,
+            block_mask,
+            alibi_slopes is None,
+            sinks is None,
+        ),
+    )
     plan = plans.get(key)
     if plan is None:
-        problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                                  window_size, kv_seq_len, softmax_scale, allow_tf32=allow_tf32,
-                                  softcap=softcap, alibi_slopes=alibi_slopes,
-                                  score_mod=score_mod, mask_mod=mask_mod,
-                                  block_mask=block_mask, sinks=sinks)
+        problem = forward_problem(
+            q,
+            k,
+            v,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            kv_seq_len,
+            softmax_scale,
+            allow_tf32=allow_tf32,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+            sinks=sinks,
+        )
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
@@ -141,11 +190,31 @@ def flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     return plan(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
-                        causal=False, window_size=0, *, kv_seq_len=None, softmax_scale=None,
-                        deterministic=False, synchronize=True, allow_tf32=False, softcap=0.0,
-                        alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None,
-                        sinks=None):
+def flash_attention_bwd(
+    dout,
+    q,
+    k,
+    v,
+    output,
+    lse,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    kv_seq_len=None,
+    softmax_scale=None,
+    deterministic=False,
+    synchronize=True,
+    allow_tf32=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    sinks=None,
+):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v (and the
     attention sinks, when given).
 
@@ -161,7 +230,9 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         The forward log-sum-exp.
     num_heads, num_kv_heads, head_dim, causal, window_size
         As passed to the forward.
-    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod, mask_mod, block_mask : keyword-only
+    kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes : keyword-only
+        As passed to the forward.
+    score_mod, mask_mod, block_mask : keyword-only
         As passed to the forward.
     sinks : float32 array ``[num_heads]``, optional, keyword-only
         The forward's attention sinks (the same array): ``dsinks`` is returned too.
@@ -192,30 +263,66 @@ def flash_attention_bwd(dout, q, k, v, output, lse, num_heads, num_kv_heads, hea
         Before any kernel runs, naming the argument and the reason (every
         message is listed in the Troubleshooting page).
     """
-    key = plans.signature(_arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes, sinks),
-                          (num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len,
-                           softmax_scale, deterministic, synchronize, allow_tf32, softcap,
-                           score_mod, mask_mod, block_mask, alibi_slopes is None,
-                           sinks is None))
+    key = plans.signature(
+        _arrays_and_slopes((dout, q, k, v, output, lse), alibi_slopes, sinks),
+        (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            kv_seq_len,
+            softmax_scale,
+            deterministic,
+            synchronize,
+            allow_tf32,
+            softcap,
+            score_mod,
+            mask_mod,
+            block_mask,
+            alibi_slopes is None,
+            sinks is None,
+        ),
+    )
     plan = plans.get(key)
     if plan is None:
-        problem = backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads,
-                                   head_dim, causal, window_size, kv_seq_len, softmax_scale,
-                                   deterministic, synchronize, allow_tf32=allow_tf32,
-                                   softcap=softcap, alibi_slopes=alibi_slopes,
-                                   score_mod=score_mod, mask_mod=mask_mod,
-                                   block_mask=block_mask, sinks=sinks)
+        problem = backward_problem(
+            dout,
+            q,
+            k,
+            v,
+            output,
+            lse,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            kv_seq_len,
+            softmax_scale,
+            deterministic,
+            synchronize,
+            allow_tf32=allow_tf32,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+            sinks=sinks,
+        )
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
             return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes, sinks)
         from . import gpu  # imported on first GPU use only
 
-        plan = gpu.BackwardPlan(problem, dout, q, k, v, output, lse.flags.c_contiguous,
-                                bool(deterministic))
+        plan = gpu.BackwardPlan(
+            problem, dout, q, k, v, output, lse.flags.c_contiguous, bool(deterministic)
+        )
         plans.remember(key, plan)
-    return plan(dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes,
-                sinks=sinks)
+    return plan(
+        dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes, sinks=sinks
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,18 +399,51 @@ class AttentionVJP:
         """
         c = self.config
         return flash_attention_bwd(
-            dout, self.q, self.k, self.v, self.out, self.lse, c.num_heads, c.num_kv_heads,
-            c.head_dim, c.causal, c.window_size, kv_seq_len=c.kv_seq_len,
-            softmax_scale=c.softmax_scale, deterministic=deterministic,
-            synchronize=synchronize, allow_tf32=c.allow_tf32, softcap=c.softcap,
-            alibi_slopes=c.alibi_slopes, score_mod=c.score_mod, mask_mod=c.mask_mod,
-            block_mask=c.block_mask, sinks=c.sinks)
+            dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.causal,
+            c.window_size,
+            kv_seq_len=c.kv_seq_len,
+            softmax_scale=c.softmax_scale,
+            deterministic=deterministic,
+            synchronize=synchronize,
+            allow_tf32=c.allow_tf32,
+            softcap=c.softcap,
+            alibi_slopes=c.alibi_slopes,
+            score_mod=c.score_mod,
+            mask_mod=c.mask_mod,
+            block_mask=c.block_mask,
+            sinks=c.sinks,
+        )
 
 
-def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                        window_size=0, kv_seq_len=None, *, softmax_scale=None,
-                        allow_tf32=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None, block_mask=None, sinks=None):
+def flash_attention_vjp(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    kv_seq_len=None,
+    *,
+    softmax_scale=None,
+    allow_tf32=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    sinks=None,
+):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
@@ -326,12 +466,39 @@ def flash_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False
     >>> dq.shape, dk.shape, vjp.lse.shape
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
-    config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size,
-                             kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes,
-                             score_mod, mask_mod, block_mask, sinks)
-    out, lse = flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                                   window_size, kv_seq_len, softmax_scale=softmax_scale,
-                                   allow_tf32=allow_tf32, softcap=softcap,
-                                   alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                   mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
+    config = AttentionConfig(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale,
+        allow_tf32,
+        softcap,
+        alibi_slopes,
+        score_mod,
+        mask_mod,
+        block_mask,
+        sinks,
+    )
+    out, lse = flash_attention_fwd(
+        q,
+        k,
+        v,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale=softmax_scale,
+        allow_tf32=allow_tf32,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        sinks=sinks,
+    )
     return out, AttentionVJP(q, k, v, out, lse, config)

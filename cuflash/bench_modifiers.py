@@ -5,12 +5,33 @@ it.
 
 import sys
 
-from .bench.modifiers import (MODIFIERS, SOFTCAP, TARGET, CuflashModified, FlexModified,
-                              alibi_slopes, cuflash_options, flex_score_mod, main, measure,
-                              table)
+from .bench.modifiers import (
+    MODIFIERS,
+    SOFTCAP,
+    TARGET,
+    CuflashModified,
+    FlexModified,
+    alibi_slopes,
+    cuflash_options,
+    flex_score_mod,
+    main,
+    measure,
+    table,
+)
 
-__all__ = ["MODIFIERS", "SOFTCAP", "TARGET", "CuflashModified", "FlexModified", "alibi_slopes",
-           "cuflash_options", "flex_score_mod", "main", "measure", "table"]
+__all__ = [
+    "MODIFIERS",
+    "SOFTCAP",
+    "TARGET",
+    "CuflashModified",
+    "FlexModified",
+    "alibi_slopes",
+    "cuflash_options",
+    "flex_score_mod",
+    "main",
+    "measure",
+    "table",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

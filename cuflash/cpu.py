@@ -46,13 +46,14 @@ def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
     """Scaled scores with the score modifiers (SPEC 8) and invisible entries at ``-inf``,
     the visibility mask, and the modifiers' derivative (1 without a soft-cap)."""
     s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * np.float32(problem.softmax_scale)
-    s, derivative = modify_scores(s, r0, r1, c0, c1, problem.q_len, problem.kv_len,
-                                  problem.softcap, slopes)
-    visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), problem.q_len,
-                           problem.kv_len, *problem.window)
+    s, derivative = modify_scores(
+        s, r0, r1, c0, c1, problem.q_len, problem.kv_len, problem.softcap, slopes
+    )
+    visible = visible_keys(
+        np.arange(r0, r1), np.arange(c0, c1), problem.q_len, problem.kv_len, *problem.window
+    )
     batches = (np.arange(problem.batch) + problem.first_batch).reshape(-1, 1, 1, 1, 1)
-    s, visible, derivative = user_modified(problem, s, visible, derivative, batches, r0, r1,
-                                           c0, c1)
+    s, visible, derivative = user_modified(problem, s, visible, derivative, batches, r0, r1, c0, c1)
     return np.where(visible, s, np.float32(-np.inf)), visible, derivative
 
 
@@ -64,10 +65,16 @@ def user_modified(problem, s, visible, derivative, b, r0, r1, c0, c1):
     score function's (None: not wanted)."""
     if problem.score_mod is None and problem.mask_mod is None:
         return s, visible, derivative
-    heads = (np.arange(problem.num_kv_heads)[:, None] * problem.group_size
-             + np.arange(problem.group_size)[None, :])
-    grids = (b, heads.reshape(problem.num_kv_heads, problem.group_size, 1, 1),
-             np.arange(r0, r1).reshape(-1, 1), np.arange(c0, c1).reshape(1, -1))
+    heads = (
+        np.arange(problem.num_kv_heads)[:, None] * problem.group_size
+        + np.arange(problem.group_size)[None, :]
+    )
+    grids = (
+        b,
+        heads.reshape(problem.num_kv_heads, problem.group_size, 1, 1),
+        np.arange(r0, r1).reshape(-1, 1),
+        np.arange(c0, c1).reshape(1, -1),
+    )
     if problem.score_mod is not None:
         if derivative is not None:
             derivative = derivative * problem.score_mod.numpy_grad(s, *grids)
@@ -95,8 +102,11 @@ def forward(problem, q, k, v, alibi_slopes=None, sinks=None):
     """Return ``(out, lse)`` for a validated problem on NumPy arrays (``sinks``: float32
     ``[H]`` attention sinks, or None)."""
     slopes = _grouped_slopes(problem, alibi_slopes)
-    sink = None if sinks is None else attention_sinks.grouped(
-        sinks, problem.num_kv_heads, problem.group_size)
+    sink = (
+        None
+        if sinks is None
+        else attention_sinks.grouped(sinks, problem.num_kv_heads, problem.group_size)
+    )
     out = np.empty(problem.q_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     shape5 = (problem.batch, problem.num_kv_heads, problem.group_size)
@@ -136,8 +146,9 @@ def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None, sinks=None)
     dq = np.zeros(problem.q_shape, dtype=np.float32)
     dk = np.zeros(problem.kv_shape, dtype=np.float32)
     dv = np.zeros(problem.kv_shape, dtype=np.float32)
-    grouped_dq = dq.reshape(problem.batch, problem.num_kv_heads, problem.group_size,
-                            problem.q_len, problem.head_dim)
+    grouped_dq = dq.reshape(
+        problem.batch, problem.num_kv_heads, problem.group_size, problem.q_len, problem.head_dim
+    )
     for c0 in range(0, problem.kv_len, COLS):
         c1 = min(c0 + COLS, problem.kv_len)
         k_blk, v_blk = _kv_block(k, c0, c1), _kv_block(v, c0, c1)

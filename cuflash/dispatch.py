@@ -14,7 +14,9 @@ from .errors import InvalidArgumentError
 
 PATHS = ("auto", "general")
 _CURRENT = contextvars.ContextVar("cuflash_kernel_path", default="auto")
-_EXCLUDED = contextvars.ContextVar("cuflash_excluded_kernels", default=frozenset())
+_EXCLUDED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "cuflash_excluded_kernels", default=frozenset()
+)
 
 
 @contextlib.contextmanager

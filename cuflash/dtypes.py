@@ -15,7 +15,13 @@ except ImportError:  # pragma: no cover
     BFLOAT16 = None
 
 # The dtypes the library computes in, by name (bfloat16 needs ml_dtypes).
-DTYPES_BY_NAME = {name: d for name, d in (("float32", np.dtype(np.float32)),
-                                          ("float16", np.dtype(np.float16)),
-                                          ("bfloat16", BFLOAT16)) if d is not None}
+DTYPES_BY_NAME = {
+    name: d
+    for name, d in (
+        ("float32", np.dtype(np.float32)),
+        ("float16", np.dtype(np.float16)),
+        ("bfloat16", BFLOAT16),
+    )
+    if d is not None
+}
 SUPPORTED_DTYPES = tuple(DTYPES_BY_NAME.values())

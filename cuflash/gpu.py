@@ -25,7 +25,7 @@ from .problem import unit_last_stride
 
 LOG2E = 1.4426950408889634
 FLOAT32 = np.dtype(np.float32)
-_DEVICES = {}
+_DEVICES: dict = {}
 
 
 def device_capability():
@@ -34,14 +34,15 @@ def device_capability():
     found = _DEVICES.get(device_id)
     if found is None:
         found = _DEVICES[device_id] = (
-            device_id, int(cupy.cuda.Device(device_id).compute_capability))
+            device_id,
+            int(cupy.cuda.Device(device_id).compute_capability),
+        )
     return found
 
 
 def rows_are_16_byte_aligned(arrays):
     """cp.async moves 16-byte chunks: every row must start on a 16-byte boundary."""
-    return all(a.data.ptr % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
-               for a in arrays)
+    return all(a.data.ptr % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3]) for a in arrays)
 
 
 def element_strides(a):
@@ -67,8 +68,19 @@ class Launch:
     ``cuLaunchKernel`` returns.
     """
 
-    __slots__ = ("function", "grid", "block", "shared_bytes", "fixed", "_dimensions",
-                 "_storage", "_params", "_params_address", "_pack", "_lock")
+    __slots__ = (
+        "function",
+        "grid",
+        "block",
+        "shared_bytes",
+        "fixed",
+        "_dimensions",
+        "_storage",
+        "_params",
+        "_params_address",
+        "_pack",
+        "_lock",
+    )
 
     def __init__(self, function, grid, threads, shared_bytes, fixed=()):
         self.function = function  # keeps its module loaded
@@ -86,8 +98,13 @@ class Launch:
         """The launch of kernel ``role`` of a loaded variant (its registry traits), with
         the user's modifier functors (``kernel_build.UserFunctors``) if given."""
         traits = loaded.variant.traits(role)
-        return cls(_compiled(loaded, role, functors).kernel, grid, traits.threads,
-                   traits.shared_bytes, fixed)
+        return cls(
+            _compiled(loaded, role, functors).kernel,
+            grid,
+            traits.threads,
+            traits.shared_bytes,
+            fixed,
+        )
 
     def _lay_out(self, count):
         """The slots of ``count`` addresses, then one a fixed scalar, and the array of
@@ -103,7 +120,7 @@ class Launch:
                 data = np.asarray(value).tobytes()
                 if len(data) > 8:
                     raise TypeError(f"a fixed kernel argument of {len(data)} bytes")
-                raw[8 * i:8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                raw[8 * i : 8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._storage, self._params = storage, params  # alive while the launch is
         self._pack = struct.Struct(f"<{count}Q").pack_into
         self._params_address = params.ctypes.data
@@ -140,17 +157,26 @@ def _query_grid(problem):
 def _key_grid(problem):
     """The same over the keys: (kv_capacity, batch), or (longest sequence, count)."""
     packed = problem.packed
-    return ((problem.kv_capacity, problem.batch) if packed is None
-            else (packed.max_kv_len, packed.count))
+    return (
+        (problem.kv_capacity, problem.batch)
+        if packed is None
+        else (packed.max_kv_len, packed.count)
+    )
 
 
 def choose(problem, direction, aligned):
     """The registry's kernel for ``problem`` in ``direction`` on the current device."""
     capability = device_capability()[1]
-    return registry.choose(direction, problem.dtype, problem.head_dim, capability,
-                           allow_tf32=problem.allow_tf32,
-                           tensor_cores=aligned and dispatch.current() == "auto",
-                           excluded=dispatch.excluded(), modified=problem.modified)
+    return registry.choose(
+        direction,
+        problem.dtype,
+        problem.head_dim,
+        capability,
+        allow_tf32=problem.allow_tf32,
+        tensor_cores=aligned and dispatch.current() == "auto",
+        excluded=dispatch.excluded(),
+        modified=problem.modified,
+    )
 
 
 def _modifier_args(problem):
@@ -178,7 +204,8 @@ def modifier_compile_errors(functors):
             raise
         raise InvalidArgumentError(
             "score_mod" if functors.key[0] is not None else "mask_mod",
-            f"the modifier does not compile: {exc}") from None
+            f"the modifier does not compile: {exc}",
+        ) from None
 
 
 def _compiled(loaded, role, functors):
@@ -191,16 +218,42 @@ def _compiled(loaded, role, functors):
 
 #: ``UserModifierArgs`` of ``kernels/common.cuh``: the arrays of the user's score and
 #: mask functions and a block mask's view, one kernel argument passed by value.
-USER_ARGS_DTYPE = np.dtype({
-    "names": ["score_arrays", "mask_arrays", "classes", "ranges", "class_batch_stride",
-              "class_head_stride", "range_batch_stride", "range_head_stride", "outer_tiles",
-              "inner_tiles"],
-    "formats": [MODIFIER_ARRAYS_DTYPE, MODIFIER_ARRAYS_DTYPE, "<u8", "<u8", "<i8", "<i8",
-                "<i8", "<i8", "<i4", "<i4"],
-    "offsets": [0, MODIFIER_ARRAYS_DTYPE.itemsize, *(2 * MODIFIER_ARRAYS_DTYPE.itemsize + 8 * i
-                                                     for i in range(6)),
-                2 * MODIFIER_ARRAYS_DTYPE.itemsize + 48, 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 52],
-    "itemsize": 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56})
+USER_ARGS_DTYPE = np.dtype(
+    {
+        "names": [
+            "score_arrays",
+            "mask_arrays",
+            "classes",
+            "ranges",
+            "class_batch_stride",
+            "class_head_stride",
+            "range_batch_stride",
+            "range_head_stride",
+            "outer_tiles",
+            "inner_tiles",
+        ],
+        "formats": [
+            MODIFIER_ARRAYS_DTYPE,
+            MODIFIER_ARRAYS_DTYPE,
+            "<u8",
+            "<u8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<i4",
+            "<i4",
+        ],
+        "offsets": [
+            0,
+            MODIFIER_ARRAYS_DTYPE.itemsize,
+            *(2 * MODIFIER_ARRAYS_DTYPE.itemsize + 8 * i for i in range(6)),
+            2 * MODIFIER_ARRAYS_DTYPE.itemsize + 48,
+            2 * MODIFIER_ARRAYS_DTYPE.itemsize + 52,
+        ],
+        "itemsize": 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56,
+    }
+)
 
 
 class UserArguments:
@@ -211,8 +264,10 @@ class UserArguments:
     def __init__(self, problem=None, view=None):
         self.record = np.zeros(1, dtype=USER_ARGS_DTYPE)
         if problem is not None:
-            for field, mod in (("score_arrays", problem.score_mod),
-                               ("mask_arrays", problem.mask_mod)):
+            for field, mod in (
+                ("score_arrays", problem.score_mod),
+                ("mask_arrays", problem.mask_mod),
+            ):
                 if mod is not None:  # CuPy arrays on the current device, else an error
                     self.record[field] = mod.kernel_arguments(cupy)[0]
         if view is not None:
@@ -234,15 +289,16 @@ def _user_arguments(problem, spec, direction):
     view = None
     tiles = spec.block_mask_tiles(problem.head_dim)
     if problem.block_mask is not None and tiles is not None:
-        view = problem.block_mask.view(direction, *tiles, problem.num_heads,
-                                       problem.num_kv_heads)
+        view = problem.block_mask.view(direction, *tiles, problem.num_heads, problem.num_kv_heads)
     return UserArguments(problem, view)
 
 
 def _functors(problem):
     return kernel_build.UserFunctors.of(
-        problem.score_mod, problem.mask_mod,
-        built_ins=problem.softcap > 0 or problem.alibi_slopes_shape is not None)
+        problem.score_mod,
+        problem.mask_mod,
+        built_ins=problem.softcap > 0 or problem.alibi_slopes_shape is not None,
+    )
 
 
 def _variant(problem):
@@ -257,13 +313,18 @@ class Float16Pieces:
         batch, heads, seq_len, head_dim = shape
         self.shape = shape
         self.pieces_shape = (batch, heads, seq_len, head_dim)
-        self.abs_max = Launch.of_role(loaded, "float16_pieces_abs_max",
-                                      (math.ceil(valid_rows / 32), heads, batch),
-                                      (*strides, np.int32(valid_rows)))
-        self.split = Launch.of_role(loaded, "float16_pieces_split",
-                                    (math.ceil(valid_rows / 4), heads, batch),
-                                    (*strides, np.int32(heads), np.int32(seq_len),
-                                     np.int32(valid_rows)))
+        self.abs_max = Launch.of_role(
+            loaded,
+            "float16_pieces_abs_max",
+            (math.ceil(valid_rows / 32), heads, batch),
+            (*strides, np.int32(valid_rows)),
+        )
+        self.split = Launch.of_role(
+            loaded,
+            "float16_pieces_split",
+            (math.ceil(valid_rows / 4), heads, batch),
+            (*strides, np.int32(heads), np.int32(seq_len), np.int32(valid_rows)),
+        )
 
     def __call__(self, stream, x):
         """``(hi, lo, scales)``: contiguous float16 arrays of ``x``'s shape (the kernels
@@ -276,8 +337,7 @@ class Float16Pieces:
         hi = cupy.empty(self.pieces_shape, dtype=np.float16)
         lo = cupy.empty(self.pieces_shape, dtype=np.float16)
         scales = cupy.empty(self.shape[:2], dtype=np.float32)
-        self.split(stream, x.data.ptr, abs_max.data.ptr, hi.data.ptr, lo.data.ptr,
-                   scales.data.ptr)
+        self.split(stream, x.data.ptr, abs_max.data.ptr, hi.data.ptr, lo.data.ptr, scales.data.ptr)
         return hi, lo, scales
 
 
@@ -313,9 +373,12 @@ def _zero_outside(loaded, problem, layout, rows):
     if problem.packed is None:
         return None
     d = problem.head_dim
-    return Launch.of_role(loaded, "packed_zero_outside", (64,),
-                          (np.int32(problem.packed.count), np.int32(rows),
-                           np.int64(layout.shape[1] * d)))
+    return Launch.of_role(
+        loaded,
+        "packed_zero_outside",
+        (64,),
+        (np.int32(problem.packed.count), np.int32(rows), np.int64(layout.shape[1] * d)),
+    )
 
 
 class ForwardPlan:
@@ -329,23 +392,33 @@ class ForwardPlan:
         self.spec = choose(problem, "forward", rows_are_16_byte_aligned((q, k, v)))
         loaded = _variant(problem)
         rows, batch = _query_grid(problem)
-        grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads,
-                batch)
+        grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads, batch)
         self.out = OutputLayout(problem, problem.num_heads, problem.q_len)
-        tail = (*self.out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
-                *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
-                *_modifier_args(problem))
+        tail = (
+            *self.out.strides,
+            np.int32(problem.num_heads),
+            np.int32(problem.group_size),
+            *_mask_args(problem),
+            np.float32(problem.softmax_scale * LOG2E),
+            *_modifier_args(problem),
+        )
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
-            self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
-                           for x, rows in ((q, problem.q_len), (k, problem.kv_len),
-                                           (v, problem.kv_len))]
+            self.pieces = [
+                Float16Pieces(loaded, x.shape, element_strides(x), rows)
+                for x, rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))
+            ]
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = (*element_strides(q), *element_strides(k), *element_strides(v))
         self.user = _user_arguments(problem, self.spec, "forward")
-        self.main = Launch.of_role(loaded, self.spec.role(modified=problem.modified), grid,
-                                   (self.user, *strides, *tail), _functors(problem))
+        self.main = Launch.of_role(
+            loaded,
+            self.spec.role(modified=problem.modified),
+            grid,
+            (self.user, *strides, *tail),
+            _functors(problem),
+        )
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
     def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None, sinks=None):
@@ -360,15 +433,34 @@ class ForwardPlan:
         out = self.out.empty()
         lse = cupy.ndarray(problem.lse_shape, FLOAT32)
         stream = current_stream()
-        tail = (out.data.ptr, lse.data.ptr, address(offsets[0]), address(offsets[1]),
-                address(alibi_slopes), address(sinks))
+        tail = (
+            out.data.ptr,
+            lse.data.ptr,
+            address(offsets[0]),
+            address(offsets[1]),
+            address(alibi_slopes),
+            address(sinks),
+        )
         if self.pieces is None:
             self.main(stream, q.data.ptr, k.data.ptr, v.data.ptr, *tail)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
-                pieces(stream, x) for pieces, x in zip(self.pieces, (q, k, v)))
-            self.main(stream, qh.data.ptr, ql.data.ptr, kh.data.ptr, kl.data.ptr, vh.data.ptr,
-                      vl.data.ptr, *tail[:2], qs.data.ptr, ks.data.ptr, vs.data.ptr, *tail[2:])
+                pieces(stream, x) for pieces, x in zip(self.pieces, (q, k, v))
+            )
+            self.main(
+                stream,
+                qh.data.ptr,
+                ql.data.ptr,
+                kh.data.ptr,
+                kl.data.ptr,
+                vh.data.ptr,
+                vl.data.ptr,
+                *tail[:2],
+                qs.data.ptr,
+                ks.data.ptr,
+                vs.data.ptr,
+                *tail[2:],
+            )
         if self.zero_outside is not None:
             self.zero_outside(stream, out.data.ptr, tail[2])
         return out, lse
@@ -382,8 +474,9 @@ class BackwardPlan:
         self.deterministic = deterministic
         given = (dout, q, k, v, output)
         dout, q, k, v, output = (unit_last_stride(cupy, a) for a in given)
-        self.copies = (any(a is not b for a, b in zip((dout, q, k, v, output), given))
-                       or not lse_is_contiguous)
+        self.copies = (
+            any(a is not b for a, b in zip((dout, q, k, v, output), given)) or not lse_is_contiguous
+        )
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
         # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own.
@@ -392,24 +485,44 @@ class BackwardPlan:
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
-        options = (*_mask_args(problem), np.float32(problem.softmax_scale),
-                   np.float32(problem.softmax_scale * LOG2E))
+        options = (
+            *_mask_args(problem),
+            np.float32(problem.softmax_scale),
+            np.float32(problem.softmax_scale * LOG2E),
+        )
         keys = self.spec.traits(problem.head_dim).tile
         key_rows, batch = _key_grid(problem)
         grid = (math.ceil(key_rows / keys), problem.num_kv_heads, batch)
         self.pieces = None
         if self.spec.precision == "float32":
-            self.pieces = [Float16Pieces(loaded, x.shape, element_strides(x), rows)
-                           for x, rows in ((q, problem.q_len), (k, problem.kv_len),
-                                           (v, problem.kv_len), (dout, problem.q_len))]
+            self.pieces = [
+                Float16Pieces(loaded, x.shape, element_strides(x), rows)
+                for x, rows in (
+                    (q, problem.q_len),
+                    (k, problem.kv_len),
+                    (v, problem.kv_len),
+                    (dout, problem.q_len),
+                )
+            ]
             strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
         else:
             strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
         self.user = _user_arguments(problem, self.spec, "backward")
-        self.dkdv = Launch.of_role(loaded, role, grid,
-                                   (self.user, *strides, *self.dkv_layout.strides, *heads,
-                                    np.int32(problem.kv_capacity), *options,
-                                    *_modifier_args(problem)), _functors(problem))
+        self.dkdv = Launch.of_role(
+            loaded,
+            role,
+            grid,
+            (
+                self.user,
+                *strides,
+                *self.dkv_layout.strides,
+                *heads,
+                np.int32(problem.kv_capacity),
+                *options,
+                *_modifier_args(problem),
+            ),
+            _functors(problem),
+        )
         self.dq = self.convert = None
         self.dq_reads_pieces = False
         accum_width = problem.head_dim
@@ -418,15 +531,26 @@ class BackwardPlan:
             dq_spec = self.spec.dq_pass()
             # The float32 pieces' own dQ kernel reads the pieces; the others the inputs.
             self.dq_reads_pieces = dq_spec.precision == "float32"
-            dq_strides = strides if self.dq_reads_pieces else tuple(
-                s for x in (q, k, v, dout) for s in element_strides(x))
+            dq_strides = (
+                strides
+                if self.dq_reads_pieces
+                else tuple(s for x in (q, k, v, dout) for s in element_strides(x))
+            )
             tile = dq_spec.traits(problem.head_dim).tile
             self.dq = Launch.of_role(
-                loaded, dq_spec.role(modified=problem.modified),
+                loaded,
+                dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
-                (_user_arguments(problem, dq_spec, "forward"), *dq_strides,
-                 *self.dq_layout.strides, *heads, *options, *_modifier_args(problem)),
-                _functors(problem))
+                (
+                    _user_arguments(problem, dq_spec, "forward"),
+                    *dq_strides,
+                    *self.dq_layout.strides,
+                    *heads,
+                    *options,
+                    *_modifier_args(problem),
+                ),
+                _functors(problem),
+            )
         elif problem.dtype != np.float32 or problem.packed is not None:
             # The float32 atomics' buffer into dQ's dtype and layout (a dense float32
             # dQ is that buffer itself).
@@ -434,9 +558,17 @@ class BackwardPlan:
             if self.spec.padded_dq:
                 accum_width = registry.head_dim_class(problem.head_dim)
             self.convert = Launch.of_role(
-                loaded, "backward_dq_convert", (math.ceil(count / 512),),
-                (*self.dq_layout.strides, np.int64(count), np.int32(accum_width),
-                 np.int32(problem.num_heads), np.int32(problem.q_len)))
+                loaded,
+                "backward_dq_convert",
+                (math.ceil(count / 512),),
+                (
+                    *self.dq_layout.strides,
+                    np.int64(count),
+                    np.int32(accum_width),
+                    np.int32(problem.num_heads),
+                    np.int32(problem.q_len),
+                ),
+            )
         self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
         self.dq_bytes = 0
         if self.convert is not None:
@@ -445,16 +577,33 @@ class BackwardPlan:
         # Delta, lse log2 e, and zeros in the float32 dQ the atomics add into (its own
         # array for a dense float32 problem, else the workspace's), a row a warp.
         self.delta = Launch.of_role(
-            loaded, "backward_delta",
+            loaded,
+            "backward_delta",
             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-            (*element_strides(dout), *element_strides(output), np.int32(problem.num_heads),
-             np.int32(problem.q_len), np.int32(accum_width if self.atomic else 0)))
+            (
+                *element_strides(dout),
+                *element_strides(output),
+                np.int32(problem.num_heads),
+                np.int32(problem.q_len),
+                np.int32(accum_width if self.atomic else 0),
+            ),
+        )
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
-        self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout,
-                                            problem.kv_capacity)
+        self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout, problem.kv_capacity)
 
-    def __call__(self, dout, q, k, v, output, lse, synchronize, offsets=(None, None),
-                 alibi_slopes=None, sinks=None):
+    def __call__(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        output,
+        lse,
+        synchronize,
+        offsets=(None, None),
+        alibi_slopes=None,
+        sinks=None,
+    ):
         """``(dq, dk, dv)``; ``offsets`` and ``alibi_slopes`` as in
         :meth:`ForwardPlan.__call__` (a packed problem's gradients tokens first, zeros in
         rows outside every sequence); with ``sinks``, ``dsinks`` fourth (a CuPy reduction
@@ -477,8 +626,15 @@ class BackwardPlan:
             dq_target = dq.data.ptr
         else:
             dq_target = workspace.ptr + 2 * self.row_bytes
-        self.delta(stream, dout.data.ptr, output.data.ptr, lse.data.ptr, delta, lse_log2,
-                   dq_target if self.atomic else 0)
+        self.delta(
+            stream,
+            dout.data.ptr,
+            output.data.ptr,
+            lse.data.ptr,
+            delta,
+            lse_log2,
+            dq_target if self.atomic else 0,
+        )
         dsinks = None
         if sinks is not None:
             rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta
@@ -495,8 +651,17 @@ class BackwardPlan:
             if self.dq_reads_pieces:
                 inputs, scales = kernel_inputs, kernel_scales
         if problem.kv_capacity:
-            self.dkdv(stream, *kernel_inputs, lse_log2, delta, dq_target, dk.data.ptr,
-                      dv.data.ptr, *kernel_scales, *tail)
+            self.dkdv(
+                stream,
+                *kernel_inputs,
+                lse_log2,
+                delta,
+                dq_target,
+                dk.data.ptr,
+                dv.data.ptr,
+                *kernel_scales,
+                *tail,
+            )
         if self.dq is not None:
             self.dq(stream, *inputs, lse_log2, delta, dq.data.ptr, *scales, *tail)
         elif self.convert is not None:

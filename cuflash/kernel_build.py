@@ -51,7 +51,7 @@ def inlined_source(path, seen):
     return "\n".join(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_source(name=MODULE_FILE):
     """The ``.cu`` file with its local includes inlined (each once)."""
     return inlined_source(KERNEL_DIR / name, set()) + "\n"
@@ -66,7 +66,7 @@ class Variant:
     head_dim: int
     sm: int = 90  # 80: tiles for sm_80..sm_89; 90: sm_90 and newer
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - a few dozen variants per process
+    @functools.cache  # noqa: B019 - a few dozen variants per process
     def kernel_names(self):
         """Kernel role -> C++ name expression to instantiate (one shared dict: do not modify)."""
         return registry.variant_roles(self.dtype, self.head_dim, self.sm)
@@ -105,15 +105,20 @@ class UserFunctors:
         if score_mod is None and mask_mod is None:
             return None
         mods = [m for m in (score_mod, mask_mod) if m is not None]
-        options = tuple(f"-DCUFLASH_USER_{kind}_MOD={m.struct_name}"
-                        for kind, m in (("SCORE", score_mod), ("MASK", mask_mod))
-                        if m is not None)
+        options = tuple(
+            f"-DCUFLASH_USER_{kind}_MOD={m.struct_name}"
+            for kind, m in (("SCORE", score_mod), ("MASK", mask_mod))
+            if m is not None
+        )
         mask_only = score_mod is None and not built_ins
         if mask_only:
             options += ("-DCUFLASH_USER_MASK_ONLY",)
         prefix = MODIFIER_PRELUDE + "".join(m.cxx_source for m in mods)
-        return cls(tuple(None if m is None else m.cache_key for m in (score_mod, mask_mod))
-                   + (mask_only,), prefix, options)
+        return cls(
+            tuple(None if m is None else m.cache_key for m in (score_mod, mask_mod)) + (mask_only,),
+            prefix,
+            options,
+        )
 
 
 class _LoadedVariant:
@@ -152,12 +157,16 @@ class _LoadedVariant:
                     options += functors.options
                     prefix = functors.prefix
                 found = self._kernels[key] = _raw_kernel(
-                    MODULE_FILE, self.names[role], options,
-                    spec.traits(self.variant.head_dim).shared_bytes, prefix)
+                    MODULE_FILE,
+                    self.names[role],
+                    options,
+                    spec.traits(self.variant.head_dim).shared_bytes,
+                    prefix,
+                )
             return found
 
 
-_MODULES = {}
+_MODULES: dict = {}
 _MODULES_LOCK = threading.Lock()
 
 
@@ -199,10 +208,11 @@ class CompileReport:
             with open(path, "wb") as f:
                 f.write(self.cubin)
             # cuobjdump runs nvdisasm, which the wheels install next to it.
-            env = dict(os.environ, PATH=os.pathsep.join(
-                [os.path.dirname(tool), os.environ.get("PATH", "")]))
-            done = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
-                                  env=env)
+            env = dict(
+                os.environ,
+                PATH=os.pathsep.join([os.path.dirname(tool), os.environ.get("PATH", "")]),
+            )
+            done = subprocess.run([tool, "-sass", path], capture_output=True, text=True, env=env)
         if done.returncode or "Function :" not in done.stdout:
             raise RuntimeError(f"cuobjdump could not read the cubin: {done.stderr.strip()}")
         by_name, current = {}, None
@@ -230,15 +240,20 @@ class CompileReport:
                 continue
             if current is None:
                 continue
-            m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+            m = re.search(
+                r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+            )
             if m:
-                info[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                                     spill_loads=int(m.group(3)))
+                info[current].update(
+                    stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+                )
             m = re.search(r"Used (\d+) registers", line)
             if m:
                 info[current]["registers"] = int(m.group(1))
-        return {role: dict(info[name], wgmma_serialized=name in serialized)
-                for role, name in self.lowered_names.items()}
+        return {
+            role: dict(info[name], wgmma_serialized=name in serialized)
+            for role, name in self.lowered_names.items()
+        }
 
 
 def find_cuobjdump():
@@ -277,12 +292,14 @@ def compile_offline(variant, arch, roles=None, functors=None):
     if roles is not None:
         names = {role: names[role] for role in roles}
     try:
-        log, cubin, lowered = compile_source_offline(MODULE_FILE, list(names.values()), arch,
-                                                     functors)
+        log, cubin, lowered = compile_source_offline(
+            MODULE_FILE, list(names.values()), arch, functors
+        )
     except RuntimeError as exc:
         raise RuntimeError(f"{variant}: {exc}") from exc
-    return CompileReport(variant, arch, log, cubin,
-                         {role: lowered[name] for role, name in names.items()})
+    return CompileReport(
+        variant, arch, log, cubin, {role: lowered[name] for role, name in names.items()}
+    )
 
 
 def _raw_kernel(source_file, name_expression, options, shared_bytes, prefix=""):
@@ -291,16 +308,18 @@ def _raw_kernel(source_file, name_expression, options, shared_bytes, prefix=""):
     ``shared_bytes`` past 48 KB."""
     import cupy
 
-    module = cupy.RawModule(code=prefix + module_source(source_file),
-                            options=COMPILE_OPTIONS + options,
-                            name_expressions=[name_expression])
+    module = cupy.RawModule(
+        code=prefix + module_source(source_file),
+        options=COMPILE_OPTIONS + options,
+        name_expressions=[name_expression],
+    )
     kernel = module.get_function(name_expression)
     if shared_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
     return kernel
 
 
-_SINGLE_KERNELS = {}
+_SINGLE_KERNELS: dict = {}
 
 
 def load_kernel(source_file, name_expression, shared_bytes=0, arch=None, functors=None):
@@ -321,7 +340,8 @@ def load_kernel(source_file, name_expression, shared_bytes=0, arch=None, functor
                 options += functors.options
                 prefix = functors.prefix
             found = _SINGLE_KERNELS[key] = _raw_kernel(
-                source_file, name_expression, options, shared_bytes, prefix)
+                source_file, name_expression, options, shared_bytes, prefix
+            )
     return found
 
 
@@ -338,11 +358,11 @@ def compile_source_offline(source_file, name_expressions, arch, functors=None):
         for name in name_expressions:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, COMPILE_OPTIONS + options
-                                 + (f"-arch={arch}", "-Xptxas=-v"))
+            nvrtc.compileProgram(prog, COMPILE_OPTIONS + options + (f"-arch={arch}", "-Xptxas=-v"))
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{source_file} for {arch} failed:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
+            raise RuntimeError(
+                f"{source_file} for {arch} failed:\n{nvrtc.getProgramLog(prog)}"
+            ) from exc
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
         return nvrtc.getProgramLog(prog), _complete_elf(nvrtc.getCUBIN(prog)), lowered
     finally:

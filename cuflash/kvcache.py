@@ -15,12 +15,23 @@ import numpy as np
 
 from . import plans
 from . import sinks as attention_sinks
-from .errors import InvalidArgumentError
 from .cpu import modify_scores, user_modified
+from .errors import InvalidArgumentError
 from .masking import key_range, normalize_window, visible_keys
-from .problem import (MAX_GRID_YZ, _array_module, _check_dtypes, _check_flag, _check_rank,
-                      check_alibi_slopes, check_sinks, check_softcap, check_user_modifiers,
-                      check_dims, check_head_counts, check_int32)
+from .problem import (
+    MAX_GRID_YZ,
+    _array_module,
+    _check_dtypes,
+    _check_flag,
+    _check_rank,
+    check_alibi_slopes,
+    check_dims,
+    check_head_counts,
+    check_int32,
+    check_sinks,
+    check_softcap,
+    check_user_modifiers,
+)
 
 LOG2E = 1.4426950408889634
 SOURCE_FILE = "decode.cu"
@@ -91,10 +102,10 @@ class KVCacheProblem:
 def _scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale,
-                                                                      numbers.Real):
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise InvalidArgumentError(
-            "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}")
+            "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}"
+        )
     scale = float(softmax_scale)
     if not math.isfinite(scale):
         raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
@@ -108,13 +119,15 @@ def _sequence_blocks(length, block_size):
 def _check_block_ids(table, lengths, new_len, block_size, num_blocks):
     """Every block id a sequence uses (its first ``length + S_new`` keys) names a block."""
     for b, length in enumerate(lengths):
-        used = table[b, :_sequence_blocks(int(length) + new_len, block_size)]
+        used = table[b, : _sequence_blocks(int(length) + new_len, block_size)]
         bad = np.flatnonzero((used < 0) | (used >= num_blocks))
         if bad.size:
             slot = int(bad[0])
             raise InvalidArgumentError(
-                "block_table", f"sequence {b}: block_table[{b}, {slot}] = {int(used[slot])} "
-                f"is not a block of the cache (0 .. {num_blocks - 1})")
+                "block_table",
+                f"sequence {b}: block_table[{b}, {slot}] = {int(used[slot])} "
+                f"is not a block of the cache (0 .. {num_blocks - 1})",
+            )
 
 
 def _check_lengths(lengths, new_len, capacity):
@@ -122,18 +135,39 @@ def _check_lengths(lengths, new_len, capacity):
     for b, length in enumerate(lengths):
         length = int(length)
         if length < 0:
-            raise InvalidArgumentError("cache_seqlens",
-                                       f"sequence {b}: length {length} is negative")
+            raise InvalidArgumentError(
+                "cache_seqlens", f"sequence {b}: length {length} is negative"
+            )
         if length + new_len > capacity:
             raise InvalidArgumentError(
-                "cache_seqlens", f"sequence {b}: {length} cached keys plus S_new = {new_len} "
-                f"exceed the capacity {capacity}")
+                "cache_seqlens",
+                f"sequence {b}: {length} cached keys plus S_new = {new_len} "
+                f"exceed the capacity {capacity}",
+            )
 
 
-def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
-                    window_size, cache_seqlens, k_new, v_new, block_table, softmax_scale,
-                    return_lse, check, softcap=0.0, alibi_slopes=None, score_mod=None,
-                    mask_mod=None, sinks=None):
+def kvcache_problem(
+    q,
+    k_cache,
+    v_cache,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    softmax_scale,
+    return_lse,
+    check,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
@@ -160,34 +194,43 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     if q_len < 1:
         raise InvalidArgumentError("q", "S_q must be >= 1 (one or more new query rows)")
     labels = ("blocks" if paged else "batch", "heads", "rows", "head_dim")
-    check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim),
-                labels)
+    check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim), labels)
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise InvalidArgumentError(
-            "v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache's "
-            f"{tuple(k_cache.shape)}")
+            "v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}"
+        )
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.size and a.strides[-1] != a.itemsize:
             raise InvalidArgumentError(
-                name, "the last stride must be 1 element: the cache is read and written "
-                "in place, never copied")
+                name,
+                "the last stride must be 1 element: the cache is read and written "
+                "in place, never copied",
+            )
     new_len = 0
     if k_new is not None:
         new_len = k_new.shape[2]
         for name, a in (("k_new", k_new), ("v_new", v_new)):
-            check_dims(name, a, (batch, num_kv_heads, new_len, head_dim),
-                        ("batch", "heads", "rows", "head_dim"))
+            check_dims(
+                name,
+                a,
+                (batch, num_kv_heads, new_len, head_dim),
+                ("batch", "heads", "rows", "head_dim"),
+            )
         if xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
             raise InvalidArgumentError("k_cache", "is read-only; k_new needs a writable cache")
     if paged:
         if block_table.ndim != 2 or block_table.shape[0] != batch:
             raise InvalidArgumentError(
-                "block_table", f"expected shape ({batch}, max_blocks) [B, max_blocks], "
-                f"got {tuple(block_table.shape)}")
-        check_int32("block_table", block_table, (batch, block_table.shape[1]),
-                     "[B, max_blocks]")
-        num_blocks, block_size, max_blocks = k_cache.shape[0], k_cache.shape[2], \
-            block_table.shape[1]
+                "block_table",
+                f"expected shape ({batch}, max_blocks) [B, max_blocks], "
+                f"got {tuple(block_table.shape)}",
+            )
+        check_int32("block_table", block_table, (batch, block_table.shape[1]), "[B, max_blocks]")
+        num_blocks, block_size, max_blocks = (
+            k_cache.shape[0],
+            k_cache.shape[2],
+            block_table.shape[1],
+        )
         if block_size < 1:
             raise InvalidArgumentError("k_cache", "block_size (axis 2) must be >= 1")
         if batch and num_blocks < 1:
@@ -198,21 +241,26 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
         num_blocks, max_blocks = batch, 1
     if new_len > capacity:
         raise InvalidArgumentError(
-            "k_new", f"S_new = {new_len} rows exceed the cache capacity {capacity}")
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens,
-                                                                       (bool, np.bool_)):
+            "k_new", f"S_new = {new_len} rows exceed the cache capacity {capacity}"
+        )
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(
+        cache_seqlens, (bool, np.bool_)
+    ):
         length = int(cache_seqlens)
         if length < 0 or length + new_len > capacity:
             raise InvalidArgumentError(
-                "cache_seqlens", f"{length} cached keys plus S_new = {new_len} must be within "
-                f"0 .. the capacity {capacity}")
+                "cache_seqlens",
+                f"{length} cached keys plus S_new = {new_len} must be within "
+                f"0 .. the capacity {capacity}",
+            )
         host_lengths = np.full(batch, length, dtype=np.int64)
     elif cache_seqlens is None:
         raise InvalidArgumentError("cache_seqlens", "is required: an int or an int32 [B] array")
     elif isinstance(cache_seqlens, (bool, np.bool_)) or not hasattr(cache_seqlens, "dtype"):
         raise InvalidArgumentError(
-            "cache_seqlens", f"expected an int or an int32 [B] array, got "
-            f"{type(cache_seqlens).__name__}")
+            "cache_seqlens",
+            f"expected an int or an int32 [B] array, got {type(cache_seqlens).__name__}",
+        )
     else:
         check_int32("cache_seqlens", cache_seqlens, (batch,), "[B]")
         host_lengths = None
@@ -230,29 +278,66 @@ def kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, caus
     _check_flag("check", check)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(
-            "q", f"too large for the device: batch and num_kv_heads must each be <= "
-            f"{MAX_GRID_YZ}, got {batch} and {num_kv_heads}")
+            "q",
+            f"too large for the device: batch and num_kv_heads must each be <= "
+            f"{MAX_GRID_YZ}, got {batch} and {num_kv_heads}",
+        )
     if q_len * max(num_heads, 1) >= 2**31 or capacity >= 2**31:
         raise InvalidArgumentError("q", "too large for the device: lengths must be < 2**31")
     problem = KVCacheProblem(
-        xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        q_len=q_len, new_len=new_len, head_dim=head_dim, paged=paged, capacity=capacity,
-        block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
-        host_lengths=host_lengths, softmax_scale=scale, window=window,
-        return_lse=bool(return_lse), softcap=softcap,
-        alibi_batch_stride=-1 if slopes_shape is None else (
-            num_heads if len(slopes_shape) == 2 else 0),
-        score_mod=score_mod, mask_mod=mask_mod, sinks=has_sinks)
+        xp=xp,
+        dtype=dtype,
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        q_len=q_len,
+        new_len=new_len,
+        head_dim=head_dim,
+        paged=paged,
+        capacity=capacity,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_blocks=max_blocks,
+        host_lengths=host_lengths,
+        softmax_scale=scale,
+        window=window,
+        return_lse=bool(return_lse),
+        softcap=softcap,
+        alibi_batch_stride=-1
+        if slopes_shape is None
+        else (num_heads if len(slopes_shape) == 2 else 0),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        sinks=has_sinks,
+    )
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
 
 
-def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
-                                 causal=True, window_size=0, *, cache_seqlens, k_new=None,
-                                 v_new=None, block_table=None, softmax_scale=None,
-                                 return_lse=False, check=False, softcap=0.0,
-                                 alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
+def flash_attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=True,
+    window_size=0,
+    *,
+    cache_seqlens,
+    k_new=None,
+    v_new=None,
+    block_table=None,
+    softmax_scale=None,
+    return_lse=False,
+    check=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
     Parameters
@@ -345,37 +430,93 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, num_heads, num_kv_heads, h
     float32.
     """
     key = None
-    if (check is False and not isinstance(cache_seqlens, numbers.Integral)
-            and score_mod is None and mask_mod is None):
+    if (
+        check is False
+        and not isinstance(cache_seqlens, numbers.Integral)
+        and score_mod is None
+        and mask_mod is None
+    ):
         # Device-held lengths: the plan of this signature serves every step.
-        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes,
-                 sinks)
+        given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks)
         key = plans.signature(
             tuple(a for a in given if a is not None),
-            ("kvcache", tuple(a is None for a in given), num_heads, num_kv_heads, head_dim,
-             causal, window_size, softmax_scale, return_lse, softcap))
+            (
+                "kvcache",
+                tuple(a is None for a in given),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                causal,
+                window_size,
+                softmax_scale,
+                return_lse,
+                softcap,
+            ),
+        )
         plan = plans.get(key)
         if plan is not None:
-            return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                        alibi_slopes, sinks)
-    problem = kvcache_problem(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal,
-                              window_size, cache_seqlens, k_new, v_new, block_table,
-                              softmax_scale, return_lse, check, softcap, alibi_slopes,
-                              score_mod, mask_mod, sinks)
+            return plan(
+                q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
+            )
+    problem = kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        softmax_scale,
+        return_lse,
+        check,
+        softcap,
+        alibi_slopes,
+        score_mod,
+        mask_mod,
+        sinks,
+    )
     if problem.xp is np:
-        out, lse = cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                               block_table, alibi_slopes, sinks)
+        out, lse = cpu_forward(
+            problem,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            k_new,
+            v_new,
+            block_table,
+            alibi_slopes,
+            sinks,
+        )
         return (out, lse) if problem.return_lse else out
     from .kvcache_gpu import DecodePlan, gpu_forward  # imported on first GPU use only
 
     if key is not None and problem.batch * problem.num_heads:
-        plan = DecodePlan(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                          block_table, alibi_slopes)
+        plan = DecodePlan(
+            problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes
+        )
         plans.remember(key, plan)
-        return plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                    alibi_slopes, sinks)
-    out, lse = gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                           block_table, check, alibi_slopes, sinks)
+        return plan(
+            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
+        )
+    out, lse = gpu_forward(
+        problem,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        check,
+        alibi_slopes,
+        sinks,
+    )
     return (out, lse) if problem.return_lse else out
 
 
@@ -405,8 +546,12 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
 
     Blocked over query rows and keys with an online softmax in float32.
     """
-    h_kv, group, q_len, d = problem.num_kv_heads, problem.group_size, problem.q_len, \
-        problem.head_dim
+    h_kv, group, q_len, d = (
+        problem.num_kv_heads,
+        problem.group_size,
+        problem.q_len,
+        problem.head_dim,
+    )
     scale = np.float32(problem.softmax_scale)
     out = np.zeros((h_kv, group, q_len, d), dtype=np.float32)
     lse = np.full((h_kv, group, q_len), -np.inf, dtype=np.float32)
@@ -423,10 +568,10 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
             k_blk = keys[:, None, c0:c1]
             s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * scale
             s, _ = modify_scores(s, r0, r1, c0, c1, q_len, kv_len, problem.softcap, slopes)
-            visible = visible_keys(np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len,
-                                   *problem.window)
-            s, visible, _ = user_modified(problem, s, visible, None, np.int64(b), r0, r1, c0,
-                                          c1)
+            visible = visible_keys(
+                np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len, *problem.window
+            )
+            s, visible, _ = user_modified(problem, s, visible, None, np.int64(b), r0, r1, c0, c1)
             s = np.where(visible, s, np.float32(-np.inf))
             new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
             base = np.where(np.isfinite(new_max), new_max, np.float32(0))
@@ -436,8 +581,7 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
             acc = acc * alpha + p @ values[:, None, c0:c1]
             row_max = new_max
         if sink is not None:
-            row_max, row_sum, acc = attention_sinks.fold_into_rows(row_max, row_sum, acc,
-                                                                   sink[0])
+            row_max, row_sum, acc = attention_sinks.fold_into_rows(row_max, row_sum, acc, sink[0])
         seen = row_sum != 0  # a NaN sum counts as seen: NaN is never hidden
         out[:, :, r0:r1] = np.where(seen, acc / row_sum, np.float32(0))
         lse[:, :, r0:r1] = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))[..., 0]
@@ -451,8 +595,18 @@ def _append_cpu(problem, cache, new, block_table, lengths):
         cache[blocks, :, rows] = new[b].transpose(1, 0, 2)
 
 
-def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                alibi_slopes=None, sinks=None):
+def cpu_forward(
+    problem,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    alibi_slopes=None,
+    sinks=None,
+):
     """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
     lengths = problem.host_lengths
     if problem.new_len:
@@ -462,8 +616,11 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     if problem.num_heads == 0:
         return out, lse
-    sink = None if sinks is None else attention_sinks.grouped(
-        sinks, problem.num_kv_heads, problem.group_size)
+    sink = (
+        None
+        if sinks is None
+        else attention_sinks.grouped(sinks, problem.num_kv_heads, problem.group_size)
+    )
     for b in range(problem.batch):
         kv_len = int(lengths[b]) + problem.new_len
         keys = _gather(problem, k_cache, block_table, b, kv_len)
@@ -471,8 +628,7 @@ def cpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         slopes = None
         if alibi_slopes is not None:
             row = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
-            slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size,
-                                                    1, 1)
+            slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size, 1, 1)
         out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes, b, sink)
         out[b] = out_b.astype(problem.dtype)
         lse[b] = lse_b
@@ -540,9 +696,11 @@ def decode_tc_name(problem, row_warps, stages, keys):
     8-wide N, K and V as its A operand: half the products) where a block's packed query
     rows fit 8."""
     narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
-    return (f"cuflash::kvcache_decode_tc<{_cxx_type(problem.dtype)}, {problem.head_dim}, "
-            f"{row_warps}, {stages}, {keys}, {'true' if problem.paged else 'false'}, "
-            f"{'true' if narrow else 'false'}>")
+    return (
+        f"cuflash::kvcache_decode_tc<{_cxx_type(problem.dtype)}, {problem.head_dim}, "
+        f"{row_warps}, {stages}, {keys}, {'true' if problem.paged else 'false'}, "
+        f"{'true' if narrow else 'false'}>"
+    )
 
 
 def uses_tensor_cores(problem):
@@ -562,8 +720,7 @@ def decode_kernel(problem):
         name = decode_tc_name(problem, row_warps, stages, keys_per_tile)
         return name, keys_per_tile, rows, shared
     rows = row_tile(problem)
-    keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim,
-                                         rows)
+    keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim, rows)
     name = f"cuflash::kvcache_decode<{_cxx_type(problem.dtype)}, {problem.head_dim}, {rows}>"
     return name, keys_per_tile, rows, shared
 
@@ -596,7 +753,7 @@ def split_cap(longest, keys_per_tile):
     return tiles, max(1, min(MAX_SPLITS, -(-longest // max(MIN_KEYS_PER_SPLIT, keys_per_tile))))
 
 
-_KERNELS = {}
+_KERNELS: dict = {}
 
 
 def _kernel(name, shared=0, functors=None):
@@ -617,11 +774,16 @@ def _kernel(name, shared=0, functors=None):
         attributes = cupy.cuda.Device(device_id).attributes
         smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
-        per_sm = min(smem_per_sm // (shared + 1024) if shared else 16,
-                     attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
-                     attributes["MaxThreadsPerMultiProcessor"] // THREADS)
-        found = _KERNELS[(device_id, name, functors)] = (kernel, max(1, per_sm),
-                                               attributes["MultiProcessorCount"])
+        per_sm = min(
+            smem_per_sm // (shared + 1024) if shared else 16,
+            attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
+            attributes["MaxThreadsPerMultiProcessor"] // THREADS,
+        )
+        found = _KERNELS[(device_id, name, functors)] = (
+            kernel,
+            max(1, per_sm),
+            attributes["MultiProcessorCount"],
+        )
     return found
 
 
@@ -633,12 +795,15 @@ def _cxx_type(dtype):
 
 def _paging_args(problem, block_table):
     table = np.uint64(0) if block_table is None else block_table
-    return table, (np.int32(problem.capacity), np.int32(problem.block_size),
-                   np.int32(problem.max_blocks), np.int32(max(problem.num_blocks, 1)))
+    return table, (
+        np.int32(problem.capacity),
+        np.int32(problem.block_size),
+        np.int32(problem.max_blocks),
+        np.int32(max(problem.num_blocks, 1)),
+    )
 
 
 def _modifier_args(problem):
     """The decode kernels' last scalars: the ALiBi slopes' batch stride and the soft-cap
     in log2 units (the kernels' scores are ``scale log2(e) q . k``)."""
-    return (np.int32(max(problem.alibi_batch_stride, 0)),
-            np.float32(problem.softcap * LOG2E))
+    return (np.int32(max(problem.alibi_batch_stride, 0)), np.float32(problem.softcap * LOG2E))

@@ -28,13 +28,14 @@ def _verify_on_host(problem, cache_seqlens, block_table):
     if isinstance(cache_seqlens, numbers.Integral):
         lengths = problem.host_lengths
     else:
-        lengths = host[:problem.batch].astype(np.int64)
-        host = host[problem.batch:]
+        lengths = host[: problem.batch].astype(np.int64)
+        host = host[problem.batch :]
         kvcache._check_lengths(lengths, problem.new_len, problem.capacity)
     if block_table is not None:
         table = host.reshape(problem.batch, problem.max_blocks)
-        kvcache._check_block_ids(table, lengths, problem.new_len, problem.block_size,
-                         problem.num_blocks)
+        kvcache._check_block_ids(
+            table, lengths, problem.new_len, problem.block_size, problem.num_blocks
+        )
 
 
 def _length_args(cache_seqlens):
@@ -56,12 +57,22 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
     from .problem import forward_problem
 
     host_length = isinstance(cache_seqlens, numbers.Integral)
-    attention = forward_problem(q, k_cache, v_cache, problem.num_heads, problem.num_kv_heads,
-                                problem.head_dim, False, problem.window,
-                                int(cache_seqlens) + problem.new_len if host_length else None,
-                                problem.softmax_scale, softcap=problem.softcap,
-                                alibi_slopes=alibi_slopes, score_mod=problem.score_mod,
-                                mask_mod=problem.mask_mod)
+    attention = forward_problem(
+        q,
+        k_cache,
+        v_cache,
+        problem.num_heads,
+        problem.num_kv_heads,
+        problem.head_dim,
+        False,
+        problem.window,
+        int(cache_seqlens) + problem.new_len if host_length else None,
+        problem.softmax_scale,
+        softcap=problem.softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=problem.score_mod,
+        mask_mod=problem.mask_mod,
+    )
     plan = ForwardPlan(attention, q, k_cache, v_cache)
     return plan if host_length or plan.spec.reads_key_counts else None
 
@@ -83,13 +94,25 @@ def _user_modifiers(problem):
 
     if problem.score_mod is None and problem.mask_mod is None:
         return None, NO_USER_ARGUMENTS
-    functors = UserFunctors.of(problem.score_mod, problem.mask_mod,
-                               built_ins=problem.softcap > 0 or problem.alibi)
+    functors = UserFunctors.of(
+        problem.score_mod, problem.mask_mod, built_ins=problem.softcap > 0 or problem.alibi
+    )
     return functors, UserArguments(problem)
 
 
-def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                check, alibi_slopes=None, sinks=None):
+def gpu_forward(
+    problem,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    check,
+    alibi_slopes=None,
+    sinks=None,
+):
     """Return ``(out, lse)`` on the current device and stream: append, attend, combine
     (``sinks``: the attention sinks, which the unsplit kernel or the combine adds)."""
     import cupy
@@ -109,8 +132,7 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     cxx = kvcache._cxx_type(problem.dtype)
     dense = None
     if problem.batch * problem.num_heads:
-        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
-                            alibi_slopes)
+        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
     key_counts = None
     if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
         key_counts = _key_counts(problem, cache_seqlens)
@@ -118,25 +140,47 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
         append = kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0]
         elements = problem.new_len * problem.head_dim
-        append((-(-elements // THREADS), problem.num_kv_heads, problem.batch), (THREADS,), (
-            k_new, v_new, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr,
-            np.uint64(0) if key_counts is None else key_counts,
-            *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
-            np.int32(problem.new_len), np.int32(problem.head_dim), *paging))
+        append(
+            (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
+            (THREADS,),
+            (
+                k_new,
+                v_new,
+                k_cache,
+                v_cache,
+                seqlen_ptr,
+                seqlen_value,
+                table_ptr,
+                np.uint64(0) if key_counts is None else key_counts,
+                *_strides(k_new),
+                *_strides(v_new),
+                *_strides(k_cache),
+                *_strides(v_cache),
+                np.int32(problem.new_len),
+                np.int32(problem.head_dim),
+                *paging,
+            ),
+        )
     if problem.batch * problem.num_heads == 0:
-        return (cupy.empty(problem.q_shape, dtype=problem.dtype),
-                cupy.empty(problem.lse_shape, dtype=np.float32))
+        return (
+            cupy.empty(problem.q_shape, dtype=problem.dtype),
+            cupy.empty(problem.lse_shape, dtype=np.float32),
+        )
     if dense is not None:  # key_counts None: an int length
-        return dense(q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes,
-                     sinks=sinks)
+        return dense(
+            q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes, sinks=sinks
+        )
     q = unit_last_stride(cupy, q)
     name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
     decode, per_sm, sm_count = kvcache._kernel(name, shared, functors)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = kvcache.num_splits(blocks, per_sm * sm_count,
-                        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile))
+    splits = kvcache.num_splits(
+        blocks,
+        per_sm * sm_count,
+        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
+    )
     out = cupy.empty(problem.q_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
@@ -146,22 +190,61 @@ def gpu_forward(problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     else:
         part_out = part_lse = np.uint64(0)
     left, right = problem.window
-    slopes, sinks = (np.uint64(0) if a is None else cupy.ascontiguousarray(a)
-                     for a in (alibi_slopes, sinks))
-    decode((splits * row_tiles, problem.num_kv_heads, problem.batch), (THREADS,), (
-        q, k_cache, v_cache, seqlen_ptr, seqlen_value, table_ptr, out, lse, part_out, part_lse,
-        slopes, sinks, user.pointer, *_strides(q), *_strides(k_cache), *_strides(v_cache),
-        np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
-        np.int32(problem.new_len), *paging, np.int32(left), np.int32(right), np.int32(splits),
-        np.int32(row_tiles), np.int32(_aligned((k_cache, v_cache))),
-        np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)),
-        shared_mem=shared)
+    slopes, sinks = (
+        np.uint64(0) if a is None else cupy.ascontiguousarray(a) for a in (alibi_slopes, sinks)
+    )
+    decode(
+        (splits * row_tiles, problem.num_kv_heads, problem.batch),
+        (THREADS,),
+        (
+            q,
+            k_cache,
+            v_cache,
+            seqlen_ptr,
+            seqlen_value,
+            table_ptr,
+            out,
+            lse,
+            part_out,
+            part_lse,
+            slopes,
+            sinks,
+            user.pointer,
+            *_strides(q),
+            *_strides(k_cache),
+            *_strides(v_cache),
+            np.int32(problem.num_heads),
+            np.int32(problem.group_size),
+            np.int32(problem.q_len),
+            np.int32(problem.new_len),
+            *paging,
+            np.int32(left),
+            np.int32(right),
+            np.int32(splits),
+            np.int32(row_tiles),
+            np.int32(_aligned((k_cache, v_cache))),
+            np.float32(problem.softmax_scale * LOG2E),
+            *kvcache._modifier_args(problem),
+        ),
+        shared_mem=shared,
+    )
     if splits > 1:
         combine = kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
-        combine((part_rows,), (THREADS,), (part_out, part_lse, out, lse, sinks,
-                                            np.int64(part_rows), np.int32(splits),
-                                            np.int32(problem.num_heads),
-                                            np.int32(problem.q_len)))
+        combine(
+            (part_rows,),
+            (THREADS,),
+            (
+                part_out,
+                part_lse,
+                out,
+                lse,
+                sinks,
+                np.int64(part_rows),
+                np.int32(splits),
+                np.int32(problem.num_heads),
+                np.int32(problem.q_len),
+            ),
+        )
     return out, lse
 
 
@@ -173,18 +256,29 @@ class DecodePlan:
     change every step and size the split count, so those calls take
     :func:`gpu_forward`.)"""
 
-    def __init__(self, problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                 alibi_slopes=None):
+    def __init__(
+        self,
+        problem,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        alibi_slopes=None,
+    ):
         import cupy
 
         from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
         from .problem import unit_last_stride
 
         self.problem = problem
-        self.copies = (any(a is not None and a.strides[-1] != a.itemsize
-                           for a in (q, k_new, v_new))
-                       or not cache_seqlens.flags.c_contiguous
-                       or (block_table is not None and not block_table.flags.c_contiguous))
+        self.copies = (
+            any(a is not None and a.strides[-1] != a.itemsize for a in (q, k_new, v_new))
+            or not cache_seqlens.flags.c_contiguous
+            or (block_table is not None and not block_table.flags.c_contiguous)
+        )
         q = unit_last_stride(cupy, q)
         cxx = kvcache._cxx_type(problem.dtype)
         _, paging = kvcache._paging_args(problem, block_table)
@@ -194,54 +288,98 @@ class DecodePlan:
             elements = problem.new_len * problem.head_dim
             self.append = Launch(
                 kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
-                (-(-elements // THREADS), problem.num_kv_heads, problem.batch), THREADS, 0,
-                (*element_strides(k_new), *element_strides(v_new), *element_strides(k_cache),
-                 *element_strides(v_cache), np.int32(problem.new_len),
-                 np.int32(problem.head_dim), *paging))
-        self.dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 alibi_slopes)
+                (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
+                THREADS,
+                0,
+                (
+                    *element_strides(k_new),
+                    *element_strides(v_new),
+                    *element_strides(k_cache),
+                    *element_strides(v_cache),
+                    np.int32(problem.new_len),
+                    np.int32(problem.head_dim),
+                    *paging,
+                ),
+            )
+        self.dense = _dense_plan(
+            problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
+        )
         if self.dense is not None:
             return
         name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
         row_tiles = -(-problem.q_len * problem.group_size // rows)
         decode, per_sm, sm_count = kvcache._kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
-        self.splits = kvcache.num_splits(blocks, per_sm * sm_count,
-                                 *kvcache.split_cap(problem.capacity, keys_per_tile))
+        self.splits = kvcache.num_splits(
+            blocks, per_sm * sm_count, *kvcache.split_cap(problem.capacity, keys_per_tile)
+        )
         left, right = problem.window
         self.decode = Launch(
-            decode.kernel, (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
-            THREADS, shared,
-            (NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
-             *element_strides(q), *element_strides(k_cache), *element_strides(v_cache),
-             np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
-             np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
-             np.int32(self.splits), np.int32(row_tiles),
-             np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
-             np.float32(problem.softmax_scale * LOG2E), *kvcache._modifier_args(problem)))
+            decode.kernel,
+            (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
+            THREADS,
+            shared,
+            (
+                NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
+                *element_strides(q),
+                *element_strides(k_cache),
+                *element_strides(v_cache),
+                np.int32(problem.num_heads),
+                np.int32(problem.group_size),
+                np.int32(problem.q_len),
+                np.int32(problem.new_len),
+                *paging,
+                np.int32(left),
+                np.int32(right),
+                np.int32(self.splits),
+                np.int32(row_tiles),
+                np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
+                np.float32(problem.softmax_scale * LOG2E),
+                *kvcache._modifier_args(problem),
+            ),
+        )
         self.part_rows = problem.batch * problem.num_heads * problem.q_len
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
                 kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
-                (self.part_rows,), THREADS, 0,
-                (np.int64(self.part_rows), np.int32(self.splits), np.int32(problem.num_heads),
-                 np.int32(problem.q_len)))
+                (self.part_rows,),
+                THREADS,
+                0,
+                (
+                    np.int64(self.part_rows),
+                    np.int32(self.splits),
+                    np.int32(problem.num_heads),
+                    np.int32(problem.q_len),
+                ),
+            )
             # The splits' partial rows and their lse in one workspace (256-byte aligned).
-            self.part_lse_offset = -(-4 * self.part_rows * self.splits * problem.head_dim
-                                     // 256) * 256
+            self.part_lse_offset = (
+                -(-4 * self.part_rows * self.splits * problem.head_dim // 256) * 256
+            )
             self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                 alibi_slopes=None, sinks=None):
+    def __call__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        alibi_slopes=None,
+        sinks=None,
+    ):
         import cupy
 
         from .problem import unit_last_stride
 
         problem = self.problem
         if self.copies:  # the signature fixes which
-            q, k_new, v_new = (a if a is None else unit_last_stride(cupy, a)
-                               for a in (q, k_new, v_new))
+            q, k_new, v_new = (
+                a if a is None else unit_last_stride(cupy, a) for a in (q, k_new, v_new)
+            )
             cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
             if block_table is not None:
                 block_table = cupy.ascontiguousarray(block_table)
@@ -249,21 +387,45 @@ class DecodePlan:
 
         stream = current_stream()
         table = address(block_table)
-        slopes, sink_ptr = (0 if a is None else cupy.ascontiguousarray(a).data.ptr
-                            for a in (alibi_slopes, sinks))
+        slopes, sink_ptr = (
+            0 if a is None else cupy.ascontiguousarray(a).data.ptr for a in (alibi_slopes, sinks)
+        )
         lengths = cache_seqlens.data.ptr
         key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
         if self.append is not None:  # 0: the lengths' value (they are on the device)
-            self.append(stream, k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr,
-                        v_cache.data.ptr, lengths, 0, table, address(key_counts))
+            self.append(
+                stream,
+                k_new.data.ptr,
+                v_new.data.ptr,
+                k_cache.data.ptr,
+                v_cache.data.ptr,
+                lengths,
+                0,
+                table,
+                address(key_counts),
+            )
         if self.dense is not None:
-            out, lse = self.dense(q, k_cache, v_cache, offsets=(None, key_counts),
-                                  alibi_slopes=alibi_slopes, sinks=sinks)
+            out, lse = self.dense(
+                q,
+                k_cache,
+                v_cache,
+                offsets=(None, key_counts),
+                alibi_slopes=alibi_slopes,
+                sinks=sinks,
+            )
             return (out, lse) if problem.return_lse else out
         out = cupy.empty(problem.q_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
-        inputs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths, 0, table,
-                  out.data.ptr, lse.data.ptr)
+        inputs = (
+            q.data.ptr,
+            k_cache.data.ptr,
+            v_cache.data.ptr,
+            lengths,
+            0,
+            table,
+            out.data.ptr,
+            lse.data.ptr,
+        )
         if self.combine is None:
             self.decode(stream, *inputs, 0, 0, slopes, sink_ptr)
         else:

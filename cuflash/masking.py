@@ -34,12 +34,14 @@ def normalize_window(window_size, causal, kv_capacity, q_len):
     if isinstance(window_size, (tuple, list)):
         if len(window_size) != 2:
             raise InvalidArgumentError(
-                "window_size", f"a tuple must be (left, right), got {len(window_size)} items")
+                "window_size", f"a tuple must be (left, right), got {len(window_size)} items"
+            )
         left = _as_int("window_size", window_size[0])
         right = _as_int("window_size", window_size[1])
         if left < UNBOUNDED or right < UNBOUNDED:
             raise InvalidArgumentError(
-                "window_size", f"(left, right) must each be >= -1, got ({left}, {right})")
+                "window_size", f"(left, right) must each be >= -1, got ({left}, {right})"
+            )
     else:
         w = _as_int("window_size", window_size)
         if w < 0:

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - the CPU path needs no CuPy
     cupy = None
 
 MAX_PLANS = 1024
-_PLANS = {}
+_PLANS: dict = {}
 
 
 def signature(arrays, scalars):
@@ -32,8 +32,14 @@ def signature(arrays, scalars):
             return None
         memory = a.data
         parts += (a.dtype, a.shape, a.strides, memory.device_id, memory.ptr & 15)
-    return (*parts, cupy.cuda.runtime.getDevice(), dispatch.current(), dispatch.excluded(),
-            *map(type, scalars), *scalars)
+    return (
+        *parts,
+        cupy.cuda.runtime.getDevice(),
+        dispatch.current(),
+        dispatch.excluded(),
+        *map(type, scalars),
+        *scalars,
+    )
 
 
 def get(key):

@@ -22,15 +22,20 @@ def jobs_for(dtypes, head_dims, sm):
     """Every (variant, kernel role) of ``dtypes`` x ``head_dims`` for tile generation ``sm``."""
     for name in dtypes:
         if name not in DTYPES_BY_NAME:
-            raise InvalidArgumentError("dtypes", f"unknown dtype {name!r}; expected one of "
-                                                 f"{sorted(DTYPES_BY_NAME)}")
+            raise InvalidArgumentError(
+                "dtypes", f"unknown dtype {name!r}; expected one of {sorted(DTYPES_BY_NAME)}"
+            )
     for d in head_dims:
         if d not in kernel_build.HEAD_DIMS:
-            raise InvalidArgumentError("head_dims", f"unsupported head_dim {d}: must be a "
-                                                    "multiple of 8 from 8 to 256")
-    return [(kernel_build.Variant(DTYPES_BY_NAME[name], d, sm), role)
-            for name in dtypes for d in head_dims
-            for role in kernel_build.Variant(DTYPES_BY_NAME[name], d, sm).kernel_names()]
+            raise InvalidArgumentError(
+                "head_dims", f"unsupported head_dim {d}: must be a multiple of 8 from 8 to 256"
+            )
+    return [
+        (kernel_build.Variant(DTYPES_BY_NAME[name], d, sm), role)
+        for name in dtypes
+        for d in head_dims
+        for role in kernel_build.Variant(DTYPES_BY_NAME[name], d, sm).kernel_names()
+    ]
 
 
 def _compile(job):
@@ -86,16 +91,24 @@ def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forwar
                     jobs.append((variant, spec.role(modified=True)))
                 else:
                     dq_pass = spec.dq_pass()
-                    jobs += [(variant, spec.role(modified=True)),
-                             (variant, dq_pass.role(modified=True))]
+                    jobs += [
+                        (variant, spec.role(modified=True)),
+                        (variant, dq_pass.role(modified=True)),
+                    ]
                     if spec.atomic_dq(d):
                         jobs.append((variant, spec.role(atomic_dq=True, modified=True)))
     return jobs
 
 
-def precompile_modifiers(score_mod=None, mask_mod=None, dtypes=("bfloat16",),
-                         head_dims=(128,), built_ins=False, threads=None,
-                         directions=("forward", "backward")):
+def precompile_modifiers(
+    score_mod=None,
+    mask_mod=None,
+    dtypes=("bfloat16",),
+    head_dims=(128,),
+    built_ins=False,
+    threads=None,
+    directions=("forward", "backward"),
+):
     """Compile the kernels that calls with these user modifiers (``cuflash.modifiers``)
     launch, for the current GPU, in parallel threads (NVRTC runs without the GIL): a
     modifier's kernels are compiled on its first call otherwise. Kernels are shared by
@@ -107,8 +120,9 @@ def precompile_modifiers(score_mod=None, mask_mod=None, dtypes=("bfloat16",),
     if functors is None:
         return 0
     capability = int(cupy.cuda.Device().compute_capability)
-    jobs = modifier_jobs(dtypes, head_dims, kernel_build.generation(capability), capability,
-                         directions)
+    jobs = modifier_jobs(
+        dtypes, head_dims, kernel_build.generation(capability), capability, directions
+    )
     device = cupy.cuda.Device().id
 
     def compile_one(job):
@@ -122,21 +136,34 @@ def precompile_modifiers(score_mod=None, mask_mod=None, dtypes=("bfloat16",),
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cuflash.precompile",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default=",".join(DTYPES_BY_NAME),
-                        help="comma-separated dtypes (default: all three)")
-    parser.add_argument("--head-dims", default="64,128,256",
-                        help="comma-separated head dims, or 'all' (default: 64,128,256)")
-    parser.add_argument("--processes", type=int, default=None,
-                        help="worker processes (default: the CPU count)")
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash.precompile", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--dtypes",
+        default=",".join(DTYPES_BY_NAME),
+        help="comma-separated dtypes (default: all three)",
+    )
+    parser.add_argument(
+        "--head-dims",
+        default="64,128,256",
+        help="comma-separated head dims, or 'all' (default: 64,128,256)",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=None, help="worker processes (default: the CPU count)"
+    )
     args = parser.parse_args(argv)
-    head_dims = (kernel_build.HEAD_DIMS if args.head_dims == "all"
-                 else [int(x) for x in args.head_dims.split(",")])
+    head_dims = (
+        kernel_build.HEAD_DIMS
+        if args.head_dims == "all"
+        else [int(x) for x in args.head_dims.split(",")]
+    )
     start = time.perf_counter()
     count, busy = precompile(args.dtypes.split(","), head_dims, args.processes)
-    print(f"{count} kernels ready in {time.perf_counter() - start:.1f} s "
-          f"({busy:.1f} s of compile and load across the workers)")
+    print(
+        f"{count} kernels ready in {time.perf_counter() - start:.1f} s "
+        f"({busy:.1f} s of compile and load across the workers)"
+    )
 
 
 if __name__ == "__main__":

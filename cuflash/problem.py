@@ -57,9 +57,9 @@ class AttentionProblem:
     causal: bool
     window: tuple  # (left, right), -1 = unbounded; causal already folded in
     allow_tf32: bool = False  # float32 products may run in TF32 (see flash_attention_fwd)
-    packed: PackedSequences = None  # a packed batch of sequences, or None (dense)
+    packed: PackedSequences | None = None  # a packed batch of sequences, or None (dense)
     softcap: float = 0.0  # scores become softcap tanh(score / softcap); 0: off
-    alibi_slopes_shape: tuple = None  # (H,) or (B, H) of the ALiBi slopes; None: off
+    alibi_slopes_shape: tuple | None = None  # (H,) or (B, H) of the ALiBi slopes; None: off
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     block_mask: object = None  # a cuflash.block_mask.BlockMask holding mask_mod, or None
@@ -69,8 +69,12 @@ class AttentionProblem:
     @property
     def modified(self):
         """Do score modifiers (SPEC 8) apply, built-in or the user's?"""
-        return (self.softcap > 0 or self.alibi_slopes_shape is not None
-                or self.score_mod is not None or self.mask_mod is not None)
+        return (
+            self.softcap > 0
+            or self.alibi_slopes_shape is not None
+            or self.score_mod is not None
+            or self.mask_mod is not None
+        )
 
     @property
     def alibi_batch_stride(self):
@@ -109,17 +113,18 @@ def _array_module(named_arrays):
             kinds.add("cupy")
         else:
             raise InvalidArgumentError(
-                name, f"expected numpy.ndarray or cupy.ndarray, got {type(a).__name__}")
+                name, f"expected numpy.ndarray or cupy.ndarray, got {type(a).__name__}"
+            )
     if len(kinds) > 1:
         names = ", ".join(n for n, _ in named_arrays)
-        raise InvalidArgumentError(
-            names, "numpy and cupy arrays are mixed; pass all of one kind")
+        raise InvalidArgumentError(names, "numpy and cupy arrays are mixed; pass all of one kind")
     if kinds == {"cupy"}:
         devices = {a.device.id for _, a in named_arrays}
         if len(devices) > 1:
             raise InvalidArgumentError(
                 ", ".join(n for n, _ in named_arrays),
-                f"arrays are on different devices {sorted(devices)}")
+                f"arrays are on different devices {sorted(devices)}",
+            )
         return cupy
     return np
 
@@ -128,12 +133,13 @@ def _check_dtypes(named_arrays):
     first_name, first = named_arrays[0]
     if first.dtype not in SUPPORTED_DTYPES:
         raise InvalidArgumentError(
-            first_name,
-            f"unsupported dtype {first.dtype}; expected float32, float16 or bfloat16")
+            first_name, f"unsupported dtype {first.dtype}; expected float32, float16 or bfloat16"
+        )
     for name, a in named_arrays[1:]:
         if a.dtype != first.dtype:
             raise InvalidArgumentError(
-                name, f"dtype {a.dtype} differs from {first_name}'s {first.dtype}")
+                name, f"dtype {a.dtype} differs from {first_name}'s {first.dtype}"
+            )
     return first.dtype
 
 
@@ -157,8 +163,7 @@ def _check_rank(name, a, ndim, layout):
 
 def _check_shape(name, a, expected):
     if tuple(a.shape) != tuple(expected):
-        raise InvalidArgumentError(
-            name, f"expected shape {tuple(expected)}, got {tuple(a.shape)}")
+        raise InvalidArgumentError(name, f"expected shape {tuple(expected)}, got {tuple(a.shape)}")
 
 
 def check_dims(name, a, expected, labels):
@@ -174,10 +179,11 @@ def check_int32(name, a, shape, layout):
         raise InvalidArgumentError(name, f"expected dtype int32, got {a.dtype}")
     if tuple(a.shape) != tuple(shape):
         raise InvalidArgumentError(
-            name, f"expected shape {tuple(shape)} {layout}, got {tuple(a.shape)}")
+            name, f"expected shape {tuple(shape)} {layout}, got {tuple(a.shape)}"
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_memory(device_id):
     """Total memory of a GPU in bytes (asked once per device: it never changes)."""
     return cupy.cuda.Device(device_id).mem_info[1]
@@ -186,11 +192,14 @@ def _device_memory(device_id):
 def _check_device_limits(problem, named_arrays):
     if problem.num_heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         raise InvalidArgumentError(
-            "q", f"too large for the device: batch and num_heads must each be <= "
-            f"{MAX_GRID_YZ}, got {problem.batch} and {problem.num_heads}")
+            "q",
+            f"too large for the device: batch and num_heads must each be <= "
+            f"{MAX_GRID_YZ}, got {problem.batch} and {problem.num_heads}",
+        )
     if problem.q_len > MAX_INT32 or problem.kv_capacity > MAX_INT32:
         raise InvalidArgumentError(
-            "q", "too large for the device: sequence lengths must be < 2**31")
+            "q", "too large for the device: sequence lengths must be < 2**31"
+        )
     if problem.xp is np:
         return
     needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs
@@ -199,7 +208,8 @@ def _check_device_limits(problem, named_arrays):
         raise InvalidArgumentError(
             named_arrays[0][0],
             f"too large for the device: the call needs about {needed / 2**30:.1f} GiB, "
-            f"the device has {total / 2**30:.1f} GiB")
+            f"the device has {total / 2**30:.1f} GiB",
+        )
 
 
 def check_head_counts(num_heads, num_kv_heads, head_dim):
@@ -210,11 +220,13 @@ def check_head_counts(num_heads, num_kv_heads, head_dim):
     head_dim = _count("head_dim", head_dim, 1)
     if num_heads % num_kv_heads:
         raise InvalidArgumentError(
-            "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}")
+            "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}"
+        )
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         raise InvalidArgumentError(
-            "head_dim", f"unsupported head_dim {head_dim}: must be a multiple of 8 "
-            f"from 8 to {MAX_HEAD_DIM}")
+            "head_dim",
+            f"unsupported head_dim {head_dim}: must be a multiple of 8 from 8 to {MAX_HEAD_DIM}",
+        )
     return num_heads, num_kv_heads, head_dim
 
 
@@ -235,13 +247,14 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
         return None
     _array_module([("q", q), ("alibi_slopes", alibi_slopes)])
     if alibi_slopes.dtype != np.float32:
-        raise InvalidArgumentError("alibi_slopes",
-                                   f"expected dtype float32, got {alibi_slopes.dtype}")
+        raise InvalidArgumentError(
+            "alibi_slopes", f"expected dtype float32, got {alibi_slopes.dtype}"
+        )
     shape = tuple(alibi_slopes.shape)
     if shape not in ((num_heads,), (batch, num_heads)):
         raise InvalidArgumentError(
-            "alibi_slopes", f"expected shape ({num_heads},) or ({batch}, {num_heads}), "
-            f"got {shape}")
+            "alibi_slopes", f"expected shape ({num_heads},) or ({batch}, {num_heads}), got {shape}"
+        )
     return shape
 
 
@@ -255,7 +268,8 @@ def check_sinks(sinks, q, num_heads):
         raise InvalidArgumentError("sinks", f"expected dtype float32, got {sinks.dtype}")
     if tuple(sinks.shape) != (num_heads,):
         raise InvalidArgumentError(
-            "sinks", f"expected shape ({num_heads},) [num_heads], got {tuple(sinks.shape)}")
+            "sinks", f"expected shape ({num_heads},) [num_heads], got {tuple(sinks.shape)}"
+        )
     return True
 
 
@@ -265,11 +279,14 @@ def check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len):
     if block_mask is None:
         return mask_mod
     if not isinstance(block_mask, BlockMask):
-        raise InvalidArgumentError("block_mask", f"expected a cuflash.block_mask.BlockMask, "
-                                                 f"got {type(block_mask).__name__}")
+        raise InvalidArgumentError(
+            "block_mask",
+            f"expected a cuflash.block_mask.BlockMask, got {type(block_mask).__name__}",
+        )
     if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-        raise InvalidArgumentError("mask_mod", "give the mask through block_mask only (it "
-                                               "holds its own mask function)")
+        raise InvalidArgumentError(
+            "mask_mod", "give the mask through block_mask only (it holds its own mask function)"
+        )
     block_mask.check_call(batch, num_heads, q_len, kv_len)
     return block_mask.mask_mod
 
@@ -278,21 +295,38 @@ def check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, kv_le
     """User-defined modifiers (``cuflash.modifiers``): of their kinds, their reads inside
     their arrays for these sizes (the GPU path checks the arrays' kind and device when it
     packs them)."""
-    for name, value, kind in (("score_mod", score_mod, ScoreMod),
-                              ("mask_mod", mask_mod, MaskMod)):
+    for name, value, kind in (("score_mod", score_mod, ScoreMod), ("mask_mod", mask_mod, MaskMod)):
         if value is None:
             continue
         if not isinstance(value, kind):
             raise InvalidArgumentError(
-                name, f"expected a cuflash.modifiers.{kind.__name__}, got "
-                f"{type(value).__name__}")
+                name, f"expected a cuflash.modifiers.{kind.__name__}, got {type(value).__name__}"
+            )
         value.check_bounds(batch, num_heads, q_len, kv_len)
 
 
-def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                    kv_seq_len, softmax_scale, extra_arrays=(), allow_tf32=False, softcap=0.0,
-                    alibi_slopes=None, alibi_batch=None, score_mod=None, mask_mod=None,
-                    block_mask=None, modifier_sizes=None, sinks=None):
+def forward_problem(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    kv_seq_len,
+    softmax_scale,
+    extra_arrays=(),
+    allow_tf32=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    alibi_batch=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    modifier_sizes=None,
+    sinks=None,
+):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
@@ -313,13 +347,14 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
             raise InvalidArgumentError(name, f"batch {a.shape[0]} differs from q's {batch}")
         if a.shape[1] != num_kv_heads:
             raise InvalidArgumentError(
-                name, f"has {a.shape[1]} heads, num_kv_heads is {num_kv_heads}")
+                name, f"has {a.shape[1]} heads, num_kv_heads is {num_kv_heads}"
+            )
         if a.shape[3] != head_dim:
-            raise InvalidArgumentError(
-                name, f"has head_dim {a.shape[3]}, head_dim is {head_dim}")
+            raise InvalidArgumentError(name, f"has head_dim {a.shape[3]}, head_dim is {head_dim}")
     if k.shape[2] != v.shape[2]:
         raise InvalidArgumentError(
-            "v", f"sequence length {v.shape[2]} differs from k's {k.shape[2]}")
+            "v", f"sequence length {v.shape[2]} differs from k's {k.shape[2]}"
+        )
     kv_capacity = k.shape[2]
     if kv_seq_len is None:
         kv_len = kv_capacity
@@ -327,47 +362,102 @@ def forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_s
         kv_len = _count("kv_seq_len", kv_seq_len, 0)
         if kv_len > kv_capacity:
             raise InvalidArgumentError(
-                "kv_seq_len", f"must be <= S_k ({kv_capacity}), got {kv_len}")
+                "kv_seq_len", f"must be <= S_k ({kv_capacity}), got {kv_len}"
+            )
     window = normalize_window(window_size, causal, kv_capacity, q_len)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
-                softmax_scale, numbers.Real):
+            softmax_scale, numbers.Real
+        ):
             raise InvalidArgumentError(
-                "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}")
+                "softmax_scale", f"expected a float, got {type(softmax_scale).__name__}"
+            )
         scale = float(softmax_scale)
         if not math.isfinite(scale):
             raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
     _check_flag("allow_tf32", allow_tf32)
     softcap = check_softcap(softcap)
-    slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads,
-                                      batch if alibi_batch is None else alibi_batch)
+    slopes_shape = check_alibi_slopes(
+        alibi_slopes, q, num_heads, batch if alibi_batch is None else alibi_batch
+    )
     has_sinks = check_sinks(sinks, q, num_heads)
     mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len)
-    check_user_modifiers(score_mod, mask_mod, xp, num_heads,
-                         *(modifier_sizes or (batch, q_len, kv_len)))
+    check_user_modifiers(
+        score_mod, mask_mod, xp, num_heads, *(modifier_sizes or (batch, q_len, kv_len))
+    )
     problem = AttentionProblem(
-        xp=xp, dtype=dtype, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        q_len=q_len, kv_capacity=kv_capacity, kv_len=kv_len, head_dim=head_dim,
-        softmax_scale=scale, causal=bool(causal), window=window, allow_tf32=bool(allow_tf32),
-        softcap=softcap, alibi_slopes_shape=slopes_shape, score_mod=score_mod,
-        mask_mod=mask_mod, block_mask=block_mask, sinks=has_sinks)
+        xp=xp,
+        dtype=dtype,
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        q_len=q_len,
+        kv_capacity=kv_capacity,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        softmax_scale=scale,
+        causal=bool(causal),
+        window=window,
+        allow_tf32=bool(allow_tf32),
+        softcap=softcap,
+        alibi_slopes_shape=slopes_shape,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        sinks=has_sinks,
+    )
     _check_device_limits(problem, named)
     return problem
 
 
-def backward_problem(dout, q, k, v, output, lse, num_heads, num_kv_heads, head_dim,
-                     causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                     synchronize, allow_tf32=False, softcap=0.0, alibi_slopes=None,
-                     score_mod=None, mask_mod=None, block_mask=None, sinks=None):
+def backward_problem(
+    dout,
+    q,
+    k,
+    v,
+    output,
+    lse,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    kv_seq_len,
+    softmax_scale,
+    deterministic,
+    synchronize,
+    allow_tf32=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    sinks=None,
+):
     """Validate a backward call: the forward's checks plus dout, output and lse."""
     extra = [("dout", dout), ("output", output)]
-    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal,
-                              window_size, kv_seq_len, softmax_scale, extra_arrays=extra,
-                              allow_tf32=allow_tf32, softcap=softcap,
-                              alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
+    problem = forward_problem(
+        q,
+        k,
+        v,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale,
+        extra_arrays=extra,
+        allow_tf32=allow_tf32,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        sinks=sinks,
+    )
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:

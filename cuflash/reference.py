@@ -2,7 +2,8 @@
 
 Slow and memory-hungry (it holds the ``S_q x S_k`` matrix) on purpose: it is
 the definition the kernels are tested against, written straight from the
-masking rule of the Semantics page, independent of the kernels' tiling and of :mod:`cuflash.masking`.
+masking rule of the Semantics page, independent of the kernels' tiling and of
+:mod:`cuflash.masking`.
 NumPy arrays in, NumPy float64 arrays out.
 """
 
@@ -71,8 +72,20 @@ def _user_modified(raw, derivative, visible, kv_len, score_mod, mask_mod):
     return raw, derivative, visible
 
 
-def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=None,
-                   softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
+def _probabilities(
+    q,
+    k,
+    causal,
+    window,
+    kv_seq_len,
+    softmax_scale,
+    given_lse=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Softmax probabilities ``[B, H, S_q, S_k]``, lse ``[B, H, S_q]``, the scale and the
     score modifiers' derivative.
 
@@ -88,8 +101,9 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
     raw = scale * q @ np.swapaxes(_expand_kv(k, num_heads), -1, -2)
     raw, derivative = _modified_scores(raw, q_len, kv_len, softcap, alibi_slopes)
     if score_mod is not None or mask_mod is not None:
-        raw, derivative, visible = _user_modified(raw, derivative, visible, kv_len,
-                                                  score_mod, mask_mod)
+        raw, derivative, visible = _user_modified(
+            raw, derivative, visible, kv_len, score_mod, mask_mod
+        )
     scores = np.where(visible, raw, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     sink = None
@@ -111,9 +125,20 @@ def _probabilities(q, k, causal, window, kv_seq_len, softmax_scale, given_lse=No
     return probs, lse, scale, derivative
 
 
-def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
-                        softmax_scale=None, softcap=0.0, alibi_slopes=None, score_mod=None,
-                        mask_mod=None, sinks=None):
+def attention_reference(
+    q,
+    k,
+    v,
+    causal=False,
+    window=0,
+    kv_seq_len=None,
+    softmax_scale=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Return ``(out, lse)`` in float64.
 
     Parameters
@@ -141,15 +166,39 @@ def attention_reference(q, k, v, causal=False, window=0, kv_seq_len=None,
         ``-inf`` in rows that see no key (``sinks[h]`` with sinks).
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    probs, lse, _, _ = _probabilities(q, k, causal, window, kv_seq_len, softmax_scale,
-                                      softcap=softcap, alibi_slopes=alibi_slopes,
-                                      score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+    probs, lse, _, _ = _probabilities(
+        q,
+        k,
+        causal,
+        window,
+        kv_seq_len,
+        softmax_scale,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        sinks=sinks,
+    )
     return probs @ _expand_kv(v, q.shape[1]), lse
 
 
-def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=None,
-                             softmax_scale=None, out=None, lse=None, softcap=0.0,
-                             alibi_slopes=None, score_mod=None, mask_mod=None, sinks=None):
+def attention_reference_grad(
+    dout,
+    q,
+    k,
+    v,
+    causal=False,
+    window=0,
+    kv_seq_len=None,
+    softmax_scale=None,
+    out=None,
+    lse=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Return ``(dq, dk, dv)`` in float64, the exact gradients of the oracle (and
     ``dsinks`` ``[H]`` after them with ``sinks``).
 
@@ -181,9 +230,20 @@ def attention_reference_grad(dout, q, k, v, causal=False, window=0, kv_seq_len=N
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     num_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
-    probs, row_lse, scale, derivative = _probabilities(q, k, causal, window, kv_seq_len,
-                                                       softmax_scale, lse, softcap,
-                                                       alibi_slopes, score_mod, mask_mod, sinks)
+    probs, row_lse, scale, derivative = _probabilities(
+        q,
+        k,
+        causal,
+        window,
+        kv_seq_len,
+        softmax_scale,
+        lse,
+        softcap,
+        alibi_slopes,
+        score_mod,
+        mask_mod,
+        sinks,
+    )
     ke, ve = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     dv = np.swapaxes(probs, -1, -2) @ dout
     dprobs = dout @ np.swapaxes(ve, -1, -2)

@@ -88,7 +88,7 @@ class KernelSpec:
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
     # (smallest, largest) head_dim served to calls without score modifiers where that
     # differs from head_dims (their compiled roles keep head_dims), else None.
-    plain_head_dims: tuple = None
+    plain_head_dims: tuple | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
     # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
@@ -97,8 +97,8 @@ class KernelSpec:
     # deterministic at the head dims ``atomic_dq_head_dims`` (smallest, largest; None:
     # never, the kernel has no atomic instantiation), else by the helper ``dq_kernel``
     # after it (None: backward_dq_general).
-    atomic_dq_head_dims: tuple = (8, 256)
-    dq_kernel: str = None
+    atomic_dq_head_dims: tuple | None = (8, 256)
+    dq_kernel: str | None = None
     modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
@@ -110,8 +110,9 @@ class KernelSpec:
         modifiers (``plain_head_dims`` where given)."""
         if self.exact_head_dims:
             return head_dim in self.head_dims
-        low, high = self.head_dims if modified or self.plain_head_dims is None \
-            else self.plain_head_dims
+        low, high = (
+            self.head_dims if modified or self.plain_head_dims is None else self.plain_head_dims
+        )
         return low <= head_dim <= high
 
     def serves_dtype(self, dtype, allow_tf32=False):
@@ -127,8 +128,11 @@ class KernelSpec:
     def compiled_for(self, dtype, head_dim, sm):
         """Whether the variant (dtype, head_dim, tile generation ``sm``) holds this kernel
         (for any ``allow_tf32``)."""
-        return (sm in self.archs and self.serves_head_dim(head_dim)
-                and self.serves_dtype(dtype, allow_tf32=True))
+        return (
+            sm in self.archs
+            and self.serves_head_dim(head_dim)
+            and self.serves_dtype(dtype, allow_tf32=True)
+        )
 
     def atomic_dq(self, head_dim):
         """Whether a backward call at ``head_dim`` that is not deterministic adds dQ by
@@ -144,8 +148,11 @@ class KernelSpec:
         :meth:`atomic_dq` holds), and with ``modifiers`` each of those again with the
         score modifiers (``role(...)`` names them)."""
         base = (self.name,)
-        if self.direction == "backward" and self.atomic_dq_head_dims is not None and (
-                head_dim is None or self.atomic_dq(head_dim)):
+        if (
+            self.direction == "backward"
+            and self.atomic_dq_head_dims is not None
+            and (head_dim is None or self.atomic_dq(head_dim))
+        ):
             base += (self.name + ATOMIC_DQ,)
         return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
 
@@ -190,6 +197,7 @@ def _pitch(head_dim):
 
 # ---- traits of each kernel, per head_dim -------------------------------------
 
+
 def _forward_wgmma_traits(d):
     keys = 128 if d <= 32 else 64  # two blocks an SM: S, P and O of a tile in 128 registers
     warpgroups = 2
@@ -205,8 +213,7 @@ def _forward_ws_traits(d):
     barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
     width = head_dim_class(d)
     keys, stages = (64, 2) if width == 256 else (128, 3)
-    smem = (2 * width * (128 + 2 * stages * keys) + 2 * 16 * stages + 8
-            + FLOAT_BYTES * 256 + 1024)
+    smem = 2 * width * (128 + 2 * stages * keys) + 2 * 16 * stages + 8 + FLOAT_BYTES * 256 + 1024
     return Traits(128, 384, smem, (keys, stages))
 
 
@@ -218,8 +225,12 @@ def _forward_mma_sync_traits(d):
         rows, keys, m_tiles, q_in_registers = 64, 64, 1, True
     else:
         rows, keys, m_tiles, q_in_registers = 128, 64, 2, False
-    return Traits(rows, 32 * rows // (16 * m_tiles), 2 * width * (rows + 4 * keys),
-                  (rows, keys, m_tiles, q_in_registers))
+    return Traits(
+        rows,
+        32 * rows // (16 * m_tiles),
+        2 * width * (rows + 4 * keys),
+        (rows, keys, m_tiles, q_in_registers),
+    )
 
 
 def _forward_pieces_traits(d):
@@ -231,8 +242,9 @@ def _forward_pieces_wide_traits(d):
     """kernels/split_fwd_wide_wg.cuh: 64 rows, one 64-key tile of K and of V, each as two
     float16 pieces 256 columns wide, and each warpgroup's half of S in float32."""
     rows, keys, width = 64, 64, 256
-    return Traits(rows, 256, 2 * 2 * width * (rows + 2 * keys) + FLOAT_BYTES * 2 * rows * keys
-                  + 1024)
+    return Traits(
+        rows, 256, 2 * 2 * width * (rows + 2 * keys) + FLOAT_BYTES * 2 * rows * keys + 1024
+    )
 
 
 def _forward_tf32_traits(d):
@@ -247,23 +259,28 @@ def _general_rows(d):
 def _forward_general_traits(d):
     rows, keys = _general_rows(d)
     p = _pitch(d)
-    return Traits(rows, 128, FLOAT_BYTES * (rows * p + 2 * keys * p + rows * (keys + 4)),
-                  (rows, keys))
+    return Traits(
+        rows, 128, FLOAT_BYTES * (rows * p + 2 * keys * p + rows * (keys + 4)), (rows, keys)
+    )
 
 
 def _backward_wgmma_traits(d):
     width = head_dim_class(d)
     rows, keys = {64: (128, 128), 128: (64, 128), 256: (64, 64)}[width]
     exchanged = 2 if width == 256 else 1  # P^T as well as dS^T in shared memory
-    smem = (2 * (2 * (2 * rows + keys) * width + exchanged * keys * rows)
-            + FLOAT_BYTES * 2 * 2 * rows + 1024)
+    smem = (
+        2 * (2 * (2 * rows + keys) * width + exchanged * keys * rows)
+        + FLOAT_BYTES * 2 * 2 * rows
+        + 1024
+    )
     return Traits(keys, 256, smem, (rows,))
 
 
 def _backward_mma_sync_traits(d):
     rows, keys = {64: (64, 128), 128: (32, 128)}[head_dim_class(d)]
-    smem = (2 * (2 * (2 * rows + keys) * head_dim_class(d) + keys * rows)
-            + FLOAT_BYTES * 2 * 2 * rows)
+    smem = (
+        2 * (2 * (2 * rows + keys) * head_dim_class(d) + keys * rows) + FLOAT_BYTES * 2 * 2 * rows
+    )
     return Traits(keys, 2 * keys, smem, (rows, keys))
 
 
@@ -277,8 +294,11 @@ def _backward_split_d_traits(d):
 def _backward_pieces_traits(d):
     rows, keys, width = 64, 64, head_dim_class(d)
     buffers = 1 if d == 64 else 2  # kernels/split_bwd_wg.cuh: split_bwd_blocks
-    smem = (2 * (width * (4 * keys + 4 * buffers * rows) + 4 * keys * rows)
-            + FLOAT_BYTES * (2 * buffers * rows + 8) + 1024)
+    smem = (
+        2 * (width * (4 * keys + 4 * buffers * rows) + 4 * keys * rows)
+        + FLOAT_BYTES * (2 * buffers * rows + 8)
+        + 1024
+    )
     return Traits(keys, 256, smem, ())
 
 
@@ -287,8 +307,11 @@ def _backward_pieces_wide_traits(d):
     tile of Q and dO, each as two float16 pieces 256 columns wide, P^T handed between the
     warpgroups in float32, lse and Delta of the tile, four maxima."""
     rows, keys, width = 32, 64, 256
-    return Traits(keys, 256, 2 * 2 * width * (2 * keys + 2 * rows) + FLOAT_BYTES * (
-        keys * rows + 2 * rows + 4) + 1024)
+    return Traits(
+        keys,
+        256,
+        2 * 2 * width * (2 * keys + 2 * rows) + FLOAT_BYTES * (keys * rows + 2 * rows + 4) + 1024,
+    )
 
 
 def _dq_pieces_wide_traits(d):
@@ -296,8 +319,13 @@ def _dq_pieces_wide_traits(d):
     V as pieces 256 columns wide, P and dS handed over in float32, lse and Delta of the
     rows, four maxima and dS's exponent."""
     rows, keys, width = 64, 32, 256
-    return Traits(rows, 256, 2 * 2 * width * (2 * rows + 2 * keys) + FLOAT_BYTES * (
-        2 * rows * keys + 2 * rows + 5) + 1024)
+    return Traits(
+        rows,
+        256,
+        2 * 2 * width * (2 * rows + 2 * keys)
+        + FLOAT_BYTES * (2 * rows * keys + 2 * rows + 5)
+        + 1024,
+    )
 
 
 def _backward_tf32_traits(d):
@@ -317,8 +345,12 @@ def _backward_general_traits(d):
 def _dq_general_traits(d):
     rows, keys = _general_rows(d)
     p = _pitch(d)
-    return Traits(rows, 128, FLOAT_BYTES * (2 * (rows + keys) * p + rows * (keys + 4) + 2 * rows),
-                  (rows, keys))
+    return Traits(
+        rows,
+        128,
+        FLOAT_BYTES * (2 * (rows + keys) * p + rows * (keys + 4) + 2 * rows),
+        (rows, keys),
+    )
 
 
 def _dq_wgmma_traits(d):
@@ -362,51 +394,185 @@ KERNELS = (
     # The warp-specialized forward serves every call with score modifiers and the calls
     # without from D = 72 up; below that the two-blocks-an-SM forward_wgmma measured
     # faster (D = 64, S = 1024: 318 against 299 TFLOP/s; docs/kernels/forward-sm90-wgmma.md).
-    KernelSpec("forward_wgmma_ws", "forward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "forward_wgmma_ws", _forward_ws_traits, needs_sm90a=True, modifiers=True,
-               block_tiles=_owned_and_visited, reads_key_counts=True,
-               plain_head_dims=(72, 256)),
+    KernelSpec(
+        "forward_wgmma_ws",
+        "forward",
+        "wgmma",
+        "16-bit",
+        HOPPER,
+        ALL_HEAD_DIMS,
+        "forward_wgmma_ws",
+        _forward_ws_traits,
+        needs_sm90a=True,
+        modifiers=True,
+        block_tiles=_owned_and_visited,
+        reads_key_counts=True,
+        plain_head_dims=(72, 256),
+    ),
     # Calls without modifiers up to D = 64 take forward_wgmma, two blocks an SM there
     # (attention_fwd_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
     # products are too short to hide one block's softmax, and two blocks' hide each
     # other's.
-    KernelSpec("forward_wgmma", "forward", "wgmma", "16-bit", HOPPER, (8, 64),
-               "attention_fwd_wgmma", _forward_wgmma_traits, needs_sm90a=True,
-               reads_key_counts=True),
-    KernelSpec("forward_mma_sync", "forward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_fwd_tc", _forward_mma_sync_traits, modifiers=True,
-               block_tiles=_rows_and_keys),
-    KernelSpec("forward_tf32", "forward", "mma.sync", "tf32", AMPERE_AND_NEWER, ALL_HEAD_DIMS,
-               "attention_fwd_tc32", _forward_tf32_traits, dtype_in_template=False),
-    KernelSpec("forward_float32_pieces", "forward", "wgmma", "float32", HOPPER, (8, 128),
-               "attention_fwd_split", _forward_pieces_traits, needs_sm90a=True,
-               dtype_in_template=False, reads_key_counts=True),
-    KernelSpec("forward_float32_pieces_wide", "forward", "wgmma", "float32", HOPPER,
-               (136, 256), "attention_fwd_split_wide", _forward_pieces_wide_traits,
-               needs_sm90a=True, dtype_in_template=False, reads_key_counts=True),
-    KernelSpec("forward_general", "forward", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_fwd_general", _forward_general_traits, modifiers=True),
-    KernelSpec("backward_wgmma", "backward", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "attention_bwd_dkdv_wgmma", _backward_wgmma_traits, needs_sm90a=True,
-               modifiers=True, block_tiles=_owned_and_visited, atomic_dq_head_dims=(8, 128),
-               dq_kernel="backward_dq_wgmma"),
-    KernelSpec("backward_mma_sync", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               (64, 128), "attention_bwd_dkdv_tc", _backward_mma_sync_traits,
-               exact_head_dims=True, modifiers=True, dq_kernel="backward_dq_mma_sync"),
-    KernelSpec("backward_mma_sync_split_d", "backward", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dkdv_tc_wide", _backward_split_d_traits,
-               padded_dq=True, dq_kernel="backward_dq_mma_sync"),
-    KernelSpec("backward_tf32", "backward", "mma.sync", "tf32", AMPERE_AND_NEWER, (8, 128),
-               "attention_bwd_dkdv_tc32", _backward_tf32_traits, dtype_in_template=False),
-    KernelSpec("backward_float32_pieces", "backward", "wgmma", "float32", HOPPER, (8, 128),
-               "attention_bwd_split", _backward_pieces_traits, needs_sm90a=True,
-               dtype_in_template=False),
-    KernelSpec("backward_float32_pieces_wide", "backward", "wgmma", "float32", HOPPER,
-               (136, 256), "attention_bwd_split_wide", _backward_pieces_wide_traits,
-               needs_sm90a=True, dtype_in_template=False,
-               atomic_dq_head_dims=None, dq_kernel="backward_dq_float32_pieces_wide"),
-    KernelSpec("backward_general", "backward", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dkdv", _backward_general_traits, modifiers=True),
+    KernelSpec(
+        "forward_wgmma",
+        "forward",
+        "wgmma",
+        "16-bit",
+        HOPPER,
+        (8, 64),
+        "attention_fwd_wgmma",
+        _forward_wgmma_traits,
+        needs_sm90a=True,
+        reads_key_counts=True,
+    ),
+    KernelSpec(
+        "forward_mma_sync",
+        "forward",
+        "mma.sync",
+        "16-bit",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_fwd_tc",
+        _forward_mma_sync_traits,
+        modifiers=True,
+        block_tiles=_rows_and_keys,
+    ),
+    KernelSpec(
+        "forward_tf32",
+        "forward",
+        "mma.sync",
+        "tf32",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_fwd_tc32",
+        _forward_tf32_traits,
+        dtype_in_template=False,
+    ),
+    KernelSpec(
+        "forward_float32_pieces",
+        "forward",
+        "wgmma",
+        "float32",
+        HOPPER,
+        (8, 128),
+        "attention_fwd_split",
+        _forward_pieces_traits,
+        needs_sm90a=True,
+        dtype_in_template=False,
+        reads_key_counts=True,
+    ),
+    KernelSpec(
+        "forward_float32_pieces_wide",
+        "forward",
+        "wgmma",
+        "float32",
+        HOPPER,
+        (136, 256),
+        "attention_fwd_split_wide",
+        _forward_pieces_wide_traits,
+        needs_sm90a=True,
+        dtype_in_template=False,
+        reads_key_counts=True,
+    ),
+    KernelSpec(
+        "forward_general",
+        "forward",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_fwd_general",
+        _forward_general_traits,
+        modifiers=True,
+    ),
+    KernelSpec(
+        "backward_wgmma",
+        "backward",
+        "wgmma",
+        "16-bit",
+        HOPPER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dkdv_wgmma",
+        _backward_wgmma_traits,
+        needs_sm90a=True,
+        modifiers=True,
+        block_tiles=_owned_and_visited,
+        atomic_dq_head_dims=(8, 128),
+        dq_kernel="backward_dq_wgmma",
+    ),
+    KernelSpec(
+        "backward_mma_sync",
+        "backward",
+        "mma.sync",
+        "16-bit",
+        AMPERE_AND_NEWER,
+        (64, 128),
+        "attention_bwd_dkdv_tc",
+        _backward_mma_sync_traits,
+        exact_head_dims=True,
+        modifiers=True,
+        dq_kernel="backward_dq_mma_sync",
+    ),
+    KernelSpec(
+        "backward_mma_sync_split_d",
+        "backward",
+        "mma.sync",
+        "16-bit",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dkdv_tc_wide",
+        _backward_split_d_traits,
+        padded_dq=True,
+        dq_kernel="backward_dq_mma_sync",
+    ),
+    KernelSpec(
+        "backward_tf32",
+        "backward",
+        "mma.sync",
+        "tf32",
+        AMPERE_AND_NEWER,
+        (8, 128),
+        "attention_bwd_dkdv_tc32",
+        _backward_tf32_traits,
+        dtype_in_template=False,
+    ),
+    KernelSpec(
+        "backward_float32_pieces",
+        "backward",
+        "wgmma",
+        "float32",
+        HOPPER,
+        (8, 128),
+        "attention_bwd_split",
+        _backward_pieces_traits,
+        needs_sm90a=True,
+        dtype_in_template=False,
+    ),
+    KernelSpec(
+        "backward_float32_pieces_wide",
+        "backward",
+        "wgmma",
+        "float32",
+        HOPPER,
+        (136, 256),
+        "attention_bwd_split_wide",
+        _backward_pieces_wide_traits,
+        needs_sm90a=True,
+        dtype_in_template=False,
+        atomic_dq_head_dims=None,
+        dq_kernel="backward_dq_float32_pieces_wide",
+    ),
+    KernelSpec(
+        "backward_general",
+        "backward",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dkdv",
+        _backward_general_traits,
+        modifiers=True,
+    ),
     # Helpers: Delta = rowsum(dO O) and lse in base 2 (4 rows a block); the
     # deterministic dQ pass on the CUDA cores; the backward_wgmma's dQ pass (its
     # deterministic calls, and every call past head_dim 128); the mma.sync
@@ -414,27 +580,106 @@ KERNELS = (
     # pieces past head_dim 128; the atomic dQ's conversion to its dtype and
     # layout (512 elements a block); zeros in the rows of a packed output that no
     # sequence covers; the float16 pieces of float32 operands.
-    KernelSpec("backward_delta", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_delta", _fixed(4)),
-    KernelSpec("backward_dq_general", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dq", _dq_general_traits, modifiers=True),
-    KernelSpec("backward_dq_wgmma", "helper", "wgmma", "16-bit", HOPPER, ALL_HEAD_DIMS,
-               "attention_bwd_dq_wgmma", _dq_wgmma_traits, needs_sm90a=True, modifiers=True,
-               block_tiles=_owned_and_visited),
-    KernelSpec("backward_dq_mma_sync", "helper", "mma.sync", "16-bit", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dq_tc", _dq_mma_sync_traits, modifiers=True,
-               block_tiles=_rows_and_keys),
-    KernelSpec("backward_dq_float32_pieces_wide", "helper", "wgmma", "float32", HOPPER,
-               (136, 256), "attention_bwd_dq_split_wide", _dq_pieces_wide_traits,
-               needs_sm90a=True, dtype_in_template=False),
-    KernelSpec("backward_dq_convert", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_bwd_dq_convert", _fixed(512, threads=256)),
-    KernelSpec("packed_zero_outside", "helper", "cuda cores", "any", AMPERE_AND_NEWER,
-               ALL_HEAD_DIMS, "attention_zero_outside", _fixed(256, threads=256)),
-    KernelSpec("float16_pieces_abs_max", "helper", "cuda cores", "float32", HOPPER,
-               ALL_HEAD_DIMS, "attention_abs_max", _fixed(32), dtype_in_template=False),
-    KernelSpec("float16_pieces_split", "helper", "cuda cores", "float32", HOPPER,
-               ALL_HEAD_DIMS, "attention_split_f16", _fixed(4), dtype_in_template=False),
+    KernelSpec(
+        "backward_delta",
+        "helper",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_delta",
+        _fixed(4),
+    ),
+    KernelSpec(
+        "backward_dq_general",
+        "helper",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dq",
+        _dq_general_traits,
+        modifiers=True,
+    ),
+    KernelSpec(
+        "backward_dq_wgmma",
+        "helper",
+        "wgmma",
+        "16-bit",
+        HOPPER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dq_wgmma",
+        _dq_wgmma_traits,
+        needs_sm90a=True,
+        modifiers=True,
+        block_tiles=_owned_and_visited,
+    ),
+    KernelSpec(
+        "backward_dq_mma_sync",
+        "helper",
+        "mma.sync",
+        "16-bit",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dq_tc",
+        _dq_mma_sync_traits,
+        modifiers=True,
+        block_tiles=_rows_and_keys,
+    ),
+    KernelSpec(
+        "backward_dq_float32_pieces_wide",
+        "helper",
+        "wgmma",
+        "float32",
+        HOPPER,
+        (136, 256),
+        "attention_bwd_dq_split_wide",
+        _dq_pieces_wide_traits,
+        needs_sm90a=True,
+        dtype_in_template=False,
+    ),
+    KernelSpec(
+        "backward_dq_convert",
+        "helper",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_bwd_dq_convert",
+        _fixed(512, threads=256),
+    ),
+    KernelSpec(
+        "packed_zero_outside",
+        "helper",
+        "cuda cores",
+        "any",
+        AMPERE_AND_NEWER,
+        ALL_HEAD_DIMS,
+        "attention_zero_outside",
+        _fixed(256, threads=256),
+    ),
+    KernelSpec(
+        "float16_pieces_abs_max",
+        "helper",
+        "cuda cores",
+        "float32",
+        HOPPER,
+        ALL_HEAD_DIMS,
+        "attention_abs_max",
+        _fixed(32),
+        dtype_in_template=False,
+    ),
+    KernelSpec(
+        "float16_pieces_split",
+        "helper",
+        "cuda cores",
+        "float32",
+        HOPPER,
+        ALL_HEAD_DIMS,
+        "attention_split_f16",
+        _fixed(4),
+        dtype_in_template=False,
+    ),
 )
 BY_NAME = {spec.name: spec for spec in KERNELS}
 BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
@@ -444,10 +689,13 @@ def variant_roles(dtype, head_dim, sm):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
     generation ``sm``); a kernel's roles without score modifiers only where it serves such
     calls (``plain_head_dims``)."""
-    return {role: spec.name_expression(role, dtype, head_dim)
-            for spec in KERNELS if spec.compiled_for(dtype, head_dim, sm)
-            for role in spec.roles(head_dim)
-            if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)}
+    return {
+        role: spec.name_expression(role, dtype, head_dim)
+        for spec in KERNELS
+        if spec.compiled_for(dtype, head_dim, sm)
+        for role in spec.roles(head_dim)
+        if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)
+    }
 
 
 def generation(compute_capability):
@@ -455,8 +703,16 @@ def generation(compute_capability):
     return 90 if compute_capability >= 90 else 80
 
 
-def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
-           tensor_cores=True, excluded=frozenset(), modified=False):
+def choose(
+    direction,
+    dtype,
+    head_dim,
+    compute_capability,
+    allow_tf32=False,
+    tensor_cores=True,
+    excluded=frozenset(),
+    modified=False,
+):
     """The first kernel of ``direction`` that serves the call.
 
     ``tensor_cores`` False (the general kernel path, or rows off the 16-byte
@@ -467,11 +723,15 @@ def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
     """
     sm = generation(compute_capability)
     for spec in KERNELS:
-        if (spec.direction != direction or spec.name in excluded
-                or sm not in spec.archs or (spec.needs_sm90a and compute_capability != 90)
-                or not spec.serves_head_dim(head_dim, modified)
-                or not spec.serves_dtype(dtype, allow_tf32)
-                or (modified and not spec.modifiers)):
+        if (
+            spec.direction != direction
+            or spec.name in excluded
+            or sm not in spec.archs
+            or (spec.needs_sm90a and compute_capability != 90)
+            or not spec.serves_head_dim(head_dim, modified)
+            or not spec.serves_dtype(dtype, allow_tf32)
+            or (modified and not spec.modifiers)
+        ):
             continue
         if spec.instruction != "cuda cores" and not tensor_cores:
             continue
@@ -481,17 +741,24 @@ def choose(direction, dtype, head_dim, compute_capability, allow_tf32=False,
 
 def coverage_table():
     """Markdown: each forward and backward kernel and what it serves (for the docs)."""
-    rows = ["| kernel | direction | instruction | precision | GPUs | head_dim | score modifiers |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| kernel | direction | instruction | precision | GPUs | head_dim | score modifiers |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for spec in KERNELS:
         if spec.direction == "helper":
             continue
         gpus = "sm_90 (H100/H200)" if spec.archs == HOPPER else "sm_80 and newer"
-        dims = (", ".join(map(str, spec.head_dims)) if spec.exact_head_dims
-                else f"{spec.head_dims[0]}-{spec.head_dims[1]}")
+        dims = (
+            ", ".join(map(str, spec.head_dims))
+            if spec.exact_head_dims
+            else f"{spec.head_dims[0]}-{spec.head_dims[1]}"
+        )
         if spec.plain_head_dims is not None:
             low, high = spec.plain_head_dims
             dims += f" ({low}-{high} without modifiers)"
-        rows.append(f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
-                    f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |")
+        rows.append(
+            f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
+            f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |"
+        )
     return "\n".join(rows)

@@ -23,9 +23,20 @@ import numpy as np
 from . import cpu, plans
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
-from .problem import (MAX_GRID_YZ, PackedSequences, _array_module, _check_dtypes, _check_flag,
-                      _check_rank, _count, backward_problem, check_dims, check_head_counts,
-                      check_int32, forward_problem)
+from .problem import (
+    MAX_GRID_YZ,
+    PackedSequences,
+    _array_module,
+    _check_dtypes,
+    _check_flag,
+    _check_rank,
+    _count,
+    backward_problem,
+    check_dims,
+    check_head_counts,
+    check_int32,
+    forward_problem,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +86,16 @@ def _check_offsets(name, offsets, total, max_name, max_seqlen, tokens):
         length = offsets[b + 1] - offsets[b]
         if length < 0:
             raise InvalidArgumentError(
-                name, f"sequence {b}: offsets decrease ({offsets[b]} then {offsets[b + 1]})")
+                name, f"sequence {b}: offsets decrease ({offsets[b]} then {offsets[b + 1]})"
+            )
         if length > max_seqlen:
             raise InvalidArgumentError(
-                name, f"sequence {b}: length {length} exceeds {max_name} = {max_seqlen}")
+                name, f"sequence {b}: length {length} exceeds {max_name} = {max_seqlen}"
+            )
     if offsets[-1] != total:
         raise InvalidArgumentError(
-            name, f"the last offset {offsets[-1]} differs from {tokens}'s {total} tokens")
+            name, f"the last offset {offsets[-1]} differs from {tokens}'s {total} tokens"
+        )
 
 
 def _heads_first(x, start=None, stop=None):
@@ -90,17 +104,35 @@ def _heads_first(x, start=None, stop=None):
     return x[start:stop][None].transpose(0, 2, 1, 3)
 
 
-def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale,
-                   allow_tf32, check, extra_arrays=(), softcap=0.0, alibi_slopes=None,
-                   score_mod=None, mask_mod=None, sinks=None):
+def varlen_problem(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    softmax_scale,
+    allow_tf32,
+    check,
+    extra_arrays=(),
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
     ``check`` (:func:`verified_offsets`)."""
     _check_flag("check", check)
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
-    xp = _array_module(named + [("cu_seqlens_q", cu_seqlens_q),
-                                ("cu_seqlens_k", cu_seqlens_k)])
+    xp = _array_module(named + [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
     for name, a in (("q", q), ("k", k), ("v", v), *extra_arrays):
         _check_rank(name, a, 3, "[tokens, heads, head_dim]")
     _check_dtypes(named)
@@ -118,22 +150,39 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     count = cu_seqlens_q.shape[0] - 1
     if count > MAX_GRID_YZ:
         raise InvalidArgumentError(
-            "cu_seqlens_q", f"too many sequences for the device: at most {MAX_GRID_YZ}, "
-            f"got {count}")
+            "cu_seqlens_q", f"too many sequences for the device: at most {MAX_GRID_YZ}, got {count}"
+        )
     max_seqlen_q = _count("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _count("max_seqlen_k", max_seqlen_k, 0)
     attention = forward_problem(
-        _heads_first(q), _heads_first(k), _heads_first(v), num_heads, num_kv_heads, head_dim,
-        causal, window_size, None, softmax_scale, allow_tf32=allow_tf32,
-        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays], softcap=softcap,
-        alibi_slopes=alibi_slopes, alibi_batch=count, score_mod=score_mod, mask_mod=mask_mod,
-        modifier_sizes=(count, max_seqlen_q, max_seqlen_k), sinks=sinks)
+        _heads_first(q),
+        _heads_first(k),
+        _heads_first(v),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        None,
+        softmax_scale,
+        allow_tf32=allow_tf32,
+        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays],
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        alibi_batch=count,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        modifier_sizes=(count, max_seqlen_q, max_seqlen_k),
+        sinks=sinks,
+    )
     attention = dataclasses.replace(
-        attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k))
+        attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k)
+    )
     offsets_q = offsets_k = None
     if xp is np:
-        offsets_q, offsets_k = verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                max_seqlen_k)
+        offsets_q, offsets_k = verified_offsets(
+            q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        )
     return VarlenProblem(attention=attention, offsets_q=offsets_q, offsets_k=offsets_k)
 
 
@@ -147,11 +196,29 @@ def verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return offsets_q, offsets_k
 
 
-def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
-                               window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None, sinks=None):
+def flash_attention_varlen_fwd(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    softmax_scale=None,
+    allow_tf32=False,
+    check=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
     Parameters
@@ -203,20 +270,55 @@ def flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         ``max_seqlen_*`` (naming the sequence).
     """
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    key = plans.signature((*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
-                          ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
-                           head_dim, causal, window_size, softmax_scale, allow_tf32, check,
-                           softcap, score_mod, mask_mod, alibi_slopes is None, sinks is None))
+    key = plans.signature(
+        (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
+        (
+            "packed",
+            max_seqlen_q,
+            max_seqlen_k,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            softmax_scale,
+            allow_tf32,
+            check,
+            softcap,
+            score_mod,
+            mask_mod,
+            alibi_slopes is None,
+            sinks is None,
+        ),
+    )
     plan = plans.get(key)
     if plan is None:
-        problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
-                                 window_size, softmax_scale, allow_tf32, check, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                 mask_mod=mask_mod, sinks=sinks)
+        problem = varlen_problem(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            softmax_scale,
+            allow_tf32,
+            check,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            sinks=sinks,
+        )
         if problem.xp is np:
-            return _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale,
-                                         alibi_slopes, sinks)
+            return _forward_per_sequence(
+                problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes, sinks
+            )
         plan = PackedForward(problem, q, k, v)
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
@@ -236,8 +338,9 @@ def _sequence_problem(problem, b):
     return dataclasses.replace(problem, first_batch=b)
 
 
-def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes,
-                          sinks=None):
+def _forward_per_sequence(
+    problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes, sinks=None
+):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
     out = np.zeros(q.shape, dtype=attention.dtype)
@@ -245,10 +348,24 @@ def _forward_per_sequence(problem, q, k, v, causal, window_size, softmax_scale, 
     for b, q0, q1, k0, k1 in problem.sequences():
         views = (_heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1))
         slopes = _sequence_slopes(alibi_slopes, b)
-        sequence = _sequence_problem(forward_problem(
-            *views, attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
-            window_size, None, softmax_scale, softcap=attention.softcap, alibi_slopes=slopes,
-            score_mod=attention.score_mod, mask_mod=attention.mask_mod, sinks=sinks), b)
+        sequence = _sequence_problem(
+            forward_problem(
+                *views,
+                attention.num_heads,
+                attention.num_kv_heads,
+                attention.head_dim,
+                causal,
+                window_size,
+                None,
+                softmax_scale,
+                softcap=attention.softcap,
+                alibi_slopes=slopes,
+                score_mod=attention.score_mod,
+                mask_mod=attention.mask_mod,
+                sinks=sinks,
+            ),
+            b,
+        )
         out_b, lse_b = cpu.forward(sequence, *views, slopes, sinks)
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
@@ -272,21 +389,47 @@ class PackedForward:
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
-            return (xp.zeros(q.shape, dtype=attention.dtype),
-                    xp.full((attention.num_heads, self.problem.total_q), -np.inf,
-                            dtype=np.float32))
-        out, lse = self.dense(*map(_heads_first, (q, k, v)),
-                              offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes,
-                              sinks=sinks)
+            return (
+                xp.zeros(q.shape, dtype=attention.dtype),
+                xp.full((attention.num_heads, self.problem.total_q), -np.inf, dtype=np.float32),
+            )
+        out, lse = self.dense(
+            *map(_heads_first, (q, k, v)),
+            offsets=(cu_seqlens_q, cu_seqlens_k),
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+        )
         return out, lse[0]
 
 
-def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim,
-                               causal=False, window_size=0, *, softmax_scale=None,
-                               deterministic=False, synchronize=True, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None, sinks=None):
+def flash_attention_varlen_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    softmax_scale=None,
+    deterministic=False,
+    synchronize=True,
+    allow_tf32=False,
+    check=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v (and the
     attention sinks, when given).
 
@@ -316,40 +459,88 @@ def flash_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         As in :func:`cuflash.flash_attention_bwd`, summed over every sequence's rows.
     """
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    key = plans.signature((*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
-                          ("packed", max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads,
-                           head_dim, causal, window_size, softmax_scale, deterministic,
-                           synchronize, allow_tf32, check, softcap, score_mod, mask_mod,
-                           alibi_slopes is None, sinks is None))
+    key = plans.signature(
+        (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
+        (
+            "packed",
+            max_seqlen_q,
+            max_seqlen_k,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            softmax_scale,
+            deterministic,
+            synchronize,
+            allow_tf32,
+            check,
+            softcap,
+            score_mod,
+            mask_mod,
+            alibi_slopes is None,
+            sinks is None,
+        ),
+    )
     plan = plans.get(key)
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
             _check_flag(name, flag)
-        problem = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, num_heads, num_kv_heads, head_dim, causal,
-                                 window_size, softmax_scale, allow_tf32, check,
-                                 extra_arrays=(("dout", dout), ("out", out)), softcap=softcap,
-                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                 mask_mod=mask_mod, sinks=sinks)
+        problem = varlen_problem(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            softmax_scale,
+            allow_tf32,
+            check,
+            extra_arrays=(("dout", dout), ("out", out)),
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            sinks=sinks,
+        )
         _array_module([("q", q), ("lse", lse)])
         _check_rank("lse", lse, 2, "[num_heads, total_q]")
-        check_dims("lse", lse, (problem.attention.num_heads, problem.total_q),
-                   ("heads", "tokens"))
+        check_dims("lse", lse, (problem.attention.num_heads, problem.total_q), ("heads", "tokens"))
         if lse.dtype != np.float32:
             raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
         if problem.xp is np:
-            return _backward_per_sequence(problem, dout, q, k, v, out, lse, causal,
-                                          window_size, softmax_scale, alibi_slopes, sinks)
+            return _backward_per_sequence(
+                problem,
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                causal,
+                window_size,
+                softmax_scale,
+                alibi_slopes,
+                sinks,
+            )
         plan = PackedBackward(problem, dout, q, k, v, out, lse, bool(deterministic))
         plans.remember(key, plan)
     if check:
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize),
-                alibi_slopes, sinks)
+    return plan(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize), alibi_slopes, sinks
+    )
 
 
-def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size,
-                           softmax_scale, alibi_slopes, sinks=None):
+def _backward_per_sequence(
+    problem, dout, q, k, v, out, lse, causal, window_size, softmax_scale, alibi_slopes, sinks=None
+):
     """The CPU path: one dense backward a sequence, on views (and the sinks' gradient over
     every sequence's rows)."""
     attention = problem.attention
@@ -357,14 +548,34 @@ def _backward_per_sequence(problem, dout, q, k, v, out, lse, causal, window_size
     dk = np.zeros(k.shape, dtype=attention.dtype)
     dv = np.zeros(v.shape, dtype=attention.dtype)
     for b, q0, q1, k0, k1 in problem.sequences():
-        views = (_heads_first(dout, q0, q1), _heads_first(q, q0, q1), _heads_first(k, k0, k1),
-                 _heads_first(v, k0, k1), _heads_first(out, q0, q1),
-                 np.ascontiguousarray(lse[:, q0:q1])[None])
+        views = (
+            _heads_first(dout, q0, q1),
+            _heads_first(q, q0, q1),
+            _heads_first(k, k0, k1),
+            _heads_first(v, k0, k1),
+            _heads_first(out, q0, q1),
+            np.ascontiguousarray(lse[:, q0:q1])[None],
+        )
         slopes = _sequence_slopes(alibi_slopes, b)
-        sequence = _sequence_problem(backward_problem(
-            *views, attention.num_heads, attention.num_kv_heads, attention.head_dim, causal,
-            window_size, None, softmax_scale, False, True, softcap=attention.softcap,
-            alibi_slopes=slopes, score_mod=attention.score_mod, mask_mod=attention.mask_mod), b)
+        sequence = _sequence_problem(
+            backward_problem(
+                *views,
+                attention.num_heads,
+                attention.num_kv_heads,
+                attention.head_dim,
+                causal,
+                window_size,
+                None,
+                softmax_scale,
+                False,
+                True,
+                softcap=attention.softcap,
+                alibi_slopes=slopes,
+                score_mod=attention.score_mod,
+                mask_mod=attention.mask_mod,
+            ),
+            b,
+        )
         grads = cpu.backward(sequence, *views, slopes)
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
@@ -387,21 +598,41 @@ class PackedBackward:
         self.problem = problem
         self.dense = None
         if problem.has_rows:
-            self.dense = gpu.BackwardPlan(problem.attention,
-                                          *map(_heads_first, (dout, q, k, v, out)),
-                                          lse.flags.c_contiguous, deterministic)
+            self.dense = gpu.BackwardPlan(
+                problem.attention,
+                *map(_heads_first, (dout, q, k, v, out)),
+                lse.flags.c_contiguous,
+                deterministic,
+            )
 
-    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, synchronize,
-                 alibi_slopes, sinks=None):
+    def __call__(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        synchronize,
+        alibi_slopes,
+        sinks=None,
+    ):
         xp = self.problem.xp
         if self.dense is None:  # no query row: no gradient anywhere
             grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
             if sinks is not None:
                 grads += (xp.zeros(sinks.shape, dtype=np.float32),)
         else:
-            grads = self.dense(*map(_heads_first, (dout, q, k, v, out)), lse[None], False,
-                               offsets=(cu_seqlens_q, cu_seqlens_k), alibi_slopes=alibi_slopes,
-                               sinks=sinks)
+            grads = self.dense(
+                *map(_heads_first, (dout, q, k, v, out)),
+                lse[None],
+                False,
+                offsets=(cu_seqlens_q, cu_seqlens_k),
+                alibi_slopes=alibi_slopes,
+                sinks=sinks,
+            )
         if synchronize:
             xp.cuda.get_current_stream().synchronize()
         return grads
@@ -426,31 +657,98 @@ class VarlenVJP:
     def __call__(self, dout, *, deterministic=False, synchronize=True):
         c = self.config
         return flash_attention_varlen_bwd(
-            dout, self.q, self.k, self.v, self.out, self.lse, self.cu_seqlens_q,
-            self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.causal, c.window_size, softmax_scale=c.softmax_scale,
-            deterministic=deterministic, synchronize=synchronize, allow_tf32=c.allow_tf32,
-            softcap=c.softcap, alibi_slopes=c.alibi_slopes, score_mod=c.score_mod,
-            mask_mod=c.mask_mod, sinks=c.sinks)
+            dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.causal,
+            c.window_size,
+            softmax_scale=c.softmax_scale,
+            deterministic=deterministic,
+            synchronize=synchronize,
+            allow_tf32=c.allow_tf32,
+            softcap=c.softcap,
+            alibi_slopes=c.alibi_slopes,
+            score_mod=c.score_mod,
+            mask_mod=c.mask_mod,
+            sinks=c.sinks,
+        )
 
 
-def flash_attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
-                               window_size=0, *, softmax_scale=None, allow_tf32=False,
-                               check=False, softcap=0.0, alibi_slopes=None, score_mod=None,
-                               mask_mod=None, sinks=None):
+def flash_attention_varlen_vjp(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    softmax_scale=None,
+    allow_tf32=False,
+    check=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
     vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     from .api import AttentionConfig
 
     out, lse = flash_attention_varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
-        num_kv_heads, head_dim, causal, window_size, softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32, check=check, softcap=softcap, alibi_slopes=alibi_slopes,
-        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
-    config = AttentionConfig(num_heads, num_kv_heads, head_dim, causal, window_size, None,
-                             softmax_scale, allow_tf32, softcap, alibi_slopes, score_mod,
-                             mask_mod, sinks=sinks)
-    return out, VarlenVJP(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, config)
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        softmax_scale=softmax_scale,
+        allow_tf32=allow_tf32,
+        check=check,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        sinks=sinks,
+    )
+    config = AttentionConfig(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        None,
+        softmax_scale,
+        allow_tf32,
+        softcap,
+        alibi_slopes,
+        score_mod,
+        mask_mod,
+        sinks=sinks,
+    )
+    return out, VarlenVJP(
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config
+    )

@@ -76,7 +76,7 @@ class KVCache:
             blocks_per_sequence = -(-capacity // block_size)
             num_blocks = batch * blocks_per_sequence + 4
             order = np.random.default_rng(seed).permutation(num_blocks)
-            table = order[:batch * blocks_per_sequence].reshape(batch, blocks_per_sequence)
+            table = order[: batch * blocks_per_sequence].reshape(batch, blocks_per_sequence)
             self.block_table = xp.asarray(table.astype(np.int32))
             shape = (num_blocks, h_kv, block_size, d)
         else:
@@ -96,12 +96,21 @@ def cached_attention(x, wqkv, wo, cfg, cache, layer, dtype):
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = (x @ wqkv).astype(dtype, copy=False).reshape(batch, new, h + 2 * h_kv, d)
     q = qkv[:, :, :h].transpose(0, 2, 1, 3)
-    k_new = qkv[:, :, h:h + h_kv].transpose(0, 2, 1, 3)
-    v_new = qkv[:, :, h + h_kv:].transpose(0, 2, 1, 3)
+    k_new = qkv[:, :, h : h + h_kv].transpose(0, 2, 1, 3)
+    v_new = qkv[:, :, h + h_kv :].transpose(0, 2, 1, 3)
     out = flash_attention_with_kvcache(
-        q, cache.keys[layer], cache.values[layer], h, h_kv, d, causal=True,
-        cache_seqlens=cache.lengths, k_new=k_new, v_new=v_new,
-        block_table=cache.block_table)
+        q,
+        cache.keys[layer],
+        cache.values[layer],
+        h,
+        h_kv,
+        d,
+        causal=True,
+        cache_seqlens=cache.lengths,
+        k_new=k_new,
+        v_new=v_new,
+        block_table=cache.block_table,
+    )
     merged = out.transpose(0, 2, 1, 3).reshape(batch, new, h * d).astype(x.dtype, copy=False)
     return merged @ wo
 
@@ -146,7 +155,7 @@ def generate_without_cache(params, cfg, prompt, steps, backend):
     for _ in range(steps):
         logits, _ = lm.model_forward(params, cfg, sequence, backend)
         sequence = xp.concatenate([sequence, logits[:, -1].argmax(axis=-1)[:, None]], axis=1)
-    return sequence[:, prompt.shape[1]:]
+    return sequence[:, prompt.shape[1] :]
 
 
 def train_model(args, task, cfg, xp, backend):
@@ -166,21 +175,35 @@ def train_model(args, task, cfg, xp, backend):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="gpu uses CuPy, cpu uses NumPy; auto picks the GPU when there is one")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="dtype of attention and of the cache (default float32)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="gpu uses CuPy, cpu uses NumPy; auto picks the GPU when there is one",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of attention and of the cache (default float32)",
+    )
     p.add_argument("--paged", action="store_true", help="a paged cache (see --block-size)")
-    p.add_argument("--block-size", type=int, default=4,
-                   help="rows a block of the paged cache holds (default 4)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=4,
+        help="rows a block of the paged cache holds (default 4)",
+    )
     p.add_argument("--items", type=int, default=8, help="symbols to reverse (default 8)")
     p.add_argument("--symbols", type=int, default=16, help="alphabet size (default 16)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="training sequences a step (default 32)")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="training sequences a step (default 32)"
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--sequences", type=int, default=64,
-                   help="sequences generated together (default 64)")
+    p.add_argument(
+        "--sequences", type=int, default=64, help="sequences generated together (default 64)"
+    )
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
     return p.parse_args(argv)
 
@@ -191,22 +214,35 @@ def main(argv=None):
     xp = lm.select_array_module(args.device)
     dtype = lm.attention_dtype(args.dtype)
     task = lm.ReverseTask(args.items, args.symbols)
-    cfg = lm.ModelConfig(task.vocab_size, task.seq_len, d_model=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2)
+    cfg = lm.ModelConfig(
+        task.vocab_size, task.seq_len, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2
+    )
     backend = lm.AttentionBackend(cuflash.flash_attention_vjp, dtype)
-    print(f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, attention and cache "
-          f"dtype {args.dtype}; task: {task.describe()}")
+    print(
+        f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, attention and cache "
+        f"dtype {args.dtype}; task: {task.describe()}"
+    )
     start = time.perf_counter()
     params = train_model(args, task, cfg, xp, backend)
     print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s")
 
     inputs, targets, _ = task.sample(np.random.default_rng(args.seed + 7), args.sequences)
-    prompt = xp.asarray(inputs[:, :args.items + 1])  # the symbols and the separator
-    answer = targets[:, args.items:]  # the symbols backwards
-    cache = KVCache(cfg, args.sequences, task.seq_len, dtype, xp,
-                    block_size=args.block_size if args.paged else None, seed=args.seed)
-    layout = (f"paged, blocks of {args.block_size} rows, "
-              f"{cache.keys[0].shape[0]} blocks in the pool" if args.paged else "contiguous")
+    prompt = xp.asarray(inputs[:, : args.items + 1])  # the symbols and the separator
+    answer = targets[:, args.items :]  # the symbols backwards
+    cache = KVCache(
+        cfg,
+        args.sequences,
+        task.seq_len,
+        dtype,
+        xp,
+        block_size=args.block_size if args.paged else None,
+        seed=args.seed,
+    )
+    layout = (
+        f"paged, blocks of {args.block_size} rows, {cache.keys[0].shape[0]} blocks in the pool"
+        if args.paged
+        else "contiguous"
+    )
     start = time.perf_counter()
     with_cache = lm.to_numpy(generate(params, cfg, prompt, args.items, cache, dtype))
     seconds = time.perf_counter() - start
@@ -214,13 +250,16 @@ def main(argv=None):
     accuracy = float((with_cache == answer).mean())
     agree = float((with_cache == without_cache).mean())
     held = lm.to_numpy(cache.lengths)
-    print(f"cache: {layout}; {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of dim "
-          f"{cfg.head_dim}; {int(held[0])} keys a sequence after generation")
-    print(f"generated {args.items} tokens for {args.sequences} sequences in {seconds:.2f} s "
-          f"(1 prefill + {args.items - 1} decode steps)")
+    print(
+        f"cache: {layout}; {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of dim "
+        f"{cfg.head_dim}; {int(held[0])} keys a sequence after generation"
+    )
+    print(
+        f"generated {args.items} tokens for {args.sequences} sequences in {seconds:.2f} s "
+        f"(1 prefill + {args.items - 1} decode steps)"
+    )
     for row in range(min(3, args.sequences)):
-        print(f"  prompt {inputs[row, :args.items].tolist()} -> "
-              f"{with_cache[row].tolist()}")
+        print(f"  prompt {inputs[row, : args.items].tolist()} -> {with_cache[row].tolist()}")
     print(f"accuracy against the reversed prompt: {accuracy:.1%}")
     print(f"tokens equal to decoding without a cache: {agree:.1%}")
     ok = agree == 1.0 and bool(np.all(held == task.seq_len))

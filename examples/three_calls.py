@@ -135,8 +135,12 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=100)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--samples", type=int, default=8,
-                   help="entries of each of q, k, v checked by finite differences")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=8,
+        help="entries of each of q, k, v checked by finite differences",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -147,6 +151,7 @@ def main(argv=None):
     xp = select_array_module(args.device)
     if args.dtype == "bfloat16":
         import ml_dtypes
+
         dtype = np.dtype(ml_dtypes.bfloat16)
     else:
         dtype = np.dtype(args.dtype)
@@ -157,22 +162,24 @@ def main(argv=None):
     v = random_bshd(rng, xp, (b, s, h_kv, d), dtype)
     dout = random_bshd(rng, xp, (b, s, h, d), dtype)
     causal = args.causal
-    print(f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, dtype {args.dtype}, "
-          f"q {list(q.shape)}, k/v {list(k.shape)}, {'causal' if causal else 'not causal'}")
+    print(
+        f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, dtype {args.dtype}, "
+        f"q {list(q.shape)}, k/v {list(k.shape)}, {'causal' if causal else 'not causal'}"
+    )
 
     # 1. Forward: the output and the log-sum-exp of each row.
     out, lse = cuflash.flash_attention_fwd(q, k, v, h, h_kv, d, causal=causal)
     # 2. Backward: gradients of sum(dout * out) with respect to q, k and v.
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, h, h_kv, d, causal=causal,
-                                        deterministic=True)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, h, h_kv, d, causal=causal, deterministic=True
+    )
     # 3. The vjp pair: forward now, backward whenever (and as often as) needed.
     out_vjp, vjp = cuflash.flash_attention_vjp(q, k, v, h, h_kv, d, causal=causal)
     grads_vjp = vjp(dout, deterministic=True)
 
     tolerance = TOLERANCE[args.dtype]
     ref_out, ref_lse = attention_reference(*(to_numpy(a) for a in (q, k, v)), causal=causal)
-    ref_grads = attention_reference_grad(*(to_numpy(a) for a in (dout, q, k, v)),
-                                         causal=causal)
+    ref_grads = attention_reference_grad(*(to_numpy(a) for a in (dout, q, k, v)), causal=causal)
     checks = {
         "forward out vs float64 reference": scaled_error(out, ref_out),
         "forward lse vs float64 reference": scaled_error(lse, ref_lse),
@@ -184,8 +191,10 @@ def main(argv=None):
         checks[f"backward {name} vs finite differences"] = error
     for name, error in checks.items():
         print(f"  {name:<38} {error:.2e}")
-    same = all(np.array_equal(to_numpy(a), to_numpy(b_))
-               for a, b_ in zip((out, *grads), (out_vjp, *grads_vjp)))
+    same = all(
+        np.array_equal(to_numpy(a), to_numpy(b_))
+        for a, b_ in zip((out, *grads), (out_vjp, *grads_vjp))
+    )
     print(f"  vjp vs fwd + bwd (deterministic)       {'identical' if same else 'DIFFERENT'}")
     worst = max(checks.values())
     passed = worst <= tolerance and same

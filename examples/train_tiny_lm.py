@@ -87,6 +87,7 @@ except Exception:  # CuPy is optional: the CPU path needs only NumPy
 # Arrays and devices
 # ---------------------------------------------------------------------------
 
+
 def array_module(a):
     """Return :mod:`cupy` for a CuPy array, else :mod:`numpy`."""
     return cupy.get_array_module(a) if cupy is not None else np
@@ -123,6 +124,7 @@ def attention_dtype(name):
     """The NumPy dtype for ``--dtype`` (bfloat16 comes from ml_dtypes)."""
     if name == "bfloat16":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
@@ -130,6 +132,7 @@ def attention_dtype(name):
 # ---------------------------------------------------------------------------
 # The task
 # ---------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class ReverseTask:
@@ -158,8 +161,9 @@ class ReverseTask:
 
     def describe(self):
         """One line for the log."""
-        return (f"reverse {self.length} symbols of {self.num_symbols}, "
-                f"sequence length {self.seq_len}")
+        return (
+            f"reverse {self.length} symbols of {self.num_symbols}, sequence length {self.seq_len}"
+        )
 
     def sample(self, rng, batch_size):
         """Draw a batch of sequences.
@@ -182,7 +186,7 @@ class ReverseTask:
         seq = np.empty((batch_size, 2 * n + 1), dtype=np.int32)
         seq[:, :n] = symbols
         seq[:, n] = self.num_symbols  # separator
-        seq[:, n + 1:] = symbols[:, ::-1]
+        seq[:, n + 1 :] = symbols[:, ::-1]
         mask = np.zeros((batch_size, self.seq_len), dtype=bool)
         mask[:, n:] = True
         return seq[:, :-1], seq[:, 1:], mask
@@ -222,9 +226,11 @@ class RecallTask:
 
     def describe(self):
         """One line for the log."""
-        return (f"recall: {self.num_pairs} key-value pairs, {self.num_queries} queries, "
-                f"{self.num_keys} keys, {self.num_values} values, "
-                f"sequence length {self.seq_len}")
+        return (
+            f"recall: {self.num_pairs} key-value pairs, {self.num_queries} queries, "
+            f"{self.num_keys} keys, {self.num_values} values, "
+            f"sequence length {self.seq_len}"
+        )
 
     def sample(self, rng, batch_size):
         """Draw a batch of sequences; returns as :meth:`ReverseTask.sample`.
@@ -236,13 +242,13 @@ class RecallTask:
         values = self.num_keys + rng.integers(0, self.num_values, (batch_size, n))
         asked = np.argsort(rng.random((batch_size, n)), axis=1)[:, :m]
         seq = np.empty((batch_size, 2 * n + 2 * m + 1), dtype=np.int32)
-        seq[:, 0:2 * n:2] = keys
-        seq[:, 1:2 * n:2] = values
+        seq[:, 0 : 2 * n : 2] = keys
+        seq[:, 1 : 2 * n : 2] = values
         seq[:, 2 * n] = self.num_keys + self.num_values  # separator
-        seq[:, 2 * n + 1::2] = np.take_along_axis(keys, asked, axis=1)
-        seq[:, 2 * n + 2::2] = np.take_along_axis(values, asked, axis=1)
+        seq[:, 2 * n + 1 :: 2] = np.take_along_axis(keys, asked, axis=1)
+        seq[:, 2 * n + 2 :: 2] = np.take_along_axis(values, asked, axis=1)
         mask = np.zeros((batch_size, self.seq_len), dtype=bool)
-        mask[:, 2 * n + 1::2] = True
+        mask[:, 2 * n + 1 :: 2] = True
         return seq[:, :-1], seq[:, 1:], mask
 
 
@@ -257,6 +263,7 @@ def make_task(name, items, symbols):
 # ---------------------------------------------------------------------------
 # Model configuration and parameters
 # ---------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -288,14 +295,20 @@ class ModelConfig:
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         shapes = {"tok_emb": (self.vocab_size, d), "pos_emb": (self.seq_len, d)}
         for i in range(self.num_layers):
-            shapes.update({
-                f"layers.{i}.ln1.g": (d,), f"layers.{i}.ln1.b": (d,),
-                f"layers.{i}.attn.wqkv": (d, qkv_width),
-                f"layers.{i}.attn.wo": (self.num_heads * self.head_dim, d),
-                f"layers.{i}.ln2.g": (d,), f"layers.{i}.ln2.b": (d,),
-                f"layers.{i}.mlp.w1": (d, hidden), f"layers.{i}.mlp.b1": (hidden,),
-                f"layers.{i}.mlp.w2": (hidden, d), f"layers.{i}.mlp.b2": (d,),
-            })
+            shapes.update(
+                {
+                    f"layers.{i}.ln1.g": (d,),
+                    f"layers.{i}.ln1.b": (d,),
+                    f"layers.{i}.attn.wqkv": (d, qkv_width),
+                    f"layers.{i}.attn.wo": (self.num_heads * self.head_dim, d),
+                    f"layers.{i}.ln2.g": (d,),
+                    f"layers.{i}.ln2.b": (d,),
+                    f"layers.{i}.mlp.w1": (d, hidden),
+                    f"layers.{i}.mlp.b1": (hidden,),
+                    f"layers.{i}.mlp.w2": (hidden, d),
+                    f"layers.{i}.mlp.b2": (d,),
+                }
+            )
         shapes.update({"ln_f.g": (d,), "ln_f.b": (d,)})
         if not self.tie_embeddings:
             shapes["head"] = (d, self.vocab_size)
@@ -323,7 +336,7 @@ class Parameters:
         offset = 0
         for name, shape in self.shapes.items():
             size = math.prod(shape)
-            self.views[name] = flat[offset:offset + size].reshape(shape)
+            self.views[name] = flat[offset : offset + size].reshape(shape)
             offset += size
         if offset != flat.size:
             raise ValueError("flat buffer size does not match the shapes")
@@ -370,6 +383,7 @@ def init_parameters(cfg, xp, dtype, seed):
 # Layers: each forward returns (output, cache); each backward takes the cache
 # ---------------------------------------------------------------------------
 
+
 def matmul_grad(x, dy):
     """Gradient of ``x @ w`` with respect to ``w``: ``x^T dy`` over all leading axes."""
     return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
@@ -377,7 +391,7 @@ def matmul_grad(x, dy):
 
 def embedding_forward(ids, tok_emb, pos_emb):
     """Token plus positional embedding of ``ids`` (``[B, S]`` ints) -> ``[B, S, d]``."""
-    return tok_emb[ids] + pos_emb[:ids.shape[1]]
+    return tok_emb[ids] + pos_emb[: ids.shape[1]]
 
 
 def embedding_backward(dx, ids, vocab_size):
@@ -401,8 +415,11 @@ def layer_norm_backward(dy, cache):
     """Return ``(dx, dg, db)``."""
     xhat, rstd, g = cache
     dxhat = dy * g
-    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                 - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    dx = rstd * (
+        dxhat
+        - dxhat.mean(axis=-1, keepdims=True)
+        - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    )
     sum_axes = tuple(range(dy.ndim - 1))
     return dx, (dy * xhat).sum(axis=sum_axes), dy.sum(axis=sum_axes)
 
@@ -412,7 +429,7 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(x):
     """GELU, tanh approximation: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
-    t = array_module(x).tanh(_GELU_C * (x + 0.044715 * x ** 3))
+    t = array_module(x).tanh(_GELU_C * (x + 0.044715 * x**3))
     return 0.5 * x * (1.0 + t), (x, t)
 
 
@@ -434,8 +451,13 @@ def mlp_backward(dy, cache, w1, w2):
     x, act, gelu_cache = cache
     dh = gelu_backward(dy @ w2.T, gelu_cache)
     sum_axes = tuple(range(dy.ndim - 1))
-    return (dh @ w1.T, matmul_grad(x, dh), dh.sum(axis=sum_axes),
-            matmul_grad(act, dy), dy.sum(axis=sum_axes))
+    return (
+        dh @ w1.T,
+        matmul_grad(x, dh),
+        dh.sum(axis=sum_axes),
+        matmul_grad(act, dy),
+        dy.sum(axis=sum_axes),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,8 +488,8 @@ def attention_forward(x, wqkv, wo, cfg, backend):
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = (x @ wqkv).astype(backend.dtype, copy=False).reshape(batch, seq, h + 2 * h_kv, d)
     q = qkv[:, :, :h].transpose(0, 2, 1, 3)
-    k = qkv[:, :, h:h + h_kv].transpose(0, 2, 1, 3)
-    v = qkv[:, :, h + h_kv:].transpose(0, 2, 1, 3)
+    k = qkv[:, :, h : h + h_kv].transpose(0, 2, 1, 3)
+    v = qkv[:, :, h + h_kv :].transpose(0, 2, 1, 3)
     out, vjp = backend.vjp(q, k, v, h, h_kv, d, causal=True)
     merged = out.transpose(0, 2, 1, 3).reshape(batch, seq, h * d).astype(x.dtype, copy=False)
     return merged @ wo, (x, merged, vjp)
@@ -483,15 +505,15 @@ def attention_backward(dy, cache, wqkv, wo, cfg):
     dq, dk, dv = vjp(dout.transpose(0, 2, 1, 3))
     dqkv = xp.empty((batch, seq, h + 2 * h_kv, d), dtype=x.dtype)
     dqkv[:, :, :h] = dq.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
-    dqkv[:, :, h:h + h_kv] = dk.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
-    dqkv[:, :, h + h_kv:] = dv.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
+    dqkv[:, :, h : h + h_kv] = dk.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
+    dqkv[:, :, h + h_kv :] = dv.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
     dqkv = dqkv.reshape(batch, seq, -1)
     return dqkv @ wqkv.T, matmul_grad(x, dqkv), matmul_grad(merged, dy)
 
 
 def block_parameters(params, prefix):
     """The parameters of one block, by their names without ``prefix``."""
-    return {name[len(prefix):]: params[name] for name in params if name.startswith(prefix)}
+    return {name[len(prefix) :]: params[name] for name in params if name.startswith(prefix)}
 
 
 def block_forward(x, params, prefix, cfg, backend):
@@ -514,8 +536,18 @@ def block_backward(dx, cache, params, prefix, cfg, grads):
     dx = dx + dx_mlp
     da, dwqkv, dwo = attention_backward(dx, attn, p["attn.wqkv"], p["attn.wo"], cfg)
     dx_attn, dg1, db1 = layer_norm_backward(da, ln1)
-    names = ("mlp.w1", "mlp.b1", "mlp.w2", "mlp.b2", "ln2.g", "ln2.b",
-             "attn.wqkv", "attn.wo", "ln1.g", "ln1.b")
+    names = (
+        "mlp.w1",
+        "mlp.b1",
+        "mlp.w2",
+        "mlp.b2",
+        "ln2.g",
+        "ln2.b",
+        "attn.wqkv",
+        "attn.wo",
+        "ln1.g",
+        "ln1.b",
+    )
     values = (*mlp_grads, dg2, db2, dwqkv, dwo, dg1, db1)
     grads.update({prefix + n: g for n, g in zip(names, values)})
     return dx + dx_attn
@@ -524,6 +556,7 @@ def block_backward(dx, cache, params, prefix, cfg, grads):
 # ---------------------------------------------------------------------------
 # The whole model and its loss
 # ---------------------------------------------------------------------------
+
 
 def model_forward(params, cfg, ids, backend):
     """Return the logits ``[B, S, vocab]`` and the cache for the backward pass."""
@@ -617,6 +650,7 @@ def evaluate(params, cfg, batches, backend):
 # Optimizer
 # ---------------------------------------------------------------------------
 
+
 def clip_by_global_norm(grad, max_norm):
     """Scale ``grad`` in place so its 2-norm is at most ``max_norm``.
 
@@ -650,8 +684,10 @@ class Adam:
         self.m = xp.zeros_like(params.flat)
         self.v = xp.zeros_like(params.flat)
         self.t = 0
-        decay = [np.full(math.prod(s), weight_decay if len(s) >= 2 else 0.0)
-                 for s in params.shapes.values()]
+        decay = [
+            np.full(math.prod(s), weight_decay if len(s) >= 2 else 0.0)
+            for s in params.shapes.values()
+        ]
         self.decay = xp.asarray(np.concatenate(decay).astype(params.flat.dtype))
 
     def step(self, grad, lr):
@@ -662,8 +698,8 @@ class Adam:
         self.m += (1.0 - self.beta1) * grad
         self.v *= self.beta2
         self.v += (1.0 - self.beta2) * grad * grad
-        m_hat = self.m / (1.0 - self.beta1 ** self.t)
-        v_hat = self.v / (1.0 - self.beta2 ** self.t)
+        m_hat = self.m / (1.0 - self.beta1**self.t)
+        v_hat = self.v / (1.0 - self.beta2**self.t)
         flat = self.params.flat
         flat -= lr * (m_hat / (xp.sqrt(v_hat) + self.eps) + self.decay * flat)
 
@@ -679,6 +715,7 @@ def learning_rate(step, total_steps, peak, warmup):
 # ---------------------------------------------------------------------------
 # Gradient check
 # ---------------------------------------------------------------------------
+
 
 class OracleVJP:
     """Residuals of :func:`oracle_attention_vjp`; ``vjp(dout)`` gives ``(dq, dk, dv)``."""
@@ -709,8 +746,16 @@ def relative_error(a, b, floor=1e-12):
     return np.where(scale > floor, np.abs(a - b) / np.maximum(scale, floor), 0.0)
 
 
-def gradient_check(task_name="reverse", tie_embeddings=True, samples=6, eps=1e-5,
-                   fd_threshold=1e-5, cuflash_threshold=1e-4, seed=0, out=print):
+def gradient_check(
+    task_name="reverse",
+    tie_embeddings=True,
+    samples=6,
+    eps=1e-5,
+    fd_threshold=1e-5,
+    cuflash_threshold=1e-4,
+    seed=0,
+    out=print,
+):
     """Check the hand-written gradients of a tiny model, in float64 on the CPU.
 
     Two comparisons per parameter tensor:
@@ -743,9 +788,16 @@ def gradient_check(task_name="reverse", tie_embeddings=True, samples=6, eps=1e-5
         True when every error is below its threshold.
     """
     task = make_task(task_name, items=3, symbols=5)
-    cfg = ModelConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=16,
-                      num_layers=2, num_heads=2, num_kv_heads=1, mlp_ratio=2,
-                      tie_embeddings=tie_embeddings)
+    cfg = ModelConfig(
+        vocab_size=task.vocab_size,
+        seq_len=task.seq_len,
+        d_model=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        mlp_ratio=2,
+        tie_embeddings=tie_embeddings,
+    )
     rng = np.random.default_rng(seed)
     params = init_parameters(cfg, np, np.float64, seed)
     params.flat[:] += rng.normal(0.0, 0.3, params.flat.shape)  # leave the init's symmetries
@@ -759,9 +811,11 @@ def gradient_check(task_name="reverse", tie_embeddings=True, samples=6, eps=1e-5
 
     _, _, grads = loss_and_grads(params, cfg, batch, oracle)
     _, _, flash_grads = loss_and_grads(params, cfg, batch, flash)
-    out(f"gradient check: float64, {cfg.num_layers} layers, d_model {cfg.d_model}, "
+    out(
+        f"gradient check: float64, {cfg.num_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV head, "
-        f"{'tied' if tie_embeddings else 'untied'} embeddings, {samples} entries per tensor")
+        f"{'tied' if tie_embeddings else 'untied'} embeddings, {samples} entries per tensor"
+    )
     out(f"  {'parameter':<20} {'finite diff':>12} {'cuflash':>12}")
     worst_fd = worst_flash = 0.0
     for name in params:
@@ -782,8 +836,10 @@ def gradient_check(task_name="reverse", tie_embeddings=True, samples=6, eps=1e-5
         worst_fd, worst_flash = max(worst_fd, fd_err), max(worst_flash, flash_err)
         out(f"  {name:<20} {fd_err:12.2e} {flash_err:12.2e}")
     passed = worst_fd <= fd_threshold and worst_flash <= cuflash_threshold
-    out(f"  max: finite diff {worst_fd:.2e} (threshold {fd_threshold:.0e}), "
-        f"cuflash {worst_flash:.2e} (threshold {cuflash_threshold:.0e})")
+    out(
+        f"  max: finite diff {worst_fd:.2e} (threshold {fd_threshold:.0e}), "
+        f"cuflash {worst_flash:.2e} (threshold {cuflash_threshold:.0e})"
+    )
     out("gradient check passed" if passed else "gradient check FAILED")
     return passed
 
@@ -791,6 +847,7 @@ def gradient_check(task_name="reverse", tie_embeddings=True, samples=6, eps=1e-5
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
+
 
 class SimpleProgress:
     """A minimal stand-in for ``tqdm`` (prints a line every ~10 %)."""
@@ -804,8 +861,7 @@ class SimpleProgress:
         self.n += n
         if self.n % self.every == 0 or self.n == self.total:
             elapsed = time.perf_counter() - self.start
-            print(f"{self.desc} {self.n}/{self.total} [{elapsed:.0f}s] {self.postfix}",
-                  flush=True)
+            print(f"{self.desc} {self.n}/{self.total} [{elapsed:.0f}s] {self.postfix}", flush=True)
 
     def set_postfix_str(self, text):
         self.postfix = text
@@ -843,8 +899,10 @@ def train(args, task, cfg, xp):
     optimizer = Adam(params, weight_decay=args.weight_decay)
     data_rng = np.random.default_rng(args.seed + 1)
     eval_rng = np.random.default_rng(args.seed + 2)
-    eval_batches = [to_device(task.sample(eval_rng, args.batch_size), xp)
-                    for _ in range(max(1, args.eval_sequences // args.batch_size))]
+    eval_batches = [
+        to_device(task.sample(eval_rng, args.batch_size), xp)
+        for _ in range(max(1, args.eval_sequences // args.batch_size))
+    ]
     warmup = max(1, min(100, args.steps // 10))
     losses = xp.zeros(args.steps, dtype=np.float32)
     eval_steps, eval_accuracy = [], []
@@ -865,15 +923,22 @@ def train(args, task, cfg, xp):
         bar.update()
     seconds = time.perf_counter() - start
     bar.close()
-    return {"losses": to_numpy(losses), "eval_steps": eval_steps,
-            "eval_accuracy": eval_accuracy, "accuracy": accuracy, "loss": eval_loss,
-            "seconds": seconds, "eval_count": len(eval_batches) * args.batch_size}
+    return {
+        "losses": to_numpy(losses),
+        "eval_steps": eval_steps,
+        "eval_accuracy": eval_accuracy,
+        "accuracy": accuracy,
+        "loss": eval_loss,
+        "seconds": seconds,
+        "eval_count": len(eval_batches) * args.batch_size,
+    }
 
 
 def plot_curves(path, result, task, target):
     """Write the training loss and held-out accuracy to a PNG at ``path``."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -885,8 +950,9 @@ def plot_curves(path, result, task, target):
     window = max(1, len(losses) // 50)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     ax_loss.plot(np.arange(window, len(losses) + 1), smooth, label=f"mean of {window}")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy (scored tokens)", yscale="log",
-                title="training loss")
+    ax_loss.set(
+        xlabel="step", ylabel="cross-entropy (scored tokens)", yscale="log", title="training loss"
+    )
     ax_loss.legend()
     ax_acc.plot(result["eval_steps"], result["eval_accuracy"], marker=".")
     ax_acc.axhline(target, color="green", ls="--", label=f"target {target:.0%}")
@@ -905,12 +971,34 @@ def plot_curves(path, result, task, target):
 
 # The settings each size starts from; any flag given on the command line wins.
 DEFAULTS = {
-    "full": dict(items=32, symbols=64, d_model=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, batch_size=128, steps=1000, lr=1e-3, eval_every=100,
-                 eval_sequences=2048, target=0.95),
-    "tiny": dict(items=8, symbols=16, d_model=32, num_layers=2, num_heads=4,
-                 num_kv_heads=2, batch_size=32, steps=300, lr=3e-3, eval_every=50,
-                 eval_sequences=256, target=0.95),
+    "full": dict(
+        items=32,
+        symbols=64,
+        d_model=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        batch_size=128,
+        steps=1000,
+        lr=1e-3,
+        eval_every=100,
+        eval_sequences=2048,
+        target=0.95,
+    ),
+    "tiny": dict(
+        items=8,
+        symbols=16,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        batch_size=32,
+        steps=300,
+        lr=3e-3,
+        eval_every=50,
+        eval_sequences=256,
+        target=0.95,
+    ),
 }
 
 
@@ -923,46 +1011,82 @@ def _sized(key, text):
 def parse_args(argv=None):
     """Parse the command line; unset sizes come from ``DEFAULTS``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="gpu uses CuPy, cpu uses NumPy; auto (the default) picks the "
-                        "GPU when CuPy sees one")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="dtype of attention's q, k and v; weights and every other "
-                        "activation stay float32 (default float32)")
-    p.add_argument("--tiny", action="store_true",
-                   help="a small task and model that train in seconds on the CPU")
-    p.add_argument("--task", choices=("reverse", "recall"), default="reverse",
-                   help="see the module docstring (default reverse)")
-    p.add_argument("--items", type=int,
-                   help=_sized("items", "symbols to reverse, or key-value pairs to recall"))
-    p.add_argument("--symbols", type=int,
-                   help=_sized("symbols", "alphabet size (recall: keys, and as many values)"))
+    p.add_argument(
+        "--device",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="gpu uses CuPy, cpu uses NumPy; auto (the default) picks the GPU when CuPy sees one",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of attention's q, k and v; weights and every other "
+        "activation stay float32 (default float32)",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a small task and model that train in seconds on the CPU",
+    )
+    p.add_argument(
+        "--task",
+        choices=("reverse", "recall"),
+        default="reverse",
+        help="see the module docstring (default reverse)",
+    )
+    p.add_argument(
+        "--items",
+        type=int,
+        help=_sized("items", "symbols to reverse, or key-value pairs to recall"),
+    )
+    p.add_argument(
+        "--symbols",
+        type=int,
+        help=_sized("symbols", "alphabet size (recall: keys, and as many values)"),
+    )
     p.add_argument("--d-model", type=int, help=_sized("d_model", "model width"))
     p.add_argument("--num-layers", type=int, help=_sized("num_layers", "blocks"))
     p.add_argument("--num-heads", type=int, help=_sized("num_heads", "query heads"))
-    p.add_argument("--num-kv-heads", type=int,
-                   help=_sized("num_kv_heads", "key-value heads; fewer than --num-heads "
-                                               "is grouped-query attention"))
-    p.add_argument("--untied", action="store_true",
-                   help="an output projection of its own instead of the token embedding")
+    p.add_argument(
+        "--num-kv-heads",
+        type=int,
+        help=_sized(
+            "num_kv_heads", "key-value heads; fewer than --num-heads is grouped-query attention"
+        ),
+    )
+    p.add_argument(
+        "--untied",
+        action="store_true",
+        help="an output projection of its own instead of the token embedding",
+    )
     p.add_argument("--steps", type=int, help=_sized("steps", "training steps"))
     p.add_argument("--batch-size", type=int, help=_sized("batch_size", "sequences per step"))
     p.add_argument("--lr", type=float, help=_sized("lr", "peak learning rate"))
-    p.add_argument("--weight-decay", type=float, default=0.0,
-                   help="AdamW decay of the matrices (default 0)")
-    p.add_argument("--clip", type=float, default=1.0,
-                   help="limit on the global gradient norm (default 1)")
-    p.add_argument("--eval-every", type=int,
-                   help=_sized("eval_every", "steps between held-out evaluations"))
-    p.add_argument("--eval-sequences", type=int,
-                   help=_sized("eval_sequences", "size of the held-out set"))
-    p.add_argument("--target", type=float,
-                   help=_sized("target", "held-out accuracy to reach"))
-    p.add_argument("--require-target", action="store_true",
-                   help="exit with status 1 when the target is not reached")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW decay of the matrices (default 0)"
+    )
+    p.add_argument(
+        "--clip", type=float, default=1.0, help="limit on the global gradient norm (default 1)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, help=_sized("eval_every", "steps between held-out evaluations")
+    )
+    p.add_argument(
+        "--eval-sequences", type=int, help=_sized("eval_sequences", "size of the held-out set")
+    )
+    p.add_argument("--target", type=float, help=_sized("target", "held-out accuracy to reach"))
+    p.add_argument(
+        "--require-target",
+        action="store_true",
+        help="exit with status 1 when the target is not reached",
+    )
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
-    p.add_argument("--skip-gradcheck", action="store_true",
-                   help="skip the finite-difference check of the gradients")
+    p.add_argument(
+        "--skip-gradcheck",
+        action="store_true",
+        help="skip the finite-difference check of the gradients",
+    )
     p.add_argument("--plot", metavar="PATH", help="write the loss curve to this PNG")
     args = p.parse_args(argv)
     for key, value in DEFAULTS["tiny" if args.tiny else "full"].items():
@@ -976,24 +1100,41 @@ def main(argv=None):
     args = parse_args(argv)
     xp = select_array_module(args.device)
     task = make_task(args.task, args.items, args.symbols)
-    cfg = ModelConfig(task.vocab_size, task.seq_len, args.d_model, args.num_layers,
-                      args.num_heads, args.num_kv_heads, tie_embeddings=not args.untied)
+    cfg = ModelConfig(
+        task.vocab_size,
+        task.seq_len,
+        args.d_model,
+        args.num_layers,
+        args.num_heads,
+        args.num_kv_heads,
+        tie_embeddings=not args.untied,
+    )
     if not args.skip_gradcheck and not gradient_check(args.task, cfg.tie_embeddings):
         return 1
     size = sum(math.prod(s) for s in cfg.parameter_shapes().values())
-    print(f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, "
-          f"attention dtype {args.dtype}, seed {args.seed}")
+    print(
+        f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, "
+        f"attention dtype {args.dtype}, seed {args.seed}"
+    )
     print(f"task: {task.describe()}; chance accuracy {task.chance:.1%}")
-    print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads "
-          f"/ {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, "
-          f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, {size:,} parameters")
-    print(f"training: {args.steps} steps of {args.batch_size} sequences, lr {args.lr:g}, "
-          f"weight decay {args.weight_decay:g}, clip {args.clip:g}")
+    print(
+        f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads "
+        f"/ {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, "
+        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, {size:,} parameters"
+    )
+    print(
+        f"training: {args.steps} steps of {args.batch_size} sequences, lr {args.lr:g}, "
+        f"weight decay {args.weight_decay:g}, clip {args.clip:g}"
+    )
     result = train(args, task, cfg, xp)
-    print(f"trained {args.steps} steps in {result['seconds']:.1f} s "
-          f"({args.steps / result['seconds']:.1f} steps/s)")
-    print(f"held-out accuracy: {result['accuracy']:.2%} "
-          f"(loss {result['loss']:.4f}, {result['eval_count']} sequences)")
+    print(
+        f"trained {args.steps} steps in {result['seconds']:.1f} s "
+        f"({args.steps / result['seconds']:.1f} steps/s)"
+    )
+    print(
+        f"held-out accuracy: {result['accuracy']:.2%} "
+        f"(loss {result['loss']:.4f}, {result['eval_count']} sequences)"
+    )
     reached = result["accuracy"] >= args.target
     print(f"target: accuracy >= {args.target:.0%}: {'REACHED' if reached else 'NOT reached'}")
     if args.plot:

@@ -72,6 +72,7 @@ def import_tiny_lm():
     its layers and the optimizer come from it."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import train_tiny_lm
+
     return train_tiny_lm
 
 
@@ -87,6 +88,7 @@ MODES = ("packed", "padded")
 # Corpus: the standard library's source files, cut into documents
 # ---------------------------------------------------------------------------
 
+
 def stdlib_root():
     """The folder of this interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -100,9 +102,13 @@ def stdlib_source_files(max_files=None):
     the sorted list (so a small selection still spans the whole library).
     """
     root = stdlib_root()
-    files = sorted(path for path in root.rglob("*.py")
-                   if not {"site-packages", "dist-packages"} & set(path.relative_to(root).parts)
-                   and path.is_file() and path.stat().st_size > 0)
+    files = sorted(
+        path
+        for path in root.rglob("*.py")
+        if not {"site-packages", "dist-packages"} & set(path.relative_to(root).parts)
+        and path.is_file()
+        and path.stat().st_size > 0
+    )
     if max_files is not None and max_files < len(files):
         picks = np.linspace(0, len(files) - 1, max(1, max_files)).round().astype(int)
         files = [files[i] for i in sorted(set(picks))]
@@ -154,8 +160,10 @@ def cut_into_documents(source, tokens, max_doc_len):
     first input of the next, so every next-token pair of the file is in
     exactly one piece.
     """
-    return [Document(source, i, tokens[start:start + max_doc_len + 1])
-            for i, start in enumerate(range(0, len(tokens) - 1, max_doc_len))]
+    return [
+        Document(source, i, tokens[start : start + max_doc_len + 1])
+        for i, start in enumerate(range(0, len(tokens) - 1, max_doc_len))
+    ]
 
 
 @dataclasses.dataclass
@@ -202,6 +210,7 @@ def load_corpus(max_files, max_doc_len, held_out_fraction):
 # Packing documents into steps
 # ---------------------------------------------------------------------------
 
+
 def pack_documents(lengths, token_budget):
     """Group documents, in order, into steps of at most ``token_budget`` tokens.
 
@@ -212,8 +221,7 @@ def pack_documents(lengths, token_budget):
     steps, current, used = [], [], 0
     for i, n in enumerate(lengths):
         if n > token_budget:
-            raise ValueError(f"document {i} has {n} tokens, more than the budget "
-                             f"{token_budget}")
+            raise ValueError(f"document {i} has {n} tokens, more than the budget {token_budget}")
         if current and used + n > token_budget:
             steps.append(current)
             current, used = [], 0
@@ -280,8 +288,7 @@ class Batch:
         """The attention backend for this batch (``tiny_lm.AttentionBackend``)."""
         if self.layout == "padded":
             return tiny_lm.AttentionBackend(cuflash.flash_attention_vjp, dtype)
-        return tiny_lm.AttentionBackend(PackedAttention(self.cu_seqlens, self.max_seqlen),
-                                        dtype)
+        return tiny_lm.AttentionBackend(PackedAttention(self.cu_seqlens, self.max_seqlen), dtype)
 
 
 def packed_batch(documents, xp):
@@ -289,9 +296,16 @@ def packed_batch(documents, xp):
     lengths = [d.length for d in documents]
     inputs = np.concatenate([d.inputs for d in documents]).astype(np.int32)[None]
     targets = np.concatenate([d.targets for d in documents]).astype(np.int32)[None]
-    return Batch("packed", xp.asarray(inputs), xp.asarray(targets),
-                 xp.ones(inputs.shape, dtype=bool), xp.asarray(positions_in_documents(lengths)),
-                 xp.asarray(cu_seqlens_of(lengths)), max(lengths), sum(lengths))
+    return Batch(
+        "packed",
+        xp.asarray(inputs),
+        xp.asarray(targets),
+        xp.ones(inputs.shape, dtype=bool),
+        xp.asarray(positions_in_documents(lengths)),
+        xp.asarray(cu_seqlens_of(lengths)),
+        max(lengths),
+        sum(lengths),
+    )
 
 
 def padded_batch(documents, xp):
@@ -303,11 +317,19 @@ def padded_batch(documents, xp):
     targets = np.zeros((rows, width), dtype=np.int32)
     mask = np.zeros((rows, width), dtype=bool)
     for row, d in enumerate(documents):
-        inputs[row, :d.length] = d.inputs
-        targets[row, :d.length] = d.targets
-        mask[row, :d.length] = True
-    return Batch("padded", xp.asarray(inputs), xp.asarray(targets), xp.asarray(mask),
-                 xp.arange(width, dtype=np.int32), None, width, sum(lengths))
+        inputs[row, : d.length] = d.inputs
+        targets[row, : d.length] = d.targets
+        mask[row, : d.length] = True
+    return Batch(
+        "padded",
+        xp.asarray(inputs),
+        xp.asarray(targets),
+        xp.asarray(mask),
+        xp.arange(width, dtype=np.int32),
+        None,
+        width,
+        sum(lengths),
+    )
 
 
 def make_batch(documents, layout, xp):
@@ -318,6 +340,7 @@ def make_batch(documents, layout, xp):
 # ---------------------------------------------------------------------------
 # The parts of the model that differ from train_tiny_lm
 # ---------------------------------------------------------------------------
+
 
 def tokens_first(x):
     """``[1, H, total, D]`` (the tiny LM's attention layout) -> ``[total, H, D]`` view."""
@@ -344,9 +367,18 @@ class PackedAttention:
 
     def __call__(self, q, k, v, num_heads, num_kv_heads, head_dim, causal=False):
         out, vjp = cuflash.flash_attention_varlen_vjp(
-            tokens_first(q), tokens_first(k), tokens_first(v), self.cu_seqlens,
-            self.cu_seqlens, self.max_seqlen, self.max_seqlen, num_heads, num_kv_heads,
-            head_dim, causal=causal)
+            tokens_first(q),
+            tokens_first(k),
+            tokens_first(v),
+            self.cu_seqlens,
+            self.cu_seqlens,
+            self.max_seqlen,
+            self.max_seqlen,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal=causal,
+        )
         return heads_first(out), PackedAttentionVJP(vjp)
 
 
@@ -393,8 +425,9 @@ class WithTokenPositions:
 def loss_and_grads(params, cfg, batch, dtype):
     """Mean cross-entropy over the batch's real tokens and ``{name: gradient}``."""
     view = WithTokenPositions(params, batch.positions)
-    loss, _, grads = tiny_lm.loss_and_grads(view, cfg, (batch.inputs, batch.targets, batch.mask),
-                                            batch.attention(dtype))
+    loss, _, grads = tiny_lm.loss_and_grads(
+        view, cfg, (batch.inputs, batch.targets, batch.mask), batch.attention(dtype)
+    )
     grads["pos_emb"] = view.position_gradient(grads["pos_emb"])
     return loss, grads
 
@@ -420,6 +453,7 @@ def held_out_loss(params, cfg, batches, dtype):
 # Start-up check: packed equals per-document dense
 # ---------------------------------------------------------------------------
 
+
 def max_relative_difference(a, b):
     """``max |a - b| / max |b|`` in float64 on the host."""
     a = np.asarray(tiny_lm.to_numpy(a), dtype=np.float64)
@@ -444,9 +478,11 @@ def check_packing(documents, threshold=1e-4, seed=0, out=print):
     f32 = np.dtype(np.float32)
     packed, padded = packed_batch(documents, np), padded_batch(documents, np)
     starts = np.cumsum([0] + [d.length for d in documents])
-    layout_ok = all(np.array_equal(packed.inputs[0, s:s + d.length], d.inputs)
-                    and np.array_equal(packed.targets[0, s:s + d.length], d.targets)
-                    for s, d in zip(starts, documents))
+    layout_ok = all(
+        np.array_equal(packed.inputs[0, s : s + d.length], d.inputs)
+        and np.array_equal(packed.targets[0, s : s + d.length], d.targets)
+        for s, d in zip(starts, documents)
+    )
     layout_ok = layout_ok and int(tiny_lm.to_numpy(packed.cu_seqlens)[-1]) == starts[-1]
 
     rng = np.random.default_rng(seed)
@@ -461,32 +497,41 @@ def check_packing(documents, threshold=1e-4, seed=0, out=print):
     for s, d in zip(starts, documents):
         doc = slice(s, s + d.length)
         out_doc, vjp_doc = cuflash.flash_attention_vjp(
-            q[:, :, doc], k[:, :, doc], v[:, :, doc], heads, kv_heads, dim, causal=True)
+            q[:, :, doc], k[:, :, doc], v[:, :, doc], heads, kv_heads, dim, causal=True
+        )
         grads_doc = vjp_doc(np.ascontiguousarray(dout[:, :, doc]))
         pairs = [(out_packed, out_doc)] + list(zip(grads_packed, grads_doc))
-        attention_error = max([attention_error] + [max_relative_difference(whole[:, :, doc], part)
-                                                   for whole, part in pairs])
+        attention_error = max(
+            [attention_error]
+            + [max_relative_difference(whole[:, :, doc], part) for whole, part in pairs]
+        )
 
     # pos_emb as long as the whole row, so positions that failed to restart in
     # each document would still index it (and change the logits).
-    cfg = tiny_lm.ModelConfig(VOCAB_SIZE, total, d_model=16, num_layers=2,
-                              num_heads=2, num_kv_heads=1, mlp_ratio=2)
+    cfg = tiny_lm.ModelConfig(
+        VOCAB_SIZE, total, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, mlp_ratio=2
+    )
     params = tiny_lm.init_parameters(cfg, np, np.float32, seed)
     params.flat[:] += rng.normal(0.0, 0.1, params.flat.shape).astype(np.float32)
     loss_packed, grads_packed = loss_and_grads(params, cfg, packed, f32)
     loss_padded, grads_padded = loss_and_grads(params, cfg, padded, f32)
     logits_packed = model_logits(params, cfg, packed, f32)[0]
     logits_padded = model_logits(params, cfg, padded, f32)[padded.mask]
-    model_error = max([max_relative_difference(loss_packed, loss_padded),
-                       max_relative_difference(logits_packed, logits_padded)]
-                      + [max_relative_difference(grads_packed[n], grads_padded[n])
-                         for n in params])
+    model_error = max(
+        [
+            max_relative_difference(loss_packed, loss_padded),
+            max_relative_difference(logits_packed, logits_padded),
+        ]
+        + [max_relative_difference(grads_packed[n], grads_padded[n]) for n in params]
+    )
 
     passed = layout_ok and attention_error <= threshold and model_error <= threshold
-    out(f"packing check: {len(documents)} documents of {[d.length for d in documents]} tokens; "
+    out(
+        f"packing check: {len(documents)} documents of {[d.length for d in documents]} tokens; "
         f"layout {'ok' if layout_ok else 'WRONG'}; packed vs per-document dense attention "
         f"{attention_error:.1e}; packed vs padded model {model_error:.1e} "
-        f"(threshold {threshold:.0e}): {'passed' if passed else 'FAILED'}")
+        f"(threshold {threshold:.0e}): {'passed' if passed else 'FAILED'}"
+    )
     return passed
 
 
@@ -495,15 +540,16 @@ def check_documents(corpus, lengths=(7, 16, 1, 20), cut=12):
     first training file cut into two pieces of ``cut`` tokens, then the starts
     of the next files, ``lengths`` tokens long."""
     firsts = [d for d in corpus.train if d.piece == 0]
-    documents = cut_into_documents(firsts[0].source, firsts[0].tokens[:2 * cut + 1], cut)
+    documents = cut_into_documents(firsts[0].source, firsts[0].tokens[: 2 * cut + 1], cut)
     for d, n in zip(firsts[1:], lengths):
-        documents.append(Document(d.source, 0, d.tokens[:n + 1]))
+        documents.append(Document(d.source, 0, d.tokens[: n + 1]))
     return documents
 
 
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
+
 
 def synchronize(xp):
     """Wait for the GPU (no-op on the CPU path)."""
@@ -553,13 +599,20 @@ def train(args, cfg, xp, corpus, eval_batches, layout, dtype):
                 timed_seconds += now - timed_start
             loss_value = held_out_loss(params, cfg, eval_batches, dtype)
             curve.append((step, loss_value, seconds))
-            print(f"[{layout}] step {step}: held-out loss {loss_value:.4f} "
-                  f"(training loss {float(loss):.4f}), {seconds:.1f} s", flush=True)
+            print(
+                f"[{layout}] step {step}: held-out loss {loss_value:.4f} "
+                f"(training loss {float(loss):.4f}), {seconds:.1f} s",
+                flush=True,
+            )
             start = timed_start = time.perf_counter()
     timed_steps = args.steps - args.untimed_steps
     if timed_steps <= 0:  # too few steps to leave out the first ones: time them all
-        timed_steps, timed_seconds, timed_tokens, timed_slots = (args.steps, seconds,
-                                                                 real_tokens, slots)
+        timed_steps, timed_seconds, timed_tokens, timed_slots = (
+            args.steps,
+            seconds,
+            real_tokens,
+            slots,
+        )
     result = {
         "layout": layout,
         "steps": args.steps,
@@ -575,9 +628,12 @@ def train(args, cfg, xp, corpus, eval_batches, layout, dtype):
         "held_out_curve": [{"step": s, "loss": v, "train_seconds": t} for s, v, t in curve],
         "train_loss": [float(x) for x in tiny_lm.to_numpy(losses)],
     }
-    print(f"[{layout}] {args.steps} steps, {real_tokens:,} real tokens; timed "
-          f"{result['timed_steps']} steps: {timed_seconds:.2f} s, "
-          f"{result['real_tokens_per_s']:,.0f} real tokens/s", flush=True)
+    print(
+        f"[{layout}] {args.steps} steps, {real_tokens:,} real tokens; timed "
+        f"{result['timed_steps']} steps: {timed_seconds:.2f} s, "
+        f"{result['real_tokens_per_s']:,.0f} real tokens/s",
+        flush=True,
+    )
     return result
 
 
@@ -590,10 +646,12 @@ def padding_statistics(corpus, token_budget, seed):
     steps = pack_documents(lengths, token_budget)
     real = sum(int(lengths[s].sum()) for s in steps)
     padded = sum(len(s) * int(lengths[s].max()) for s in steps)
-    return {"steps_per_epoch": len(steps),
-            "budget_fill": real / (len(steps) * token_budget),
-            "documents_per_step": len(lengths) / len(steps),
-            "padded_slots_per_token": padded / real}
+    return {
+        "steps_per_epoch": len(steps),
+        "budget_fill": real / (len(steps) * token_budget),
+        "documents_per_step": len(lengths) / len(steps),
+        "padded_slots_per_token": padded / real,
+    }
 
 
 def write_curves(path, results):
@@ -603,6 +661,7 @@ def write_curves(path, results):
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -612,19 +671,32 @@ def write_curves(path, results):
             writer.writerow(["layout", "step", "held_out_loss", "train_seconds"])
             for result in results:
                 for point in result["held_out_curve"]:
-                    writer.writerow([result["layout"], point["step"], f"{point['loss']:.6f}",
-                                     f"{point['train_seconds']:.3f}"])
-        print(f"matplotlib is not installed: no plot written; the held-out loss curves "
-              f"are in {csv_path}")
+                    writer.writerow(
+                        [
+                            result["layout"],
+                            point["step"],
+                            f"{point['loss']:.6f}",
+                            f"{point['train_seconds']:.3f}",
+                        ]
+                    )
+        print(
+            f"matplotlib is not installed: no plot written; the held-out loss curves "
+            f"are in {csv_path}"
+        )
         return
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
     for result in results:
         curve = result["held_out_curve"]
         label = f"{result['layout']} ({result['real_tokens_per_s']:,.0f} real tokens/s)"
-        by_step.plot([p["step"] for p in curve], [p["loss"] for p in curve], marker=".",
-                     label=result["layout"])
-        by_time.plot([p["train_seconds"] for p in curve], [p["loss"] for p in curve],
-                     marker=".", label=label)
+        by_step.plot(
+            [p["step"] for p in curve],
+            [p["loss"] for p in curve],
+            marker=".",
+            label=result["layout"],
+        )
+        by_time.plot(
+            [p["train_seconds"] for p in curve], [p["loss"] for p in curve], marker=".", label=label
+        )
     by_step.set(xlabel="step", ylabel="held-out loss (nats per token)", title="by step")
     by_time.set(xlabel="training seconds (evaluations excluded)", title="by time")
     for ax in (by_step, by_time):
@@ -642,12 +714,32 @@ def write_curves(path, results):
 
 # The settings each size starts from; any flag given on the command line wins.
 DEFAULTS = {
-    "full": dict(max_files=None, max_doc_len=2048, tokens_per_step=16384, d_model=256,
-                 num_layers=4, num_heads=4, num_kv_heads=2, steps=400, lr=2e-3,
-                 eval_every=50, eval_tokens=65536),
-    "tiny": dict(max_files=60, max_doc_len=128, tokens_per_step=1024, d_model=32,
-                 num_layers=2, num_heads=2, num_kv_heads=1, steps=40, lr=5e-3,
-                 eval_every=10, eval_tokens=2048),
+    "full": dict(
+        max_files=None,
+        max_doc_len=2048,
+        tokens_per_step=16384,
+        d_model=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        steps=400,
+        lr=2e-3,
+        eval_every=50,
+        eval_tokens=65536,
+    ),
+    "tiny": dict(
+        max_files=60,
+        max_doc_len=128,
+        tokens_per_step=1024,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        steps=40,
+        lr=5e-3,
+        eval_every=10,
+        eval_tokens=2048,
+    ),
 }
 
 
@@ -660,51 +752,85 @@ def _sized(key, text):
 def parse_args(argv=None):
     """Parse the command line; unset sizes come from ``DEFAULTS``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("packed", "padded", "both"), default="both",
-                   help="train packed, padded, or both from the same start on the same "
-                        "steps and compare them (default both)")
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="gpu uses CuPy, cpu uses NumPy; auto (the default) picks the GPU "
-                        "when CuPy sees one")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of attention's q, k and v; everything else stays float32 "
-                        "(default bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--tiny", action="store_true",
-                   help="a few files and a tiny model: seconds on the CPU")
-    p.add_argument("--max-files", type=int,
-                   help=_sized("max_files", "source files read (evenly spaced in the sorted "
-                                            "list)"))
-    p.add_argument("--max-doc-len", type=int,
-                   help=_sized("max_doc_len", "longer documents are cut into pieces of this "
-                                              "many tokens"))
-    p.add_argument("--tokens-per-step", type=int,
-                   help=_sized("tokens_per_step", "token budget of a step (whole documents "
-                                                  "up to it)"))
-    p.add_argument("--held-out-fraction", type=float, default=0.05,
-                   help="share of the files held out (default 0.05)")
-    p.add_argument("--eval-tokens", type=int,
-                   help=_sized("eval_tokens", "held-out tokens evaluated"))
-    p.add_argument("--eval-every", type=int,
-                   help=_sized("eval_every", "steps between held-out evaluations"))
+    p.add_argument(
+        "--mode",
+        choices=("packed", "padded", "both"),
+        default="both",
+        help="train packed, padded, or both from the same start on the same "
+        "steps and compare them (default both)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="gpu uses CuPy, cpu uses NumPy; auto (the default) picks the GPU when CuPy sees one",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of attention's q, k and v; everything else stays float32 "
+        "(default bfloat16 on a GPU, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="a few files and a tiny model: seconds on the CPU"
+    )
+    p.add_argument(
+        "--max-files",
+        type=int,
+        help=_sized("max_files", "source files read (evenly spaced in the sorted list)"),
+    )
+    p.add_argument(
+        "--max-doc-len",
+        type=int,
+        help=_sized("max_doc_len", "longer documents are cut into pieces of this many tokens"),
+    )
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        help=_sized("tokens_per_step", "token budget of a step (whole documents up to it)"),
+    )
+    p.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=0.05,
+        help="share of the files held out (default 0.05)",
+    )
+    p.add_argument(
+        "--eval-tokens", type=int, help=_sized("eval_tokens", "held-out tokens evaluated")
+    )
+    p.add_argument(
+        "--eval-every", type=int, help=_sized("eval_every", "steps between held-out evaluations")
+    )
     p.add_argument("--d-model", type=int, help=_sized("d_model", "model width"))
     p.add_argument("--num-layers", type=int, help=_sized("num_layers", "blocks"))
     p.add_argument("--num-heads", type=int, help=_sized("num_heads", "query heads"))
     p.add_argument("--num-kv-heads", type=int, help=_sized("num_kv_heads", "key-value heads"))
     p.add_argument("--steps", type=int, help=_sized("steps", "training steps per layout"))
     p.add_argument("--lr", type=float, help=_sized("lr", "peak learning rate"))
-    p.add_argument("--weight-decay", type=float, default=0.0,
-                   help="AdamW decay of the matrices (default 0)")
-    p.add_argument("--clip", type=float, default=1.0,
-                   help="limit on the global gradient norm (default 1)")
-    p.add_argument("--untimed-steps", type=int, default=3,
-                   help="first steps of each layout left out of tokens/s: they compile "
-                        "kernels (default 3)")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW decay of the matrices (default 0)"
+    )
+    p.add_argument(
+        "--clip", type=float, default=1.0, help="limit on the global gradient norm (default 1)"
+    )
+    p.add_argument(
+        "--untimed-steps",
+        type=int,
+        default=3,
+        help="first steps of each layout left out of tokens/s: they compile kernels (default 3)",
+    )
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
-    p.add_argument("--skip-check", action="store_true",
-                   help="skip the start-up check of packed against dense attention")
-    p.add_argument("--plot", metavar="PATH",
-                   help="write the held-out loss curves to this PNG (a CSV next to it "
-                        "when matplotlib is not installed)")
+    p.add_argument(
+        "--skip-check",
+        action="store_true",
+        help="skip the start-up check of packed against dense attention",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the held-out loss curves to this PNG (a CSV next to it "
+        "when matplotlib is not installed)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the measured figures to this file")
     args = p.parse_args(argv)
     for key, value in DEFAULTS["tiny" if args.tiny else "full"].items():
@@ -733,40 +859,58 @@ def main(argv=None):
             break
         eval_documents.append(corpus.held_out[i])
         eval_total += corpus.held_out[i].length
-    eval_batches = [packed_batch([eval_documents[i] for i in step], xp) for step in
-                    pack_documents([d.length for d in eval_documents], args.tokens_per_step)]
+    eval_batches = [
+        packed_batch([eval_documents[i] for i in step], xp)
+        for step in pack_documents([d.length for d in eval_documents], args.tokens_per_step)
+    ]
     stats = padding_statistics(corpus, args.tokens_per_step, args.seed + 1)
     lengths = np.array([d.length for d in corpus.train])
 
-    cfg = tiny_lm.ModelConfig(VOCAB_SIZE, args.max_doc_len, args.d_model, args.num_layers,
-                              args.num_heads, args.num_kv_heads)
+    cfg = tiny_lm.ModelConfig(
+        VOCAB_SIZE,
+        args.max_doc_len,
+        args.d_model,
+        args.num_layers,
+        args.num_heads,
+        args.num_kv_heads,
+    )
     size = sum(math.prod(s) for s in cfg.parameter_shapes().values())
     device = "CPU (NumPy)"
     if xp is not np:
         props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
         device = f"GPU (CuPy): {props['name'].decode()}"
     print(f"device: {device}, attention dtype {args.dtype}, seed {args.seed}")
-    print(f"corpus: {corpus.train_files + corpus.held_out_files} files, "
-          f"{corpus.bytes / 1e6:.1f} MB under {stdlib_root()}; training on "
-          f"{corpus.train_files} files ({len(corpus.train)} documents, "
-          f"{int(lengths.sum()):,} tokens), held out {corpus.held_out_files} files "
-          f"(evaluating {eval_total:,} tokens)")
-    print(f"documents: at most {args.max_doc_len} tokens ("
-          f"{(lengths == args.max_doc_len).mean():.0%} of them at that length), "
-          f"median {int(np.median(lengths))}")
-    print(f"steps: up to {args.tokens_per_step} tokens, {stats['documents_per_step']:.1f} "
-          f"documents and {stats['budget_fill']:.0%} of the budget on average; padded, "
-          f"{stats['padded_slots_per_token']:.3f} slots per real token")
-    print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads / "
-          f"{cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, vocabulary {VOCAB_SIZE}, "
-          f"{size:,} parameters; {args.steps} steps, lr {args.lr:g}")
+    print(
+        f"corpus: {corpus.train_files + corpus.held_out_files} files, "
+        f"{corpus.bytes / 1e6:.1f} MB under {stdlib_root()}; training on "
+        f"{corpus.train_files} files ({len(corpus.train)} documents, "
+        f"{int(lengths.sum()):,} tokens), held out {corpus.held_out_files} files "
+        f"(evaluating {eval_total:,} tokens)"
+    )
+    print(
+        f"documents: at most {args.max_doc_len} tokens ("
+        f"{(lengths == args.max_doc_len).mean():.0%} of them at that length), "
+        f"median {int(np.median(lengths))}"
+    )
+    print(
+        f"steps: up to {args.tokens_per_step} tokens, {stats['documents_per_step']:.1f} "
+        f"documents and {stats['budget_fill']:.0%} of the budget on average; padded, "
+        f"{stats['padded_slots_per_token']:.3f} slots per real token"
+    )
+    print(
+        f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads / "
+        f"{cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, vocabulary {VOCAB_SIZE}, "
+        f"{size:,} parameters; {args.steps} steps, lr {args.lr:g}"
+    )
 
     layouts = MODES if args.mode == "both" else (args.mode,)
     results = [train(args, cfg, xp, corpus, eval_batches, layout, dtype) for layout in layouts]
     by_layout = {r["layout"]: r for r in results}
     for r in results:
-        print(f"{r['layout']}: {r['real_tokens_per_s']:,.0f} real tokens/s; held-out loss "
-              f"{r['initial_held_out_loss']:.4f} -> {r['final_held_out_loss']:.4f}")
+        print(
+            f"{r['layout']}: {r['real_tokens_per_s']:,.0f} real tokens/s; held-out loss "
+            f"{r['initial_held_out_loss']:.4f} -> {r['final_held_out_loss']:.4f}"
+        )
     ratio = None
     if len(results) == 2:
         ratio = by_layout["packed"]["real_tokens_per_s"] / by_layout["padded"]["real_tokens_per_s"]
@@ -775,13 +919,17 @@ def main(argv=None):
         write_curves(args.plot, results)
     if args.json:
         figures = {
-            "device": device, "dtype": args.dtype,
+            "device": device,
+            "dtype": args.dtype,
             "config": {k: v for k, v in vars(args).items() if k not in ("plot", "json")},
-            "corpus": {"files": corpus.train_files + corpus.held_out_files,
-                       "train_files": corpus.train_files,
-                       "held_out_files": corpus.held_out_files,
-                       "train_documents": len(corpus.train), "train_tokens": int(lengths.sum()),
-                       "eval_tokens": eval_total},
+            "corpus": {
+                "files": corpus.train_files + corpus.held_out_files,
+                "train_files": corpus.train_files,
+                "held_out_files": corpus.held_out_files,
+                "train_documents": len(corpus.train),
+                "train_tokens": int(lengths.sum()),
+                "eval_tokens": eval_total,
+            },
             "packing": stats,
             "parameters": size,
             "real_tokens_per_s": {r["layout"]: r["real_tokens_per_s"] for r in results},

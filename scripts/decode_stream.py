@@ -218,19 +218,28 @@ VARIANTS = {  # name: (template, threads, stages, keys a tile)
     "bulk rows 3st": ("stream_bulk<3, 64, 16, 4, true>", 160, 3, 64),
     "bulk tile 4st": ("stream_bulk<4, 64, 16, 4, false>", 160, 4, 64),
 }
-LINEAR = {"linear ld 4x": "stream_linear<4, 0>", "linear ld 8x": "stream_linear<8, 0>",
-          "linear ld 8x L2::256B": "stream_linear<8, 256>"}
+LINEAR = {
+    "linear ld 4x": "stream_linear<4, 0>",
+    "linear ld 8x": "stream_linear<8, 0>",
+    "linear ld 8x L2::256B": "stream_linear<8, 256>",
+}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--spin", default="100")
     parser.add_argument("--cases", default="16x8192x2,64x2048x1,256x512x1,1x32768x16")
-    parser.add_argument("--blocks-per-sm", default="0",
-                        help="0: as the shared memory allows; else pad to fit this many")
+    parser.add_argument(
+        "--blocks-per-sm",
+        default="0",
+        help="0: as the shared memory allows; else pad to fit this many",
+    )
     args = parser.parse_args()
-    module = cupy.RawModule(code=SOURCE, options=("-std=c++17", "--gpu-architecture=sm_90a"),
-                            name_expressions=[v[0] for v in VARIANTS.values()] + list(LINEAR.values()))
+    module = cupy.RawModule(
+        code=SOURCE,
+        options=("-std=c++17", "--gpu-architecture=sm_90a"),
+        name_expressions=[v[0] for v in VARIANTS.values()] + list(LINEAR.values()),
+    )
     sink = cupy.zeros(1, dtype=np.float32)
     props = cupy.cuda.runtime.getDeviceProperties(0)
     smem_sm = props["sharedMemPerMultiprocessor"]
@@ -242,8 +251,10 @@ def main():
         nbytes = 2 * k.nbytes
         dst = cupy.empty_like(k)
         copy = time_us(lambda: dst.__setitem__(Ellipsis, k))
-        print(f"\nB={batch} keys={keys} splits={splits}: cache {nbytes / 1e6:.0f} MB; "
-              f"d2d copy of K {2 * k.nbytes / copy / 1e6:.2f} TB/s (read+write)")
+        print(
+            f"\nB={batch} keys={keys} splits={splits}: cache {nbytes / 1e6:.0f} MB; "
+            f"d2d copy of K {2 * k.nbytes / copy / 1e6:.2f} TB/s (read+write)"
+        )
         del dst
         for spin in (int(s) for s in args.spin.split(",")):
             for name, template in LINEAR.items():
@@ -252,8 +263,10 @@ def main():
                 for blocks_per_sm in (4, 8):
                     grid = (props["multiProcessorCount"] * blocks_per_sm,)
                     us = time_us(lambda: kernel(grid, (256,), (k, v, sink, np.int64(chunks))))
-                    print(f"  {name:30s} {blocks_per_sm} blocks/SM: {us:8.1f} us "
-                          f"{nbytes / us / 1e6:5.2f} TB/s")
+                    print(
+                        f"  {name:30s} {blocks_per_sm} blocks/SM: {us:8.1f} us "
+                        f"{nbytes / us / 1e6:5.2f} TB/s"
+                    )
             for name, (template, threads, stages, BN) in VARIANTS.items():
                 pitch = CH + 1 if ("rows" in name or "cp.async" in name) else CH
                 tiles_bytes = 2 * stages * BN * pitch * 16
@@ -268,11 +281,18 @@ def main():
                     kernel.max_dynamic_shared_size_bytes = shared
                     fits = smem_sm // (shared + 1024 + 64)
                     grid = (splits, 8, batch)
-                    us = time_us(lambda: kernel(grid, (threads,), (
-                        k, v, sink, np.int32(keys), np.int32(splits), np.int32(spin)),
-                        shared_mem=shared))
-                    print(f"  spin {spin:4d} {name:30s} {fits} blocks/SM: {us:8.1f} us "
-                          f"{nbytes / us / 1e6:5.2f} TB/s")
+                    us = time_us(
+                        lambda: kernel(
+                            grid,
+                            (threads,),
+                            (k, v, sink, np.int32(keys), np.int32(splits), np.int32(spin)),
+                            shared_mem=shared,
+                        )
+                    )
+                    print(
+                        f"  spin {spin:4d} {name:30s} {fits} blocks/SM: {us:8.1f} us "
+                        f"{nbytes / us / 1e6:5.2f} TB/s"
+                    )
         del k, v
 
 

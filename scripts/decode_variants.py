@@ -20,9 +20,18 @@ import numpy as np
 from cuflash import kvcache, plans
 from cuflash.kvcache import decode_tc_name, decode_tc_shape, flash_attention_with_kvcache
 
-CASES = [(1, 32768, 0, 1), (16, 8192, 0, 1), (64, 2048, 0, 1), (256, 512, 0, 1),
-         (1, 32768, 16, 1), (16, 8192, 16, 1), (64, 2048, 16, 1), (256, 512, 16, 1),
-         (16, 8192, 256, 1), (16, 8192, 0, 4)]
+CASES = [
+    (1, 32768, 0, 1),
+    (16, 8192, 0, 1),
+    (64, 2048, 0, 1),
+    (256, 512, 0, 1),
+    (1, 32768, 16, 1),
+    (16, 8192, 16, 1),
+    (64, 2048, 16, 1),
+    (256, 512, 16, 1),
+    (16, 8192, 256, 1),
+    (16, 8192, 0, 4),
+]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -36,16 +45,18 @@ def inputs(batch, keys, block_size, q_len, rng):
     if block_size:
         blocks = keys // block_size
         shape = (batch * blocks, KV_HEADS, block_size, HEAD_DIM)
-        table = cupy.asarray(rng.permutation(batch * blocks).reshape(batch, blocks)
-                             .astype(np.int32))
+        table = cupy.asarray(
+            rng.permutation(batch * blocks).reshape(batch, blocks).astype(np.int32)
+        )
     else:
         shape = (batch, KV_HEADS, keys, HEAD_DIM)
     k_cache, v_cache = normal(shape), normal(shape)
     q = normal((batch, HEADS, q_len, HEAD_DIM))
     k_new, v_new = (normal((batch, KV_HEADS, q_len, HEAD_DIM)) for _ in "kv")
     lengths = cupy.full(batch, keys - q_len, dtype=np.int32)
-    return (q, k_cache, v_cache), dict(cache_seqlens=lengths, k_new=k_new, v_new=v_new,
-                                       block_table=table)
+    return (q, k_cache, v_cache), dict(
+        cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table
+    )
 
 
 def median_us(call, rounds=7, calls=20):
@@ -76,8 +87,8 @@ def use_variant(original, keys, stages, smem_floor=0):
             return name, k, rows, shared
         row_warps = rows // 16
         k, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages, keys)
-        return (decode_tc_name(problem, row_warps, stages, keys), k, rows,
-                max(shared, smem_floor))
+        return (decode_tc_name(problem, row_warps, stages, keys), k, rows, max(shared, smem_floor))
+
     return chosen
 
 
@@ -92,11 +103,17 @@ def warm(variants):
     """Compile every variant's kernels in parallel processes (CuPy keeps them on disk)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ["cuflash::kvcache_append<cuflash::bf16_t>",
-             f"cuflash::kvcache_combine<cuflash::bf16_t, {HEAD_DIM}>"]
-    names += [f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {HEAD_DIM}, 1, {stages}, {keys}, "
-              f"{paged}, {narrow}>" for _, keys, stages in variants
-              for paged in ("false", "true") for narrow in ("false", "true")]
+    names = [
+        "cuflash::kvcache_append<cuflash::bf16_t>",
+        f"cuflash::kvcache_combine<cuflash::bf16_t, {HEAD_DIM}>",
+    ]
+    names += [
+        f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {HEAD_DIM}, 1, {stages}, {keys}, "
+        f"{paged}, {narrow}>"
+        for _, keys, stages in variants
+        for paged in ("false", "true")
+        for narrow in ("false", "true")
+    ]
     with ProcessPoolExecutor(len(names)) as pool:
         for name in pool.map(_compile, names):
             print("compiled", name, flush=True)
@@ -106,12 +123,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="64x2,64x3,32x4")
     parser.add_argument("--warm", action="store_true", help="only compile the kernels")
-    parser.add_argument("--cases", default=None,
-                        help="comma-separated indices into CASES (default: every case)")
-    parser.add_argument("--splits", type=int, default=None,
-                        help="force this many splits of each sequence's keys (at most its tiles)")
-    parser.add_argument("--smem-floor", type=int, default=0,
-                        help="request at least this much shared memory a block (fewer blocks an SM)")
+    parser.add_argument(
+        "--cases", default=None, help="comma-separated indices into CASES (default: every case)"
+    )
+    parser.add_argument(
+        "--splits",
+        type=int,
+        default=None,
+        help="force this many splits of each sequence's keys (at most its tiles)",
+    )
+    parser.add_argument(
+        "--smem-floor",
+        type=int,
+        default=0,
+        help="request at least this much shared memory a block (fewer blocks an SM)",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     variants = [(v, *map(int, v.split("x"))) for v in args.variants.split(",")]
@@ -133,6 +159,7 @@ def main():
 
             def call():
                 flash_attention_with_kvcache(*arrays, HEADS, KV_HEADS, HEAD_DIM, **kwargs)
+
             try:
                 us = median_us(call)
                 row.append(f"{us:7.1f} us {cache_bytes / us / 1e6:4.2f} TB/s")

@@ -36,8 +36,10 @@ def main():
                 with cuflash.kernel_path(bwd_path):
                     grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args)
                 errors = [rel_error(x, r) for x, r in zip((out, *grads), (ref_out, *ref_grads))]
-                print(f"  fwd {fwd_name:8s} bwd {bwd_name:8s} out/dq/dk/dv "
-                      + " ".join(f"{e:.3g}" for e in errors))
+                print(
+                    f"  fwd {fwd_name:8s} bwd {bwd_name:8s} out/dq/dk/dv "
+                    + " ".join(f"{e:.3g}" for e in errors)
+                )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ from cuflash.problem import BFLOAT16, backward_problem
 def main(d=128, s=4096, causal=False, ncu=False):
     b, h = 16384 // s, 2048 // d
     rng = cupy.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16)
-                   for _ in range(4))
+    q, k, v, do = (
+        rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16) for _ in range(4)
+    )
     out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
-    problem = backward_problem(do, q, k, v, out, lse, h, h, d, causal, 0, None, None,
-                               False, False)
+    problem = backward_problem(do, q, k, v, out, lse, h, h, d, causal, 0, None, None, False, False)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)  # one product pass
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
     tried = []
@@ -47,12 +47,20 @@ def main(d=128, s=4096, causal=False, ncu=False):
                 dk, dv = cupy.empty_like(k), cupy.empty_like(v)
                 dq = cupy.cuda.alloc(max(plan.dq_bytes, 4 * q.size))  # zeroed by delta
                 stream = gpu.current_stream()
-                plan.delta(stream, do.data.ptr, out.data.ptr, lse.data.ptr, delta.data.ptr,
-                           lse_log2.data.ptr, dq.ptr if plan.atomic else 0)
+                plan.delta(
+                    stream,
+                    do.data.ptr,
+                    out.data.ptr,
+                    lse.data.ptr,
+                    delta.data.ptr,
+                    lse_log2.data.ptr,
+                    dq.ptr if plan.atomic else 0,
+                )
                 pointers = [x.data.ptr for x in (q, k, v, do, lse_log2, delta)]
 
                 def call(plan=plan, pointers=pointers):
                     plan.dkdv(stream, *pointers, dq.ptr, dk.data.ptr, dv.data.ptr, 0, 0, 0)
+
                 if ncu:
                     call()
                     continue
@@ -64,5 +72,4 @@ def main(d=128, s=4096, causal=False, ncu=False):
 
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if a != "--ncu"]
-    main(*(int(x) for x in argv[:2]), *(bool(int(x)) for x in argv[2:3]),
-         ncu="--ncu" in sys.argv)
+    main(*(int(x) for x in argv[:2]), *(bool(int(x)) for x in argv[2:3]), ncu="--ncu" in sys.argv)

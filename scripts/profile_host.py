@@ -69,8 +69,11 @@ def primitive_costs(calls):
         "plans.get": per_call(lambda: plans.get(plans.signature((q, k, v), key_args))),
         "cupy.empty": per_call(lambda: cupy.empty((1, 1, 16, 64), dtype=np.float32)),
         "cupy.cuda.alloc": per_call(lambda: cupy.cuda.alloc(4096)),
-        "one kernel launch": per_call(lambda: plan.main(
-            gpu.current_stream(), *(x.data.ptr for x in (q, k, v, out, lse)), 0, 0, 0)),
+        "one kernel launch": per_call(
+            lambda: plan.main(
+                gpu.current_stream(), *(x.data.ptr for x in (q, k, v, out, lse)), 0, 0, 0
+            )
+        ),
         "the forward plan's call": per_call(lambda: plan(q, k, v)),
     }
     cupy.cuda.get_current_stream().synchronize()
@@ -81,19 +84,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--parts", action="store_true",
-                        help="also time the pieces of a cached call (signature, allocation, launch)")
-    parser.add_argument("--import-torch", action="store_true",
-                        help="import torch and touch its CUDA first, as the benchmark's process "
-                             "does (its host times run higher than this script's)")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time the pieces of a cached call (signature, allocation, launch)",
+    )
+    parser.add_argument(
+        "--import-torch",
+        action="store_true",
+        help="import torch and touch its CUDA first, as the benchmark's process "
+        "does (its host times run higher than this script's)",
+    )
     args = parser.parse_args()
     if args.import_torch:
         import torch
 
         torch.zeros(1, device="cuda")
     forward, backward = host_times(args.calls)
-    print(f"host time per call: forward {forward:.1f} us, backward {backward:.1f} us "
-          f"(bfloat16, B=1 H=1 S=16 D=64, causal, {args.calls} calls)")
+    print(
+        f"host time per call: forward {forward:.1f} us, backward {backward:.1f} us "
+        f"(bfloat16, B=1 H=1 S=16 D=64, causal, {args.calls} calls)"
+    )
     if args.parts:
         for name, us in primitive_costs(args.calls).items():
             print(f"  {name:34s} {us:6.2f} us")

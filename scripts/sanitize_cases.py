@@ -4,10 +4,11 @@ Forward, backward (atomic and deterministic), each dtype, head dims across
 the head-dim classes and the general kernels, causal, window and kv_seq_len
 cases, on both kernel paths, and every tensor-core kernel, also those the
 default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
-forward and backward where Hopper takes wgmma, the split-D 16-bit backward, float32 on TF32; score modifiers
-(soft-cap, ALiBi) on the dense and packed calls; decoding from a paged cache with
-modifiers (user functions too) and garbage lengths; ring attention over two virtual ranks; user
-score and mask functions with a block mask and garbage document ids.
+forward and backward where Hopper takes wgmma, the split-D 16-bit backward, float32
+on TF32; score modifiers (soft-cap, ALiBi) on the dense and packed calls; decoding
+from a paged cache with modifiers (user functions too) and garbage lengths; ring
+attention over two virtual ranks; user score and mask functions with a block mask and
+garbage document ids.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
 settings to run (names of SETTINGS; default all); SANITIZE_HEAD_DIMS (comma
 separated) narrows the head dims.
@@ -26,15 +27,16 @@ from cuflash.problem import BFLOAT16
 
 # name -> (kernel path, kernels skipped, allow_tf32). "auto" runs the defaults (on
 # Hopper the wgmma kernels for 16 bits and the float16 pieces for float32).
-SETTINGS = {"auto": ("auto", (), False),
-            "general": ("general", (), False),
-            "mma-sync": ("auto", ("forward_wgmma_ws", "forward_wgmma",
-                                  "backward_wgmma"), False),
-            # the 16-bit forwards alone, dense and packed (the warp-specialized kernel
-            # from head_dim 72 up and with modifiers): a short run for a kernel change
-            "forward-16": ("auto", (), False),
-            "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False),
-            "tf32": ("auto", (), True)}
+SETTINGS = {
+    "auto": ("auto", (), False),
+    "general": ("general", (), False),
+    "mma-sync": ("auto", ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"), False),
+    # the 16-bit forwards alone, dense and packed (the warp-specialized kernel
+    # from head_dim 72 up and with modifiers): a short run for a kernel change
+    "forward-16": ("auto", (), False),
+    "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False),
+    "tf32": ("auto", (), True),
+}
 
 
 def main(settings):
@@ -45,10 +47,15 @@ def main(settings):
     failures = 0
     dtypes = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
     slopes = cupy.asarray(rng.uniform(0.1, 1.0, 4).astype(np.float32))
-    configs = [dict(causal=False), dict(causal=True, window_size=7), dict(kv_seq_len=50),
-               dict(causal=True, softcap=5.0, alibi_slopes=slopes)]
-    head_dims = [int(d) for d in os.environ.get("SANITIZE_HEAD_DIMS", "40,64,96,128,200,256")
-                 .split(",")]
+    configs = [
+        dict(causal=False),
+        dict(causal=True, window_size=7),
+        dict(kv_seq_len=50),
+        dict(causal=True, softcap=5.0, alibi_slopes=slopes),
+    ]
+    head_dims = [
+        int(d) for d in os.environ.get("SANITIZE_HEAD_DIMS", "40,64,96,128,200,256").split(",")
+    ]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
         float32 = dtype == np.float32
         sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16")
@@ -60,9 +67,10 @@ def main(settings):
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 90, d)).astype(dtype)) for _ in "kv")
         with cuflash.kernel_path(path), skip_kernels(*skipped):
             out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, d, **cfg)
-            for det in (() if setting == "forward-16" else (False, True)):
-                grads = cuflash.flash_attention_bwd(out, q, k, v, out, lse, 4, 2, d,
-                                                    deterministic=det, **cfg)
+            for det in () if setting == "forward-16" else (False, True):
+                grads = cuflash.flash_attention_bwd(
+                    out, q, k, v, out, lse, 4, 2, d, deterministic=det, **cfg
+                )
                 if any(bool(cupy.isnan(g).any()) for g in grads):
                     failures += 1
         if bool(cupy.isnan(out).any()):
@@ -95,9 +103,12 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
         args = (cu, cu, 70, 70, 4, 2, d)
         with cuflash.kernel_path(path), skip_kernels(*skipped):
             out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **cfg)
-            grads = [cuflash.flash_attention_varlen_bwd(q, q, k, v, out, lse, *args,
-                                                        deterministic=det, **cfg)
-                     for det in (False, True)]
+            grads = [
+                cuflash.flash_attention_varlen_bwd(
+                    q, q, k, v, out, lse, *args, deterministic=det, **cfg
+                )
+                for det in (False, True)
+            ]
         if i == 0:
             failures += sum(bool(cupy.isnan(x).any()) for x in (out, *grads[0], *grads[1]))
     return failures
@@ -106,9 +117,9 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 def kvcache_and_ring_calls(rng, head_dims):
     """Decoding from a paged cache with the score modifiers (device lengths, one of them
     garbage), also with user functions whose array values are garbage indices (clamped by
-    the kernels), one row a sequence on small blocks and on a window across blocks, a chunk of queries on a contiguous cache (the dense forward) with
-    garbage lengths, and ring attention over two virtual ranks (the merge kernel); the count
-    of NaN results."""
+    the kernels), one row a sequence on small blocks and on a window across blocks, a
+    chunk of queries on a contiguous cache (the dense forward) with garbage lengths, and
+    ring attention over two virtual ranks (the merge kernel); the count of NaN results."""
     from cuflash import distributed as dist
     from cuflash import modifiers
 
@@ -125,40 +136,64 @@ def kvcache_and_ring_calls(rng, head_dims):
     failures = 0
     for dtype, d in itertools.product((np.dtype(np.float32), BFLOAT16), head_dims):
         q = cupy.asarray(rng.standard_normal((2, 4, 3, d)).astype(dtype))
-        k_cache, v_cache = (cupy.asarray(rng.standard_normal((6, 2, 16, d)).astype(dtype))
-                            for _ in "kv")
+        k_cache, v_cache = (
+            cupy.asarray(rng.standard_normal((6, 2, 16, d)).astype(dtype)) for _ in "kv"
+        )
         table = cupy.asarray(np.array([[0, 1, 2], [3, 4, 5]], np.int32))
         for lengths, given in itertools.product(([20, 45], [7, 10**6]), ({}, user)):
             out = cuflash.flash_attention_with_kvcache(
-                q, k_cache, v_cache, 4, 2, d, cache_seqlens=cupy.asarray(
-                    np.array(lengths, np.int32)), block_table=table, softcap=3.0,
+                q,
+                k_cache,
+                v_cache,
+                4,
+                2,
+                d,
+                cache_seqlens=cupy.asarray(np.array(lengths, np.int32)),
+                block_table=table,
+                softcap=3.0,
                 alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, (2, 4)).astype(np.float32)),
-                **given)
+                **given,
+            )
             failures += lengths[1] < 48 and bool(cupy.isnan(out).any())
         # one row a sequence (the narrow kernel) on blocks of 8 keys (block ids read with
         # the copies) and on a window that starts inside blocks (loads across two)
         q_row = q[:, :, :1]
         small_blocks = [x.reshape(12, 2, 8, d) for x in (k_cache, v_cache)]
-        for blocks, ids, window in ((small_blocks, np.arange(12).reshape(2, 6), 0),
-                                    ((k_cache, v_cache), table.get(), 21)):
+        for blocks, ids, window in (
+            (small_blocks, np.arange(12).reshape(2, 6), 0),
+            ((k_cache, v_cache), table.get(), 21),
+        ):
             out = cuflash.flash_attention_with_kvcache(
-                q_row, *blocks, 4, 2, d, window_size=window, cache_seqlens=cupy.asarray(
-                    np.array([40, 10**6], np.int32)), block_table=cupy.asarray(
-                    ids.astype(np.int32)))
+                q_row,
+                *blocks,
+                4,
+                2,
+                d,
+                window_size=window,
+                cache_seqlens=cupy.asarray(np.array([40, 10**6], np.int32)),
+                block_table=cupy.asarray(ids.astype(np.int32)),
+            )
             failures += bool(cupy.isnan(out[0]).any())
         # a chunk of 32 rows (x 2 heads a KV head): the dense forward, its key counts
         # written by the append from garbage lengths
         q_chunk = cupy.asarray(rng.standard_normal((2, 4, 32, d)).astype(dtype))
-        new_rows = [cupy.asarray(rng.standard_normal((2, 2, 32, d)).astype(dtype))
-                    for _ in "kv"]
-        contiguous = [cupy.asarray(rng.standard_normal((2, 2, 80, d)).astype(dtype))
-                      for _ in "kv"]
+        new_rows = [cupy.asarray(rng.standard_normal((2, 2, 32, d)).astype(dtype)) for _ in "kv"]
+        contiguous = [cupy.asarray(rng.standard_normal((2, 2, 80, d)).astype(dtype)) for _ in "kv"]
         out = cuflash.flash_attention_with_kvcache(
-            q_chunk, *contiguous, 4, 2, d, k_new=new_rows[0], v_new=new_rows[1],
-            cache_seqlens=cupy.asarray(np.array([-9, 10**6], np.int32)), softcap=3.0)
+            q_chunk,
+            *contiguous,
+            4,
+            2,
+            d,
+            k_new=new_rows[0],
+            v_new=new_rows[1],
+            cache_seqlens=cupy.asarray(np.array([-9, 10**6], np.int32)),
+            softcap=3.0,
+        )
         failures += bool(cupy.isnan(out).any())
-        whole = [cupy.asarray(rng.standard_normal((1, h, 4 * 37, d)).astype(dtype))
-                 for h in (4, 2, 2, 4)]
+        whole = [
+            cupy.asarray(rng.standard_normal((1, h, 4 * 37, d)).astype(dtype)) for h in (4, 2, 2, 4)
+        ]
         shards = [tuple(dist.shard(x, "zigzag", r, 2) for x in whole) for r in range(2)]
 
         def rank(group, q, k, v, dout):
@@ -182,8 +217,7 @@ def user_modifier_calls(rng, head_dims):
     ids = np.repeat(np.arange(4, dtype=np.int32), [70, 60, 50, 20])
     ids[-5:] = 10**6  # a value-derived index far outside any array
     ids = cupy.asarray(ids)
-    documents = modifiers.and_masks(modifiers.document_mask(ids),
-                                    modifiers.causal_mask(offset=-3))
+    documents = modifiers.and_masks(modifiers.document_mask(ids), modifiers.causal_mask(offset=-3))
     doc_bias = cupy.asarray(rng.uniform(-1, 1, 4).astype(np.float32))
 
     def by_document(score, b, h, q_idx, kv_idx):
@@ -195,13 +229,17 @@ def user_modifier_calls(rng, head_dims):
     for dtype, d in itertools.product((np.dtype(np.float32), BFLOAT16), head_dims):
         q = cupy.asarray(rng.standard_normal((1, 4, 200, d)).astype(dtype))
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 200, d)).astype(dtype)) for _ in "kv")
-        for given in (dict(block_mask=block_mask), dict(block_mask=block_mask, score_mod=bias),
-                      dict(mask_mod=documents)):
+        for given in (
+            dict(block_mask=block_mask),
+            dict(block_mask=block_mask, score_mod=bias),
+            dict(mask_mod=documents),
+        ):
             out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, d, **given)
             failures += bool(cupy.isnan(out).any())
             for det in (False, True):
-                grads = cuflash.flash_attention_bwd(out, q, k, v, out, lse, 4, 2, d,
-                                                    deterministic=det, **given)
+                grads = cuflash.flash_attention_bwd(
+                    out, q, k, v, out, lse, 4, 2, d, deterministic=det, **given
+                )
                 failures += sum(bool(cupy.isnan(g).any()) for g in grads)
     return failures
 

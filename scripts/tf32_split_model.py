@@ -47,7 +47,8 @@ def bf16(x):
     """Round float32 to bfloat16 (8 significant bits), to nearest even."""
     bits = np.asarray(x, np.float32).view(np.uint32)
     return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(
-        np.float32)
+        np.float32
+    )
 
 
 def fp16(x):
@@ -60,7 +61,7 @@ def mma_sum(passes, n, mode, fresh=None, k=8):
     total, acc = np.float32(0), np.float32(0)
     for i, k0 in enumerate(range(0, n, k)):
         for a, b in passes:
-            step = np.dot(a[k0:k0 + k].astype(np.float64), b[k0:k0 + k].astype(np.float64))
+            step = np.dot(a[k0 : k0 + k].astype(np.float64), b[k0 : k0 + k].astype(np.float64))
             acc = to_f32(np.float64(acc) + step, mode)
         if fresh and (i + 1) % fresh == 0:
             total, acc = np.float32(np.float64(total) + np.float64(acc)), np.float32(0)
@@ -85,13 +86,17 @@ def split(x, rounding=tf32, pieces=2):
 
 def errors_of(kind, trials, rng):
     n = 128 if kind == "dot" else 512
-    ways = {"float32 FFMA": None, "1 x TF32, rz": ("one", "rz", None),
-            "3 x TF32, rn": ("three", "rn", None), "3 x TF32, rz": ("three", "rz", None),
-            "3 x TF32, rz, fresh 1": ("three", "rz", 1),
-            "3 x TF32, rz, fresh 4": ("three", "rz", 4),
-            "2 x fp16 (3), rz, fresh 4": ("fp16", "rz", 4),
-            "2 x fp16, a x 2^14": ("fp16s", "rz", 4),
-            "3 x bf16 (6), rz, fresh 4": ("bf16", "rz", 4)}
+    ways = {
+        "float32 FFMA": None,
+        "1 x TF32, rz": ("one", "rz", None),
+        "3 x TF32, rn": ("three", "rn", None),
+        "3 x TF32, rz": ("three", "rz", None),
+        "3 x TF32, rz, fresh 1": ("three", "rz", 1),
+        "3 x TF32, rz, fresh 4": ("three", "rz", 4),
+        "2 x fp16 (3), rz, fresh 4": ("fp16", "rz", 4),
+        "2 x fp16, a x 2^14": ("fp16s", "rz", 4),
+        "3 x bf16 (6), rz, fresh 4": ("bf16", "rz", 4),
+    }
     if kind == "dot":  # the scaling is for probabilities (at most 1)
         del ways["2 x fp16, a x 2^14"]
     errors = {name: [] for name in ways}
@@ -115,11 +120,13 @@ def errors_of(kind, trials, rng):
         gain = np.float32(1.0 if kind == "dot" else 2.0**14)
         hs_a, ls_a = (x / gain for x in split(a * gain, fp16))
         a3, b3 = split(a, bf16, 3), split(b, bf16, 3)
-        pairs_of = {"one": [(a_hi, b_hi)], "three": [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)],
-                    "fp16": [(l_a, h_b), (h_a, l_b), (h_a, h_b)],
-                    "fp16s": [(ls_a, h_b), (hs_a, l_b), (hs_a, h_b)],
-                    "bf16": [(a3[i], b3[j]) for i, j in ((2, 0), (1, 1), (0, 2), (1, 0),
-                                                          (0, 1), (0, 0))]}
+        pairs_of = {
+            "one": [(a_hi, b_hi)],
+            "three": [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)],
+            "fp16": [(l_a, h_b), (h_a, l_b), (h_a, h_b)],
+            "fp16s": [(ls_a, h_b), (hs_a, l_b), (hs_a, h_b)],
+            "bf16": [(a3[i], b3[j]) for i, j in ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))],
+        }
         for name, way in ways.items():
             if way is None:
                 value = ffma_sum(a, b)

@@ -15,24 +15,38 @@ import numpy as np
 import cuflash
 from cuflash.problem import BFLOAT16
 
-VARIANTS = [(np.float16, 64), (BFLOAT16, 128), (np.float32, 40), (np.float16, 256),
-            (BFLOAT16, 96), (np.float32, 128), (np.float16, 128), (BFLOAT16, 64)]
+VARIANTS = [
+    (np.float16, 64),
+    (BFLOAT16, 128),
+    (np.float32, 40),
+    (np.float16, 256),
+    (BFLOAT16, 96),
+    (np.float32, 128),
+    (np.float16, 128),
+    (BFLOAT16, 64),
+]
 
 
 def run(index, dtype, head_dim, results):
     rng = np.random.default_rng(index)
-    shapes = ((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, head_dim),
-              (2, 4, 150, head_dim))
+    shapes = (
+        (2, 4, 150, head_dim),
+        (2, 2, 170, head_dim),
+        (2, 2, 170, head_dim),
+        (2, 4, 150, head_dim),
+    )
     host = [rng.standard_normal(s).astype(dtype) for s in shapes]
     cpu_out, cpu_lse = cuflash.flash_attention_fwd(*host[:3], 4, 2, head_dim, causal=True)
-    cpu_grads = cuflash.flash_attention_bwd(host[3], *host[:3], cpu_out, cpu_lse, 4, 2,
-                                            head_dim, causal=True)
+    cpu_grads = cuflash.flash_attention_bwd(
+        host[3], *host[:3], cpu_out, cpu_lse, 4, 2, head_dim, causal=True
+    )
     try:
         with cupy.cuda.Stream(non_blocking=True) as stream:
             q, k, v, dout = (cupy.asarray(a) for a in host)
             out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, head_dim, causal=True)
-            grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 2, head_dim,
-                                                causal=True)
+            grads = cuflash.flash_attention_bwd(
+                dout, q, k, v, out, lse, 4, 2, head_dim, causal=True
+            )
             stream.synchronize()
         worst = 0.0
         for got, want in zip((out, *grads), (cpu_out, *cpu_grads)):
@@ -47,8 +61,9 @@ def run(index, dtype, head_dim, results):
 
 def main():
     results = {}
-    threads = [threading.Thread(target=run, args=(i, dt, d, results))
-               for i, (dt, d) in enumerate(VARIANTS)]
+    threads = [
+        threading.Thread(target=run, args=(i, dt, d, results)) for i, (dt, d) in enumerate(VARIANTS)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -4,7 +4,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 from support import HAS_GPU, poison_gpu_allocations
 
 

@@ -15,8 +15,8 @@ run.
 import math
 
 import numpy as np
-
 import simulator
+
 from cuflash import registry
 from cuflash.gpu import USER_ARGS_DTYPE, _functors
 from cuflash.problem import backward_problem, forward_problem
@@ -43,8 +43,9 @@ def user_arguments(problem, spec, direction):
     view = None
     tiles = spec.block_mask_tiles(problem.head_dim)
     if problem.block_mask is not None and tiles is not None:
-        view = problem.block_mask.view(direction, *tiles, problem.num_heads,
-                                       problem.num_kv_heads, host=True)
+        view = problem.block_mask.view(
+            direction, *tiles, problem.num_heads, problem.num_kv_heads, host=True
+        )
         for name, value in zip(USER_ARGS_DTYPE.names[2:], view.fields()):
             record[name] = value
     return record, view
@@ -66,8 +67,9 @@ def _mask_args(problem):
 
 
 def _modifier_args(problem, alibi_slopes):
-    batch_stride = alibi_slopes.shape[1] if alibi_slopes is not None and alibi_slopes.ndim == 2 \
-        else 0
+    batch_stride = (
+        alibi_slopes.shape[1] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+    )
     return (np.int32(batch_stride), np.float32(problem.softcap))
 
 
@@ -102,12 +104,15 @@ class Kernels:
         self._users = {}
         self.roles = {}
         for spec, atomic in specs:
-            role = spec.role(atomic_dq=atomic,
-                             modified=problem.modified and spec.modifiers)
-            self.roles[spec.name] = (spec, role, spec.name_expression(
-                role, problem.dtype, problem.head_dim))
-        self.module = simulator.build(sorted({name for _, _, name in self.roles.values()}),
-                                      arch=capability, functors=functors)
+            role = spec.role(atomic_dq=atomic, modified=problem.modified and spec.modifiers)
+            self.roles[spec.name] = (
+                spec,
+                role,
+                spec.name_expression(role, problem.dtype, problem.head_dim),
+            )
+        self.module = simulator.build(
+            sorted({name for _, _, name in self.roles.values()}), arch=capability, functors=functors
+        )
 
     def launch(self, spec_name, grid, args):
         spec, _, name = self.roles[spec_name]
@@ -123,20 +128,25 @@ class Kernels:
         :func:`user_arguments`), kept with its view while the kernels are."""
         key = (spec_name, direction)
         if key not in self._users:
-            self._users[key] = user_arguments(self.problem, self.roles[spec_name][0],
-                                              direction)
+            self._users[key] = user_arguments(self.problem, self.roles[spec_name][0], direction)
         return self._users[key][0]
 
 
 def _query_grid(problem, tile):
-    rows, batch = ((problem.q_len, problem.batch) if problem.packed is None
-                   else (problem.packed.max_q_len, problem.packed.count))
+    rows, batch = (
+        (problem.q_len, problem.batch)
+        if problem.packed is None
+        else (problem.packed.max_q_len, problem.packed.count)
+    )
     return math.ceil(rows / tile), problem.num_heads, batch
 
 
 def _key_grid(problem, tile):
-    rows, batch = ((problem.kv_capacity, problem.batch) if problem.packed is None
-                   else (problem.packed.max_kv_len, problem.packed.count))
+    rows, batch = (
+        (problem.kv_capacity, problem.batch)
+        if problem.packed is None
+        else (problem.packed.max_kv_len, problem.packed.count)
+    )
     return math.ceil(rows / tile), problem.num_kv_heads, batch
 
 
@@ -147,9 +157,17 @@ def _helpers(*names):
 def _zero_outside(kernels, problem, output, offsets):
     """Zeros in a packed output's rows outside every sequence (``packed_zero_outside``)."""
     rows, heads, d = output.array.shape
-    kernels.launch("packed_zero_outside", (64,), [
-        output.array, offsets, np.int32(problem.packed.count), np.int32(rows),
-        np.int64(heads * d)])
+    kernels.launch(
+        "packed_zero_outside",
+        (64,),
+        [
+            output.array,
+            offsets,
+            np.int32(problem.packed.count),
+            np.int32(rows),
+            np.int64(heads * d),
+        ],
+    )
 
 
 def _pieces(kernels, x, valid_rows):
@@ -157,68 +175,138 @@ def _pieces(kernels, x, valid_rows):
     Float16Pieces), rows past ``valid_rows`` of each head left poisoned."""
     batch, heads, seq_len, _ = x.shape
     abs_max = np.zeros((batch, heads), np.float32)
-    kernels.launch("float16_pieces_abs_max", (math.ceil(valid_rows / 32), heads, batch),
-                   [x, abs_max, *_strides(x), np.int32(valid_rows)])
+    kernels.launch(
+        "float16_pieces_abs_max",
+        (math.ceil(valid_rows / 32), heads, batch),
+        [x, abs_max, *_strides(x), np.int32(valid_rows)],
+    )
     hi, lo = _poisoned(x.shape, np.float16), _poisoned(x.shape, np.float16)
     scales = _poisoned((batch, heads), np.float32)
-    kernels.launch("float16_pieces_split", (math.ceil(valid_rows / 4), heads, batch),
-                   [x, abs_max, hi, lo, scales, *_strides(x), np.int32(heads),
-                    np.int32(seq_len), np.int32(valid_rows)])
+    kernels.launch(
+        "float16_pieces_split",
+        (math.ceil(valid_rows / 4), heads, batch),
+        [
+            x,
+            abs_max,
+            hi,
+            lo,
+            scales,
+            *_strides(x),
+            np.int32(heads),
+            np.int32(seq_len),
+            np.int32(valid_rows),
+        ],
+    )
     return hi, lo, scales
 
 
-def run_forward(problem, q, k, v, offsets=(None, None), alibi_slopes=None, excluded=(),
-                capability=80, guard=False, sinks=None):
+def run_forward(
+    problem,
+    q,
+    k,
+    v,
+    offsets=(None, None),
+    alibi_slopes=None,
+    excluded=(),
+    capability=80,
+    guard=False,
+    sinks=None,
+):
     """``(out, lse)`` of ``problem`` (validated; q, k, v as ``[B, H, S, D]`` views, a packed
     problem's as ``[1, H, total, D]`` with its ``offsets``) on the kernels the registry
     chooses for ``capability`` (``guard``: see :class:`Kernels`; ``sinks``: float32
     ``[H]`` attention sinks, or None)."""
-    spec = registry.choose("forward", problem.dtype, problem.head_dim, capability,
-                           excluded=frozenset(excluded), modified=problem.modified)
+    spec = registry.choose(
+        "forward",
+        problem.dtype,
+        problem.head_dim,
+        capability,
+        excluded=frozenset(excluded),
+        modified=problem.modified,
+    )
     pieces = spec.precision == "float32"
     packed = problem.packed is not None
-    helpers = _helpers(*(PIECES_HELPERS if pieces else ()),
-                       *(("packed_zero_outside",) if packed else ()))
+    helpers = _helpers(
+        *(PIECES_HELPERS if pieces else ()), *(("packed_zero_outside",) if packed else ())
+    )
     kernels = Kernels(problem, [(spec, False)] + helpers, capability, guard)
     out = _Output(problem, problem.num_heads, problem.q_len)
     lse = _poisoned(problem.lse_shape, np.float32)
     if pieces:
         (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
-            _pieces(kernels, x, rows) for x, rows in ((q, problem.q_len), (k, problem.kv_len),
-                                                      (v, problem.kv_len)))
+            _pieces(kernels, x, rows)
+            for x, rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))
+        )
         inputs, scales = (qh, ql, kh, kl, vh, vl), (qs, ks, vs)
         strides = tuple(s for x in (qh, kh, vh) for s in _contiguous_strides(x.shape))
     else:
         inputs, scales = (q, k, v), ()
         strides = (*_strides(q), *_strides(k), *_strides(v))
-    kernels.launch(spec.name, _query_grid(problem, kernels.tile(spec.name)), [
-        *inputs, out.array, lse, *scales, *offsets, alibi_slopes, sinks,
-        kernels.user(spec.name, "forward"),
-        *strides, *out.strides, np.int32(problem.num_heads), np.int32(problem.group_size),
-        *_mask_args(problem), np.float32(problem.softmax_scale * LOG2E),
-        *_modifier_args(problem, alibi_slopes)])
+    kernels.launch(
+        spec.name,
+        _query_grid(problem, kernels.tile(spec.name)),
+        [
+            *inputs,
+            out.array,
+            lse,
+            *scales,
+            *offsets,
+            alibi_slopes,
+            sinks,
+            kernels.user(spec.name, "forward"),
+            *strides,
+            *out.strides,
+            np.int32(problem.num_heads),
+            np.int32(problem.group_size),
+            *_mask_args(problem),
+            np.float32(problem.softmax_scale * LOG2E),
+            *_modifier_args(problem, alibi_slopes),
+        ],
+    )
     if packed:
         _zero_outside(kernels, problem, out, offsets[0])
     return out.array, lse
 
 
-def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None, None),
-                 alibi_slopes=None, excluded=(), capability=80, guard=False):
+def run_backward(
+    problem,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    deterministic,
+    offsets=(None, None),
+    alibi_slopes=None,
+    excluded=(),
+    capability=80,
+    guard=False,
+):
     """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
     Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
     conversion, or its dQ pass (deterministic calls, and the kernels without atomics)."""
     head_dim, num_heads = problem.head_dim, problem.num_heads
-    spec = registry.choose("backward", problem.dtype, head_dim, capability,
-                           excluded=frozenset(excluded), modified=problem.modified)
+    spec = registry.choose(
+        "backward",
+        problem.dtype,
+        head_dim,
+        capability,
+        excluded=frozenset(excluded),
+        modified=problem.modified,
+    )
     atomic = not deterministic and spec.atomic_dq(head_dim)
     dq_spec = None if atomic else spec.dq_pass()
     pieces = spec.precision == "float32"
     packed = problem.packed is not None
     # a dense float32 dQ is the atomics' buffer itself, else converted
     convert = atomic and (problem.dtype != np.float32 or packed)
-    helpers = _helpers("backward_delta", *(("backward_dq_convert",) if convert else ()),
-                       *(PIECES_HELPERS if pieces else ()),
-                       *(("packed_zero_outside",) if packed else ()))
+    helpers = _helpers(
+        "backward_delta",
+        *(("backward_dq_convert",) if convert else ()),
+        *(PIECES_HELPERS if pieces else ()),
+        *(("packed_zero_outside",) if packed else ()),
+    )
     if not atomic:
         helpers.append((dq_spec, False))
     kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard)
@@ -231,43 +319,109 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
     dq_accum = None
     if atomic:
         dq_accum = _poisoned(rows * accum_width, np.float32) if convert else dq.array
-    kernels.launch("backward_delta", (math.ceil(problem.q_len / 4), num_heads, problem.batch), [
-        dout, out, lse, delta, lse_log2, dq_accum, *_strides(dout), *_strides(out),
-        np.int32(num_heads), np.int32(problem.q_len),
-        np.int32(accum_width if atomic else 0)])
+    kernels.launch(
+        "backward_delta",
+        (math.ceil(problem.q_len / 4), num_heads, problem.batch),
+        [
+            dout,
+            out,
+            lse,
+            delta,
+            lse_log2,
+            dq_accum,
+            *_strides(dout),
+            *_strides(out),
+            np.int32(num_heads),
+            np.int32(problem.q_len),
+            np.int32(accum_width if atomic else 0),
+        ],
+    )
 
     dk = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
     dv = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
     heads = (np.int32(num_heads), np.int32(problem.group_size))
-    options = (*_mask_args(problem), np.float32(problem.softmax_scale),
-               np.float32(problem.softmax_scale * LOG2E))
+    options = (
+        *_mask_args(problem),
+        np.float32(problem.softmax_scale),
+        np.float32(problem.softmax_scale * LOG2E),
+    )
     input_strides = tuple(s for x in (q, k, v, dout) for s in _strides(x))
     inputs, scales, strides = (q, k, v, dout), (), input_strides
     if pieces:
-        made = [_pieces(kernels, x, rows) for x, rows in (
-            (q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len), (dout, problem.q_len))]
+        made = [
+            _pieces(kernels, x, rows)
+            for x, rows in (
+                (q, problem.q_len),
+                (k, problem.kv_len),
+                (v, problem.kv_len),
+                (dout, problem.q_len),
+            )
+        ]
         inputs = tuple(x for hi, lo, _ in made for x in (hi, lo))
         scales = tuple(scale for _, _, scale in made)
         strides = tuple(s for hi, _, _ in made for s in _contiguous_strides(hi.shape))
     modifiers = _modifier_args(problem, alibi_slopes)
     if problem.kv_capacity:
-        kernels.launch(spec.name, _key_grid(problem, kernels.tile(spec.name)), [
-            *inputs, lse_log2, delta, dq_accum, dk.array, dv.array, *scales, *offsets,
-            alibi_slopes, None, kernels.user(spec.name, "backward"), *strides, *dk.strides,
-            *heads, np.int32(problem.kv_capacity), *options, *modifiers])
+        kernels.launch(
+            spec.name,
+            _key_grid(problem, kernels.tile(spec.name)),
+            [
+                *inputs,
+                lse_log2,
+                delta,
+                dq_accum,
+                dk.array,
+                dv.array,
+                *scales,
+                *offsets,
+                alibi_slopes,
+                None,
+                kernels.user(spec.name, "backward"),
+                *strides,
+                *dk.strides,
+                *heads,
+                np.int32(problem.kv_capacity),
+                *options,
+                *modifiers,
+            ],
+        )
     if convert:
         count = math.prod(problem.q_shape)
-        kernels.launch("backward_dq_convert", (math.ceil(count / 512),), [
-            dq_accum, dq.array, *dq.strides, np.int64(count), np.int32(accum_width),
-            np.int32(num_heads), np.int32(problem.q_len)])
+        kernels.launch(
+            "backward_dq_convert",
+            (math.ceil(count / 512),),
+            [
+                dq_accum,
+                dq.array,
+                *dq.strides,
+                np.int64(count),
+                np.int32(accum_width),
+                np.int32(num_heads),
+                np.int32(problem.q_len),
+            ],
+        )
     elif not atomic:  # the float32 pieces' own dQ pass reads the pieces, the others the inputs
         reads_pieces = dq_spec.precision == "float32"
-        kernels.launch(dq_spec.name, _query_grid(problem, kernels.tile(dq_spec.name)), [
-            *(inputs if reads_pieces else (q, k, v, dout)), lse_log2, delta, dq.array,
-            *(scales if reads_pieces else ()), *offsets, alibi_slopes, None,
-            kernels.user(dq_spec.name, "forward"),
-            *(strides if reads_pieces else input_strides), *dq.strides, *heads, *options,
-            *modifiers])
+        kernels.launch(
+            dq_spec.name,
+            _query_grid(problem, kernels.tile(dq_spec.name)),
+            [
+                *(inputs if reads_pieces else (q, k, v, dout)),
+                lse_log2,
+                delta,
+                dq.array,
+                *(scales if reads_pieces else ()),
+                *offsets,
+                alibi_slopes,
+                None,
+                kernels.user(dq_spec.name, "forward"),
+                *(strides if reads_pieces else input_strides),
+                *dq.strides,
+                *heads,
+                *options,
+                *modifiers,
+            ],
+        )
     if packed:
         _zero_outside(kernels, problem, dq, offsets[0])
         _zero_outside(kernels, problem, dk, offsets[1])
@@ -275,63 +429,243 @@ def run_backward(problem, dout, q, k, v, out, lse, deterministic, offsets=(None,
     return dq.array, dk.array, dv.array
 
 
-def forward(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
-            kv_seq_len=None, softmax_scale=None, softcap=0.0, alibi_slopes=None,
-            score_mod=None, mask_mod=None, block_mask=None, excluded=(), capability=80,
-            sinks=None):
+def forward(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    kv_seq_len=None,
+    softmax_scale=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    excluded=(),
+    capability=80,
+    sinks=None,
+):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over)."""
-    problem = forward_problem(q, k, v, num_heads, num_kv_heads, head_dim, causal, window_size,
-                              kv_seq_len, softmax_scale, softcap=softcap,
-                              alibi_slopes=alibi_slopes, score_mod=score_mod,
-                              mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
-    return run_forward(problem, q, k, v, alibi_slopes=alibi_slopes, excluded=excluded,
-                       capability=capability, sinks=sinks)
+    problem = forward_problem(
+        q,
+        k,
+        v,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        sinks=sinks,
+    )
+    return run_forward(
+        problem,
+        q,
+        k,
+        v,
+        alibi_slopes=alibi_slopes,
+        excluded=excluded,
+        capability=capability,
+        sinks=sinks,
+    )
 
 
-def backward(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim, causal=False,
-             window_size=0, kv_seq_len=None, softmax_scale=None, deterministic=False,
-             softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None, block_mask=None,
-             excluded=(), capability=80):
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    kv_seq_len=None,
+    softmax_scale=None,
+    deterministic=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    excluded=(),
+    capability=80,
+):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``."""
-    problem = backward_problem(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
-                               causal, window_size, kv_seq_len, softmax_scale, deterministic,
-                               True, softcap=softcap, alibi_slopes=alibi_slopes,
-                               score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-    return run_backward(problem, dout, q, k, v, out, lse, deterministic,
-                        alibi_slopes=alibi_slopes, excluded=excluded, capability=capability)
+    problem = backward_problem(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale,
+        deterministic,
+        True,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+    )
+    return run_backward(
+        problem,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        deterministic,
+        alibi_slopes=alibi_slopes,
+        excluded=excluded,
+        capability=capability,
+    )
 
 
-def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_heads,
-            num_kv_heads, head_dim, causal, window_size, extra_arrays=()):
-    return varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          num_heads, num_kv_heads, head_dim, causal, window_size, None, False,
-                          False, extra_arrays=extra_arrays).attention
+def _packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    extra_arrays=(),
+):
+    return varlen_problem(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        None,
+        False,
+        False,
+        extra_arrays=extra_arrays,
+    ).attention
 
 
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   num_heads, num_kv_heads, head_dim, causal=False, window_size=0,
-                   device_offsets=None, capability=80, guard=False, sinks=None):
+def varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    device_offsets=None,
+    capability=80,
+    guard=False,
+    sinks=None,
+):
     """``(out [total_q, H, D], lse [H, total_q])`` of a packed batch (validated with the
     host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
     would be, else the same)."""
-    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      num_heads, num_kv_heads, head_dim, causal, window_size)
-    out, lse = run_forward(problem, *map(_heads_first, (q, k, v)),
-                           offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
-                           capability=capability, guard=guard, sinks=sinks)
+    problem = _packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+    )
+    out, lse = run_forward(
+        problem,
+        *map(_heads_first, (q, k, v)),
+        offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
+        capability=capability,
+        guard=guard,
+        sinks=sinks,
+    )
     return out, lse[0]
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, num_heads, num_kv_heads, head_dim, causal=False,
-                    window_size=0, deterministic=False, device_offsets=None, capability=80,
-                    guard=False):
+def varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    deterministic=False,
+    device_offsets=None,
+    capability=80,
+    guard=False,
+):
     """``(dq, dk, dv)`` of a packed batch (see :func:`varlen_forward`)."""
-    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      num_heads, num_kv_heads, head_dim, causal, window_size,
-                      extra_arrays=[("dout", dout), ("output", out)])
-    return run_backward(problem, *map(_heads_first, (dout, q, k, v, out)),
-                        np.ascontiguousarray(lse[None]), deterministic,
-                        offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
-                        capability=capability, guard=guard)
+    problem = _packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        extra_arrays=[("dout", dout), ("output", out)],
+    )
+    return run_backward(
+        problem,
+        *map(_heads_first, (dout, q, k, v, out)),
+        np.ascontiguousarray(lse[None]),
+        deterministic,
+        offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
+        capability=capability,
+        guard=guard,
+    )

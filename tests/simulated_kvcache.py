@@ -10,9 +10,9 @@ import math
 import numbers
 
 import numpy as np
-
 import simulated_attention
 import simulator
+
 from cuflash import kvcache, registry
 from cuflash.problem import forward_problem
 
@@ -29,16 +29,53 @@ def _module(name, capability):
     return simulator.build([name], headers=(kvcache.SOURCE_FILE,), arch=capability)
 
 
-def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
-            window_size=0, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
-            softmax_scale=None, return_lse=False, check=False, softcap=0.0, alibi_slopes=None,
-            capability=80, device_lengths=None, device_table=None, guard=False, sinks=None):
+def forward(
+    q,
+    k_cache,
+    v_cache,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=True,
+    window_size=0,
+    *,
+    cache_seqlens,
+    k_new=None,
+    v_new=None,
+    block_table=None,
+    softmax_scale=None,
+    return_lse=False,
+    check=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    capability=80,
+    device_lengths=None,
+    device_table=None,
+    guard=False,
+    sinks=None,
+):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
     ``capability`` (no user modifiers)."""
     problem = kvcache.kvcache_problem(
-        q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal, window_size,
-        cache_seqlens, k_new, v_new, block_table, softmax_scale, return_lse, check,
-        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        q,
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        softmax_scale,
+        return_lse,
+        check,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
     if isinstance(lengths, numbers.Integral):
@@ -52,39 +89,77 @@ def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
     attention = None  # the dense forward's problem, for a long query chunk
     if block_table is None and problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS:
         attention = forward_problem(
-            q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, False, problem.window,
+            q,
+            k_cache,
+            v_cache,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            False,
+            problem.window,
             int(lengths) + problem.new_len if lengths_array is None else None,
-            problem.softmax_scale, softcap=problem.softcap, alibi_slopes=alibi_slopes)
-        spec = registry.choose("forward", attention.dtype, head_dim, capability,
-                               modified=attention.modified)
+            problem.softmax_scale,
+            softcap=problem.softcap,
+            alibi_slopes=alibi_slopes,
+        )
+        spec = registry.choose(
+            "forward", attention.dtype, head_dim, capability, modified=attention.modified
+        )
         if lengths_array is not None and not spec.reads_key_counts:
             attention = None  # device-held lengths: the split-KV kernels
     dense = attention is not None
     key_counts = None
     if dense and lengths_array is not None:
-        key_counts = (np.full(problem.batch, -1, np.int32) if problem.new_len
-                      else lengths_array)
+        key_counts = np.full(problem.batch, -1, np.int32) if problem.new_len else lengths_array
     if problem.new_len and problem.batch and problem.num_kv_heads:
         name = f"cuflash::kvcache_append<{cxx}>"
         elements = problem.new_len * problem.head_dim
         _module(name, capability).launch(
-            name, (math.ceil(elements / kvcache.THREADS), problem.num_kv_heads, problem.batch),
-            kvcache.THREADS, 0, [
-                k_new, v_new, k_cache, v_cache, lengths_array, length_value, table,
-                key_counts if problem.new_len else None, *_strides(k_new), *_strides(v_new),
-                *_strides(k_cache), *_strides(v_cache), np.int32(problem.new_len),
-                np.int32(problem.head_dim), *paging], guard)
+            name,
+            (math.ceil(elements / kvcache.THREADS), problem.num_kv_heads, problem.batch),
+            kvcache.THREADS,
+            0,
+            [
+                k_new,
+                v_new,
+                k_cache,
+                v_cache,
+                lengths_array,
+                length_value,
+                table,
+                key_counts if problem.new_len else None,
+                *_strides(k_new),
+                *_strides(v_new),
+                *_strides(k_cache),
+                *_strides(v_cache),
+                np.int32(problem.new_len),
+                np.int32(problem.head_dim),
+                *paging,
+            ],
+            guard,
+        )
     if dense:  # the dense forward over the cache, its key counts per entry
         out, lse = simulated_attention.run_forward(
-            attention, q, k_cache, v_cache, offsets=(None, key_counts),
-            alibi_slopes=alibi_slopes, capability=capability, guard=guard, sinks=sinks)
+            attention,
+            q,
+            k_cache,
+            v_cache,
+            offsets=(None, key_counts),
+            alibi_slopes=alibi_slopes,
+            capability=capability,
+            guard=guard,
+            sinks=sinks,
+        )
         return (out, lse) if return_lse else out
 
     name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = kvcache.num_splits(blocks, RESIDENT_BLOCKS * SM_COUNT, *kvcache.split_cap(
-        kvcache.longest_sequence(problem), keys_per_tile))
+    splits = kvcache.num_splits(
+        blocks,
+        RESIDENT_BLOCKS * SM_COUNT,
+        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
+    )
     out = np.full(problem.q_shape, np.nan, problem.dtype)
     lse = np.full(problem.lse_shape, np.nan, np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
@@ -94,23 +169,65 @@ def forward(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, causal=True,
         part_lse = np.full(part_rows * splits, np.nan, np.float32)
     left, right = problem.window
     slopes = None if alibi_slopes is None else np.ascontiguousarray(alibi_slopes)
-    aligned = all(a.ctypes.data % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
-                  for a in (k_cache, v_cache))
+    aligned = all(
+        a.ctypes.data % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
+        for a in (k_cache, v_cache)
+    )
     _module(name, capability).launch(
-        name, (splits * row_tiles, problem.num_kv_heads, problem.batch), kvcache.THREADS,
-        shared, [
-            np.ascontiguousarray(q), k_cache, v_cache, lengths_array, length_value, table, out,
-            lse, part_out, part_lse, slopes, sinks, simulated_attention.NO_USER_ARGUMENTS,
-            *_strides(np.ascontiguousarray(q)), *_strides(k_cache), *_strides(v_cache),
-            np.int32(problem.num_heads), np.int32(problem.group_size), np.int32(problem.q_len),
-            np.int32(problem.new_len), *paging, np.int32(left), np.int32(right),
-            np.int32(splits), np.int32(row_tiles), np.int32(aligned),
-            np.float32(problem.softmax_scale * kvcache.LOG2E), *kvcache._modifier_args(problem)],
-        guard)
+        name,
+        (splits * row_tiles, problem.num_kv_heads, problem.batch),
+        kvcache.THREADS,
+        shared,
+        [
+            np.ascontiguousarray(q),
+            k_cache,
+            v_cache,
+            lengths_array,
+            length_value,
+            table,
+            out,
+            lse,
+            part_out,
+            part_lse,
+            slopes,
+            sinks,
+            simulated_attention.NO_USER_ARGUMENTS,
+            *_strides(np.ascontiguousarray(q)),
+            *_strides(k_cache),
+            *_strides(v_cache),
+            np.int32(problem.num_heads),
+            np.int32(problem.group_size),
+            np.int32(problem.q_len),
+            np.int32(problem.new_len),
+            *paging,
+            np.int32(left),
+            np.int32(right),
+            np.int32(splits),
+            np.int32(row_tiles),
+            np.int32(aligned),
+            np.float32(problem.softmax_scale * kvcache.LOG2E),
+            *kvcache._modifier_args(problem),
+        ],
+        guard,
+    )
     if splits > 1:
         combine = f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>"
         _module(combine, capability).launch(
-            combine, (part_rows,), kvcache.THREADS, 0,
-            [part_out, part_lse, out, lse, sinks, np.int64(part_rows), np.int32(splits),
-             np.int32(problem.num_heads), np.int32(problem.q_len)], guard)
+            combine,
+            (part_rows,),
+            kvcache.THREADS,
+            0,
+            [
+                part_out,
+                part_lse,
+                out,
+                lse,
+                sinks,
+                np.int64(part_rows),
+                np.int32(splits),
+                np.int32(problem.num_heads),
+                np.int32(problem.q_len),
+            ],
+            guard,
+        )
     return (out, lse) if return_lse else out

@@ -3,9 +3,9 @@ CPU, simulator and GPU tests: fresh random sinks, and the results of a dense or 
 call held against the oracle with the same sinks."""
 
 import numpy as np
+from support import FLOOR, PACKED_BOUND, rel_error, to_numpy
 
 from cuflash.reference import _mask, attention_reference, attention_reference_grad
-from support import FLOOR, PACKED_BOUND, rel_error, to_numpy
 
 # lse of a row that sees no key: sinks[h] exactly on the CPU path; the kernels keep it in
 # base 2 (sink log2 e, then times ln 2): a few float32 roundings.
@@ -20,8 +20,17 @@ def random_sinks(rng, heads, xp=np):
     return xp.asarray(sinks)
 
 
-def check_sink_results(inputs, results, sinks, dtype, causal=False, window=0,
-                       kv_seq_len=None, softmax_scale=None, kernels=False):
+def check_sink_results(
+    inputs,
+    results,
+    sinks,
+    dtype,
+    causal=False,
+    window=0,
+    kv_seq_len=None,
+    softmax_scale=None,
+    kernels=False,
+):
     """A dense call's ``results`` (out, lse and, when given, dq, dk, dv and dsinks) on
     ``inputs`` (q, k, v, dout, ``[B, H, S, D]``) with ``sinks`` against the oracle: each
     within the packed calls' bound of it; rows that see no key zeros with ``lse =

@@ -7,8 +7,7 @@ import numpy as np
 
 import cuflash
 from cuflash.problem import BFLOAT16
-from cuflash.reference import (_mask, _modified_scores, attention_reference,
-                               attention_reference_grad)
+from cuflash.reference import _mask, _modified_scores, attention_reference, attention_reference_grad
 
 try:
     import cupy
@@ -18,8 +17,7 @@ except ImportError:  # pragma: no cover
     cupy = None
     HAS_GPU = False
 
-DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-          "bfloat16": BFLOAT16}
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
 # Below the floor a difference is rounding of the last bits, whatever the dtype.
 FLOOR = {"float32": 1e-5, "float16": 2e-4, "bfloat16": 2e-3}
 # Scores are accumulated in float32 and the backward recomputes them in another
@@ -50,8 +48,9 @@ class Case:
     def __str__(self):
         fields = dataclasses.asdict(self)
         default = dataclasses.asdict(Case())
-        return "-".join(f"{k}={v}" for k, v in fields.items()
-                        if v != default[k] or k in ("dtype", "head_dim"))
+        return "-".join(
+            f"{k}={v}" for k, v in fields.items() if v != default[k] or k in ("dtype", "head_dim")
+        )
 
     @property
     def args(self):
@@ -60,9 +59,13 @@ class Case:
 
 def random_inputs(case, rng, xp=np):
     """Fresh q, k, v, dout of the case's dtype (float64 copies for the oracle too)."""
+
     def make(heads, length):
-        shape = (case.batch, length, heads, case.head_dim) if case.bshd else \
-            (case.batch, heads, length, case.head_dim)
+        shape = (
+            (case.batch, length, heads, case.head_dim)
+            if case.bshd
+            else (case.batch, heads, length, case.head_dim)
+        )
         x = rng.standard_normal(shape).astype(DTYPES[case.dtype])
         x = xp.asarray(x)
         return x.transpose(0, 2, 1, 3) if case.bshd else x
@@ -123,6 +126,7 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
 
     def _round(x, dt):
         return round_to_tf32(x) if tf32 else _round_in_dtype(x, dt)
+
     group = case.heads // case.kv_heads
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scale = 1 / math.sqrt(case.head_dim) if case.scale is None else case.scale
@@ -131,8 +135,10 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
     s = q @ np.swapaxes(k, -1, -2) * np.float32(scale)
     derivative = np.float32(1)
     if softcap or alibi_slopes is not None:
-        s, derivative = (x.astype(np.float32) for x in _modified_scores(
-            s, case.q_len, kv_len, softcap, alibi_slopes))
+        s, derivative = (
+            x.astype(np.float32)
+            for x in _modified_scores(s, case.q_len, kv_len, softcap, alibi_slopes)
+        )
     s = _round(s, dt)
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -150,8 +156,11 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
     dq = _round(ds @ k * np.float32(scale), dt)
     dk = _round(np.swapaxes(ds, -1, -2) @ q * np.float32(scale), dt)
     fold = (case.batch, case.kv_heads, group, case.kv_len, case.head_dim)
-    return out, (dq, _round(dk.reshape(fold).sum(axis=2), dt),
-                 _round(dv.reshape(fold).sum(axis=2), dt))
+    return out, (
+        dq,
+        _round(dk.reshape(fold).sum(axis=2), dt),
+        _round(dv.reshape(fold).sum(axis=2), dt),
+    )
 
 
 def oracle(case, q, k, v, dout, out=None, lse=None):
@@ -159,8 +168,9 @@ def oracle(case, q, k, v, dout, out=None, lse=None):
     args = (case.causal, case.window, case.kv_seq_len, case.scale)
     q, k, v, dout = (to_numpy(a).astype(np.float64) for a in (q, k, v, dout))
     ref_out, ref_lse = attention_reference(q, k, v, *args)
-    given_out, given_lse = (None if a is None else to_numpy(a).astype(np.float64)
-                            for a in (out, lse))
+    given_out, given_lse = (
+        None if a is None else to_numpy(a).astype(np.float64) for a in (out, lse)
+    )
     grads = attention_reference_grad(dout, q, k, v, *args, out=given_out, lse=given_lse)
     return ref_out, ref_lse, grads
 
@@ -229,8 +239,9 @@ def run_and_check(case, xp, rng, deterministic=False, allow_tf32=False):
     q, k, v, dout = random_inputs(case, rng, xp)
     kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, allow_tf32=allow_tf32)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
-    dq, dk, dv = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
-                                             deterministic=deterministic)
+    dq, dk, dv = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+    )
     check_results(case, (q, k, v, dout), out, lse, (dq, dk, dv), allow_tf32)
     return out, lse, (dq, dk, dv)
 
@@ -250,8 +261,9 @@ def check_results(case, inputs, out, lse, grads, allow_tf32=False):
     # TF32 rounds each score-product operand by up to 2^-11: a score moves by
     # at most 2^-10 |scale| |q| . |k|, and the lse by no more than its largest score.
     check_lse(lse, ref_lse, 2.0**-10 * score_magnitude(case, q, k, absolute=True) if tf32 else 0)
-    for name, got, ref, naive, inherited in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads,
-                                                naive_grads, inherited_grads):
+    for name, got, ref, naive, inherited in zip(
+        ("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads, inherited_grads
+    ):
         assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
         check_close(name, got, ref, naive, case.dtype, inherited, score_max)
     # Rows that see no key: exact zeros; keys past kv_seq_len: exact zero gradients.
@@ -259,8 +271,8 @@ def check_results(case, inputs, out, lse, grads, allow_tf32=False):
     assert np.all(to_numpy(out)[dead] == 0)
     assert np.all(to_numpy(dq)[dead] == 0)
     if case.kv_seq_len is not None:
-        assert np.all(to_numpy(dk)[:, :, case.kv_seq_len:] == 0)
-        assert np.all(to_numpy(dv)[:, :, case.kv_seq_len:] == 0)
+        assert np.all(to_numpy(dk)[:, :, case.kv_seq_len :] == 0)
+        assert np.all(to_numpy(dv)[:, :, case.kv_seq_len :] == 0)
 
 
 def alibi_slopes(rng, kind, batch, heads):
@@ -300,22 +312,24 @@ def check_modified_results(case, inputs, results, softcap, slopes):
     mods = dict(softcap=softcap, alibi_slopes=slopes)
     ref_out, ref_lse = attention_reference(*h64[:3], *args, **mods)
     ref_grads = attention_reference_grad(h64[3], *h64[:3], *args, **mods)
-    inherited = attention_reference_grad(h64[3], *h64[:3], *args, out=out.astype(np.float64),
-                                         lse=lse.astype(np.float64), **mods)
+    inherited = attention_reference_grad(
+        h64[3], *h64[:3], *args, out=out.astype(np.float64), lse=lse.astype(np.float64), **mods
+    )
     naive_out, naive_grads = naive_in_dtype(case, q, k, v, dout, **mods)
     score_max = weighty_score_max(case, q, k, softcap, slopes)
     assert out.dtype == DTYPES[case.dtype] and out.shape == ref_out.shape
     check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
     check_lse(lse, ref_lse)
-    for name, got, ref, naive, given in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads,
-                                            inherited):
+    for name, got, ref, naive, given in zip(
+        ("dq", "dk", "dv"), grads, ref_grads, naive_grads, inherited
+    ):
         assert got.dtype == DTYPES[case.dtype] and got.shape == ref.shape, name
         check_close(name, got, ref, naive, case.dtype, given, score_max)
     dead = np.isneginf(ref_lse)
     assert np.all(out[dead] == 0) and np.all(grads[0][dead] == 0)
     if case.kv_seq_len is not None:
-        assert np.all(grads[1][:, :, case.kv_seq_len:] == 0)
-        assert np.all(grads[2][:, :, case.kv_seq_len:] == 0)
+        assert np.all(grads[1][:, :, case.kv_seq_len :] == 0)
+        assert np.all(grads[2][:, :, case.kv_seq_len :] == 0)
 
 
 # Bounds of a packed call against the float64 oracle (the oracle sees the same rounded
@@ -325,6 +339,7 @@ PACKED_BOUND = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
 
 def packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp=np):
     """Fresh packed q, k, v, dout (``[tokens, heads, D]``) and int32 offsets of the lengths."""
+
     def make(total, h):
         return xp.asarray(rng.standard_normal((total, h, head_dim)).astype(DTYPES[dtype]))
 
@@ -336,8 +351,20 @@ def packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, x
     return q, k, v, dout, cu_q, cu_k
 
 
-def check_packed_results(inputs, out, lse, grads, lengths_q, lengths_k, dtype, causal=True,
-                         window=0, softmax_scale=None, allow_tf32=False, bound=None):
+def check_packed_results(
+    inputs,
+    out,
+    lse,
+    grads,
+    lengths_q,
+    lengths_k,
+    dtype,
+    causal=True,
+    window=0,
+    softmax_scale=None,
+    allow_tf32=False,
+    bound=None,
+):
     """A packed call's ``out``, ``lse`` ``[H, total_q]`` and ``grads`` (dq, dk, dv) on
     ``inputs`` (q, k, v, dout, ``[tokens, heads, D]``) against the oracle on each
     sequence; zeros where a sequence has no query row or no key."""
@@ -365,15 +392,23 @@ def check_packed_results(inputs, out, lse, grads, lengths_q, lengths_k, dtype, c
         def dense(x, start, stop):
             return x[start:stop].transpose(1, 0, 2)[None]
 
-        qb, kb, vb, db = (dense(host[0], q0, q1), dense(host[1], k0, k1),
-                          dense(host[2], k0, k1), dense(host[3], q0, q1))
-        ref_out, ref_lse = attention_reference(qb, kb, vb, causal, window,
-                                               softmax_scale=softmax_scale)
-        ref_grads = attention_reference_grad(db, qb, kb, vb, causal, window,
-                                             softmax_scale=softmax_scale)
-        for name, x, ref in zip(("out", "dq", "dk", "dv"),
-                                (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
-                                (ref_out, *ref_grads)):
+        qb, kb, vb, db = (
+            dense(host[0], q0, q1),
+            dense(host[1], k0, k1),
+            dense(host[2], k0, k1),
+            dense(host[3], q0, q1),
+        )
+        ref_out, ref_lse = attention_reference(
+            qb, kb, vb, causal, window, softmax_scale=softmax_scale
+        )
+        ref_grads = attention_reference_grad(
+            db, qb, kb, vb, causal, window, softmax_scale=softmax_scale
+        )
+        for name, x, ref in zip(
+            ("out", "dq", "dk", "dv"),
+            (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
+            (ref_out, *ref_grads),
+        ):
             err = rel_error(x.transpose(1, 0, 2)[None], ref)
             assert err <= bound + FLOOR[dtype], (b, name, err)
         dead = np.isneginf(ref_lse[0])
@@ -390,19 +425,33 @@ def grid_cases():
             cases.append(Case(dtype=dtype, head_dim=d, q_len=77, kv_len=77, causal=d % 64 == 0))
     rot = list(DTYPES)
     extra = [
-        dict(heads=8, kv_heads=4), dict(heads=8, kv_heads=2), dict(heads=8, kv_heads=1),
+        dict(heads=8, kv_heads=4),
+        dict(heads=8, kv_heads=2),
+        dict(heads=8, kv_heads=1),
         dict(heads=16, kv_heads=2, q_len=33, kv_len=40),
-        dict(causal=True, q_len=45, kv_len=130), dict(causal=True, q_len=130, kv_len=45),
+        dict(causal=True, q_len=45, kv_len=130),
+        dict(causal=True, q_len=130, kv_len=45),
         dict(causal=True, q_len=129, kv_len=129),
-        dict(window=1, causal=True), dict(window=16, causal=True), dict(window=500, causal=True),
-        dict(window=9), dict(window=(7, 3)), dict(window=(0, 0)), dict(window=(-1, 5), q_len=50, kv_len=90),
+        dict(window=1, causal=True),
+        dict(window=16, causal=True),
+        dict(window=500, causal=True),
+        dict(window=9),
+        dict(window=(7, 3)),
+        dict(window=(0, 0)),
+        dict(window=(-1, 5), q_len=50, kv_len=90),
         dict(window=(4, -1), causal=True, q_len=90, kv_len=50),
-        dict(kv_seq_len=40, kv_len=100), dict(kv_seq_len=40, kv_len=100, causal=True),
-        dict(kv_seq_len=0, kv_len=30), dict(kv_seq_len=99, kv_len=100, window=13, causal=True),
-        dict(bshd=True, heads=4, kv_heads=2, causal=True), dict(bshd=True, q_len=1, kv_len=300),
-        dict(q_len=1, kv_len=1), dict(q_len=1, kv_len=200, causal=True),
-        dict(q_len=200, kv_len=1, causal=True), dict(q_len=333, kv_len=257),
-        dict(scale=0.3, causal=True), dict(scale=-1.7),
+        dict(kv_seq_len=40, kv_len=100),
+        dict(kv_seq_len=40, kv_len=100, causal=True),
+        dict(kv_seq_len=0, kv_len=30),
+        dict(kv_seq_len=99, kv_len=100, window=13, causal=True),
+        dict(bshd=True, heads=4, kv_heads=2, causal=True),
+        dict(bshd=True, q_len=1, kv_len=300),
+        dict(q_len=1, kv_len=1),
+        dict(q_len=1, kv_len=200, causal=True),
+        dict(q_len=200, kv_len=1, causal=True),
+        dict(q_len=333, kv_len=257),
+        dict(scale=0.3, causal=True),
+        dict(scale=-1.7),
     ]
     for i, kw in enumerate(extra):
         base = dict(dtype=rot[i % 3], head_dim=(64, 128, 40, 256, 96)[i % 5])
@@ -417,8 +466,7 @@ def poison_gpu_allocations():
     def alloc(size):
         mem = pool.malloc(size)
         if size:
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size,
-                                          cupy.cuda.get_current_stream().ptr)
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
         return mem
 
     cupy.cuda.set_allocator(alloc)
@@ -436,8 +484,7 @@ def compile_and_check(source_file, names, arch, functors=None):
     in at most 255 registers."""
     from cuflash import kernel_build
 
-    log, cubin, lowered = kernel_build.compile_source_offline(source_file, names, arch,
-                                                              functors)
+    log, cubin, lowered = kernel_build.compile_source_offline(source_file, names, arch, functors)
     report = kernel_build.CompileReport(None, arch, log, cubin, lowered).kernels()
     for name, info in report.items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, arch, info)

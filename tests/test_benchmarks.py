@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import HAS_GPU
 
 from cuflash import bench
-from support import HAS_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,16 +30,28 @@ def case():
 
 def test_asv_check_passes():
     pytest.importorskip("asv")
-    done = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "asv", "check", "--python=same"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "No problems found" in done.stdout
 
 
 @pytest.mark.skipif(HAS_GPU, reason="with a GPU the command really runs")
 def test_command_without_gpu_says_so_and_exits_0():
-    done = subprocess.run([sys.executable, "-m", "cuflash.bench", "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "cuflash.bench", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU" in done.stderr and "nothing was timed" in done.stderr
     assert done.stdout == ""
@@ -54,8 +66,7 @@ def test_flops_follow_spec_section_5():
 
 
 def test_grid_keeps_tokens_and_hidden_size_fixed():
-    cases = bench.build_grid(bench.DEFAULT_DTYPES, bench.DEFAULT_HEAD_DIMS,
-                             bench.DEFAULT_SEQLENS)
+    cases = bench.build_grid(bench.DEFAULT_DTYPES, bench.DEFAULT_HEAD_DIMS, bench.DEFAULT_SEQLENS)
     assert len(cases) == 2 * 3 * 6 * 2
     assert all(c.batch * c.seqlen == 16384 and c.heads * c.head_dim == 2048 for c in cases)
     assert cases[0].shape == (32, 32, 512, 64)
@@ -63,9 +74,11 @@ def test_grid_keeps_tokens_and_hidden_size_fixed():
 
 def test_tflops_and_ratios_in_the_table(case):
     flops = case.flops("fwd")  # 4 * 16 * 32 * 1024 * 1024 * 64 = 1.374e11
-    rows = [fake(case, "cuflash", "fwd", 1e-3),
-            fake(case, "torch-flash", "fwd", 2e-3, rel_error=3e-3),
-            fake(case, "torch-math", "fwd", note="OOM")]
+    rows = [
+        fake(case, "cuflash", "fwd", 1e-3),
+        fake(case, "torch-flash", "fwd", 2e-3, rel_error=3e-3),
+        fake(case, "torch-math", "fwd", note="OOM"),
+    ]
     assert rows[0].tflops == pytest.approx(flops / 1e-3 / 1e12)
     table = bench.format_throughput_table(rows, "bfloat16", "fwd")
     assert "| D | S | causal | B | H | cuflash | torch-flash | torch-math |" in table
@@ -81,21 +94,48 @@ def test_rows_sorted_and_directions_kept_apart(case):
     table = bench.format_throughput_table(rows, "bfloat16", "bwd")
     body = [line for line in table.splitlines() if line.startswith("| 64 ")]
     assert [line.split(" | ")[1:3] for line in body] == [
-        ["1024", "False"], ["4096", "False"], ["1024", "True"]]
+        ["1024", "False"],
+        ["4096", "False"],
+        ["1024", "True"],
+    ]
     assert table.startswith("### Backward, bfloat16")
 
 
 def test_report_is_markdown_and_json(case, tmp_path):
     rows = [fake(case, "cuflash", "fwd", 1e-3), fake(case, "cuflash", "bwd", 3e-3)]
-    memory = [{"impl": "cuflash", "seqlen": 131072, "batch": 1, "heads": 16, "head_dim": 128,
-               "dtype": "bfloat16", "peak_bytes": 2**30, "note": ""},
-              {"impl": "cupy-naive", "seqlen": 131072, "batch": 1, "heads": 16,
-               "head_dim": 128, "dtype": "bfloat16", "peak_bytes": None, "note": "OOM"}]
-    first_call = {"dtype": "bfloat16", "head_dim": 128,
-                  "cold": {"fwd_first_s": 3.5, "bwd_first_s": 0.01, "fwd_second_s": 0.0002},
-                  "warm_cache": {"error": "Traceback\nRuntimeError: boom"}}
-    report = {"environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
-              "first_call": first_call, "memory": memory}
+    memory = [
+        {
+            "impl": "cuflash",
+            "seqlen": 131072,
+            "batch": 1,
+            "heads": 16,
+            "head_dim": 128,
+            "dtype": "bfloat16",
+            "peak_bytes": 2**30,
+            "note": "",
+        },
+        {
+            "impl": "cupy-naive",
+            "seqlen": 131072,
+            "batch": 1,
+            "heads": 16,
+            "head_dim": 128,
+            "dtype": "bfloat16",
+            "peak_bytes": None,
+            "note": "OOM",
+        },
+    ]
+    first_call = {
+        "dtype": "bfloat16",
+        "head_dim": 128,
+        "cold": {"fwd_first_s": 3.5, "bwd_first_s": 0.01, "fwd_second_s": 0.0002},
+        "warm_cache": {"error": "Traceback\nRuntimeError: boom"},
+    }
+    report = {
+        "environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
+        "first_call": first_call,
+        "memory": memory,
+    }
     text = bench.format_report(report, rows)
     assert "GPU: NVIDIA H200" in text
     assert "| 131072 | 1.000 | OOM |" in text
@@ -107,11 +147,16 @@ def test_report_is_markdown_and_json(case, tmp_path):
 
 def test_saved_report_gives_the_same_tables(case, tmp_path, capsys):
     """``--from-json`` rebuilds the measurements of a saved report: same Markdown."""
-    rows = [fake(case, "cuflash", "fwd", 1e-3), fake(case, "torch-flash", "fwd", 2e-3),
-            bench.Measurement(case, "torch-math", "fwd", note="out of memory")]
-    report = {"environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
-              "settings": {"allow_tf32": False},
-              "measurements": [m.to_dict() for m in rows]}
+    rows = [
+        fake(case, "cuflash", "fwd", 1e-3),
+        fake(case, "torch-flash", "fwd", 2e-3),
+        bench.Measurement(case, "torch-math", "fwd", note="out of memory"),
+    ]
+    report = {
+        "environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
+        "settings": {"allow_tf32": False},
+        "measurements": [m.to_dict() for m in rows],
+    }
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
     assert bench.main(["--from-json", str(saved)]) == 0
@@ -136,13 +181,19 @@ def test_allow_tf32_reaches_cuflash_and_the_report(case):
 
 def test_plots_are_written(case, tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [fake(bench.Case.in_grid("float16", d, s, c), impl, "fwd", t)
-            for d in (64, 128) for s in (512, 1024) for c in (False, True)
-            for impl, t in (("cuflash", 1e-3), ("torch-flash", 2e-3))]
+    rows = [
+        fake(bench.Case.in_grid("float16", d, s, c), impl, "fwd", t)
+        for d in (64, 128)
+        for s in (512, 1024)
+        for c in (False, True)
+        for impl, t in (("cuflash", 1e-3), ("torch-flash", 2e-3))
+    ]
     paths = bench.plot_throughput(rows, tmp_path)
     assert [p.name for p in paths] == ["throughput-float16-fwd.png"]
-    memory = [{"impl": "cupy-naive", "seqlen": s, "peak_bytes": b, "note": n}
-              for s, b, n in ((1024, 2**26, ""), (2048, None, "OOM"))]
+    memory = [
+        {"impl": "cupy-naive", "seqlen": s, "peak_bytes": b, "note": n}
+        for s, b, n in ((1024, 2**26, ""), (2048, None, "OOM"))
+    ]
     assert bench.plot_memory(memory, tmp_path).stat().st_size > 0
 
 
@@ -186,8 +237,10 @@ def test_new_tables_replace_the_grid_and_size_the_budget():
     assert default.time_budget == bench.DEFAULT_TIME_BUDGET
     args = bench.parse_args(["--small-calls", "--decode"])
     assert args.modes == ("small_calls", "decode") and not args.head_dim_sweep
-    assert args.time_budget == bench.MODE_TIME_BUDGETS["small_calls"] \
-        + bench.MODE_TIME_BUDGETS["decode"]
+    assert (
+        args.time_budget
+        == bench.MODE_TIME_BUDGETS["small_calls"] + bench.MODE_TIME_BUDGETS["decode"]
+    )
     assert bench.parse_args(["--decode", "--time-budget", "30"]).time_budget == 30
 
 
@@ -197,13 +250,22 @@ def test_head_dim_sweep_cases():
     assert {c.dtype for c in cases} == {"bfloat16", "float16", "float32"}
     assert {c.head_dim for c in cases if c.dtype == "float32"} == {32, 64, 96, 128, 160, 256}
     assert {c.seqlen for c in cases} == {1024, 4096}
-    assert all(c.batch * c.seqlen == 16384 and c.heads == max(1, 2048 // c.head_dim)
-               for c in cases)
+    assert all(c.batch * c.seqlen == 16384 and c.heads == max(1, 2048 // c.head_dim) for c in cases)
     assert bench.Case.in_grid("bfloat16", 80, 4096, True).shape == (4, 25, 4096, 80)
-    narrow = bench.parse_args(["--head-dim-sweep", "--dtype", "bfloat16,float32",
-                               "--head-dims", "48,80", "--seqlens", "1024"]).sweep_cases
+    narrow = bench.parse_args(
+        [
+            "--head-dim-sweep",
+            "--dtype",
+            "bfloat16,float32",
+            "--head-dims",
+            "48,80",
+            "--seqlens",
+            "1024",
+        ]
+    ).sweep_cases
     assert [(c.dtype, c.head_dim, c.causal) for c in narrow] == [
-        (d, h, c) for d in ("bfloat16", "float32") for h in (48, 80) for c in (False, True)]
+        (d, h, c) for d in ("bfloat16", "float32") for h in (48, 80) for c in (False, True)
+    ]
     assert bench.sweep_peer_backends("float32") == ("EFFICIENT_ATTENTION",)
     assert bench.sweep_target("float16") == ("torch-flash", 1.0)
 
@@ -212,9 +274,15 @@ def test_decode_cases_and_cache_bytes():
     cases = bench.decode_cases()
     assert len(cases) == 4 * 3 + 2
     assert {(c.batch, c.cache_len) for c in cases if c.q_len == 1} == {
-        (1, 32768), (16, 8192), (64, 2048), (256, 512)}
+        (1, 32768),
+        (16, 8192),
+        (64, 2048),
+        (256, 512),
+    }
     assert [(c.batch, c.cache_len, c.q_len) for c in cases if c.q_len > 1] == [
-        (16, 8192, 4), (16, 8192, 512)]
+        (16, 8192, 4),
+        (16, 8192, 512),
+    ]
     assert {c.layout for c in cases} == {"contiguous", "paged 16", "paged 256"}
     case = bench.DecodeCase(16, 8192, block_size=256)
     assert case.cache_bytes == 2 * 16 * 8 * 8192 * 128 * 2  # 512 MiB of bfloat16
@@ -253,38 +321,63 @@ def synthetic_report():
     """A saved report of the three new tables, with one refusal and targets missed."""
     sweep = []
     for case in bench.head_dim_sweep_cases(("bfloat16", "float32"), (80, 128), (1024,)):
-        peers = ((("torch-efficient", 4e-3),) if case.dtype == "float32"
-                 else (("torch-flash", 1.5e-3), ("torch-cudnn", 0.8e-3)))
+        peers = (
+            (("torch-efficient", 4e-3),)
+            if case.dtype == "float32"
+            else (("torch-flash", 1.5e-3), ("torch-cudnn", 0.8e-3))
+        )
         for direction in bench.DIRECTIONS:
             sweep.append(fake(case, "cuflash", direction, 2e-3 if case.head_dim == 80 else 1e-3))
             sweep += [fake(case, impl, direction, seconds) for impl, seconds in peers]
     small = []
     for case in bench.SMALL_CALL_CASES:
         for direction, factor in (("fwd", 1), ("bwd", 3)):
-            small += [fake(case, "cuflash", direction, 20e-6 * factor),
-                      fake(case, "torch-flash", direction, 25e-6 * factor),
-                      fake(case, "torch-cudnn", direction, note="RuntimeError: No kernel.")]
-    host = [{"impl": impl, "direction": direction, "calls": 1000,
-             **dataclasses.asdict(bench.HOST_TIME_CASE), "us_per_call": us, "note": ""}
-            for impl, direction, us in (("cuflash", "fwd", 12.0), ("cuflash", "bwd", 41.5),
-                                        ("torch-flash", "fwd", 30.0))]
+            small += [
+                fake(case, "cuflash", direction, 20e-6 * factor),
+                fake(case, "torch-flash", direction, 25e-6 * factor),
+                fake(case, "torch-cudnn", direction, note="RuntimeError: No kernel."),
+            ]
+    host = [
+        {
+            "impl": impl,
+            "direction": direction,
+            "calls": 1000,
+            **dataclasses.asdict(bench.HOST_TIME_CASE),
+            "us_per_call": us,
+            "note": "",
+        }
+        for impl, direction, us in (
+            ("cuflash", "fwd", 12.0),
+            ("cuflash", "bwd", 41.5),
+            ("torch-flash", "fwd", 30.0),
+        )
+    ]
     host.append({**host[-1], "direction": "bwd", "us_per_call": None, "note": "OOM"})
     decode = []
     # B=1, cache 32768: contiguous, paged 16, paged 256; B=16, cache 8192: contiguous.
     for case in bench.decode_cases()[:4]:
         seconds = case.cache_bytes / (3.5e12 if case.batch == 1 else 3.0e12)
-        decode.append(bench.decode_record(case, bench.CuflashDecode(case, None),
-                                          bench.Timing((seconds,)), "", 1e-3))
+        decode.append(
+            bench.decode_record(
+                case, bench.CuflashDecode(case, None), bench.Timing((seconds,)), "", 1e-3
+            )
+        )
         if case.block_size == 0:
             for impl, factor in (("torch-flash", 1.2), ("torch-cudnn", 0.9)):
                 torch_impl = types.SimpleNamespace(name=impl, gqa="enable_gqa=True")
-                decode.append(bench.decode_record(case, torch_impl,
-                                                  bench.Timing((factor * seconds,)), "", 4e-3))
-    return {"environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
-            "settings": {"allow_tf32": False}, "measurements": [],
-            "head_dim_sweep": [m.to_dict() for m in sweep],
-            "small_calls": {"measurements": [m.to_dict() for m in small], "host_time": host},
-            "decode": {"note": "", "records": decode}}
+                decode.append(
+                    bench.decode_record(
+                        case, torch_impl, bench.Timing((factor * seconds,)), "", 4e-3
+                    )
+                )
+    return {
+        "environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
+        "settings": {"allow_tf32": False},
+        "measurements": [],
+        "head_dim_sweep": [m.to_dict() for m in sweep],
+        "small_calls": {"measurements": [m.to_dict() for m in small], "host_time": host},
+        "decode": {"note": "", "records": decode},
+    }
 
 
 def test_new_tables_from_saved_report(tmp_path, capsys):
@@ -295,11 +388,14 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.strip() == bench.format_report(report, []).strip()
     # Head-dim sweep: TFLOP/s of each implementation, then cuflash / each peer.
-    assert ("| D | S | causal | B | H | cuflash | torch-flash | torch-cudnn | "
-            "cuflash / torch-flash | cuflash / torch-cudnn |") in printed
+    assert (
+        "| D | S | causal | B | H | cuflash | torch-flash | torch-cudnn | "
+        "cuflash / torch-flash | cuflash / torch-cudnn |"
+    ) in printed
     assert "| 80 | 1024 | False | 16 | 25 | 67.1 | 89.5 | 168 | 0.75x | 0.40x |" in printed
-    assert ("Below target (cuflash / torch-flash < 1): D=80 S=1024 (0.75x), "
-            "D=80 S=1024 causal (0.75x).") in printed
+    assert (
+        "Below target (cuflash / torch-flash < 1): D=80 S=1024 (0.75x), D=80 S=1024 causal (0.75x)."
+    ) in printed
     assert "### Head-dim sweep, backward, float32" in printed
     assert "| 128 | 1024 | True | 16 | 16 | 68.7 | 17.2 | 4.00x |" in printed
     assert "Below target (cuflash / torch-efficient < 2): none." in printed
@@ -315,8 +411,10 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     assert "| 1 | 32768 | 1 | contiguous | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
     assert "| 1 | 32768 | 1 | paged 256 | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
     assert "| 16 | 8192 | 1 | contiguous | 179.0 | 3.00 | 214.7 | 161.1 | 0.90x |" in printed
-    assert ("Below target: B=1 cache 32768 S_q=1 contiguous (0.90x), "
-            "B=1 cache 32768 S_q=1 paged 16 (0.90x)") in printed
+    assert (
+        "Below target: B=1 cache 32768 S_q=1 contiguous (0.90x), "
+        "B=1 cache 32768 S_q=1 paged 16 (0.90x)"
+    ) in printed
     assert "B=16 cache 8192 S_q=1 contiguous (0.90x, 3.00 TB/s)." in printed  # 512 MiB cache
     assert "torch-flash enable_gqa=True (2 cases)" in printed
 
@@ -355,9 +453,16 @@ def _modifier_records(slow=()):
         for impl in (f"cuflash {modifier}", f"flex {modifier}"):
             for direction, ms in (("fwd", 1.0), ("bwd", 2.5)):
                 factor = 0.8 if modifier in slow and impl.startswith("cuflash") else 1.0
-                records.append(dict(impl=impl, direction=direction, modifier=modifier,
-                                    median_s=ms / factor * 1e-3, tflops=100 / ms * factor,
-                                    rel_error=2e-3))
+                records.append(
+                    dict(
+                        impl=impl,
+                        direction=direction,
+                        modifier=modifier,
+                        median_s=ms / factor * 1e-3,
+                        tflops=100 / ms * factor,
+                        rel_error=2e-3,
+                    )
+                )
     return records
 
 
@@ -384,7 +489,7 @@ def test_alibi_slopes_are_geometric():
 
     slopes = alibi_slopes(8)
     assert slopes.dtype == np.float32 and slopes.shape == (8,)
-    assert np.allclose(slopes[1:] / slopes[:-1], 2.0 ** -1) and np.isclose(slopes[-1], 2.0 ** -8)
+    assert np.allclose(slopes[1:] / slopes[:-1], 2.0**-1) and np.isclose(slopes[-1], 2.0**-8)
 
 
 # ------------------------------------------------------- packed variable-length
@@ -407,9 +512,11 @@ def test_varlen_flops_sum_the_dense_flops_of_each_sequence():
     for causal in (False, True):
         for direction in bench.DIRECTIONS:
             assert bench.varlen_flops(lengths, 16, 128, causal, direction) == sum(
-                bench.attention_flops(1, 16, n, 128, causal, direction) for n in lengths)
+                bench.attention_flops(1, 16, n, 128, causal, direction) for n in lengths
+            )
     assert bench.varlen_flops((2048,) * 8, 32, 64, True) == bench.attention_flops(
-        8, 32, 2048, 64, True)
+        8, 32, 2048, 64, True
+    )
     assert bench.varlen_flops(lengths, 1, 64, False) == 4 * 64 * (100**2 + 3000**2 + 7**2)
 
 
@@ -417,9 +524,11 @@ def test_varlen_cases_and_their_dense_equal_problems():
     cases = bench.varlen_cases()
     assert len(cases) == 2 * 2 * 2
     assert {(c.kind, c.head_dim, c.causal) for c in cases} == {
-        (k, d, c) for k in ("uniform", "equal") for d in (64, 128) for c in (False, True)}
-    assert all(c.tokens == 16384 and c.heads * c.head_dim == 2048 and c.dtype == "bfloat16"
-               for c in cases)
+        (k, d, c) for k in ("uniform", "equal") for d in (64, 128) for c in (False, True)
+    }
+    assert all(
+        c.tokens == 16384 and c.heads * c.head_dim == 2048 and c.dtype == "bfloat16" for c in cases
+    )
     uniform = next(c for c in cases if c.kind == "uniform" and c.head_dim == 128 and c.causal)
     assert uniform.lengths == bench.draw_varlen_lengths() and uniform.heads == 16
     offsets = uniform.cu_seqlens
@@ -452,24 +561,45 @@ def synthetic_varlen_report():
         for direction in bench.DIRECTIONS:
             seconds = case.flops(direction) / 400e12  # 400 TFLOP/s for cuflash varlen
             dense = case.dense_case
-            rows = [(case, "cuflash-varlen", seconds, "", None),
-                    (dense, "cuflash-dense-equal", dense.flops(direction) / 500e12, "", None),
-                    (case, "torch-nested-flash", None if case.causal else seconds / 0.8,
-                     "RuntimeError: No available kernel." if case.causal else "", 2e-3),
-                    (case, "torch-flex", 2 * seconds, "", 3e-3)]
+            rows = [
+                (case, "cuflash-varlen", seconds, "", None),
+                (dense, "cuflash-dense-equal", dense.flops(direction) / 500e12, "", None),
+                (
+                    case,
+                    "torch-nested-flash",
+                    None if case.causal else seconds / 0.8,
+                    "RuntimeError: No available kernel." if case.causal else "",
+                    2e-3,
+                ),
+                (case, "torch-flex", 2 * seconds, "", 3e-3),
+            ]
             for measured, impl, median, note, error in rows:
                 timing = None if median is None else bench.Timing((median,) * 5)
-                m = bench.Measurement(measured, impl, direction, timing, note,
-                                      error if direction == "fwd" and timing else None)
+                m = bench.Measurement(
+                    measured,
+                    impl,
+                    direction,
+                    timing,
+                    note,
+                    error if direction == "fwd" and timing else None,
+                )
                 records.append(bench.varlen_record(case, m))
-    return {"lengths": {c.kind: list(c.lengths) for c in cases}, "seed": 0,
-            "records": records, "ratios": bench.varlen_ratios(records)}
+    return {
+        "lengths": {c.kind: list(c.lengths) for c in cases},
+        "seed": 0,
+        "records": records,
+        "ratios": bench.varlen_ratios(records),
+    }
 
 
 def test_varlen_table_from_saved_report(tmp_path, capsys):
     varlen = synthetic_varlen_report()
-    report = {"environment": {"gpu": "NVIDIA H200"}, "settings": {}, "measurements": [],
-              "varlen": varlen}
+    report = {
+        "environment": {"gpu": "NVIDIA H200"},
+        "settings": {},
+        "measurements": [],
+        "varlen": varlen,
+    }
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
     assert bench.main(["--from-json", str(saved)]) == 0
@@ -477,24 +607,37 @@ def test_varlen_table_from_saved_report(tmp_path, capsys):
     assert printed.strip() == bench.format_report(report, []).strip()
     assert "### Packed variable-length batch" in printed
     lengths = ", ".join(map(str, bench.draw_varlen_lengths()))
-    assert f"(seed 0, the last trimmed): {lengths}; mean 1489.5; dense-equal B=11 S=1488." \
-        in printed
+    assert (
+        f"(seed 0, the last trimmed): {lengths}; mean 1489.5; dense-equal B=11 S=1488." in printed
+    )
     assert "Equal: 8 x 2048; dense-equal B=8 S=2048." in printed
-    assert ("| lengths | D | H | causal | dense B x S | cuflash-varlen | cuflash-dense-equal | "
-            "torch-nested-flash | torch-flex | varlen / cuflash-dense-equal | "
-            "varlen / torch-nested-flash | varlen / torch-flex |") in printed
-    assert ("| uniform 64..4096 (11 seqs) | 128 | 16 | False | 11 x 1488 | 400 | 500 | 320 | "
-            "200 | 0.80x | 1.25x | 2.00x |") in printed
-    assert "| equal 8 x 2048 | 128 | 16 | True | 8 x 2048 | 400 | 500 | – | 200 | 0.80x | – |" \
+    assert (
+        "| lengths | D | H | causal | dense B x S | cuflash-varlen | cuflash-dense-equal | "
+        "torch-nested-flash | torch-flex | varlen / cuflash-dense-equal | "
+        "varlen / torch-nested-flash | varlen / torch-flex |"
+    ) in printed
+    assert (
+        "| uniform 64..4096 (11 seqs) | 128 | 16 | False | 11 x 1488 | 400 | 500 | 320 | "
+        "200 | 0.80x | 1.25x | 2.00x |"
+    ) in printed
+    assert (
+        "| equal 8 x 2048 | 128 | 16 | True | 8 x 2048 | 400 | 500 | – | 200 | 0.80x | – |"
         in printed
-    assert "Below target (cuflash-varlen / cuflash-dense-equal < 0.95): uniform 64..4096 " \
+    )
+    assert (
+        "Below target (cuflash-varlen / cuflash-dense-equal < 0.95): uniform 64..4096 "
         "(11 seqs) D=128 (0.80x)" in printed
+    )
     assert "- torch-nested-flash: RuntimeError: No available kernel. (2 cases)" in printed
     assert "torch-nested-flash 2.0e-03, torch-flex 3.0e-03" in printed
     assert printed.count("#### ") == 2
     ratio = varlen["ratios"][0]
     assert (ratio["kind"], ratio["head_dim"], ratio["causal"], ratio["direction"]) == (
-        "uniform", 128, False, "fwd")
+        "uniform",
+        128,
+        False,
+        "fwd",
+    )
     assert ratio["cuflash-dense-equal"] == pytest.approx(0.8)
     assert ratio["torch-flex"] == pytest.approx(2.0)
     causal = next(r for r in varlen["ratios"] if r["causal"])

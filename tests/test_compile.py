@@ -55,8 +55,10 @@ def test_source_is_self_contained():
     assert '#include "' not in src
     for name in ("common.cuh", "general_fwd.cuh", "general_bwd.cuh"):
         first_code_line = next(
-            line for line in (kernel_build.KERNEL_DIR / name).read_text().splitlines()
-            if line.startswith("template") or line.startswith("struct"))
+            line
+            for line in (kernel_build.KERNEL_DIR / name).read_text().splitlines()
+            if line.startswith("template") or line.startswith("struct")
+        )
         assert first_code_line in src
 
 
@@ -96,12 +98,14 @@ def test_every_chosen_kernel_is_in_its_variant():
     for dtype in registry.SIXTEEN_BIT_DTYPES + (np.dtype(np.float32),):
         for head_dim in kernel_build.HEAD_DIMS:
             for capability in (80, 90):
-                names = kernel_build.Variant(dtype, head_dim,
-                                             registry.generation(capability)).kernel_names()
+                names = kernel_build.Variant(
+                    dtype, head_dim, registry.generation(capability)
+                ).kernel_names()
                 for direction in ("forward", "backward"):
                     for tensor_cores in (True, False):
-                        spec = registry.choose(direction, dtype, head_dim, capability,
-                                               tensor_cores=tensor_cores)
+                        spec = registry.choose(
+                            direction, dtype, head_dim, capability, tensor_cores=tensor_cores
+                        )
                         assert spec.role() in names, (spec.name, dtype, head_dim)
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     small, large = (kernel_build.Variant(bf16, d, 90).kernel_names() for d in (64, 72))
@@ -120,8 +124,9 @@ def test_dispatch_order():
     for head_dim in (8, 32, 64):
         assert registry.choose("forward", bf16, head_dim, 90).name == "forward_wgmma"
     for head_dim in (8, 64, 128, 256):
-        assert registry.choose("forward", bf16, head_dim, 90, modified=True).name == \
-            "forward_wgmma_ws"
+        assert (
+            registry.choose("forward", bf16, head_dim, 90, modified=True).name == "forward_wgmma_ws"
+        )
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -154,11 +159,21 @@ def test_dq_passes():
     assert wide.dq_kernel == "backward_dq_float32_pieces_wide" and not wide.atomic_dq(200)
 
 
-SASS_JOBS = [("bfloat16", 128, "sm_90a"), ("float16", 256, "sm_90a"), ("float32", 64, "sm_80"),
-             ("float32", 128, "sm_90a"), ("bfloat16", 64, "sm_80"), ("float16", 64, "sm_90a"),
-             ("bfloat16", 80, "sm_90a"), ("float16", 40, "sm_80"), ("bfloat16", 200, "sm_90a"),
-             ("float32", 96, "sm_90a"), ("float16", 152, "sm_80"), ("float32", 200, "sm_90a"),
-             ("float16", 192, "sm_90a")]
+SASS_JOBS = [
+    ("bfloat16", 128, "sm_90a"),
+    ("float16", 256, "sm_90a"),
+    ("float32", 64, "sm_80"),
+    ("float32", 128, "sm_90a"),
+    ("bfloat16", 64, "sm_80"),
+    ("float16", 64, "sm_90a"),
+    ("bfloat16", 80, "sm_90a"),
+    ("float16", 40, "sm_80"),
+    ("bfloat16", 200, "sm_90a"),
+    ("float32", 96, "sm_90a"),
+    ("float16", 152, "sm_80"),
+    ("float32", 200, "sm_90a"),
+    ("float16", 192, "sm_90a"),
+]
 
 
 def expected_hgmma(role, head_dim):
@@ -234,14 +249,27 @@ def test_precompile_job_list():
     from cuflash import precompile
 
     jobs = precompile.jobs_for(["bfloat16", "float32"], [128, 136], sm=90)
-    expected = sum(len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
-                   for n in ("bfloat16", "float32") for d in (128, 136))
+    expected = sum(
+        len(kernel_build.Variant(precompile.DTYPES_BY_NAME[n], d, 90).kernel_names())
+        for n in ("bfloat16", "float32")
+        for d in (128, 136)
+    )
     assert len(jobs) == expected == len(set(jobs))
     assert {role for _, role in jobs} >= {
-        "forward_general", "forward_mma_sync", "forward_wgmma_ws", "forward_wgmma_ws_modified",
-        "forward_tf32", "forward_float32_pieces", "backward_wgmma_atomic_dq", "backward_mma_sync",
-        "backward_mma_sync_split_d", "backward_float32_pieces", "backward_tf32",
-        "backward_dq_wgmma", "backward_dq_wgmma_modified"}
+        "forward_general",
+        "forward_mma_sync",
+        "forward_wgmma_ws",
+        "forward_wgmma_ws_modified",
+        "forward_tf32",
+        "forward_float32_pieces",
+        "backward_wgmma_atomic_dq",
+        "backward_mma_sync",
+        "backward_mma_sync_split_d",
+        "backward_float32_pieces",
+        "backward_tf32",
+        "backward_dq_wgmma",
+        "backward_dq_wgmma_modified",
+    }
     from cuflash import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):

@@ -7,29 +7,46 @@ import itertools
 
 import numpy as np
 import pytest
+from support import DTYPES, FLOOR, compile_and_check, rel_error, to_numpy
 
 import cuflash
 from cuflash import distributed as dist
 from cuflash.masking import visible_keys
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, compile_and_check, rel_error, to_numpy
 
 BOUND = {"float32": 2e-5, "bfloat16": 1.5e-2}
 
 
-def _ring(rng, size, layout, causal=True, window=0, heads=4, kv_heads=2, head_dim=16,
-          chunk=6, dtype="float32", deterministic=False, batch=1, xp=np):
+def _ring(
+    rng,
+    size,
+    layout,
+    causal=True,
+    window=0,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    chunk=6,
+    dtype="float32",
+    deterministic=False,
+    batch=1,
+    xp=np,
+):
     """Run forward and backward on ``size`` virtual ranks (arrays of ``xp``); return the
     gathered results and the inputs, as NumPy arrays."""
     length = dist.chunk_count(layout, size) * chunk
-    full = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES[dtype])
-            for h in (heads, kv_heads, kv_heads, heads)]
-    per_rank = [tuple(dist.shard(xp.asarray(x), layout, r, size) for x in full)
-                for r in range(size)]
+    full = [
+        rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES[dtype])
+        for h in (heads, kv_heads, kv_heads, heads)
+    ]
+    per_rank = [
+        tuple(dist.shard(xp.asarray(x), layout, r, size) for x in full) for r in range(size)
+    ]
 
     def rank(group, q, k, v, dout):
-        out, vjp = dist.ring_attention_vjp(q, k, v, heads, kv_heads, head_dim, causal, window,
-                                           group=group, layout=layout)
+        out, vjp = dist.ring_attention_vjp(
+            q, k, v, heads, kv_heads, head_dim, causal, window, group=group, layout=layout
+        )
         return (out, vjp.lse, *vjp(dout, deterministic=deterministic))
 
     results = dist.ThreadGroup(size).run(rank, per_rank)
@@ -43,8 +60,7 @@ def _check(rng, size, layout, dtype="float32", **kw):
     host = [x.astype(np.float64) for x in (q, k, v, dout)]
     ref_out, ref_lse = attention_reference(*host[:3], causal, window)
     ref_grads = attention_reference_grad(host[3], *host[:3], causal, window)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv),
-                               (ref_out, *ref_grads)):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref_out, *ref_grads)):
         err = rel_error(got.astype(np.float64), want)
         assert err <= BOUND[dtype] + FLOOR[dtype], (name, err)
     assert not np.isnan(lse).any()
@@ -60,8 +76,9 @@ def test_ring_matches_oracle(size, causal, layout, rng):
     _check(rng, size, layout, causal=causal, chunk=4 if size == 8 else 6)
 
 
-@pytest.mark.parametrize("window, causal", [(5, True), ((3, 7), False), ((0, 0), False),
-                                            ((9, 2), True)])
+@pytest.mark.parametrize(
+    "window, causal", [(5, True), ((3, 7), False), ((0, 0), False), ((9, 2), True)]
+)
 @pytest.mark.parametrize("layout", dist.LAYOUTS)
 def test_ring_windows(window, causal, layout, rng):
     """Windows across chunk boundaries: pairs whose band misses the block are skipped,
@@ -87,36 +104,39 @@ def test_shard_and_gather_are_inverse(rng):
         shards = [dist.shard(x, layout, r, size) for r in range(size)]
         assert np.array_equal(dist.gather(shards, layout), x)
     # zigzag: rank 0 of 2 holds chunks 0 and 3 of 4
-    assert np.array_equal(dist.shard(x, "zigzag", 0, 2),
-                          np.concatenate([x[:, :, 0:6], x[:, :, 18:24]], axis=2))
+    assert np.array_equal(
+        dist.shard(x, "zigzag", 0, 2), np.concatenate([x[:, :, 0:6], x[:, :, 18:24]], axis=2)
+    )
 
 
-@pytest.mark.parametrize("left, right", [(-1, -1), (-1, 0), (4, 0), (0, 0), (3, 7),
-                                         (-1, 5), (12, -1), (2, 1)])
+@pytest.mark.parametrize(
+    "left, right", [(-1, -1), (-1, 0), (4, 0), (0, 0), (3, 7), (-1, 5), (12, -1), (2, 1)]
+)
 def test_pair_call_is_the_visible_key_rule(left, right):
     """Every (query chunk, key chunk) pair of a 5-chunk sequence: the keys the dense call
     sees (its rows and keys, its window, bottom-right) are the whole sequence's."""
     chunk, count = 5, 5
     total = chunk * count
     rule = np.broadcast_to(
-        visible_keys(np.arange(total), np.arange(total), total, total, left, right),
-        (total, total))
+        visible_keys(np.arange(total), np.arange(total), total, total, left, right), (total, total)
+    )
     for a, c in itertools.product(range(count), repeat=2):
         q_seg = dist.Segment(a * chunk, chunk, 0)
         k_seg = dist.Segment(c * chunk, chunk, 0)
-        want = rule[a * chunk:(a + 1) * chunk, c * chunk:(c + 1) * chunk]
+        want = rule[a * chunk : (a + 1) * chunk, c * chunk : (c + 1) * chunk]
         call = dist.pair_call(q_seg, k_seg, left, right)
         got = np.zeros((chunk, chunk), dtype=bool)
         if call is not None:
-            got[:call.rows, :call.keys] = visible_keys(
-                np.arange(call.rows), np.arange(call.keys), call.rows, call.keys,
-                *call.window)
+            got[: call.rows, : call.keys] = visible_keys(
+                np.arange(call.rows), np.arange(call.keys), call.rows, call.keys, *call.window
+            )
         assert np.array_equal(got, want), (a, c, call)
         assert call is None or want.any(), (a, c, call)  # empty pairs are skipped
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 6),
-                                    (15, -1), (3, 2), (30, 0)])
+@pytest.mark.parametrize(
+    "window", [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 6), (15, -1), (3, 2), (30, 0)]
+)
 @pytest.mark.parametrize("layout", dist.LAYOUTS)
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_step_calls_cover_each_visible_key_once(size, layout, window):
@@ -126,8 +146,9 @@ def test_step_calls_cover_each_visible_key_once(size, layout, window):
     chunk = 5
     shard_length = chunk * (dist.chunk_count(layout, size) // size)
     total = shard_length * size
-    rule = np.broadcast_to(visible_keys(np.arange(total), np.arange(total), total, total,
-                                        *window), (total, total))
+    rule = np.broadcast_to(
+        visible_keys(np.arange(total), np.arange(total), total, total, *window), (total, total)
+    )
     seen = np.zeros((total, total), dtype=int)
 
     def positions(segs):
@@ -142,11 +163,18 @@ def test_step_calls_cover_each_visible_key_once(size, layout, window):
             if layout == "zigzag" and window == (-1, 0):
                 assert len(calls) <= 2, calls
             for row0, key0, call in calls:
-                mask = np.broadcast_to(visible_keys(
-                    np.arange(call.rows), np.arange(call.keys), call.rows, call.keys,
-                    *call.window), (call.rows, call.keys))
-                rows = positions(q_segs)[row0:row0 + call.rows]
-                keys = positions(k_segs)[key0:key0 + call.keys]
+                mask = np.broadcast_to(
+                    visible_keys(
+                        np.arange(call.rows),
+                        np.arange(call.keys),
+                        call.rows,
+                        call.keys,
+                        *call.window,
+                    ),
+                    (call.rows, call.keys),
+                )
+                rows = positions(q_segs)[row0 : row0 + call.rows]
+                keys = positions(k_segs)[key0 : key0 + call.keys]
                 seen[np.ix_(rows, keys)] += mask
     assert np.array_equal(seen, rule.astype(int))
 
@@ -161,21 +189,28 @@ def _bad_calls():
             return obj
 
     def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
-        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group,
-                                               layout=layout)
+        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group, layout=layout)
 
     return [
         (fwd(layout="ring"), "layout: expected one of ('contiguous', 'zigzag'), got 'ring'"),
-        (fwd(group=object()), "group: expected a process group with rank, size and "
-                              "exchange(), got object"),
-        (fwd(k=q[:, :, :6], v=q[:, :, :6]), "k: shard length 6 differs from q's 8: ring "
-                                            "attention is self-attention over one sequence"),
-        (fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
-         "q: shard length 7 is not a multiple of the 2 chunks a rank holds in the zigzag "
-         "layout"),
-        (lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
-         "x: sequence length 10 is not a multiple of the 4 chunks of the zigzag layout over 2 "
-         "ranks"),
+        (
+            fwd(group=object()),
+            "group: expected a process group with rank, size and exchange(), got object",
+        ),
+        (
+            fwd(k=q[:, :, :6], v=q[:, :, :6]),
+            "k: shard length 6 differs from q's 8: ring "
+            "attention is self-attention over one sequence",
+        ),
+        (
+            fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
+            "q: shard length 7 is not a multiple of the 2 chunks a rank holds in the zigzag layout",
+        ),
+        (
+            lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
+            "x: sequence length 10 is not a multiple of the 4 chunks of the zigzag layout over 2 "
+            "ranks",
+        ),
         (lambda: dist.ThreadGroup(0), "size: expected an int >= 1, got 0"),
     ]
 
@@ -201,6 +236,7 @@ def test_ring_on_one_gpu_matches_oracle(size, layout, dtype, rng, poisoned):
 
 # ------------------------------------------------------------------ two GPUs over NCCL
 
+
 def _gpu_count():
     try:
         import cupy
@@ -214,19 +250,30 @@ def _nccl_cases():
     from cuflash.distributed.demo import RingCase
 
     small = dict(seq_len=600, heads=4, kv_heads=2, head_dim=64)  # chunks of 150 rows
-    cases = [RingCase(**small, causal=causal, layout=layout, dtype=dtype)
-             for dtype in ("bfloat16", "float16", "float32") for layout in dist.LAYOUTS
-             for causal in (True, False)]
+    cases = [
+        RingCase(**small, causal=causal, layout=layout, dtype=dtype)
+        for dtype in ("bfloat16", "float16", "float32")
+        for layout in dist.LAYOUTS
+        for causal in (True, False)
+    ]
     cases += [
         RingCase(**small, causal=False, window=(100, 40), dtype="bfloat16"),
         RingCase(**small, causal=True, window=(170, 0), layout="contiguous", dtype="float16"),
         RingCase(**small, causal=True, window=(5, 0), dtype="float32"),
         RingCase(seq_len=1040, heads=8, kv_heads=1, head_dim=128, dtype="bfloat16"),  # MQA
-        RingCase(seq_len=520, heads=6, kv_heads=3, head_dim=40, dtype="float16", batch=2,
-                 softmax_scale=0.3),
+        RingCase(
+            seq_len=520,
+            heads=6,
+            kv_heads=3,
+            head_dim=40,
+            dtype="float16",
+            batch=2,
+            softmax_scale=0.3,
+        ),
         RingCase(seq_len=520, heads=2, kv_heads=2, head_dim=256, dtype="float32"),
-        RingCase(seq_len=2048, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16",
-                 deterministic=True),
+        RingCase(
+            seq_len=2048, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", deterministic=True
+        ),
         RingCase(**small, causal=False, dtype="float32", deterministic=True),
     ]
     return cases
@@ -264,9 +311,24 @@ def test_ring_demo_runs_on_every_gpu():
 
     if _gpu_count() < 2:
         pytest.skip("the demo's ring needs two GPUs")
-    done = subprocess.run([sys.executable, "-m", "cuflash.distributed", "--seq-lens", "4096",
-                           "--heads", "8", "--kv-heads", "2", "--repeats", "2"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuflash.distributed",
+            "--seq-lens",
+            "4096",
+            "--heads",
+            "8",
+            "--kv-heads",
+            "2",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "| 4096 |" in done.stdout and "FAILED" not in done.stdout, done.stdout
 
@@ -275,5 +337,6 @@ def test_ring_demo_runs_on_every_gpu():
 def test_merge_kernel_compiles_without_spills(arch):
     from cuflash.kernel_build import CXX_TYPES
 
-    compile_and_check("ring_merge.cu", [f"cuflash::ring_merge<{cxx}>"
-                                        for cxx in CXX_TYPES.values()], arch)
+    compile_and_check(
+        "ring_merge.cu", [f"cuflash::ring_merge<{cxx}>" for cxx in CXX_TYPES.values()], arch
+    )

@@ -25,8 +25,8 @@ import importlib.util
 import pkgutil
 import re
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,17 +44,29 @@ DOCTEST_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # --------------------------------------------------------------------------- build
 
+
 def test_docs_build(tmp_path):
     pytest.importorskip("sphinx", reason="Sphinx is not installed (pip install -e .[docs])")
     out = tmp_path / "html"
-    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-           str(DOCS), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-q",
+        "-b",
+        "html",
+        str(DOCS),
+        str(out),
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, (
         f"sphinx-build failed (exit {proc.returncode}); needs the docs extra "
-        f"(pip install -e .[docs]).\n{proc.stdout}\n{proc.stderr}")
+        f"(pip install -e .[docs]).\n{proc.stdout}\n{proc.stderr}"
+    )
     for name in ("causal", "windows", "kv_seq_len", "gqa", "mqa"):
         assert (out / "_images" / f"{name}.png").is_file(), f"mask figure {name}.png missing"
     api = (out / "api.html").read_text(encoding="utf-8")
@@ -66,6 +78,7 @@ def test_docs_build(tmp_path):
 
 
 # ------------------------------------------------------------------------ snippets
+
 
 @dataclasses.dataclass(frozen=True)
 class Snippet:
@@ -132,12 +145,11 @@ def extract_snippets(page):
             j += 1
         lang = _language(info)
         if lang is not None:
-            body = lines[i + 1:j]
+            body = lines[i + 1 : j]
             first = 0
             while first < len(body) and re.match(r"^\s*:\w[\w-]*:", body[first]):
                 first += 1  # options of a {code-block} directive
-            body = [b[len(indent):] if b.startswith(indent) else b.lstrip()
-                    for b in body[first:]]
+            body = [b[len(indent) :] if b.startswith(indent) else b.lstrip() for b in body[first:]]
             code = "\n".join(body) + "\n"
             snippets.append(Snippet(page, i + 2 + first, lang, code, *_markers(code, lang)))
         i = j + 1
@@ -151,8 +163,9 @@ def _compile_python(snippet):
 
 def _run_pycon(snippet, namespace, compile_only=False):
     parser = doctest.DocTestParser()
-    test = parser.get_doctest(snippet.code, namespace, str(snippet), str(snippet.page),
-                              snippet.line - 1)
+    test = parser.get_doctest(
+        snippet.code, namespace, str(snippet), str(snippet.page), snippet.line - 1
+    )
     if compile_only:
         for example in test.examples:
             compile(example.source, str(snippet), "single")
@@ -222,8 +235,13 @@ def test_snippets_gpu(page, tmp_path, monkeypatch):
 def test_snippets_found():
     """The extractor sees the pages' code: a broken parser must not pass silently."""
     by_page = {page.name: extract_snippets(page) for page in PAGES}
-    for name in ("index.md", "getting_started.md", "semantics.md", "gradients.md",
-                 "troubleshooting.md"):
+    for name in (
+        "index.md",
+        "getting_started.md",
+        "semantics.md",
+        "gradients.md",
+        "troubleshooting.md",
+    ):
         cpu = [s for s in by_page.get(name, []) if not s.gpu_only]
         assert cpu, f"{name}: no CPU snippet found"
     assert any(s.lang == "pycon" for snippets in by_page.values() for s in snippets)
@@ -242,7 +260,8 @@ def test_extractor_markers():
 # ---------------------------------------------------------------- docstring doctests
 
 MODULES = ["cuflash"] + sorted(
-    name for _, name, _ in pkgutil.walk_packages(cuflash.__path__, "cuflash."))
+    name for _, name, _ in pkgutil.walk_packages(cuflash.__path__, "cuflash.")
+)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -274,10 +293,15 @@ def test_docstring_examples_exist():
 
 # ------------------------------------------------------------- the error-message table
 
-GPU_ONLY_ERRORS = ("numpy and cupy arrays are mixed", "arrays are on different devices",
-                   "the call needs about",
-                   "the GPU kernels need a cupy array", "host code needs a numpy array",
-                   "the call runs on device", "the modifier does not compile")
+GPU_ONLY_ERRORS = (
+    "numpy and cupy arrays are mixed",
+    "arrays are on different devices",
+    "the call needs about",
+    "the GPU kernels need a cupy array",
+    "host code needs a numpy array",
+    "the call runs on device",
+    "the modifier does not compile",
+)
 
 
 def _pattern(node):
@@ -285,8 +309,9 @@ def _pattern(node):
     if isinstance(node, ast.Constant):
         return re.escape(str(node.value))
     if isinstance(node, ast.JoinedStr):
-        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.+)"
-                       for v in node.values)
+        return "".join(
+            re.escape(v.value) if isinstance(v, ast.Constant) else "(.+)" for v in node.values
+        )
     return "(.+)"
 
 
@@ -295,11 +320,15 @@ def error_call_sites():
     sites = {}
     for path in sorted((ROOT / "cuflash").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "InvalidArgumentError"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "InvalidArgumentError"
+            ):
                 arg, reason = node.args
                 sites[f"{path.relative_to(ROOT)}:{node.lineno}"] = re.compile(
-                    f"^{_pattern(arg)}: {_pattern(reason)}$", re.S)
+                    f"^{_pattern(arg)}: {_pattern(reason)}$", re.S
+                )
     return sites
 
 
@@ -315,14 +344,17 @@ def varlen_bad_calls():
     cu_q, cu_k = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
 
     def fwd(cu_q=cu_q, cu_k=cu_k, max_q=8):
-        return lambda: cuflash.flash_attention_varlen_fwd(q, kv, kv, cu_q, cu_k, max_q, 8, 4,
-                                                          2, 8)
+        return lambda: cuflash.flash_attention_varlen_fwd(q, kv, kv, cu_q, cu_k, max_q, 8, 4, 2, 8)
 
     many = np.zeros(65538, np.int32)
     many[-1] = 10
-    return [fwd(cu_q=np.array([1, 4, 10], np.int32)), fwd(cu_q=np.array([0, 6, 4], np.int32)),
-            fwd(max_q=5), fwd(cu_k=np.array([0, 5, 11], np.int32)),
-            fwd(cu_q=many, cu_k=many)]
+    return [
+        fwd(cu_q=np.array([1, 4, 10], np.int32)),
+        fwd(cu_q=np.array([0, 6, 4], np.int32)),
+        fwd(max_q=5),
+        fwd(cu_k=np.array([0, 5, 11], np.int32)),
+        fwd(cu_q=many, cu_k=many),
+    ]
 
 
 def distributed_bad_calls():
@@ -338,16 +370,20 @@ def distributed_bad_calls():
             return obj
 
     def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
-        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group,
-                                               layout=layout)
+        return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group, layout=layout)
 
-    return [fwd(layout="ring"), fwd(group=object()), fwd(k=q[:, :, :6], v=q[:, :, :6]),
-            fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
-            lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
-            lambda: dist.ThreadGroup(0), lambda: dist.NcclGroup(2, 2)]
+    return [
+        fwd(layout="ring"),
+        fwd(group=object()),
+        fwd(k=q[:, :, :6], v=q[:, :, :6]),
+        fwd(q=q[:, :, :7], k=q[:, :, :7], v=q[:, :, :7]),
+        lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
+        lambda: dist.ThreadGroup(0),
+        lambda: dist.NcclGroup(2, 2),
+    ]
 
 
-BAD_MODULE = '''\
+BAD_MODULE = """\
 import numpy as np
 
 
@@ -375,7 +411,7 @@ def product(b, h, q_idx, kv_idx):
 
 TABLE = np.linspace(0.5, 2.0, 14, dtype=np.float32).reshape(2, 7)
 SLOT = np.array([0, 9], np.int32)
-'''
+"""
 
 
 def _bad_module():
@@ -413,8 +449,14 @@ def modifier_bad_calls():
         lambda: modifiers.relative_bias_score(np.ones((2, 4), np.float32)),
         lambda: modifiers.and_masks(),
         lambda: cuflash.flash_attention_fwd(
-            np.ones((1, 2, 4, 16), np.float32), np.ones((1, 2, 4, 16), np.float32),
-            np.ones((1, 2, 4, 16), np.float32), 2, 2, 16, score_mod=modifiers.causal_mask()),
+            np.ones((1, 2, 4, 16), np.float32),
+            np.ones((1, 2, 4, 16), np.float32),
+            np.ones((1, 2, 4, 16), np.float32),
+            2,
+            2,
+            16,
+            score_mod=modifiers.causal_mask(),
+        ),
         *block_mask_bad_calls(),
     ]
 
@@ -430,19 +472,29 @@ def block_mask_bad_calls():
         lambda: create_block_mask(causal, None, None, 0, 5),
         lambda: create_block_mask(causal, None, None, None, 5),
         lambda: create_block_mask(modifiers.softcap_score(2.0), None, None, 5, 5),
-        lambda: create_block_mask(modifiers.document_mask(np.zeros((2, 5), np.int32)), None,
-                                  None, 5, 5),
+        lambda: create_block_mask(
+            modifiers.document_mask(np.zeros((2, 5), np.int32)), None, None, 5, 5
+        ),
         lambda: cuflash.flash_attention_fwd(
-            q, q, q, 2, 2, 16, block_mask=create_block_mask(causal, None, None, 64, 80)),
+            q, q, q, 2, 2, 16, block_mask=create_block_mask(causal, None, None, 64, 80)
+        ),
         lambda: cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=causal),
         lambda: cuflash.flash_attention_fwd(
-            q, q, q, 2, 2, 16, mask_mod=modifiers.causal_mask(),
-            block_mask=create_block_mask(causal, None, None, 64, 64)),
+            q,
+            q,
+            q,
+            2,
+            2,
+            16,
+            mask_mod=modifiers.causal_mask(),
+            block_mask=create_block_mask(causal, None, None, 64, 64),
+        ),
     ]
 
 
 def kvcache_bad_calls():
     """One invalid CPU call per documented message of flash_attention_with_kvcache."""
+
     def a(*shape, dtype=np.float32):
         return np.zeros(shape, dtype)
 
@@ -450,36 +502,50 @@ def kvcache_bad_calls():
     pool, table = a(4, 2, 8, 64), np.zeros((2, 2), np.int32)
     lens = np.zeros(2, np.int32)
 
-    def kv(q=q1, k_cache=cache, v_cache=cache, num_heads=8, num_kv_heads=2, head_dim=64,
-           **kw):
+    def kv(q=q1, k_cache=cache, v_cache=cache, num_heads=8, num_kv_heads=2, head_dim=64, **kw):
         kw.setdefault("cache_seqlens", 0)
-        return lambda: cuflash.flash_attention_with_kvcache(q, k_cache, v_cache, num_heads,
-                                                            num_kv_heads, head_dim, **kw)
+        return lambda: cuflash.flash_attention_with_kvcache(
+            q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, **kw
+        )
 
     return [
-    kv(q=a(2, 8, 0, 64)),
-    kv(k_cache=a(2, 1, 16, 64)),
-    kv(v_cache=a(2, 2, 12, 64)),
-    kv(k_cache=a(2, 2, 16, 128)[..., ::2], v_cache=a(2, 2, 16, 128)[..., ::2]),
-    kv(k_new=new),
-    kv(k_new=a(2, 2, 17, 64), v_new=a(2, 2, 17, 64)),
-    kv(k_new=new, v_new=new, k_cache=np.broadcast_to(cache[:1], cache.shape),
-       v_cache=np.broadcast_to(cache[:1], cache.shape)),
-    kv(cache_seqlens=None),
-    kv(cache_seqlens=True),
-    kv(cache_seqlens=lens.astype(np.int64)),
-    kv(cache_seqlens=16, k_new=new, v_new=new),
-    kv(cache_seqlens=np.array([0, -4], np.int32)),
-    kv(cache_seqlens=np.array([0, 16], np.int32), k_new=new, v_new=new),
-    kv(k_cache=pool, v_cache=pool, block_table=table.astype(np.int64)),
-    kv(k_cache=pool, v_cache=pool, block_table=table[:1]),
-    kv(k_cache=a(4, 2, 0, 64), v_cache=a(4, 2, 0, 64), block_table=table),
-    kv(k_cache=pool[:0], v_cache=pool[:0], block_table=table),
-    kv(k_cache=pool, v_cache=pool, block_table=np.array([[0, 1], [2, 9]], np.int32),
-       cache_seqlens=9),
-    kv(q=a(70000, 8, 1, 64), k_cache=a(70000, 2, 1, 64), v_cache=a(70000, 2, 1, 64)),
-    kv(q=a(0, 1, 2**31, 8), k_cache=a(0, 1, 1, 8), v_cache=a(0, 1, 1, 8), num_heads=1,
-       num_kv_heads=1, head_dim=8),
+        kv(q=a(2, 8, 0, 64)),
+        kv(k_cache=a(2, 1, 16, 64)),
+        kv(v_cache=a(2, 2, 12, 64)),
+        kv(k_cache=a(2, 2, 16, 128)[..., ::2], v_cache=a(2, 2, 16, 128)[..., ::2]),
+        kv(k_new=new),
+        kv(k_new=a(2, 2, 17, 64), v_new=a(2, 2, 17, 64)),
+        kv(
+            k_new=new,
+            v_new=new,
+            k_cache=np.broadcast_to(cache[:1], cache.shape),
+            v_cache=np.broadcast_to(cache[:1], cache.shape),
+        ),
+        kv(cache_seqlens=None),
+        kv(cache_seqlens=True),
+        kv(cache_seqlens=lens.astype(np.int64)),
+        kv(cache_seqlens=16, k_new=new, v_new=new),
+        kv(cache_seqlens=np.array([0, -4], np.int32)),
+        kv(cache_seqlens=np.array([0, 16], np.int32), k_new=new, v_new=new),
+        kv(k_cache=pool, v_cache=pool, block_table=table.astype(np.int64)),
+        kv(k_cache=pool, v_cache=pool, block_table=table[:1]),
+        kv(k_cache=a(4, 2, 0, 64), v_cache=a(4, 2, 0, 64), block_table=table),
+        kv(k_cache=pool[:0], v_cache=pool[:0], block_table=table),
+        kv(
+            k_cache=pool,
+            v_cache=pool,
+            block_table=np.array([[0, 1], [2, 9]], np.int32),
+            cache_seqlens=9,
+        ),
+        kv(q=a(70000, 8, 1, 64), k_cache=a(70000, 2, 1, 64), v_cache=a(70000, 2, 1, 64)),
+        kv(
+            q=a(0, 1, 2**31, 8),
+            k_cache=a(0, 1, 1, 8),
+            v_cache=a(0, 1, 1, 8),
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+        ),
     ]
 
 
@@ -494,19 +560,18 @@ def bad_calls():
     f64, f16 = np.float64, np.float16
 
     def fwd(q=q, k=kv, v=kv, num_heads=8, num_kv_heads=2, head_dim=64, **kw):
-        return lambda: cuflash.flash_attention_fwd(q, k, v, num_heads, num_kv_heads,
-                                                   head_dim, **kw)
+        return lambda: cuflash.flash_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, **kw)
 
     def bwd(dout=out, output=out, lse=lse, **kw):
-        return lambda: cuflash.flash_attention_bwd(dout, q, kv, kv, output, lse, 8, 2, 64,
-                                                   **kw)
+        return lambda: cuflash.flash_attention_bwd(dout, q, kv, kv, output, lse, 8, 2, 64, **kw)
 
     huge = a(70000, 1, 0, 8)
     return [
         fwd(q=q.tolist()),
         fwd(q=a(8, 16, 64)),
-        fwd(q=a(2, 8, 16, 64, dtype=f64), k=a(2, 2, 16, 64, dtype=f64),
-            v=a(2, 2, 16, 64, dtype=f64)),
+        fwd(
+            q=a(2, 8, 16, 64, dtype=f64), k=a(2, 2, 16, 64, dtype=f64), v=a(2, 2, 16, 64, dtype=f64)
+        ),
         fwd(k=a(2, 2, 16, 64, dtype=f16)),
         fwd(num_heads=8.0),
         fwd(num_heads=-1),
@@ -538,8 +603,14 @@ def bad_calls():
         fwd(sinks=a(8, dtype=f64)),
         fwd(sinks=a(3)),
         fwd(q=huge, k=huge, v=huge, num_heads=1, num_kv_heads=1, head_dim=8),
-        fwd(q=a(0, 1, 2**31, 8), k=a(0, 1, 8, 8), v=a(0, 1, 8, 8), num_heads=1,
-            num_kv_heads=1, head_dim=8),
+        fwd(
+            q=a(0, 1, 2**31, 8),
+            k=a(0, 1, 8, 8),
+            v=a(0, 1, 8, 8),
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+        ),
         bwd(output=a(2, 8, 16, 64, dtype=f16)),
         bwd(dout=a(8, 16, 64)),
         bwd(dout=a(2, 8, 64, 16)),
@@ -571,11 +642,14 @@ def produced_messages():
 def test_error_table_covers_every_call_site():
     documented = documented_messages()
     assert len(documented) >= 30, documented
-    missing = [site for site, pattern in error_call_sites().items()
-               if not any(pattern.match(m) for m in documented)]
+    missing = [
+        site
+        for site, pattern in error_call_sites().items()
+        if not any(pattern.match(m) for m in documented)
+    ]
     assert not missing, (
-        "InvalidArgumentError raised here has no row in docs/troubleshooting.md: "
-        f"{missing}")
+        f"InvalidArgumentError raised here has no row in docs/troubleshooting.md: {missing}"
+    )
 
 
 def test_error_table_messages_are_real():

@@ -17,9 +17,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def run_example(name, *args, timeout=240):
     """Run ``examples/<name>`` with the current interpreter; return the process."""
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          cwd=EXAMPLES.parent)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=EXAMPLES.parent,
+    )
 
 
 def load_example(name):
@@ -32,8 +36,9 @@ def load_example(name):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_three_calls_runs_and_passes(dtype):
-    proc = run_example("three_calls.py", "--device", "cpu", "--dtype", dtype,
-                       "--seq-len", "40", "--samples", "4")
+    proc = run_example(
+        "three_calls.py", "--device", "cpu", "--dtype", dtype, "--seq-len", "40", "--samples", "4"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vjp vs fwd + bwd (deterministic)       identical" in proc.stdout
     assert "gradient check passed" in proc.stdout
@@ -42,11 +47,11 @@ def test_three_calls_runs_and_passes(dtype):
 def test_three_calls_finite_differences_catch_a_wrong_gradient():
     three_calls = load_example("three_calls.py")
     rng = np.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((1, 2, 12, 8)).astype(np.float32)
-                     for _ in range(4))
+    q, k, v, dout = (rng.standard_normal((1, 2, 12, 8)).astype(np.float32) for _ in range(4))
     out, lse = three_calls.cuflash.flash_attention_fwd(q, k, v, 2, 2, 8, causal=True)
-    dq, dk, dv = three_calls.cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 2, 2, 8,
-                                                         causal=True)
+    dq, dk, dv = three_calls.cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, 2, 2, 8, causal=True
+    )
     tolerance = three_calls.TOLERANCE["float32"]
     good = three_calls.finite_difference_check(q, k, v, dout, (dq, dk, dv), True, 6, rng)
     assert max(good.values()) < tolerance
@@ -56,8 +61,9 @@ def test_three_calls_finite_differences_catch_a_wrong_gradient():
 
 def test_train_tiny_lm_reaches_its_target(tmp_path):
     plot = tmp_path / "loss.png"
-    proc = run_example("train_tiny_lm.py", "--tiny", "--device", "cpu", "--require-target",
-                       "--plot", str(plot))
+    proc = run_example(
+        "train_tiny_lm.py", "--tiny", "--device", "cpu", "--require-target", "--plot", str(plot)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
     assert "gradient check passed" in out
@@ -69,8 +75,19 @@ def test_train_tiny_lm_reaches_its_target(tmp_path):
 
 
 def test_train_tiny_lm_require_target_fails_when_missed():
-    proc = run_example("train_tiny_lm.py", "--tiny", "--device", "cpu", "--steps", "2",
-                       "--skip-gradcheck", "--require-target", "--untied", "--task", "recall")
+    proc = run_example(
+        "train_tiny_lm.py",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--skip-gradcheck",
+        "--require-target",
+        "--untied",
+        "--task",
+        "recall",
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "gradient check" not in proc.stdout
     assert "NOT reached" in proc.stdout
@@ -99,15 +116,25 @@ def test_train_varlen_lm_tiny_learns_and_compares_layouts(tmp_path, monkeypatch)
         monkeypatch.setenv(name, "1")
     figures = tmp_path / "varlen.json"
     plot = tmp_path / "varlen_loss.png"
-    proc = run_example("train_varlen_lm.py", "--tiny", "--device", "cpu",
-                       "--json", str(figures), "--plot", str(plot), timeout=120)
+    proc = run_example(
+        "train_varlen_lm.py",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--json",
+        str(figures),
+        "--plot",
+        str(plot),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
     assert "packing check:" in out and ": passed" in out
     assert "device: CPU (NumPy)" in out
     for layout in ("packed", "padded"):
-        assert re.search(rf"^{layout}: [\d,]+ real tokens/s; held-out loss ", out,
-                         re.MULTILINE), out
+        assert re.search(rf"^{layout}: [\d,]+ real tokens/s; held-out loss ", out, re.MULTILINE), (
+            out
+        )
     assert re.search(r"^packed / padded real tokens/s: \d+\.\d\dx$", out, re.MULTILINE), out
     result = json.loads(figures.read_text())
     assert set(result["real_tokens_per_s"]) == {"packed", "padded"}
@@ -131,8 +158,7 @@ def test_train_varlen_lm_packer_keeps_documents_whole():
 
     varlen_lm = load_example("train_varlen_lm.py")
     max_doc_len, budget = 64, 256
-    corpus = varlen_lm.load_corpus(max_files=12, max_doc_len=max_doc_len,
-                                   held_out_fraction=0.2)
+    corpus = varlen_lm.load_corpus(max_files=12, max_doc_len=max_doc_len, held_out_fraction=0.2)
     assert corpus.train and corpus.held_out
 
     # Documents: only files longer than max_doc_len are cut, at max_doc_len; the
@@ -170,9 +196,9 @@ def test_train_varlen_lm_packer_keeps_documents_whole():
         assert np.all(np.diff(cu) >= 0)
         assert batch.max_seqlen == int(np.diff(cu).max()) and type(batch.max_seqlen) is int
         for b, d in enumerate(documents):
-            assert np.array_equal(batch.inputs[0, cu[b]:cu[b + 1]], d.inputs)
-            assert np.array_equal(batch.targets[0, cu[b]:cu[b + 1]], d.targets)
-            assert np.array_equal(batch.positions[cu[b]:cu[b + 1]], np.arange(d.length))
+            assert np.array_equal(batch.inputs[0, cu[b] : cu[b + 1]], d.inputs)
+            assert np.array_equal(batch.targets[0, cu[b] : cu[b + 1]], d.targets)
+            assert np.array_equal(batch.positions[cu[b] : cu[b + 1]], np.arange(d.length))
         padded = varlen_lm.padded_batch(documents, np)
         assert np.array_equal(padded.inputs[padded.mask], batch.inputs[0])
         assert padded.real_tokens == batch.real_tokens
@@ -187,8 +213,9 @@ def test_train_varlen_lm_check_catches_packing_bugs(monkeypatch):
     assert lines[-1].endswith("passed")
 
     # Positions that run on across documents instead of restarting.
-    monkeypatch.setattr(varlen_lm, "positions_in_documents",
-                        lambda lengths: np.arange(sum(lengths), dtype=np.int32))
+    monkeypatch.setattr(
+        varlen_lm, "positions_in_documents", lambda lengths: np.arange(sum(lengths), dtype=np.int32)
+    )
     assert not varlen_lm.check_packing(documents, out=lines.append)
     assert lines[-1].endswith("FAILED")
     monkeypatch.undo()
@@ -197,10 +224,12 @@ def test_train_varlen_lm_check_catches_packing_bugs(monkeypatch):
     # within max_seqlen, so only the comparison can tell).
     assert [d.length for d in documents][1:3] == [12, 7]
     correct = varlen_lm.cu_seqlens_of
-    monkeypatch.setattr(varlen_lm, "cu_seqlens_of",
-                        lambda lengths: np.delete(correct(lengths), 2))
-    monkeypatch.setattr(varlen_lm, "positions_in_documents",
-                        lambda lengths: np.concatenate([np.arange(n) for n in lengths]))
+    monkeypatch.setattr(varlen_lm, "cu_seqlens_of", lambda lengths: np.delete(correct(lengths), 2))
+    monkeypatch.setattr(
+        varlen_lm,
+        "positions_in_documents",
+        lambda lengths: np.concatenate([np.arange(n) for n in lengths]),
+    )
     assert not varlen_lm.check_packing(documents, out=lines.append)
     assert lines[-1].endswith("FAILED")
 
@@ -208,12 +237,19 @@ def test_train_varlen_lm_check_catches_packing_bugs(monkeypatch):
 def test_train_varlen_lm_writes_a_csv_without_matplotlib(tmp_path, monkeypatch, capsys):
     varlen_lm = load_example("train_varlen_lm.py")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    curve = [{"step": 0, "loss": 5.5, "train_seconds": 0.0},
-             {"step": 10, "loss": 3.0, "train_seconds": 1.5}]
-    varlen_lm.write_curves(tmp_path / "loss.png", [
-        {"layout": "packed", "real_tokens_per_s": 1.0, "held_out_curve": curve}])
+    curve = [
+        {"step": 0, "loss": 5.5, "train_seconds": 0.0},
+        {"step": 10, "loss": 3.0, "train_seconds": 1.5},
+    ]
+    varlen_lm.write_curves(
+        tmp_path / "loss.png",
+        [{"layout": "packed", "real_tokens_per_s": 1.0, "held_out_curve": curve}],
+    )
     assert not (tmp_path / "loss.png").exists()
     rows = (tmp_path / "loss.csv").read_text().splitlines()
-    assert rows == ["layout,step,held_out_loss,train_seconds",
-                    "packed,0,5.500000,0.000", "packed,10,3.000000,1.500"]
+    assert rows == [
+        "layout,step,held_out_loss,train_seconds",
+        "packed,0,5.500000,0.000",
+        "packed,10,3.000000,1.500",
+    ]
     assert "matplotlib is not installed" in capsys.readouterr().out

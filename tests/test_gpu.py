@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from support import Case, cupy, grid_cases, random_inputs, rel_error, run_and_check, to_numpy
 
 import cuflash
 import cuflash.reference
 from cuflash.dispatch import PATHS
-from support import Case, cupy, grid_cases, random_inputs, rel_error, run_and_check, to_numpy
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +28,17 @@ def test_gpu_deterministic_matches_oracle(case, rng, poisoned, path):
     run_and_check(case, cupy, rng, deterministic=True)
 
 
-@pytest.mark.parametrize("dtype, head_dim, expected", [
-    ("bfloat16", 128, True), ("float16", 64, True), ("bfloat16", 256, True),
-    ("float32", 136, "hopper"), ("bfloat16", 96, True), ("float16", 200, True)])
+@pytest.mark.parametrize(
+    "dtype, head_dim, expected",
+    [
+        ("bfloat16", 128, True),
+        ("float16", 64, True),
+        ("bfloat16", 256, True),
+        ("float32", 136, "hopper"),
+        ("bfloat16", 96, True),
+        ("float16", 200, True),
+    ],
+)
 def test_fast_path_dispatch(rng, dtype, head_dim, expected):
     """Tensor cores where the registry has them (float32: the float16 pieces, on Hopper)."""
     from cuflash import gpu, problem
@@ -47,7 +55,7 @@ def test_fast_path_dispatch(rng, dtype, head_dim, expected):
             assert gpu.choose(prob, direction, True).instruction == "cuda cores"
     # Rows off the 16-byte grid fall back to the general kernel.
     wide = cupy.asarray(rng.standard_normal(q.shape[:3] + (head_dim + 8,)).astype(q.dtype))
-    assert not gpu.rows_are_16_byte_aligned((wide[..., 1:head_dim + 1], k, v))
+    assert not gpu.rows_are_16_byte_aligned((wide[..., 1 : head_dim + 1], k, v))
     assert gpu.choose(prob, "forward", False).instruction == "cuda cores"
 
 
@@ -61,10 +69,14 @@ def test_unaligned_rows_are_still_correct(rng, poisoned):
     assert rel_error(out, to_numpy(ref).astype(np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("case", [
-    Case(dtype="bfloat16", heads=8, kv_heads=2, q_len=300, kv_len=300, causal=True),
-    Case(dtype="float32", head_dim=256, q_len=130, kv_len=200, window=(20, 5)),
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(dtype="bfloat16", heads=8, kv_heads=2, q_len=300, kv_len=300, causal=True),
+        Case(dtype="float32", head_dim=256, q_len=130, kv_len=200, window=(20, 5)),
+    ],
+    ids=str,
+)
 def test_deterministic_is_bitwise_reproducible(case, rng):
     q, k, v, dout = random_inputs(case, rng, cupy)
     out, vjp = cuflash.flash_attention_vjp(q, k, v, *case.args)
@@ -113,10 +125,14 @@ def test_kv_cache_buffer_is_not_copied(rng, poisoned):
     assert cupy.array_equal(out1, out2) and not cupy.isnan(out2).any()
 
 
-@pytest.mark.parametrize("shape_q, shape_kv", [
-    ((0, 4, 16, 32), (0, 2, 16, 32)), ((2, 4, 0, 32), (2, 2, 16, 32)),
-    ((2, 4, 16, 32), (2, 2, 0, 32)),
-])
+@pytest.mark.parametrize(
+    "shape_q, shape_kv",
+    [
+        ((0, 4, 16, 32), (0, 2, 16, 32)),
+        ((2, 4, 0, 32), (2, 2, 16, 32)),
+        ((2, 4, 16, 32), (2, 2, 0, 32)),
+    ],
+)
 def test_empty_dimensions(shape_q, shape_kv, poisoned):
     q = cupy.ones(shape_q, cupy.float32)
     k = v = cupy.ones(shape_kv, cupy.float32)
@@ -132,8 +148,16 @@ def test_empty_dimensions(shape_q, shape_kv, poisoned):
 
 def test_long_sequence_memory_is_linear(rng):
     """S = 32768 causal in bfloat16: the S x S scores (4 GiB per head) never exist."""
-    case = Case(dtype="bfloat16", batch=1, heads=2, kv_heads=2, q_len=32768, kv_len=32768,
-                head_dim=64, causal=True)
+    case = Case(
+        dtype="bfloat16",
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=32768,
+        kv_len=32768,
+        head_dim=64,
+        causal=True,
+    )
     q, k, v, dout = random_inputs(case, rng, cupy)
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()  # blocks cached by earlier tests are not this call's
@@ -146,8 +170,9 @@ def test_long_sequence_memory_is_linear(rng):
     for i in (0, 5000, 32767):
         sub = [to_numpy(a[:, :, : i + 1]) for a in (k, v)]
         ref, _ = cuflash.reference.attention_reference(
-            to_numpy(q[:, :, i:i + 1]), *sub, causal=True)
-        assert rel_error(out[:, :, i:i + 1], ref) < 1e-2
+            to_numpy(q[:, :, i : i + 1]), *sub, causal=True
+        )
+        assert rel_error(out[:, :, i : i + 1], ref) < 1e-2
     assert all(not cupy.isnan(g).any() for g in grads)
 
 

@@ -2,27 +2,34 @@
 
 import numpy as np
 import pytest
+from support import Case, cupy, random_inputs, rel_error, to_numpy
 
 import cuflash
 from cuflash import plans
-from support import Case, cupy, random_inputs, rel_error, to_numpy
 
 pytestmark = pytest.mark.gpu
 
 
 def _step(case, q, k, v, dout, deterministic):
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args,
-                                        deterministic=deterministic, synchronize=False)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, deterministic=deterministic, synchronize=False
+    )
     return (out, lse, *grads)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("case", [
-    Case(dtype="bfloat16", heads=8, kv_heads=2, q_len=200, kv_len=200, head_dim=64, causal=True),
-    Case(dtype="float16", heads=4, kv_heads=4, q_len=100, kv_len=160, head_dim=80, window=32),
-    Case(dtype="float32", heads=4, kv_heads=1, q_len=90, kv_len=90, head_dim=96, causal=True),
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(
+            dtype="bfloat16", heads=8, kv_heads=2, q_len=200, kv_len=200, head_dim=64, causal=True
+        ),
+        Case(dtype="float16", heads=4, kv_heads=4, q_len=100, kv_len=160, head_dim=80, window=32),
+        Case(dtype="float32", heads=4, kv_heads=1, q_len=90, kv_len=90, head_dim=96, causal=True),
+    ],
+    ids=str,
+)
 def test_captured_step_replays_like_direct_calls(case, deterministic, rng):
     """Forward and backward(synchronize=False) captured into a CuPy graph, replayed on new
     values written into the same input buffers, give the direct calls' results."""

@@ -15,13 +15,16 @@ import math
 
 import numpy as np
 import pytest
+from support import Case, cupy, oracle, random_inputs, run_and_check, to_numpy
 
 import cuflash
 from cuflash.reference import _mask
-from support import Case, cupy, oracle, random_inputs, run_and_check, to_numpy
 
-BACKENDS = ["cpu", pytest.param("auto", marks=pytest.mark.gpu),
-            pytest.param("general", marks=pytest.mark.gpu)]
+BACKENDS = [
+    "cpu",
+    pytest.param("auto", marks=pytest.mark.gpu),
+    pytest.param("general", marks=pytest.mark.gpu),
+]
 
 
 def _backend_arrays(backend, arrays):
@@ -35,19 +38,38 @@ def _run(backend, case, q, k, v, dout):
     path = "auto" if backend == "cpu" else backend
     with cuflash.kernel_path(path):
         out, lse = cuflash.flash_attention_fwd(*arrays[:3], *case.args, **kw)
-        grads = cuflash.flash_attention_bwd(arrays[3], *arrays[:3], out, lse, *case.args, **kw,
-                                            deterministic=True)
-    return {name: to_numpy(a) for name, a in zip(("out", "lse", "dq", "dk", "dv"),
-                                                  (out, lse, *grads))}
+        grads = cuflash.flash_attention_bwd(
+            arrays[3], *arrays[:3], out, lse, *case.args, **kw, deterministic=True
+        )
+    return {
+        name: to_numpy(a) for name, a in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))
+    }
 
 
 CASES = [
-    Case(dtype="float32", batch=2, heads=4, kv_heads=2, q_len=70, kv_len=90, head_dim=64,
-         causal=True),
-    Case(dtype="bfloat16", batch=2, heads=4, kv_heads=2, q_len=80, kv_len=80, head_dim=128,
-         window=(9, 4)),
-    Case(dtype="float16", batch=1, heads=2, kv_heads=1, q_len=33, kv_len=140, head_dim=64,
-         kv_seq_len=100),
+    Case(
+        dtype="float32", batch=2, heads=4, kv_heads=2, q_len=70, kv_len=90, head_dim=64, causal=True
+    ),
+    Case(
+        dtype="bfloat16",
+        batch=2,
+        heads=4,
+        kv_heads=2,
+        q_len=80,
+        kv_len=80,
+        head_dim=128,
+        window=(9, 4),
+    ),
+    Case(
+        dtype="float16",
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=33,
+        kv_len=140,
+        head_dim=64,
+        kv_seq_len=100,
+    ),
 ]
 
 
@@ -62,10 +84,14 @@ def _reach(case, tensor, b, head, pos):
     group = case.heads // case.kv_heads
     kv_len = case.kv_len if case.kv_seq_len is None else case.kv_seq_len
     vis = _mask(case.q_len, case.kv_len, kv_len, case.causal, case.window)  # [S_q, S_k]
-    q_shape, kv_shape = (case.batch, case.heads, case.q_len), (case.batch, case.kv_heads,
-                                                               case.kv_len)
-    must = {n: np.zeros(q_shape if n in ("out", "lse", "dq") else kv_shape, bool)
-            for n in ("out", "lse", "dq", "dk", "dv")}
+    q_shape, kv_shape = (
+        (case.batch, case.heads, case.q_len),
+        (case.batch, case.kv_heads, case.kv_len),
+    )
+    must = {
+        n: np.zeros(q_shape if n in ("out", "lse", "dq") else kv_shape, bool)
+        for n in ("out", "lse", "dq", "dk", "dv")
+    }
     contained = {n: np.zeros_like(m) for n, m in must.items()}
     if tensor in ("q", "dout"):
         kv_head = head // group
@@ -117,8 +143,9 @@ def test_non_finite_input_reaches_what_it_should(backend, case, tensor, bad, rng
         # score is a hidden key (the row stays finite). Make the partner column
         # positive so every score it touches is +inf: those rows must be NaN.
         group = case.heads // case.kv_heads
-        partner, heads = (k, head // group) if tensor == "q" else (
-            q, slice(head * group, (head + 1) * group))
+        partner, heads = (
+            (k, head // group) if tensor == "q" else (q, slice(head * group, (head + 1) * group))
+        )
         column = np.abs(partner[b, heads, :, d].astype(np.float32)) + 1
         partner[b, heads, :, d] = column.astype(partner.dtype)
         if case.scale is not None and case.scale < 0:
@@ -142,16 +169,17 @@ def test_non_finite_input_reaches_what_it_should(backend, case, tensor, bad, rng
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keys_past_kv_seq_len_are_never_read(backend, rng):
-    case = Case(dtype="bfloat16", heads=4, kv_heads=2, q_len=20, kv_len=300, kv_seq_len=130,
-                causal=True)
+    case = Case(
+        dtype="bfloat16", heads=4, kv_heads=2, q_len=20, kv_len=300, kv_seq_len=130, causal=True
+    )
     q, k, v, dout = (np.ascontiguousarray(a) for a in random_inputs(case, rng))
     clean = _run(backend, case, q, k, v, dout)
-    k[:, :, case.kv_seq_len:] = np.nan
-    v[:, :, case.kv_seq_len:] = np.inf
+    k[:, :, case.kv_seq_len :] = np.nan
+    v[:, :, case.kv_seq_len :] = np.inf
     got = _run(backend, case, q, k, v, dout)
     for name in clean:
         assert np.array_equal(got[name], clean[name]), name
-    assert np.all(got["dk"][:, :, case.kv_seq_len:] == 0)
+    assert np.all(got["dk"][:, :, case.kv_seq_len :] == 0)
 
 
 def _backend_check(backend, case, rng, scale_inputs):
@@ -171,8 +199,7 @@ def _backend_check(backend, case, rng, scale_inputs):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_extreme_score_magnitudes(backend, scale, dtype, rng):
     """Softmax scales from nearly one-hot (1e4) to nearly uniform (1e-30)."""
-    case = Case(dtype=dtype, heads=2, kv_heads=2, q_len=50, kv_len=75, causal=True,
-                scale=scale)
+    case = Case(dtype=dtype, heads=2, kv_heads=2, q_len=50, kv_len=75, causal=True, scale=scale)
     out, lse, grads = _backend_check(backend, case, rng, lambda x, shape: x)
     assert np.all(np.isfinite(to_numpy(lse)))
 
@@ -180,8 +207,9 @@ def test_extreme_score_magnitudes(backend, scale, dtype, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float16_near_its_range(backend, rng):
     """V up to 60000 (float16 tops out at 65504) and scores near 1e4 stay finite."""
-    case = Case(dtype="float16", heads=2, kv_heads=1, q_len=40, kv_len=60, head_dim=64,
-                window=(20, 20))
+    case = Case(
+        dtype="float16", heads=2, kv_heads=1, q_len=40, kv_len=60, head_dim=64, window=(20, 20)
+    )
     calls = []
 
     def scale_inputs(x, shape):

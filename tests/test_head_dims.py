@@ -3,15 +3,35 @@
 mma.sync ones, and float32 on the float16 pieces, against the float64 oracle."""
 
 import pytest
+from support import Case, cupy, random_inputs, run_and_check
 
 from cuflash import dispatch, gpu, problem
-from support import Case, cupy, random_inputs, run_and_check
 
 pytestmark = pytest.mark.gpu
 
 # Each class's edges and insides (64, 128, 256 are covered by the main grid).
-OFF_GRID = (8, 16, 24, 32, 48, 56, 72, 80, 88, 104, 112, 120, 136, 144, 160, 176, 192, 200,
-            224, 248)
+OFF_GRID = (
+    8,
+    16,
+    24,
+    32,
+    48,
+    56,
+    72,
+    80,
+    88,
+    104,
+    112,
+    120,
+    136,
+    144,
+    160,
+    176,
+    192,
+    200,
+    224,
+    248,
+)
 # Options rotate over the head dims, so every class meets each of them.
 OPTIONS = [
     dict(causal=True),
@@ -25,8 +45,11 @@ OPTIONS = [
 
 
 def _cases(dtypes, head_dims):
-    return [Case(dtype=dtype, head_dim=d, **OPTIONS[(i + j) % len(OPTIONS)])
-            for i, d in enumerate(head_dims) for j, dtype in enumerate(dtypes)]
+    return [
+        Case(dtype=dtype, head_dim=d, **OPTIONS[(i + j) % len(OPTIONS)])
+        for i, d in enumerate(head_dims)
+        for j, dtype in enumerate(dtypes)
+    ]
 
 
 SIXTEEN_BIT = _cases(("bfloat16", "float16"), OFF_GRID)

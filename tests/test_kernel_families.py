@@ -5,20 +5,18 @@ line serve): the mma.sync forward and backward where the wgmma ones serve by def
 backward, float32 on TF32 tensor cores (``allow_tf32``) and on float16 pieces."""
 
 import pytest
+from support import Case, cupy, grid_cases, oracle, random_inputs, rel_error, run_and_check
 
 import cuflash
 from cuflash import dispatch, gpu, problem, registry
-from support import Case, cupy, grid_cases, oracle, random_inputs, rel_error, run_and_check
 
 pytestmark = pytest.mark.gpu
 FLOAT32_CASES = [c for c in grid_cases() if c.dtype == "float32"]
 WIDE_CASES = [c for c in grid_cases() if c.dtype != "float32" and c.head_dim in (64, 128, 256)]
 WIDE_CASES += [
-    Case(dtype="bfloat16", head_dim=256, heads=8, kv_heads=2, q_len=200, kv_len=300,
-         causal=True),
+    Case(dtype="bfloat16", head_dim=256, heads=8, kv_heads=2, q_len=200, kv_len=300, causal=True),
     Case(dtype="float16", head_dim=256, q_len=150, kv_len=150, window=(30, 10)),
-    Case(dtype="bfloat16", head_dim=256, heads=4, kv_heads=1, q_len=1, kv_len=500,
-         kv_seq_len=333),
+    Case(dtype="bfloat16", head_dim=256, heads=4, kv_heads=1, q_len=1, kv_len=500, kv_seq_len=333),
     Case(dtype="float16", head_dim=128, q_len=257, kv_len=129, bshd=True),
 ]
 WGMMA_16_BIT = ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma")
@@ -90,8 +88,13 @@ def test_dispatch_follows_the_registry(rng):
     """The GPU path asks the registry: the device's first kernel, the general one on the
     general path or with rows off the 16-byte grid, the next in line when skipped."""
     capability = int(cupy.cuda.Device().compute_capability)
-    for dtype, head_dim in (("bfloat16", 40), ("float16", 128), ("bfloat16", 200),
-                            ("float32", 64), ("float32", 136)):
+    for dtype, head_dim in (
+        ("bfloat16", 40),
+        ("float16", 128),
+        ("bfloat16", 200),
+        ("float32", 64),
+        ("float32", 136),
+    ):
         case = Case(dtype=dtype, head_dim=head_dim)
         arrays = random_inputs(case, rng, cupy)
         for direction in ("forward", "backward"):
@@ -146,8 +149,7 @@ def test_float32_pieces_accuracy_target(case, rng):
     pieces = _errors(case, arrays, refs)
     tf32 = _errors(case, arrays, refs, allow_tf32=True)
     print(f"\n{case}: general {general}\n  pieces {pieces}\n  TF32 {tf32}")
-    for what, e_general, e_pieces, e_tf32 in zip(("out", "dq", "dk", "dv"), general, pieces,
-                                                 tf32):
+    for what, e_general, e_pieces, e_tf32 in zip(("out", "dq", "dk", "dv"), general, pieces, tf32):
         assert e_pieces <= 2 * e_general, f"{what}: pieces {e_pieces:.3g}, general {e_general:.3g}"
         if what == "out" or case.head_dim <= 128:
             assert e_pieces < e_tf32 < 2e-2, f"{what}: TF32 {e_tf32:.3g}, pieces {e_pieces:.3g}"

@@ -7,13 +7,18 @@ import math
 
 import numpy as np
 import pytest
-
-from cuflash import InvalidArgumentError, kernel_build
-from cuflash import kvcache, plans
-from cuflash.kvcache import (ROW_TILES, decode_shape, decode_tc_keys, decode_tc_shape,
-                             flash_attention_with_kvcache, num_splits)
-from cuflash.reference import attention_reference
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
+
+from cuflash import InvalidArgumentError, kernel_build, kvcache, plans
+from cuflash.kvcache import (
+    ROW_TILES,
+    decode_shape,
+    decode_tc_keys,
+    decode_tc_shape,
+    flash_attention_with_kvcache,
+    num_splits,
+)
+from cuflash.reference import attention_reference
 
 if HAS_GPU:
     import cupy
@@ -48,8 +53,11 @@ class KVCase:
 
     def __str__(self):
         default = dataclasses.asdict(KVCase())
-        return "-".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items()
-                        if v != default[k] or k == "dtype")
+        return "-".join(
+            f"{k}={v}"
+            for k, v in dataclasses.asdict(self).items()
+            if v != default[k] or k == "dtype"
+        )
 
 
 def make_inputs(case, rng, xp=np):
@@ -73,7 +81,7 @@ def make_inputs(case, rng, xp=np):
     if case.block_size:
         max_blocks = case.capacity // case.block_size
         num_blocks = b * max_blocks + 3  # spare blocks that no sequence uses
-        table = rng.permutation(num_blocks)[:b * max_blocks].reshape(b, max_blocks)
+        table = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks)
         if case.shared_blocks:  # every sequence reads sequence 0's first block
             table[:, 0] = table[0, 0]
         table = table.astype(np.int32)
@@ -95,8 +103,7 @@ def make_inputs(case, rng, xp=np):
         if a is None or xp is np:
             return a
         if a.ndim == 4 and not a.flags.c_contiguous:  # keep the transposed view a view
-            return xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 1, 3))).transpose(
-                0, 2, 1, 3)
+            return xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
         return xp.asarray(a)
 
     if not isinstance(lengths, int):
@@ -106,9 +113,17 @@ def make_inputs(case, rng, xp=np):
         shape = (h,) if case.alibi == "heads" else (b, h)
         slopes = rng.uniform(0.05, 1.0, size=shape).astype(np.float32)
     sinks = rng.uniform(-1.0, 4.0, h).astype(np.float32) if case.sinks else None
-    return dict(q=move(q), k_cache=move(k_cache), v_cache=move(v_cache), k_new=move(k_new),
-                v_new=move(v_new), cache_seqlens=lengths, block_table=move(table),
-                alibi_slopes=move(slopes), sinks=move(sinks))
+    return dict(
+        q=move(q),
+        k_cache=move(k_cache),
+        v_cache=move(v_cache),
+        k_new=move(k_new),
+        v_new=move(v_new),
+        cache_seqlens=lengths,
+        block_table=move(table),
+        alibi_slopes=move(slopes),
+        sinks=move(sinks),
+    )
 
 
 def host_lengths(case, inputs):
@@ -158,11 +173,18 @@ def oracle(case, inputs, k_cache, v_cache):
         if slopes is not None:
             slopes = to_numpy(slopes)
             slopes = slopes[b] if slopes.ndim == 2 else slopes
-        ref_out, ref_lse = attention_reference(q[b:b + 1], keys[None].astype(np.float64),
-                                               values[None].astype(np.float64), case.causal,
-                                               case.window, None, case.scale,
-                                               softcap=case.softcap, alibi_slopes=slopes,
-                                               sinks=sinks)
+        ref_out, ref_lse = attention_reference(
+            q[b : b + 1],
+            keys[None].astype(np.float64),
+            values[None].astype(np.float64),
+            case.causal,
+            case.window,
+            None,
+            case.scale,
+            softcap=case.softcap,
+            alibi_slopes=slopes,
+            sinks=sinks,
+        )
         out[b], lse[b] = ref_out[0], ref_lse[0]
     return out, lse
 
@@ -174,12 +196,25 @@ def run_case(case, rng, xp=np, check=False, call=flash_attention_with_kvcache):
     inputs = make_inputs(case, rng, xp)
     want_k, want_v = expected_caches(case, inputs)
     out, lse = call(
-        inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-        case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
-        k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],
-        softmax_scale=case.scale, return_lse=True, check=check, softcap=case.softcap,
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+        case.causal,
+        case.window,
+        cache_seqlens=inputs["cache_seqlens"],
+        k_new=inputs["k_new"],
+        v_new=inputs["v_new"],
+        block_table=inputs["block_table"],
+        softmax_scale=case.scale,
+        return_lse=True,
+        check=check,
+        softcap=case.softcap,
         alibi_slopes=inputs["alibi_slopes"],
-        **({} if inputs["sinks"] is None else {"sinks": inputs["sinks"]}))
+        **({} if inputs["sinks"] is None else {"sinks": inputs["sinks"]}),
+    )
     assert type(out) is type(inputs["q"])
     assert out.dtype == DTYPES[case.dtype] and out.shape == inputs["q"].shape
     assert lse.dtype == np.float32 and lse.shape == inputs["q"].shape[:3]
@@ -198,56 +233,137 @@ def run_case(case, rng, xp=np, check=False, call=flash_attention_with_kvcache):
 
 CASES = [
     # plain decoding, GQA, random lengths (0 and full included), every dtype
-    KVCase(dtype="float32"), KVCase(dtype="float16"), KVCase(dtype="bfloat16"),
+    KVCase(dtype="float32"),
+    KVCase(dtype="float16"),
+    KVCase(dtype="bfloat16"),
     # appends (one row, several), speculative and longer chunks of queries
     KVCase(dtype="float32", new_len=1, head_dim=40),
     KVCase(dtype="float16", new_len=4, q_len=4, head_dim=128, heads=8, kv_heads=2),
     KVCase(dtype="bfloat16", new_len=7, q_len=7, head_dim=24, heads=6, kv_heads=1),
     KVCase(dtype="float32", new_len=3, q_len=20, head_dim=8, heads=2, kv_heads=2),
-    KVCase(dtype="bfloat16", q_len=40, new_len=9, heads=4, kv_heads=1, head_dim=96,
-           capacity=140),
+    KVCase(dtype="bfloat16", q_len=40, new_len=9, heads=4, kv_heads=1, head_dim=96, capacity=140),
     # paged: shuffled blocks, appends across block boundaries, shared blocks, vLLM's layout
     KVCase(dtype="float16", block_size=16, capacity=96, new_len=5, q_len=5, head_dim=72),
-    KVCase(dtype="bfloat16", block_size=16, capacity=64, new_len=17, q_len=3, head_dim=64,
-           heads=8, kv_heads=8),
-    KVCase(dtype="float32", block_size=8, capacity=48, new_len=2, q_len=2, shared_blocks=True,
-           head_dim=136),
-    KVCase(dtype="bfloat16", block_size=32, capacity=96, new_len=1, vllm_layout=True,
-           heads=8, kv_heads=4, head_dim=256),
+    KVCase(
+        dtype="bfloat16",
+        block_size=16,
+        capacity=64,
+        new_len=17,
+        q_len=3,
+        head_dim=64,
+        heads=8,
+        kv_heads=8,
+    ),
+    KVCase(
+        dtype="float32",
+        block_size=8,
+        capacity=48,
+        new_len=2,
+        q_len=2,
+        shared_blocks=True,
+        head_dim=136,
+    ),
+    KVCase(
+        dtype="bfloat16",
+        block_size=32,
+        capacity=96,
+        new_len=1,
+        vllm_layout=True,
+        heads=8,
+        kv_heads=4,
+        head_dim=256,
+    ),
     KVCase(dtype="float16", block_size=5, capacity=35, new_len=6, q_len=6, lengths="full"),
     # one query row a sequence on blocks below 16 keys and on 24-key blocks under a window
     # (the tensor-core kernel's loads inside one block, across two, block ids per copy)
-    KVCase(dtype="bfloat16", block_size=8, capacity=96, new_len=1, heads=8, kv_heads=2,
-           head_dim=128),
-    KVCase(dtype="float16", block_size=24, capacity=120, heads=8, kv_heads=1, head_dim=64,
-           window=37),
+    KVCase(
+        dtype="bfloat16", block_size=8, capacity=96, new_len=1, heads=8, kv_heads=2, head_dim=128
+    ),
+    KVCase(
+        dtype="float16", block_size=24, capacity=120, heads=8, kv_heads=1, head_dim=64, window=37
+    ),
     # masking: windows, no causal, a tuple window, a custom scale, an int length
     KVCase(dtype="float32", window=5, q_len=3, new_len=3),
     KVCase(dtype="bfloat16", causal=False, q_len=4, lengths="int", head_dim=120),
-    KVCase(dtype="float16", causal=False, window=(3, 2), q_len=6, new_len=2, block_size=16,
-           capacity=64),
+    KVCase(
+        dtype="float16", causal=False, window=(3, 2), q_len=6, new_len=2, block_size=16, capacity=64
+    ),
     KVCase(dtype="float32", window=1, q_len=9, new_len=4, scale=-0.7, heads=3, kv_heads=3),
-    KVCase(dtype="bfloat16", scale=0.05, q_len=2, lengths="int", new_len=2, heads=16,
-           kv_heads=1),
+    KVCase(dtype="bfloat16", scale=0.05, q_len=2, lengths="int", new_len=2, heads=16, kv_heads=1),
     # score modifiers (SPEC 8): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
     # paged, the CUDA-core and tensor-core kernels and the dense kernels' long chunks
     KVCase(dtype="bfloat16", softcap=2.0),
     KVCase(dtype="float32", alibi="heads", q_len=3, new_len=3, window=5),
-    KVCase(dtype="float16", alibi="batch", softcap=3.0, new_len=4, q_len=4, head_dim=128,
-           heads=8, kv_heads=2),
-    KVCase(dtype="float32", softcap=1.5, alibi="batch", block_size=16, capacity=96,
-           new_len=5, q_len=5, head_dim=72),
-    KVCase(dtype="bfloat16", softcap=4.0, alibi="heads", q_len=40, new_len=9, heads=4,
-           kv_heads=1, head_dim=96, capacity=140),
-    KVCase(dtype="bfloat16", alibi="batch", softcap=2.5, q_len=80, new_len=80, heads=8,
-           kv_heads=2, head_dim=128, capacity=200, lengths="int", causal=False),
+    KVCase(
+        dtype="float16",
+        alibi="batch",
+        softcap=3.0,
+        new_len=4,
+        q_len=4,
+        head_dim=128,
+        heads=8,
+        kv_heads=2,
+    ),
+    KVCase(
+        dtype="float32",
+        softcap=1.5,
+        alibi="batch",
+        block_size=16,
+        capacity=96,
+        new_len=5,
+        q_len=5,
+        head_dim=72,
+    ),
+    KVCase(
+        dtype="bfloat16",
+        softcap=4.0,
+        alibi="heads",
+        q_len=40,
+        new_len=9,
+        heads=4,
+        kv_heads=1,
+        head_dim=96,
+        capacity=140,
+    ),
+    KVCase(
+        dtype="bfloat16",
+        alibi="batch",
+        softcap=2.5,
+        q_len=80,
+        new_len=80,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        capacity=200,
+        lengths="int",
+        causal=False,
+    ),
     # attention sinks: both decode kernels (an empty cache), splits, a long chunk (dense)
     KVCase(dtype="bfloat16", sinks=True, q_len=2, new_len=0),
     KVCase(dtype="float32", sinks=True, capacity=600, new_len=1, head_dim=40),
-    KVCase(dtype="float32", sinks=True, batch=1, heads=2, kv_heads=1, capacity=600, new_len=1,
-           head_dim=40, lengths="full"),
-    KVCase(dtype="float16", sinks=True, batch=2, kv_heads=1, capacity=600, q_len=3, new_len=3,
-           block_size=40, softcap=3.0, lengths="full"),
+    KVCase(
+        dtype="float32",
+        sinks=True,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        capacity=600,
+        new_len=1,
+        head_dim=40,
+        lengths="full",
+    ),
+    KVCase(
+        dtype="float16",
+        sinks=True,
+        batch=2,
+        kv_heads=1,
+        capacity=600,
+        q_len=3,
+        new_len=3,
+        block_size=40,
+        softcap=3.0,
+        lengths="full",
+    ),
     KVCase(dtype="bfloat16", sinks=True, q_len=40, new_len=9, heads=4, kv_heads=1),
 ]
 
@@ -261,8 +377,16 @@ def test_cpu_out_only_without_return_lse(rng):
     case = KVCase(dtype="float32", new_len=2, q_len=2)
     inputs = make_inputs(case, rng)
     out = flash_attention_with_kvcache(
-        inputs["q"], inputs["k_cache"], inputs["v_cache"], 4, 2, 64,
-        cache_seqlens=inputs["cache_seqlens"], k_new=inputs["k_new"], v_new=inputs["v_new"])
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        4,
+        2,
+        64,
+        cache_seqlens=inputs["cache_seqlens"],
+        k_new=inputs["k_new"],
+        v_new=inputs["v_new"],
+    )
     assert isinstance(out, np.ndarray) and out.shape == (3, 4, 2, 64)
 
 
@@ -274,12 +398,21 @@ def test_cpu_decode_loop_equals_one_prefill(rng):
     v = rng.standard_normal((b, hk, steps, d)).astype(np.float32)
     k_cache = rng.standard_normal((b, hk, cap, d)).astype(np.float32)
     v_cache = rng.standard_normal((b, hk, cap, d)).astype(np.float32)
-    whole = flash_attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), h, hk, d,
-                                         cache_seqlens=0, k_new=k, v_new=v)
+    whole = flash_attention_with_kvcache(
+        q, k_cache.copy(), v_cache.copy(), h, hk, d, cache_seqlens=0, k_new=k, v_new=v
+    )
     for t in range(steps):
-        step = flash_attention_with_kvcache(q[:, :, t:t + 1], k_cache, v_cache, h, hk, d,
-                                            cache_seqlens=t, k_new=k[:, :, t:t + 1],
-                                            v_new=v[:, :, t:t + 1])
+        step = flash_attention_with_kvcache(
+            q[:, :, t : t + 1],
+            k_cache,
+            v_cache,
+            h,
+            hk,
+            d,
+            cache_seqlens=t,
+            k_new=k[:, :, t : t + 1],
+            v_new=v[:, :, t : t + 1],
+        )
         np.testing.assert_allclose(step[:, :, 0], whole[:, :, t], rtol=2e-6, atol=2e-6)
     assert np.array_equal(k_cache[:, :, :steps], k)
 
@@ -289,19 +422,33 @@ def test_cpu_decode_loop_equals_one_prefill(rng):
 
 
 def _valid_args(rng, paged=False, xp=np):
-    case = KVCase(dtype="float32", new_len=2, block_size=16 if paged else 0, capacity=64,
-                  lengths="full" if paged else "random")
+    case = KVCase(
+        dtype="float32",
+        new_len=2,
+        block_size=16 if paged else 0,
+        capacity=64,
+        lengths="full" if paged else "random",
+    )
     inputs = make_inputs(case, rng, xp)
-    return dict(q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"],
-                num_heads=4, num_kv_heads=2, head_dim=64,
-                cache_seqlens=inputs["cache_seqlens"], k_new=inputs["k_new"],
-                v_new=inputs["v_new"], block_table=inputs["block_table"])
+    return dict(
+        q=inputs["q"],
+        k_cache=inputs["k_cache"],
+        v_cache=inputs["v_cache"],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        cache_seqlens=inputs["cache_seqlens"],
+        k_new=inputs["k_new"],
+        v_new=inputs["v_new"],
+        block_table=inputs["block_table"],
+    )
 
 
 def _call(args):
     args = dict(args)
-    positional = [args.pop(n) for n in ("q", "k_cache", "v_cache", "num_heads", "num_kv_heads",
-                                        "head_dim")]
+    positional = [
+        args.pop(n) for n in ("q", "k_cache", "v_cache", "num_heads", "num_kv_heads", "head_dim")
+    ]
     return flash_attention_with_kvcache(*positional, **args)
 
 
@@ -316,17 +463,33 @@ BAD_CALLS = [
     ("head_dim", "unsupported head_dim", lambda a: _with(a, head_dim=12)),
     ("softcap", "must be finite and >= 0", lambda a: _with(a, softcap=-1.0)),
     ("alibi_slopes", "expected shape", lambda a: _with(a, alibi_slopes=np.ones(3, np.float32))),
-    ("alibi_slopes", "expected dtype float32",
-     lambda a: _with(a, alibi_slopes=np.ones(4, np.float64))),
+    (
+        "alibi_slopes",
+        "expected dtype float32",
+        lambda a: _with(a, alibi_slopes=np.ones(4, np.float64)),
+    ),
     ("num_kv_heads", "must divide", lambda a: _with(a, num_kv_heads=3)),
     ("num_kv_heads", ">= 1", lambda a: _with(a, num_kv_heads=0)),
     ("k_cache", "expected 4-D", lambda a: _with(a, k_cache=a["k_cache"][0])),
     ("k_cache", "batch", lambda a: _with(a, k_cache=a["k_cache"][:2], v_cache=a["v_cache"][:2])),
-    ("k_cache", "heads", lambda a: _with(a, k_cache=a["k_cache"][:, :1],
-                                         v_cache=a["v_cache"][:, :1])),
-    ("k_cache", "last stride", lambda a: _with(a, k_cache=a["k_cache"][..., ::2],
-                                               v_cache=a["v_cache"][..., ::2], head_dim=32,
-                                               q=a["q"][..., :32], k_new=None, v_new=None)),
+    (
+        "k_cache",
+        "heads",
+        lambda a: _with(a, k_cache=a["k_cache"][:, :1], v_cache=a["v_cache"][:, :1]),
+    ),
+    (
+        "k_cache",
+        "last stride",
+        lambda a: _with(
+            a,
+            k_cache=a["k_cache"][..., ::2],
+            v_cache=a["v_cache"][..., ::2],
+            head_dim=32,
+            q=a["q"][..., :32],
+            k_new=None,
+            v_new=None,
+        ),
+    ),
     ("v_cache", "differs from k_cache", lambda a: _with(a, v_cache=a["v_cache"][:, :, :40])),
     ("v_cache", "dtype", lambda a: _with(a, v_cache=a["v_cache"].astype(np.float16))),
     ("q", "unsupported dtype", lambda a: _with(a, q=a["q"].astype(np.float64))),
@@ -335,19 +498,34 @@ BAD_CALLS = [
     ("k_new", "given together", lambda a: _with(a, k_new=None)),
     ("k_new", "heads", lambda a: _with(a, k_new=a["k_new"][:, :1], v_new=a["v_new"][:, :1])),
     ("v_new", "rows", lambda a: _with(a, v_new=a["v_new"][:, :, :1])),
-    ("k_new", "exceed the cache capacity", lambda a: _with(
-        a, k_new=np.zeros((3, 2, 65, 64), np.float32) + 1, v_new=np.ones((3, 2, 65, 64),
-                                                                         np.float32))),
+    (
+        "k_new",
+        "exceed the cache capacity",
+        lambda a: _with(
+            a,
+            k_new=np.zeros((3, 2, 65, 64), np.float32) + 1,
+            v_new=np.ones((3, 2, 65, 64), np.float32),
+        ),
+    ),
     ("cache_seqlens", "is required", lambda a: _with(a, cache_seqlens=None)),
-    ("cache_seqlens", "dtype int32", lambda a: _with(
-        a, cache_seqlens=a["cache_seqlens"].astype(np.int64))),
+    (
+        "cache_seqlens",
+        "dtype int32",
+        lambda a: _with(a, cache_seqlens=a["cache_seqlens"].astype(np.int64)),
+    ),
     ("cache_seqlens", "shape", lambda a: _with(a, cache_seqlens=a["cache_seqlens"][:2])),
     ("cache_seqlens", "expected an int", lambda a: _with(a, cache_seqlens=True)),
     ("cache_seqlens", "expected numpy", lambda a: _with(a, cache_seqlens=[1, 2, 3])),
-    ("cache_seqlens", "sequence 2: 63 cached keys plus S_new = 2 exceed the capacity 64",
-     lambda a: _with(a, cache_seqlens=np.array([0, 5, 63], np.int32))),
-    ("cache_seqlens", "sequence 1: length -4 is negative",
-     lambda a: _with(a, cache_seqlens=np.array([0, -4, 6], np.int32))),
+    (
+        "cache_seqlens",
+        "sequence 2: 63 cached keys plus S_new = 2 exceed the capacity 64",
+        lambda a: _with(a, cache_seqlens=np.array([0, 5, 63], np.int32)),
+    ),
+    (
+        "cache_seqlens",
+        "sequence 1: length -4 is negative",
+        lambda a: _with(a, cache_seqlens=np.array([0, -4, 6], np.int32)),
+    ),
     ("cache_seqlens", "63 cached keys plus S_new = 2", lambda a: _with(a, cache_seqlens=63)),
     ("cache_seqlens", "-1 cached keys", lambda a: _with(a, cache_seqlens=-1)),
     ("window_size", "must be >= 0", lambda a: _with(a, window_size=-2)),
@@ -355,26 +533,47 @@ BAD_CALLS = [
     ("return_lse", "bool", lambda a: _with(a, return_lse=1)),
     ("check", "bool", lambda a: _with(a, check="yes")),
     ("causal", "bool", lambda a: _with(a, causal=None)),
-    ("k_cache", "read-only", lambda a: _with(a, k_cache=np.broadcast_to(
-        a["k_cache"][:1], a["k_cache"].shape))),
+    (
+        "k_cache",
+        "read-only",
+        lambda a: _with(a, k_cache=np.broadcast_to(a["k_cache"][:1], a["k_cache"].shape)),
+    ),
 ]
 
 BAD_PAGED_CALLS = [
-    ("block_table", "dtype int32", lambda a: _with(
-        a, block_table=a["block_table"].astype(np.int64))),
+    (
+        "block_table",
+        "dtype int32",
+        lambda a: _with(a, block_table=a["block_table"].astype(np.int64)),
+    ),
     ("block_table", "[B, max_blocks]", lambda a: _with(a, block_table=a["block_table"][:2])),
     ("block_table", "[B, max_blocks]", lambda a: _with(a, block_table=a["block_table"][0])),
     ("block_table", "expected numpy", lambda a: _with(a, block_table=7)),
-    ("k_cache", "expected 4-D [num_blocks, H_kv, block_size, D]",
-     lambda a: _with(a, k_cache=a["k_cache"][0])),
-    ("k_cache", "at least one block", lambda a: _with(a, k_cache=a["k_cache"][:0],
-                                                      v_cache=a["v_cache"][:0])),
-    ("cache_seqlens", "sequence 0: 63 cached keys plus S_new = 2 exceed the capacity 64",
-     lambda a: _with(a, cache_seqlens=np.array([63, 0, 0], np.int32))),
-    ("block_table", "sequence 1: block_table[1, 2] = -1 is not a block",
-     lambda a: _with(a, block_table=_poke(a["block_table"], (1, 2), -1))),
-    ("block_table", "sequence 2: block_table[2, 0] = 15 is not a block of the cache (0 .. 14)",
-     lambda a: _with(a, block_table=_poke(a["block_table"], (2, 0), 15))),
+    (
+        "k_cache",
+        "expected 4-D [num_blocks, H_kv, block_size, D]",
+        lambda a: _with(a, k_cache=a["k_cache"][0]),
+    ),
+    (
+        "k_cache",
+        "at least one block",
+        lambda a: _with(a, k_cache=a["k_cache"][:0], v_cache=a["v_cache"][:0]),
+    ),
+    (
+        "cache_seqlens",
+        "sequence 0: 63 cached keys plus S_new = 2 exceed the capacity 64",
+        lambda a: _with(a, cache_seqlens=np.array([63, 0, 0], np.int32)),
+    ),
+    (
+        "block_table",
+        "sequence 1: block_table[1, 2] = -1 is not a block",
+        lambda a: _with(a, block_table=_poke(a["block_table"], (1, 2), -1)),
+    ),
+    (
+        "block_table",
+        "sequence 2: block_table[2, 0] = 15 is not a block of the cache (0 .. 14)",
+        lambda a: _with(a, block_table=_poke(a["block_table"], (2, 0), 15)),
+    ),
 ]
 
 
@@ -384,8 +583,11 @@ def _poke(table, index, value):
     return table
 
 
-@pytest.mark.parametrize("name, reason, change", BAD_CALLS + BAD_PAGED_CALLS,
-                         ids=[f"{n}-{r[:24]}" for n, r, _ in BAD_CALLS + BAD_PAGED_CALLS])
+@pytest.mark.parametrize(
+    "name, reason, change",
+    BAD_CALLS + BAD_PAGED_CALLS,
+    ids=[f"{n}-{r[:24]}" for n, r, _ in BAD_CALLS + BAD_PAGED_CALLS],
+)
 def test_cpu_rejects(name, reason, change, rng):
     paged = any(change is c for _, _, c in BAD_PAGED_CALLS)
     args = _valid_args(rng, paged=paged)
@@ -395,8 +597,7 @@ def test_cpu_rejects(name, reason, change, rng):
     assert info.value.arg == name, str(info.value)
     assert reason in info.value.reason, str(info.value)
     # Nothing was written before the error.
-    assert np.array_equal(before[0], args["k_cache"]) and np.array_equal(before[1],
-                                                                         args["v_cache"])
+    assert np.array_equal(before[0], args["k_cache"]) and np.array_equal(before[1], args["v_cache"])
 
 
 def test_cpu_valid_args_run(rng):
@@ -415,8 +616,15 @@ def test_cpu_unused_block_table_entries_are_never_read(rng):
     inputs["block_table"][:, used:] = -1
     run_inputs = dict(inputs)
     out = flash_attention_with_kvcache(
-        run_inputs["q"], run_inputs["k_cache"], run_inputs["v_cache"], 4, 2, 64,
-        cache_seqlens=length, block_table=run_inputs["block_table"])
+        run_inputs["q"],
+        run_inputs["k_cache"],
+        run_inputs["v_cache"],
+        4,
+        2,
+        64,
+        cache_seqlens=length,
+        block_table=run_inputs["block_table"],
+    )
     ref_out, _ = oracle(case, inputs, inputs["k_cache"], inputs["v_cache"])
     assert rel_error(out, ref_out) <= BOUND["float32"]
 
@@ -434,11 +642,13 @@ def _kernel_names(dtype_names, head_dims):
             names.append(f"cuflash::kvcache_combine<{cxx}, {d}>")
             names += [f"cuflash::kvcache_decode<{cxx}, {d}, {rm}>" for rm in ROW_TILES]
             if DTYPES[dtype].itemsize == 2 and d % 16 == 0:
-                names += [f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}, "
-                          f"{decode_tc_keys(d)}, {paged}, {narrow}>"
-                          for rw, narrow in ((1, "true"), (1, "false"), (2, "false"),
-                                             (4, "false"))
-                          for stages in (2, 3) for paged in ("false", "true")]
+                names += [
+                    f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}, "
+                    f"{decode_tc_keys(d)}, {paged}, {narrow}>"
+                    for rw, narrow in ((1, "true"), (1, "false"), (2, "false"), (4, "false"))
+                    for stages in (2, 3)
+                    for paged in ("false", "true")
+                ]
     return names
 
 
@@ -446,13 +656,15 @@ def _kernel_names(dtype_names, head_dims):
 def test_decode_kernels_compile_without_spills(arch):
     """The kernels of bfloat16 decoding at head_dim 128 and float32's general kernel (the
     slow test below compiles every dtype, head_dim and tile)."""
-    names = ["cuflash::kvcache_append<cuflash::bf16_t>",
-             "cuflash::kvcache_combine<cuflash::bf16_t, 128>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 3, 64, true, true>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, false>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, true, false>",
-             "cuflash::kvcache_decode<float, 128, 4>"]
+    names = [
+        "cuflash::kvcache_append<cuflash::bf16_t>",
+        "cuflash::kvcache_combine<cuflash::bf16_t, 128>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 3, 64, true, true>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, false>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, true, false>",
+        "cuflash::kvcache_decode<float, 128, 4>",
+    ]
     compile_and_check("decode.cu", names, arch)
 
 
@@ -507,8 +719,9 @@ def test_pipeline_depth_follows_the_longest_sequence():
         q = np.zeros((2, 8, 1, head_dim), dtype)
         cache = np.zeros((2, 2, capacity, head_dim), dtype)
         new = np.zeros((2, 2, new_len, head_dim), dtype) if new_len else None
-        problem = kvcache.kvcache_problem(q, cache, cache, 8, 2, head_dim, True, 0, lengths,
-                                          new, new, None, None, False, False)
+        problem = kvcache.kvcache_problem(
+            q, cache, cache, 8, 2, head_dim, True, 0, lengths, new, new, None, None, False, False
+        )
         name = kvcache.decode_kernel(problem)[0]
         return int(name.split(",")[3])
 
@@ -530,8 +743,23 @@ def test_decode_kernel_instantiation_follows_the_call():
         shape = (4, kv_heads, 16, 128) if paged else (2, kv_heads, 64, 128)
         cache = np.zeros(shape, dtype)
         table = np.arange(4, dtype=np.int32).reshape(2, 2) if paged else None
-        problem = kvcache.kvcache_problem(q, cache, cache, heads, kv_heads, 128, True, 0, 10,
-                                          None, None, table, None, False, False)
+        problem = kvcache.kvcache_problem(
+            q,
+            cache,
+            cache,
+            heads,
+            kv_heads,
+            128,
+            True,
+            0,
+            10,
+            None,
+            None,
+            table,
+            None,
+            False,
+            False,
+        )
         return kvcache.decode_kernel(problem)[0]
 
     assert name(1, 32, 8, False).endswith(", false, true>")
@@ -554,7 +782,7 @@ def test_key_count_kernels_are_the_registrys():
             continue
         start = re.search(rf"__global__[^;{{]*\b{spec.template}\(", source)
         assert start is not None, spec.template
-        body = source[start.end():]
+        body = source[start.end() :]
         uses = re.search(r"CUFLASH_FORWARD_SEQUENCE|CUFLASH_SEQUENCE_OF", body).group(0)
         assert (uses == "CUFLASH_FORWARD_SEQUENCE") == spec.reads_key_counts, spec.name
 
@@ -593,34 +821,116 @@ def test_gpu_matches_oracle(case, rng, poisoned):
 
 GPU_CASES = [
     # one row tile of each size (packed rows 1, 2, 4, 8) and several tiles
-    KVCase(heads=4, kv_heads=4, capacity=700), KVCase(heads=4, kv_heads=2, capacity=700),
+    KVCase(heads=4, kv_heads=4, capacity=700),
+    KVCase(heads=4, kv_heads=2, capacity=700),
     KVCase(heads=8, kv_heads=2, capacity=1100, new_len=1),
     KVCase(heads=8, kv_heads=1, capacity=900, dtype="float16"),
     KVCase(heads=8, kv_heads=2, q_len=5, new_len=5, capacity=600, dtype="float32"),
     KVCase(heads=8, kv_heads=1, q_len=3, new_len=2, capacity=600, head_dim=16),
-    KVCase(heads=2, kv_heads=1, q_len=3, new_len=3, capacity=304, head_dim=48,
-           dtype="float16", block_size=16, window=20),
+    KVCase(
+        heads=2,
+        kv_heads=1,
+        q_len=3,
+        new_len=3,
+        capacity=304,
+        head_dim=48,
+        dtype="float16",
+        block_size=16,
+        window=20,
+    ),
     # long caches: many splits and the combine; paged with small and large blocks
     KVCase(batch=2, heads=8, kv_heads=2, capacity=5000, new_len=1, head_dim=128),
-    KVCase(batch=2, heads=8, kv_heads=2, capacity=4096, block_size=16, new_len=1,
-           head_dim=128, window=700),
-    KVCase(batch=3, heads=4, kv_heads=1, capacity=4096, block_size=256, new_len=3, q_len=3,
-           head_dim=256, dtype="float16"),
-    KVCase(batch=2, heads=4, kv_heads=2, capacity=3000, head_dim=40, dtype="float32",
-           causal=False, window=(100, 50), q_len=4),
+    KVCase(
+        batch=2,
+        heads=8,
+        kv_heads=2,
+        capacity=4096,
+        block_size=16,
+        new_len=1,
+        head_dim=128,
+        window=700,
+    ),
+    KVCase(
+        batch=3,
+        heads=4,
+        kv_heads=1,
+        capacity=4096,
+        block_size=256,
+        new_len=3,
+        q_len=3,
+        head_dim=256,
+        dtype="float16",
+    ),
+    KVCase(
+        batch=2,
+        heads=4,
+        kv_heads=2,
+        capacity=3000,
+        head_dim=40,
+        dtype="float32",
+        causal=False,
+        window=(100, 50),
+        q_len=4,
+    ),
     # long query chunks: the dense kernels on a contiguous cache (an int length, lengths on
     # the device) and the split kernel on a paged one
-    KVCase(batch=2, heads=8, kv_heads=2, capacity=700, lengths="int", q_len=40,
-           new_len=40, head_dim=128),
+    KVCase(
+        batch=2,
+        heads=8,
+        kv_heads=2,
+        capacity=700,
+        lengths="int",
+        q_len=40,
+        new_len=40,
+        head_dim=128,
+    ),
     KVCase(batch=2, heads=8, kv_heads=2, capacity=700, q_len=40, new_len=40, head_dim=128),
-    KVCase(batch=4, heads=8, kv_heads=2, capacity=900, q_len=64, new_len=64, head_dim=80,
-           dtype="float16", window=300, softcap=4.0, alibi="batch"),
-    KVCase(batch=3, heads=4, kv_heads=4, capacity=520, q_len=70, head_dim=128,
-           dtype="float32", alibi="heads"),
-    KVCase(batch=3, heads=6, kv_heads=2, capacity=333, q_len=50, new_len=20, head_dim=64,
-           causal=False, window=(40, 9)),
-    KVCase(batch=2, heads=8, kv_heads=2, capacity=704, block_size=64, q_len=33, new_len=33,
-           head_dim=64, dtype="float16", lengths="int"),
+    KVCase(
+        batch=4,
+        heads=8,
+        kv_heads=2,
+        capacity=900,
+        q_len=64,
+        new_len=64,
+        head_dim=80,
+        dtype="float16",
+        window=300,
+        softcap=4.0,
+        alibi="batch",
+    ),
+    KVCase(
+        batch=3,
+        heads=4,
+        kv_heads=4,
+        capacity=520,
+        q_len=70,
+        head_dim=128,
+        dtype="float32",
+        alibi="heads",
+    ),
+    KVCase(
+        batch=3,
+        heads=6,
+        kv_heads=2,
+        capacity=333,
+        q_len=50,
+        new_len=20,
+        head_dim=64,
+        causal=False,
+        window=(40, 9),
+    ),
+    KVCase(
+        batch=2,
+        heads=8,
+        kv_heads=2,
+        capacity=704,
+        block_size=64,
+        q_len=33,
+        new_len=33,
+        head_dim=64,
+        dtype="float16",
+        lengths="int",
+    ),
 ]
 
 
@@ -642,8 +952,9 @@ def test_gpu_query_chunks_through_plans(case, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("case", [GPU_CASES[5], GPU_CASES[6], GPU_CASES[9], GPU_CASES[10],
-                                  GPU_CASES[-1]], ids=str)
+@pytest.mark.parametrize(
+    "case", [GPU_CASES[5], GPU_CASES[6], GPU_CASES[9], GPU_CASES[10], GPU_CASES[-1]], ids=str
+)
 def test_gpu_pipeline_depths(case, stages, rng, poisoned, monkeypatch):
     """The tensor-core kernel with two and three K/V tiles in its pipeline."""
     monkeypatch.setattr(kvcache, "decode_tc_stages", lambda head_dim, longest: stages)
@@ -652,18 +963,21 @@ def test_gpu_pipeline_depths(case, stages, rng, poisoned, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_is_deterministic(rng):
-    case = KVCase(batch=1, heads=32, kv_heads=8, capacity=20000, head_dim=128,
-                  lengths="full")
+    case = KVCase(batch=1, heads=32, kv_heads=8, capacity=20000, head_dim=128, lengths="full")
     inputs = make_inputs(case, rng, cupy)
     args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], 32, 8, 128)
-    first = flash_attention_with_kvcache(*args, cache_seqlens=inputs["cache_seqlens"],
-                                         return_lse=True)
+    first = flash_attention_with_kvcache(
+        *args, cache_seqlens=inputs["cache_seqlens"], return_lse=True
+    )
     for _ in range(3):
-        again = flash_attention_with_kvcache(*args, cache_seqlens=inputs["cache_seqlens"],
-                                             return_lse=True)
+        again = flash_attention_with_kvcache(
+            *args, cache_seqlens=inputs["cache_seqlens"], return_lse=True
+        )
         for a, b in zip(first, again):
-            assert cupy.array_equal(a.view(cupy.uint8) if a.dtype != np.float32 else a, b.view(
-                cupy.uint8) if b.dtype != np.float32 else b)
+            assert cupy.array_equal(
+                a.view(cupy.uint8) if a.dtype != np.float32 else a,
+                b.view(cupy.uint8) if b.dtype != np.float32 else b,
+            )
 
 
 @pytest.mark.gpu
@@ -680,14 +994,17 @@ def test_gpu_unaligned_cache_rows(rng, poisoned):
     b, h, hk, d, cap = 2, 4, 2, 64, 300
     buf_k = cupy.asarray(rng.standard_normal((b, hk, cap, d + 8)).astype(DTYPES["float16"]))
     buf_v = cupy.asarray(rng.standard_normal((b, hk, cap, d + 8)).astype(DTYPES["float16"]))
-    k_cache, v_cache = buf_k[..., 1:d + 1], buf_v[..., 1:d + 1]
+    k_cache, v_cache = buf_k[..., 1 : d + 1], buf_v[..., 1 : d + 1]
     q = cupy.asarray(rng.standard_normal((b, h, 2, d)).astype(DTYPES["float16"]))
     lengths = cupy.asarray(np.array([250, 7], np.int32))
     out = flash_attention_with_kvcache(q, k_cache, v_cache, h, hk, d, cache_seqlens=lengths)
-    case = KVCase(dtype="float16", batch=b, heads=h, kv_heads=hk, head_dim=d, q_len=2,
-                  capacity=cap)
-    ref, _ = oracle(case, dict(q=q, cache_seqlens=lengths, block_table=None),
-                    to_numpy(k_cache), to_numpy(v_cache))
+    case = KVCase(dtype="float16", batch=b, heads=h, kv_heads=hk, head_dim=d, q_len=2, capacity=cap)
+    ref, _ = oracle(
+        case,
+        dict(q=q, cache_seqlens=lengths, block_table=None),
+        to_numpy(k_cache),
+        to_numpy(v_cache),
+    )
     assert rel_error(out, ref) <= BOUND["float16"]
 
 
@@ -696,13 +1013,16 @@ def _fenced(rng, shape, dtype, fence=4096):
     bring NaN into the output, a write would change the fence."""
     size = int(np.prod(shape))
     buf = cupy.full(size + 2 * fence, cupy.nan, dtype=np.float32).astype(dtype)
-    buf[fence:fence + size] = cupy.asarray(rng.standard_normal(size).astype(dtype))
-    return buf, buf[fence:fence + size].reshape(shape)
+    buf[fence : fence + size] = cupy.asarray(rng.standard_normal(size).astype(dtype))
+    return buf, buf[fence : fence + size].reshape(shape)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paged, q_len", [(False, 2), (True, 2), (False, 32)],
-                         ids=["contiguous", "paged", "contiguous-dense"])
+@pytest.mark.parametrize(
+    "paged, q_len",
+    [(False, 2), (True, 2), (False, 32)],
+    ids=["contiguous", "paged", "contiguous-dense"],
+)
 def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged, q_len):
     """Split-KV kernels (2 query rows) and the dense forward (32 rows x 4 heads a KV head),
     as many rows appended: every row sees a key whatever the lengths hold."""
@@ -721,18 +1041,24 @@ def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged, q_len):
     lengths = cupy.asarray(np.array([5, -70000, 2**31 - 1, 10**6], np.int32))
     table = None
     if paged:
-        table = cupy.asarray(np.array([[3, -1, 2**30, -2**31] * 2, [19, 20, 7, 0] * 2,
-                                       [1000, 5, 6, 7] * 2, [-5] * 8], np.int32))
-    kwargs = dict(cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table,
-                  return_lse=True)
+        table = cupy.asarray(
+            np.array(
+                [[3, -1, 2**30, -(2**31)] * 2, [19, 20, 7, 0] * 2, [1000, 5, 6, 7] * 2, [-5] * 8],
+                np.int32,
+            )
+        )
+    kwargs = dict(
+        cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table, return_lse=True
+    )
     out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, h, hk, d, **kwargs)
     cupy.cuda.get_current_stream().synchronize()  # an illegal address would surface here
     assert bool(cupy.isfinite(out.astype(np.float32)).all()) and bool(cupy.isfinite(lse).all())
     size = int(np.prod(shape))
     for buf, before in ((buf_k, fence_k), (buf_v, fence_v)):
-        outside = cupy.concatenate([buf[:4096], buf[4096 + size:]]).view(cupy.uint16)
-        assert cupy.array_equal(outside, cupy.concatenate(
-            [before[:4096], before[4096 + size:]]).view(cupy.uint16))
+        outside = cupy.concatenate([buf[:4096], buf[4096 + size :]]).view(cupy.uint16)
+        assert cupy.array_equal(
+            outside, cupy.concatenate([before[:4096], before[4096 + size :]]).view(cupy.uint16)
+        )
     snapshot = (k_cache.copy(), v_cache.copy())
     with pytest.raises(InvalidArgumentError) as info:
         flash_attention_with_kvcache(q, k_cache, v_cache, h, hk, d, check=True, **kwargs)
@@ -745,8 +1071,9 @@ def test_gpu_garbage_lengths_and_block_ids_stay_inside(rng, paged, q_len):
         bad_table = cupy.asarray(np.array([[i] * 8 for i in range(4)], np.int32))
         bad_table[2, 0] = 21
         with pytest.raises(InvalidArgumentError, match="sequence 2: block_table"):
-            flash_attention_with_kvcache(q, k_cache, v_cache, h, hk, d, cache_seqlens=good,
-                                         block_table=bad_table, check=True)
+            flash_attention_with_kvcache(
+                q, k_cache, v_cache, h, hk, d, cache_seqlens=good, block_table=bad_table, check=True
+            )
 
 
 @pytest.mark.gpu
@@ -783,13 +1110,15 @@ def test_example_generation_matches_decoding_without_cache(paged):
     spec.loader.exec_module(example)
     lm = example.lm
     task = lm.ReverseTask(6, 12)
-    cfg = lm.ModelConfig(task.vocab_size, task.seq_len, d_model=32, num_layers=2,
-                         num_heads=4, num_kv_heads=2)
+    cfg = lm.ModelConfig(
+        task.vocab_size, task.seq_len, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2
+    )
     params = lm.init_parameters(cfg, np, np.float32, seed=3)
     inputs, _, _ = task.sample(np.random.default_rng(4), 5)
     prompt = inputs[:, :7]
-    cache = example.KVCache(cfg, 5, task.seq_len, np.dtype(np.float32), np,
-                            block_size=3 if paged else None, seed=5)
+    cache = example.KVCache(
+        cfg, 5, task.seq_len, np.dtype(np.float32), np, block_size=3 if paged else None, seed=5
+    )
     backend = lm.AttentionBackend(example.cuflash.flash_attention_vjp, np.dtype(np.float32))
     with_cache = example.generate(params, cfg, prompt, 6, cache, np.dtype(np.float32))
     without = example.generate_without_cache(params, cfg, prompt, 6, backend)

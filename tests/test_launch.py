@@ -32,9 +32,15 @@ def launches(monkeypatch):
     def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         count = fake_launch.count
         pointers = _params(params, count)
-        calls.append(dict(dims=(function, gx, gy, gz, bx, by, bz, shared), stream=stream,
-                          extra=extra, pointers=pointers,
-                          values=[_read(p, ctypes.c_uint64) for p in pointers]))
+        calls.append(
+            dict(
+                dims=(function, gx, gy, gz, bx, by, bz, shared),
+                stream=stream,
+                extra=extra,
+                pointers=pointers,
+                values=[_read(p, ctypes.c_uint64) for p in pointers],
+            )
+        )
 
     monkeypatch.setattr(gpu, "_launch_kernel", fake_launch)
     return calls, fake_launch

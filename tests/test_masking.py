@@ -8,8 +8,14 @@ import pytest
 from cuflash.masking import key_range, normalize_window, query_range, visible_keys
 
 
-@pytest.mark.parametrize("q_len, kv_len, window", list(itertools.product(
-    (1, 7, 20), (0, 1, 9, 20), [(-1, -1), (0, 0), (3, -1), (2, 0), (-1, 4), (5, 2), (0, -1)])))
+@pytest.mark.parametrize(
+    "q_len, kv_len, window",
+    list(
+        itertools.product(
+            (1, 7, 20), (0, 1, 9, 20), [(-1, -1), (0, 0), (3, -1), (2, 0), (-1, 4), (5, 2), (0, -1)]
+        )
+    ),
+)
 def test_ranges_cover_exactly_the_visible_keys(q_len, kv_len, window):
     mask = visible_keys(np.arange(q_len), np.arange(kv_len), q_len, kv_len, *window)
     for r0 in range(q_len):
@@ -31,10 +37,18 @@ def test_ranges_cover_exactly_the_visible_keys(q_len, kv_len, window):
                 assert lo >= hi or not mask[lo:hi, c0:c1].any()
 
 
-@pytest.mark.parametrize("window, causal, expected", [
-    (0, False, (-1, -1)), (0, True, (-1, 0)), (4, False, (3, -1)), (4, True, (3, 0)),
-    ((2, 5), False, (2, 5)), ((2, 5), True, (2, 0)), ((-1, -1), True, (-1, 0)),
-    (10**12, True, (-1, 0)),
-])
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        (0, False, (-1, -1)),
+        (0, True, (-1, 0)),
+        (4, False, (3, -1)),
+        (4, True, (3, 0)),
+        ((2, 5), False, (2, 5)),
+        ((2, 5), True, (2, 0)),
+        ((-1, -1), True, (-1, 0)),
+        (10**12, True, (-1, 0)),
+    ],
+)
 def test_normalize_window(window, causal, expected):
     assert normalize_window(window, causal, 100, 100) == expected

@@ -7,12 +7,21 @@ import math
 
 import numpy as np
 import pytest
+from support import (
+    DTYPES,
+    FLOOR,
+    Case,
+    alibi_slopes,
+    check_modified_results,
+    cupy,
+    random_inputs,
+    rel_error,
+    to_numpy,
+)
 
 import cuflash
 from cuflash import registry
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results, cupy,
-                     random_inputs, rel_error, to_numpy)
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
@@ -20,23 +29,41 @@ BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 MODIFIERS = [(5.0, None), (0.0, "heads"), (2.0, "batch_heads")]
 
 
-def _check(rng, xp, dtype="float32", batch=2, heads=4, kv_heads=2, q_len=45, kv_len=70,
-           head_dim=64, causal=True, window=0, kv_seq_len=None, softcap=5.0, alibi=None,
-           deterministic=False):
+def _check(
+    rng,
+    xp,
+    dtype="float32",
+    batch=2,
+    heads=4,
+    kv_heads=2,
+    q_len=45,
+    kv_len=70,
+    head_dim=64,
+    causal=True,
+    window=0,
+    kv_seq_len=None,
+    softcap=5.0,
+    alibi=None,
+    deterministic=False,
+):
     """Forward and backward with modifiers against the oracle (relative errors)."""
+
     def make(h, n):
         return rng.standard_normal((batch, h, n, head_dim)).astype(DTYPES[dtype])
 
-    host = [make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len),
-            make(heads, q_len)]
+    host = [make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len), make(heads, q_len)]
     slopes = alibi_slopes(rng, alibi, batch, heads)
     q, k, v, dout = (xp.asarray(x) for x in host)
-    kw = dict(kv_seq_len=kv_seq_len, softcap=softcap,
-              alibi_slopes=None if slopes is None else xp.asarray(slopes))
+    kw = dict(
+        kv_seq_len=kv_seq_len,
+        softcap=softcap,
+        alibi_slopes=None if slopes is None else xp.asarray(slopes),
+    )
     args = (heads, kv_heads, head_dim, causal, window)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *args, **kw)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *args, **kw,
-                                        deterministic=deterministic)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *args, **kw, deterministic=deterministic
+    )
     ref = dict(kv_seq_len=kv_seq_len, softcap=softcap, alibi_slopes=slopes)
     h64 = [x.astype(np.float64) for x in host]
     ref_out, ref_lse = attention_reference(*h64[:3], causal, window, **ref)
@@ -74,8 +101,10 @@ def test_oracle_derivative_matches_finite_differences(rng):
         plus, minus = q.copy(), q.copy()
         plus[index] += eps
         minus[index] -= eps
-        numeric = (np.sum(attention_reference(plus, k, v, True, 0, **kw)[0] * dout)
-                   - np.sum(attention_reference(minus, k, v, True, 0, **kw)[0] * dout)) / (2 * eps)
+        numeric = (
+            np.sum(attention_reference(plus, k, v, True, 0, **kw)[0] * dout)
+            - np.sum(attention_reference(minus, k, v, True, 0, **kw)[0] * dout)
+        ) / (2 * eps)
         assert abs(numeric - dq[index]) < 1e-6 * max(1.0, abs(numeric)), index
 
 
@@ -84,8 +113,9 @@ def test_modifiers_change_the_result(rng):
     q, k, v = (rng.standard_normal((1, 2, 20, 16)).astype(np.float32) * 3 for _ in range(3))
     plain, _ = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, True)
     capped, _ = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, True, softcap=1.0)
-    biased, _ = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, True,
-                                            alibi_slopes=np.array([0.5, 1.0], np.float32))
+    biased, _ = cuflash.flash_attention_fwd(
+        q, k, v, 2, 2, 16, True, alibi_slopes=np.array([0.5, 1.0], np.float32)
+    )
     assert rel_error(capped.astype(np.float64), plain.astype(np.float64)) > 0.05
     assert rel_error(biased.astype(np.float64), plain.astype(np.float64)) > 0.05
 
@@ -97,9 +127,9 @@ def test_cpu_packed_alibi_per_sequence(rng):
     total, heads, d = int(offsets[-1]), 2, 16
     q, k, v = (rng.standard_normal((total, heads, d)).astype(np.float32) for _ in range(3))
     slopes = rng.uniform(0.1, 0.9, size=(len(lengths), heads)).astype(np.float32)
-    out, _ = cuflash.flash_attention_varlen_fwd(q, k, v, offsets, offsets, 19, 19, heads,
-                                                heads, d, True, softcap=3.0,
-                                                alibi_slopes=slopes)
+    out, _ = cuflash.flash_attention_varlen_fwd(
+        q, k, v, offsets, offsets, 19, 19, heads, heads, d, True, softcap=3.0, alibi_slopes=slopes
+    )
     for b, n in enumerate(lengths):
         if n == 0:
             continue
@@ -121,8 +151,10 @@ def _bad_calls():
         (fwd(softcap=float("nan")), "softcap: must be finite and >= 0"),
         (fwd(softcap="1"), "softcap: expected a float, got str"),
         (fwd(alibi_slopes=np.zeros(4, np.float64)), "alibi_slopes: expected dtype float32"),
-        (fwd(alibi_slopes=np.zeros(3, np.float32)),
-         r"alibi_slopes: expected shape \(4,\) or \(2, 4\), got \(3,\)"),
+        (
+            fwd(alibi_slopes=np.zeros(3, np.float32)),
+            r"alibi_slopes: expected shape \(4,\) or \(2, 4\), got \(3,\)",
+        ),
         (fwd(alibi_slopes=[0.1] * 4), "alibi_slopes: expected numpy.ndarray or cupy.ndarray"),
     ]
 
@@ -137,10 +169,13 @@ def test_bad_modifiers_are_rejected(index):
 def test_packed_slopes_have_a_row_per_sequence():
     q = np.zeros((10, 2, 8), np.float32)
     cu = np.array([0, 4, 10], np.int32)
-    with pytest.raises(cuflash.InvalidArgumentError,
-                       match=r"alibi_slopes: expected shape \(2,\) or \(2, 2\), got \(1, 2\)"):
-        cuflash.flash_attention_varlen_fwd(q, q, q, cu, cu, 6, 6, 2, 2, 8,
-                                           alibi_slopes=np.ones((1, 2), np.float32))
+    with pytest.raises(
+        cuflash.InvalidArgumentError,
+        match=r"alibi_slopes: expected shape \(2,\) or \(2, 2\), got \(1, 2\)",
+    ):
+        cuflash.flash_attention_varlen_fwd(
+            q, q, q, cu, cu, 6, 6, 2, 2, 8, alibi_slopes=np.ones((1, 2), np.float32)
+        )
 
 
 def test_registry_has_modified_kernels_for_every_call():
@@ -153,14 +188,21 @@ def test_registry_has_modified_kernels_for_every_call():
     for dtype in DTYPES.values():
         for head_dim in kernel_build.HEAD_DIMS:
             for capability in (80, 86, 90):
-                names = kernel_build.Variant(dtype, head_dim,
-                                             registry.generation(capability)).kernel_names()
+                names = kernel_build.Variant(
+                    dtype, head_dim, registry.generation(capability)
+                ).kernel_names()
                 for direction in ("forward", "backward"):
                     for allow_tf32 in (False, True):
                         for tensor_cores in (True, False):
-                            spec = registry.choose(direction, dtype, head_dim, capability,
-                                                   allow_tf32=allow_tf32,
-                                                   tensor_cores=tensor_cores, modified=True)
+                            spec = registry.choose(
+                                direction,
+                                dtype,
+                                head_dim,
+                                capability,
+                                allow_tf32=allow_tf32,
+                                tensor_cores=tensor_cores,
+                                modified=True,
+                            )
                             assert spec.modifiers, (spec.name, dtype, head_dim, capability)
                             for atomic_dq in (False, spec.atomic_dq(head_dim)):
                                 role = spec.role(atomic_dq=atomic_dq, modified=True)
@@ -168,11 +210,10 @@ def test_registry_has_modified_kernels_for_every_call():
                             if direction == "backward":  # dQ's pass (deterministic calls)
                                 dq = spec.dq_pass()
                                 assert dq.role(modified=True) in names, dq.name
-                    spec = registry.choose(direction, dtype, head_dim, capability,
-                                           modified=True)
+                    spec = registry.choose(direction, dtype, head_dim, capability, modified=True)
                     if dtype == DTYPES["float32"] or (
-                            direction == "backward" and capability < 90
-                            and head_dim not in (64, 128)):
+                        direction == "backward" and capability < 90 and head_dim not in (64, 128)
+                    ):
                         assert spec.instruction == "cuda cores", spec.name
                     else:
                         assert spec.instruction != "cuda cores", spec.name
@@ -183,8 +224,13 @@ def test_registry_has_modified_kernels_for_every_call():
 # oracle by the rule of the other GPU tests (support.check_close: at most twice the error
 # of the naive computation in the dtype, plus the floor), on NaN-poisoned allocations.
 
-GPU_MODIFIERS = [(5.0, None), (0.0, "heads"), (0.0, "batch_heads"), (2.0, "heads"),
-                 (2.0, "batch_heads")]
+GPU_MODIFIERS = [
+    (5.0, None),
+    (0.0, "heads"),
+    (0.0, "batch_heads"),
+    (2.0, "heads"),
+    (2.0, "batch_heads"),
+]
 
 # Head dims of each tile class (40: the 64 class off the k16 grid; 96: the 128 class;
 # 192: the 256 class's backward with a copy of its loop a warpgroup),
@@ -203,8 +249,12 @@ GPU_SHAPES = [
 
 def _gpu_case(dtype, **shape):
     """A support.Case with this file's defaults (GQA 4/2, S_q 45, S_k 70, causal)."""
-    return Case(**{**dict(dtype=dtype, batch=2, heads=4, kv_heads=2, q_len=45, kv_len=70,
-                          causal=True), **shape})
+    return Case(
+        **{
+            **dict(dtype=dtype, batch=2, heads=4, kv_heads=2, q_len=45, kv_len=70, causal=True),
+            **shape,
+        }
+    )
 
 
 def _gpu_run(case, rng, softcap, alibi, deterministic=False, slopes_view=None):
@@ -218,8 +268,9 @@ def _gpu_run(case, rng, softcap, alibi, deterministic=False, slopes_view=None):
         device_slopes = slopes_view(device_slopes)
     kw = dict(kv_seq_len=case.kv_seq_len, softcap=softcap, alibi_slopes=device_slopes)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
-                                        deterministic=deterministic)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+    )
     check_modified_results(case, (q, k, v, dout), (out, lse, *grads), softcap, slopes)
 
 
@@ -241,9 +292,11 @@ def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
     modifiers too."""
     from cuflash import dispatch
 
-    context = (dispatch.kernel_path("general") if path == "general" else
-               dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma",
-                                     "backward_wgmma"))
+    context = (
+        dispatch.kernel_path("general")
+        if path == "general"
+        else dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma", "backward_wgmma")
+    )
     with context:
         for head_dim in (40, 64, 128):
             for softcap, alibi in ((4.0, "batch_heads"), (0.0, "heads")):
@@ -269,8 +322,9 @@ def test_gpu_softcap_rows_far_below_the_cap(dtype, softcap, causal, rng, poisone
     """A soft-cap alone lets the bfloat16 forward take the cap as every row's max (caps
     up to 41.5): rows whose scores all sit far below it (about -1.5 cap, tanh near -0.9)
     lose nothing; larger caps and float16 track the max."""
-    case = _gpu_case(dtype, batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300,
-                     head_dim=128, causal=causal)
+    case = _gpu_case(
+        dtype, batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300, head_dim=128, causal=causal
+    )
     unit = np.ones(case.head_dim) / math.sqrt(case.head_dim)
     size = 1.5 * softcap * math.sqrt(case.head_dim) / 4.0  # |q . k| scale = 1.5 cap
     sign = np.where(np.arange(case.q_len) % 3 == 0, 1.0, -1.0)[:, None]  # a third above
@@ -289,21 +343,20 @@ def test_gpu_running_max_climbs(dtype, rise, rng, poisoned):
     """Scores that climb from key tile to key tile (by `rise` in base 2 a tile of 128
     keys: under and over the forward's slack of 8 before it moves a row's max), with a
     soft-cap and ALiBi too: the lazy running max loses nothing."""
-    case = _gpu_case(dtype, batch=1, heads=2, kv_heads=2, q_len=200, kv_len=1024,
-                     head_dim=128, causal=False)
+    case = _gpu_case(
+        dtype, batch=1, heads=2, kv_heads=2, q_len=200, kv_len=1024, head_dim=128, causal=False
+    )
     unit = np.ones(case.head_dim) / math.sqrt(case.head_dim)
     scale = 1 / math.sqrt(case.head_dim)
     # score of key j: 2 (0.5 + c j) scale with q = 2 unit, c the climb a key
     climb = rise * math.log(2) / 128 / (2 * scale)
     keys = np.arange(case.kv_len)[:, None]
     q = 2.0 * unit + 0.3 * rng.standard_normal((1, 2, case.q_len, case.head_dim))
-    k = (0.5 + climb * keys) * unit + 0.3 * rng.standard_normal((1, 2, case.kv_len,
-                                                                  case.head_dim))
+    k = (0.5 + climb * keys) * unit + 0.3 * rng.standard_normal((1, 2, case.kv_len, case.head_dim))
     v = rng.standard_normal(k.shape)
     dout = rng.standard_normal(q.shape)
     inputs = [cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v, dout)]
-    for softcap, slopes in ((0.0, None), (40.0, None),
-                            (0.0, np.array([0.01, 0.002], np.float32))):
+    for softcap, slopes in ((0.0, None), (40.0, None), (0.0, np.array([0.01, 0.002], np.float32))):
         _gpu_run_inputs(case, inputs, softcap, slopes)
 
 
@@ -314,18 +367,20 @@ def test_gpu_slopes_are_read_at_each_call(rng, poisoned):
     case = _gpu_case("bfloat16", head_dim=64, q_len=80, kv_len=120)
     for _ in range(2):
         _gpu_run(case, rng, 0.0, "batch_heads")
-    _gpu_run(case, rng, 3.0, "batch_heads",
-             slopes_view=lambda s: cupy.ascontiguousarray(s.T).T)  # [B, H], column-major
-    _gpu_run(case, rng, 0.0, "heads",
-             slopes_view=lambda s: cupy.repeat(s, 2)[::2])  # [H], stride 2
+    _gpu_run(
+        case, rng, 3.0, "batch_heads", slopes_view=lambda s: cupy.ascontiguousarray(s.T).T
+    )  # [B, H], column-major
+    _gpu_run(case, rng, 0.0, "heads", slopes_view=lambda s: cupy.repeat(s, 2)[::2])  # [H], stride 2
 
 
 # Per sequence: S_q != S_k both ways (ALiBi's p = i + S_k - S_q within each sequence),
 # an empty sequence, one without keys (its rows: zeros, lse -inf), several key tiles.
 PACKED_LENGTHS = ([70, 0, 200, 33, 5], [90, 12, 150, 33, 0])
-PACKED_SHAPES = [dict(head_dim=64, causal=True, window=0),
-                 dict(head_dim=128, causal=False, window=(30, 10)),
-                 dict(head_dim=40, causal=True, window=0)]
+PACKED_SHAPES = [
+    dict(head_dim=64, causal=True, window=0),
+    dict(head_dim=128, causal=False, window=(30, 10)),
+    dict(head_dim=40, causal=True, window=0),
+]
 
 
 @pytest.mark.gpu
@@ -333,8 +388,7 @@ PACKED_SHAPES = [dict(head_dim=64, causal=True, window=0),
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("softcap, alibi", GPU_MODIFIERS, ids=str)
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
-def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, rng,
-                                   poisoned):
+def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, rng, poisoned):
     """Packed batches: [B, H] slopes are one row a sequence, positions count within each
     sequence; each sequence against the oracle as a dense problem."""
     lengths_q, lengths_k = PACKED_LENGTHS
@@ -344,18 +398,33 @@ def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, 
     def make(total, h):
         return rng.standard_normal((total, h, d)).astype(DTYPES[dtype])
 
-    host = [make(sum(lengths_q), heads), make(sum(lengths_k), kv_heads),
-            make(sum(lengths_k), kv_heads), make(sum(lengths_q), heads)]
+    host = [
+        make(sum(lengths_q), heads),
+        make(sum(lengths_k), kv_heads),
+        make(sum(lengths_k), kv_heads),
+        make(sum(lengths_q), heads),
+    ]
     slopes = alibi_slopes(rng, alibi, len(lengths_q), heads)
-    offsets_q, offsets_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-                            for n in (lengths_q, lengths_k))
+    offsets_q, offsets_k = (
+        np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k)
+    )
     q, k, v, dout = (cupy.asarray(x) for x in host)
-    args = (cupy.asarray(offsets_q), cupy.asarray(offsets_k), max(lengths_q), max(lengths_k),
-            heads, kv_heads, d, causal, window)
+    args = (
+        cupy.asarray(offsets_q),
+        cupy.asarray(offsets_k),
+        max(lengths_q),
+        max(lengths_k),
+        heads,
+        kv_heads,
+        d,
+        causal,
+        window,
+    )
     kw = dict(softcap=softcap, alibi_slopes=None if slopes is None else cupy.asarray(slopes))
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **kw)
-    grads = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, **kw,
-                                               deterministic=deterministic)
+    grads = cuflash.flash_attention_varlen_bwd(
+        dout, q, k, v, out, lse, *args, **kw, deterministic=deterministic
+    )
     out, lse, dq, dk, dv = (to_numpy(x) for x in (out, lse, *grads))
 
     def dense(x, start, stop):
@@ -370,11 +439,34 @@ def test_gpu_packed_with_modifiers(shape, softcap, alibi, dtype, deterministic, 
             assert np.all(out[q0:q1] == 0) and np.all(dq[q0:q1] == 0), b
             assert np.all(np.isneginf(lse[:, q0:q1])), b
             continue
-        case = Case(dtype=dtype, batch=1, heads=heads, kv_heads=kv_heads, q_len=lq,
-                    kv_len=lk, head_dim=d, causal=causal, window=window)
-        inputs = (dense(host[0], q0, q1), dense(host[1], k0, k1), dense(host[2], k0, k1),
-                  dense(host[3], q0, q1))
-        results = (dense(out, q0, q1), lse[None, :, q0:q1], dense(dq, q0, q1),
-                   dense(dk, k0, k1), dense(dv, k0, k1))
-        check_modified_results(case, inputs, results, softcap, None if slopes is None
-                 else slopes[b] if slopes.ndim == 2 else slopes)
+        case = Case(
+            dtype=dtype,
+            batch=1,
+            heads=heads,
+            kv_heads=kv_heads,
+            q_len=lq,
+            kv_len=lk,
+            head_dim=d,
+            causal=causal,
+            window=window,
+        )
+        inputs = (
+            dense(host[0], q0, q1),
+            dense(host[1], k0, k1),
+            dense(host[2], k0, k1),
+            dense(host[3], q0, q1),
+        )
+        results = (
+            dense(out, q0, q1),
+            lse[None, :, q0:q1],
+            dense(dq, q0, q1),
+            dense(dk, k0, k1),
+            dense(dv, k0, k1),
+        )
+        check_modified_results(
+            case,
+            inputs,
+            results,
+            softcap,
+            None if slopes is None else slopes[b] if slopes.ndim == 2 else slopes,
+        )

@@ -12,10 +12,17 @@ def loss(q, k, v, dout, opts):
     return float(np.sum(attention_reference(q, k, v, **opts)[0] * dout))
 
 
-@pytest.mark.parametrize("opts, kv_heads", [
-    ({}, 2), ({"causal": True}, 1), ({"window": 3, "causal": True}, 2),
-    ({"window": (2, 1)}, 4), ({"kv_seq_len": 5}, 2), ({"softmax_scale": 0.7}, 4),
-])
+@pytest.mark.parametrize(
+    "opts, kv_heads",
+    [
+        ({}, 2),
+        ({"causal": True}, 1),
+        ({"window": 3, "causal": True}, 2),
+        ({"window": (2, 1)}, 4),
+        ({"kv_seq_len": 5}, 2),
+        ({"softmax_scale": 0.7}, 4),
+    ],
+)
 def test_gradients_match_finite_differences(rng, opts, kv_heads):
     q = rng.standard_normal((1, 4, 6, 8))
     k = rng.standard_normal((1, kv_heads, 7, 8))
@@ -39,8 +46,11 @@ def test_gradients_match_finite_differences(rng, opts, kv_heads):
 
 def test_matches_the_plain_formula_per_row(rng):
     """One row by hand: softmax over the visible keys, then the weighted sum."""
-    q, k, v = rng.standard_normal((1, 1, 5, 8)), rng.standard_normal((1, 1, 9, 8)), \
-        rng.standard_normal((1, 1, 9, 8))
+    q, k, v = (
+        rng.standard_normal((1, 1, 5, 8)),
+        rng.standard_normal((1, 1, 9, 8)),
+        rng.standard_normal((1, 1, 9, 8)),
+    )
     out, lse = attention_reference(q, k, v, causal=True, window=3)
     for i in range(5):
         p = i + 9 - 5
@@ -82,13 +92,13 @@ def test_sinks_are_a_key_of_zero_value(rng):
     out, lse = attention_reference(q, k, v, causal=True, sinks=sinks)
     scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(8)
     scores = np.where(np.tril(np.ones((7, 7), bool)), scores, -np.inf)
-    scores = np.concatenate([scores, np.broadcast_to(sinks[None, :, None, None],
-                                                     (2, 3, 7, 1))], axis=-1)
+    scores = np.concatenate(
+        [scores, np.broadcast_to(sinks[None, :, None, None], (2, 3, 7, 1))], axis=-1
+    )
     weights = np.exp(scores)
     v_sink = np.concatenate([v, np.zeros((2, 3, 1, 8))], axis=2)
     np.testing.assert_allclose(lse, np.log(weights.sum(-1)), rtol=1e-12)
-    np.testing.assert_allclose(out, weights @ v_sink / weights.sum(-1, keepdims=True),
-                               rtol=1e-10)
+    np.testing.assert_allclose(out, weights @ v_sink / weights.sum(-1, keepdims=True), rtol=1e-10)
     plain = attention_reference(q, k, v, causal=True)
     none = attention_reference(q, k, v, causal=True, sinks=np.full(3, -np.inf))
     for a, b in zip(plain, none):

@@ -6,11 +6,10 @@ import sys
 
 import numpy as np
 import pytest
+from support import Case, check_close, cupy, naive_in_dtype, oracle, score_magnitude, to_numpy
 
 import cuflash
 from cuflash.problem import BFLOAT16
-from support import (Case, check_close, cupy, naive_in_dtype, oracle, score_magnitude,
-                     to_numpy)
 
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,8 +35,9 @@ def test_more_than_2_31_elements(path):
     with cuflash.kernel_path(path):
         out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal=True)
         dq, dk, dv = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, h, h, d, causal=True)
-    case = Case(dtype="bfloat16", batch=1, heads=1, kv_heads=1, q_len=s, kv_len=s,
-                head_dim=d, causal=True)
+    case = Case(
+        dtype="bfloat16", batch=1, heads=1, kv_heads=1, q_len=s, kv_len=s, head_dim=d, causal=True
+    )
     for bi, hi in [(0, 0), (517, 21), (1023, 62), (1023, 63)]:
         sl = (slice(bi, bi + 1), slice(hi, hi + 1))
         args = [to_numpy(a[sl]) for a in (q, k, v, dout)]
@@ -46,8 +46,9 @@ def test_more_than_2_31_elements(path):
         inherited = oracle(case, *args, out=to_numpy(out[sl]))[2]
         smax = score_magnitude(case, args[0], args[1])
         check_close("out", out[sl], ref_out, naive_out, "bfloat16", score_max=smax)
-        for name, got, ref, naive, inh in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads,
-                                              naive_grads, inherited):
+        for name, got, ref, naive, inh in zip(
+            ("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads, inherited
+        ):
             check_close(f"{name}[{bi},{hi}]", got[sl], ref, naive, "bfloat16", inh, smax)
         assert np.allclose(to_numpy(lse[sl]), ref_lse, atol=1e-3)
     del q, k, v, dout, out, dq, dk, dv
@@ -72,10 +73,10 @@ def _fwd_bwd(case, q, k, v, dout):
 
 def test_many_streams_at_once_match_serial_runs():
     """Eight streams, launched back to back without waiting: bitwise the serial results."""
-    cases = [Case(dtype=dt, heads=8, kv_heads=2, q_len=400, kv_len=600, head_dim=d,
-                  causal=True)
-             for dt, d in [("bfloat16", 128), ("float16", 64), ("float32", 64),
-                           ("bfloat16", 96)]] * 2
+    cases = [
+        Case(dtype=dt, heads=8, kv_heads=2, q_len=400, kv_len=600, head_dim=d, causal=True)
+        for dt, d in [("bfloat16", 128), ("float16", 64), ("float32", 64), ("bfloat16", 96)]
+    ] * 2
     inputs = [_inputs(c, i) for i, c in enumerate(cases)]
     serial = [[to_numpy(a) for a in _fwd_bwd(c, *x)] for c, x in zip(cases, inputs)]
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in cases]
@@ -93,8 +94,13 @@ def test_many_streams_at_once_match_serial_runs():
 def _worker(cache_dir):
     path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, CUPY_CACHE_DIR=str(cache_dir), PYTHONPATH=path)
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "concurrency_worker.py")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "concurrency_worker.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_threads_and_processes_share_first_calls(tmp_path):
@@ -136,4 +142,3 @@ def test_out_of_memory_reaches_the_caller_and_leaves_no_damage(headroom):
     again = [to_numpy(a) for a in _fwd_bwd(case, *x)]
     for a, b in zip(again, want):
         assert np.array_equal(a, b), "a call after the failure differs"
-

@@ -12,50 +12,119 @@ import math
 
 import numpy as np
 import pytest
-
 import simulated_attention
 import simulated_kvcache
 import simulator
+from support import (
+    DTYPES,
+    FLOOR,
+    Case,
+    alibi_slopes,
+    check_modified_results,
+    check_packed_results,
+    check_results,
+    oracle,
+    packed_inputs,
+    random_inputs,
+    rel_error,
+)
+from test_kvcache import CASES as KV_CASES
+from test_kvcache import run_case
+
 import cuflash
 from cuflash import modifiers, registry
 from cuflash.block_mask import create_block_mask
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import (DTYPES, FLOOR, Case, alibi_slopes, check_modified_results,
-                     check_packed_results, check_results, oracle, packed_inputs,
-                     random_inputs, rel_error)
-from test_kvcache import CASES as KV_CASES
-from test_kvcache import run_case
 
-pytestmark = pytest.mark.skipif(simulator.compiler() is None,
-                                reason="the simulator needs a host C++ compiler (g++ or CXX)")
+pytestmark = pytest.mark.skipif(
+    simulator.compiler() is None, reason="the simulator needs a host C++ compiler (g++ or CXX)"
+)
 
 # Every head-dim class and its tile shapes (Q in registers or not, exact head dims),
 # each option of SPEC 2-3 somewhere: GQA/MQA, causal rows that see no key (S_q > S_k),
 # windows, kv_seq_len, [B, S, H, D] strides, one query row.
 CASES = [
-    Case(dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=2, q_len=150, kv_len=100,
-         causal=True),
-    Case(dtype="float16", head_dim=128, batch=2, heads=2, kv_heads=1, q_len=70, kv_len=140,
-         window=(30, 10)),
-    Case(dtype="bfloat16", head_dim=40, batch=1, heads=3, kv_heads=1, q_len=90, kv_len=90,
-         causal=True, window=40),
-    Case(dtype="float16", head_dim=96, batch=1, heads=2, kv_heads=2, q_len=80, kv_len=120,
-         kv_seq_len=77, bshd=True),
+    Case(
+        dtype="bfloat16",
+        head_dim=64,
+        batch=1,
+        heads=4,
+        kv_heads=2,
+        q_len=150,
+        kv_len=100,
+        causal=True,
+    ),
+    Case(
+        dtype="float16",
+        head_dim=128,
+        batch=2,
+        heads=2,
+        kv_heads=1,
+        q_len=70,
+        kv_len=140,
+        window=(30, 10),
+    ),
+    Case(
+        dtype="bfloat16",
+        head_dim=40,
+        batch=1,
+        heads=3,
+        kv_heads=1,
+        q_len=90,
+        kv_len=90,
+        causal=True,
+        window=40,
+    ),
+    Case(
+        dtype="float16",
+        head_dim=96,
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=80,
+        kv_len=120,
+        kv_seq_len=77,
+        bshd=True,
+    ),
     Case(dtype="bfloat16", head_dim=200, batch=1, heads=2, kv_heads=1, q_len=1, kv_len=70),
-    Case(dtype="float16", head_dim=256, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=50,
-         causal=True),
-    Case(dtype="bfloat16", head_dim=8, batch=1, heads=2, kv_heads=2, q_len=70, kv_len=70,
-         causal=True, scale=0.3),
+    Case(
+        dtype="float16",
+        head_dim=256,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=40,
+        kv_len=50,
+        causal=True,
+    ),
+    Case(
+        dtype="bfloat16",
+        head_dim=8,
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=70,
+        kv_len=70,
+        causal=True,
+        scale=0.3,
+    ),
 ]
 
 
 def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capability=80):
     q, k, v, dout = random_inputs(case, rng)
-    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, softcap=softcap,
-              alibi_slopes=slopes, excluded=excluded, capability=capability)
+    kw = dict(
+        kv_seq_len=case.kv_seq_len,
+        softmax_scale=case.scale,
+        softcap=softcap,
+        alibi_slopes=slopes,
+        excluded=excluded,
+        capability=capability,
+    )
     out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
-    grads = simulated_attention.backward(dout, q, k, v, out, lse, *case.args, **kw,
-                                         deterministic=deterministic)
+    grads = simulated_attention.backward(
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+    )
     return (q, k, v, dout), out, lse, grads
 
 
@@ -75,12 +144,37 @@ def test_tensor_core_kernels_match_oracle(case, deterministic, capability, rng):
 # head_dim 128, two of 64 keys past it), so that its stage rings wrap and each barrier
 # goes through several phases; two query tiles; rows that see no key (S_q > S_k).
 RING_CASES = [
-    Case(dtype="bfloat16", head_dim=128, batch=1, heads=2, kv_heads=1, q_len=200, kv_len=600,
-         causal=True),
-    Case(dtype="float16", head_dim=96, batch=1, heads=1, kv_heads=1, q_len=140, kv_len=530,
-         kv_seq_len=517),
-    Case(dtype="bfloat16", head_dim=256, batch=1, heads=1, kv_heads=1, q_len=150, kv_len=140,
-         causal=True, window=(100, 0)),
+    Case(
+        dtype="bfloat16",
+        head_dim=128,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=200,
+        kv_len=600,
+        causal=True,
+    ),
+    Case(
+        dtype="float16",
+        head_dim=96,
+        batch=1,
+        heads=1,
+        kv_heads=1,
+        q_len=140,
+        kv_len=530,
+        kv_seq_len=517,
+    ),
+    Case(
+        dtype="bfloat16",
+        head_dim=256,
+        batch=1,
+        heads=1,
+        kv_heads=1,
+        q_len=150,
+        kv_len=140,
+        causal=True,
+        window=(100, 0),
+    ),
     Case(dtype="float16", head_dim=200, batch=1, heads=1, kv_heads=1, q_len=60, kv_len=300),
 ]
 
@@ -91,23 +185,58 @@ def test_warp_specialized_forward_wraps_its_stage_rings(case, rng):
     once both consumers hand it back, and the consumers wait for each phase (a missed
     wait reads the poison or an older tile: the simulator lands a stage's copies only
     when a consumer's wait sees them complete)."""
-    assert registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90).name == \
-        "forward_wgmma_ws"
+    assert (
+        registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90).name == "forward_wgmma_ws"
+    )
     inputs, out, lse, grads = _run(case, rng, False, capability=90)
     check_results(case, inputs, out, lse, grads)
 
 
 FLOAT32_CASES = [
-    Case(dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90,
-         causal=True),
-    Case(dtype="float32", head_dim=40, batch=2, heads=3, kv_heads=3, q_len=90, kv_len=50,
-         window=(20, 10), bshd=True),
-    Case(dtype="float32", head_dim=128, batch=1, heads=2, kv_heads=1, q_len=1, kv_len=80,
-         kv_seq_len=61),
-    Case(dtype="float32", head_dim=160, batch=1, heads=2, kv_heads=1, q_len=50, kv_len=70,
-         window=(20, 5)),
-    Case(dtype="float32", head_dim=256, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=40,
-         causal=True),
+    Case(
+        dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90, causal=True
+    ),
+    Case(
+        dtype="float32",
+        head_dim=40,
+        batch=2,
+        heads=3,
+        kv_heads=3,
+        q_len=90,
+        kv_len=50,
+        window=(20, 10),
+        bshd=True,
+    ),
+    Case(
+        dtype="float32",
+        head_dim=128,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=1,
+        kv_len=80,
+        kv_seq_len=61,
+    ),
+    Case(
+        dtype="float32",
+        head_dim=160,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=50,
+        kv_len=70,
+        window=(20, 5),
+    ),
+    Case(
+        dtype="float32",
+        head_dim=256,
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=40,
+        kv_len=40,
+        causal=True,
+    ),
 ]
 
 
@@ -120,18 +249,33 @@ def test_float32_pieces_kernels_match_oracle(case, deterministic, rng):
     check_results(case, inputs, out, lse, grads)
 
 
-@pytest.mark.parametrize("case", [
-    FLOAT32_CASES[0],
-    Case(dtype="bfloat16", head_dim=160, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=60,
-         window=(20, 5)),
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        FLOAT32_CASES[0],
+        Case(
+            dtype="bfloat16",
+            head_dim=160,
+            batch=1,
+            heads=2,
+            kv_heads=2,
+            q_len=40,
+            kv_len=60,
+            window=(20, 5),
+        ),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_general_kernels_match_oracle(case, deterministic, rng):
     """The CUDA-core kernels: float32's path before Hopper, and every call with rows off
     the 16-byte grid."""
-    inputs, out, lse, grads = _run(case, rng, deterministic,
-                                   excluded=("forward_mma_sync", "backward_mma_sync",
-                                             "backward_mma_sync_split_d"))
+    inputs, out, lse, grads = _run(
+        case,
+        rng,
+        deterministic,
+        excluded=("forward_mma_sync", "backward_mma_sync", "backward_mma_sync_split_d"),
+    )
     check_results(case, inputs, out, lse, grads)
 
 
@@ -142,11 +286,20 @@ def test_modified_kernels_match_oracle(head_dim, deterministic, capability, rng)
     """Soft-cap and ALiBi on the tensor-core kernels (the modified dQ passes when
     deterministic, and past D = 128 on Hopper) and, before Hopper past the mma.sync
     backward's head dims, the general backward."""
-    case = Case(dtype="bfloat16", head_dim=head_dim, batch=2, heads=4, kv_heads=2, q_len=45,
-                kv_len=70, causal=True)
+    case = Case(
+        dtype="bfloat16",
+        head_dim=head_dim,
+        batch=2,
+        heads=4,
+        kv_heads=2,
+        q_len=45,
+        kv_len=70,
+        causal=True,
+    )
     softcap, slopes = 4.0, alibi_slopes(rng, "batch_heads", case.batch, case.heads)
-    inputs, out, lse, grads = _run(case, rng, deterministic, softcap=softcap, slopes=slopes,
-                                   capability=capability)
+    inputs, out, lse, grads = _run(
+        case, rng, deterministic, softcap=softcap, slopes=slopes, capability=capability
+    )
     check_modified_results(case, inputs, (out, lse, *grads), softcap, slopes)
 
 
@@ -163,17 +316,21 @@ def _user_modifier_cases(rng, heads, length):
         return table[h, q_idx, kv_idx]
 
     bias = rng.uniform(-1, 1, (heads, 2 * 255 + 1)).astype(np.float32)
-    return {"documents": (None, documents, None),
-            "prefix_lm": (None, modifiers.prefix_lm_mask(60), None),
-            "chunked": (None, modifiers.chunked_mask(64), None),
-            "random": (None, modifiers.MaskMod(random_pattern), heads),
-            "bias_documents": (modifiers.relative_bias_score(bias), documents, None)}
+    return {
+        "documents": (None, documents, None),
+        "prefix_lm": (None, modifiers.prefix_lm_mask(60), None),
+        "chunked": (None, modifiers.chunked_mask(64), None),
+        "random": (None, modifiers.MaskMod(random_pattern), heads),
+        "bias_documents": (modifiers.relative_bias_score(bias), documents, None),
+    }
 
 
 # (case, capability, deterministic, through a block mask)
-USER_RUNS = [(name, capability, deterministic, block)
-             for name in ("documents", "prefix_lm", "chunked", "random", "bias_documents")
-             for capability, deterministic, block in ((80, True, False), (90, False, True))]
+USER_RUNS = [
+    (name, capability, deterministic, block)
+    for name in ("documents", "prefix_lm", "chunked", "random", "bias_documents")
+    for capability, deterministic, block in ((80, True, False), (90, False, True))
+]
 USER_RUNS += [("bias_documents", 80, False, True), ("documents", 90, True, True)]
 
 
@@ -185,8 +342,10 @@ def test_user_modifier_kernels_match_oracle(name, capability, deterministic, blo
     empty tiles skipped, the mask evaluated only on the tiles it cuts)."""
     batch, heads, kv_heads, length, head_dim = 1, 4, 2, 160, 64
     score_mod, mask_mod, mask_heads = _user_modifier_cases(rng, heads, length)[name]
-    host = [rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES["bfloat16"])
-            for h in (heads, kv_heads, kv_heads, heads)]
+    host = [
+        rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES["bfloat16"])
+        for h in (heads, kv_heads, kv_heads, heads)
+    ]
     q, k, v, dout = host
     kw = dict(score_mod=score_mod, capability=capability)
     if block:
@@ -194,14 +353,14 @@ def test_user_modifier_kernels_match_oracle(name, capability, deterministic, blo
     else:
         kw["mask_mod"] = mask_mod
     out, lse = simulated_attention.forward(q, k, v, heads, kv_heads, head_dim, **kw)
-    grads = simulated_attention.backward(dout, q, k, v, out, lse, heads, kv_heads, head_dim,
-                                         deterministic=deterministic, **kw)
+    grads = simulated_attention.backward(
+        dout, q, k, v, out, lse, heads, kv_heads, head_dim, deterministic=deterministic, **kw
+    )
     h64 = [x.astype(np.float64) for x in host]
     ref = dict(score_mod=score_mod, mask_mod=mask_mod)
     ref_out, ref_lse = attention_reference(*h64[:3], False, 0, **ref)
     ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, **ref)
-    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                (ref_out, *ref_grads)):
+    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert rel_error(got, want) <= 2e-2 + FLOOR["bfloat16"], label
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     assert np.all(out[np.isneginf(ref_lse)] == 0)
@@ -210,16 +369,21 @@ def test_user_modifier_kernels_match_oracle(name, capability, deterministic, blo
 # Packed batches: sequences of no query row, of no key, GQA, windows (test_varlen's mix).
 PACKED_CASES = [
     dict(lengths_q=[5, 0, 17, 1, 9], lengths_k=[5, 3, 17, 1, 9], head_dim=64),
-    dict(lengths_q=[6, 66], lengths_k=[6, 0], heads=4, kv_heads=4, head_dim=40,
-         causal=False),
-    dict(lengths_q=[3, 70, 20], lengths_k=[9, 80, 20], heads=6, kv_heads=1, head_dim=128,
-         window=(12, 1), causal=False),
+    dict(lengths_q=[6, 66], lengths_k=[6, 0], heads=4, kv_heads=4, head_dim=40, causal=False),
+    dict(
+        lengths_q=[3, 70, 20],
+        lengths_k=[9, 80, 20],
+        heads=6,
+        kv_heads=1,
+        head_dim=128,
+        window=(12, 1),
+        causal=False,
+    ),
     dict(lengths_q=[40, 30], lengths_k=[50, 30], head_dim=200),
 ]
 
 
-@pytest.mark.parametrize("capability, dtype", [(80, "bfloat16"), (90, "float16"),
-                                               (90, "float32")])
+@pytest.mark.parametrize("capability, dtype", [(80, "bfloat16"), (90, "float16"), (90, "float32")])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", PACKED_CASES, ids=str)
 def test_packed_kernels_match_oracle(case, deterministic, capability, dtype, rng):
@@ -227,16 +391,35 @@ def test_packed_kernels_match_oracle(case, deterministic, capability, dtype, rng
     are zeros (packed_zero_outside)."""
     case = dict(dict(heads=4, kv_heads=2, causal=True, window=0), **case)
     lengths_q, lengths_k = case["lengths_q"], case["lengths_k"]
-    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, case["heads"],
-                                              case["kv_heads"], case["head_dim"], dtype)
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), case["heads"], case["kv_heads"],
-            case["head_dim"], case["causal"], case["window"])
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths_q, lengths_k, case["heads"], case["kv_heads"], case["head_dim"], dtype
+    )
+    args = (
+        cu_q,
+        cu_k,
+        max(lengths_q),
+        max(lengths_k),
+        case["heads"],
+        case["kv_heads"],
+        case["head_dim"],
+        case["causal"],
+        case["window"],
+    )
     out, lse = simulated_attention.varlen_forward(q, k, v, *args, capability=capability)
-    grads = simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args,
-                                                deterministic=deterministic,
-                                                capability=capability)
-    check_packed_results((q, k, v, dout), out, lse, grads, lengths_q, lengths_k, dtype,
-                         case["causal"], case["window"])
+    grads = simulated_attention.varlen_backward(
+        dout, q, k, v, out, lse, *args, deterministic=deterministic, capability=capability
+    )
+    check_packed_results(
+        (q, k, v, dout),
+        out,
+        lse,
+        grads,
+        lengths_q,
+        lengths_k,
+        dtype,
+        case["causal"],
+        case["window"],
+    )
 
 
 GARBAGE_OFFSETS = ([0, -50, 10**6, 20], [100, 10, 130, 2**31 - 1], [-7, 500, -3, 130])
@@ -251,12 +434,12 @@ def _garbage_offsets_run(rng, capability, dtype, offsets, deterministic=False):
     args = (cu_q, cu_k, max(lengths), max(lengths), 2, 2, 64, True)
     kw = dict(device_offsets=(garbage, garbage), capability=capability, guard=True)
     out, lse = simulated_attention.varlen_forward(q, k, v, *args, **kw)
-    return simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args,
-                                               deterministic=deterministic, **kw)
+    return simulated_attention.varlen_backward(
+        dout, q, k, v, out, lse, *args, deterministic=deterministic, **kw
+    )
 
 
-@pytest.mark.parametrize("capability, dtype", [(80, "float16"), (90, "bfloat16"),
-                                               (90, "float32")])
+@pytest.mark.parametrize("capability, dtype", [(80, "float16"), (90, "bfloat16"), (90, "float32")])
 @pytest.mark.parametrize("offsets", GARBAGE_OFFSETS, ids=str)
 def test_garbage_device_offsets_stay_inside_the_arrays(offsets, capability, dtype, rng):
     """Device offsets are never trusted (SPEC 7): negative, decreasing, past the totals or
@@ -270,14 +453,14 @@ def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
     """The guard pages of the test above see an access outside an array: with the
     sequence's first query row taken from the offsets unclamped, the kernels fault."""
     source = (simulator.KERNEL_DIR / "common.cuh").read_text()
-    broken = source.replace("const int q0 = clamped(offsets_q[b], 0, q_len)",
-                            "const int q0 = offsets_q[b]")
+    broken = source.replace(
+        "const int q0 = clamped(offsets_q[b], 0, q_len)", "const int q0 = offsets_q[b]"
+    )
     assert broken != source
     kernels = tmp_path / "kernels"
     kernels.mkdir()
     for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == "common.cuh"
-                                         else path.read_text())
+        (kernels / path.name).write_text(broken if path.name == "common.cuh" else path.read_text())
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     with pytest.raises(simulator.SimulationError, match="faulted"):
         _garbage_offsets_run(rng, 80, "float16", [0, -50, 10**6, 20])
@@ -286,8 +469,10 @@ def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
 # The decode kernels are one code for every GPU; long query chunks on a contiguous cache
 # take the dense forward, whose Hopper kernels read device-held key counts.
 KV_RUNS = [(case, 80) for case in KV_CASES] + [
-    (case, 90) for case in KV_CASES
-    if not case.block_size and case.q_len * (case.heads // case.kv_heads) >= 64]
+    (case, 90)
+    for case in KV_CASES
+    if not case.block_size and case.q_len * (case.heads // case.kv_heads) >= 64
+]
 
 
 @pytest.mark.parametrize("case, capability", KV_RUNS, ids=str)
@@ -296,13 +481,15 @@ def test_kvcache_kernels_match_oracle(case, capability, rng):
     layout, windows, modifiers, long chunks on the dense kernels): the append, the split-KV
     kernel and the combine of its splits, the cache bitwise unchanged but for the new
     rows."""
-    run_case(case, rng, call=functools.partial(simulated_kvcache.forward,
-                                               capability=capability))
+    run_case(case, rng, call=functools.partial(simulated_kvcache.forward, capability=capability))
 
 
 @pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("paged, q_len", [(False, 2), (True, 2), (False, 32)],
-                         ids=["contiguous", "paged", "contiguous-dense"])
+@pytest.mark.parametrize(
+    "paged, q_len",
+    [(False, 2), (True, 2), (False, 32)],
+    ids=["contiguous", "paged", "contiguous-dense"],
+)
 def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng):
     """Device-held lengths and block ids are never trusted (SPEC 6): test_kvcache's garbage
     (negative, past the capacity, block ids out of range) under guard pages, appends and
@@ -317,12 +504,27 @@ def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng
     table = garbage_table = None
     if paged:
         table = np.arange(b * max_blocks, dtype=np.int32).reshape(b, max_blocks) % num_blocks
-        garbage_table = np.array([[3, -1, 2**30, -2**31] * 2, [19, 20, 7, 0] * 2,
-                                  [1000, 5, 6, 7] * 2, [-5] * 8], np.int32)
+        garbage_table = np.array(
+            [[3, -1, 2**30, -(2**31)] * 2, [19, 20, 7, 0] * 2, [1000, 5, 6, 7] * 2, [-5] * 8],
+            np.int32,
+        )
     out, lse = simulated_kvcache.forward(
-        q, k_cache, v_cache, h, hk, d, cache_seqlens=np.zeros(b, np.int32), k_new=k_new,
-        v_new=v_new, block_table=table, return_lse=True, capability=capability,
-        device_lengths=garbage_lengths, device_table=garbage_table, guard=True)
+        q,
+        k_cache,
+        v_cache,
+        h,
+        hk,
+        d,
+        cache_seqlens=np.zeros(b, np.int32),
+        k_new=k_new,
+        v_new=v_new,
+        block_table=table,
+        return_lse=True,
+        capability=capability,
+        device_lengths=garbage_lengths,
+        device_table=garbage_table,
+        guard=True,
+    )
     assert np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()
 
 
@@ -339,24 +541,40 @@ def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=capability)
-    dq, _, _ = simulated_attention.backward(dout, q, k, v, out, lse, *case.args,
-                                            deterministic=True, capability=capability)
+    dq, _, _ = simulated_attention.backward(
+        dout, q, k, v, out, lse, *case.args, deterministic=True, capability=capability
+    )
     return rel_error(dq, oracle(case, q, k, v, dout)[2][0])
 
 
 def test_simulator_finds_a_tile_read_before_its_copy_lands(rng, tmp_path, monkeypatch):
     """A kernel that reads a tile without waiting for its cp.async group reads the NaN
     the simulator poisons shared memory with, so such a bug fails these tests."""
-    assert _broken_dq(CASES[0], "tc_bwd_dq.cuh", "cp_async_wait<1>();", "", 80, rng,
-                      tmp_path, monkeypatch) == math.inf
+    assert (
+        _broken_dq(
+            CASES[0], "tc_bwd_dq.cuh", "cp_async_wait<1>();", "", 80, rng, tmp_path, monkeypatch
+        )
+        == math.inf
+    )
 
 
 def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
     """A wgmma operand read with the wrong stride between its 64-column blocks (K in the
     Hopper dQ pass's dQ += dS K, at D = 128) gives results far from the oracle's (about
     1e-3 from it when right)."""
-    assert _broken_dq(CASES[1], "tc_bwd_dq_wg.cuh", "BN * 64 * sizeof(T), ATOM)",
-                      "BN * 32 * sizeof(T), ATOM)", 90, rng, tmp_path, monkeypatch) > 0.1
+    assert (
+        _broken_dq(
+            CASES[1],
+            "tc_bwd_dq_wg.cuh",
+            "BN * 64 * sizeof(T), ATOM)",
+            "BN * 32 * sizeof(T), ATOM)",
+            90,
+            rng,
+            tmp_path,
+            monkeypatch,
+        )
+        > 0.1
+    )
 
 
 def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch):
@@ -375,18 +593,21 @@ def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch):
     return rel_error(out, oracle(case, q, k, v, dout)[0])
 
 
-@pytest.mark.parametrize("old, new", [
-    # the producer refills a stage without waiting for the consumers to hand it back
-    ("mbarrier_wait(&empty[stage(use)], parity(use) ^ 1);", "(void)use;"),
-    # a consumer reads a stage without waiting for its copies
-    ("mbarrier_wait(&full[stage(use)], parity(use));", "(void)use;"),
-], ids=["refill-early", "read-early"])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # the producer refills a stage without waiting for the consumers to hand it back
+        ("mbarrier_wait(&empty[stage(use)], parity(use) ^ 1);", "(void)use;"),
+        # a consumer reads a stage without waiting for its copies
+        ("mbarrier_wait(&full[stage(use)], parity(use));", "(void)use;"),
+    ],
+    ids=["refill-early", "read-early"],
+)
 def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatch):
     """The warp-specialized forward with one side of its stage handshake left out: a
     deadlock, a fault or results far from the oracle's, never a pass."""
     try:
-        error = _broken_forward(RING_CASES[0], "mbarrier.cuh", old, new, rng, tmp_path,
-                                monkeypatch)
+        error = _broken_forward(RING_CASES[0], "mbarrier.cuh", old, new, rng, tmp_path, monkeypatch)
     except simulator.SimulationError:
         return
     assert not error < 0.05, error
@@ -395,19 +616,72 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
 # Attention sinks: each forward kernel family's row finish (mma.sync, wgmma warp-specialized
 # and not, the float32 pieces and their wide kernel, the CUDA cores), causal rows that see no
 # key; two runs through the (unchanged) backward kernels on the sinks' lse.
-SINK_CASE = Case(dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=2, q_len=50,
-                 kv_len=30, causal=True)
+SINK_CASE = Case(
+    dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=2, q_len=50, kv_len=30, causal=True
+)
 SINK_RUNS = [
     (SINK_CASE, 80, (), True),
     (SINK_CASE, 90, (), True),
-    (Case(dtype="float16", head_dim=136, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=50,
-          window=(20, 5)), 90, (), False),
-    (Case(dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=40, kv_len=30,
-          causal=True), 90, (), False),
-    (Case(dtype="float32", head_dim=160, batch=1, heads=2, kv_heads=2, q_len=40, kv_len=30,
-          causal=True), 90, (), False),
-    (Case(dtype="float32", head_dim=40, batch=2, heads=2, kv_heads=1, q_len=40, kv_len=30,
-          causal=True), 80, (), False),
+    (
+        Case(
+            dtype="float16",
+            head_dim=136,
+            batch=1,
+            heads=2,
+            kv_heads=1,
+            q_len=40,
+            kv_len=50,
+            window=(20, 5),
+        ),
+        90,
+        (),
+        False,
+    ),
+    (
+        Case(
+            dtype="float32",
+            head_dim=64,
+            batch=1,
+            heads=2,
+            kv_heads=1,
+            q_len=40,
+            kv_len=30,
+            causal=True,
+        ),
+        90,
+        (),
+        False,
+    ),
+    (
+        Case(
+            dtype="float32",
+            head_dim=160,
+            batch=1,
+            heads=2,
+            kv_heads=2,
+            q_len=40,
+            kv_len=30,
+            causal=True,
+        ),
+        90,
+        (),
+        False,
+    ),
+    (
+        Case(
+            dtype="float32",
+            head_dim=40,
+            batch=2,
+            heads=2,
+            kv_heads=1,
+            q_len=40,
+            kv_len=30,
+            causal=True,
+        ),
+        80,
+        (),
+        False,
+    ),
 ]
 
 
@@ -416,8 +690,9 @@ def test_sink_kernels_match_oracle(case, capability, excluded, backward, rng):
     """Every forward kernel adds exp(sinks[h]) to its rows' sums (add_sink): out and lse
     against the oracle, rows that see no key zeros with lse = sinks[h]; the backward's
     kernels on that lse give the oracle's gradients, and dsinks from the lse and Delta."""
-    from cuflash import sinks as attention_sinks
     from sink_checks import check_sink_results, random_sinks
+
+    from cuflash import sinks as attention_sinks
 
     q, k, v, dout = random_inputs(case, rng)
     sinks = random_sinks(rng, case.heads)
@@ -428,8 +703,16 @@ def test_sink_kernels_match_oracle(case, capability, excluded, backward, rng):
         results += simulated_attention.backward(dout, q, k, v, out, lse, *case.args, **kw)
         delta = attention_sinks.row_deltas(dout, out)
         results.append(attention_sinks.gradient(np, sinks, lse, delta, 1))
-    dead = check_sink_results((q, k, v, dout), results, sinks, case.dtype, case.causal,
-                              case.window, softmax_scale=case.scale, kernels=True)
+    dead = check_sink_results(
+        (q, k, v, dout),
+        results,
+        sinks,
+        case.dtype,
+        case.causal,
+        case.window,
+        softmax_scale=case.scale,
+        kernels=True,
+    )
     assert dead.any() == case.causal
 
 
@@ -439,14 +722,14 @@ def test_packed_sink_kernels_match_oracle(rng):
     from sink_checks import NO_KEY_LSE_RTOL, random_sinks
 
     lengths_q, lengths_k, heads = [20, 7, 33], [25, 0, 30], 4
-    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, 2, 64,
-                                           "bfloat16")
+    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, 2, 64, "bfloat16")
     sinks = random_sinks(rng, heads)
-    out, lse = simulated_attention.varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q),
-                                                  max(lengths_k), heads, 2, 64, True,
-                                                  sinks=sinks)
+    out, lse = simulated_attention.varlen_forward(
+        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), heads, 2, 64, True, sinks=sinks
+    )
     want_out, want_lse = cuflash.flash_attention_varlen_fwd(
-        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), heads, 2, 64, True, sinks=sinks)
+        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), heads, 2, 64, True, sinks=sinks
+    )
     assert rel_error(out, want_out.astype(np.float64)) <= 1e-2
     assert np.max(np.abs(lse - want_lse)) <= 1e-4 * (1 + np.abs(want_lse).max())
     assert np.all(out[20:27].astype(np.float32) == 0)

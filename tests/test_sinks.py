@@ -5,22 +5,37 @@ oracle's dsinks against finite differences of its own output."""
 
 import numpy as np
 import pytest
+from sink_checks import NO_KEY_LSE_RTOL, check_sink_results, finite_difference_dsinks, random_sinks
+from support import (
+    DTYPES,
+    FLOOR,
+    PACKED_BOUND,
+    Case,
+    cupy,
+    packed_inputs,
+    random_inputs,
+    rel_error,
+    to_numpy,
+)
 
 import cuflash
 from cuflash import distributed as dist
 from cuflash.reference import attention_reference, attention_reference_grad
-from sink_checks import (NO_KEY_LSE_RTOL, check_sink_results, finite_difference_dsinks,
-                         random_sinks)
-from support import DTYPES, FLOOR, PACKED_BOUND, Case, cupy, packed_inputs, random_inputs
-from support import rel_error, to_numpy
 
 ARRAYS = [pytest.param("numpy", id="cpu"), pytest.param("cupy", id="gpu", marks=pytest.mark.gpu)]
 DENSE = [
     Case(dtype="float32", heads=4, kv_heads=2, q_len=70, kv_len=45, causal=True),
-    Case(dtype="bfloat16", heads=4, kv_heads=1, q_len=50, kv_len=90, head_dim=128,
-         window=(20, 3)),
-    Case(dtype="float16", heads=2, kv_heads=2, q_len=33, kv_len=60, head_dim=40,
-         kv_seq_len=17, causal=True),
+    Case(dtype="bfloat16", heads=4, kv_heads=1, q_len=50, kv_len=90, head_dim=128, window=(20, 3)),
+    Case(
+        dtype="float16",
+        heads=2,
+        kv_heads=2,
+        q_len=33,
+        kv_len=60,
+        head_dim=40,
+        kv_seq_len=17,
+        causal=True,
+    ),
 ]
 
 
@@ -39,16 +54,25 @@ def test_dense_sinks_match_oracle(arrays, case, deterministic, rng):
     sinks = random_sinks(rng, case.heads, xp)
     kw = dict(kv_seq_len=case.kv_seq_len, sinks=sinks)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
-                                        deterministic=deterministic)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+    )
     assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (case.heads,)
-    dead = check_sink_results((q, k, v, dout), (out, lse, *grads), sinks, case.dtype,
-                              case.causal, case.window, case.kv_seq_len,
-                              kernels=xp is not np)
+    dead = check_sink_results(
+        (q, k, v, dout),
+        (out, lse, *grads),
+        sinks,
+        case.dtype,
+        case.causal,
+        case.window,
+        case.kv_seq_len,
+        kernels=xp is not np,
+    )
     assert dead.any() == (case.causal and case.q_len > (case.kv_seq_len or case.kv_len))
     if deterministic:  # the same bits again
-        again = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, **kw,
-                                            deterministic=True)
+        again = cuflash.flash_attention_bwd(
+            dout, q, k, v, out, lse, *case.args, **kw, deterministic=True
+        )
         for a, b in zip(grads, again):
             assert np.array_equal(to_numpy(a), to_numpy(b))
 
@@ -79,8 +103,9 @@ def test_a_row_that_sees_no_key(arrays, rng):
     want = np.broadcast_to(to_numpy(sinks)[None, :, None], lse.shape)
     rtol = NO_KEY_LSE_RTOL["cpu" if xp is np else "kernels"]
     assert np.all(np.abs(to_numpy(lse) - want) <= rtol * np.abs(want))
-    dq, dk, dv, dsinks = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args,
-                                                     kv_seq_len=0, sinks=sinks)
+    dq, dk, dv, dsinks = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, kv_seq_len=0, sinks=sinks
+    )
     assert np.all(to_numpy(dq) == 0) and np.all(to_numpy(dsinks) == 0)
 
 
@@ -106,10 +131,17 @@ def test_packed_sinks_match_oracle(arrays, rng):
     """Each sequence's rows take the sinks (one of no key: zeros, lse = sinks[h]); dsinks
     sums every sequence's rows."""
     xp = _xp(arrays)
-    lengths_q, lengths_k, heads, kv_heads, d, dtype = [9, 0, 30, 4], [12, 5, 25, 0], 4, 2, 64, \
-        "bfloat16"
-    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, d,
-                                              dtype, xp)
+    lengths_q, lengths_k, heads, kv_heads, d, dtype = (
+        [9, 0, 30, 4],
+        [12, 5, 25, 0],
+        4,
+        2,
+        64,
+        "bfloat16",
+    )
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths_q, lengths_k, heads, kv_heads, d, dtype, xp
+    )
     sinks = random_sinks(rng, heads, xp)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k), heads, kv_heads, d, True)
     out, vjp = cuflash.flash_attention_varlen_vjp(q, k, v, *args, sinks=sinks)
@@ -133,14 +165,20 @@ def test_packed_sinks_match_oracle(arrays, rng):
         def dense(x, start, stop):
             return x[start:stop].transpose(1, 0, 2)[None]
 
-        views = (dense(host[3], q0, q1), dense(host[0], q0, q1), dense(host[1], k0, k1),
-                 dense(host[2], k0, k1))
+        views = (
+            dense(host[3], q0, q1),
+            dense(host[0], q0, q1),
+            dense(host[1], k0, k1),
+            dense(host[2], k0, k1),
+        )
         ref_out, ref_lse = attention_reference(*views[1:], True, sinks=to_numpy(sinks))
         *ref_grads, ref_dsinks = attention_reference_grad(*views, True, sinks=to_numpy(sinks))
         want_dsinks += ref_dsinks
-        for name, x, ref in zip(("out", "dq", "dk", "dv"),
-                                (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
-                                (ref_out, *ref_grads)):
+        for name, x, ref in zip(
+            ("out", "dq", "dk", "dv"),
+            (got[0][q0:q1], got[1][q0:q1], got[2][k0:k1], got[3][k0:k1]),
+            (ref_out, *ref_grads),
+        ):
             err = rel_error(dense(x, 0, None), ref)
             assert err <= PACKED_BOUND[dtype] + FLOOR[dtype], (b, name, err)
         assert np.allclose(lse[:, q0:q1], ref_lse[0], atol=1e-4), b
@@ -161,8 +199,14 @@ def test_kvcache_sinks_match_dense(arrays, split, rng):
     lengths = np.array([0, capacity, capacity // 3], np.int32)
     sinks = random_sinks(rng, h)
     out, lse = cuflash.flash_attention_with_kvcache(
-        *(xp.asarray(x) for x in (q, k_cache, v_cache)), h, hk, d,
-        cache_seqlens=xp.asarray(lengths), return_lse=True, sinks=xp.asarray(sinks))
+        *(xp.asarray(x) for x in (q, k_cache, v_cache)),
+        h,
+        hk,
+        d,
+        cache_seqlens=xp.asarray(lengths),
+        return_lse=True,
+        sinks=xp.asarray(sinks),
+    )
     out, lse = to_numpy(out).astype(np.float64), to_numpy(lse)
     assert np.all(out[0] == 0)
     rtol = NO_KEY_LSE_RTOL["cpu" if xp is np else "kernels"]
@@ -170,9 +214,13 @@ def test_kvcache_sinks_match_dense(arrays, split, rng):
     for i in (1, 2):
         n = int(lengths[i])
         ref_out, ref_lse = attention_reference(
-            q[i:i + 1].astype(np.float64), k_cache[i:i + 1, :, :n].astype(np.float64),
-            v_cache[i:i + 1, :, :n].astype(np.float64), True, sinks=sinks)
-        assert rel_error(out[i:i + 1], ref_out) <= 1e-2
+            q[i : i + 1].astype(np.float64),
+            k_cache[i : i + 1, :, :n].astype(np.float64),
+            v_cache[i : i + 1, :, :n].astype(np.float64),
+            True,
+            sinks=sinks,
+        )
+        assert rel_error(out[i : i + 1], ref_out) <= 1e-2
         assert np.allclose(lse[i], ref_lse[0], atol=1e-4)
 
 
@@ -183,14 +231,17 @@ def test_ring_sinks_match_oracle(size, layout, rng):
     rank order: every rank holds the whole sequence's dsinks, the same bits."""
     heads, kv_heads, d, causal, window = 4, 2, 16, True, (9, 2)
     length = dist.chunk_count(layout, size) * 6
-    full = [rng.standard_normal((1, n, length, d)).astype(np.float32)
-            for n in (heads, kv_heads, kv_heads, heads)]
+    full = [
+        rng.standard_normal((1, n, length, d)).astype(np.float32)
+        for n in (heads, kv_heads, kv_heads, heads)
+    ]
     sinks = random_sinks(rng, heads)
     per_rank = [tuple(dist.shard(x, layout, r, size) for x in full) for r in range(size)]
 
     def rank(group, q, k, v, dout):
-        out, vjp = dist.ring_attention_vjp(q, k, v, heads, kv_heads, d, causal, window,
-                                           group=group, layout=layout, sinks=sinks)
+        out, vjp = dist.ring_attention_vjp(
+            q, k, v, heads, kv_heads, d, causal, window, group=group, layout=layout, sinks=sinks
+        )
         return (out, vjp.lse, *vjp(dout))
 
     results = dist.ThreadGroup(size).run(rank, per_rank)

@@ -42,10 +42,14 @@ def test_mypy():
 
 
 def test_clang_format():
-    sources = [p for d in ("cuflash/kernels", "tests/simulator")
-               for p in sorted((ROOT / d).iterdir())
-               if p.suffix in (".cu", ".cuh", ".h") and p.name not in GENERATED]
+    sources = [
+        p
+        for d in ("cuflash/kernels", "tests/simulator")
+        for p in sorted((ROOT / d).iterdir())
+        if p.suffix in (".cu", ".cuh", ".h") and p.name not in GENERATED
+    ]
     assert sources
-    code, out = _run(_tool("clang-format"), "--style=file", "--dry-run", "-Werror",
-                     *map(str, sources))
+    code, out = _run(
+        _tool("clang-format"), "--style=file", "--dry-run", "-Werror", *map(str, sources)
+    )
     assert code == 0, out

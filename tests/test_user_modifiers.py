@@ -22,12 +22,11 @@ import sys
 
 import numpy as np
 import pytest
+from support import cupy
 
 from cuflash import modifiers
 from cuflash.errors import InvalidArgumentError
-from cuflash.modifiers import (MaskMod, ScoreMod, abs, exp, log, maximum, minimum, sqrt, tanh,
-                               where)
-from support import cupy
+from cuflash.modifiers import MaskMod, ScoreMod, abs, exp, log, maximum, minimum, sqrt, tanh, where
 
 B, H, SQ, SK = 2, 3, 7, 9
 WINDOW = 3
@@ -76,8 +75,9 @@ def _keyword_score(rng):
 
 
 def _lambda_score(rng):
-    return ScoreMod(lambda score, b, h, q_idx, kv_idx: where(q_idx >= kv_idx, score * 0.5,
-                                                             float("-inf")))
+    return ScoreMod(
+        lambda score, b, h, q_idx, kv_idx: where(q_idx >= kv_idx, score * 0.5, float("-inf"))
+    )
 
 
 def _constants_score(rng):
@@ -104,8 +104,7 @@ def _flag_mask(rng):
 
 def _document_causal(rng):
     ids = np.sort(rng.integers(0, 3, size=(B, SK))).astype(np.int32)  # queries and keys
-    return modifiers.and_masks(modifiers.document_mask(ids),
-                               modifiers.causal_mask(offset=SK - SQ))
+    return modifiers.and_masks(modifiers.document_mask(ids), modifiers.causal_mask(offset=SK - SQ))
 
 
 CASES = {
@@ -117,26 +116,45 @@ CASES = {
     "sliding": _sliding_mask,
     "flags": _flag_mask,
     "document_causal": _document_causal,
-    "document": lambda rng: modifiers.document_mask(rng.integers(0, 3, SQ).astype(np.int64),
-                                                    rng.integers(0, 3, SK).astype(np.int64)),
+    "document": lambda rng: modifiers.document_mask(
+        rng.integers(0, 3, SQ).astype(np.int64), rng.integers(0, 3, SK).astype(np.int64)
+    ),
     "prefix_lm": lambda rng: modifiers.prefix_lm_mask(4, offset=1),
     "prefix_lm_batch": lambda rng: modifiers.prefix_lm_mask(
-        rng.integers(1, SK, size=B).astype(np.int32)),
+        rng.integers(1, SK, size=B).astype(np.int32)
+    ),
     "chunked": lambda rng: modifiers.chunked_mask(3, offset=-1),
     "chunked_bidirectional": lambda rng: modifiers.chunked_mask(4, causal=False),
-    "or_masks": lambda rng: modifiers.or_masks(modifiers.chunked_mask(4),
-                                               modifiers.prefix_lm_mask(2)),
+    "or_masks": lambda rng: modifiers.or_masks(
+        modifiers.chunked_mask(4), modifiers.prefix_lm_mask(2)
+    ),
     "softcap": lambda rng: modifiers.softcap_score(2.5),
-    "alibi": lambda rng: modifiers.alibi_score(rng.uniform(0.1, 1, H).astype(np.float32),
-                                               offset=SK - SQ),
+    "alibi": lambda rng: modifiers.alibi_score(
+        rng.uniform(0.1, 1, H).astype(np.float32), offset=SK - SQ
+    ),
     "alibi_batch": lambda rng: modifiers.alibi_score(
-        rng.uniform(0.1, 1, (B, H)).astype(np.float32)),
+        rng.uniform(0.1, 1, (B, H)).astype(np.float32)
+    ),
     "relative_bias": lambda rng: modifiers.relative_bias_score(
-        rng.standard_normal((H, 7)).astype(np.float32), offset=1),
+        rng.standard_normal((H, 7)).astype(np.float32), offset=1
+    ),
 }
-SCORE_CASES = [name for name in CASES if name not in (
-    "sliding", "flags", "document_causal", "document", "prefix_lm", "prefix_lm_batch",
-    "chunked", "chunked_bidirectional", "or_masks")]
+SCORE_CASES = [
+    name
+    for name in CASES
+    if name
+    not in (
+        "sliding",
+        "flags",
+        "document_causal",
+        "document",
+        "prefix_lm",
+        "prefix_lm_batch",
+        "chunked",
+        "chunked_bidirectional",
+        "or_masks",
+    )
+]
 
 
 def _scores(rng, dtype=np.float32):
@@ -227,7 +245,11 @@ def test_derivative_matches_finite_differences(name, rng):
 def test_index_grids_broadcast():
     b, h, q_idx, kv_idx = modifiers.index_grids(2, 3, 4, 5)
     assert (b.shape, h.shape, q_idx.shape, kv_idx.shape) == (
-        (2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 4, 1), (1, 1, 1, 5))
+        (2, 1, 1, 1),
+        (1, 3, 1, 1),
+        (1, 1, 4, 1),
+        (1, 1, 1, 5),
+    )
     assert np.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape) == (2, 3, 4, 5)
 
 
@@ -239,14 +261,15 @@ def test_factories_mean_what_they_say(rng):
     assert np.array_equal(got, np.broadcast_to(ids[:, None] == keys[None, :], got.shape))
     got = modifiers.chunked_mask(3, offset=2).numpy_mask(b, h, q_idx, kv_idx)
     position = q_idx + 2
-    assert np.array_equal(got, np.broadcast_to(
-        (position // 3 == kv_idx // 3) & (kv_idx <= position), got.shape))
+    assert np.array_equal(
+        got, np.broadcast_to((position // 3 == kv_idx // 3) & (kv_idx <= position), got.shape)
+    )
     score = _scores(rng)
     slopes = rng.uniform(0.1, 1, H).astype(np.float32)
     got = modifiers.alibi_score(slopes, offset=SK - SQ).numpy_scores(
-        score, b, h, q_idx, kv_idx, dtype=np.float64)
-    want = score - slopes[None, :, None, None].astype(np.float64) * np.abs(
-        q_idx + SK - SQ - kv_idx)
+        score, b, h, q_idx, kv_idx, dtype=np.float64
+    )
+    want = score - slopes[None, :, None, None].astype(np.float64) * np.abs(q_idx + SK - SQ - kv_idx)
     assert np.allclose(got, want, rtol=1e-12, atol=0)
     table = rng.standard_normal((H, 5)).astype(np.float32)
     got = modifiers.relative_bias_score(table).numpy_scores(score, b, h, q_idx, kv_idx)
@@ -264,8 +287,11 @@ def _all_cases(rng):
 
 
 def _device_kernel(index, mod):
-    call = "mod(score[i], b, h, q, k, arrays)" if mod.kind == "score" else \
-        "(mod(b, h, q, k, arrays) ? 1.0f : 0.0f)"
+    call = (
+        "mod(score[i], b, h, q, k, arrays)"
+        if mod.kind == "score"
+        else "(mod(b, h, q, k, arrays) ? 1.0f : 0.0f)"
+    )
     grad = "grad[i] = mod.grad(score[i], b, h, q, k, arrays);" if mod.kind == "score" else ""
     return f"""
 extern "C" __global__ void evaluate_{index}(const float* score, float* out, float* grad,
@@ -312,8 +338,9 @@ def test_cxx_compiles_with_nvrtc(arch, rng):
 def test_bad_cxx_is_reported_by_nvrtc():
     """The harness above does catch a failing compile (a sanity check of the check)."""
     nvrtc = _nvrtc()
-    program = nvrtc.createProgram(modifiers.MODIFIER_PRELUDE + "struct X { int y = z; };",
-                                  "bad.cu", (), ())
+    program = nvrtc.createProgram(
+        modifiers.MODIFIER_PRELUDE + "struct X { int y = z; };", "bad.cu", (), ()
+    )
     try:
         with pytest.raises(nvrtc.NVRTCError):
             nvrtc.compileProgram(program, ("-std=c++17", "-arch=sm_80"))
@@ -323,8 +350,11 @@ def test_bad_cxx_is_reported_by_nvrtc():
 
 
 def _host_function(index, mod):
-    call = "mod(score[i], b, h, q, k, *arrays)" if mod.kind == "score" else \
-        "(mod(b, h, q, k, *arrays) ? 1.0f : 0.0f)"
+    call = (
+        "mod(score[i], b, h, q, k, *arrays)"
+        if mod.kind == "score"
+        else "(mod(b, h, q, k, *arrays) ? 1.0f : 0.0f)"
+    )
     grad = "grad[i] = mod.grad(score[i], b, h, q, k, *arrays);" if mod.kind == "score" else ""
     return f"""
 extern "C" void evaluate_{index}(const float* score, float* out, float* grad, int B, int H,
@@ -348,9 +378,20 @@ def _build_host(mods, tmp_path):
     source += "".join(_host_function(index, mod) for index, mod in enumerate(mods))
     (tmp_path / "mods.cpp").write_text(source)
     library = tmp_path / "mods.so"
-    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-o",
-                           str(library), str(tmp_path / "mods.cpp")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(library),
+            str(tmp_path / "mods.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     return ctypes.CDLL(str(library))
 
@@ -360,8 +401,15 @@ def _run_host(library, index, mod, score):
     record = np.array(mod.kernel_arguments(np)[0])  # keep the buffer alive for the call
     floats = ctypes.POINTER(ctypes.c_float)
     getattr(library, f"evaluate_{index}")(
-        score.ctypes.data_as(floats), out.ctypes.data_as(floats), grad.ctypes.data_as(floats),
-        B, H, SQ, SK, ctypes.c_void_p(record.ctypes.data))
+        score.ctypes.data_as(floats),
+        out.ctypes.data_as(floats),
+        grad.ctypes.data_as(floats),
+        B,
+        H,
+        SQ,
+        SK,
+        ctypes.c_void_p(record.ctypes.data),
+    )
     return out, grad
 
 
@@ -432,21 +480,28 @@ def test_cache_key_follows_code_constants_and_dtypes(rng):
     assert len(same.cache_key) == 64 and int(same.cache_key, 16) >= 0
 
     table = rng.standard_normal((H, 5)).astype(np.float32)
-    assert modifiers.relative_bias_score(table).cache_key == \
-        modifiers.relative_bias_score(table + 1).cache_key
-    assert modifiers.relative_bias_score(table).cache_key != \
-        modifiers.relative_bias_score(table, offset=1).cache_key
+    assert (
+        modifiers.relative_bias_score(table).cache_key
+        == modifiers.relative_bias_score(table + 1).cache_key
+    )
+    assert (
+        modifiers.relative_bias_score(table).cache_key
+        != modifiers.relative_bias_score(table, offset=1).cache_key
+    )
 
 
 def test_cache_key_is_stable_across_processes():
-    code = ("from cuflash import modifiers; import numpy as np; "
-            "print(modifiers.softcap_score(30.0).cache_key, "
-            "modifiers.document_mask(np.arange(3, dtype=np.int32)).cache_key)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True)
+    code = (
+        "from cuflash import modifiers; import numpy as np; "
+        "print(modifiers.softcap_score(30.0).cache_key, "
+        "modifiers.document_mask(np.arange(3, dtype=np.int32)).cache_key)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     ids = np.arange(5, dtype=np.int32) + 2
-    assert done.stdout.split() == [modifiers.softcap_score(30.0).cache_key,
-                                   modifiers.document_mask(ids).cache_key]
+    assert done.stdout.split() == [
+        modifiers.softcap_score(30.0).cache_key,
+        modifiers.document_mask(ids).cache_key,
+    ]
 
 
 def test_runtime_scalar_is_not_part_of_the_key(rng):
@@ -476,10 +531,14 @@ def test_check_bounds_rejects_reads_outside_an_array(rng):
     mod = ScoreMod(relative)
     mod.check_bounds(B, H, SQ, SQ)
     mod.check_bounds(0, H, 10**6, 10**6)  # an empty problem evaluates nothing
-    with pytest.raises(InvalidArgumentError, match=(
+    with pytest.raises(
+        InvalidArgumentError,
+        match=(
             r"^score_mod: .*relative reads table\[h, q_idx - kv_idx \+ SQ - 1\] with axis-1 "
             r"indices in \[-2, 12\] for batch=2, heads=3, q_len=7, kv_len=9, but table has "
-            r"13 entries on axis 1 \(indices never wrap\)$")):
+            r"13 entries on axis 1 \(indices never wrap\)$"
+        ),
+    ):
         mod.check_bounds(B, H, SQ, SK)
     with pytest.raises(InvalidArgumentError, match=r"axis-0 indices in \[0, 3\].*has 3 entries"):
         mod.check_bounds(B, H + 1, SQ, SQ)
@@ -555,9 +614,12 @@ def test_kernel_arguments_record_the_arrays(rng):
     want = score + view[grids[1], grids[3] % 4] * ids[grids[2]].astype(np.float32)
     assert np.allclose(mod.numpy_scores(score, *grids), want, rtol=1e-6, atol=1e-6)
     if cupy is not None:
-        with pytest.raises(InvalidArgumentError, match=r"array view is a numpy array; the GPU "
-                                                       r"kernels need a cupy array \(make the "
-                                                       r"modifier with cupy.asarray\)"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"array view is a numpy array; the GPU "
+            r"kernels need a cupy array \(make the "
+            r"modifier with cupy.asarray\)",
+        ):
             mod.kernel_arguments(cupy)
 
 
@@ -572,8 +634,9 @@ def test_kernel_arguments_on_the_gpu(rng):
     (record,) = mod.kernel_arguments()
     assert record["data"][0] == table.data.ptr
     assert list(record["stride"][0][:2]) == [6, 2]
-    with pytest.raises(InvalidArgumentError, match="array table is a cupy array; host code "
-                                                   "needs a numpy array"):
+    with pytest.raises(
+        InvalidArgumentError, match="array table is a cupy array; host code needs a numpy array"
+    ):
         mod.kernel_arguments(np)
     grids = modifiers.index_grids(1, 4, 2, 3)
     score = rng.standard_normal((1, 4, 2, 3)).astype(np.float32)
@@ -644,8 +707,9 @@ def test_unsupported_syntax_names_the_line():
     def comprehension(b, h, q_idx, kv_idx):
         return q_idx in [kv_idx for _ in range(2)]
 
-    assert "unsupported syntax: a list comprehension ([kv_idx for _ in range(2)])" in \
-        _error(MaskMod, comprehension)
+    assert "unsupported syntax: a list comprehension ([kv_idx for _ in range(2)])" in _error(
+        MaskMod, comprehension
+    )
 
     def listing(score, b, h, q_idx, kv_idx):
         return sum([score, 1.0])
@@ -655,30 +719,35 @@ def test_unsupported_syntax_names_the_line():
     assert f"line {_line_of(listing, 'return sum')})" in message
 
 
-@pytest.mark.parametrize("body, problem", [
-    ("return score", "expected exactly 4 positional parameters (b, h, q_idx, kv_idx)"),
-    ("return q_idx + kv_idx", "a mask modifier must return a bool (a condition), got a int32"),
-    ("return (q_idx > kv_idx) + 1", "+ takes numbers, got a bool"),
-    ("return kv_idx // 0 == 1", "// by the constant 0"),
-    ("return True if q_idx > 2 else 1.5", "the branches have different types (bool and float32)"),
-    ("return q_idx // 2.0 == 1", "// takes integers, got a float32 operand"),
-    ("return q_idx ** kv_idx > 1", "** takes a constant integer exponent from 0 to 8"),
-    ("return q_idx and kv_idx", "and takes conditions (comparisons or bools), got a int32"),
-    ("return undefined_name > 1", "name 'undefined_name' is not defined"),
-    ("return np.sin(q_idx) > 0", "unsupported function np.sin"),
-    ("return where(q_idx > 1, True) ", "where takes 3 arguments here, got 2"),
-    ("return maximum(q_idx, kv_idx, 3) > 1", "maximum takes 2 arguments here, got 3"),
-    ("return float('pi') > 1", "float('pi') is not a number"),
-    ("x = 1", "the function can end without a return"),
-    ("return", "return needs a value"),
-    ("return q_idx is kv_idx", "unsupported comparison"),
-    ("return 'text' == q_idx", "unsupported constant 'text'"),
-    ("a, c = 1, 2\n    return True", "unsupported syntax: assignment to (a, c)"),
-])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ("return score", "expected exactly 4 positional parameters (b, h, q_idx, kv_idx)"),
+        ("return q_idx + kv_idx", "a mask modifier must return a bool (a condition), got a int32"),
+        ("return (q_idx > kv_idx) + 1", "+ takes numbers, got a bool"),
+        ("return kv_idx // 0 == 1", "// by the constant 0"),
+        (
+            "return True if q_idx > 2 else 1.5",
+            "the branches have different types (bool and float32)",
+        ),
+        ("return q_idx // 2.0 == 1", "// takes integers, got a float32 operand"),
+        ("return q_idx ** kv_idx > 1", "** takes a constant integer exponent from 0 to 8"),
+        ("return q_idx and kv_idx", "and takes conditions (comparisons or bools), got a int32"),
+        ("return undefined_name > 1", "name 'undefined_name' is not defined"),
+        ("return np.sin(q_idx) > 0", "unsupported function np.sin"),
+        ("return where(q_idx > 1, True) ", "where takes 3 arguments here, got 2"),
+        ("return maximum(q_idx, kv_idx, 3) > 1", "maximum takes 2 arguments here, got 3"),
+        ("return float('pi') > 1", "float('pi') is not a number"),
+        ("x = 1", "the function can end without a return"),
+        ("return", "return needs a value"),
+        ("return q_idx is kv_idx", "unsupported comparison"),
+        ("return 'text' == q_idx", "unsupported constant 'text'"),
+        ("a, c = 1, 2\n    return True", "unsupported syntax: assignment to (a, c)"),
+    ],
+)
 def test_bad_mask_functions(body, problem, tmp_path):
     source = "import numpy as np\nfrom cuflash.modifiers import where, maximum\n"
-    signature = "score, b, h, q_idx, kv_idx" if "positional" in problem else \
-        "b, h, q_idx, kv_idx"
+    signature = "score, b, h, q_idx, kv_idx" if "positional" in problem else "b, h, q_idx, kv_idx"
     source += f"def bad({signature}):\n    {body}\n"
     path = tmp_path / "bad_module.py"
     path.write_text(source)
@@ -693,14 +762,14 @@ def test_bad_score_functions():
     def returns_bool(score, b, h, q_idx, kv_idx):
         return score > 0
 
-    assert "a score modifier must return a number (the new score), got a bool" in \
-        _error(ScoreMod, returns_bool)
+    assert "a score modifier must return a number (the new score), got a bool" in _error(
+        ScoreMod, returns_bool
+    )
 
     def float_index(score, b, h, q_idx, kv_idx):
         return score + TABLE[h, score]
 
-    assert "array indices must be integers: score is a float32" in \
-        _error(ScoreMod, float_index)
+    assert "array indices must be integers: score is a float32" in _error(ScoreMod, float_index)
 
     def too_few(score, b, h, q_idx, kv_idx):
         return score + TABLE[h]
@@ -727,16 +796,24 @@ TABLE = np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(3, 4)
 LISTED = [1.0, 2.0]
 
 
-@pytest.mark.parametrize("array, problem", [
-    (np.linspace(1, 2, 5), "array values: unsupported dtype float64; expected int32, int64, "
-                           "float32 or bool"),
-    (np.arange(1, 6, dtype=np.uint8), "unsupported dtype uint8"),
-    (np.ones((1, 1, 1, 1, 5), np.float32), "array values is 5-D; at most 4-D"),
-    (np.ones((0,), np.float32), "array values is empty"),
-    (np.lib.stride_tricks.as_strided(np.arange(1, 41, dtype=np.uint8)[:4].view(np.int32),
-                                     shape=(5,), strides=(6,)),
-     "array values: the stride of axis 0 (6 bytes) is not a multiple of its itemsize (4)"),
-])
+@pytest.mark.parametrize(
+    "array, problem",
+    [
+        (
+            np.linspace(1, 2, 5),
+            "array values: unsupported dtype float64; expected int32, int64, float32 or bool",
+        ),
+        (np.arange(1, 6, dtype=np.uint8), "unsupported dtype uint8"),
+        (np.ones((1, 1, 1, 1, 5), np.float32), "array values is 5-D; at most 4-D"),
+        (np.ones((0,), np.float32), "array values is empty"),
+        (
+            np.lib.stride_tricks.as_strided(
+                np.arange(1, 41, dtype=np.uint8)[:4].view(np.int32), shape=(5,), strides=(6,)
+            ),
+            "array values: the stride of axis 0 (6 bytes) is not a multiple of its itemsize (4)",
+        ),
+    ],
+)
 def test_bad_arrays(array, problem):
     def read_1d(score, b, h, q_idx, kv_idx):
         return score + values[q_idx]  # noqa: F821 - bound by keyword
@@ -749,14 +826,16 @@ def test_bad_arrays(array, problem):
 
 
 def test_too_many_arrays(rng):
-    first, second, third, fourth, fifth = (rng.standard_normal(4).astype(np.float32)
-                                           for _ in range(5))
+    first, second, third, fourth, fifth = (
+        rng.standard_normal(4).astype(np.float32) for _ in range(5)
+    )
 
     def five(score, b, h, q_idx, kv_idx):
         return score + first[0] + second[1] + third[2] + fourth[3] + fifth[0]
 
-    assert "reads more than 4 arrays (first, second, third, fourth, fifth)" in \
-        _error(ScoreMod, five)
+    assert "reads more than 4 arrays (first, second, third, fourth, fifth)" in _error(
+        ScoreMod, five
+    )
 
     def same_array_twice(score, b, h, q_idx, kv_idx):
         return score + first[0] + first[1] + second[0] + third[0] + fourth[0]
@@ -766,8 +845,7 @@ def test_too_many_arrays(rng):
 
 def test_functions_without_source():
     namespace = {}
-    exec(compile("fn = lambda score, b, h, q_idx, kv_idx: score\n", "<stdin>", "exec"),
-         namespace)
+    exec(compile("fn = lambda score, b, h, q_idx, kv_idx: score\n", "<stdin>", "exec"), namespace)
     message = _error(ScoreMod, namespace["fn"])
     assert message.startswith("score_mod: cannot read the source of <lambda>")
     assert "not at an interactive prompt or through exec" in message
@@ -789,30 +867,44 @@ def test_keyword_bindings_must_name_free_variables():
     def reads_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h]  # noqa: F821
 
-    assert "does not read a variable named 'table'" in \
-        _error(ScoreMod, reads_bias, table=np.ones(3, np.float32))
-    assert "does not read a variable named 'score'" in \
-        _error(ScoreMod, reads_bias, score=np.ones(3, np.float32))
+    assert "does not read a variable named 'table'" in _error(
+        ScoreMod, reads_bias, table=np.ones(3, np.float32)
+    )
+    assert "does not read a variable named 'score'" in _error(
+        ScoreMod, reads_bias, score=np.ones(3, np.float32)
+    )
     assert "name 'bias' is not defined" in _error(ScoreMod, reads_bias)
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda: modifiers.softcap_score(0.0), "cap: expected a finite number > 0, got 0.0"),
-    (lambda: modifiers.softcap_score(math.inf), "cap: expected a finite number > 0"),
-    (lambda: modifiers.alibi_score(np.ones(3)), "slopes: expected dtype float32, got float64"),
-    (lambda: modifiers.alibi_score(np.ones((1, 2, 3), np.float32)),
-     "slopes: expected 1-D or 2-D, got 3-D"),
-    (lambda: modifiers.relative_bias_score(np.ones((2, 4), np.float32)),
-     "table: expected an odd number of distances (2 R + 1), got 4"),
-    (lambda: modifiers.document_mask([0, 1]), "doc_ids: expected a numpy or cupy array, got list"),
-    (lambda: modifiers.document_mask(np.ones(3, np.int32), np.ones((1, 3), np.int32)),
-     "kv_doc_ids: expected 1-D, got 2-D"),
-    (lambda: modifiers.chunked_mask(0), "chunk: expected an int >= 1, got 0"),
-    (lambda: modifiers.chunked_mask(4, causal=1), "causal: expected a bool, got int"),
-    (lambda: modifiers.prefix_lm_mask(-1), "prefix_len: expected an int >= 0, got -1"),
-    (lambda: modifiers.and_masks(), "masks: expected one or more MaskMod objects"),
-    (lambda: modifiers.or_masks(modifiers.softcap_score(1.0)), "masks: expected one or more"),
-])
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda: modifiers.softcap_score(0.0), "cap: expected a finite number > 0, got 0.0"),
+        (lambda: modifiers.softcap_score(math.inf), "cap: expected a finite number > 0"),
+        (lambda: modifiers.alibi_score(np.ones(3)), "slopes: expected dtype float32, got float64"),
+        (
+            lambda: modifiers.alibi_score(np.ones((1, 2, 3), np.float32)),
+            "slopes: expected 1-D or 2-D, got 3-D",
+        ),
+        (
+            lambda: modifiers.relative_bias_score(np.ones((2, 4), np.float32)),
+            "table: expected an odd number of distances (2 R + 1), got 4",
+        ),
+        (
+            lambda: modifiers.document_mask([0, 1]),
+            "doc_ids: expected a numpy or cupy array, got list",
+        ),
+        (
+            lambda: modifiers.document_mask(np.ones(3, np.int32), np.ones((1, 3), np.int32)),
+            "kv_doc_ids: expected 1-D, got 2-D",
+        ),
+        (lambda: modifiers.chunked_mask(0), "chunk: expected an int >= 1, got 0"),
+        (lambda: modifiers.chunked_mask(4, causal=1), "causal: expected a bool, got int"),
+        (lambda: modifiers.prefix_lm_mask(-1), "prefix_len: expected an int >= 0, got -1"),
+        (lambda: modifiers.and_masks(), "masks: expected one or more MaskMod objects"),
+        (lambda: modifiers.or_masks(modifiers.softcap_score(1.0)), "masks: expected one or more"),
+    ],
+)
 def test_bad_factory_arguments(make, problem):
     assert problem in _error(make)
 
@@ -830,8 +922,9 @@ def test_helpers_run_on_scalars_and_arrays():
 
 def _attention_inputs(rng, batch=2, heads=4, kv_heads=2, q_len=37, kv_len=45, head_dim=16):
     q = rng.standard_normal((batch, heads, q_len, head_dim)).astype(np.float32)
-    k, v = (rng.standard_normal((batch, kv_heads, kv_len, head_dim)).astype(np.float32)
-            for _ in "kv")
+    k, v = (
+        rng.standard_normal((batch, kv_heads, kv_len, head_dim)).astype(np.float32) for _ in "kv"
+    )
     dout = rng.standard_normal(q.shape).astype(np.float32)
     return q, k, v, dout
 
@@ -854,7 +947,8 @@ def _assert_close(got, want, bound=2e-5):
         assert np.all(np.isfinite(g) | np.isneginf(w)), "NaN or inf where the oracle is finite"
         live = np.isfinite(w)
         err = np.linalg.norm((g[live] - w[live]).astype(np.float64)) / max(
-            np.linalg.norm(w[live]), 1e-30)
+            np.linalg.norm(w[live]), 1e-30
+        )
         assert err <= bound, err
 
 
@@ -866,17 +960,21 @@ def test_user_softcap_and_alibi_equal_the_built_ins(causal, rng):
     q, k, v, dout = _attention_inputs(rng)
     slopes = rng.uniform(0.1, 1.0, 4).astype(np.float32)
     offset = k.shape[2] - q.shape[2]
-    for built_in, mod in ((dict(softcap=2.0), modifiers.softcap_score(2.0)),
-                          (dict(alibi_slopes=slopes), modifiers.alibi_score(slopes, offset))):
+    for built_in, mod in (
+        (dict(softcap=2.0), modifiers.softcap_score(2.0)),
+        (dict(alibi_slopes=slopes), modifiers.alibi_score(slopes, offset)),
+    ):
         args = (q, k, v, 4, 2, 16, causal)
         want_out, want_lse = cuflash.flash_attention_fwd(*args, **built_in)
         got_out, got_lse = cuflash.flash_attention_fwd(*args, score_mod=mod)
         np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
-        want = cuflash.flash_attention_bwd(dout, *args[:3], want_out, want_lse, *args[3:],
-                                           **built_in)
-        got = cuflash.flash_attention_bwd(dout, *args[:3], got_out, got_lse, *args[3:],
-                                          score_mod=mod)
+        want = cuflash.flash_attention_bwd(
+            dout, *args[:3], want_out, want_lse, *args[3:], **built_in
+        )
+        got = cuflash.flash_attention_bwd(
+            dout, *args[:3], got_out, got_lse, *args[3:], score_mod=mod
+        )
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -896,20 +994,26 @@ def test_document_mask_is_each_document_alone(rng):
     start = 0
     for length in lengths:
         rows = slice(start, start + length)
-        alone, _ = attention_reference(*(x[:, :, rows].astype(np.float64) for x in (q, k, v)),
-                                       True)
+        alone, _ = attention_reference(*(x[:, :, rows].astype(np.float64) for x in (q, k, v)), True)
         np.testing.assert_allclose(want[0][:, :, rows], alone, rtol=1e-12, atol=1e-12)
         start += length
 
 
-@pytest.mark.parametrize("make", [
-    lambda rng: dict(mask_mod=modifiers.prefix_lm_mask(11)),
-    lambda rng: dict(mask_mod=modifiers.chunked_mask(8)),
-    lambda rng: dict(score_mod=modifiers.relative_bias_score(
-        rng.standard_normal((4, 9)).astype(np.float32))),
-    lambda rng: dict(score_mod=modifiers.softcap_score(3.0),
-                     mask_mod=modifiers.chunked_mask(16, causal=False)),
-], ids=["prefix-lm", "chunked", "relative-bias", "softcap-chunked"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng: dict(mask_mod=modifiers.prefix_lm_mask(11)),
+        lambda rng: dict(mask_mod=modifiers.chunked_mask(8)),
+        lambda rng: dict(
+            score_mod=modifiers.relative_bias_score(rng.standard_normal((4, 9)).astype(np.float32))
+        ),
+        lambda rng: dict(
+            score_mod=modifiers.softcap_score(3.0),
+            mask_mod=modifiers.chunked_mask(16, causal=False),
+        ),
+    ],
+    ids=["prefix-lm", "chunked", "relative-bias", "softcap-chunked"],
+)
 def test_cpu_path_matches_the_oracle(make, rng):
     q, k, v, dout = _attention_inputs(rng, q_len=40, kv_len=40)
     got, want = _cpu_and_oracle(q, k, v, dout, **make(rng))
@@ -927,8 +1031,10 @@ def test_oracle_gradients_follow_finite_differences(rng):
         return 3.0 * modifiers.tanh(score / 3.0) + table[h, q_idx - kv_idx + 5]
 
     mod = modifiers.ScoreMod(capped_with_bias)
-    q, k, v, dout = (x.astype(np.float64) for x in _attention_inputs(
-        rng, batch=1, heads=2, kv_heads=2, q_len=6, kv_len=6, head_dim=4))
+    q, k, v, dout = (
+        x.astype(np.float64)
+        for x in _attention_inputs(rng, batch=1, heads=2, kv_heads=2, q_len=6, kv_len=6, head_dim=4)
+    )
     grads = attention_reference_grad(dout, q, k, v, score_mod=mod)
     step = 1e-6
     for which, grad in zip(range(3), grads):
@@ -937,8 +1043,13 @@ def test_oracle_gradients_follow_finite_differences(rng):
         plus, minus = ([a.copy() for a in arrays] for _ in "pm")
         plus[which][index] += step
         minus[which][index] -= step
-        numeric = ((attention_reference(*plus, score_mod=mod)[0]
-                    - attention_reference(*minus, score_mod=mod)[0]) * dout).sum() / (2 * step)
+        numeric = (
+            (
+                attention_reference(*plus, score_mod=mod)[0]
+                - attention_reference(*minus, score_mod=mod)[0]
+            )
+            * dout
+        ).sum() / (2 * step)
         assert abs(numeric - grad[index]) <= 1e-6 * max(1.0, abs(numeric)), (which, index)
 
 
@@ -946,8 +1057,9 @@ def test_modifier_arguments_are_checked(rng):
     import cuflash
 
     q, k, v, _ = _attention_inputs(rng)
-    with pytest.raises(InvalidArgumentError, match="score_mod: expected a "
-                                                   "cuflash.modifiers.ScoreMod, got MaskMod"):
+    with pytest.raises(
+        InvalidArgumentError, match="score_mod: expected a cuflash.modifiers.ScoreMod, got MaskMod"
+    ):
         cuflash.flash_attention_fwd(q, k, v, 4, 2, 16, score_mod=modifiers.causal_mask())
     narrow = rng.standard_normal((4, 3)).astype(np.float32)
 
@@ -955,5 +1067,4 @@ def test_modifier_arguments_are_checked(rng):
         return score + narrow[h, kv_idx]
 
     with pytest.raises(InvalidArgumentError, match="indices never wrap"):
-        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16,
-                                    score_mod=modifiers.ScoreMod(too_narrow))
+        cuflash.flash_attention_fwd(q, k, v, 4, 2, 16, score_mod=modifiers.ScoreMod(too_narrow))

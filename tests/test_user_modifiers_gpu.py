@@ -7,13 +7,13 @@ errors. GPU tests are marked gpu; the block mask's CPU side runs in CI."""
 
 import numpy as np
 import pytest
+from support import DTYPES, FLOOR, compile_and_check, cupy, rel_error, to_numpy
 
 import cuflash
 from cuflash import dispatch, modifiers
 from cuflash.block_mask import EMPTY, FULL, PARTIAL, create_block_mask
 from cuflash.errors import InvalidArgumentError
 from cuflash.reference import attention_reference, attention_reference_grad
-from support import DTYPES, FLOOR, compile_and_check, cupy, rel_error, to_numpy
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 DOCUMENT_LENGTHS = (300, 40, 200, 100)  # 640 tokens: tiles of 128 empty, full and cut
@@ -26,8 +26,9 @@ def _documents(xp, lengths=DOCUMENT_LENGTHS):
 
 def _mask_cases(xp, rng, heads, q_len, kv_len):
     """name -> (score_mod, mask_mod, batch and heads of its block mask)."""
-    documents = modifiers.and_masks(modifiers.document_mask(_documents(xp)),
-                                    modifiers.causal_mask())
+    documents = modifiers.and_masks(
+        modifiers.document_mask(_documents(xp)), modifiers.causal_mask()
+    )
     table = rng.random((heads, q_len, kv_len)) < 0.3
     table[:, ::7] = False  # rows that see nothing
     table = xp.asarray(table)
@@ -45,31 +46,43 @@ def _mask_cases(xp, rng, heads, q_len, kv_len):
     }
 
 
-def _run(rng, name, dtype="bfloat16", head_dim=128, batch=2, heads=4, kv_heads=2,
-         q_len=640, kv_len=640, use_block_mask=True, deterministic=False):
+def _run(
+    rng,
+    name,
+    dtype="bfloat16",
+    head_dim=128,
+    batch=2,
+    heads=4,
+    kv_heads=2,
+    q_len=640,
+    kv_len=640,
+    use_block_mask=True,
+    deterministic=False,
+):
     """Forward and backward on the GPU with case ``name``, against the oracle."""
-    score_mod, mask_mod, (mask_batch, mask_heads) = _mask_cases(cupy, rng, heads, q_len,
-                                                                kv_len)[name]
-    host = [rng.standard_normal((batch, h, n, head_dim)).astype(DTYPES[dtype])
-            for h, n in ((heads, q_len), (kv_heads, kv_len), (kv_heads, kv_len),
-                         (heads, q_len))]
+    score_mod, mask_mod, (mask_batch, mask_heads) = _mask_cases(cupy, rng, heads, q_len, kv_len)[
+        name
+    ]
+    host = [
+        rng.standard_normal((batch, h, n, head_dim)).astype(DTYPES[dtype])
+        for h, n in ((heads, q_len), (kv_heads, kv_len), (kv_heads, kv_len), (heads, q_len))
+    ]
     q, k, v, dout = (cupy.asarray(x) for x in host)
     given = dict(score_mod=score_mod)
     if use_block_mask:
-        given["block_mask"] = create_block_mask(mask_mod, mask_batch, mask_heads, q_len,
-                                                kv_len)
+        given["block_mask"] = create_block_mask(mask_mod, mask_batch, mask_heads, q_len, kv_len)
     else:
         given["mask_mod"] = mask_mod
     args = (heads, kv_heads, head_dim)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *args, **given)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *args, **given,
-                                        deterministic=deterministic)
+    grads = cuflash.flash_attention_bwd(
+        dout, q, k, v, out, lse, *args, **given, deterministic=deterministic
+    )
     h64 = [x.astype(np.float64) for x in host]
     ref = dict(score_mod=score_mod, mask_mod=mask_mod)
     ref_out, ref_lse = attention_reference(*h64[:3], False, 0, **ref)
     ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, **ref)
-    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                (ref_out, *ref_grads)):
+    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         got = to_numpy(got).astype(np.float64)
         assert not np.isnan(got).any(), label
         err = rel_error(got, want)
@@ -102,8 +115,7 @@ def compiled():
 @pytest.mark.parametrize("use_block_mask", [True, False])
 @pytest.mark.parametrize("name", CASES)
 def test_gpu_matches_oracle(name, use_block_mask, deterministic, rng, poisoned, compiled):
-    saw_dead_rows = _run(rng, name, use_block_mask=use_block_mask,
-                         deterministic=deterministic)
+    saw_dead_rows = _run(rng, name, use_block_mask=use_block_mask, deterministic=deterministic)
     assert saw_dead_rows == (name == "random")
 
 
@@ -132,12 +144,13 @@ def test_gpu_rectangular_and_batched(rng, poisoned, compiled):
     doc_k.sort(axis=1)
     mask = modifiers.document_mask(doc_q, doc_k)
     block_mask = create_block_mask(mask, 2, None, 200, 520)
-    host = [rng.standard_normal((2, h, n, 64)).astype(np.float16)
-            for h, n in ((4, 200), (1, 520), (1, 520), (4, 200))]
+    host = [
+        rng.standard_normal((2, h, n, 64)).astype(np.float16)
+        for h, n in ((4, 200), (1, 520), (1, 520), (4, 200))
+    ]
     q, k, v, dout = (cupy.asarray(x) for x in host)
     out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 1, 64, block_mask=block_mask)
-    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 1, 64,
-                                        block_mask=block_mask)
+    grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 1, 64, block_mask=block_mask)
     h64 = [x.astype(np.float64) for x in host]
     ref_out, _ = attention_reference(*h64[:3], False, 0, mask_mod=mask)
     ref_grads = attention_reference_grad(h64[3], *h64[:3], False, 0, mask_mod=mask)
@@ -158,13 +171,15 @@ def test_gpu_classification_matches_numpy(rng):
 def test_gpu_errors(rng):
     q = cupy.asarray(rng.standard_normal((1, 2, 64, 64)).astype(np.float16))
     host_ids = _documents(np, (30, 34))
-    with pytest.raises(InvalidArgumentError, match="array query_ids is a numpy array; the GPU "
-                                                   "kernels need a cupy array"):
-        cuflash.flash_attention_fwd(q, q, q, 2, 2, 64,
-                                    mask_mod=modifiers.document_mask(host_ids))
+    with pytest.raises(
+        InvalidArgumentError,
+        match="array query_ids is a numpy array; the GPU kernels need a cupy array",
+    ):
+        cuflash.flash_attention_fwd(q, q, q, 2, 2, 64, mask_mod=modifiers.document_mask(host_ids))
     block_mask = create_block_mask(modifiers.causal_mask(), None, None, 64, 80)
-    with pytest.raises(InvalidArgumentError, match="block_mask: made for kv_len=80, the call "
-                                                   "has kv_len=64"):
+    with pytest.raises(
+        InvalidArgumentError, match="block_mask: made for kv_len=80, the call has kv_len=64"
+    ):
         cuflash.flash_attention_fwd(q, q, q, 2, 2, 64, block_mask=block_mask)
 
 
@@ -179,9 +194,8 @@ def test_cpu_classes_follow_the_definition(rng):
         classes = block_mask.cpu_classes(32, 16)
         for i in range(classes.shape[2]):
             for j in range(classes.shape[3]):
-                tile = visible[..., 32 * i:32 * i + 32, 16 * j:16 * j + 16]
-                want = [EMPTY if not t.any() else FULL if t.all() else PARTIAL
-                        for t in tile[0]]
+                tile = visible[..., 32 * i : 32 * i + 32, 16 * j : 16 * j + 16]
+                want = [EMPTY if not t.any() else FULL if t.all() else PARTIAL for t in tile[0]]
                 assert list(classes[0, :, i, j]) == want, (name, i, j)
 
 
@@ -192,25 +206,41 @@ def test_cpu_path_takes_the_block_masks_function(rng):
     with_block = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, block_mask=block_mask)
     with_mask = cuflash.flash_attention_fwd(q, k, v, 2, 2, 16, mask_mod=mask)
     assert np.array_equal(with_block[0], with_mask[0])
-    ref, _ = attention_reference(*(x.astype(np.float64) for x in (q, k, v)), False, 0,
-                                 mask_mod=mask)
+    ref, _ = attention_reference(
+        *(x.astype(np.float64) for x in (q, k, v)), False, 0, mask_mod=mask
+    )
     assert rel_error(with_block[0], ref) < 1e-5
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, 0, 5),
-     "q_len: expected a positive int or None, got 0"),
-    (lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, None, 5),
-     "q_len: q_len and kv_len must be given"),
-    (lambda: create_block_mask(modifiers.softcap_score(2.0), None, None, 5, 5),
-     "mask_mod: expected a cuflash.modifiers.MaskMod, got ScoreMod"),
-    (lambda: create_block_mask(modifiers.document_mask(np.zeros((2, 5), np.int32)), None,
-                               None, 5, 5),
-     "batch: .* reads b: give the calls' batch"),
-    (lambda: create_block_mask(modifiers.document_mask(np.zeros(5, np.int32)), None, None,
-                               6, 6),
-     "indices never wrap"),
-])
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (
+            lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, 0, 5),
+            "q_len: expected a positive int or None, got 0",
+        ),
+        (
+            lambda: create_block_mask(modifiers.prefix_lm_mask(3), None, None, None, 5),
+            "q_len: q_len and kv_len must be given",
+        ),
+        (
+            lambda: create_block_mask(modifiers.softcap_score(2.0), None, None, 5, 5),
+            "mask_mod: expected a cuflash.modifiers.MaskMod, got ScoreMod",
+        ),
+        (
+            lambda: create_block_mask(
+                modifiers.document_mask(np.zeros((2, 5), np.int32)), None, None, 5, 5
+            ),
+            "batch: .* reads b: give the calls' batch",
+        ),
+        (
+            lambda: create_block_mask(
+                modifiers.document_mask(np.zeros(5, np.int32)), None, None, 6, 6
+            ),
+            "indices never wrap",
+        ),
+    ],
+)
 def test_block_mask_errors(make, problem):
     with pytest.raises(InvalidArgumentError, match=problem):
         make()
@@ -220,23 +250,33 @@ def test_call_errors_with_block_masks(rng):
     q = rng.standard_normal((2, 2, 8, 16)).astype(np.float32)
     mask = modifiers.prefix_lm_mask(3)
     block_mask = create_block_mask(mask, 3, None, 8, 8)
-    with pytest.raises(InvalidArgumentError, match="block_mask: made for batch=3, the call "
-                                                   "has batch=2"):
+    with pytest.raises(
+        InvalidArgumentError, match="block_mask: made for batch=3, the call has batch=2"
+    ):
         cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=block_mask)
     block_mask = create_block_mask(mask, None, None, 8, 8)
-    with pytest.raises(InvalidArgumentError, match="mask_mod: give the mask through "
-                                                   "block_mask only"):
-        cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=block_mask,
-                                    mask_mod=modifiers.prefix_lm_mask(3))
-    with pytest.raises(InvalidArgumentError, match="block_mask: expected a "
-                                                   "cuflash.block_mask.BlockMask"):
+    with pytest.raises(
+        InvalidArgumentError, match="mask_mod: give the mask through block_mask only"
+    ):
+        cuflash.flash_attention_fwd(
+            q, q, q, 2, 2, 16, block_mask=block_mask, mask_mod=modifiers.prefix_lm_mask(3)
+        )
+    with pytest.raises(
+        InvalidArgumentError, match="block_mask: expected a cuflash.block_mask.BlockMask"
+    ):
         cuflash.flash_attention_fwd(q, q, q, 2, 2, 16, block_mask=mask)
 
 
-@pytest.mark.parametrize("dtype, head_dim, arch, with_score", [
-    ("bfloat16", 128, "sm_90a", True), ("float16", 64, "sm_90a", False),
-    ("bfloat16", 128, "sm_80", False), ("float32", 64, "sm_90a", True),
-    ("bfloat16", 192, "sm_90a", True)])
+@pytest.mark.parametrize(
+    "dtype, head_dim, arch, with_score",
+    [
+        ("bfloat16", 128, "sm_90a", True),
+        ("float16", 64, "sm_90a", False),
+        ("bfloat16", 128, "sm_80", False),
+        ("float32", 64, "sm_90a", True),
+        ("bfloat16", 192, "sm_90a", True),
+    ],
+)
 def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, rng):
     """The kernels a call with user modifiers launches, with a document mask and a
     relative bias compiled in (mask-only without the bias): NVRTC for the arch, no spills,
@@ -247,11 +287,11 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
     functors = kernel_build.UserFunctors.of(score_mod if with_score else None, mask_mod)
     capability = 90 if arch == "sm_90a" else 80
     variant = kernel_build.Variant(DTYPES[dtype], head_dim, capability)
-    roles = sorted({role for _, role in precompile.modifier_jobs(
-        [dtype], [head_dim], capability, capability)})
+    roles = sorted(
+        {role for _, role in precompile.modifier_jobs([dtype], [head_dim], capability, capability)}
+    )
     names = variant.kernel_names()
-    report = compile_and_check(kernel_build.MODULE_FILE, [names[r] for r in roles], arch,
-                               functors)
+    report = compile_and_check(kernel_build.MODULE_FILE, [names[r] for r in roles], arch, functors)
     assert len(report) == len(roles)
     if arch == "sm_90a" and dtype != "float32":
         from cuflash.kernel_build import compile_offline
@@ -263,8 +303,12 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
             pytest.skip(str(exc))
         assert all(ops["HGMMA"] > 0 for ops in opcodes.values()), opcodes
         assert all(registry.BY_ROLE[r].needs_sm90a for r in opcodes)
-    compile_and_check("block_mask.cu", ["cuflash::classify_mask_cells"], arch,
-                      kernel_build.UserFunctors.of(mask_mod=mask_mod))
+    compile_and_check(
+        "block_mask.cu",
+        ["cuflash::classify_mask_cells"],
+        arch,
+        kernel_build.UserFunctors.of(mask_mod=mask_mod),
+    )
 
 
 # ------------------------------------------------------------ packed batches (varlen)
@@ -283,28 +327,45 @@ def _varlen_case(rng, xp, dtype=np.float32, head_dim=16):
     def per_sequence_bias(score, b, h, q_idx, kv_idx):
         return score + device_bias[b, h]
 
-    mods = dict(score_mod=modifiers.ScoreMod(per_sequence_bias),
-                mask_mod=modifiers.prefix_lm_mask(xp.asarray(prefixes)))
-    tokens = [rng.standard_normal((sum(n), h, head_dim)).astype(dtype)
-              for n, h in ((VARLEN_Q, heads), (VARLEN_K, kv_heads), (VARLEN_K, kv_heads),
-                           (VARLEN_Q, heads))]
-    cu = [xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
-          for n in (VARLEN_Q, VARLEN_K)]
+    mods = dict(
+        score_mod=modifiers.ScoreMod(per_sequence_bias),
+        mask_mod=modifiers.prefix_lm_mask(xp.asarray(prefixes)),
+    )
+    tokens = [
+        rng.standard_normal((sum(n), h, head_dim)).astype(dtype)
+        for n, h in (
+            (VARLEN_Q, heads),
+            (VARLEN_K, kv_heads),
+            (VARLEN_K, kv_heads),
+            (VARLEN_Q, heads),
+        )
+    ]
+    cu = [
+        xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
+        for n in (VARLEN_Q, VARLEN_K)
+    ]
     args = (*cu, max(VARLEN_Q), max(VARLEN_K), heads, kv_heads, head_dim)
 
     def oracle():
         outs, grads = [], [[], [], []]
         q_at, k_at = np.cumsum([0] + VARLEN_Q), np.cumsum([0] + VARLEN_K)
         for b in range(len(VARLEN_Q)):
+
             def bias_b(score, b_, h, q_idx, kv_idx):
                 return score + row[h]
 
-            ref = dict(score_mod=modifiers.ScoreMod(bias_b, row=bias[b]),
-                       mask_mod=modifiers.prefix_lm_mask(int(prefixes[b])))
-            q, k, v, dout = (x[lo:hi].transpose(1, 0, 2)[None].astype(np.float64)
-                             for x, lo, hi in zip(tokens, (q_at[b], k_at[b], k_at[b], q_at[b]),
-                                                  (q_at[b + 1], k_at[b + 1], k_at[b + 1],
-                                                   q_at[b + 1])))
+            ref = dict(
+                score_mod=modifiers.ScoreMod(bias_b, row=bias[b]),
+                mask_mod=modifiers.prefix_lm_mask(int(prefixes[b])),
+            )
+            q, k, v, dout = (
+                x[lo:hi].transpose(1, 0, 2)[None].astype(np.float64)
+                for x, lo, hi in zip(
+                    tokens,
+                    (q_at[b], k_at[b], k_at[b], q_at[b]),
+                    (q_at[b + 1], k_at[b + 1], k_at[b + 1], q_at[b + 1]),
+                )
+            )
             outs.append(attention_reference(q, k, v, False, 0, **ref)[0][0].transpose(1, 0, 2))
             for i, g in enumerate(attention_reference_grad(dout, q, k, v, False, 0, **ref)):
                 grads[i].append(g[0].transpose(1, 0, 2))
@@ -316,11 +377,13 @@ def _varlen_case(rng, xp, dtype=np.float32, head_dim=16):
 def _check_varlen(rng, xp, dtype=np.float32, deterministic=False):
     (q, k, v, dout), args, mods, oracle = _varlen_case(rng, xp, dtype)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **mods)
-    grads = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, **mods,
-                                               deterministic=deterministic)
+    grads = cuflash.flash_attention_varlen_bwd(
+        dout, q, k, v, out, lse, *args, **mods, deterministic=deterministic
+    )
     ref_out, ref_grads = oracle()
     name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(
-        np.dtype(dtype), "bfloat16")
+        np.dtype(dtype), "bfloat16"
+    )
     for label, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         got = to_numpy(got).astype(np.float64)
         assert not np.isnan(got).any(), label
@@ -337,19 +400,20 @@ def compiled_varlen():
     from cuflash import precompile
 
     _, _, mods, _ = _varlen_case(np.random.default_rng(0), cupy)
-    precompile.precompile_modifiers(mods["score_mod"], mods["mask_mod"],
-                                    ("bfloat16", "float32"), (16,))
+    precompile.precompile_modifiers(
+        mods["score_mod"], mods["mask_mod"], ("bfloat16", "float32"), (16,)
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_varlen_sees_the_sequence_index(dtype, deterministic, rng, poisoned,
-                                            compiled_varlen):
+def test_gpu_varlen_sees_the_sequence_index(dtype, deterministic, rng, poisoned, compiled_varlen):
     _check_varlen(rng, cupy, DTYPES[dtype], deterministic)
 
 
 # ------------------------------------------------------------ KV cache
+
 
 def _kvcache_cases():
     from test_kvcache import KVCase
@@ -359,13 +423,29 @@ def _kvcache_cases():
         KVCase(dtype="float32", batch=3, capacity=80),
         KVCase(dtype="bfloat16", new_len=1, head_dim=64),
         # speculative rows with appends, paged, GQA
-        KVCase(dtype="float16", new_len=4, q_len=4, head_dim=128, heads=8, kv_heads=2,
-               block_size=16, capacity=96),
+        KVCase(
+            dtype="float16",
+            new_len=4,
+            q_len=4,
+            head_dim=128,
+            heads=8,
+            kv_heads=2,
+            block_size=16,
+            capacity=96,
+        ),
         # with the built-ins too (the modified kernels with the user's functions)
         KVCase(dtype="bfloat16", new_len=3, q_len=3, softcap=3.0, alibi="batch"),
         # a long chunk on a contiguous cache with an int length: the dense kernels
-        KVCase(dtype="bfloat16", q_len=40, new_len=40, heads=4, kv_heads=1, head_dim=64,
-               capacity=160, lengths="int"),
+        KVCase(
+            dtype="bfloat16",
+            q_len=40,
+            new_len=40,
+            heads=4,
+            kv_heads=1,
+            head_dim=64,
+            capacity=160,
+            lengths="int",
+        ),
     ]
 
 
@@ -390,11 +470,12 @@ def _kvcache_modifiers(rng, case, xp):
         def kept_b(b_, h, q_idx, kv_idx):
             return drops[kv_idx] == 0 or q_idx == 0
 
-        return dict(score_mod=modifiers.ScoreMod(biased_b, row=bias[b]),
-                    mask_mod=modifiers.MaskMod(kept_b, drops=dropped[b]))
+        return dict(
+            score_mod=modifiers.ScoreMod(biased_b, row=bias[b]),
+            mask_mod=modifiers.MaskMod(kept_b, drops=dropped[b]),
+        )
 
-    return dict(score_mod=modifiers.ScoreMod(biased), mask_mod=modifiers.MaskMod(kept)), \
-        of_sequence
+    return dict(score_mod=modifiers.ScoreMod(biased), mask_mod=modifiers.MaskMod(kept)), of_sequence
 
 
 def _check_kvcache(case, rng, xp):
@@ -406,10 +487,23 @@ def _check_kvcache(case, rng, xp):
     mods, of_sequence = _kvcache_modifiers(rng, case, xp)
     want_k, want_v = expected_caches(case, inputs)
     out, lse = cuflash.flash_attention_with_kvcache(
-        inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-        case.head_dim, case.causal, case.window, cache_seqlens=inputs["cache_seqlens"],
-        k_new=inputs["k_new"], v_new=inputs["v_new"], block_table=inputs["block_table"],
-        return_lse=True, softcap=case.softcap, alibi_slopes=inputs["alibi_slopes"], **mods)
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+        case.causal,
+        case.window,
+        cache_seqlens=inputs["cache_seqlens"],
+        k_new=inputs["k_new"],
+        v_new=inputs["v_new"],
+        block_table=inputs["block_table"],
+        return_lse=True,
+        softcap=case.softcap,
+        alibi_slopes=inputs["alibi_slopes"],
+        **mods,
+    )
     assert np.array_equal(to_numpy(inputs["k_cache"]).view(np.uint8), want_k.view(np.uint8))
     q = to_numpy(inputs["q"]).astype(np.float64)
     table = None if inputs["block_table"] is None else to_numpy(inputs["block_table"])
@@ -420,16 +514,28 @@ def _check_kvcache(case, rng, xp):
         if kv_len == 0:
             continue
         where = [key_location(case, table, b, j) for j in range(kv_len)]
-        keys, values = (np.stack([cache[blk, :, row] for blk, row in where], axis=1)[None]
-                        .astype(np.float64) for cache in (want_k, want_v))
-        ref_out[b], ref_lse[b] = (x[0] for x in attention_reference(
-            q[b:b + 1], keys, values, case.causal, case.window, softcap=case.softcap,
-            alibi_slopes=None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes),
-            **of_sequence(b)))
+        keys, values = (
+            np.stack([cache[blk, :, row] for blk, row in where], axis=1)[None].astype(np.float64)
+            for cache in (want_k, want_v)
+        )
+        ref_out[b], ref_lse[b] = (
+            x[0]
+            for x in attention_reference(
+                q[b : b + 1],
+                keys,
+                values,
+                case.causal,
+                case.window,
+                softcap=case.softcap,
+                alibi_slopes=None
+                if slopes is None
+                else (slopes[b] if slopes.ndim == 2 else slopes),
+                **of_sequence(b),
+            )
+        )
     got = to_numpy(out).astype(np.float64)
     assert not np.isnan(got).any()
-    assert rel_error(got, ref_out) <= BOUND[case.dtype] + FLOOR[case.dtype], \
-        rel_error(got, ref_out)
+    assert rel_error(got, ref_out) <= BOUND[case.dtype] + FLOOR[case.dtype], rel_error(got, ref_out)
     lse = to_numpy(lse)
     dead = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), dead) and np.all(got[dead] == 0)
@@ -454,13 +560,17 @@ def test_decode_kernels_with_user_functors_compile(arch, rng):
     from cuflash import kernel_build
 
     score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
-    names = ["cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, true, false>",
-             "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, false, false>",
-             "cuflash::kvcache_decode<float, 128, 4>",
-             "cuflash::kvcache_decode<cuflash::half_t, 64, 8>"]
-    for functors in (kernel_build.UserFunctors.of(score_mod, mask_mod),
-                     kernel_build.UserFunctors.of(None, mask_mod)):
+    names = [
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, false, true>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 1, 2, 64, true, false>",
+        "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, false, false>",
+        "cuflash::kvcache_decode<float, 128, 4>",
+        "cuflash::kvcache_decode<cuflash::half_t, 64, 8>",
+    ]
+    for functors in (
+        kernel_build.UserFunctors.of(score_mod, mask_mod),
+        kernel_build.UserFunctors.of(None, mask_mod),
+    ):
         assert len(compile_and_check("decode.cu", names, arch, functors)) == len(names)
 
 
@@ -477,6 +587,12 @@ def test_kvcache_modifier_reads_are_bounded_by_the_capacity(rng):
 
     with pytest.raises(InvalidArgumentError, match="mask_mod"):
         cuflash.flash_attention_with_kvcache(
-            inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-            case.head_dim, cache_seqlens=inputs["cache_seqlens"],
-            mask_mod=modifiers.MaskMod(kept))
+            inputs["q"],
+            inputs["k_cache"],
+            inputs["v_cache"],
+            case.heads,
+            case.kv_heads,
+            case.head_dim,
+            cache_seqlens=inputs["cache_seqlens"],
+            mask_mod=modifiers.MaskMod(kept),
+        )

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from support import HAS_GPU, cupy
 
 import cuflash
 from cuflash import InvalidArgumentError, distributed
-from support import HAS_GPU, cupy
 
 B, H, HK, S, D = 2, 4, 2, 16, 32
 
@@ -53,24 +53,27 @@ def test_forward_array_errors(name):
     expect(arg, fragment, fwd, *arrays)
 
 
-@pytest.mark.parametrize("args, kw, arg, fragment", [
-    ((H, 0, D), {}, "num_kv_heads", "must be >= 1"),
-    ((H, 3, D), {}, "num_kv_heads", "must divide"),
-    ((H, HK, 33), {}, "head_dim", "multiple of 8"),
-    ((H, HK, 264), {}, "head_dim", "unsupported head_dim"),
-    ((H, HK, 24), {}, "q", "head_dim is 24"),
-    ((H, HK, D), {"kv_seq_len": S + 1}, "kv_seq_len", "must be <="),
-    ((H, HK, D), {"kv_seq_len": -1}, "kv_seq_len", "must be >= 0"),
-    ((H, HK, D), {"window_size": -2}, "window_size", "must be >= 0"),
-    ((H, HK, D), {"window_size": (-2, 0)}, "window_size", ">= -1"),
-    ((H, HK, D), {"window_size": (1, 2, 3)}, "window_size", "(left, right)"),
-    ((H, HK, D), {"window_size": 2.5}, "window_size", "expected an int"),
-    ((H, HK, D), {"causal": "yes"}, "causal", "expected a bool"),
-    ((H, HK, D), {"softmax_scale": float("nan")}, "softmax_scale", "finite"),
-    ((H, HK, D), {"softmax_scale": "1"}, "softmax_scale", "expected a float"),
-    ((H, HK, D), {"allow_tf32": 1}, "allow_tf32", "expected a bool"),
-    ((4.0, HK, D), {}, "num_heads", "expected an int"),
-])
+@pytest.mark.parametrize(
+    "args, kw, arg, fragment",
+    [
+        ((H, 0, D), {}, "num_kv_heads", "must be >= 1"),
+        ((H, 3, D), {}, "num_kv_heads", "must divide"),
+        ((H, HK, 33), {}, "head_dim", "multiple of 8"),
+        ((H, HK, 264), {}, "head_dim", "unsupported head_dim"),
+        ((H, HK, 24), {}, "q", "head_dim is 24"),
+        ((H, HK, D), {"kv_seq_len": S + 1}, "kv_seq_len", "must be <="),
+        ((H, HK, D), {"kv_seq_len": -1}, "kv_seq_len", "must be >= 0"),
+        ((H, HK, D), {"window_size": -2}, "window_size", "must be >= 0"),
+        ((H, HK, D), {"window_size": (-2, 0)}, "window_size", ">= -1"),
+        ((H, HK, D), {"window_size": (1, 2, 3)}, "window_size", "(left, right)"),
+        ((H, HK, D), {"window_size": 2.5}, "window_size", "expected an int"),
+        ((H, HK, D), {"causal": "yes"}, "causal", "expected a bool"),
+        ((H, HK, D), {"softmax_scale": float("nan")}, "softmax_scale", "finite"),
+        ((H, HK, D), {"softmax_scale": "1"}, "softmax_scale", "expected a float"),
+        ((H, HK, D), {"allow_tf32": 1}, "allow_tf32", "expected a bool"),
+        ((4.0, HK, D), {}, "num_heads", "expected an int"),
+    ],
+)
 def test_forward_scalar_errors(args, kw, arg, fragment):
     expect(arg, fragment, fwd, *inputs(), *args, **kw)
 
@@ -86,26 +89,34 @@ def backward_args(xp=np):
     return [out.copy(), q, k, v, out, lse]
 
 
-@pytest.mark.parametrize("index, bad, arg, fragment", [
-    (0, lambda x: x[:, :, :5], "dout", "expected shape"),
-    (0, lambda x: x.astype(np.float16), "dout", "differs from q's"),
-    (4, lambda x: x[:1], "output", "expected shape"),
-    (4, lambda x: x[0], "output", "expected 4-D"),
-    (5, lambda x: x[..., :3], "lse", "expected shape"),
-    (5, lambda x: x[None], "lse", "expected 3-D"),
-    (5, lambda x: x.astype(np.float16), "lse", "float32"),
-])
+@pytest.mark.parametrize(
+    "index, bad, arg, fragment",
+    [
+        (0, lambda x: x[:, :, :5], "dout", "expected shape"),
+        (0, lambda x: x.astype(np.float16), "dout", "differs from q's"),
+        (4, lambda x: x[:1], "output", "expected shape"),
+        (4, lambda x: x[0], "output", "expected 4-D"),
+        (5, lambda x: x[..., :3], "lse", "expected shape"),
+        (5, lambda x: x[None], "lse", "expected 3-D"),
+        (5, lambda x: x.astype(np.float16), "lse", "float32"),
+    ],
+)
 def test_backward_errors(index, bad, arg, fragment):
     args = backward_args()
     args[index] = bad(args[index])
     expect(arg, fragment, cuflash.flash_attention_bwd, *args, H, HK, D)
 
 
-@pytest.mark.parametrize("kw, arg", [
-    ({"deterministic": 1}, "deterministic"), ({"synchronize": None}, "synchronize"),
-    ({"allow_tf32": "no"}, "allow_tf32"),
-    ({"kv_seq_len": 99}, "kv_seq_len"), ({"window_size": -1}, "window_size"),
-])
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        ({"deterministic": 1}, "deterministic"),
+        ({"synchronize": None}, "synchronize"),
+        ({"allow_tf32": "no"}, "allow_tf32"),
+        ({"kv_seq_len": 99}, "kv_seq_len"),
+        ({"window_size": -1}, "window_size"),
+    ],
+)
 def test_backward_option_errors(kw, arg):
     expect(arg, "", cuflash.flash_attention_bwd, *backward_args(), H, HK, D, **kw)
 
@@ -118,10 +129,15 @@ def test_bfloat16_lse_must_be_float32():
     expect("lse", "float32", cuflash.flash_attention_bwd, *args, H, HK, D)
 
 
-@pytest.mark.parametrize("shape_q, shape_kv", [
-    ((0, H, S, D), (0, HK, S, D)), ((B, 0, S, D), (B, HK, S, D)),
-    ((B, H, 0, D), (B, HK, S, D)), ((B, H, S, D), (B, HK, 0, D)),
-])
+@pytest.mark.parametrize(
+    "shape_q, shape_kv",
+    [
+        ((0, H, S, D), (0, HK, S, D)),
+        ((B, 0, S, D), (B, HK, S, D)),
+        ((B, H, 0, D), (B, HK, S, D)),
+        ((B, H, S, D), (B, HK, 0, D)),
+    ],
+)
 def test_empty_dimensions_cpu(shape_q, shape_kv):
     q = np.ones(shape_q, np.float32)
     k = v = np.ones(shape_kv, np.float32)
@@ -151,8 +167,7 @@ def test_gpu_errors_before_any_work():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU or cupy.cuda.runtime.getDeviceCount() < 2,
-                    reason="needs two GPUs")
+@pytest.mark.skipif(not HAS_GPU or cupy.cuda.runtime.getDeviceCount() < 2, reason="needs two GPUs")
 def test_arrays_on_different_devices():
     q, k, v = inputs(cupy)
     with cupy.cuda.Device(1):
@@ -190,18 +205,66 @@ def test_sinks_errors(name):
     expect(arg, fragment, cuflash.flash_attention_vjp, *inputs(), H, HK, D, sinks=sinks)
     q, k, v = (x[0].transpose(1, 0, 2) for x in inputs())
     cu = np.array([0, S], np.int32)
-    expect(arg, fragment, cuflash.flash_attention_varlen_fwd, q, k, v, cu, cu, S, S, H, HK, D,
-           sinks=sinks)
-    expect(arg, fragment, cuflash.flash_attention_varlen_bwd, q, q, k, v, q,
-           np.zeros((H, S), np.float32), cu, cu, S, S, H, HK, D, sinks=sinks)
+    expect(
+        arg,
+        fragment,
+        cuflash.flash_attention_varlen_fwd,
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        S,
+        S,
+        H,
+        HK,
+        D,
+        sinks=sinks,
+    )
+    expect(
+        arg,
+        fragment,
+        cuflash.flash_attention_varlen_bwd,
+        q,
+        q,
+        k,
+        v,
+        q,
+        np.zeros((H, S), np.float32),
+        cu,
+        cu,
+        S,
+        S,
+        H,
+        HK,
+        D,
+        sinks=sinks,
+    )
     q4, k4, v4 = inputs()
-    expect(arg, fragment, cuflash.flash_attention_with_kvcache, q4, k4, v4, H, HK, D,
-           cache_seqlens=S, sinks=sinks)
+    expect(
+        arg,
+        fragment,
+        cuflash.flash_attention_with_kvcache,
+        q4,
+        k4,
+        v4,
+        H,
+        HK,
+        D,
+        cache_seqlens=S,
+        sinks=sinks,
+    )
     group = distributed.ThreadGroup(1)
-    expect(arg, fragment, lambda: group.run(
-        lambda g: distributed.ring_attention_fwd(q4, k4, v4, H, HK, D, group=g,
-                                                 layout="contiguous", sinks=sinks),
-        [()]))
+    expect(
+        arg,
+        fragment,
+        lambda: group.run(
+            lambda g: distributed.ring_attention_fwd(
+                q4, k4, v4, H, HK, D, group=g, layout="contiguous", sinks=sinks
+            ),
+            [()],
+        ),
+    )
 
 
 @pytest.mark.gpu

@@ -5,22 +5,49 @@ import math
 
 import numpy as np
 import pytest
-
-import cuflash
 from support import check_packed_results, cupy, packed_inputs
 
-def _check_against_oracle(rng, xp, lengths_q, lengths_k, heads=4, kv_heads=2, head_dim=32,
-                          dtype="float32", causal=True, window=0, deterministic=False,
-                          softmax_scale=None, allow_tf32=False, bound=None):
-    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim,
-                                        dtype, xp)
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), heads, kv_heads, head_dim, causal,
-            window)
-    out, vjp = cuflash.flash_attention_varlen_vjp(q, k, v, *args, softmax_scale=softmax_scale,
-                                                  allow_tf32=allow_tf32)
+import cuflash
+
+
+def _check_against_oracle(
+    rng,
+    xp,
+    lengths_q,
+    lengths_k,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    dtype="float32",
+    causal=True,
+    window=0,
+    deterministic=False,
+    softmax_scale=None,
+    allow_tf32=False,
+    bound=None,
+):
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp
+    )
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), heads, kv_heads, head_dim, causal, window)
+    out, vjp = cuflash.flash_attention_varlen_vjp(
+        q, k, v, *args, softmax_scale=softmax_scale, allow_tf32=allow_tf32
+    )
     grads = vjp(dout, deterministic=deterministic)
-    check_packed_results((q, k, v, dout), out, vjp.lse, grads, lengths_q, lengths_k, dtype,
-                         causal, window, softmax_scale, allow_tf32, bound)
+    check_packed_results(
+        (q, k, v, dout),
+        out,
+        vjp.lse,
+        grads,
+        lengths_q,
+        lengths_k,
+        dtype,
+        causal,
+        window,
+        softmax_scale,
+        allow_tf32,
+        bound,
+    )
 
 
 CASES = [
@@ -28,8 +55,7 @@ CASES = [
     dict(lengths_q=[33], lengths_k=[33], causal=False),
     dict(lengths_q=[4, 12, 7], lengths_k=[10, 12, 2], window=3),
     dict(lengths_q=[6, 6], lengths_k=[6, 0], heads=4, kv_heads=4, head_dim=40),
-    dict(lengths_q=[3, 20], lengths_k=[9, 20], heads=6, kv_heads=1, window=(2, 1),
-         causal=False),
+    dict(lengths_q=[3, 20], lengths_k=[9, 20], heads=6, kv_heads=1, window=(2, 1), causal=False),
 ]
 
 
@@ -42,9 +68,15 @@ def test_cpu_matches_oracle_per_sequence(case, dtype, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("case", CASES + [
-    dict(lengths_q=[300, 64, 1, 700], lengths_k=[300, 64, 1, 700], head_dim=128),
-    dict(lengths_q=[1000], lengths_k=[1000], head_dim=80, heads=8, kv_heads=2)], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    CASES
+    + [
+        dict(lengths_q=[300, 64, 1, 700], lengths_k=[300, 64, 1, 700], head_dim=128),
+        dict(lengths_q=[1000], lengths_k=[1000], head_dim=80, heads=8, kv_heads=2),
+    ],
+    ids=str,
+)
 def test_gpu_matches_oracle_per_sequence(case, dtype, deterministic, rng, poisoned):
     _check_against_oracle(rng, cupy, dtype=dtype, deterministic=deterministic, **case)
 
@@ -59,9 +91,13 @@ def _random_lengths(rng, count, longest):
 
 # Every head-dim class, its edges and insides, with options rotating over them.
 HEAD_DIMS = (8, 24, 32, 64, 80, 96, 128, 160, 192, 256)
-OPTIONS = [dict(causal=True), dict(causal=False, heads=6, kv_heads=3),
-           dict(causal=True, window=(40, 5)), dict(causal=False, softmax_scale=0.3),
-           dict(causal=True, heads=4, kv_heads=1)]
+OPTIONS = [
+    dict(causal=True),
+    dict(causal=False, heads=6, kv_heads=3),
+    dict(causal=True, window=(40, 5)),
+    dict(causal=False, softmax_scale=0.3),
+    dict(causal=True, heads=4, kv_heads=1),
+]
 
 
 @pytest.mark.gpu
@@ -74,8 +110,16 @@ def test_gpu_every_head_dim_random_mix(head_dim, dtype, rng, poisoned):
     lengths_q = _random_lengths(rng, 6, 300)
     lengths_k = [x if i % 2 else int(rng.integers(0, 400)) for i, x in enumerate(lengths_q)]
     for deterministic in (False, True):
-        _check_against_oracle(rng, cupy, lengths_q, lengths_k, head_dim=head_dim, dtype=dtype,
-                              deterministic=deterministic, **options)
+        _check_against_oracle(
+            rng,
+            cupy,
+            lengths_q,
+            lengths_k,
+            head_dim=head_dim,
+            dtype=dtype,
+            deterministic=deterministic,
+            **options,
+        )
 
 
 @pytest.mark.gpu
@@ -89,9 +133,13 @@ def test_gpu_other_kernels_read_the_offsets(path, dtype, rng, poisoned):
     if path == "general":
         context = dispatch.kernel_path("general")
     else:
-        context = dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma",
-                                        "backward_wgmma", "forward_float32_pieces",
-                                        "backward_float32_pieces")
+        context = dispatch.skip_kernels(
+            "forward_wgmma_ws",
+            "forward_wgmma",
+            "backward_wgmma",
+            "forward_float32_pieces",
+            "backward_float32_pieces",
+        )
     with context:
         for head_dim in (64, 96, 128):
             _check_against_oracle(rng, cupy, lengths, lengths, head_dim=head_dim, dtype=dtype)
@@ -105,16 +153,25 @@ def test_gpu_float32_wide_pieces_read_the_offsets(head_dim, deterministic, rng, 
     if int(cupy.cuda.Device().compute_capability) != 90:
         pytest.skip("wgmma needs compute capability 9.0")
     lengths_q, lengths_k = _random_lengths(rng, 5, 150), _random_lengths(rng, 5, 150)
-    _check_against_oracle(rng, cupy, lengths_q, lengths_k, head_dim=head_dim,
-                          deterministic=deterministic, causal=False, window=(40, 10))
+    _check_against_oracle(
+        rng,
+        cupy,
+        lengths_q,
+        lengths_k,
+        head_dim=head_dim,
+        deterministic=deterministic,
+        causal=False,
+        window=(40, 10),
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_tf32(head_dim, rng, poisoned):
     lengths = _random_lengths(rng, 4, 250)
-    _check_against_oracle(rng, cupy, lengths, lengths, head_dim=head_dim, allow_tf32=True,
-                          bound=3e-3)
+    _check_against_oracle(
+        rng, cupy, lengths, lengths, head_dim=head_dim, allow_tf32=True, bound=3e-3
+    )
 
 
 @pytest.mark.gpu
@@ -132,10 +189,8 @@ def test_gpu_deterministic_repeats_bitwise(dtype, rng):
     q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 4, 2, 128, dtype, cupy)
     args = (cu_q, cu_k, max(lengths), max(lengths), 4, 2, 128, True)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args)
-    first = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args,
-                                               deterministic=True)
-    again = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args,
-                                               deterministic=True)
+    first = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, deterministic=True)
+    again = cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, lse, *args, deterministic=True)
     for x, y in zip(first, again):
         assert cupy.array_equal(x, y)
 
@@ -145,8 +200,9 @@ def test_gpu_tokens_outside_every_sequence_get_zero_gradients(rng, poisoned):
     """Device offsets that end short of the totals (unchecked): the tokens past the last
     offset belong to no sequence; their gradients are zeros and the rest is right."""
     lengths = [50, 0, 70]
-    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths + [30], lengths + [40], 4, 2, 64,
-                                        "bfloat16", cupy)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths + [30], lengths + [40], 4, 2, 64, "bfloat16", cupy
+    )
     cu_q, cu_k = cu_q[:-1], cu_k[:-1]  # the last "sequence" is outside every sequence
     args = (cu_q, cu_k, 70, 70, 4, 2, 64, True)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args)
@@ -182,8 +238,10 @@ def test_gpu_device_offsets_checked_on_request(rng):
     lengths = [10, 30]
     q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 2, 2, 32, "bfloat16", cupy)
     cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, 30, 30, 2, 2, 32, check=True)
-    with pytest.raises(cuflash.InvalidArgumentError,
-                       match="cu_seqlens_q: sequence 1: length 30 exceeds max_seqlen_q = 20"):
+    with pytest.raises(
+        cuflash.InvalidArgumentError,
+        match="cu_seqlens_q: sequence 1: length 30 exceeds max_seqlen_q = 20",
+    ):
         cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, 20, 30, 2, 2, 32, check=True)
 
 
@@ -198,8 +256,13 @@ def test_gpu_graph_capture_replays_the_packed_call(rng):
 
     def step():
         out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args)
-        return (out, lse, *cuflash.flash_attention_varlen_bwd(
-            dout, q, k, v, out, lse, *args, deterministic=True, synchronize=False))
+        return (
+            out,
+            lse,
+            *cuflash.flash_attention_varlen_bwd(
+                dout, q, k, v, out, lse, *args, deterministic=True, synchronize=False
+            ),
+        )
 
     step()  # compiles and builds the plans
     cupy.cuda.Device().synchronize()
@@ -239,8 +302,9 @@ def _bad_calls():
     cu_q, cu_k = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
 
     def fwd(q=q, k=kv, v=kv, cu_q=cu_q, cu_k=cu_k, mq=8, mk=8, **kw):
-        return lambda: cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, mq, mk, 4, 2, 8,
-                                                          **kw)
+        return lambda: cuflash.flash_attention_varlen_fwd(
+            q, k, v, cu_q, cu_k, mq, mk, 4, 2, 8, **kw
+        )
 
     return [
         (fwd(q=a(1, 10, 4, 8)), "q: expected 3-D"),
@@ -261,8 +325,9 @@ def _bad_calls():
 @pytest.mark.parametrize("index", range(12))
 def test_bad_input_is_rejected(index):
     call, message = _bad_calls()[index]
-    with pytest.raises(cuflash.InvalidArgumentError, match=message.replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(
+        cuflash.InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")
+    ):
         call()
 
 
@@ -271,8 +336,7 @@ def test_backward_checks_its_extra_arrays(rng):
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, 5, 5, 2, 2, 8)
     args = (cu_q, cu_k, 5, 5, 2, 2, 8)
     with pytest.raises(cuflash.InvalidArgumentError, match="lse: has heads 3"):
-        cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, np.zeros((3, 8), np.float32),
-                                           *args)
+        cuflash.flash_attention_varlen_bwd(dout, q, k, v, out, np.zeros((3, 8), np.float32), *args)
     with pytest.raises(cuflash.InvalidArgumentError, match="dout: has tokens 7"):
         cuflash.flash_attention_varlen_bwd(dout[:7], q, k, v, out, lse, *args)
     with pytest.raises(cuflash.InvalidArgumentError, match="lse: expected dtype float32"):

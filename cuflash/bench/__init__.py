@@ -19,55 +19,189 @@
 Every name of the single-module harness this package replaced is importable from here.
 """
 
-from .cases import (DIRECTIONS, DTYPES, FLOP_FACTORS, HIDDEN, L2_ROTATION_FACTOR,
-                    MAX_INPUT_SETS, TOKENS, Case, InputSet, attention_flops, build_grid,
-                    make_input_sets, rotation_count, sets_spanning_l2, tflops)
-from .cli import (DEFAULT_TIME_BUDGET, MODE_TIME_BUDGETS, NO_GPU_MESSAGE, QUICK_TIME_BUDGET,
-                  main, parse_args, run)
-from .decode import (DECODE_BATCH_CACHE, DECODE_BLOCK_SIZES, DECODE_LONG_QUERY_CACHE,
-                     DECODE_LONG_QUERY_LENS, DECODE_PEERS, DECODE_TARGET_MIN_BYTES,
-                     DECODE_TARGET_TB_PER_S, CuflashDecode, DecodeCase, DecodeInputSet,
-                     TorchDecode, decode_cases, decode_record, decode_table, format_decode,
-                     kvcache_function, make_decode_sets, paged_input_set)
-from .dense import (DEFAULT_DTYPES, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, QUICK_DTYPES,
-                    QUICK_HEAD_DIMS, QUICK_SEQLENS, format_throughput_table)
-from .environment import cupy  # noqa: F401 - the module, or None without CuPy
-from .environment import environment, gpu_unavailable_reason, import_torch
-from .first_call import (PROBE_SEQLEN, PROBE_TIMEOUT, first_call_probe, format_first_call,
-                         measure_first_call)
+from .cases import (
+    DIRECTIONS,
+    DTYPES,
+    FLOP_FACTORS,
+    HIDDEN,
+    L2_ROTATION_FACTOR,
+    MAX_INPUT_SETS,
+    TOKENS,
+    Case,
+    InputSet,
+    attention_flops,
+    build_grid,
+    make_input_sets,
+    rotation_count,
+    sets_spanning_l2,
+    tflops,
+)
+from .cli import (
+    DEFAULT_TIME_BUDGET,
+    MODE_TIME_BUDGETS,
+    NO_GPU_MESSAGE,
+    QUICK_TIME_BUDGET,
+    main,
+    parse_args,
+    run,
+)
+from .decode import (
+    DECODE_BATCH_CACHE,
+    DECODE_BLOCK_SIZES,
+    DECODE_LONG_QUERY_CACHE,
+    DECODE_LONG_QUERY_LENS,
+    DECODE_PEERS,
+    DECODE_TARGET_MIN_BYTES,
+    DECODE_TARGET_TB_PER_S,
+    CuflashDecode,
+    DecodeCase,
+    DecodeInputSet,
+    TorchDecode,
+    decode_cases,
+    decode_record,
+    decode_table,
+    format_decode,
+    kvcache_function,
+    make_decode_sets,
+    paged_input_set,
+)
+from .dense import (
+    DEFAULT_DTYPES,
+    DEFAULT_HEAD_DIMS,
+    DEFAULT_SEQLENS,
+    QUICK_DTYPES,
+    QUICK_HEAD_DIMS,
+    QUICK_SEQLENS,
+    format_throughput_table,
+)
+from .environment import (
+    cupy,  # noqa: F401 - the module, or None without CuPy
+    environment,
+    gpu_unavailable_reason,
+    import_torch,
+)
+from .first_call import (
+    PROBE_SEQLEN,
+    PROBE_TIMEOUT,
+    first_call_probe,
+    format_first_call,
+    measure_first_call,
+)
 from .formatting import format_agreement, format_notes
-from .head_dims import (FLOAT32_SWEEP_HEAD_DIMS, FLOAT32_SWEEP_PEERS, FLOAT32_SWEEP_TARGET,
-                        SWEEP_DTYPES, SWEEP_HEAD_DIMS, SWEEP_PEERS, SWEEP_SEQLENS,
-                        SWEEP_TARGET, format_head_dim_sweep, format_head_dim_sweep_table,
-                        head_dim_sweep, head_dim_sweep_cases, sweep_peer_backends, sweep_target)
-from .implementations import (TORCH_BACKENDS, VARLEN_RECOMPILE_LIMIT, CuflashAttention,
-                              NaiveCupyAttention, StreamPointer, TorchSDPA, causal_bias,
-                              compiled_flex_attention, forced_backend,
-                              implementation_factories, naive_attention, sdpa_backends,
-                              torch_stream)
-from .measure import (MAX_NOTE_CHARS, Measurement, agreement, failure_reason, forward_output,
-                      free_memory, measure_case, measure_direction, measure_implementation,
-                      relative_error, run_grid, run_or_reason, skipped)
-from .memory import (MEMORY_HEAD_DIM, MEMORY_SEQLENS, QUICK_MEMORY_SEQLENS, format_memory,
-                     memory_record, memory_records, memory_sweep, pool_growth_bytes)
+from .head_dims import (
+    FLOAT32_SWEEP_HEAD_DIMS,
+    FLOAT32_SWEEP_PEERS,
+    FLOAT32_SWEEP_TARGET,
+    SWEEP_DTYPES,
+    SWEEP_HEAD_DIMS,
+    SWEEP_PEERS,
+    SWEEP_SEQLENS,
+    SWEEP_TARGET,
+    format_head_dim_sweep,
+    format_head_dim_sweep_table,
+    head_dim_sweep,
+    head_dim_sweep_cases,
+    sweep_peer_backends,
+    sweep_target,
+)
+from .implementations import (
+    TORCH_BACKENDS,
+    VARLEN_RECOMPILE_LIMIT,
+    CuflashAttention,
+    NaiveCupyAttention,
+    StreamPointer,
+    TorchSDPA,
+    causal_bias,
+    compiled_flex_attention,
+    forced_backend,
+    implementation_factories,
+    naive_attention,
+    sdpa_backends,
+    torch_stream,
+)
+from .measure import (
+    MAX_NOTE_CHARS,
+    Measurement,
+    agreement,
+    failure_reason,
+    forward_output,
+    free_memory,
+    measure_case,
+    measure_direction,
+    measure_implementation,
+    relative_error,
+    run_grid,
+    run_or_reason,
+    skipped,
+)
+from .memory import (
+    MEMORY_HEAD_DIM,
+    MEMORY_SEQLENS,
+    QUICK_MEMORY_SEQLENS,
+    format_memory,
+    memory_record,
+    memory_records,
+    memory_sweep,
+    pool_growth_bytes,
+)
 from .peer_commands import add_peer_options, flex_peer_torch, no_gpu_to_measure, print_report
 from .plots import plot_memory, plot_throughput
 from .progress import TextProgress, progress_bar
 from .report import METHOD_LINE, format_environment, format_report
-from .small_calls import (HOST_TIME_CALLS, HOST_TIME_CASE, HOST_TIME_SHAPE,
-                          HOST_TIME_TARGET_US, SMALL_CALL_CASES, SMALL_CALL_PEERS,
-                          SMALL_CALL_SHAPES, SMALL_CALL_TARGET_PEER, format_host_time,
-                          format_small_calls, host_seconds_per_call, host_time_records,
-                          small_call_sweep)
-from .timing import (BUDGET_OVERHEAD, MAX_REPEATS, MIN_REPEATS, MIN_TARGET_SECONDS,
-                     QUICK_TARGET_SECONDS, TARGET_SECONDS, Budget, Timing, event_times,
-                     time_calls)
-from .varlen import (VARLEN_DENSE_MULTIPLE, VARLEN_DTYPE, VARLEN_EQUAL, VARLEN_HEAD_DIMS,
-                     VARLEN_IMPLS, VARLEN_LENGTH_RANGE, VARLEN_SEED, VARLEN_TARGET,
-                     CuflashDenseEqual, CuflashVarlen, TorchFlex, TorchNestedSDPA, VarlenCase,
-                     document_mask_mod, draw_varlen_lengths, format_varlen,
-                     format_varlen_intro, format_varlen_table, make_packed_sets, varlen_cases,
-                     varlen_flops, varlen_ratios, varlen_record, varlen_report, varlen_table)
+from .small_calls import (
+    HOST_TIME_CALLS,
+    HOST_TIME_CASE,
+    HOST_TIME_SHAPE,
+    HOST_TIME_TARGET_US,
+    SMALL_CALL_CASES,
+    SMALL_CALL_PEERS,
+    SMALL_CALL_SHAPES,
+    SMALL_CALL_TARGET_PEER,
+    format_host_time,
+    format_small_calls,
+    host_seconds_per_call,
+    host_time_records,
+    small_call_sweep,
+)
+from .timing import (
+    BUDGET_OVERHEAD,
+    MAX_REPEATS,
+    MIN_REPEATS,
+    MIN_TARGET_SECONDS,
+    QUICK_TARGET_SECONDS,
+    TARGET_SECONDS,
+    Budget,
+    Timing,
+    event_times,
+    time_calls,
+)
+from .varlen import (
+    VARLEN_DENSE_MULTIPLE,
+    VARLEN_DTYPE,
+    VARLEN_EQUAL,
+    VARLEN_HEAD_DIMS,
+    VARLEN_IMPLS,
+    VARLEN_LENGTH_RANGE,
+    VARLEN_SEED,
+    VARLEN_TARGET,
+    CuflashDenseEqual,
+    CuflashVarlen,
+    TorchFlex,
+    TorchNestedSDPA,
+    VarlenCase,
+    document_mask_mod,
+    draw_varlen_lengths,
+    format_varlen,
+    format_varlen_intro,
+    format_varlen_table,
+    make_packed_sets,
+    varlen_cases,
+    varlen_flops,
+    varlen_ratios,
+    varlen_record,
+    varlen_report,
+    varlen_table,
+)
 
 __all__ = [
     "BUDGET_OVERHEAD",

@@ -53,8 +53,9 @@ class Case:
     @classmethod
     def in_grid(cls, dtype, head_dim, seqlen, causal):
         """The case with ``B * S = 16384`` tokens and ``H = 2048 / D`` heads."""
-        return cls(dtype, head_dim, seqlen, causal, max(1, TOKENS // seqlen),
-                   max(1, HIDDEN // head_dim))
+        return cls(
+            dtype, head_dim, seqlen, causal, max(1, TOKENS // seqlen), max(1, HIDDEN // head_dim)
+        )
 
     @property
     def shape(self):
@@ -66,15 +67,20 @@ class Case:
 
     def flops(self, direction):
         """FLOPs of one pass in ``direction`` ("fwd" or "bwd")."""
-        return attention_flops(self.batch, self.heads, self.seqlen, self.head_dim,
-                               self.causal, direction)
+        return attention_flops(
+            self.batch, self.heads, self.seqlen, self.head_dim, self.causal, direction
+        )
 
 
 def build_grid(dtypes, head_dims, seqlens):
     """Every case of the grid, in table order (dtype, head_dim, causal, seqlen)."""
-    return [Case.in_grid(dtype, head_dim, seqlen, causal)
-            for dtype in dtypes for head_dim in head_dims
-            for causal in (False, True) for seqlen in seqlens]
+    return [
+        Case.in_grid(dtype, head_dim, seqlen, causal)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for causal in (False, True)
+        for seqlen in seqlens
+    ]
 
 
 def tflops(flops, seconds):

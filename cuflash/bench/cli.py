@@ -63,8 +63,14 @@ from pathlib import Path
 
 from .cases import DTYPES, HIDDEN, TOKENS, build_grid
 from .decode import decode_table, kvcache_function
-from .dense import (DEFAULT_DTYPES, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, QUICK_DTYPES,
-                    QUICK_HEAD_DIMS, QUICK_SEQLENS)
+from .dense import (
+    DEFAULT_DTYPES,
+    DEFAULT_HEAD_DIMS,
+    DEFAULT_SEQLENS,
+    QUICK_DTYPES,
+    QUICK_HEAD_DIMS,
+    QUICK_SEQLENS,
+)
 from .environment import environment, gpu_unavailable_reason, import_torch
 from .first_call import measure_first_call
 from .head_dims import SWEEP_DTYPES, head_dim_sweep, head_dim_sweep_cases
@@ -82,11 +88,17 @@ DEFAULT_TIME_BUDGET = 540.0
 QUICK_TIME_BUDGET = 180.0
 
 # Default --time-budget of each measured part; a run's default is the sum of its parts.
-MODE_TIME_BUDGETS = {"head_dim_sweep": 1500.0, "small_calls": 60.0, "decode": 120.0,
-                     "varlen": 300.0}
+MODE_TIME_BUDGETS = {
+    "head_dim_sweep": 1500.0,
+    "small_calls": 60.0,
+    "decode": 120.0,
+    "varlen": 300.0,
+}
 
-NO_GPU_MESSAGE = ("cuflash.bench: no CUDA GPU is available ({}); nothing was timed. "
-                  "Run this command on a machine with an NVIDIA GPU.")
+NO_GPU_MESSAGE = (
+    "cuflash.bench: no CUDA GPU is available ({}); nothing was timed. "
+    "Run this command on a machine with an NVIDIA GPU."
+)
 
 
 def _list_of(convert):
@@ -95,6 +107,7 @@ def _list_of(convert):
             return tuple(convert(item) for item in text.split(",") if item)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"bad list {text!r}: {exc}") from exc
+
     return parse
 
 
@@ -107,59 +120,97 @@ def _dtype_name(name):
 def parse_args(argv=None):
     """Parse the command line; unset grid options take their (quick) defaults."""
     parser = argparse.ArgumentParser(
-        prog="python -m cuflash.bench", description=__doc__.splitlines()[0],
-        epilog="Methodology: docs/performance.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small grid (bfloat16, D 64/128, S 512/2048) for smoke runs")
-    parser.add_argument("--dtype", dest="dtypes", type=_list_of(_dtype_name),
-                        help="comma-separated dtypes (default bfloat16,float16; "
-                             "float32 is best run as its own table)")
-    parser.add_argument("--head-dims", type=_list_of(int),
-                        help="comma-separated head dims (default 64,128,256)")
-    parser.add_argument("--seqlens", type=_list_of(int),
-                        help="comma-separated sequence lengths (default 512,...,16384)")
+        prog="python -m cuflash.bench",
+        description=__doc__.splitlines()[0],
+        epilog="Methodology: docs/performance.md",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid (bfloat16, D 64/128, S 512/2048) for smoke runs",
+    )
+    parser.add_argument(
+        "--dtype",
+        dest="dtypes",
+        type=_list_of(_dtype_name),
+        help="comma-separated dtypes (default bfloat16,float16; "
+        "float32 is best run as its own table)",
+    )
+    parser.add_argument(
+        "--head-dims", type=_list_of(int), help="comma-separated head dims (default 64,128,256)"
+    )
+    parser.add_argument(
+        "--seqlens",
+        type=_list_of(int),
+        help="comma-separated sequence lengths (default 512,...,16384)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch SDPA")
-    parser.add_argument("--no-first-call", action="store_true",
-                        help="skip the first-call (compile) measurement")
-    parser.add_argument("--no-memory", action="store_true",
-                        help="skip the peak-memory sweep up to S=131072")
-    parser.add_argument("--allow-tf32", action="store_true",
-                        help="run cuflash with allow_tf32=True (float32 products in TF32)")
-    parser.add_argument("--time-budget", type=float,
-                        help=f"seconds for the whole run (default {DEFAULT_TIME_BUDGET:.0f}, "
-                             f"quick {QUICK_TIME_BUDGET:.0f}); repeats shrink to fit and "
-                             "cases past it are reported as not run")
-    parser.add_argument("--head-dim-sweep", action="store_true",
-                        help="instead of the grid: every head dim 32..256 (float32: 32..256 "
-                             "in six steps), S 1024/4096, causal and not, against torch flash "
-                             "and cuDNN (float32: efficient); --dtype, --head-dims and "
-                             "--seqlens narrow it (default dtypes bfloat16,float16,float32)")
-    parser.add_argument("--small-calls", action="store_true",
-                        help="instead of the grid: GPU time per call of three small causal "
-                             "bfloat16 cases, and host time per call of a tiny one")
-    parser.add_argument("--decode", action="store_true",
-                        help="instead of the grid: decoding from a KV cache (contiguous and "
-                             "paged) with flash_attention_with_kvcache against torch SDPA")
-    parser.add_argument("--varlen", action="store_true",
-                        help="instead of the grid: a packed batch of 16384 tokens (lengths "
-                             "uniform in 64..4096, and 8 x 2048), bfloat16, D 64/128, causal "
-                             "and not: cuflash varlen against the dense kernels on equal "
-                             "lengths, torch SDPA (flash) on nested tensors and flex_attention")
+    parser.add_argument(
+        "--no-first-call", action="store_true", help="skip the first-call (compile) measurement"
+    )
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the peak-memory sweep up to S=131072"
+    )
+    parser.add_argument(
+        "--allow-tf32",
+        action="store_true",
+        help="run cuflash with allow_tf32=True (float32 products in TF32)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help=f"seconds for the whole run (default {DEFAULT_TIME_BUDGET:.0f}, "
+        f"quick {QUICK_TIME_BUDGET:.0f}); repeats shrink to fit and "
+        "cases past it are reported as not run",
+    )
+    parser.add_argument(
+        "--head-dim-sweep",
+        action="store_true",
+        help="instead of the grid: every head dim 32..256 (float32: 32..256 "
+        "in six steps), S 1024/4096, causal and not, against torch flash "
+        "and cuDNN (float32: efficient); --dtype, --head-dims and "
+        "--seqlens narrow it (default dtypes bfloat16,float16,float32)",
+    )
+    parser.add_argument(
+        "--small-calls",
+        action="store_true",
+        help="instead of the grid: GPU time per call of three small causal "
+        "bfloat16 cases, and host time per call of a tiny one",
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="instead of the grid: decoding from a KV cache (contiguous and "
+        "paged) with flash_attention_with_kvcache against torch SDPA",
+    )
+    parser.add_argument(
+        "--varlen",
+        action="store_true",
+        help="instead of the grid: a packed batch of 16384 tokens (lengths "
+        "uniform in 64..4096, and 8 x 2048), bfloat16, D 64/128, causal "
+        "and not: cuflash varlen against the dense kernels on equal "
+        "lengths, torch SDPA (flash) on nested tensors and flex_attention",
+    )
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
-    parser.add_argument("--from-json", type=Path,
-                        help="no measuring: the tables and plots of this saved report")
+    parser.add_argument(
+        "--from-json", type=Path, help="no measuring: the tables and plots of this saved report"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.modes = tuple(mode for mode in MODE_TIME_BUDGETS if getattr(args, mode))
-    args.sweep_cases = head_dim_sweep_cases(args.dtypes or SWEEP_DTYPES, args.head_dims,
-                                            args.seqlens) if args.head_dim_sweep else []
+    args.sweep_cases = (
+        head_dim_sweep_cases(args.dtypes or SWEEP_DTYPES, args.head_dims, args.seqlens)
+        if args.head_dim_sweep
+        else []
+    )
     args.dtypes = args.dtypes or (QUICK_DTYPES if quick else DEFAULT_DTYPES)
     args.head_dims = args.head_dims or (QUICK_HEAD_DIMS if quick else DEFAULT_HEAD_DIMS)
     args.seqlens = args.seqlens or (QUICK_SEQLENS if quick else DEFAULT_SEQLENS)
     grid_budget = QUICK_TIME_BUDGET if quick else DEFAULT_TIME_BUDGET
     args.time_budget = args.time_budget or (
-        sum(MODE_TIME_BUDGETS[mode] for mode in args.modes) if args.modes else grid_budget)
+        sum(MODE_TIME_BUDGETS[mode] for mode in args.modes) if args.modes else grid_budget
+    )
     args.target_seconds = QUICK_TARGET_SECONDS if quick else TARGET_SECONDS
     args.memory_seqlens = QUICK_MEMORY_SEQLENS if quick else MEMORY_SEQLENS
     return args
@@ -169,10 +220,17 @@ def run(args):
     """Measure everything ``args`` asks for; return the JSON-ready report and Measurements."""
     torch, torch_note = import_torch(not args.no_torch)
     env = environment(torch)
-    settings = {key: value for key, value in vars(args).items()
-                if key not in ("json", "plots", "from_json", "sweep_cases")}
-    settings.update(torch=torch_note, tokens=TOKENS, hidden=HIDDEN,
-                    flop_convention="fwd 4*B*H*S*S*D (halved when causal), bwd 2.5x fwd")
+    settings = {
+        key: value
+        for key, value in vars(args).items()
+        if key not in ("json", "plots", "from_json", "sweep_cases")
+    }
+    settings.update(
+        torch=torch_note,
+        tokens=TOKENS,
+        hidden=HIDDEN,
+        flop_convention="fwd 4*B*H*S*S*D (halved when causal), bwd 2.5x fwd",
+    )
     report = {"environment": env, "settings": settings}
     budget = Budget(args.time_budget, args.target_seconds)
     if not args.no_first_call:
@@ -188,15 +246,23 @@ def run(args):
     if args.decode:
         function, note = kvcache_function()
         _status("decode table" if function else f"no decode table: {note}")
-        report["decode"] = {"note": note, "records": [] if function is None else decode_table(
-            function, torch, budget, env["l2_bytes"])}
+        report["decode"] = {
+            "note": note,
+            "records": []
+            if function is None
+            else decode_table(function, torch, budget, env["l2_bytes"]),
+        }
     if args.varlen:
         _status("packed variable-length table")
         report["varlen"] = varlen_report(torch, budget, env["l2_bytes"])
     if args.head_dim_sweep:
         _status(f"head-dim sweep, {len(args.sweep_cases)} cases")
-        report["head_dim_sweep"] = [m.to_dict() for m in head_dim_sweep(
-            args.sweep_cases, torch, args.allow_tf32, budget, env["l2_bytes"])]
+        report["head_dim_sweep"] = [
+            m.to_dict()
+            for m in head_dim_sweep(
+                args.sweep_cases, torch, args.allow_tf32, budget, env["l2_bytes"]
+            )
+        ]
     measurements = []
     if not args.modes:
         cases = build_grid(args.dtypes, args.head_dims, args.seqlens)

@@ -55,14 +55,23 @@ class DecodeCase:
     @property
     def cache_bytes(self):
         """Bytes of keys and values the step reads: ``2 * B * H_kv * L * D * itemsize``."""
-        return (2 * self.batch * self.kv_heads * self.cache_len * self.head_dim
-                * DTYPES[self.dtype].itemsize)
+        return (
+            2
+            * self.batch
+            * self.kv_heads
+            * self.cache_len
+            * self.head_dim
+            * DTYPES[self.dtype].itemsize
+        )
 
 
 def decode_cases():
     """The decode table: S_q = 1 on every layout, then longer query blocks (contiguous)."""
-    cases = [DecodeCase(batch, cache_len, block_size=block_size)
-             for batch, cache_len in DECODE_BATCH_CACHE for block_size in DECODE_BLOCK_SIZES]
+    cases = [
+        DecodeCase(batch, cache_len, block_size=block_size)
+        for batch, cache_len in DECODE_BATCH_CACHE
+        for block_size in DECODE_BLOCK_SIZES
+    ]
     batch, cache_len = DECODE_LONG_QUERY_CACHE
     return cases + [DecodeCase(batch, cache_len, q_len) for q_len in DECODE_LONG_QUERY_LENS]
 
@@ -77,8 +86,10 @@ def kvcache_function():
     try:
         from ..kvcache import flash_attention_with_kvcache
     except Exception as exc:  # noqa: BLE001 - absent or broken: the table is skipped
-        return None, (f"cuflash.flash_attention_with_kvcache is not available "
-                      f"({type(exc).__name__}: {_first_line(exc)})")
+        return None, (
+            f"cuflash.flash_attention_with_kvcache is not available "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        )
     return flash_attention_with_kvcache, ""
 
 
@@ -107,8 +118,16 @@ def make_decode_sets(case, count, seed=0):
     sets = []
     for _ in range(count):
         k, v = draw(case.kv_heads, case.cache_len), draw(case.kv_heads, case.cache_len)
-        sets.append(DecodeInputSet(draw(case.heads, case.q_len), k, v,
-                                   cupy.full(case.batch, case.cache_len, dtype=np.int32), k, v))
+        sets.append(
+            DecodeInputSet(
+                draw(case.heads, case.q_len),
+                k,
+                v,
+                cupy.full(case.batch, case.cache_len, dtype=np.int32),
+                k,
+                v,
+            )
+        )
     return sets
 
 
@@ -134,8 +153,7 @@ def paged_input_set(x, block_size, seed=0):
         out[order] = blocks
         return out
 
-    return dataclasses.replace(x, k_cache=paged(x.k), v_cache=paged(x.v),
-                               block_table=block_table)
+    return dataclasses.replace(x, k_cache=paged(x.k), v_cache=paged(x.v), block_table=block_table)
 
 
 class CuflashDecode:
@@ -151,9 +169,18 @@ class CuflashDecode:
 
     def forward_call(self, x):
         c = self.case
-        return functools.partial(self.function, x.q, x.k_cache, x.v_cache, c.heads, c.kv_heads,
-                                 c.head_dim, True, cache_seqlens=x.cache_seqlens,
-                                 block_table=x.block_table)
+        return functools.partial(
+            self.function,
+            x.q,
+            x.k_cache,
+            x.v_cache,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            True,
+            cache_seqlens=x.cache_seqlens,
+            block_table=x.block_table,
+        )
 
 
 class TorchDecode:
@@ -195,9 +222,16 @@ class TorchDecode:
 
 def decode_record(case, impl, timing, note, rel_error=None):
     """A JSON-ready record of one decode measurement."""
-    record = {"impl": impl.name, **dataclasses.asdict(case), "layout": case.layout,
-              "cache_bytes": case.cache_bytes, "note": note, "rel_error": rel_error,
-              "gqa": getattr(impl, "gqa", None), "median_s": None}
+    record = {
+        "impl": impl.name,
+        **dataclasses.asdict(case),
+        "layout": case.layout,
+        "cache_bytes": case.cache_bytes,
+        "note": note,
+        "rel_error": rel_error,
+        "gqa": getattr(impl, "gqa", None),
+        "median_s": None,
+    }
     if timing is not None:
         record.update(timing.summary())
     return record
@@ -213,33 +247,43 @@ def decode_table(function, torch, budget, l2_bytes):
     bar = progress_bar(len(cases), "decode cases")
     for group in groups:
         if budget.remaining() <= 0:
-            records += [decode_record(c, CuflashDecode(c, function), None,
-                                      "time budget exhausted") for c in cases if c.group == group]
+            records += [
+                decode_record(c, CuflashDecode(c, function), None, "time budget exhausted")
+                for c in cases
+                if c.group == group
+            ]
             bar.update(sum(c.group == group for c in cases))
             continue
         set_bytes = 2 * group.cache_bytes  # q is small; out too
         contiguous_sets = make_decode_sets(group, sets_spanning_l2(set_bytes, l2_bytes))
         reference = None
         for case in (c for c in cases if c.group == group):
-            bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} "
-                                f"{case.layout}")
+            bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} {case.layout}")
             impls = [CuflashDecode(case, function)]
             if case.block_size == 0:
                 impls += [TorchDecode(case, torch, backend) for backend in peers]
-            inputs = contiguous_sets if case.block_size == 0 else [
-                paged_input_set(x, case.block_size) for x in contiguous_sets]
+            inputs = (
+                contiguous_sets
+                if case.block_size == 0
+                else [paged_input_set(x, case.block_size) for x in contiguous_sets]
+            )
             for impl in impls:
                 timing, note = None, "time budget exhausted"
                 if budget.remaining() > 0:
-                    timing, note = run_or_reason(impl, lambda impl=impl: time_calls(
-                        [impl.forward_call(x) for x in inputs], budget.target_for(left)))
+                    timing, note = run_or_reason(
+                        impl,
+                        lambda impl=impl: time_calls(
+                            [impl.forward_call(x) for x in inputs], budget.target_for(left)
+                        ),
+                    )
                 left -= 1
                 rel_error = None
                 if timing is not None and reference is not None:
                     rel_error = agreement(impl, inputs[0], reference)
                 elif timing is not None:  # the first output of the group is the reference
-                    reference, _ = run_or_reason(impl, lambda impl=impl: forward_output(
-                        impl, inputs[0]))
+                    reference, _ = run_or_reason(
+                        impl, lambda impl=impl: forward_output(impl, inputs[0])
+                    )
                 records.append(decode_record(case, impl, timing, note, rel_error))
             del inputs
             free_memory(torch)
@@ -252,8 +296,9 @@ def decode_table(function, torch, budget, l2_bytes):
 
 def format_decode(record):
     """The decode table: time, cache bytes per second, torch's times and the ratio."""
-    title = ("### Decoding from a KV cache (forward time in us; TB/s = cache bytes read / "
-             "cuflash time)")
+    title = (
+        "### Decoding from a KV cache (forward time in us; TB/s = cache bytes read / cuflash time)"
+    )
     if not record.get("records"):
         return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
     records = record["records"]
@@ -263,56 +308,87 @@ def format_decode(record):
         if r["impl"] != "cuflash":
             torch_by_group[(r["batch"], r["cache_len"], r["q_len"], r["impl"])] = r
     first = records[0]
-    lines = [title, "",
-             f"{first['dtype']}, D={first['head_dim']}, H={first['heads']}, "
-             f"H_kv={first['kv_heads']}, causal (bottom-right); torch SDPA on a contiguous "
-             "cache of the same keys and values, without a mask at S_q = 1 (every key "
-             "visible), with `causal_lower_right(S_q, L)` above.", "",
-             "| B | cache | S_q | layout | cuflash | TB/s | " + " | ".join(peers)
-             + " | faster torch / cuflash |", "|---|---|---|---|---|---|" + "---|" * len(peers)
-             + "---|"]
+    lines = [
+        title,
+        "",
+        f"{first['dtype']}, D={first['head_dim']}, H={first['heads']}, "
+        f"H_kv={first['kv_heads']}, causal (bottom-right); torch SDPA on a contiguous "
+        "cache of the same keys and values, without a mask at S_q = 1 (every key "
+        "visible), with `causal_lower_right(S_q, L)` above.",
+        "",
+        "| B | cache | S_q | layout | cuflash | TB/s | "
+        + " | ".join(peers)
+        + " | faster torch / cuflash |",
+        "|---|---|---|---|---|---|" + "---|" * len(peers) + "---|",
+    ]
     below = []
     for r in (r for r in records if r["impl"] == "cuflash"):
         mine = r["median_s"]
-        theirs = [torch_by_group.get((r["batch"], r["cache_len"], r["q_len"], peer), {})
-                  .get("median_s") for peer in peers]
+        theirs = [
+            torch_by_group.get((r["batch"], r["cache_len"], r["q_len"], peer), {}).get("median_s")
+            for peer in peers
+        ]
         measured = [t for t in theirs if t is not None]
         ratio = min(measured) / mine if measured and mine is not None else None
         rate = None if mine is None else r["cache_bytes"] / mine / 1e12
-        lines.append(f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {r['layout']} | "
-                     f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
-                     + " | ".join(_format_us(t) for t in theirs)
-                     + f" | {_format_ratio(ratio)} |")
+        lines.append(
+            f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {r['layout']} | "
+            f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
+            + " | ".join(_format_us(t) for t in theirs)
+            + f" | {_format_ratio(ratio)} |"
+        )
         misses = [f"{ratio:.2f}x"] if ratio is not None and ratio < 1 else []
-        if rate is not None and r["q_len"] == 1 and r["cache_bytes"] >= DECODE_TARGET_MIN_BYTES \
-                and rate < DECODE_TARGET_TB_PER_S:
+        if (
+            rate is not None
+            and r["q_len"] == 1
+            and r["cache_bytes"] >= DECODE_TARGET_MIN_BYTES
+            and rate < DECODE_TARGET_TB_PER_S
+        ):
             misses.append(f"{rate:.2f} TB/s")
         if misses:
-            below.append(f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {r['layout']} "
-                         f"({', '.join(misses)})")
-    lines += ["", "Targets: cuflash time <= the faster torch backend's (ratio >= 1); "
-              f">= {DECODE_TARGET_TB_PER_S:g} TB/s where the cache is >= "
-              f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB. Below target: "
-              + (", ".join(below) if below else "none") + "."]
+            below.append(
+                f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {r['layout']} "
+                f"({', '.join(misses)})"
+            )
+    lines += [
+        "",
+        "Targets: cuflash time <= the faster torch backend's (ratio >= 1); "
+        f">= {DECODE_TARGET_TB_PER_S:g} TB/s where the cache is >= "
+        f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB. Below target: "
+        + (", ".join(below) if below else "none")
+        + ".",
+    ]
     modes = {}
     for r in records:
         if r.get("gqa"):
             modes.setdefault(r["impl"], {}).setdefault(r["gqa"], 0)
             modes[r["impl"]][r["gqa"]] += 1
     if modes:
-        lines += ["", "torch's grouped-query attention: " + "; ".join(
-            f"{impl} " + ", ".join(f"{mode} ({count} case{'s' if count > 1 else ''})"
-                                   for mode, count in by_mode.items())
-            for impl, by_mode in modes.items()) + "."]
+        lines += [
+            "",
+            "torch's grouped-query attention: "
+            + "; ".join(
+                f"{impl} "
+                + ", ".join(
+                    f"{mode} ({count} case{'s' if count > 1 else ''})"
+                    for mode, count in by_mode.items()
+                )
+                for impl, by_mode in modes.items()
+            )
+            + ".",
+        ]
     errors = {}
     for r in records:
         if r["rel_error"] is not None:
             key = f"{r['impl']} {r['layout']}" if r["impl"] == "cuflash" else r["impl"]
             errors[key] = max(errors.get(key, 0.0), r["rel_error"])
     if errors:
-        lines += ["", "Largest relative L2 distance of an output from the first of its keys "
-                  "and values (cuflash contiguous where it ran): "
-                  + ", ".join(f"{key} {error:.1e}" for key, error in errors.items())]
+        lines += [
+            "",
+            "Largest relative L2 distance of an output from the first of its keys "
+            "and values (cuflash contiguous where it ran): "
+            + ", ".join(f"{key} {error:.1e}" for key, error in errors.items()),
+        ]
     notes = {}
     for r in records:
         if r["median_s"] is None:
@@ -320,5 +396,6 @@ def format_decode(record):
     if notes:
         lines += ["", "Not measured (–):", ""] + [
             f"- {impl}: {note} ({count} case{'s' if count > 1 else ''})"
-            for (impl, note), count in notes.items()]
+            for (impl, note), count in notes.items()
+        ]
     return "\n".join(lines)

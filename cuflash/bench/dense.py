@@ -17,8 +17,11 @@ def _cell(measurement, baseline):
     if measurement is None or measurement.tflops is None:
         return "–"
     text = _format_tflops(measurement.tflops)
-    if measurement.impl != CuflashAttention.name and baseline is not None \
-            and baseline.tflops is not None:
+    if (
+        measurement.impl != CuflashAttention.name
+        and baseline is not None
+        and baseline.tflops is not None
+    ):
         text += f" ({baseline.tflops / measurement.tflops:.2f}x)"
     return text
 
@@ -30,12 +33,17 @@ def format_throughput_table(measurements, dtype, direction):
     by_key = {(m.case, m.impl): m for m in rows}
     cases = sorted({m.case for m in rows}, key=lambda c: (c.head_dim, c.causal, c.seqlen))
     title = {"fwd": "Forward", "bwd": "Backward"}[direction]
-    lines = [f"### {title}, {dtype}: TFLOP/s (peer cells: cuflash / peer)", "",
-             "| D | S | causal | B | H | " + " | ".join(impls) + " |",
-             "|---|---|---|---|---|" + "---|" * len(impls)]
+    lines = [
+        f"### {title}, {dtype}: TFLOP/s (peer cells: cuflash / peer)",
+        "",
+        "| D | S | causal | B | H | " + " | ".join(impls) + " |",
+        "|---|---|---|---|---|" + "---|" * len(impls),
+    ]
     for case in cases:
         baseline = by_key.get((case, CuflashAttention.name))
         cells = [_cell(by_key.get((case, impl)), baseline) for impl in impls]
-        lines.append(f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
-                     f"{case.heads} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
+            f"{case.heads} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines + format_agreement(rows) + format_notes(rows))

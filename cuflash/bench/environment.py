@@ -13,6 +13,7 @@ try:  # CuPy is optional: without it (or without a GPU) the command only says so
 except ImportError:  # pragma: no cover - exercised only without CuPy
     cupy = None
 
+
 def _cuda_version(number):
     """CUDA's integer version (e.g. 13000) as "13.0"."""
     return f"{number // 1000}.{number % 1000 // 10}"
@@ -29,8 +30,13 @@ def _module_version(name):
 def _driver_release():
     """The NVIDIA driver release from nvidia-smi, or None."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30, check=True)
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip().splitlines()[0] if done.stdout.strip() else None
@@ -43,9 +49,13 @@ def environment(torch):
     name = props["name"]
     env = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cuflash": __version__, "numpy": np.__version__, "cupy": cupy.__version__,
-        "ml_dtypes": _module_version("ml_dtypes"), "matplotlib": _module_version("matplotlib"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuflash": __version__,
+        "numpy": np.__version__,
+        "cupy": cupy.__version__,
+        "ml_dtypes": _module_version("ml_dtypes"),
+        "matplotlib": _module_version("matplotlib"),
         "tqdm": _module_version("tqdm"),
         "cuda_runtime": _cuda_version(cupy.cuda.runtime.runtimeGetVersion()),
         "cuda_driver_api": _cuda_version(cupy.cuda.runtime.driverGetVersion()),
@@ -53,13 +63,19 @@ def environment(torch):
         "nvrtc": ".".join(map(str, cupy.cuda.nvrtc.getVersion())),
         "gpu": name.decode() if isinstance(name, bytes) else name,
         "compute_capability": device.compute_capability,
-        "multiprocessors": props["multiProcessorCount"], "l2_bytes": props["l2CacheSize"],
+        "multiprocessors": props["multiProcessorCount"],
+        "l2_bytes": props["l2CacheSize"],
         "memory_bytes": props["totalGlobalMem"],
-        "torch": None, "torch_cuda": None, "cudnn": None,
+        "torch": None,
+        "torch_cuda": None,
+        "cudnn": None,
     }
     if torch is not None:
-        env.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version())
+        env.update(
+            torch=torch.__version__,
+            torch_cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+        )
     return env
 
 

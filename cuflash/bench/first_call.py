@@ -41,25 +41,35 @@ def first_call_probe(dtype, head_dim):
     args = (1, 1, head_dim)
     (out, lse), fwd_first = _synchronized_seconds(lambda: flash_attention_fwd(x.q, x.k, x.v, *args))
     _, bwd_first = _synchronized_seconds(
-        lambda: flash_attention_bwd(x.dout, x.q, x.k, x.v, out, lse, *args))
+        lambda: flash_attention_bwd(x.dout, x.q, x.k, x.v, out, lse, *args)
+    )
     _, fwd_second = _synchronized_seconds(lambda: flash_attention_fwd(x.q, x.k, x.v, *args))
-    print(json.dumps({"fwd_first_s": fwd_first, "bwd_first_s": bwd_first,
-                      "fwd_second_s": fwd_second}))
+    print(
+        json.dumps({"fwd_first_s": fwd_first, "bwd_first_s": bwd_first, "fwd_second_s": fwd_second})
+    )
 
 
 def _run_probe(dtype, head_dim, env, timeout):
     """Run :func:`first_call_probe` in a new Python process; its JSON or an error."""
     code = f"from cuflash.bench import first_call_probe; first_call_probe({dtype!r}, {head_dim})"
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        return {"error": (done.stderr or done.stdout).strip()[-2000:]
-                or f"exit status {done.returncode}"}
+        return {
+            "error": (done.stderr or done.stdout).strip()[-2000:]
+            or f"exit status {done.returncode}"
+        }
 
 
 def measure_first_call(dtype, head_dim, budget):
@@ -80,14 +90,19 @@ def measure_first_call(dtype, head_dim, budget):
 
 def format_first_call(record):
     """A Markdown table of the first-call cost, or its errors."""
-    lines = [f"### First call of the {record['dtype']}, D={record['head_dim']} variant "
-             "(wall seconds)", "",
-             "| CuPy kernel cache | first fwd | first bwd | second fwd |", "|---|---|---|---|"]
+    lines = [
+        f"### First call of the {record['dtype']}, D={record['head_dim']} variant (wall seconds)",
+        "",
+        "| CuPy kernel cache | first fwd | first bwd | second fwd |",
+        "|---|---|---|---|",
+    ]
     for label, key in (("empty (compile)", "cold"), ("warm", "warm_cache")):
         run = record[key]
         if "error" in run:
             lines.append(f"| {label} | error: {run['error'].splitlines()[-1][:200]} | | |")
         else:
-            lines.append(f"| {label} | {run['fwd_first_s']:.2f} | {run['bwd_first_s']:.3f} | "
-                         f"{run['fwd_second_s']:.4f} |")
+            lines.append(
+                f"| {label} | {run['fwd_first_s']:.2f} | {run['bwd_first_s']:.3f} | "
+                f"{run['fwd_second_s']:.4f} |"
+            )
     return "\n".join(lines)

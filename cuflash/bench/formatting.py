@@ -1,5 +1,6 @@
 """Markdown pieces the tables share: number cells, agreement lines, not-measured notes."""
 
+
 def _format_tflops(value):
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
@@ -12,8 +13,11 @@ def format_agreement(rows):
             worst[m.impl] = max(worst.get(m.impl, 0.0), m.rel_error)
     if not worst:
         return []
-    return ["", "Largest relative L2 distance of a forward output from cuflash's: "
-            + ", ".join(f"{impl} {error:.1e}" for impl, error in worst.items())]
+    return [
+        "",
+        "Largest relative L2 distance of a forward output from cuflash's: "
+        + ", ".join(f"{impl} {error:.1e}" for impl, error in worst.items()),
+    ]
 
 
 def format_notes(rows):
@@ -26,7 +30,8 @@ def format_notes(rows):
         return []
     return ["", "Not measured (–):", ""] + [
         f"- {impl}: {note} ({count} case{'s' if count > 1 else ''})"
-        for (impl, note), count in notes.items()]
+        for (impl, note), count in notes.items()
+    ]
 
 
 def _format_ratio(ratio):

@@ -42,16 +42,16 @@ def head_dim_sweep_cases(dtypes, head_dims=None, seqlens=None):
 
 def head_dim_sweep(cases, torch, allow_tf32, budget, l2_bytes):
     """cuflash and torch's peers of each dtype (``sweep_peer_backends``) on ``cases``."""
-    factories = {dtype: implementation_factories(torch, allow_tf32, sweep_peer_backends(dtype),
-                                                 naive=False)
-                 for dtype in dict.fromkeys(c.dtype for c in cases)}
+    factories = {
+        dtype: implementation_factories(torch, allow_tf32, sweep_peer_backends(dtype), naive=False)
+        for dtype in dict.fromkeys(c.dtype for c in cases)
+    }
     return run_grid(cases, lambda case: factories[case.dtype], budget, l2_bytes, torch)
 
 
 def _ratio(measurement, peer):
     """cuflash's throughput over ``peer``'s (peer time / cuflash time), or None."""
-    if measurement is None or peer is None or measurement.seconds is None \
-            or peer.seconds is None:
+    if measurement is None or peer is None or measurement.seconds is None or peer.seconds is None:
         return None
     return peer.seconds / measurement.seconds
 
@@ -69,34 +69,52 @@ def format_head_dim_sweep_table(measurements, dtype, direction):
     cases = sorted({m.case for m in rows}, key=lambda c: (c.head_dim, c.causal, c.seqlen))
     target_peer, target_ratio = sweep_target(dtype)
     title = {"fwd": "forward", "bwd": "backward"}[direction]
-    lines = [f"### Head-dim sweep, {title}, {dtype}: TFLOP/s and cuflash / peer "
-             f"(target: cuflash / {target_peer} >= {target_ratio:g})", "",
-             "| D | S | causal | B | H | " + " | ".join(impls) + " | "
-             + " | ".join(f"cuflash / {peer}" for peer in peers) + " |",
-             "|---|---|---|---|---|" + "---|" * (len(impls) + len(peers))]
+    lines = [
+        f"### Head-dim sweep, {title}, {dtype}: TFLOP/s and cuflash / peer "
+        f"(target: cuflash / {target_peer} >= {target_ratio:g})",
+        "",
+        "| D | S | causal | B | H | "
+        + " | ".join(impls)
+        + " | "
+        + " | ".join(f"cuflash / {peer}" for peer in peers)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * (len(impls) + len(peers)),
+    ]
     below, target_measured = [], False
     for case in cases:
         baseline = by_key.get((case, CuflashAttention.name))
         throughput = [by_key.get((case, impl)) for impl in impls]
         ratios = {peer: _ratio(baseline, by_key.get((case, peer))) for peer in peers}
-        lines.append(f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
-                     f"{case.heads} | "
-                     + " | ".join("–" if m is None or m.tflops is None
-                                  else _format_tflops(m.tflops) for m in throughput) + " | "
-                     + " | ".join(_format_ratio(r) for r in ratios.values()) + " |")
+        lines.append(
+            f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
+            f"{case.heads} | "
+            + " | ".join(
+                "–" if m is None or m.tflops is None else _format_tflops(m.tflops)
+                for m in throughput
+            )
+            + " | "
+            + " | ".join(_format_ratio(r) for r in ratios.values())
+            + " |"
+        )
         ratio = ratios.get(target_peer)
         target_measured = target_measured or ratio is not None
         if ratio is not None and ratio < target_ratio:
             below.append(f"{_case_label(case)} ({ratio:.2f}x)")
     if target_measured:
-        lines += ["", f"Below target (cuflash / {target_peer} < {target_ratio:g}): "
-                  + (", ".join(below) if below else "none") + "."]
+        lines += [
+            "",
+            f"Below target (cuflash / {target_peer} < {target_ratio:g}): "
+            + (", ".join(below) if below else "none")
+            + ".",
+        ]
     return "\n".join(lines + format_agreement(rows) + format_notes(rows))
 
 
 def format_head_dim_sweep(records):
     """Every table of a head-dim sweep's JSON records."""
     measurements = [Measurement.from_dict(r) for r in records]
-    return "\n\n".join(format_head_dim_sweep_table(measurements, dtype, direction)
-                       for dtype in dict.fromkeys(m.case.dtype for m in measurements)
-                       for direction in DIRECTIONS)
+    return "\n\n".join(
+        format_head_dim_sweep_table(measurements, dtype, direction)
+        for dtype in dict.fromkeys(m.case.dtype for m in measurements)
+        for direction in DIRECTIONS
+    )

@@ -11,8 +11,12 @@ import numpy as np
 from ..api import flash_attention_bwd, flash_attention_fwd
 from .environment import cupy
 
-TORCH_BACKENDS = {"FLASH_ATTENTION": "torch-flash", "CUDNN_ATTENTION": "torch-cudnn",
-                  "EFFICIENT_ATTENTION": "torch-efficient", "MATH": "torch-math"}
+TORCH_BACKENDS = {
+    "FLASH_ATTENTION": "torch-flash",
+    "CUDNN_ATTENTION": "torch-cudnn",
+    "EFFICIENT_ATTENTION": "torch-efficient",
+    "MATH": "torch-math",
+}
 VARLEN_RECOMPILE_LIMIT = 64  # torch.compile'd flex_attention: one graph per D, mask, grad mode
 
 
@@ -33,8 +37,17 @@ class CuflashAttention:
 
     def _fwd(self, x):
         c = self.case
-        return flash_attention_fwd(x.q, x.k, x.v, c.heads, c.heads, c.head_dim, c.causal,
-                                   allow_tf32=self.allow_tf32, **self.options)
+        return flash_attention_fwd(
+            x.q,
+            x.k,
+            x.v,
+            c.heads,
+            c.heads,
+            c.head_dim,
+            c.causal,
+            allow_tf32=self.allow_tf32,
+            **self.options,
+        )
 
     def forward_call(self, x):
         """A call that enqueues one forward pass on ``x`` and returns the output."""
@@ -44,9 +57,22 @@ class CuflashAttention:
         """A call that enqueues one backward pass on ``x``."""
         c = self.case
         out, lse = self._fwd(x)
-        return functools.partial(flash_attention_bwd, x.dout, x.q, x.k, x.v, out, lse,
-                                 c.heads, c.heads, c.head_dim, c.causal, synchronize=False,
-                                 allow_tf32=self.allow_tf32, **self.options)
+        return functools.partial(
+            flash_attention_bwd,
+            x.dout,
+            x.q,
+            x.k,
+            x.v,
+            out,
+            lse,
+            c.heads,
+            c.heads,
+            c.head_dim,
+            c.causal,
+            synchronize=False,
+            allow_tf32=self.allow_tf32,
+            **self.options,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +117,8 @@ class TorchSDPA:
 
     def _sdpa(self, q, k, v):
         return self.torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=self.case.causal)
+            q, k, v, is_causal=self.case.causal
+        )
 
     def forward_call(self, x):
         """A training-mode forward (inputs require grad), returning the output."""
@@ -114,8 +141,7 @@ def naive_attention(q, k, v, causal_bias=None):
     and ``softmax @ v`` is cast back to the input dtype.
     """
     scale = np.float32(1 / math.sqrt(q.shape[-1]))
-    scores = cupy.matmul(q.astype(np.float32) * scale,
-                         k.astype(np.float32).swapaxes(-1, -2))
+    scores = cupy.matmul(q.astype(np.float32) * scale, k.astype(np.float32).swapaxes(-1, -2))
     if causal_bias is not None:
         scores += causal_bias
     scores -= scores.max(axis=-1, keepdims=True)
@@ -160,12 +186,15 @@ def sdpa_backends(torch, names):
     return [getattr(SDPBackend, name) for name in names if hasattr(SDPBackend, name)]
 
 
-def implementation_factories(torch, allow_tf32=False, torch_backends=tuple(TORCH_BACKENDS),
-                             naive=True):
+def implementation_factories(
+    torch, allow_tf32=False, torch_backends=tuple(TORCH_BACKENDS), naive=True
+):
     """Constructors ``case -> implementation``: cuflash, torch's ``torch_backends``, naive CuPy."""
     factories = [functools.partial(CuflashAttention, allow_tf32=allow_tf32)]
-    factories += [functools.partial(TorchSDPA, torch=torch, backend=backend)
-                  for backend in sdpa_backends(torch, torch_backends)]
+    factories += [
+        functools.partial(TorchSDPA, torch=torch, backend=backend)
+        for backend in sdpa_backends(torch, torch_backends)
+    ]
     return factories + ([NaiveCupyAttention] if naive else [])
 
 

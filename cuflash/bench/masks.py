@@ -94,9 +94,9 @@ class CuflashMasked(CuflashAttention):
         function = cuflash_mask(mask, case)
         create_block_mask(function, None, None, case.seqlen, case.seqlen).classify()  # compiles
         block_mask, self.build_seconds = _timed(
-            lambda: create_block_mask(function, None, None, case.seqlen,
-                                      case.seqlen).classify(),
-            cupy.cuda.get_current_stream().synchronize)
+            lambda: create_block_mask(function, None, None, case.seqlen, case.seqlen).classify(),
+            cupy.cuda.get_current_stream().synchronize,
+        )
         super().__init__(case, block_mask=block_mask)
         self.name = f"cuflash {mask}"
 
@@ -125,15 +125,24 @@ class CuflashVarlenDocuments:
 
     def _args(self):
         c = self.case
-        return (self.offsets, self.offsets, DOCUMENT_LEN, DOCUMENT_LEN, c.heads, c.heads,
-                c.head_dim, True)
+        return (
+            self.offsets,
+            self.offsets,
+            DOCUMENT_LEN,
+            DOCUMENT_LEN,
+            c.heads,
+            c.heads,
+            c.head_dim,
+            True,
+        )
 
     def forward_call(self, x):
         from ..varlen import flash_attention_varlen_fwd
 
         q, k, v = self._packed(x)
-        return lambda: flash_attention_varlen_fwd(q, k, v, *self._args())[0].transpose(
-            1, 0, 2)[None]
+        return lambda: flash_attention_varlen_fwd(q, k, v, *self._args())[0].transpose(1, 0, 2)[
+            None
+        ]
 
     def backward_call(self, x):
         from ..varlen import flash_attention_varlen_bwd, flash_attention_varlen_fwd
@@ -141,8 +150,9 @@ class CuflashVarlenDocuments:
         q, k, v = self._packed(x)
         dout = x.dout[0].transpose(1, 0, 2)
         out, lse = flash_attention_varlen_fwd(q, k, v, *self._args())
-        return lambda: flash_attention_varlen_bwd(dout, q, k, v, out, lse, *self._args(),
-                                                  synchronize=False)
+        return lambda: flash_attention_varlen_bwd(
+            dout, q, k, v, out, lse, *self._args(), synchronize=False
+        )
 
 
 class FlexMasked:
@@ -157,9 +167,11 @@ class FlexMasked:
         self.case, self.torch = case, torch
         self.name = f"flex {mask}"
         self.block_mask, self.build_seconds = _timed(
-            lambda: create_block_mask(torch_mask(mask, torch), None, None, case.seqlen,
-                                      case.seqlen, device="cuda"),
-            torch.cuda.synchronize)
+            lambda: create_block_mask(
+                torch_mask(mask, torch), None, None, case.seqlen, case.seqlen, device="cuda"
+            ),
+            torch.cuda.synchronize,
+        )
 
     def context(self):
         return torch_stream(self.torch)
@@ -184,11 +196,11 @@ def precompile(heads, head_dim):
 
     from ..precompile import precompile_modifiers
 
-    masks = [cuflash_mask(mask, case_of(mask, heads, head_dim))
-             for mask in MASKS + ("documents+causal",)]
+    masks = [
+        cuflash_mask(mask, case_of(mask, heads, head_dim)) for mask in MASKS + ("documents+causal",)
+    ]
     with concurrent.futures.ThreadPoolExecutor(len(masks)) as pool:
-        list(pool.map(lambda m: precompile_modifiers(None, m, ("bfloat16",), (head_dim,)),
-                      masks))
+        list(pool.map(lambda m: precompile_modifiers(None, m, ("bfloat16",), (head_dim,)), masks))
 
 
 def measure(heads, head_dim, torch, target_seconds):
@@ -202,14 +214,14 @@ def measure(heads, head_dim, torch, target_seconds):
         reference = forward_output(mine, sets[0])
         impls = [mine]
         if mask == "documents":
-            impls.append(CuflashMasked(dataclasses.replace(case, causal=True),
-                                       "documents+causal"))
+            impls.append(CuflashMasked(dataclasses.replace(case, causal=True), "documents+causal"))
             impls.append(CuflashVarlenDocuments(case))
         if torch is not None:
             impls.append(FlexMasked(case, torch, mask))
         for impl in impls:
-            for m in measure_implementation(impl, sets, target_seconds,
-                                            None if impl is mine else reference):
+            for m in measure_implementation(
+                impl, sets, target_seconds, None if impl is mine else reference
+            ):
                 records.append(dict(m.to_dict(), mask=mask, build_s=impl.build_seconds))
         del reference, sets
         free_memory(torch)
@@ -219,15 +231,21 @@ def measure(heads, head_dim, torch, target_seconds):
 def table(records):
     """The markdown table: a row per mask and direction."""
     by_key = {(r["impl"], r["direction"]): r for r in records}
-    lines = ["| mask | pass | cuflash ms | varlen ms | cuflash / varlen (<= 1.15) | flex ms | "
-             "cuflash / flex (<= 1) | block mask build ms, cuflash / flex | "
-             "output vs cuflash's, varlen / flex |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mask | pass | cuflash ms | varlen ms | cuflash / varlen (<= 1.15) | flex ms | "
+        "cuflash / flex (<= 1) | block mask build ms, cuflash / flex | "
+        "output vs cuflash's, varlen / flex |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     missed = []
     for mask in MASKS[:1] + ("documents+causal",) + MASKS[1:]:
         for direction in ("fwd", "bwd"):
             mine = by_key.get((f"cuflash {mask}", direction), {})
-            varlen = by_key.get(("cuflash varlen documents", direction), {}) \
-                if mask.startswith("documents") else {}
+            varlen = (
+                by_key.get(("cuflash varlen documents", direction), {})
+                if mask.startswith("documents")
+                else {}
+            )
             flex = by_key.get((f"flex {mask.split('+')[0]}", direction), {})
             over_varlen = _ratio(mine.get("median_s"), varlen.get("median_s"))
             over_flex = _ratio(mine.get("median_s"), flex.get("median_s"))
@@ -235,13 +253,19 @@ def table(records):
                 missed.append(f"{mask} {direction} vs varlen")
             if over_flex is not None and over_flex > 1:
                 missed.append(f"{mask} {direction} vs flex")
-            builds = (f"{_ms(mine, 'build_s')} / {_ms(flex, 'build_s')}"
-                      if direction == "fwd" else "")
-            errors = (f"{_num(varlen.get('rel_error'))} / {_num(flex.get('rel_error'))}"
-                      if direction == "fwd" else "")
-            lines.append(f"| {mask} | {direction} | {_ms(mine)} | {_ms(varlen)} | "
-                         f"{_fmt(over_varlen)} | {_ms(flex)} | {_fmt(over_flex)} | {builds} | "
-                         f"{errors} |")
+            builds = (
+                f"{_ms(mine, 'build_s')} / {_ms(flex, 'build_s')}" if direction == "fwd" else ""
+            )
+            errors = (
+                f"{_num(varlen.get('rel_error'))} / {_num(flex.get('rel_error'))}"
+                if direction == "fwd"
+                else ""
+            )
+            lines.append(
+                f"| {mask} | {direction} | {_ms(mine)} | {_ms(varlen)} | "
+                f"{_fmt(over_varlen)} | {_ms(flex)} | {_fmt(over_flex)} | {builds} | "
+                f"{errors} |"
+            )
     lines.append("")
     lines.append("Targets missed: " + (", ".join(missed) if missed else "none"))
     return "\n".join(lines)
@@ -265,8 +289,9 @@ def _fmt(ratio):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cuflash.bench_masks",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash.bench_masks", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     add_peer_options(parser)
@@ -275,8 +300,12 @@ def main(argv=None):
         return 0
     torch = flex_peer_torch(not args.no_torch)
     records = measure(args.heads, args.head_dim, torch, args.time)
-    print_report(f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; "
-                 "medians", table(records), records, args.json)
+    print_report(
+        f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; medians",
+        table(records),
+        records,
+        args.json,
+    )
     return 0
 
 

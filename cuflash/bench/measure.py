@@ -32,14 +32,21 @@ class Measurement:
 
     @property
     def tflops(self):
-        return None if self.timing is None else tflops(self.case.flops(self.direction),
-                                                       self.seconds)
+        return (
+            None if self.timing is None else tflops(self.case.flops(self.direction), self.seconds)
+        )
 
     def to_dict(self):
         """A JSON-ready record."""
-        record = {"impl": self.impl, "direction": self.direction,
-                  **dataclasses.asdict(self.case), "flops": self.case.flops(self.direction),
-                  "tflops": self.tflops, "note": self.note, "rel_error": self.rel_error}
+        record = {
+            "impl": self.impl,
+            "direction": self.direction,
+            **dataclasses.asdict(self.case),
+            "flops": self.case.flops(self.direction),
+            "tflops": self.tflops,
+            "note": self.note,
+            "rel_error": self.rel_error,
+        }
         if self.timing is not None:
             record.update(self.timing.summary())
         return record
@@ -47,12 +54,23 @@ class Measurement:
     @classmethod
     def from_dict(cls, record):
         """The measurement of a :meth:`to_dict` record, its timing reduced to the median."""
-        case = Case(record["dtype"], record["head_dim"], record["seqlen"], record["causal"],
-                    record["batch"], record["heads"])
+        case = Case(
+            record["dtype"],
+            record["head_dim"],
+            record["seqlen"],
+            record["causal"],
+            record["batch"],
+            record["heads"],
+        )
         median = record.get("median_s")
-        return cls(case, record["impl"], record["direction"],
-                   None if median is None else Timing((median,)), record["note"],
-                   record["rel_error"])
+        return cls(
+            case,
+            record["impl"],
+            record["direction"],
+            None if median is None else Timing((median,)),
+            record["note"],
+            record["rel_error"],
+        )
 
 
 def _first_line(text):
@@ -83,7 +101,8 @@ def measure_direction(impl, direction, input_sets, target_seconds):
     """Time ``impl`` in ``direction`` over ``input_sets``; a failure becomes a note."""
     make_call = impl.forward_call if direction == "fwd" else impl.backward_call
     timing, note = run_or_reason(
-        impl, lambda: time_calls([make_call(x) for x in input_sets], target_seconds))
+        impl, lambda: time_calls([make_call(x) for x in input_sets], target_seconds)
+    )
     return Measurement(impl.case, impl.name, direction, timing=timing, note=note)
 
 
@@ -165,13 +184,13 @@ def run_grid(cases, factories_for, budget, l2_bytes, torch):
     bar = progress_bar(len(cases), "cases")
     measurements_per_case = [2 * len(factories_for(case)) for case in cases]
     for index, case in enumerate(cases):
-        bar.set_postfix_str(f"{case.dtype} D={case.head_dim} S={case.seqlen} "
-                            f"causal={case.causal}")
+        bar.set_postfix_str(f"{case.dtype} D={case.head_dim} S={case.seqlen} causal={case.causal}")
         factories = factories_for(case)
         left = sum(measurements_per_case[index:])
         if budget.remaining() <= 0:
-            measurements += [m for make in factories
-                             for m in skipped(make(case), "time budget exhausted")]
+            measurements += [
+                m for make in factories for m in skipped(make(case), "time budget exhausted")
+            ]
         else:
             measurements += measure_case(case, factories, budget, left, l2_bytes, torch)
         free_memory(torch)

@@ -29,8 +29,16 @@ def pool_growth_bytes(call):
 
 def memory_record(impl, case, call):
     """Peak extra memory of one forward call, or "OOM"."""
-    record = {"impl": impl, "seqlen": case.seqlen, "batch": case.batch, "heads": case.heads,
-              "head_dim": case.head_dim, "dtype": case.dtype, "peak_bytes": None, "note": ""}
+    record = {
+        "impl": impl,
+        "seqlen": case.seqlen,
+        "batch": case.batch,
+        "heads": case.heads,
+        "head_dim": case.head_dim,
+        "dtype": case.dtype,
+        "peak_bytes": None,
+        "note": "",
+    }
     try:
         record["peak_bytes"] = pool_growth_bytes(call)
     except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised
@@ -43,8 +51,10 @@ def memory_records(case):
     """Peak forward memory of cuflash and naive attention on one draw of ``case``."""
     x = make_input_sets(case, 1)[0]
     heads = (case.heads, case.heads, case.head_dim)
-    return [memory_record("cuflash", case, lambda: flash_attention_fwd(x.q, x.k, x.v, *heads)),
-            memory_record("cupy-naive", case, lambda: naive_attention(x.q, x.k, x.v))]
+    return [
+        memory_record("cuflash", case, lambda: flash_attention_fwd(x.q, x.k, x.v, *heads)),
+        memory_record("cupy-naive", case, lambda: naive_attention(x.q, x.k, x.v)),
+    ]
 
 
 def memory_sweep(dtype, seqlens, budget):
@@ -53,8 +63,9 @@ def memory_sweep(dtype, seqlens, budget):
     for seqlen in seqlens:
         if budget.remaining() <= 0:
             break
-        records += memory_records(Case(dtype, MEMORY_HEAD_DIM, seqlen, False, batch=1,
-                                       heads=HIDDEN // MEMORY_HEAD_DIM))
+        records += memory_records(
+            Case(dtype, MEMORY_HEAD_DIM, seqlen, False, batch=1, heads=HIDDEN // MEMORY_HEAD_DIM)
+        )
     return records
 
 
@@ -63,14 +74,23 @@ def format_memory(records):
     impls = list(dict.fromkeys(r["impl"] for r in records))
     by_key = {(r["seqlen"], r["impl"]): r for r in records}
     first = records[0]
-    lines = [f"### Peak extra memory of one forward pass (GiB; {first['dtype']}, "
-             f"B={first['batch']}, H={first['heads']}, D={first['head_dim']})", "",
-             "| S | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
+    lines = [
+        f"### Peak extra memory of one forward pass (GiB; {first['dtype']}, "
+        f"B={first['batch']}, H={first['heads']}, D={first['head_dim']})",
+        "",
+        "| S | " + " | ".join(impls) + " |",
+        "|---|" + "---|" * len(impls),
+    ]
     for seqlen in sorted({r["seqlen"] for r in records}):
         cells = []
         for impl in impls:
             r = by_key.get((seqlen, impl))
-            cells.append("–" if r is None else r["note"] if r["peak_bytes"] is None
-                         else f"{r['peak_bytes'] / 2**30:.3f}")
+            cells.append(
+                "–"
+                if r is None
+                else r["note"]
+                if r["peak_bytes"] is None
+                else f"{r['peak_bytes'] / 2**30:.3f}"
+            )
         lines.append(f"| {seqlen} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -93,12 +93,14 @@ class FlexModified:
 
         if not self.case.causal:
             return None
-        return create_block_mask(lambda b, h, q, k: q >= k, None, None, self.case.seqlen,
-                                 self.case.seqlen, device="cuda")
+        return create_block_mask(
+            lambda b, h, q, k: q >= k, None, None, self.case.seqlen, self.case.seqlen, device="cuda"
+        )
 
     def _attention(self, q, k, v, block_mask):
         return compiled_flex_attention(self.torch)(
-            q, k, v, score_mod=flex_score_mod(self.modifier, self.slopes), block_mask=block_mask)
+            q, k, v, score_mod=flex_score_mod(self.modifier, self.slopes), block_mask=block_mask
+        )
 
     def forward_call(self, x):
         q, k, v = (self.torch.from_dlpack(a).requires_grad_() for a in (x.q, x.k, x.v))
@@ -121,8 +123,9 @@ def measure(case, torch, target_seconds):
         reference = forward_output(cuflash_impl, sets[0])
         impls = [cuflash_impl] + ([FlexModified(case, torch, modifier)] if torch else [])
         for impl in impls:
-            for m in measure_implementation(impl, sets, target_seconds,
-                                            None if impl is cuflash_impl else reference):
+            for m in measure_implementation(
+                impl, sets, target_seconds, None if impl is cuflash_impl else reference
+            ):
                 records.append(dict(m.to_dict(), modifier=modifier))
         del reference
         free_memory(torch)
@@ -132,16 +135,22 @@ def measure(case, torch, target_seconds):
 def table(records):
     """The markdown table: a row per modifier and direction."""
     by_key = {(r["impl"], r["direction"]): r for r in records}
-    lines = ["| modifier | pass | cuflash ms | TFLOP/s | / plain (>= 0.9) | flex ms | "
-             "cuflash / flex time | flex vs cuflash output |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| modifier | pass | cuflash ms | TFLOP/s | / plain (>= 0.9) | flex ms | "
+        "cuflash / flex time | flex vs cuflash output |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     below = []
     for modifier in MODIFIERS:
         for direction in ("fwd", "bwd"):
             mine = by_key[(f"cuflash {modifier}", direction)]
             plain = by_key[("cuflash plain", direction)]
             flex = by_key.get((f"flex {modifier}", direction), {})
-            ratio = (mine["tflops"] / plain["tflops"]
-                     if mine.get("tflops") and plain.get("tflops") else math.nan)
+            ratio = (
+                mine["tflops"] / plain["tflops"]
+                if mine.get("tflops") and plain.get("tflops")
+                else math.nan
+            )
             if modifier != "plain" and not ratio >= TARGET:
                 below.append(f"{modifier} {direction}")
             fwd_flex = by_key.get((f"flex {modifier}", "fwd"), {})
@@ -149,7 +158,8 @@ def table(records):
                 f"| {modifier} | {direction} | {_ms(mine)} | {_num(mine.get('tflops'))} | "
                 f"{ratio:.3f} | {_ms(flex)} | "
                 f"{_ratio(mine.get('median_s'), flex.get('median_s'))} | "
-                f"{_num(fwd_flex.get('rel_error'), '.1e') if direction == 'fwd' else ''} |")
+                f"{_num(fwd_flex.get('rel_error'), '.1e') if direction == 'fwd' else ''} |"
+            )
     lines.append("")
     lines.append("Below target: " + (", ".join(below) if below else "none"))
     return "\n".join(lines)
@@ -169,8 +179,9 @@ def _ratio(a, b):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cuflash.bench_modifiers",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash.bench_modifiers", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=4096)
@@ -180,13 +191,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if no_gpu_to_measure():
         return 0
-    case = Case("bfloat16", args.head_dim, args.seqlen, not args.no_causal, args.batch,
-                args.heads)
+    case = Case("bfloat16", args.head_dim, args.seqlen, not args.no_causal, args.batch, args.heads)
     torch = flex_peer_torch(not args.no_torch)
     records = measure(case, torch, args.time)
-    print_report(f"Score modifiers, bfloat16, {dataclasses.asdict(case)}, softcap "
-                 f"{SOFTCAP}, ALiBi slopes 2^(-8i/H); medians", table(records), records,
-                 args.json)
+    print_report(
+        f"Score modifiers, bfloat16, {dataclasses.asdict(case)}, softcap "
+        f"{SOFTCAP}, ALiBi slopes 2^(-8i/H); medians",
+        table(records),
+        records,
+        args.json,
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ import json
 
 from .environment import gpu_unavailable_reason, import_torch
 
+
 def add_peer_options(parser):
     """The options of the benchmarks that time cuflash next to ``flex_attention``:
     ``--no-torch``, ``--time``, ``--json``."""

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from .cases import DIRECTIONS, HIDDEN, TOKENS
 
+
 def _pyplot():
     """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
     try:
@@ -26,20 +27,26 @@ def plot_throughput(measurements, directory):
     paths = []
     for dtype in dict.fromkeys(m.case.dtype for m in measurements):
         for direction in DIRECTIONS:
-            rows = [m for m in measurements if m.case.dtype == dtype
-                    and m.direction == direction and m.tflops is not None]
+            rows = [
+                m
+                for m in measurements
+                if m.case.dtype == dtype and m.direction == direction and m.tflops is not None
+            ]
             if rows:
-                paths.append(_plot_panels(plt, rows, Path(directory)
-                                          / f"throughput-{dtype}-{direction}.png"))
+                paths.append(
+                    _plot_panels(plt, rows, Path(directory) / f"throughput-{dtype}-{direction}.png")
+                )
     return paths
 
 
 def _plot_panels(plt, rows, path):
     head_dims = sorted({m.case.head_dim for m in rows})
-    fig, axes = plt.subplots(len(head_dims), 2, figsize=(11, 3.4 * len(head_dims)),
-                             squeeze=False, sharex=True)
-    for (row, head_dim), (col, causal) in ((r, c) for r in enumerate(head_dims)
-                                            for c in enumerate((False, True))):
+    fig, axes = plt.subplots(
+        len(head_dims), 2, figsize=(11, 3.4 * len(head_dims)), squeeze=False, sharex=True
+    )
+    for (row, head_dim), (col, causal) in (
+        (r, c) for r in enumerate(head_dims) for c in enumerate((False, True))
+    ):
         ax = axes[row][col]
         panel = [m for m in rows if m.case.head_dim == head_dim and m.case.causal == causal]
         for impl in dict.fromkeys(m.impl for m in rows):
@@ -54,8 +61,10 @@ def _plot_panels(plt, rows, path):
         ax.set_xlabel("sequence length S")
     axes[0][0].legend(fontsize="small")
     first = rows[0]
-    fig.suptitle(f"{first.case.dtype} {'forward' if first.direction == 'fwd' else 'backward'}"
-                 f" (B*S={TOKENS}, H={HIDDEN}/D)")
+    fig.suptitle(
+        f"{first.case.dtype} {'forward' if first.direction == 'fwd' else 'backward'}"
+        f" (B*S={TOKENS}, H={HIDDEN}/D)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -71,8 +80,9 @@ def plot_memory(records, directory):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for impl in dict.fromkeys(r["impl"] for r in records):
         mine = [r for r in records if r["impl"] == impl]
-        points = [(r["seqlen"], r["peak_bytes"] / 2**30) for r in mine
-                  if r["peak_bytes"] is not None]
+        points = [
+            (r["seqlen"], r["peak_bytes"] / 2**30) for r in mine if r["peak_bytes"] is not None
+        ]
         failed = [r for r in mine if r["peak_bytes"] is None]
         label = impl + (f" ({failed[0]['note']} from S={failed[0]['seqlen']})" if failed else "")
         if points:

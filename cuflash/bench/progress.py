@@ -2,6 +2,7 @@
 
 import sys
 
+
 class TextProgress:
     """A one-line progress report on stderr, used when tqdm is not installed."""
 
@@ -9,8 +10,12 @@ class TextProgress:
         self.total, self.desc, self.done, self.postfix = total, desc, 0, ""
 
     def _show(self):
-        print(f"\r{self.desc}: {self.done}/{self.total} {self.postfix}", end="",
-              file=sys.stderr, flush=True)
+        print(
+            f"\r{self.desc}: {self.done}/{self.total} {self.postfix}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def set_postfix_str(self, text):
         self.postfix = text

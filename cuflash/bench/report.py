@@ -9,22 +9,25 @@ from .memory import format_memory
 from .small_calls import format_small_calls
 from .varlen import format_varlen
 
-METHOD_LINE = ("Median GPU time (CUDA events) of calls rotating among input sets larger than "
-               "the L2 cache; TFLOP/s = FLOPs / median, forward 4*B*H*S*S*D (halved when "
-               "causal), backward 2.5x forward.")
+METHOD_LINE = (
+    "Median GPU time (CUDA events) of calls rotating among input sets larger than "
+    "the L2 cache; TFLOP/s = FLOPs / median, forward 4*B*H*S*S*D (halved when "
+    "causal), backward 2.5x forward."
+)
 
 
 def format_environment(env):
     """One Markdown line naming the GPU and the versions that matter."""
-    return (f"GPU: {env.get('gpu')} (driver {env.get('driver')}, CUDA runtime "
-            f"{env.get('cuda_runtime')}); cuflash {env.get('cuflash')}, CuPy {env.get('cupy')}, "
-            f"torch {env.get('torch')}, cuDNN {env.get('cudnn')}")
+    return (
+        f"GPU: {env.get('gpu')} (driver {env.get('driver')}, CUDA runtime "
+        f"{env.get('cuda_runtime')}); cuflash {env.get('cuflash')}, CuPy {env.get('cupy')}, "
+        f"torch {env.get('torch')}, cuDNN {env.get('cudnn')}"
+    )
 
 
 def format_report(report, measurements):
     """The whole Markdown report printed on stdout."""
-    parts = ["## cuflash benchmark", "", format_environment(report["environment"]), "",
-             METHOD_LINE]
+    parts = ["## cuflash benchmark", "", format_environment(report["environment"]), "", METHOD_LINE]
     if report.get("settings", {}).get("allow_tf32"):
         parts += ["", "cuflash ran with `allow_tf32=True`: float32 products in TF32."]
     for dtype in dict.fromkeys(m.case.dtype for m in measurements):

@@ -19,10 +19,17 @@ HOST_TIME_SHAPE = (1, 1, 16, 64)
 HOST_TIME_CALLS = 1000
 HOST_TIME_TARGET_US = {"fwd": 15.0, "bwd": 30.0}
 
-SMALL_CALL_CASES = tuple(Case("bfloat16", d, s, True, batch=b, heads=h)
-                         for b, h, s, d in SMALL_CALL_SHAPES)
-HOST_TIME_CASE = Case("bfloat16", HOST_TIME_SHAPE[3], HOST_TIME_SHAPE[2], True,
-                      batch=HOST_TIME_SHAPE[0], heads=HOST_TIME_SHAPE[1])
+SMALL_CALL_CASES = tuple(
+    Case("bfloat16", d, s, True, batch=b, heads=h) for b, h, s, d in SMALL_CALL_SHAPES
+)
+HOST_TIME_CASE = Case(
+    "bfloat16",
+    HOST_TIME_SHAPE[3],
+    HOST_TIME_SHAPE[2],
+    True,
+    batch=HOST_TIME_SHAPE[0],
+    heads=HOST_TIME_SHAPE[1],
+)
 
 
 def host_seconds_per_call(call, count):
@@ -50,22 +57,30 @@ def host_time_records(factories, case=HOST_TIME_CASE, count=HOST_TIME_CALLS):
         for direction in DIRECTIONS:
             make_call = impl.forward_call if direction == "fwd" else impl.backward_call
             seconds, note = run_or_reason(
-                impl, lambda make_call=make_call: host_seconds_per_call(make_call(x), count))
-            records.append({"impl": impl.name, "direction": direction, "calls": count,
-                            **dataclasses.asdict(case),
-                            "us_per_call": None if seconds is None else 1e6 * seconds,
-                            "note": note})
+                impl, lambda make_call=make_call: host_seconds_per_call(make_call(x), count)
+            )
+            records.append(
+                {
+                    "impl": impl.name,
+                    "direction": direction,
+                    "calls": count,
+                    **dataclasses.asdict(case),
+                    "us_per_call": None if seconds is None else 1e6 * seconds,
+                    "note": note,
+                }
+            )
     return records
 
 
 def small_call_sweep(torch, budget, l2_bytes):
     """GPU time per call of the small cases, and host time per call of a tiny one."""
     factories = implementation_factories(torch, torch_backends=SMALL_CALL_PEERS, naive=False)
-    measurements = run_grid(list(SMALL_CALL_CASES), lambda case: factories, budget, l2_bytes,
-                            torch)
+    measurements = run_grid(list(SMALL_CALL_CASES), lambda case: factories, budget, l2_bytes, torch)
     _status(f"host time per call ({HOST_TIME_CALLS} calls)")
-    return {"measurements": [m.to_dict() for m in measurements],
-            "host_time": host_time_records(factories)}
+    return {
+        "measurements": [m.to_dict() for m in measurements],
+        "host_time": host_time_records(factories),
+    }
 
 
 def format_small_calls(record):
@@ -79,27 +94,39 @@ def format_small_calls(record):
         seconds = [getattr(by_key.get((case, impl, d)), "seconds", None) for d in DIRECTIONS]
         return None if None in seconds else sum(seconds)
 
-    lines = ["### Small calls, causal: time per call in us (median of CUDA events around "
-             "back-to-back calls: the GPU's time, or the host's where that is longer)", "",
-             "| dtype | B | H | S | D | impl | fwd | bwd | fwd+bwd | peer / cuflash (fwd+bwd) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Small calls, causal: time per call in us (median of CUDA events around "
+        "back-to-back calls: the GPU's time, or the host's where that is longer)",
+        "",
+        "| dtype | B | H | S | D | impl | fwd | bwd | fwd+bwd | peer / cuflash (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     below = []
     for case in cases:
         mine = total(case, CuflashAttention.name)
         for impl in impls:
-            fwd, bwd = (getattr(by_key.get((case, impl, d)), "seconds", None)
-                        for d in DIRECTIONS)
+            fwd, bwd = (getattr(by_key.get((case, impl, d)), "seconds", None) for d in DIRECTIONS)
             theirs = total(case, impl)
-            ratio = None if impl == CuflashAttention.name or mine is None or theirs is None \
+            ratio = (
+                None
+                if impl == CuflashAttention.name or mine is None or theirs is None
                 else theirs / mine
-            lines.append(f"| {case.dtype} | {case.batch} | {case.heads} | {case.seqlen} | "
-                         f"{case.head_dim} | {impl} | {_format_us(fwd)} | {_format_us(bwd)} | "
-                         f"{_format_us(theirs)} | {_format_ratio(ratio)} |")
+            )
+            lines.append(
+                f"| {case.dtype} | {case.batch} | {case.heads} | {case.seqlen} | "
+                f"{case.head_dim} | {impl} | {_format_us(fwd)} | {_format_us(bwd)} | "
+                f"{_format_us(theirs)} | {_format_ratio(ratio)} |"
+            )
             if impl == SMALL_CALL_TARGET_PEER and ratio is not None and ratio < 1:
-                below.append(f"B={case.batch} H={case.heads} S={case.seqlen} D={case.head_dim} "
-                             f"({ratio:.2f}x)")
-    lines += ["", f"Target: cuflash fwd+bwd <= {SMALL_CALL_TARGET_PEER}'s (ratio >= 1). "
-              f"Below target: {', '.join(below) if below else 'none'}."]
+                below.append(
+                    f"B={case.batch} H={case.heads} S={case.seqlen} D={case.head_dim} "
+                    f"({ratio:.2f}x)"
+                )
+    lines += [
+        "",
+        f"Target: cuflash fwd+bwd <= {SMALL_CALL_TARGET_PEER}'s (ratio >= 1). "
+        f"Below target: {', '.join(below) if below else 'none'}.",
+    ]
     lines += format_notes(measurements)
     if record.get("host_time"):
         lines += ["", format_host_time(record["host_time"])]
@@ -111,24 +138,33 @@ def format_host_time(records):
     first = records[0]
     by_key = {(r["impl"], r["direction"]): r for r in records}
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    lines = [f"### Host time per call in us: wall time of {first['calls']} back-to-back calls "
-             f"(B={first['batch']} H={first['heads']} S={first['seqlen']} D={first['head_dim']} "
-             f"{first['dtype']}{' causal' if first['causal'] else ''}; cuflash's backward with "
-             "synchronize=False)", "", "| impl | fwd | bwd |", "|---|---|---|"]
+    lines = [
+        f"### Host time per call in us: wall time of {first['calls']} back-to-back calls "
+        f"(B={first['batch']} H={first['heads']} S={first['seqlen']} D={first['head_dim']} "
+        f"{first['dtype']}{' causal' if first['causal'] else ''}; cuflash's backward with "
+        "synchronize=False)",
+        "",
+        "| impl | fwd | bwd |",
+        "|---|---|---|",
+    ]
     verdicts = []
     for impl in impls:
         cells = []
         for direction in DIRECTIONS:
             r = by_key.get((impl, direction))
-            cells.append("–" if r is None or r["us_per_call"] is None
-                         else f"{r['us_per_call']:.1f}")
+            cells.append(
+                "–" if r is None or r["us_per_call"] is None else f"{r['us_per_call']:.1f}"
+            )
             if impl == CuflashAttention.name and r is not None and r["us_per_call"] is not None:
                 target = HOST_TIME_TARGET_US[direction]
-                verdicts.append(f"{direction} <= {target:g} us "
-                                f"({'met' if r['us_per_call'] <= target else 'missed'})")
+                verdicts.append(
+                    f"{direction} <= {target:g} us "
+                    f"({'met' if r['us_per_call'] <= target else 'missed'})"
+                )
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
     if verdicts:
         lines += ["", "cuflash's targets: " + ", ".join(verdicts) + "."]
-    failed = [f"- {r['impl']} {r['direction']}: {r['note']}" for r in records
-              if r["us_per_call"] is None]
+    failed = [
+        f"- {r['impl']} {r['direction']}: {r['note']}" for r in records if r["us_per_call"] is None
+    ]
     return "\n".join(lines + (["", "Not measured (–):", ""] + failed if failed else []))

@@ -31,8 +31,13 @@ class Timing:
     def summary(self):
         """Median, quartiles, minimum (seconds) and the number of calls."""
         p25, _, p75 = np.percentile(self.samples, (25, 50, 75))
-        return {"median_s": self.median, "p25_s": float(p25), "p75_s": float(p75),
-                "min_s": min(self.samples), "repeats": len(self.samples)}
+        return {
+            "median_s": self.median,
+            "p25_s": float(p25),
+            "p75_s": float(p75),
+            "min_s": min(self.samples),
+            "repeats": len(self.samples),
+        }
 
 
 def event_times(calls, count):
@@ -65,8 +70,9 @@ def time_calls(calls, target_seconds):
     for call in calls:
         call()
     per_call = statistics.median(event_times(calls, len(calls)))
-    repeats = int(np.clip(math.ceil(target_seconds / max(per_call, 1e-9)),
-                          MIN_REPEATS, MAX_REPEATS))
+    repeats = int(
+        np.clip(math.ceil(target_seconds / max(per_call, 1e-9)), MIN_REPEATS, MAX_REPEATS)
+    )
     return Timing(tuple(event_times(calls, repeats)))
 
 

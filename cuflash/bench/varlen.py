@@ -9,12 +9,28 @@ import functools
 import numpy as np
 
 from ..varlen import flash_attention_varlen_bwd, flash_attention_varlen_fwd
-from .cases import (DIRECTIONS, DTYPES, HIDDEN, TOKENS, Case, InputSet, attention_flops,
-                    make_input_sets, rotation_count, sets_spanning_l2)
+from .cases import (
+    DIRECTIONS,
+    DTYPES,
+    HIDDEN,
+    TOKENS,
+    Case,
+    InputSet,
+    attention_flops,
+    make_input_sets,
+    rotation_count,
+    sets_spanning_l2,
+)
 from .environment import cupy
 from .formatting import _format_ratio, _format_tflops
-from .implementations import (TORCH_BACKENDS, CuflashAttention, compiled_flex_attention,
-                              forced_backend, sdpa_backends, torch_stream)
+from .implementations import (
+    TORCH_BACKENDS,
+    CuflashAttention,
+    compiled_flex_attention,
+    forced_backend,
+    sdpa_backends,
+    torch_stream,
+)
 from .measure import forward_output, free_memory, measure_implementation, skipped
 from .progress import progress_bar
 
@@ -29,8 +45,9 @@ VARLEN_TARGET = ("cuflash-dense-equal", 0.95)  # cuflash varlen / dense-equal at
 VARLEN_IMPLS = ("cuflash-varlen", "cuflash-dense-equal", "torch-nested-flash", "torch-flex")
 
 
-def draw_varlen_lengths(total=TOKENS, low=VARLEN_LENGTH_RANGE[0], high=VARLEN_LENGTH_RANGE[1],
-                        seed=VARLEN_SEED):
+def draw_varlen_lengths(
+    total=TOKENS, low=VARLEN_LENGTH_RANGE[0], high=VARLEN_LENGTH_RANGE[1], seed=VARLEN_SEED
+):
     """Sequence lengths drawn uniformly from ``low .. high`` (inclusive) until they sum to
     ``total``; the last is trimmed so that the sum is exactly ``total`` (it may fall below
     ``low``)."""
@@ -100,8 +117,14 @@ class VarlenCase:
         mean)`` sequences of the mean rounded to a multiple of ``VARLEN_DENSE_MULTIPLE``."""
         mean = self.mean_seqlen
         seqlen = VARLEN_DENSE_MULTIPLE * max(1, round(mean / VARLEN_DENSE_MULTIPLE))
-        return Case(self.dtype, self.head_dim, seqlen, self.causal,
-                    batch=round(self.tokens / mean), heads=self.heads)
+        return Case(
+            self.dtype,
+            self.head_dim,
+            seqlen,
+            self.causal,
+            batch=round(self.tokens / mean),
+            heads=self.heads,
+        )
 
     def flops(self, direction):
         """FLOPs of one pass in ``direction`` ("fwd" or "bwd"), summed over the sequences."""
@@ -112,8 +135,12 @@ def varlen_cases(head_dims=VARLEN_HEAD_DIMS, seed=VARLEN_SEED):
     """The varlen table's cases: uniform lengths, then equal ones; by head dim, causal."""
     batch, seqlen = VARLEN_EQUAL
     lengths = {"uniform": draw_varlen_lengths(seed=seed), "equal": (seqlen,) * batch}
-    return [VarlenCase(kind, lengths[kind], head_dim, max(1, HIDDEN // head_dim), causal)
-            for kind in lengths for head_dim in head_dims for causal in (False, True)]
+    return [
+        VarlenCase(kind, lengths[kind], head_dim, max(1, HIDDEN // head_dim), causal)
+        for kind in lengths
+        for head_dim in head_dims
+        for causal in (False, True)
+    ]
 
 
 def make_packed_sets(case, count, seed=0):
@@ -143,16 +170,33 @@ class CuflashVarlen:
 
     def _args(self):
         c = self.case
-        return (self.cu_seqlens, self.cu_seqlens, c.max_seqlen, c.max_seqlen, c.heads, c.heads,
-                c.head_dim, c.causal)
+        return (
+            self.cu_seqlens,
+            self.cu_seqlens,
+            c.max_seqlen,
+            c.max_seqlen,
+            c.heads,
+            c.heads,
+            c.head_dim,
+            c.causal,
+        )
 
     def forward_call(self, x):
         return lambda: flash_attention_varlen_fwd(x.q, x.k, x.v, *self._args())[0]
 
     def backward_call(self, x):
         out, lse = flash_attention_varlen_fwd(x.q, x.k, x.v, *self._args())
-        return functools.partial(flash_attention_varlen_bwd, x.dout, x.q, x.k, x.v, out, lse,
-                                 *self._args(), synchronize=False)
+        return functools.partial(
+            flash_attention_varlen_bwd,
+            x.dout,
+            x.q,
+            x.k,
+            x.v,
+            out,
+            lse,
+            *self._args(),
+            synchronize=False,
+        )
 
 
 class CuflashDenseEqual(CuflashAttention):
@@ -180,14 +224,18 @@ class TorchNestedSDPA:
         """Leaves ``[tokens, H, D]`` (through DLPack) and their nested ``[B, H, {S}, D]`` views."""
         c, nested = self.case, self.torch.nested
         leaves = [self.torch.from_dlpack(a).requires_grad_() for a in (x.q, x.k, x.v)]
-        views = [nested.nested_tensor_from_jagged(a, self.offsets, min_seqlen=min(c.lengths),
-                                                  max_seqlen=c.max_seqlen).transpose(1, 2)
-                 for a in leaves]
+        views = [
+            nested.nested_tensor_from_jagged(
+                a, self.offsets, min_seqlen=min(c.lengths), max_seqlen=c.max_seqlen
+            ).transpose(1, 2)
+            for a in leaves
+        ]
         return leaves, views
 
     def _attention(self, q, k, v):
-        out = self.torch.nn.functional.scaled_dot_product_attention(q, k, v,
-                                                                    is_causal=self.case.causal)
+        out = self.torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=self.case.causal
+        )
         return out.transpose(1, 2).values()
 
     def forward_call(self, x):
@@ -234,9 +282,11 @@ class TorchFlex:
         torch, c = self.torch, self.case
         lengths = torch.as_tensor(c.lengths, device="cuda")
         document = torch.repeat_interleave(
-            torch.arange(c.batch, device="cuda", dtype=torch.int32), lengths)
-        return create_block_mask(document_mask_mod(document, c.causal), None, None, c.tokens,
-                                 c.tokens, device="cuda")
+            torch.arange(c.batch, device="cuda", dtype=torch.int32), lengths
+        )
+        return create_block_mask(
+            document_mask_mod(document, c.causal), None, None, c.tokens, c.tokens, device="cuda"
+        )
 
     def _heads_first(self, a):
         return self.torch.from_dlpack(a).unsqueeze(0).transpose(1, 2).contiguous()
@@ -261,14 +311,25 @@ def varlen_record(case, measurement):
     packed case, or the dense-equal :class:`Case`)."""
     measured = measurement.case
     dense = isinstance(measured, Case)
-    record = {"kind": case.kind, "label": case.label, "dtype": case.dtype,
-              "head_dim": case.head_dim, "heads": case.heads, "causal": case.causal,
-              "tokens": case.tokens, "batch": measured.batch,
-              "seqlen": measured.seqlen if dense else None,
-              "max_seqlen": measured.seqlen if dense else case.max_seqlen,
-              "impl": measurement.impl, "direction": measurement.direction,
-              "flops": measured.flops(measurement.direction), "tflops": measurement.tflops,
-              "note": measurement.note, "rel_error": measurement.rel_error, "median_s": None}
+    record = {
+        "kind": case.kind,
+        "label": case.label,
+        "dtype": case.dtype,
+        "head_dim": case.head_dim,
+        "heads": case.heads,
+        "causal": case.causal,
+        "tokens": case.tokens,
+        "batch": measured.batch,
+        "seqlen": measured.seqlen if dense else None,
+        "max_seqlen": measured.seqlen if dense else case.max_seqlen,
+        "impl": measurement.impl,
+        "direction": measurement.direction,
+        "flops": measured.flops(measurement.direction),
+        "tflops": measurement.tflops,
+        "note": measurement.note,
+        "rel_error": measurement.rel_error,
+        "median_s": None,
+    }
     if measurement.timing is not None:
         record.update(measurement.timing.summary())
     return record
@@ -276,8 +337,9 @@ def varlen_record(case, measurement):
 
 def varlen_ratios(records):
     """cuflash varlen's TFLOP/s over each peer's, a record per case and direction."""
-    by_key = {(r["kind"], r["head_dim"], r["causal"], r["direction"], r["impl"]): r
-              for r in records}
+    by_key = {
+        (r["kind"], r["head_dim"], r["causal"], r["direction"], r["impl"]): r for r in records
+    }
     ratios = []
     for key in dict.fromkeys(k[:4] for k in by_key):
         mine = by_key.get((*key, VARLEN_IMPLS[0]), {}).get("tflops")
@@ -294,9 +356,14 @@ def varlen_table(torch, budget, l2_bytes, cases=None):
     the packed inputs of each case (their forward outputs checked against cuflash varlen's),
     and cuflash's dense kernels on the case's equal lengths."""
     cases = varlen_cases() if cases is None else cases
-    peers = [] if torch is None else [
-        functools.partial(TorchNestedSDPA, torch=torch, backend=backend)
-        for backend in sdpa_backends(torch, ("FLASH_ATTENTION",))]
+    peers = (
+        []
+        if torch is None
+        else [
+            functools.partial(TorchNestedSDPA, torch=torch, backend=backend)
+            for backend in sdpa_backends(torch, ("FLASH_ATTENTION",))
+        ]
+    )
     peers += [] if torch is None else [functools.partial(TorchFlex, torch=torch)]
     left = len(cases) * 2 * (2 + len(peers))
     records = []
@@ -305,19 +372,27 @@ def varlen_table(torch, budget, l2_bytes, cases=None):
         bar.set_postfix_str(f"{case.label} D={case.head_dim} causal={case.causal}")
         impls = [CuflashVarlen(case)] + [make(case) for make in peers]
         if budget.remaining() <= 0:
-            records += [varlen_record(case, m) for impl in impls + [CuflashDenseEqual(
-                case.dense_case)] for m in skipped(impl, "time budget exhausted")]
+            records += [
+                varlen_record(case, m)
+                for impl in impls + [CuflashDenseEqual(case.dense_case)]
+                for m in skipped(impl, "time budget exhausted")
+            ]
             bar.update(1)
             continue
-        packed = make_packed_sets(case, sets_spanning_l2(
-            4 * case.tokens * case.heads * case.head_dim * case.numpy_dtype.itemsize, l2_bytes))
+        packed = make_packed_sets(
+            case,
+            sets_spanning_l2(
+                4 * case.tokens * case.heads * case.head_dim * case.numpy_dtype.itemsize, l2_bytes
+            ),
+        )
         reference = None
         for impl in impls:
             if budget.remaining() <= 0:
                 measurements = skipped(impl, "time budget exhausted")
             else:
-                measurements = measure_implementation(impl, packed, budget.target_for(left),
-                                                      reference)
+                measurements = measure_implementation(
+                    impl, packed, budget.target_for(left), reference
+                )
                 if impl.name == CuflashVarlen.name and measurements[0].timing is not None:
                     reference = forward_output(impl, packed[0])
             left -= 2
@@ -344,8 +419,12 @@ def varlen_report(torch, budget, l2_bytes):
     """The JSON-ready varlen section: the lengths, every record and the ratios."""
     cases = varlen_cases()
     records = varlen_table(torch, budget, l2_bytes, cases)
-    return {"lengths": {case.kind: list(case.lengths) for case in cases},
-            "seed": VARLEN_SEED, "records": records, "ratios": varlen_ratios(records)}
+    return {
+        "lengths": {case.kind: list(case.lengths) for case in cases},
+        "seed": VARLEN_SEED,
+        "records": records,
+        "ratios": varlen_ratios(records),
+    }
 
 
 def _count_cases(count):
@@ -356,29 +435,37 @@ def format_varlen_intro(record):
     """The lines above the varlen tables: the problem, the lengths, the peers."""
     records = record["records"]
     first = records[0]
-    heads = ", ".join(f"{h} at D = {d}" for d, h in sorted(
-        {(r["head_dim"], r["heads"]) for r in records}))
-    lines = [f"{first['dtype']}, {first['tokens']} tokens packed, H = {HIDDEN} / D ({heads}), "
-             "causal and not."]
-    dense = {r["kind"]: (r["batch"], r["seqlen"]) for r in records
-             if r["impl"] == CuflashDenseEqual.name}
+    heads = ", ".join(
+        f"{h} at D = {d}" for d, h in sorted({(r["head_dim"], r["heads"]) for r in records})
+    )
+    lines = [
+        f"{first['dtype']}, {first['tokens']} tokens packed, H = {HIDDEN} / D ({heads}), "
+        "causal and not."
+    ]
+    dense = {
+        r["kind"]: (r["batch"], r["seqlen"]) for r in records if r["impl"] == CuflashDenseEqual.name
+    }
     for kind, lengths in record.get("lengths", {}).items():
         shape = dense.get(kind)
         dense_text = "" if shape is None else f"; dense-equal B={shape[0]} S={shape[1]}"
         if kind == "uniform":
             low, high = VARLEN_LENGTH_RANGE
-            lines.append(f"Uniform: {len(lengths)} sequences, lengths drawn uniformly from "
-                         f"{low}..{high} (seed {record.get('seed')}, the last trimmed): "
-                         f"{', '.join(map(str, lengths))}; mean "
-                         f"{sum(lengths) / len(lengths):.1f}{dense_text}.")
+            lines.append(
+                f"Uniform: {len(lengths)} sequences, lengths drawn uniformly from "
+                f"{low}..{high} (seed {record.get('seed')}, the last trimmed): "
+                f"{', '.join(map(str, lengths))}; mean "
+                f"{sum(lengths) / len(lengths):.1f}{dense_text}."
+            )
         else:
             lines.append(f"Equal: {len(lengths)} x {lengths[0]}{dense_text}.")
-    lines.append("TFLOP/s count only the work inside each sequence (causal: half of its "
-                 "square), summed over the sequences. cuflash-dense-equal: the dense kernels "
-                 "on equal lengths of the batch's mean (rounded to a multiple of "
-                 f"{VARLEN_DENSE_MULTIPLE}), its own FLOPs. torch-nested-flash: SDPA with the "
-                 "flash backend forced on nested jagged tensors; torch-flex: torch.compile'd "
-                 "flex_attention with a document mask (block mask built once, untimed).")
+    lines.append(
+        "TFLOP/s count only the work inside each sequence (causal: half of its "
+        "square), summed over the sequences. cuflash-dense-equal: the dense kernels "
+        "on equal lengths of the batch's mean (rounded to a multiple of "
+        f"{VARLEN_DENSE_MULTIPLE}), its own FLOPs. torch-nested-flash: SDPA with the "
+        "flash backend forced on nested jagged tensors; torch-flex: torch.compile'd "
+        "flex_attention with a document mask (block mask built once, untimed)."
+    )
     return lines
 
 
@@ -388,47 +475,63 @@ def format_varlen_table(records, direction):
     impls = [impl for impl in VARLEN_IMPLS if any(r["impl"] == impl for r in rows)]
     peers = impls[1:]
     by_key = {(r["kind"], r["head_dim"], r["causal"], r["impl"]): r for r in rows}
-    ratios = {(r["kind"], r["head_dim"], r["causal"]): r
-              for r in varlen_ratios(rows)}
+    ratios = {(r["kind"], r["head_dim"], r["causal"]): r for r in varlen_ratios(rows)}
     target_peer, target_ratio = VARLEN_TARGET
     title = {"fwd": "forward", "bwd": "backward"}[direction]
-    lines = [f"#### {title.capitalize()}: TFLOP/s and cuflash-varlen / peer (target: "
-             f"cuflash-varlen / {target_peer} >= {target_ratio:g})", "",
-             "| lengths | D | H | causal | dense B x S | " + " | ".join(impls) + " | "
-             + " | ".join(f"varlen / {peer}" for peer in peers) + " |",
-             "|---|---|---|---|---|" + "---|" * (len(impls) + len(peers))]
+    lines = [
+        f"#### {title.capitalize()}: TFLOP/s and cuflash-varlen / peer (target: "
+        f"cuflash-varlen / {target_peer} >= {target_ratio:g})",
+        "",
+        "| lengths | D | H | causal | dense B x S | "
+        + " | ".join(impls)
+        + " | "
+        + " | ".join(f"varlen / {peer}" for peer in peers)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * (len(impls) + len(peers)),
+    ]
     below, target_measured = [], False
     for key, ratio in ratios.items():
         cells = [by_key.get((*key, impl), {}).get("tflops") for impl in impls]
         dense = by_key.get((*key, CuflashDenseEqual.name))
         first = next(r for r in rows if (r["kind"], r["head_dim"], r["causal"]) == key)
-        lines.append(f"| {first['label']} | {key[1]} | {first['heads']} | {key[2]} | "
-                     + ("–" if dense is None else f"{dense['batch']} x {dense['seqlen']}")
-                     + " | " + " | ".join("–" if t is None else _format_tflops(t)
-                                          for t in cells) + " | "
-                     + " | ".join(_format_ratio(ratio.get(peer)) for peer in peers) + " |")
+        lines.append(
+            f"| {first['label']} | {key[1]} | {first['heads']} | {key[2]} | "
+            + ("–" if dense is None else f"{dense['batch']} x {dense['seqlen']}")
+            + " | "
+            + " | ".join("–" if t is None else _format_tflops(t) for t in cells)
+            + " | "
+            + " | ".join(_format_ratio(ratio.get(peer)) for peer in peers)
+            + " |"
+        )
         value = ratio.get(target_peer)
         target_measured = target_measured or value is not None
         if value is not None and value < target_ratio:
-            below.append(f"{first['label']} D={key[1]}{' causal' if key[2] else ''} "
-                         f"({value:.2f}x)")
+            below.append(f"{first['label']} D={key[1]}{' causal' if key[2] else ''} ({value:.2f}x)")
     if target_measured:
-        lines += ["", f"Below target (cuflash-varlen / {target_peer} < {target_ratio:g}): "
-                  + (", ".join(below) if below else "none") + "."]
+        lines += [
+            "",
+            f"Below target (cuflash-varlen / {target_peer} < {target_ratio:g}): "
+            + (", ".join(below) if below else "none")
+            + ".",
+        ]
     errors = {}
     for r in rows:
         if r["rel_error"] is not None:
             errors[r["impl"]] = max(errors.get(r["impl"], 0.0), r["rel_error"])
     if errors:
-        lines += ["", "Largest relative L2 distance of a forward output from cuflash-varlen's: "
-                  + ", ".join(f"{impl} {error:.1e}" for impl, error in errors.items())]
+        lines += [
+            "",
+            "Largest relative L2 distance of a forward output from cuflash-varlen's: "
+            + ", ".join(f"{impl} {error:.1e}" for impl, error in errors.items()),
+        ]
     notes = {}
     for r in rows:
         if r["median_s"] is None:
             notes[(r["impl"], r["note"])] = notes.get((r["impl"], r["note"]), 0) + 1
     if notes:
         lines += ["", "Not measured (–):", ""] + [
-            f"- {impl}: {note} ({_count_cases(count)})" for (impl, note), count in notes.items()]
+            f"- {impl}: {note} ({_count_cases(count)})" for (impl, note), count in notes.items()
+        ]
     return "\n".join(lines)
 
 
@@ -437,5 +540,7 @@ def format_varlen(record):
     title = "### Packed variable-length batch (SPEC section 7)"
     if not record.get("records"):
         return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
-    return "\n\n".join([title, "\n".join(format_varlen_intro(record))]
-                       + [format_varlen_table(record["records"], d) for d in DIRECTIONS])
+    return "\n\n".join(
+        [title, "\n".join(format_varlen_intro(record))]
+        + [format_varlen_table(record["records"], d) for d in DIRECTIONS]
+    )

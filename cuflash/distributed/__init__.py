@@ -38,11 +38,44 @@ against the single-GPU call and prints the timings.
 """
 
 from .groups import InFlight, NcclGroup, Received, ThreadGroup, start_exchange
-from .layout import (LAYOUTS, PairCall, Segment, band_call, block_call, chunk_count, gather,
-                     pair_band, pair_call, rank_chunks, segments, shard, step_calls)
+from .layout import (
+    LAYOUTS,
+    PairCall,
+    Segment,
+    band_call,
+    block_call,
+    chunk_count,
+    gather,
+    pair_band,
+    pair_call,
+    rank_chunks,
+    segments,
+    shard,
+    step_calls,
+)
 from .ring import RingVJP, ring_attention_bwd, ring_attention_fwd, ring_attention_vjp
 
-__all__ = ["LAYOUTS", "InFlight", "NcclGroup", "PairCall", "Received", "RingVJP", "Segment",
-           "ThreadGroup", "band_call", "block_call", "chunk_count", "gather", "pair_band",
-           "pair_call", "rank_chunks", "ring_attention_bwd", "ring_attention_fwd",
-           "ring_attention_vjp", "segments", "shard", "start_exchange", "step_calls"]
+__all__ = [
+    "LAYOUTS",
+    "InFlight",
+    "NcclGroup",
+    "PairCall",
+    "Received",
+    "RingVJP",
+    "Segment",
+    "ThreadGroup",
+    "band_call",
+    "block_call",
+    "chunk_count",
+    "gather",
+    "pair_band",
+    "pair_call",
+    "rank_chunks",
+    "ring_attention_bwd",
+    "ring_attention_fwd",
+    "ring_attention_vjp",
+    "segments",
+    "shard",
+    "start_exchange",
+    "step_calls",
+]

@@ -16,30 +16,36 @@ from .demo import RingCase, launch, run_rank
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m cuflash.distributed",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", default="65536,131072",
-                        help="whole-sequence lengths, comma-separated (default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash.distributed", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--seq-lens",
+        default="65536,131072",
+        help="whole-sequence lengths, comma-separated (default %(default)s)",
+    )
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16",
-                        choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
     parser.add_argument("--no-causal", action="store_true")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="processes to launch (default: every visible GPU)")
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="processes to launch (default: every visible GPU)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed calls a median")
     parser.add_argument("--json", default=None, help="write every rank's records here")
     return parser.parse_args(argv)
 
 
 def _table(per_rank, size):
-    gib = 2.0 ** 30
-    lines = [f"ring attention on {size} GPU(s) against one GPU (milliseconds, the slowest rank)",
-             "| S | one GPU fwd / bwd | ring fwd / bwd | ratio fwd / bwd | ring kernels only "
-             "fwd / bwd | transfers a step K,V / dK,dV | GiB a GPU: one / ring | max error |",
-             "|---|---|---|---|---|---|---|---|"]
+    gib = 2.0**30
+    lines = [
+        f"ring attention on {size} GPU(s) against one GPU (milliseconds, the slowest rank)",
+        "| S | one GPU fwd / bwd | ring fwd / bwd | ratio fwd / bwd | ring kernels only "
+        "fwd / bwd | transfers a step K,V / dK,dV | GiB a GPU: one / ring | max error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for index, first in enumerate(per_rank[0]):
         timings = [rank[index]["timings"] for rank in per_rank]
 
@@ -48,8 +54,9 @@ def _table(per_rank, size):
 
         single = (worst("single_fwd_ms"), worst("single_bwd_ms"))
         ring = (worst("ring_fwd_ms"), worst("ring_bwd_ms"))
-        error = max(max(v for k, v in rank[index]["errors"].items() if k != "repeat")
-                    for rank in per_rank)
+        error = max(
+            max(v for k, v in rank[index]["errors"].items() if k != "repeat") for rank in per_rank
+        )
         passed = all(rank[index]["passed"] for rank in per_rank)
         lines.append(
             f"| {first['case']['seq_len']} | {single[0]:.1f} / {single[1]:.1f} | "
@@ -58,16 +65,25 @@ def _table(per_rank, size):
             f"{worst('kernels_only_bwd_ms'):.1f} | {worst('transfer_kv_ms'):.2f} / "
             f"{worst('transfer_dkdv_ms'):.2f} | {worst('single_peak_bytes') / gib:.2f} / "
             f"{worst('ring_peak_bytes') / gib:.2f} | {error:.1e}"
-            f"{'' if passed else ' FAILED'} |")
+            f"{'' if passed else ' FAILED'} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     options = _parse(sys.argv[1:] if argv is None else argv)
-    cases = [RingCase(seq_len=int(s), heads=options.heads, kv_heads=options.kv_heads,
-                      head_dim=options.head_dim, causal=not options.no_causal,
-                      layout=options.layout, dtype=options.dtype)
-             for s in options.seq_lens.split(",")]
+    cases = [
+        RingCase(
+            seq_len=int(s),
+            heads=options.heads,
+            kv_heads=options.kv_heads,
+            head_dim=options.head_dim,
+            causal=not options.no_causal,
+            layout=options.layout,
+            dtype=options.dtype,
+        )
+        for s in options.seq_lens.split(",")
+    ]
     env = os.environ
     if "RANK" in env or "OMPI_COMM_WORLD_RANK" in env:
         from .groups import NcclGroup

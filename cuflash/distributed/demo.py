@@ -55,9 +55,12 @@ class RingCase:
 
         rng = cupy.random.default_rng(seed)
         dtype = DTYPES_BY_NAME[self.dtype]
-        return [rng.standard_normal((self.batch, h, self.seq_len, self.head_dim),
-                                    dtype=np.float32).astype(dtype)
-                for h in (self.heads, self.kv_heads, self.kv_heads, self.heads)]
+        return [
+            rng.standard_normal(
+                (self.batch, h, self.seq_len, self.head_dim), dtype=np.float32
+            ).astype(dtype)
+            for h in (self.heads, self.kv_heads, self.kv_heads, self.heads)
+        ]
 
 
 # ------------------------------------------------------------------ processes
@@ -90,9 +93,10 @@ def launch(target, size, *args, timeout=1200):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_rank_main,
-                                 args=(target, rank, size, port, args, results))
-                 for rank in range(size)]
+    processes = [
+        context.Process(target=_rank_main, args=(target, rank, size, port, args, results))
+        for rank in range(size)
+    ]
     for process in processes:
         process.start()
     found, failures = {}, []
@@ -120,8 +124,9 @@ def launch(target, size, *args, timeout=1200):
 def _run_ring(group, case, q, k, v, dout):
     options = dict(group=group, layout=case.layout, softmax_scale=case.softmax_scale)
     out, lse = ring_attention_fwd(q, k, v, *case.args, **options)
-    grads = ring_attention_bwd(dout, q, k, v, out, lse, *case.args,
-                               deterministic=case.deterministic, **options)
+    grads = ring_attention_bwd(
+        dout, q, k, v, out, lse, *case.args, deterministic=case.deterministic, **options
+    )
     return (out, lse, *grads)
 
 
@@ -145,12 +150,16 @@ def check_case(group, case, seed=0):
     full = case.inputs(seed)
     mine = [shard(x, case.layout, group.rank, group.size) for x in full]
     ring = _run_ring(group, case, *mine)
-    whole_out, whole_lse = flash_attention_fwd(*full[:3], *case.args,
-                                               softmax_scale=case.softmax_scale)
-    whole_grads = flash_attention_bwd(full[3], *full[:3], whole_out, whole_lse, *case.args,
-                                      softmax_scale=case.softmax_scale)
-    wanted = [shard(x, case.layout, group.rank, group.size)
-              for x in (whole_out, whole_lse[..., None], *whole_grads)]
+    whole_out, whole_lse = flash_attention_fwd(
+        *full[:3], *case.args, softmax_scale=case.softmax_scale
+    )
+    whole_grads = flash_attention_bwd(
+        full[3], *full[:3], whole_out, whole_lse, *case.args, softmax_scale=case.softmax_scale
+    )
+    wanted = [
+        shard(x, case.layout, group.rank, group.size)
+        for x in (whole_out, whole_lse[..., None], *whole_grads)
+    ]
     wanted[1] = wanted[1][..., 0]
     errors = {}
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), ring, wanted):
@@ -158,21 +167,28 @@ def check_case(group, case, seed=0):
             dead_got, dead_want = cupy.isneginf(got), cupy.isneginf(want)
             same_dead = bool((dead_got == dead_want).all()) and not bool(cupy.isnan(got).any())
             live = ~dead_want
-            errors[name] = (float(cupy.abs(got[live] - want[live]).max()) if bool(live.any())
-                            else 0.0) if same_dead else float("inf")
+            errors[name] = (
+                (float(cupy.abs(got[live] - want[live]).max()) if bool(live.any()) else 0.0)
+                if same_dead
+                else float("inf")
+            )
         else:
             errors[name] = _relative_error(got, want)
     again = _run_ring(group, case, *mine)
-    errors["repeat"] = all(bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
-                           for a, b in zip(ring, again))
+    errors["repeat"] = all(
+        bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8))) for a, b in zip(ring, again)
+    )
     return errors
 
 
 def case_passes(case, errors):
     """Whether ``check_case``'s errors are inside the case's bounds."""
     bound = BOUNDS[case.dtype]
-    return (all(errors[n] <= bound for n in ("out", "dq", "dk", "dv"))
-            and errors["lse"] <= 1e-3 and (errors["repeat"] or not case.deterministic))
+    return (
+        all(errors[n] <= bound for n in ("out", "dq", "dk", "dv"))
+        and errors["lse"] <= 1e-3
+        and (errors["repeat"] or not case.deterministic)
+    )
 
 
 def check_cases(group, cases):
@@ -226,17 +242,26 @@ def measure(group, case, repeats=5):
 
     out, lse = single_fwd()
     timings["single_fwd_ms"] = _median_ms(single_fwd, repeats)
-    timings["single_bwd_ms"] = _median_ms(lambda: flash_attention_bwd(
-        full[3], *full[:3], out, lse, *case.args, softmax_scale=case.softmax_scale), repeats)
+    timings["single_bwd_ms"] = _median_ms(
+        lambda: flash_attention_bwd(
+            full[3], *full[:3], out, lse, *case.args, softmax_scale=case.softmax_scale
+        ),
+        repeats,
+    )
     del out, lse
     for name, ring_group in (("ring", group), ("kernels_only", _NoTransfer(group))):
+
         def fwd(ring_group=ring_group):
             return ring_attention_fwd(*mine[:3], *case.args, group=ring_group, **options)
 
         out, lse = fwd()
         timings[f"{name}_fwd_ms"] = _median_ms(fwd, repeats)
-        timings[f"{name}_bwd_ms"] = _median_ms(lambda: ring_attention_bwd(
-            mine[3], *mine[:3], out, lse, *case.args, group=ring_group, **options), repeats)
+        timings[f"{name}_bwd_ms"] = _median_ms(
+            lambda: ring_attention_bwd(
+                mine[3], *mine[:3], out, lse, *case.args, group=ring_group, **options
+            ),
+            repeats,
+        )
         del out, lse
     kv = tuple(mine[1:3])
     timings["transfer_kv_ms"] = _median_ms(lambda: group.exchange(kv), repeats)
@@ -250,8 +275,9 @@ def measure(group, case, repeats=5):
 
     def ring_step():
         result = ring_attention_fwd(*mine[:3], *case.args, group=group, **options)
-        return result, ring_attention_bwd(mine[3], *mine[:3], *result, *case.args,
-                                          group=group, **options)
+        return result, ring_attention_bwd(
+            mine[3], *mine[:3], *result, *case.args, group=group, **options
+        )
 
     del full
     timings["single_peak_bytes"] = pool_growth_bytes(lambda: single_step(case.inputs()))
@@ -265,11 +291,24 @@ def run_rank(group, cases, repeats):
     records = []
     for case in cases:
         errors = check_case(group, case)
-        records.append({"case": dataclasses.asdict(case), "errors": errors,
-                        "passed": case_passes(case, errors),
-                        "timings": measure(group, case, repeats)})
+        records.append(
+            {
+                "case": dataclasses.asdict(case),
+                "errors": errors,
+                "passed": case_passes(case, errors),
+                "timings": measure(group, case, repeats),
+            }
+        )
     return records
 
 
-__all__ = ["BOUNDS", "RingCase", "case_passes", "check_case", "check_cases",
-           "launch", "measure", "run_rank"]
+__all__ = [
+    "BOUNDS",
+    "RingCase",
+    "case_passes",
+    "check_case",
+    "check_cases",
+    "launch",
+    "measure",
+    "run_rank",
+]

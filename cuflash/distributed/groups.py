@@ -11,7 +11,6 @@ import threading
 
 from ..errors import InvalidArgumentError
 
-
 HIGHEST_PRIORITY = -(1 << 16)  # a stream priority below any device's greatest
 
 
@@ -103,8 +102,9 @@ class NcclGroup:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(name, f"expected an int, got {value!r}")
         if size < 1 or not 0 <= rank < size:
-            raise InvalidArgumentError("rank", f"expected 0 <= rank < size, got rank {rank} "
-                                       f"of size {size}")
+            raise InvalidArgumentError(
+                "rank", f"expected 0 <= rank < size, got rank {rank} of size {size}"
+            )
         import cupy
         import cupyx.distributed
 
@@ -132,8 +132,7 @@ class NcclGroup:
         local = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)))
         cupy.cuda.Device(local).use()
         port = env.get("MASTER_PORT")
-        return cls(rank, size, host=env.get("MASTER_ADDR"),
-                   port=int(port) + 1 if port else None)
+        return cls(rank, size, host=env.get("MASTER_ADDR"), port=int(port) + 1 if port else None)
 
     def start_exchange(self, arrays):
         """Send ``arrays`` to the next rank and receive the previous rank's, on the
@@ -150,10 +149,20 @@ class NcclGroup:
         comm = self._backend._comm
         nccl.groupStart()
         for out, into in zip(sent, received):
-            comm.send(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size,
-                      self.stream.ptr)
-            comm.recv(into.data.ptr, into.nbytes, nccl.NCCL_UINT8,
-                      (self.rank - 1) % self.size, self.stream.ptr)
+            comm.send(
+                out.data.ptr,
+                out.nbytes,
+                nccl.NCCL_UINT8,
+                (self.rank + 1) % self.size,
+                self.stream.ptr,
+            )
+            comm.recv(
+                into.data.ptr,
+                into.nbytes,
+                nccl.NCCL_UINT8,
+                (self.rank - 1) % self.size,
+                self.stream.ptr,
+            )
         nccl.groupEnd()
         return InFlight(sent, received, self.stream.record())
 

@@ -35,8 +35,10 @@ def shard(x, layout, rank, size, axis=2):
     length = x.shape[axis]
     if length % count:
         raise InvalidArgumentError(
-            "x", f"sequence length {length} is not a multiple of the {count} chunks of the "
-            f"{layout} layout over {size} ranks")
+            "x",
+            f"sequence length {length} is not a multiple of the {count} chunks of the "
+            f"{layout} layout over {size} ranks",
+        )
     chunk = length // count
     pieces = [_rows(x, axis, c * chunk, (c + 1) * chunk) for c in rank_chunks(layout, rank, size)]
     return array_module(x).concatenate(pieces, axis=axis)
@@ -118,15 +120,20 @@ def band_call(rows, keys, lo, hi, fused=False):
     shift = keys - rows  # the dense call's bottom-right diagonal: p = i + keys - rows
     window_left = -1 if lo is None else shift - lo
     window_right = -1 if hi is None else hi - shift
-    if window_left < -1 or window_right < -1 or (window_left == -1 and lo is not None) or (
-            window_right == -1 and hi is not None):
+    if (
+        window_left < -1
+        or window_right < -1
+        or (window_left == -1 and lo is not None)
+        or (window_right == -1 and hi is not None)
+    ):
         return None if fused else _unrepresentable(rows, keys, lo, hi)
     return PairCall(rows, keys, (window_left, window_right))
 
 
 def _unrepresentable(rows, keys, lo, hi):
-    raise AssertionError(f"the band [{lo}, {hi}] of a {rows} x {keys} pair misses its "
-                         "diagonal")  # a pair's band always holds it (tested)
+    raise AssertionError(
+        f"the band [{lo}, {hi}] of a {rows} x {keys} pair misses its diagonal"
+    )  # a pair's band always holds it (tested)
 
 
 def pair_call(q_seg, k_seg, left, right):
@@ -158,19 +165,29 @@ def block_call(q_segs, k_segs, left, right):
     bounds and unbounded.
     """
     row0, key0 = q_segs[0].offset, k_segs[0].offset
-    blocks = [(q, k, *pair_band(q, k, left, right), k.offset - key0 - (q.offset - row0))
-              for q in q_segs for k in k_segs]
+    blocks = [
+        (q, k, *pair_band(q, k, left, right), k.offset - key0 - (q.offset - row0))
+        for q in q_segs
+        for k in k_segs
+    ]
     if all(_clipped(lo, hi, q.length, k.length) is None for q, k, lo, hi, _ in blocks):
         return None
     lows = {None} | {_shifted(lo, shift) for _, _, lo, _, shift in blocks}
     highs = {None} | {_shifted(hi, shift) for _, _, _, hi, shift in blocks}
     for low in sorted(lows, key=lambda x: (x is not None, x)):
         for high in sorted(highs, key=lambda x: (x is not None, x)):
-            if all(_clipped(_shifted(low, -shift), _shifted(high, -shift), q.length, k.length)
-                   == _clipped(lo, hi, q.length, k.length)
-                   for q, k, lo, hi, shift in blocks):
-                call = band_call(sum(q.length for q in q_segs),
-                                 sum(k.length for k in k_segs), low, high, fused=True)
+            if all(
+                _clipped(_shifted(low, -shift), _shifted(high, -shift), q.length, k.length)
+                == _clipped(lo, hi, q.length, k.length)
+                for q, k, lo, hi, shift in blocks
+            ):
+                call = band_call(
+                    sum(q.length for q in q_segs),
+                    sum(k.length for k in k_segs),
+                    low,
+                    high,
+                    fused=True,
+                )
                 if call is not None:
                     return row0, key0, call
     return None
@@ -185,8 +202,9 @@ def step_calls(q_segs, k_segs, left, right):
     for each pair. Every visible (query, key) falls in exactly one call.
     """
     whole = block_call(q_segs, k_segs, left, right)
-    if whole is not None or all(pair_call(q, k, left, right) is None
-                                for q in q_segs for k in k_segs):
+    if whole is not None or all(
+        pair_call(q, k, left, right) is None for q in q_segs for k in k_segs
+    ):
         return [whole] if whole is not None else []
     options = []
     for lines in ([[(q,), k_segs] for q in q_segs], [[q_segs, (k,)] for k in k_segs]):
@@ -202,5 +220,9 @@ def step_calls(q_segs, k_segs, left, right):
             options.append(calls)
     if options:
         return min(options, key=len)
-    return [(q.offset, k.offset, call) for q in q_segs for k in k_segs
-            if (call := pair_call(q, k, left, right)) is not None]
+    return [
+        (q.offset, k.offset, call)
+        for q in q_segs
+        for k in k_segs
+        if (call := pair_call(q, k, left, right)) is not None
+    ]

@@ -18,8 +18,10 @@ def _check_group(group):
     for attr in ("rank", "size", "exchange"):
         if not hasattr(group, attr):
             raise InvalidArgumentError(
-                "group", f"expected a process group with rank, size and exchange(), got "
-                f"{type(group).__name__}")
+                "group",
+                f"expected a process group with rank, size and exchange(), got "
+                f"{type(group).__name__}",
+            )
     return group.rank, group.size
 
 
@@ -30,12 +32,16 @@ def _check_shards(q, k, v, layout, size):
         return  # the dense functions name the rank error
     if k.shape[2] != length or v.shape[2] != length:
         raise InvalidArgumentError(
-            "k", f"shard length {k.shape[2]} differs from q's {length}: ring attention is "
-            "self-attention over one sequence")
+            "k",
+            f"shard length {k.shape[2]} differs from q's {length}: ring attention is "
+            "self-attention over one sequence",
+        )
     if length % count:
         raise InvalidArgumentError(
-            "q", f"shard length {length} is not a multiple of the {count} chunks a rank holds "
-            f"in the {layout} layout")
+            "q",
+            f"shard length {length} is not a multiple of the {count} chunks a rank holds "
+            f"in the {layout} layout",
+        )
 
 
 def _window(causal, window_size, total):
@@ -93,9 +99,21 @@ def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
     kernel = load_kernel("ring_merge.cu", f"cuflash::ring_merge<{CXX_TYPES[out.dtype]}>")
     threads = 256
     blocks = -(-heads_total * count * 32 // threads)
-    kernel((blocks,), (threads,), (out_acc, lse_acc, out, lse, np.int64(heads_total),
-                                   np.int32(count), np.int32(rows.start),
-                                   np.int32(shard_len), np.int32(head_dim)))
+    kernel(
+        (blocks,),
+        (threads,),
+        (
+            out_acc,
+            lse_acc,
+            out,
+            lse,
+            np.int64(heads_total),
+            np.int32(count),
+            np.int32(rows.start),
+            np.int32(shard_len),
+            np.int32(head_dim),
+        ),
+    )
 
 
 def _add_sinks(xp, out_acc, lse_acc, sinks):
@@ -123,9 +141,22 @@ def _summed_in_rank_order(group, rank, size, part):
     return total
 
 
-def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                       window_size=0, *, group, layout="zigzag", softmax_scale=None,
-                       allow_tf32=False, sinks=None):
+def ring_attention_fwd(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    layout="zigzag",
+    softmax_scale=None,
+    allow_tf32=False,
+    sinks=None,
+):
     """This rank's shard of the attention over the whole sequence, forward pass.
 
     Parameters
@@ -159,8 +190,17 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
         incoming = None if last else start_exchange(group, (k_now, v_now))
         for rows, keys, window in schedule.pairs(step):
             out, lse = flash_attention_fwd(
-                q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys], num_heads, num_kv_heads,
-                head_dim, False, window, softmax_scale=softmax_scale, allow_tf32=allow_tf32)
+                q[:, :, rows],
+                k_now[:, :, keys],
+                v_now[:, :, keys],
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                False,
+                window,
+                softmax_scale=softmax_scale,
+                allow_tf32=allow_tf32,
+            )
             if out_acc is None and rows.stop - rows.start == q.shape[2]:
                 out_acc, lse_acc = out.astype(np.float32), lse  # the first covers every row
                 continue
@@ -178,9 +218,26 @@ def ring_attention_fwd(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
     return out_acc.astype(q.dtype), lse_acc
 
 
-def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_dim,
-                       causal=False, window_size=0, *, group, layout="zigzag",
-                       softmax_scale=None, deterministic=False, allow_tf32=False, sinks=None):
+def ring_attention_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    layout="zigzag",
+    softmax_scale=None,
+    deterministic=False,
+    allow_tf32=False,
+    sinks=None,
+):
     """Gradients of :func:`ring_attention_fwd` for this rank's shards.
 
     ``out`` and ``lse`` are this rank's results of the forward (the merged ones: every
@@ -209,10 +266,21 @@ def ring_attention_bwd(dout, q, k, v, out, lse, num_heads, num_kv_heads, head_di
         partial = []
         for rows, keys, window in schedule.pairs(step):
             dq, dk, dv = flash_attention_bwd(
-                dout[:, :, rows], q[:, :, rows], k_now[:, :, keys], v_now[:, :, keys],
-                out[:, :, rows], xp.ascontiguousarray(lse[:, :, rows]), num_heads,
-                num_kv_heads, head_dim, False, window, softmax_scale=softmax_scale,
-                deterministic=deterministic, allow_tf32=allow_tf32)
+                dout[:, :, rows],
+                q[:, :, rows],
+                k_now[:, :, keys],
+                v_now[:, :, keys],
+                out[:, :, rows],
+                xp.ascontiguousarray(lse[:, :, rows]),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                False,
+                window,
+                softmax_scale=softmax_scale,
+                deterministic=deterministic,
+                allow_tf32=allow_tf32,
+            )
             dq_acc[:, :, rows] += dq
             partial.append((keys, dk, dv))
         # The accumulators of the shard held now (rank - step's) come from the previous
@@ -251,16 +319,39 @@ class RingVJP:
     options: dict
 
     def __call__(self, dout, *, deterministic=False):
-        return ring_attention_bwd(dout, self.q, self.k, self.v, self.out, self.lse,
-                                  *self.arguments, deterministic=deterministic, **self.options)
+        return ring_attention_bwd(
+            dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            *self.arguments,
+            deterministic=deterministic,
+            **self.options,
+        )
 
 
-def ring_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False,
-                       window_size=0, *, group, layout="zigzag", softmax_scale=None,
-                       allow_tf32=False, sinks=None):
+def ring_attention_vjp(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    layout="zigzag",
+    softmax_scale=None,
+    allow_tf32=False,
+    sinks=None,
+):
     """:func:`ring_attention_fwd` plus a :class:`RingVJP` for the matching backward."""
     arguments = (num_heads, num_kv_heads, head_dim, causal, window_size)
-    options = dict(group=group, layout=layout, softmax_scale=softmax_scale,
-                   allow_tf32=allow_tf32, sinks=sinks)
+    options = dict(
+        group=group, layout=layout, softmax_scale=softmax_scale, allow_tf32=allow_tf32, sinks=sinks
+    )
     out, lse = ring_attention_fwd(q, k, v, *arguments, **options)
     return out, RingVJP(q, k, v, out, lse, arguments, options)

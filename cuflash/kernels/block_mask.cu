@@ -14,10 +14,10 @@ constexpr int kCellsPerBlock = 8;  // along the keys
 // grid: (ceil(kv_cells / 8), q_cells, batch entries x heads); 256 threads, one
 // element of the cell each. any_visible, all_visible: [entries x heads,
 // q_cells, kv_cells] bytes.
-__global__ void __launch_bounds__(256) classify_mask_cells(
-    const ModifierArrays arrays, unsigned char* __restrict__ any_visible,
-    unsigned char* __restrict__ all_visible, int heads, int q_len, int kv_len, int q_cells,
-    int kv_cells) {
+__global__ void __launch_bounds__(256)
+    classify_mask_cells(const ModifierArrays arrays, unsigned char* __restrict__ any_visible,
+                        unsigned char* __restrict__ all_visible, int heads, int q_len, int kv_len,
+                        int q_cells, int kv_cells) {
     const int entry = blockIdx.z, b = entry / heads, h = entry - b * heads;
     const int i = blockIdx.y * kMaskCell + threadIdx.x / kMaskCell;
     const CUFLASH_USER_MASK_MOD mask_mod{};

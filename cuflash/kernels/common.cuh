@@ -12,17 +12,27 @@ namespace cuflash {
 // steps, the padding columns zeros in shared memory; products whose N is the
 // head_dim cover the columns up to the class width where they cannot be exact,
 // and the columns past D are never stored.
-__host__ __device__ constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
-__host__ __device__ constexpr int head_dim_class(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+__host__ __device__ constexpr int round_up(int x, int multiple) {
+    return (x + multiple - 1) / multiple * multiple;
+}
+__host__ __device__ constexpr int head_dim_class(int d) {
+    return d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
 // The smallest power of two >= x: tile loads move this many 16-byte chunks a
 // row (the columns past the head_dim as zeros), so that the threads of a
 // block cover whole rows a pass (the unrolled copy loop of cp_async_rows).
-__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+__host__ __device__ constexpr int pow2_at_least(int x) {
+    return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2);
+}
 
 // 16-bit storage types; converted with PTX or bit arithmetic so that no
 // CUDA header is needed at run-time compile.
-struct half_t { unsigned short bits; };
-struct bf16_t { unsigned short bits; };
+struct half_t {
+    unsigned short bits;
+};
+struct bf16_t {
+    unsigned short bits;
+};
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(half_t x) {
@@ -34,14 +44,20 @@ __device__ __forceinline__ float to_float(bf16_t x) {
     return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
 }
 
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+    return x;
+}
+template <>
+__device__ __forceinline__ half_t from_float<half_t>(float x) {
     half_t h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
     return h;
 }
-template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+template <>
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
     unsigned u = __float_as_uint(x);
     bf16_t r;
     if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
@@ -113,7 +129,10 @@ struct Mask {
     // Rows [lo, hi) that may see any key of [key_lo, key_hi).
     __device__ __forceinline__ void query_range(int key_lo, int key_hi, int& lo, int& hi) const {
         key_hi = min(key_hi, kv_len);
-        if (key_lo >= key_hi) { lo = hi = 0; return; }
+        if (key_lo >= key_hi) {
+            lo = hi = 0;
+            return;
+        }
         const long long offset = static_cast<long long>(kv_len) - q_len;
         long long a = 0, b = q_len;
         if (right >= 0) a = max(a, key_lo - right - offset);
@@ -135,11 +154,11 @@ struct Mask {
 // trusted: they are clamped into [0, total] and made nondecreasing, so that no
 // value they hold moves a read or a write outside the arrays.
 struct Sequence {
-    int batch;            // the arrays' batch index (0 when packed)
-    int q_start;          // the sequence's first row of q
-    int kv_start;         // and of k, v
-    int key_rows;         // rows of dK, dV it writes: the capacity (dense) or its keys (packed)
-    Mask mask;            // its lengths and window
+    int batch;     // the arrays' batch index (0 when packed)
+    int q_start;   // the sequence's first row of q
+    int kv_start;  // and of k, v
+    int key_rows;  // rows of dK, dV it writes: the capacity (dense) or its keys (packed)
+    Mask mask;     // its lengths and window
 };
 
 __device__ __forceinline__ int clamped(int x, int lo, int hi) { return min(max(x, lo), hi); }
@@ -147,8 +166,7 @@ __device__ __forceinline__ int clamped(int x, int lo, int hi) { return min(max(x
 template <bool KEY_COUNTS>
 __device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ offsets_q,
                                                 const int* __restrict__ offsets_k, int q_len,
-                                                int kv_len, int kv_capacity, int left,
-                                                int right) {
+                                                int kv_len, int kv_capacity, int left, int right) {
     if (offsets_q == nullptr) {
         int keys = kv_len;
         if constexpr (KEY_COUNTS) {
@@ -240,7 +258,9 @@ struct NoModifiers {
         return s * scale2;
     }
     template <typename F>
-    __device__ __forceinline__ void kinds(F&& f, bool = false) const { f(BuiltIns<kOff, kOff>{}); }
+    __device__ __forceinline__ void kinds(F&& f, bool = false) const {
+        f(BuiltIns<kOff, kOff>{});
+    }
 };
 // MASK_ONLY: compiled for a call whose only modifier is the user's mask (no
 // soft-cap, ALiBi or score function): scores are never modified, so the
@@ -252,10 +272,10 @@ struct ScoreModifiersOf {
     static constexpr bool mask_only = MASK_ONLY;
     static constexpr bool user_score = !UserScore::is_identity;
     // In base 2 (scores times log2 e, as the kernels' softmax takes them):
-    float softcap2, inv_softcap2;  // softcap log2 e and its inverse; 0: no cap
-    float slope2;                  // ALiBi's slope for the head times log2 e; 0: none
-    long long offset;              // kv_len - q_len of the sequence: p = i + offset
-    int batch, head;               // the user's b (batch entry or sequence) and h
+    float softcap2, inv_softcap2;              // softcap log2 e and its inverse; 0: no cap
+    float slope2;                              // ALiBi's slope for the head times log2 e; 0: none
+    long long offset;                          // kv_len - q_len of the sequence: p = i + offset
+    int batch, head;                           // the user's b (batch entry or sequence) and h
     ModifierArrays score_arrays, mask_arrays;  // the user's (fields used only are read)
     BlockMaskView blocks;
 
@@ -282,8 +302,8 @@ struct ScoreModifiersOf {
     // relative error 2^-11), for 16-bit inputs, as FlashAttention does; tanhf
     // otherwise.
     template <bool APPROX_TANH, int SOFTCAP = kRuntime, int ALIBI = kRuntime>
-    __device__ __forceinline__ float apply2(float s, float scale2, int i, int j,
-                                            float distance, float& derivative) const {
+    __device__ __forceinline__ float apply2(float s, float scale2, int i, int j, float distance,
+                                            float& derivative) const {
         derivative = 1.f;
         float s2;
         if (SOFTCAP == kOn || (SOFTCAP == kRuntime && softcap2 > 0.f)) {
@@ -310,7 +330,10 @@ struct ScoreModifiersOf {
     template <typename F>
     __device__ __forceinline__ void kinds(F&& f, bool raw_units_ok = false) const {
         if (softcap2 > 0.f) {
-            if (slope2 != 0.f) f(BuiltIns<kOn, kOn>{}); else f(BuiltIns<kOn, kOff>{});
+            if (slope2 != 0.f)
+                f(BuiltIns<kOn, kOn>{});
+            else
+                f(BuiltIns<kOn, kOff>{});
         } else if (slope2 != 0.f) {
             if constexpr (UserScore::is_identity) {
                 if (raw_units_ok) {
@@ -327,7 +350,8 @@ struct ScoreModifiersOf {
     template <bool APPROX_TANH = false>
     __device__ __forceinline__ float apply(float s, int i, int j, float& derivative) const {
         return apply2<APPROX_TANH>(s, kLog2e, i, j, static_cast<float>(i + offset - j),
-                                   derivative) * kLn2;
+                                   derivative) *
+               kLn2;
     }
     // The user's mask at (row i, key j).
     __device__ __forceinline__ bool sees(int i, int j) const {
@@ -337,8 +361,8 @@ struct ScoreModifiersOf {
     // Must tile (outer, inner) of the block mask take the user's mask element by element?
     __device__ __forceinline__ bool partial_tile(int outer, int inner) const {
         if constexpr (!user_mask) return false;
-        if (blocks.classes == nullptr || outer < 0 || outer >= blocks.outer_tiles ||
-            inner < 0 || inner >= blocks.inner_tiles)
+        if (blocks.classes == nullptr || outer < 0 || outer >= blocks.outer_tiles || inner < 0 ||
+            inner >= blocks.inner_tiles)
             return true;
         return blocks.classes[batch * blocks.class_batch_stride + head * blocks.class_head_stride +
                               static_cast<long long>(outer) * blocks.inner_tiles + inner] !=
@@ -367,8 +391,14 @@ constexpr bool kUserMaskOnly = false;
 #endif
 using ScoreModifiers =
     ScoreModifiersOf<CUFLASH_USER_SCORE_MOD, CUFLASH_USER_MASK_MOD, kUserMaskOnly>;
-template <bool B, typename T, typename F> struct pick_type { using type = T; };
-template <typename T, typename F> struct pick_type<false, T, F> { using type = F; };
+template <bool B, typename T, typename F>
+struct pick_type {
+    using type = T;
+};
+template <typename T, typename F>
+struct pick_type<false, T, F> {
+    using type = F;
+};
 template <bool MODIFIED>
 using Modifiers = typename pick_type<MODIFIED, ScoreModifiers, NoModifiers>::type;
 
@@ -381,11 +411,15 @@ __device__ __forceinline__ Modifiers<MODIFIED> score_modifiers(
     if constexpr (MODIFIED) {
         const float slope =
             alibi_slopes == nullptr ? 0.f : alibi_slopes[blockIdx.z * alibi_batch_stride + h];
-        return ScoreModifiers{softcap * kLog2e, softcap > 0.f ? 1.f / (softcap * kLog2e) : 0.f,
+        return ScoreModifiers{softcap * kLog2e,
+                              softcap > 0.f ? 1.f / (softcap * kLog2e) : 0.f,
                               slope * kLog2e,
                               static_cast<long long>(mask.kv_len) - mask.q_len,
-                              static_cast<int>(blockIdx.z), h, user.score_arrays,
-                              user.mask_arrays, user.blocks};
+                              static_cast<int>(blockIdx.z),
+                              h,
+                              user.score_arrays,
+                              user.mask_arrays,
+                              user.blocks};
     } else {
         return NoModifiers{};
     }
@@ -413,11 +447,14 @@ __device__ __forceinline__ float sink_log2(const float* __restrict__ sinks, int 
 }
 
 // Strides in elements of a [B, H, S, D] tensor whose last stride is 1.
-struct Strides { long long b, h, s; };
+struct Strides {
+    long long b, h, s;
+};
 
 // Kernels take plain scalars (what CuPy passes); these spell them out.
 #define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
-#define CUFLASH_STRIDES_OF(x) const Strides x##_st{x##_sb, x##_sh, x##_ss}
+#define CUFLASH_STRIDES_OF(x) \
+    const Strides x##_st { x##_sb, x##_sh, x##_ss }
 #define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
 // The packed calls' offsets (int32 [B + 1] each), null for dense calls, the
 // ALiBi slopes (float32 [B, H] or [H]), null without, the attention sinks
@@ -437,12 +474,12 @@ struct Strides { long long b, h, s; };
 // memory holds a register for the whole kernel, and the mma.sync forward has
 // none to spare at some head dims.
 #define CUFLASH_SEQUENCE_OF(kv_capacity)                                                     \
-    const Sequence seq = sequence_of<false>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,   \
+    const Sequence seq = sequence_of<false>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len, \
                                             kv_capacity, win_left, win_right);               \
     const Mask mask = seq.mask
-#define CUFLASH_FORWARD_SEQUENCE                                                             \
-    const Sequence seq = sequence_of<true>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len,    \
-                                           kv_len, win_left, win_right);                     \
+#define CUFLASH_FORWARD_SEQUENCE                                                            \
+    const Sequence seq = sequence_of<true>(blockIdx.z, offsets_q, offsets_k, q_len, kv_len, \
+                                           kv_len, win_left, win_right);                    \
     const Mask mask = seq.mask
 
 __device__ __forceinline__ long long offset_of(const Strides& st, int b, int h, int s) {
@@ -471,9 +508,11 @@ __device__ __forceinline__ void tile_dot(const float* A, const float* B, float (
     for (int d = 0; d < D; d += 4) {
         float4 a[RM], b[RN];
 #pragma unroll
-        for (int i = 0; i < RM; ++i) a[i] = *reinterpret_cast<const float4*>(A + (ty + 16 * i) * LD + d);
+        for (int i = 0; i < RM; ++i)
+            a[i] = *reinterpret_cast<const float4*>(A + (ty + 16 * i) * LD + d);
 #pragma unroll
-        for (int j = 0; j < RN; ++j) b[j] = *reinterpret_cast<const float4*>(B + (tx + 8 * j) * LD + d);
+        for (int j = 0; j < RN; ++j)
+            b[j] = *reinterpret_cast<const float4*>(B + (tx + 8 * j) * LD + d);
 #pragma unroll
         for (int i = 0; i < RM; ++i)
 #pragma unroll

@@ -33,7 +33,7 @@ constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding 
 template <typename T, int D, int RM>
 struct DecodeShape {
     static constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte chunk
-    static constexpr int CH = D / ELEMS;                             // chunks a row
+    static constexpr int CH = D / ELEMS;                            // chunks a row
     static constexpr int BN_FIT = kDecodeTileBytes / (D * static_cast<int>(sizeof(T)));
     static constexpr int BN = BN_FIT >= 128 ? 128 : BN_FIT >= 64 ? 64 : BN_FIT >= 32 ? 32 : 16;
     static constexpr int DSUB = kDecodeThreads / BN;  // threads sharing one key's dot products
@@ -73,8 +73,8 @@ struct CacheRows {
         return block_shift >= 0 ? j & (block_size - 1) : j - slot(j) * block_size;
     }
     // Element offsets of key j's row in K and V (head offset not included).
-    __device__ __forceinline__ void offsets(int j, long long k_sb, long long k_ss,
-                                            long long v_sb, long long v_ss, long long& k_off,
+    __device__ __forceinline__ void offsets(int j, long long k_sb, long long k_ss, long long v_sb,
+                                            long long v_ss, long long& k_off,
                                             long long& v_off) const {
         const long long block = page(j);
         const int r = row(j);
@@ -86,9 +86,9 @@ struct CacheRows {
 __device__ __forceinline__ CacheRows cache_rows(const int* block_table, int b, int max_blocks,
                                                 int block_size, int num_blocks) {
     const bool power_of_two = (block_size & (block_size - 1)) == 0;
-    return CacheRows{block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks
-                                            : nullptr,
-                     b, block_size, num_blocks, power_of_two ? __ffs(block_size) - 1 : -1};
+    return CacheRows{
+        block_table != nullptr ? block_table + static_cast<long long>(b) * max_blocks : nullptr, b,
+        block_size, num_blocks, power_of_two ? __ffs(block_size) - 1 : -1};
 }
 
 // A device-held length (or the host's value), clamped so that it and the
@@ -111,7 +111,8 @@ __device__ __forceinline__ void unpack_pair(unsigned w, bf16_t, float& lo, float
 }
 __device__ __forceinline__ void unpack_pair(unsigned w, half_t, float& lo, float& hi) {
     asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-        : "=f"(lo), "=f"(hi) : "r"(w));
+        : "=f"(lo), "=f"(hi)
+        : "r"(w));
 }
 template <typename T>
 __device__ __forceinline__ void unpack_chunk(const uint4& c, float (&x)[8]) {
@@ -181,8 +182,8 @@ struct TileSource {
 
     // The contiguous cursor at the load of keys from key0 (unused by a paged cache).
     __device__ __forceinline__ void start(const T* k_head, const T* v_head, const CacheRows& rows,
-                                          int key0, long long k_sb, long long k_ss,
-                                          long long v_sb, long long v_ss) {
+                                          int key0, long long k_sb, long long k_ss, long long v_sb,
+                                          long long v_ss) {
         const long long row = key0 + Chunks::row_of(0, thread);
         const int column = Chunks::chunk_of(0, thread) * ELEMS;
         k_next = k_head + rows.batch_index * k_sb + row * k_ss + column;
@@ -239,9 +240,8 @@ template <typename T, int BN, int CH, int PITCH, int THREADS, int STRIDE, bool P
 __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T* k_head,
                                              const T* v_head, const CacheRows& rows,
                                              TileSource<T, BN, CH, THREADS, STRIDE, PAGED>& source,
-                                             int key0, int key_end, long long k_sb,
-                                             long long k_ss, long long v_sb, long long v_ss,
-                                             bool aligned) {
+                                             int key0, int key_end, long long k_sb, long long k_ss,
+                                             long long v_sb, long long v_ss, bool aligned) {
     using Chunks = TileChunks<BN, CH, THREADS>;
     constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
     const int thread = source.thread;
@@ -289,7 +289,12 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
         }
     }
     // Chunk `it`'s place in the tile and its rows in K and V.
-    struct Chunk { int dst; bool valid; const T* k_src; const T* v_src; };
+    struct Chunk {
+        int dst;
+        bool valid;
+        const T* k_src;
+        const T* v_src;
+    };
     auto chunk = [&](int it) {
         const int n = Chunks::row_of(it, thread), c = Chunks::chunk_of(it, thread);
         const int j = min(key0 + n, key_end - 1);
@@ -328,14 +333,15 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
 // (not null), each sequence's keys after the append, cached_length + S_new, go
 // there too (the dense forward's per-sequence key counts for a chunk of queries).
 template <typename T>
-__global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
-    const T* __restrict__ k_new, const T* __restrict__ v_new, T* __restrict__ k_cache,
-    T* __restrict__ v_cache, const int* __restrict__ seqlens, int seqlen_value,
-    const int* __restrict__ block_table, int* __restrict__ key_counts, long long kn_sb,
-    long long kn_sh, long long kn_ss, long long vn_sb, long long vn_sh, long long vn_ss,
-    long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh,
-    long long v_ss, int new_len, int head_dim, int capacity, int block_size, int max_blocks,
-    int num_blocks) {
+__global__ void __launch_bounds__(kDecodeThreads)
+    kvcache_append(const T* __restrict__ k_new, const T* __restrict__ v_new,
+                   T* __restrict__ k_cache, T* __restrict__ v_cache,
+                   const int* __restrict__ seqlens, int seqlen_value,
+                   const int* __restrict__ block_table, int* __restrict__ key_counts,
+                   long long kn_sb, long long kn_sh, long long kn_ss, long long vn_sb,
+                   long long vn_sh, long long vn_ss, long long k_sb, long long k_sh, long long k_ss,
+                   long long v_sb, long long v_sh, long long v_ss, int new_len, int head_dim,
+                   int capacity, int block_size, int max_blocks, int num_blocks) {
     const int hk = blockIdx.y, b = blockIdx.z;
     const long long idx = static_cast<long long>(blockIdx.x) * kDecodeThreads + threadIdx.x;
     if (idx >= static_cast<long long>(new_len) * head_dim) return;
@@ -351,18 +357,16 @@ __global__ void __launch_bounds__(kDecodeThreads) kvcache_append(
 
 // The split-KV kernels' arguments (kvcache_decode and kvcache_decode_tc take the
 // same; cuflash/kvcache.py passes them in this order).
-#define CUFLASH_DECODE_PARAMS(T)                                                              \
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,   \
-        const int* __restrict__ seqlens, int seqlen_value,                                   \
-        const int* __restrict__ block_table, T* __restrict__ out, float* __restrict__ lse,   \
-        float* __restrict__ part_out, float* __restrict__ part_lse,                          \
-        const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,             \
-        const UserModifierArgs user_args,                                                    \
-        long long q_sb, long long q_sh,                                                      \
-        long long q_ss, long long k_sb, long long k_sh, long long k_ss, long long v_sb,      \
-        long long v_sh, long long v_ss, int num_heads, int group, int q_len, int new_len,    \
-        int capacity, int block_size, int max_blocks, int num_blocks, int win_left,          \
-        int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,         \
+#define CUFLASH_DECODE_PARAMS(T)                                                                 \
+    const T *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,       \
+        const int *__restrict__ seqlens, int seqlen_value, const int *__restrict__ block_table,  \
+        T *__restrict__ out, float *__restrict__ lse, float *__restrict__ part_out,              \
+        float *__restrict__ part_lse, const float *__restrict__ alibi_slopes,                    \
+        const float *__restrict__ sinks, const UserModifierArgs user_args, long long q_sb,       \
+        long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,          \
+        long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,     \
+        int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left, \
+        int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,             \
         int alibi_batch_stride, float softcap_log2
 
 // The score modifiers (SPEC 8) of packed row m (query row i = m / group of
@@ -374,13 +378,19 @@ __device__ __forceinline__ ScoreModifiers decode_modifiers(
     int m, int group, int hk, int b, const Mask& mask, const float* __restrict__ alibi_slopes,
     int alibi_batch_stride, float softcap_log2, const UserModifierArgs& user) {
     const int i = m / group, h = hk * group + (m - i * group);
-    const float slope = alibi_slopes == nullptr
-                            ? 0.f
-                            : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + h] *
-                                  kLog2e;
-    return ScoreModifiers{softcap_log2, softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f, slope,
-                          static_cast<long long>(mask.kv_len) - mask.q_len, b, h,
-                          user.score_arrays, user.mask_arrays, BlockMaskView{}};
+    const float slope =
+        alibi_slopes == nullptr
+            ? 0.f
+            : alibi_slopes[static_cast<long long>(b) * alibi_batch_stride + h] * kLog2e;
+    return ScoreModifiers{softcap_log2,
+                          softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f,
+                          slope,
+                          static_cast<long long>(mask.kv_len) - mask.q_len,
+                          b,
+                          h,
+                          user.score_arrays,
+                          user.mask_arrays,
+                          BlockMaskView{}};
 }
 // Does the call modify the scores (a built-in, or the user's score function)?
 __device__ __forceinline__ bool decode_modifies(const float* alibi_slopes, float softcap_log2) {
@@ -388,16 +398,18 @@ __device__ __forceinline__ bool decode_modifies(const float* alibi_slopes, float
 }
 // A score in log2 units (scale log2(e) q.k) of packed row m and key j, modified.
 template <typename T>
-__device__ __forceinline__ float decode_modified_score(
-    float s, int m, int j, int group, int hk, int b, const Mask& mask,
-    const float* __restrict__ alibi_slopes, int alibi_batch_stride, float softcap_log2,
-    const UserModifierArgs& user) {
+__device__ __forceinline__ float decode_modified_score(float s, int m, int j, int group, int hk,
+                                                       int b, const Mask& mask,
+                                                       const float* __restrict__ alibi_slopes,
+                                                       int alibi_batch_stride, float softcap_log2,
+                                                       const UserModifierArgs& user) {
     const int i = m / group;
     const auto mods = decode_modifiers(m, group, hk, b, mask, alibi_slopes, alibi_batch_stride,
                                        softcap_log2, user);
     float derivative;
-    return mods.template apply2<sizeof(T) == 2>(
-        s, 1.f, i, j, static_cast<float>(i + static_cast<int>(mods.offset) - j), derivative);
+    return mods.template apply2 < sizeof(T) ==
+           2 > (s, 1.f, i, j, static_cast<float>(i + static_cast<int>(mods.offset) - j),
+                derivative);
 }
 // The user's mask at packed row m and key j (true without one).
 __device__ __forceinline__ bool decode_sees(int m, int j, int group, int hk, int b,
@@ -411,17 +423,16 @@ __device__ __forceinline__ bool decode_sees(int m, int j, int group, int hk, int
 // Packed row m of a KV head is query row i = m / group of query head
 // hk * group + m % group; a tile holds RM packed rows.
 template <typename T, int D, int RM>
-__global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
-    CUFLASH_DECODE_PARAMS(T)) {
+__global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(CUFLASH_DECODE_PARAMS(T)) {
     using Shape = DecodeShape<T, D, RM>;
     constexpr int ELEMS = Shape::ELEMS, CH = Shape::CH, BN = Shape::BN, DSUB = Shape::DSUB;
     constexpr int PITCH = Shape::PITCH, KSUB = Shape::KSUB;
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* kv_tiles = reinterpret_cast<uint4*>(smem);  // [stage][K, V][BN][PITCH] chunks
     float* reduce_s = reinterpret_cast<float*>(smem);  // [KSUB][RM][D], then [KSUB][RM] sums
-    float* q_s = reinterpret_cast<float*>(smem + Shape::REGION);        // [RM][D], scaled
-    float* p_s = q_s + RM * D;                                          // [BN][RM]
-    float* max_s = p_s + BN * RM;                                       // [warp][RM]
+    float* q_s = reinterpret_cast<float*>(smem + Shape::REGION);  // [RM][D], scaled
+    float* p_s = q_s + RM * D;                                    // [BN][RM]
+    float* max_s = p_s + BN * RM;                                 // [warp][RM]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
         unsigned dynamic_bytes;
@@ -468,8 +479,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
         uint4* k_dst = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS;
         source.read(rows, range_lo + tile * BN, range_hi);
         load_kv_tile<T, BN, CH, PITCH, kDecodeThreads, BN, true>(
-            k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows, source,
-            range_lo + tile * BN, range_hi, k_sb, k_ss, v_sb, v_ss, aligned != 0);
+            k_dst, k_dst + Shape::TILE_CHUNKS, k_head, v_head, rows, source, range_lo + tile * BN,
+            range_hi, k_sb, k_ss, v_sb, v_ss, aligned != 0);
     };
     if (tile_begin < tile_end) load_tile(0, tile_begin);  // in flight while Q loads
 
@@ -541,15 +552,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) kvcache_decode(
             for (int r = 0; r < RM; ++r)
                 if (row0 + r < rows_total)
                     s[r] = decode_modified_score<T>(s[r], row0 + r, j, group, hk, b, mask,
-                                                    alibi_slopes, alibi_batch_stride,
-                                                    softcap_log2, user_args);
+                                                    alibi_slopes, alibi_batch_stride, softcap_log2,
+                                                    user_args);
         }
         float tile_max[RM];
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
             if ((edge && (j < key_lo[r] || j >= key_hi[r])) ||
-                (row0 + r < rows_total &&
-                 !decode_sees(row0 + r, j, group, hk, b, mask, user_args)))
+                (row0 + r < rows_total && !decode_sees(row0 + r, j, group, hk, b, mask, user_args)))
                 s[r] = neg_inf();
             float x = s[r];
 #pragma unroll
@@ -665,7 +675,7 @@ __device__ __forceinline__ void slice_sync(int slice) {
     if constexpr (THREADS == 32) {
         __syncwarp();
     } else {
-        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + slice), "n"(THREADS) : "memory");
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + slice), "n"(THREADS) : "memory");
     }
 }
 
@@ -703,8 +713,7 @@ struct DecodeTcShape {
 template <typename T, int D, int ROW_WARPS, int STAGES, int BN, bool PAGED, bool NARROW>
 __global__ void __launch_bounds__(kDecodeThreads,
                                   (D <= 128 && ROW_WARPS == 1) ? (STAGES == 2 ? 3 : 2) : 1)
-    kvcache_decode_tc(
-    CUFLASH_DECODE_PARAMS(T)) {
+    kvcache_decode_tc(CUFLASH_DECODE_PARAMS(T)) {
     using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES, BN>;
     static_assert(STAGES >= 2, "at least double buffering");
     static_assert(!NARROW || ROW_WARPS == 1, "a narrow block is one tile of 8 rows");
@@ -857,7 +866,8 @@ __global__ void __launch_bounds__(kDecodeThreads,
             cp_async_commit();
         }
         {
-            const uint4* k_tile = kv_tiles + (2 * stage) * Shape::TILE_CHUNKS + kw * WARP_KEYS * PITCH;
+            const uint4* k_tile =
+                kv_tiles + (2 * stage) * Shape::TILE_CHUNKS + kw * WARP_KEYS * PITCH;
             const uint4* v_tile = k_tile + Shape::TILE_CHUNKS;
             float s[ST][4];
 #pragma unroll
@@ -897,23 +907,24 @@ __global__ void __launch_bounds__(kDecodeThreads,
                 }
             } else {
 #pragma unroll
-            for (int n = 0; n < ST; ++n) {
+                for (int n = 0; n < ST; ++n) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = row_of(e), key = key0 + key_of(n, e);
-                    float x = s[n][e] * scale_log2;
-                    const bool row_live = my_row[r] < rows_total;
-                    if (modified && row_live)
-                        x = decode_modified_score<T>(x, my_row[r], key, group, hk, b, mask,
-                                                     alibi_slopes, alibi_batch_stride,
-                                                     softcap_log2, user_args);
-                    if ((edge && (key < my_lo[r] || key >= my_hi[r])) ||
-                        (row_live && !decode_sees(my_row[r], key, group, hk, b, mask, user_args)))
-                        x = neg_inf();
-                    s[n][e] = x;
-                    new_max[r] = fmaxf(new_max[r], x);
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = row_of(e), key = key0 + key_of(n, e);
+                        float x = s[n][e] * scale_log2;
+                        const bool row_live = my_row[r] < rows_total;
+                        if (modified && row_live)
+                            x = decode_modified_score<T>(x, my_row[r], key, group, hk, b, mask,
+                                                         alibi_slopes, alibi_batch_stride,
+                                                         softcap_log2, user_args);
+                        if ((edge && (key < my_lo[r] || key >= my_hi[r])) ||
+                            (row_live &&
+                             !decode_sees(my_row[r], key, group, hk, b, mask, user_args)))
+                            x = neg_inf();
+                        s[n][e] = x;
+                        new_max[r] = fmaxf(new_max[r], x);
+                    }
                 }
-            }
             }
             float base[2], alpha[2];
 #pragma unroll
@@ -1054,10 +1065,10 @@ __global__ void __launch_bounds__(kDecodeThreads,
 constexpr int kMaxSplits = kDecodeThreads;  // cuflash/kvcache.py's MAX_SPLITS
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kDecodeThreads, 4) kvcache_combine(
-    const float* __restrict__ part_out, const float* __restrict__ part_lse, T* __restrict__ out,
-    float* __restrict__ lse, const float* __restrict__ sinks, long long rows, int num_splits,
-    int num_heads, int q_len) {
+__global__ void __launch_bounds__(kDecodeThreads, 4)
+    kvcache_combine(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                    T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
+                    long long rows, int num_splits, int num_heads, int q_len) {
     __shared__ float weight_s[kMaxSplits];
     __shared__ float warp_max_s[kDecodeWarps], warp_sum_s[kDecodeWarps];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

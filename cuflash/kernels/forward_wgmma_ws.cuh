@@ -28,30 +28,34 @@ constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 // before it issues a tile's products and, once they are issued, lets the
 // other one go (each barrier meets the 128 threads of each consumer).
 __device__ __forceinline__ void wait_turn(int consumer) {
-    asm volatile("bar.sync %0, 256;\n" :: "r"(8 + consumer) : "memory");
+    asm volatile("bar.sync %0, 256;\n" ::"r"(8 + consumer) : "memory");
 }
 __device__ __forceinline__ void pass_turn(int consumer) {
-    asm volatile("bar.arrive %0, 256;\n" :: "r"(9 - consumer) : "memory");
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(9 - consumer) : "memory");
 }
 
 template <typename T, int D, int BN, int STAGES, bool MODIFIED>
-__global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(384, 1)
+    forward_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                     CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                     float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
     constexpr int BM = 128, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     using Ring = StageRing<STAGES, 2>;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ks = Qs + BM * DL;            // STAGES buffers of BN x DL
-    T* Vs = Ks + STAGES * BN * DL;   // STAGES buffers of BN x DL
+    T* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
+    T* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of BN x DL
     Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DL);
     Ring* v_ring = k_ring + 1;
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
@@ -61,9 +65,13 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
+    const auto mods =
+        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
@@ -86,12 +94,12 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
         for (int j = 0; j < tiles; ++j) {
             const int n0 = n_start + j * BN, keys = mask.kv_len - n0;
             k_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D>(Ks + Ring::stage(j) * BN * DL,
-                                                k_head + n0 * k_st.s, k_st.s, keys);
+            cp_async_tile_sw128<BN, DK, 128, D>(Ks + Ring::stage(j) * BN * DL, k_head + n0 * k_st.s,
+                                                k_st.s, keys);
             k_ring->filled(j);
             v_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D>(Vs + Ring::stage(j) * BN * DL,
-                                                v_head + n0 * v_st.s, v_st.s, keys);
+            cp_async_tile_sw128<BN, DK, 128, D>(Vs + Ring::stage(j) * BN * DL, v_head + n0 * v_st.s,
+                                                v_st.s, keys);
             v_ring->filled(j);
         }
         return;
@@ -108,7 +116,7 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
     init_rows(o, row_max, row_sum);
 
     // S = Q K^T of key stage `stage` for this consumer's 64 rows, committed, not waited for.
-    auto issue_scores = [&](int stage, float (&s)[1][NTILES][4]) {
+    auto issue_scores = [&](int stage, float(&s)[1][NTILES][4]) {
         const T* Kb = Ks + stage * BN * DL;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -119,7 +127,7 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
         wgmma_commit();
         pin_registers(s[0]);
     };
-    auto pack_probs = [&](const float (&s)[1][NTILES][4], unsigned (&pa)[BN / 16][4]) {
+    auto pack_probs = [&](const float(&s)[1][NTILES][4], unsigned(&pa)[BN / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -129,12 +137,12 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
         }
     };
     // O += P V of value stage `stage`, committed, not waited for.
-    auto issue_pv = [&](int stage, const unsigned (&pa)[BN / 16][4]) {
+    auto issue_pv = [&](int stage, const unsigned(&pa)[BN / 16][4]) {
         const T* Vb = Vs + stage * BN * DL;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DK>::rs(o[0], pa[kk],
-                            wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+            Wgmma<T, DK>::rs(o[0], pa[kk], wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
+                             1);
         wgmma_commit();
         pin_registers(o[0]);
     };
@@ -162,8 +170,8 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
         k_ring->release(0, signalling);
         bool partial;
         const bool edge = edge_tile(0, partial);
-        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2,
-                     mods, partial);
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2, mods,
+                     partial);
         pack_probs(s, pa);
     }
     // Every tile but the last: S(j + 1) and P V(j) in flight together.
@@ -184,10 +192,10 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
         k_ring->release(j + 1, signalling);
         const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
                                               n_start + (j + 1) * BN, scale_log2, mods, partial);
-        const float alpha0 = exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 0, score_scale,
-                                                         bound);
-        const float alpha1 = exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 1, score_scale,
-                                                         bound);
+        const float alpha0 =
+            exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 0, score_scale, bound);
+        const float alpha1 =
+            exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 1, score_scale, bound);
         complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
         wgmma_wait_all();
         pin_registers(o[0]);
@@ -211,12 +219,14 @@ __global__ void __launch_bounds__(384, 1) forward_wgmma_ws(
     if (consumer == 0) wait_turn(consumer);  // the other's last pass
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
-                [&](int row, int d, float x0, float x1) {
-                    if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                        reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
-                            Op::pack(x0, x1);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp_row, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+                reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
+                    Op::pack(x0, x1);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

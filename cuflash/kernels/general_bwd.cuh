@@ -22,11 +22,14 @@
 namespace cuflash {
 
 template <typename T, int D>
-__global__ void __launch_bounds__(128) attention_bwd_delta(
-    const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-    float* __restrict__ delta, float* __restrict__ lse_log2, float* __restrict__ dq_accum,
-    CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len, int accum_width) {
-    CUFLASH_STRIDES_OF(dout); CUFLASH_STRIDES_OF(out);
+__global__ void __launch_bounds__(128)
+    attention_bwd_delta(const T* __restrict__ dout, const T* __restrict__ out,
+                        const float* __restrict__ lse, float* __restrict__ delta,
+                        float* __restrict__ lse_log2, float* __restrict__ dq_accum,
+                        CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len,
+                        int accum_width) {
+    CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(out);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
     if (row >= q_len) return;
@@ -55,9 +58,10 @@ __global__ void __launch_bounds__(128) attention_bwd_delta(
 // thread; the accumulator's rows are contiguous, `accum_width` floats each (D,
 // or a tile width past D), dQ's at its strides.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_bwd_dq_convert(
-    const float* __restrict__ dq_accum, T* __restrict__ dq, CUFLASH_STRIDES(dq),
-    long long count, int accum_width, int num_heads, int q_len) {
+__global__ void __launch_bounds__(256)
+    attention_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
+                             CUFLASH_STRIDES(dq), long long count, int accum_width, int num_heads,
+                             int q_len) {
     CUFLASH_STRIDES_OF(dq);
     const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
     if (i < count) {
@@ -77,9 +81,9 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert(
 // (with nondecreasing offsets, every other row belongs to a sequence). With
 // offsets that keep the rules there are none, and every block returns at once.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_zero_outside(
-    T* __restrict__ x, const int* __restrict__ offsets, int count, int total,
-    long long row_elements) {
+__global__ void __launch_bounds__(256)
+    attention_zero_outside(T* __restrict__ x, const int* __restrict__ offsets, int count, int total,
+                           long long row_elements) {
     const int first = clamped(offsets[0], 0, total);
     const int last = max(first, clamped(offsets[count], 0, total));
     const long long before = first * row_elements, after = (total - last) * row_elements;
@@ -93,10 +97,12 @@ __global__ void __launch_bounds__(256) attention_zero_outside(
 // Scores and dP of one (query tile, key tile) pair, turned into P and dS in
 // shared memory. Qs/dOs hold the query tile, Ks/Vs the key tile.
 template <int D, int BM, int BN, bool APPROX_TANH, typename Mods>
-__device__ __forceinline__ void probabilities_and_dscores(
-    const float* Qs, const float* dOs, const float* Ks, const float* Vs,
-    const float* lse_s, const float* delta_s, float* Ps, float* dSs,
-    const Mask& mask, int m0, int n0, float scale_log2, int ty, int tx, const Mods& mods) {
+__device__ __forceinline__ void probabilities_and_dscores(const float* Qs, const float* dOs,
+                                                          const float* Ks, const float* Vs,
+                                                          const float* lse_s, const float* delta_s,
+                                                          float* Ps, float* dSs, const Mask& mask,
+                                                          int m0, int n0, float scale_log2, int ty,
+                                                          int tx, const Mods& mods) {
     constexpr int RM = BM / 16, RN = BN / 8, LD = D + 4, LDP = BN + 4;
     float s[RM][RN], dp[RM][RN];
 #pragma unroll
@@ -113,17 +119,17 @@ __device__ __forceinline__ void probabilities_and_dscores(
             const int c = tx + 8 * j;
             if constexpr (Mods::active) {  // the modifiers' derivative enters dS
                 float derivative;
-                const float score =
-                    mods.template apply<APPROX_TANH>(s[i][j] * (scale_log2 * kLn2), m0 + r,
-                                                        n0 + c, derivative) *
-                    kLog2e;
+                const float score = mods.template apply<APPROX_TANH>(s[i][j] * (scale_log2 * kLn2),
+                                                                     m0 + r, n0 + c, derivative) *
+                                    kLog2e;
                 const float p = mask.visible(m0 + r, n0 + c) && mods.sees(m0 + r, n0 + c)
-                                    ? exp2f(score - lse_s[r]) : 0.f;
+                                    ? exp2f(score - lse_s[r])
+                                    : 0.f;
                 if (Ps) Ps[r * LDP + c] = p;
                 dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]) * derivative;
             } else {
-                const float p = mask.visible(m0 + r, n0 + c)
-                                    ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
+                const float p =
+                    mask.visible(m0 + r, n0 + c) ? exp2f(s[i][j] * scale_log2 - lse_s[r]) : 0.f;
                 if (Ps) Ps[r * LDP + c] = p;
                 dSs[r * LDP + c] = p * (dp[i][j] - delta_s[r]);
             }
@@ -134,11 +140,11 @@ __device__ __forceinline__ void probabilities_and_dscores(
 // Query rows [m0, m0 + BM) of head h (of q_len; q_rows a head in lse and
 // Delta): Q, dO, lse (base 2) and Delta.
 template <typename T, int D, int BM>
-__device__ __forceinline__ void load_query_side(
-    float* Qs, float* dOs, float* lse_s, float* delta_s,
-    const T* q, const T* dout, const float* lse, const float* delta,
-    const Strides& q_st, const Strides& dout_st, int b, int h, int num_heads, int m0, int q_len,
-    int q_rows) {
+__device__ __forceinline__ void load_query_side(float* Qs, float* dOs, float* lse_s, float* delta_s,
+                                                const T* q, const T* dout, const float* lse,
+                                                const float* delta, const Strides& q_st,
+                                                const Strides& dout_st, int b, int h, int num_heads,
+                                                int m0, int q_len, int q_rows) {
     constexpr int LD = D + 4;
     const int rows = min(BM, q_len - m0);
     load_tile<BM, D, LD, 128>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -151,16 +157,21 @@ __device__ __forceinline__ void load_query_side(
 }
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
-__global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(128, 1)
+    attention_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse,
+                       const float* __restrict__ delta, float* __restrict__ dq_accum,
+                       T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
+                       CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+                       CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
+                       CUFLASH_MASK_PARAMS, float scale, float scale_log2,
+                       CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
@@ -176,10 +187,15 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
 
     float dk_acc[NA][NE], dv_acc[NA][NE];
 #pragma unroll
@@ -197,12 +213,13 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
     for (int h = hk * group; h < (hk + 1) * group && m_lo < m_hi; ++h) {
         for (int m0 = m_lo - m_lo % BM; m0 < m_hi; m0 += BM) {
             __syncthreads();  // the previous tile's readers are done
-            load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
-                                      q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
+            load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta, q_st, dout_st,
+                                      b, h, num_heads, m0, mask.q_len, q_len);
             __syncthreads();
             probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(
                 Qs, dOs, Ks, Vs, lse_s, delta_s, Ps, dSs, mask, m0, n0, scale_log2, ty, tx,
-                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args));
+                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask,
+                                          user_args));
             __syncthreads();
             // dV[j] += sum_r P[r][j] dO[r];  dK[j] += sum_r dS[r][j] Q[r]
 #pragma unroll 2
@@ -219,15 +236,15 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
                 }
             }
             if (ATOMIC_DQ) {  // dQ[r] += scale * sum_j dS[r][j] K[j]
-                const long long row_base =
-                    (static_cast<long long>(b) * num_heads + h) * q_len + m0;
+                const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
                 const int rows = min(BM, mask.q_len - m0);
                 for (int r = ty; r < rows; r += 16) {
 #pragma unroll 4
                     for (int e = 0; e < NE; ++e) {
                         float sum = 0.f;
 #pragma unroll
-                        for (int j = 0; j < BN; ++j) sum += dSs[r * LDP + j] * Ks[j * LD + tx + 8 * e];
+                        for (int j = 0; j < BN; ++j)
+                            sum += dSs[r * LDP + j] * Ks[j * LD + tx + 8 * e];
                         atomicAdd(dq_accum + (row_base + r) * D + tx + 8 * e, sum * scale);
                     }
                 }
@@ -251,14 +268,18 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv(
 }
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
-__global__ void __launch_bounds__(128, 1) attention_bwd_dq(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(128, 1)
+    attention_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
+                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                     CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
+                     CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
@@ -275,13 +296,18 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq += seq.q_start * dq_st.s;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq += seq.q_start * dq_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
 
-    load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta,
-                              q_st, dout_st, b, h, num_heads, m0, mask.q_len, q_len);
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    load_query_side<T, D, BM>(Qs, dOs, lse_s, delta_s, q, dout, lse, delta, q_st, dout_st, b, h,
+                              num_heads, m0, mask.q_len, q_len);
+    const auto mods =
+        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
     int n_lo, n_hi;
     mask.key_range(m0, m0 + rows, n_lo, n_hi);
 
@@ -299,8 +325,8 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq(
         load_tile<BN, D, LD, NT>(Ks, k_head + n0 * k_st.s, k_st.s, keys);
         load_tile<BN, D, LD, NT>(Vs, v_head + n0 * v_st.s, v_st.s, keys);
         __syncthreads();
-        probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs,
-                                             mask, m0, n0, scale_log2, ty, tx, mods);
+        probabilities_and_dscores<D, BM, BN, sizeof(T) == 2>(
+            Qs, dOs, Ks, Vs, lse_s, delta_s, nullptr, dSs, mask, m0, n0, scale_log2, ty, tx, mods);
         __syncthreads();
         tile_accumulate<RM, NE, BN, LD, LDP>(dSs, Ks, acc, ty, tx);
     }

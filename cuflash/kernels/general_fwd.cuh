@@ -13,15 +13,19 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
-__global__ void __launch_bounds__(128, 1) attention_fwd_general(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(128, 1)
+    attention_fwd_general(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+                          CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                          CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                          float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);
@@ -34,9 +38,13 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
+    const auto mods =
+        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     load_tile<BM, D, LD, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_lo, n_hi;
@@ -76,14 +84,13 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
                 if constexpr (MODIFIED) {
                     const int key = n0 + tx + 8 * j;
                     float derivative;
-                    s[i][j] = mask.visible(row, key) && mods.sees(row, key)
-                                  ? mods.template apply<sizeof(T) == 2>(
-                                        s[i][j] * (scale_log2 * kLn2), row, key, derivative) *
-                                        kLog2e
-                                  : neg_inf();
+                    s[i][j] =
+                        mask.visible(row, key) && mods.sees(row, key)
+                            ? mods.template apply < sizeof(T) ==
+                                  2 > (s[i][j] * (scale_log2 * kLn2), row, key, derivative) * kLog2e
+                            : neg_inf();
                 } else {
-                    s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2
-                                                                  : neg_inf();
+                    s[i][j] = mask.visible(row, n0 + tx + 8 * j) ? s[i][j] * scale_log2 : neg_inf();
                 }
                 tile_max = fmaxf(tile_max, s[i][j]);
             }
@@ -121,8 +128,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_general(
         T* o_row = out + offset_of(out_st, b, h, m0 + r);
 #pragma unroll
         for (int e = 0; e < NE; ++e) o_row[tx + 8 * e] = from_float<T>(acc[i][e] * inv);
-        if (tx == 0)
-            lse[row_base + m0 + r] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
+        if (tx == 0) lse[row_base + m0 + r] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
     }
 }
 

@@ -14,13 +14,13 @@
 namespace cuflash {
 
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(count)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
                  : "memory");
 }
 // One arrival of the executing thread (release: its earlier writes are
 // visible to a thread whose wait sees the phase complete).
 __device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // Wait until the phase of parity `parity` has completed (acquire).
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
@@ -30,14 +30,16 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
         "WAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n"
-        "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
 }
 
 // One arrival once every cp.async this thread has issued so far has landed (the
 // arrival counts towards the phase: .noinc). The consumer that waits on the
 // barrier then fences (fence.proxy.async) before wgmma reads the tile.
 __device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar))
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
                  : "memory");
 }
 
@@ -45,11 +47,11 @@ __device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
 // role one branch, the kernel capped at entry by __launch_bounds__(n, 1)).
 template <int REGISTERS>
 __device__ __forceinline__ void registers_down() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
 }
 template <int REGISTERS>
 __device__ __forceinline__ void registers_up() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
 }
 
 // The ring of STAGES shared-memory stages of one operand: `full[s]` completes

@@ -12,33 +12,38 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 
 // 16 bytes global -> shared, asynchronously; zeros when !valid (src unread).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
 }
 // The same for data read once in long runs (a KV cache): the L2 fetches whole 128-byte
 // lines from memory (about 3 % more bandwidth than 32-byte sectors on the H200).
 __device__ __forceinline__ void cp_async_16_stream(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(valid ? 16 : 0));
 }
 // 4 bytes through L1; zeros, and `src` not read, where !valid.
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
-    asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
-                 " cp.async.ca.shared.global [%0], [%1], 4, ignore;\n}\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(static_cast<unsigned>(valid)));
+    asm volatile(
+        "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
+        " cp.async.ca.shared.global [%0], [%1], 4, ignore;\n}\n" ::"r"(smem_addr(dst)),
+        "l"(src), "r"(static_cast<unsigned>(valid)));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
 }
 
 // The transpose of an 8x8 b16 matrix held a row of two elements a lane (lane 4i + j:
@@ -50,11 +55,13 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 }
 
 // D (16x8, f32) += A (16x16, row) * B (16x8, col) for one 16-bit type.
-template <typename T> struct TensorOp;
-template <> struct TensorOp<bf16_t> {
+template <typename T>
+struct TensorOp;
+template <>
+struct TensorOp<bf16_t> {
     static constexpr bool wide_exponent = true;  // float32's exponent range
-    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4],
-                                               unsigned b0, unsigned b1) {
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                               unsigned b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -68,10 +75,11 @@ template <> struct TensorOp<bf16_t> {
         return r;
     }
 };
-template <> struct TensorOp<half_t> {
+template <>
+struct TensorOp<half_t> {
     static constexpr bool wide_exponent = false;
-    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4],
-                                               unsigned b0, unsigned b1) {
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                               unsigned b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -136,12 +144,12 @@ __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src,
 // round_up(D, 16) (the padding of the last k16 step, and whole rows a pass
 // for the copy loop), the rest not written.
 template <int ROWS, int DT, int NT, int D = DT, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
-                                              long long stride, int valid_rows) {
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src, long long stride,
+                                              int valid_rows) {
     constexpr int CH = pow2_at_least(round_up(D, 16) / 8);
     static_assert(CH * 8 <= DT, "the tile holds the chunks");
-    cp_async_rows<ROWS, CH, NT, D / 8>(
-        dst, src, stride, valid_rows, [](int r, int c) { return swizzled<DT>(r, c); });
+    cp_async_rows<ROWS, CH, NT, D / 8>(dst, src, stride, valid_rows,
+                                       [](int r, int c) { return swizzled<DT>(r, c); });
 }
 
 // Two products over the head dim (KSTEPS k16 steps) for a warp's 16 rows from row a0
@@ -151,8 +159,8 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* __restrict__ src,
 // written out: its atomic modified role at D = 128 has 255 registers, and with this
 // helper ptxas spilled 12 bytes there.)
 template <typename T, int DT, int KSTEPS, int NTILES>
-__device__ __forceinline__ void paired_products(const T* A1, const T* A2, const T* B1,
-                                                const T* B2, int a0, float (&acc1)[NTILES][4],
+__device__ __forceinline__ void paired_products(const T* A1, const T* A2, const T* B1, const T* B2,
+                                                int a0, float (&acc1)[NTILES][4],
                                                 float (&acc2)[NTILES][4]) {
     using Op = TensorOp<T>;
     const int lane = threadIdx.x & 31;
@@ -221,10 +229,9 @@ __device__ __forceinline__ float2 load_shared_float2(const float* p) {
 // times 2^LOG2_GAIN. ALIBI: the scores take ALiBi's bias (mods.slope2, the
 // call's only modifier of the scores: its derivative is 1, so dscores
 // follows as in the plain kernels).
-template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers,
-          bool ALIBI = false>
-__device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0,
-                                         int key0, int t, const float* lse_s, float scale_log2,
+template <bool EDGE, int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers, bool ALIBI = false>
+__device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mask, int m0, int key0,
+                                         int t, const float* lse_s, float scale_log2,
                                          const Mods& mods = Mods{}, bool partial = true) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // the queries keys key0 and key0 + 8 are seen by
     if (EDGE) {
@@ -259,26 +266,27 @@ __device__ __forceinline__ void probs_of(float (&st)[QTILES][4], const Mask& mas
     }
 }
 template <int QTILES, int LOG2_GAIN = 0, typename Mods = NoModifiers, bool ALIBI = false>
-__device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge,
-                                      int m0, int key0, int t, const float* lse_s,
-                                      float scale_log2, const Mods& mods = Mods{},
-                                      bool partial = true) {
+__device__ __forceinline__ void probs(float (&st)[QTILES][4], const Mask& mask, bool edge, int m0,
+                                      int key0, int t, const float* lse_s, float scale_log2,
+                                      const Mods& mods = Mods{}, bool partial = true) {
     if (edge)
         probs_of<true, QTILES, LOG2_GAIN, Mods, ALIBI>(st, mask, m0, key0, t, lse_s, scale_log2,
                                                        mods, partial);
     else
-        probs_of<false, QTILES, LOG2_GAIN, Mods, ALIBI>(st, mask, m0, key0, t, lse_s,
-                                                        scale_log2, mods);
+        probs_of<false, QTILES, LOG2_GAIN, Mods, ALIBI>(st, mask, m0, key0, t, lse_s, scale_log2,
+                                                        mods);
 }
 // With score modifiers, both in one pass on every tile (the modifiers'
 // derivative enters dS^T): P^T = exp2(mod2(S^T scale_log2) - lse) (mod2: the
 // modifiers in base 2), masked element by element (by the user's mask too
 // where `partial`), and dS^T = P^T (dP^T - Delta) mod'.
 template <int QTILES, int LOG2_GAIN = 0, typename Mods>
-__device__ __forceinline__ void modified_probs_and_dscores(
-    float (&st)[QTILES][4], float (&dpt)[QTILES][4], const Mask& mask,
-    const Mods& mods, int m0, int key0, int t, const float* lse_s,
-    const float* delta_s, float scale_log2, bool partial = true) {
+__device__ __forceinline__ void modified_probs_and_dscores(float (&st)[QTILES][4],
+                                                           float (&dpt)[QTILES][4],
+                                                           const Mask& mask, const Mods& mods,
+                                                           int m0, int key0, int t,
+                                                           const float* lse_s, const float* delta_s,
+                                                           float scale_log2, bool partial = true) {
     int lo[2], hi[2];  // the queries keys key0 and key0 + 8 are seen by
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.key_rows(key0 + 8 * r, lo[r], hi[r]);
@@ -299,8 +307,8 @@ __device__ __forceinline__ void modified_probs_and_dscores(
                 const float distance =
                     query_base + static_cast<float>(n * 8 + (e & 1)) - key_pos[e >> 1];
                 float derivative;
-                const float score2 = mods.template apply2<true>(st[n][e], scale_log2, query,
-                                                                key, distance, derivative);
+                const float score2 = mods.template apply2<true>(st[n][e], scale_log2, query, key,
+                                                                distance, derivative);
                 float p = fast_exp2(score2 - lse_e);
                 if (query < lo[e >> 1] || query >= hi[e >> 1] ||
                     (partial && !mods.sees(query, key)))
@@ -328,9 +336,8 @@ __device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dp
 template <int QTILES, typename Mods = NoModifiers>
 __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float (&dpt)[QTILES][4],
                                                   const Mask& mask, bool edge, int m0, int key0,
-                                                  int t, const float* lse_s,
-                                                  const float* delta_s, float scale_log2,
-                                                  const Mods& mods = Mods{}) {
+                                                  int t, const float* lse_s, const float* delta_s,
+                                                  float scale_log2, const Mods& mods = Mods{}) {
     probs(st, mask, edge, m0, key0, t, lse_s, scale_log2, mods);
     dscores(st, dpt, t, delta_s);
 }
@@ -344,8 +351,8 @@ __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float 
 // modifiers' scores and derivative (apply2) on every element.
 template <bool EDGE, bool MODIFIED, int NTILES, typename Mods>
 __device__ __forceinline__ void query_dscores(float (&s)[NTILES][4], float (&dp)[NTILES][4],
-                                              const Mask& mask, const Mods& mods, int row0,
-                                              int n0, int t, const float (&row_lse)[2],
+                                              const Mask& mask, const Mods& mods, int row0, int n0,
+                                              int t, const float (&row_lse)[2],
                                               const float (&row_delta)[2], float scale_log2,
                                               bool partial) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};
@@ -362,14 +369,13 @@ __device__ __forceinline__ void query_dscores(float (&s)[NTILES][4], float (&dp)
             float p, derivative = 1.f;
             if constexpr (MODIFIED) {
                 const float distance = static_cast<float>(row + offset - key);
-                const float score2 = mods.template apply2<true>(s[n][e], scale_log2, row, key,
-                                                                distance, derivative);
+                const float score2 =
+                    mods.template apply2<true>(s[n][e], scale_log2, row, key, distance, derivative);
                 p = fast_exp2(score2 - row_lse[r]);
             } else {
                 p = fast_exp2(fmaf(s[n][e], scale_log2, -row_lse[r]));
             }
-            if (EDGE && (key < lo[r] || key >= hi[r] || (partial && !mods.sees(row, key))))
-                p = 0.f;
+            if (EDGE && (key < lo[r] || key >= hi[r] || (partial && !mods.sees(row, key)))) p = 0.f;
             dp[n][e] = p * (dp[n][e] - row_delta[r]);
             if constexpr (MODIFIED) dp[n][e] *= derivative;
         }
@@ -388,11 +394,11 @@ __device__ __forceinline__ void query_tile_dscores(float (&s)[NTILES][4], float 
         query_dscores<true, SCORES_MODIFIED>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
                                              scale_log2, partial);
     else if (edge)
-        query_dscores<true, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
-                                   scale_log2, partial);
+        query_dscores<true, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta, scale_log2,
+                                   partial);
     else
-        query_dscores<false, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta,
-                                    scale_log2, false);
+        query_dscores<false, false>(s, dp, mask, mods, row0, n0, t, row_lse, row_delta, scale_log2,
+                                    false);
 }
 
 // lse (base 2) and Delta of a dQ pass's lane rows row0 and row0 + 8 of its query
@@ -439,10 +445,12 @@ struct QuerySteps {
 // rows [m0, m0 + BM) of head h (q_len rows; q_rows a head in lse and Delta)
 // into one set of buffers.
 template <int BM, int DT, int D, int NT, typename T>
-__device__ __forceinline__ void load_query_tile(
-    T* Qb, T* dOb, float* lse_b, float* delta_b, const T* __restrict__ q, const Strides& q_st,
-    const T* __restrict__ dout, const Strides& dout_st, const float* __restrict__ lse,
-    const float* __restrict__ delta, int b, int h, int m0, int num_heads, int q_len, int q_rows) {
+__device__ __forceinline__ void load_query_tile(T* Qb, T* dOb, float* lse_b, float* delta_b,
+                                                const T* __restrict__ q, const Strides& q_st,
+                                                const T* __restrict__ dout, const Strides& dout_st,
+                                                const float* __restrict__ lse,
+                                                const float* __restrict__ delta, int b, int h,
+                                                int m0, int num_heads, int q_len, int q_rows) {
     const int rows = min(BM, q_len - m0);
     const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_rows;
     cp_async_tile<BM, DT, NT, D>(Qb, q + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -453,12 +461,13 @@ __device__ __forceinline__ void load_query_tile(
 // dst[0] += x, dst[1] += y in float32 atomics (dst 8-byte aligned) where
 // `pred`, without a branch: one predicated vector reduction on sm_90 and
 // newer, two scalar ones before.
-__device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y,
-                                                  bool pred = true) {
+__device__ __forceinline__ void atomic_add_float2(float* dst, float x, float y, bool pred = true) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n"
-                 "@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
-                 :: "l"(dst), "f"(x), "f"(y), "r"(static_cast<int>(pred)) : "memory");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n"
+        "@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(dst),
+        "f"(x), "f"(y), "r"(static_cast<int>(pred))
+        : "memory");
 #else
     if (pred) {
         atomicAdd(dst, x);

@@ -17,7 +17,8 @@ __device__ __forceinline__ void init_rows(float (&o)[MT][DTILES][4], float (&row
         row_max[mt][0] = row_max[mt][1] = neg_inf();
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
 #pragma unroll
-        for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+        for (int d = 0; d < DTILES; ++d)
+            o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
     }
 }
 
@@ -52,10 +53,9 @@ __device__ __forceinline__ float masked_eagerly(float x, float masked, const Mod
 // (a branch a tile); else one copy that reads them per element (fewer
 // registers: the mma.sync forward).
 template <int MT, int NTILES, typename Mods = NoModifiers, bool SPECIALIZE = true>
-__device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
-                                             const Mask& mask, bool edge, int row0, int n0,
-                                             float scale_log2, const Mods& mods = Mods{},
-                                             bool partial = true) {
+__device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt, const Mask& mask,
+                                             bool edge, int row0, int n0, float scale_log2,
+                                             const Mods& mods = Mods{}, bool partial = true) {
     const bool modify = mods.modifies_scores();
     if (!modify && !edge) return scale_log2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -72,7 +72,7 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
         // read at run time, a conversion an element (fewer registers live across
         // the tile).
         const int offset = static_cast<int>(mods.offset);  // kv_len - q_len: an int
-        float row_distance[2] = {0.f, 0.f};  // of key n0 + 2 t
+        float row_distance[2] = {0.f, 0.f};                // of key n0 + 2 t
         if constexpr (ALIBI == kOn || RAW_UNITS) {
             const float key_base = static_cast<float>(n0 + 2 * t);
 #pragma unroll
@@ -125,8 +125,8 @@ __device__ __forceinline__ float mask_scores(float (&s)[MT][NTILES][4], int mt,
         if constexpr (SPECIALIZE) {
             // ALiBi in raw units needs the slope over a scale that is not 0 (nor
             // tiny) and stays finite
-            const bool raw_units_ok = fabsf(scale_log2) >= 1e-6f &&
-                                      fabsf(mods.slope2) <= 1e30f * fabsf(scale_log2);
+            const bool raw_units_ok =
+                fabsf(scale_log2) >= 1e-6f && fabsf(mods.slope2) <= 1e30f * fabsf(scale_log2);
             mods.kinds([&](auto built_ins) { each(built_ins, true); }, raw_units_ok);
         } else {
             each(BuiltIns<kRuntime, kRuntime>{}, true);
@@ -150,9 +150,8 @@ __device__ __forceinline__ float scores_bound(const Mods& mods) {
     if constexpr (!Mods::active || Mods::user_score || Mods::mask_only || !WIDE_EXPONENT)
         return neg_inf();
     else
-        return mods.softcap2 > 0.f && mods.softcap2 <= 60.f && mods.slope2 == 0.f
-                   ? mods.softcap2
-                   : neg_inf();
+        return mods.softcap2 > 0.f && mods.softcap2 <= 60.f && mods.slope2 == 0.f ? mods.softcap2
+                                                                                  : neg_inf();
 }
 
 // 2. Row r (g or g + 8) of m16 tile mt, scores times `score_scale` (from
@@ -166,8 +165,8 @@ __device__ __forceinline__ float scores_bound(const Mods& mods) {
 // (for a caller that skips O's rescale by 1).
 template <int MT, int NTILES, int LOG2_GAIN = 0, bool LAZY = false>
 __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
-                                         float (&row_sum)[MT][2], int mt, int r,
-                                         float score_scale, float bound = neg_inf()) {
+                                         float (&row_sum)[MT][2], int mt, int r, float score_scale,
+                                         float bound = neg_inf()) {
     float new_max = bound;
     if (bound == neg_inf()) {
         float mx = neg_inf();
@@ -210,8 +209,7 @@ __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_
 // 3. O's row r of m16 tile mt times alpha (1 where exp_row's running max did
 // not move: a caller with registers to spare on the branch skips the call).
 template <int MT, int DTILES>
-__device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, int r,
-                                            float alpha) {
+__device__ __forceinline__ void rescale_row(float (&o)[MT][DTILES][4], int mt, int r, float alpha) {
 #pragma unroll
     for (int d = 0; d < DTILES; ++d) {
         o[mt][d][2 * r] *= alpha;
@@ -230,9 +228,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NTILES][4], float (&
                                              bool partial = true) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const float score_scale =
-            mask_scores<MT, NTILES, Mods, SPECIALIZE>(s, mt, mask, edge, row0, n0, scale_log2,
-                                                      mods, partial);
+        const float score_scale = mask_scores<MT, NTILES, Mods, SPECIALIZE>(
+            s, mt, mask, edge, row0, n0, scale_log2, mods, partial);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             rescale_row(o, mt, r, exp_row(s, row_max, row_sum, mt, r, score_scale));
@@ -248,8 +245,7 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
                                             const float (&row_max)[MT][2],
                                             const float (&row_sum)[MT][2], int row0, int rows,
                                             float* __restrict__ lse_rows, Store store,
-                                            const float* __restrict__ sinks = nullptr,
-                                            int h = 0) {
+                                            const float* __restrict__ sinks = nullptr, int h = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -268,8 +264,7 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
 #pragma unroll
             for (int d = 0; d < DTILES; ++d)
                 store(row, d, o[mt][d][2 * r] * inv, o[mt][d][2 * r + 1] * inv);
-            if (t == 0)
-                lse_rows[row] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
+            if (t == 0) lse_rows[row] = total != 0.f ? top * kLn2 + logf(total) : neg_inf();
         }
 }
 

@@ -53,8 +53,7 @@ __device__ __forceinline__ void zero_tile(float (&acc)[N][4]) {
 
 // A fragment of rows [row0, row0 + 16), columns [col0, col0 + 8) of a pitched tile.
 template <int PITCH>
-__device__ __forceinline__ void load_a_f32(Tf32Frag<4>& f, const float* tile, int row0,
-                                           int col0) {
+__device__ __forceinline__ void load_a_f32(Tf32Frag<4>& f, const float* tile, int row0, int col0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float* p = tile + (row0 + g) * PITCH + col0 + t;
     f.set(0, p[0]);
@@ -65,8 +64,7 @@ __device__ __forceinline__ void load_a_f32(Tf32Frag<4>& f, const float* tile, in
 
 // B fragment (k x n = 8 x 8) read from a tile stored n-major: B(k, n) = tile[n0 + n][k0 + k].
 template <int PITCH>
-__device__ __forceinline__ void load_b_f32(Tf32Frag<2>& f, const float* tile, int n0,
-                                           int k0) {
+__device__ __forceinline__ void load_b_f32(Tf32Frag<2>& f, const float* tile, int n0, int k0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float* p = tile + (n0 + g) * PITCH + k0 + t;
     f.set(0, p[0]);
@@ -78,8 +76,8 @@ __device__ __forceinline__ void load_b_f32(Tf32Frag<2>& f, const float* tile, in
 // fragment taken from C accumulators (see a_from_c) uses the same order, so
 // the product is unchanged, and the reads hit 32 banks.
 template <int PITCH>
-__device__ __forceinline__ void load_b_f32_kmajor(Tf32Frag<2>& f, const float* tile,
-                                                  int k0, int n0) {
+__device__ __forceinline__ void load_b_f32_kmajor(Tf32Frag<2>& f, const float* tile, int k0,
+                                                  int n0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float* p = tile + (k0 + 2 * t) * PITCH + n0 + g;
     f.set(0, p[0]);
@@ -89,8 +87,8 @@ __device__ __forceinline__ void load_b_f32_kmajor(Tf32Frag<2>& f, const float* t
 // A fragment (16 x 8) read from a tile stored k-major, A(m, k) = tile[k0 + k'][m0 + m],
 // with load_b_f32_kmajor's k order.
 template <int PITCH>
-__device__ __forceinline__ void load_a_f32_kmajor(Tf32Frag<4>& f, const float* tile,
-                                                  int k0, int m0) {
+__device__ __forceinline__ void load_a_f32_kmajor(Tf32Frag<4>& f, const float* tile, int k0,
+                                                  int m0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float* p = tile + (k0 + 2 * t) * PITCH + m0 + g;
     f.set(0, p[0]);

@@ -81,8 +81,6 @@ struct NoScoreMod {
 };
 struct NoMaskMod {
     static constexpr bool is_identity = true;
-    CUFLASH_MOD_FN bool operator()(int, int, int, int, const ModifierArrays&) const {
-        return true;
-    }
+    CUFLASH_MOD_FN bool operator()(int, int, int, int, const ModifierArrays&) const { return true; }
 };
 #endif  // CUFLASH_MODIFIER_PRELUDE

@@ -41,57 +41,66 @@ namespace cuflash {
 // dO, which then loads while dQ runs), one elsewhere (ptxas spills some
 // smaller head dims at 128 registers).
 template <int D>
-__host__ __device__ constexpr int split_bwd_blocks() { return D == 64 ? 2 : 1; }
+__host__ __device__ constexpr int split_bwd_blocks() {
+    return D == 64 ? 2 : 1;
+}
 
 template <int D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_split(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol,
-    const float* __restrict__ lse, const float* __restrict__ delta,
-    float* __restrict__ dq_accum, float* __restrict__ dk, float* __restrict__ dv,
-    const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
+    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum, float* __restrict__ dk,
+    float* __restrict__ dv, const float* __restrict__ q_scales, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv),
-    int num_heads, int group, int kv_capacity,
-    CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
+    float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
     constexpr int BM = 64, BN = 64, NT = 256, KSTEPS = DP / 16, HALF = KSTEPS / 2;
     constexpr int SN = BM / 2, STILES = SN / 8, DTILES = DP / 8;
-    constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
+    constexpr int LOG2_GAIN = 14;   // P is computed times 2^14
     constexpr int PLANE = 64 * DP;  // elements of one 64-row piece of Q, K, V or dO
     constexpr int QBUF = split_bwd_blocks<D>() == 2 ? 1 : 2;  // buffers of Q, dO, lse, Delta
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128, "head_dim");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + 2 * PLANE;         // (hi, lo)
-    T* Qs = Vs + 2 * PLANE;         // QBUF buffers of (hi, lo)
+    T* Vs = Ks + 2 * PLANE;          // (hi, lo)
+    T* Qs = Vs + 2 * PLANE;          // QBUF buffers of (hi, lo)
     T* dOs = Qs + QBUF * 2 * PLANE;  // QBUF buffers of (hi, lo)
     T* Pt = dOs + QBUF * 2 * PLANE;  // P^T (hi, lo), [BN keys][BM queries]
-    T* dSt = Pt + 2 * BN * BM;      // dS^T (hi, lo)
+    T* dSt = Pt + 2 * BN * BM;       // dS^T (hi, lo)
     float* lse_s = reinterpret_cast<float*>(dSt + 2 * BN * BM);  // QBUF buffers of BM
-    float* delta_s = lse_s + QBUF * BM;                           // QBUF buffers of BM
-    float* warp_max = delta_s + QBUF * BM;                        // 8: max |dS^T| a warp
+    float* delta_s = lse_s + QBUF * BM;                          // QBUF buffers of BM
+    float* warp_max = delta_s + QBUF * BM;                       // 8: max |dS^T| a warp
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's keys (and dQ rows)
-    const int q0 = wg * SN;  // the warpgroup's first S^T query column
+    const int q0 = wg * SN;                                // the warpgroup's first S^T query column
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
-    doh += seq.q_start * dout_st.s; dol += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
-    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
-    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    qh += seq.q_start * q_st.s;
+    ql += seq.q_start * q_st.s;
+    doh += seq.q_start * dout_st.s;
+    dol += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq_accum += seq.q_start * D;
+    kh += seq.kv_start * k_st.s;
+    kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s;
+    vl += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
     // The pieces' scales are powers of two, 2^e_x, one a head: K's and V's
     // here, Q's and dO's per step. Scores of the scaled pieces are
     // 2^(e_q + e_k) times the true ones, dP^T 2^(e_do + e_v) times, the dQ
@@ -153,7 +162,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         // A (64 keys, K-major) times B^T (queries [q0, q0 + 32), K-major) over
         // k16 steps [ks0, ks0 + HALF) in a fresh accumulator: the cross
         // products of the pieces first, then hi * hi.
-        auto product_chunk = [&](float (&acc)[STILES][4], const T* a, const T* bm, int ks0) {
+        auto product_chunk = [&](float(&acc)[STILES][4], const T* a, const T* bm, int ks0) {
             auto a_at = [](int ks) { return (ks >> 2) * (BN * 64) + (ks & 3) * 16; };
             auto b_at = [&](int ks) { return (ks >> 2) * (BM * 64) + q0 * 64 + (ks & 3) * 16; };
 #pragma unroll
@@ -184,8 +193,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[n][e] += st_rest[n][e];
         probs<STILES, LOG2_GAIN>(st, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
-                                 m0 + q0, n0 + warp_row + g, t, lse_s + buf * BM + q0,
-                                 score_log2);
+                                 m0 + q0, n0 + warp_row + g, t, lse_s + buf * BM + q0, score_log2);
         wgmma_wait<0>();
         pin_registers(dpt);
         pin_registers(dpt_rest);
@@ -211,7 +219,7 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
                 pair;
         };
         // Rows g, g + 8 of the warp's 16 keys, queries q0 + 8 n + 2 t, + 1.
-        auto store_pieces = [&](T* tile, const float (&x)[STILES][4]) {
+        auto store_pieces = [&](T* tile, const float(&x)[STILES][4]) {
 #pragma unroll
             for (int n = 0; n < STILES; ++n)
 #pragma unroll
@@ -264,8 +272,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
         float dq[DTILES][4];
         if (ATOMIC_DQ) {
             auto ds_desc = [&](int piece, int kk) {
-                return wgmma_desc(dSt + piece * BN * BM + (wg * 32 + kk * 16) * 64,
-                                  COLUMN_BLOCKS, ATOM);
+                return wgmma_desc(dSt + piece * BN * BM + (wg * 32 + kk * 16) * 64, COLUMN_BLOCKS,
+                                  ATOM);
             };
             auto k_desc = [&](int piece, int kk) {
                 return wgmma_desc(Ks + piece * PLANE + (wg * 32 + kk * 16) * 64, COLUMN_BLOCKS,
@@ -277,7 +285,8 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_spli
                 Wgmma<T, DP>::ss_mn(dq, ds_desc(1, kk), k_desc(0, kk), 1);
             }
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) Wgmma<T, DP>::ss_mn(dq, ds_desc(0, kk), k_desc(0, kk), 1);
+            for (int kk = 0; kk < 2; ++kk)
+                Wgmma<T, DP>::ss_mn(dq, ds_desc(0, kk), k_desc(0, kk), 1);
             wgmma_commit();
             wgmma_wait<1>();
         } else {

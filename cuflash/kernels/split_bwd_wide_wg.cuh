@@ -33,10 +33,10 @@ namespace cuflash {
 // one warpgroup arrives when its half is in shared memory, the other waits.
 constexpr int kHandToSecond = 3, kHandToFirst = 4;
 __device__ __forceinline__ void barrier_arrive(int id) {
-    asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory");
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 __device__ __forceinline__ void barrier_wait(int id) {
-    asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory");
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
 }
 
 // This thread's fragment of an m64 accumulator of TILES 8-column tiles to or
@@ -46,7 +46,8 @@ template <int TILES>
 __device__ __forceinline__ void hand_over(float4* slots, const float (&x)[TILES][4]) {
     const int rank = threadIdx.x & 127;
 #pragma unroll
-    for (int n = 0; n < TILES; ++n) slots[n * 128 + rank] = make_float4(x[n][0], x[n][1], x[n][2], x[n][3]);
+    for (int n = 0; n < TILES; ++n)
+        slots[n * 128 + rank] = make_float4(x[n][0], x[n][1], x[n][2], x[n][3]);
 }
 template <int TILES>
 __device__ __forceinline__ void take_over(const float4* slots, float (&x)[TILES][4]) {
@@ -54,7 +55,10 @@ __device__ __forceinline__ void take_over(const float4* slots, float (&x)[TILES]
 #pragma unroll
     for (int n = 0; n < TILES; ++n) {
         const float4 v = slots[n * 128 + rank];
-        x[n][0] = v.x; x[n][1] = v.y; x[n][2] = v.z; x[n][3] = v.w;
+        x[n][0] = v.x;
+        x[n][1] = v.y;
+        x[n][2] = v.z;
+        x[n][3] = v.w;
     }
 }
 
@@ -108,8 +112,8 @@ __device__ __forceinline__ void pieces_product(float (&acc)[ROWS_B / 8][4], cons
 // fresh m64n64 accumulator a chunk (cross products first).
 template <int CHUNKS, int OWN>
 __device__ __forceinline__ void add_pieces_times(float (&own)[OWN][4], const float (&x)[4][4],
-                                                 const half_t* b_hi, const half_t* b_lo,
-                                                 int first, float factor) {
+                                                 const half_t* b_hi, const half_t* b_lo, int first,
+                                                 float factor) {
     constexpr unsigned ATOM = 1024, COLUMN_BLOCK = 32 * 64;  // a 64-column block of B
     unsigned a_hi[2][4], a_lo[2][4];
     split_fragments(x, a_hi, a_lo);
@@ -160,31 +164,32 @@ __device__ __forceinline__ int warpgroup_pow2_exponent(const float (&x)[4][4], f
 
 template <int D>
 __global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol,
-    const float* __restrict__ lse, const float* __restrict__ delta,
-    float* __restrict__ dq_accum, float* __restrict__ dk, float* __restrict__ dv,
-    const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
+    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq_accum, float* __restrict__ dk,
+    float* __restrict__ dv, const float* __restrict__ q_scales, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
-    CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
+    float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     constexpr int DP = 256, BN = 64, BM = 32, NT = 256, QTILES = BM / 8;
     constexpr int KSTEPS = round_up(D, 16) / 16, COLUMN_CHUNKS = round_up(D, 64) / 64;
     constexpr int LOG2_GAIN = 14;  // P^T is computed times 2^14
     constexpr int KPLANE = BN * DP, QPLANE = BM * DP;
     static_assert(D % 8 == 0 && D > 128 && D <= DP, "head_dim");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + 2 * KPLANE;   // (hi, lo)
-    T* Qs = Vs + 2 * KPLANE;   // (hi, lo)
-    T* dOs = Qs + 2 * QPLANE;  // (hi, lo)
+    T* Vs = Ks + 2 * KPLANE;                                        // (hi, lo)
+    T* Qs = Vs + 2 * KPLANE;                                        // (hi, lo)
+    T* dOs = Qs + 2 * QPLANE;                                       // (hi, lo)
     float4* handoff = reinterpret_cast<float4*>(dOs + 2 * QPLANE);  // P^T: [QTILES][128]
     float* lse_s = reinterpret_cast<float*>(handoff + QTILES * 128);
     float* delta_s = lse_s + BM;
@@ -194,12 +199,18 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's 16 keys
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
-    doh += seq.q_start * dout_st.s; dol += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start;
-    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
-    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    qh += seq.q_start * q_st.s;
+    ql += seq.q_start * q_st.s;
+    doh += seq.q_start * dout_st.s;
+    dol += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    kh += seq.kv_start * k_st.s;
+    kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s;
+    vl += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
     const int kv_head = b * gridDim.y + hk;
     const int e_k = ilogbf(k_scales[kv_head]), e_v = ilogbf(v_scales[kv_head]);
 
@@ -207,8 +218,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
     auto load_step = [&](int step) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
-        load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
-                               rows);
+        load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0, rows);
         const long long q_at = offset_of(q_st, b, h, m0), do_at = offset_of(dout_st, b, h, m0);
         cp_async_tile_sw128<BM, DP, NT, D>(Qs, qh + q_at, q_st.s, rows);
         cp_async_tile_sw128<BM, DP, NT, D>(Qs + QPLANE, ql + q_at, q_st.s, rows);
@@ -292,36 +302,37 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
 
 template <int D>
 __global__ void __launch_bounds__(256, 1) attention_bwd_dq_split_wide(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol,
-    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-    const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
+    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq, const float* __restrict__ q_scales,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales,
+    const float* __restrict__ do_scales, CUFLASH_OFFSETS, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
+    CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
+    CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 32, NT = 256, NTILES = BN / 8;
     constexpr int KSTEPS = round_up(D, 16) / 16;
     constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
     constexpr int QPLANE = BM * DP, KPLANE = BN * DP;
     static_assert(D % 8 == 0 && D > 128 && D <= DP, "head_dim");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* dOs = Qs + 2 * QPLANE;  // (hi, lo)
-    T* Ks = dOs + 2 * QPLANE;  // (hi, lo)
-    T* Vs = Ks + 2 * KPLANE;   // (hi, lo)
+    T* dOs = Qs + 2 * QPLANE;                                        // (hi, lo)
+    T* Ks = dOs + 2 * QPLANE;                                        // (hi, lo)
+    T* Vs = Ks + 2 * KPLANE;                                         // (hi, lo)
     float4* to_second = reinterpret_cast<float4*>(Vs + 2 * KPLANE);  // P: [NTILES][128]
     float4* to_first = to_second + NTILES * 128;                     // dS: [NTILES][128]
     float* lse_s = reinterpret_cast<float*>(to_first + NTILES * 128);
     float* delta_s = lse_s + BM;
-    float* maxima = delta_s + BM;                                 // 4
-    int* ds_exponent = reinterpret_cast<int*>(maxima + 4);        // e_ds, for warpgroup 0
+    float* maxima = delta_s + BM;                           // 4
+    int* ds_exponent = reinterpret_cast<int*>(maxima + 4);  // e_ds, for warpgroup 0
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's 16 query rows
@@ -329,13 +340,20 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_split_wide(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
-    doh += seq.q_start * dout_st.s; dol += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq += seq.q_start * dq_st.s;
-    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
-    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
+    qh += seq.q_start * q_st.s;
+    ql += seq.q_start * q_st.s;
+    doh += seq.q_start * dout_st.s;
+    dol += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq += seq.q_start * dq_st.s;
+    kh += seq.kv_start * k_st.s;
+    kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s;
+    vl += seq.kv_start * v_st.s;
     const int kv_head = b * (num_heads / group) + hk;
-    const int e_q = ilogbf(q_scales[b * num_heads + h]), e_do = ilogbf(do_scales[b * num_heads + h]);
+    const int e_q = ilogbf(q_scales[b * num_heads + h]),
+              e_do = ilogbf(do_scales[b * num_heads + h]);
     const int e_k = ilogbf(k_scales[kv_head]), e_v = ilogbf(v_scales[kv_head]);
     const float score_log2 = ldexpf(scale_log2, -(e_q + e_k));
     const float dp_unscale = ldexpf(1.f, -(e_do + e_v));

@@ -50,7 +50,8 @@ __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, uns
     hi = TensorOp<half_t>::pack(x0, x1);
     float h0, h1;
     asm("{\n.reg .f16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n"
-        : "=f"(h0), "=f"(h1) : "r"(hi));
+        : "=f"(h0), "=f"(h1)
+        : "r"(hi));
     lo = TensorOp<half_t>::pack(x0 - h0, x1 - h1);
 }
 
@@ -60,8 +61,8 @@ __device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, uns
 // (the pieces' padding).
 template <int D, int COLS>
 __device__ __forceinline__ void store_key_rows(float* dst, long long ss,
-                                               const float (&own)[COLS][4], int warp_row,
-                                               int g, int t, int valid_rows, float out_scale) {
+                                               const float (&own)[COLS][4], int warp_row, int g,
+                                               int t, int valid_rows, float out_scale) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = warp_row + g + 8 * r;
@@ -70,8 +71,8 @@ __device__ __forceinline__ void store_key_rows(float* dst, long long ss,
 #pragma unroll
         for (int d = 0; d < COLS; ++d)
             if (d * 8 < D)
-                row[d * 4 + t] = make_float2(own[d][2 * r] * out_scale,
-                                             own[d][2 * r + 1] * out_scale);
+                row[d * 4 + t] =
+                    make_float2(own[d][2 * r] * out_scale, own[d][2 * r + 1] * out_scale);
     }
 }
 
@@ -86,16 +87,15 @@ __device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             split_pack(x[2 * kk + j][0], x[2 * kk + j][1], hi[kk][2 * j], lo[kk][2 * j]);
-            split_pack(x[2 * kk + j][2], x[2 * kk + j][3], hi[kk][2 * j + 1],
-                       lo[kk][2 * j + 1]);
+            split_pack(x[2 * kk + j][2], x[2 * kk + j][3], hi[kk][2 * j + 1], lo[kk][2 * j + 1]);
         }
 }
 
 // 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
 template <int D>
-__global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict__ x,
-                                                         unsigned* __restrict__ abs_max_bits,
-                                                         CUFLASH_STRIDES(x), int rows) {
+__global__ void __launch_bounds__(128)
+    attention_abs_max(const float* __restrict__ x, unsigned* __restrict__ abs_max_bits,
+                      CUFLASH_STRIDES(x), int rows) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
@@ -118,10 +118,11 @@ __global__ void __launch_bounds__(128) attention_abs_max(const float* __restrict
 // (the kernels that read them fill their tiles' padding columns with zeros),
 // rows [0, rows) of each head.
 template <int D>
-__global__ void __launch_bounds__(128) attention_split_f16(
-    const float* __restrict__ x, const float* __restrict__ abs_max, half_t* __restrict__ hi,
-    half_t* __restrict__ lo, float* __restrict__ scale_out, CUFLASH_STRIDES(x), int num_heads,
-    int seq_len, int rows) {
+__global__ void __launch_bounds__(128)
+    attention_split_f16(const float* __restrict__ x, const float* __restrict__ abs_max,
+                        half_t* __restrict__ hi, half_t* __restrict__ lo,
+                        float* __restrict__ scale_out, CUFLASH_STRIDES(x), int num_heads,
+                        int seq_len, int rows) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
@@ -143,30 +144,33 @@ __global__ void __launch_bounds__(128) attention_split_f16(
 // from the split kernels ([B, H] and [B, H_kv]);
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
-__global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ q_scales,
-    const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q),
-    CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
-    CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
+    attention_fwd_split(const half_t* __restrict__ qh, const half_t* __restrict__ ql,
+                        const half_t* __restrict__ kh, const half_t* __restrict__ kl,
+                        const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+                        float* __restrict__ out, float* __restrict__ lse,
+                        const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+                        const float* __restrict__ v_scales, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
+                        CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads,
+                        int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
     constexpr int WG = 2, BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DP / 8;
     constexpr int KSTEPS = DP / 16, HALF = KSTEPS / 2;
-    constexpr int LOG2_GAIN = 14;          // P is computed times 2^14
+    constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ql = Qh + BM * DP;
-    T* Ks = Ql + BM * DP;       // two buffers of (hi, lo), BN x DP each
-    T* Vs = Ks + 4 * BN * DP;   // two buffers of (hi, lo)
+    T* Ks = Ql + BM * DP;      // two buffers of (hi, lo), BN x DP each
+    T* Vs = Ks + 4 * BN * DP;  // two buffers of (hi, lo)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -174,13 +178,16 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
-    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
-    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
+    qh += seq.q_start * q_st.s;
+    ql += seq.q_start * q_st.s;
+    kh += seq.kv_start * k_st.s;
+    kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s;
+    vl += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
     const int kv_head = b * (num_heads / group) + hk;
-    const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
-                s_v = v_scales[kv_head];
+    const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head], s_v = v_scales[kv_head];
 
     cp_async_tile_sw128<BM, DP, NT, D>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
     cp_async_tile_sw128<BM, DP, NT, D>(Ql, ql + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
         // S = Q K^T in two chunks of DP / 2, each in a fresh accumulator: the
         // small cross products of a chunk first, then hi * hi (see the top).
         float s[1][NTILES][4], s_rest[1][NTILES][4];
-        auto score_chunk = [&](float (&acc)[NTILES][4], int ks0) {
+        auto score_chunk = [&](float(&acc)[NTILES][4], int ks0) {
 #pragma unroll
             for (int ks = ks0; ks < ks0 + HALF; ++ks) {
                 const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
@@ -249,9 +256,9 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][n][e] += s_rest[0][n][e];
 
-        const float score_scale = mask_scores(s, 0, mask,
-                                              !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
-                                              m0 + warp_row, n0, score_log2);
+        const float score_scale =
+            mask_scores(s, 0, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
+                        m0 + warp_row, n0, score_log2);
         const float alpha0 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 0, score_scale);
         const float alpha1 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 1, score_scale);
 
@@ -266,14 +273,14 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             Wgmma<T, DP>::rs(o_tile, p_hi[kk],
-                            wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), kk > 0);
+                             wgmma_desc(Vl + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), kk > 0);
             Wgmma<T, DP>::rs(o_tile, p_lo[kk],
-                            wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+                             wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             Wgmma<T, DP>::rs(o_tile, p_hi[kk],
-                            wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+                             wgmma_desc(Vh + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
         wgmma_wait_all();
         pin_registers(o_tile);
@@ -297,12 +304,14 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1) attention_fwd_split(
     for (int r = 0; r < 2; ++r) row_sum[0][r] *= 1.f / (1 << LOG2_GAIN);
     const float out_scale = ldexpf(1.f, -(LOG2_GAIN + ilogbf(s_v)));  // s_v = 2^k
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
-                [&](int row, int d, float x0, float x1) {
-                    if (d * 8 < D)  // past D: the pieces' padding columns
-                        reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
-                            make_float2(x0 * out_scale, x1 * out_scale);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp_row, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            if (d * 8 < D)  // past D: the pieces' padding columns
+                reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
+                    make_float2(x0 * out_scale, x1 * out_scale);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

@@ -23,24 +23,28 @@
 namespace cuflash {
 
 template <int D>
-__global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-    const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-    const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ q_scales,
-    const float* __restrict__ k_scales, const float* __restrict__ v_scales, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q),
-    CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads, int group,
-    CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_fwd_split_wide(const half_t* __restrict__ qh, const half_t* __restrict__ ql,
+                             const half_t* __restrict__ kh, const half_t* __restrict__ kl,
+                             const half_t* __restrict__ vh, const half_t* __restrict__ vl,
+                             float* __restrict__ out, float* __restrict__ lse,
+                             const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+                             const float* __restrict__ v_scales, CUFLASH_OFFSETS,
+                             CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                             CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                             float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the tiles' width
-    constexpr int NTILES = BN / 8, OTILES = DP / 2 / 8;   // O: 128 columns a warpgroup
-    constexpr int KW = (round_up(D, 16) / 16 + 1) / 2;    // k16 steps a warpgroup
-    constexpr int CHUNK = 4;                              // k16 steps a fresh S sum
-    constexpr int LOG2_GAIN = 14;                         // P is computed times 2^14
+    constexpr int NTILES = BN / 8, OTILES = DP / 2 / 8;  // O: 128 columns a warpgroup
+    constexpr int KW = (round_up(D, 16) / 16 + 1) / 2;   // k16 steps a warpgroup
+    constexpr int CHUNK = 4;                             // k16 steps a fresh S sum
+    constexpr int LOG2_GAIN = 14;                        // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D > 128 && D <= DP, "head_dim");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
@@ -58,13 +62,16 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    qh += seq.q_start * q_st.s; ql += seq.q_start * q_st.s;
-    kh += seq.kv_start * k_st.s; kl += seq.kv_start * k_st.s;
-    vh += seq.kv_start * v_st.s; vl += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
+    qh += seq.q_start * q_st.s;
+    ql += seq.q_start * q_st.s;
+    kh += seq.kv_start * k_st.s;
+    kl += seq.kv_start * k_st.s;
+    vh += seq.kv_start * v_st.s;
+    vl += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
     const int kv_head = b * (num_heads / group) + hk;
-    const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head],
-                s_v = v_scales[kv_head];
+    const float s_q = q_scales[b * num_heads + h], s_k = k_scales[kv_head], s_v = v_scales[kv_head];
 
     // Columns [0, D) of every tile; past D the copies write zeros.
     cp_async_tile_sw128<BM, DP, NT, D>(Qh, qh + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -96,7 +103,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
 
     // acc = this warpgroup's steps [first_step + c0, first_step + c1) of Q K^T,
     // fresh: the cross products of the pieces first, then hi * hi.
-    auto score_chunk = [&](float (&acc)[NTILES][4], int c0, int c1) {
+    auto score_chunk = [&](float(&acc)[NTILES][4], int c0, int c1) {
         auto q_at = [](int ks) { return (ks >> 2) * (BM * 64) + (ks & 3) * 16; };
         auto k_at = [](int ks) { return (ks >> 2) * (BN * 64) + (ks & 3) * 16; };
 #pragma unroll
@@ -155,9 +162,9 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
             s[0][n][3] += x.w;
         }
 
-        const float score_scale = mask_scores(s, 0, mask,
-                                              !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
-                                              m0 + warp_row, n0, score_log2);
+        const float score_scale =
+            mask_scores(s, 0, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN),
+                        m0 + warp_row, n0, score_log2);
         const float alpha0 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 0, score_scale);
         const float alpha1 = exp_row<1, NTILES, LOG2_GAIN>(s, row_max, row_sum, 0, 1, score_scale);
 
@@ -212,14 +219,15 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_split_wide(
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     float* lse_rows = wg == 0 ? lse + row_base : reinterpret_cast<float*>(halves);
     const int first_column = wg * (DP / 2);
-    finish_rows(o, row_max, row_sum, warp_row, rows, lse_rows,
-                [&](int row, int d, float x0, float x1) {
-                    const int column = first_column + d * 8;
-                    if (column < D)  // past D: the pieces' padding columns
-                        reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) +
-                                                  column)[t] =
-                            make_float2(x0 * out_scale, x1 * out_scale);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp_row, rows, lse_rows,
+        [&](int row, int d, float x0, float x1) {
+            const int column = first_column + d * 8;
+            if (column < D)  // past D: the pieces' padding columns
+                reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) + column)[t] =
+                    make_float2(x0 * out_scale, x1 * out_scale);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

@@ -20,15 +20,16 @@
 namespace cuflash {
 
 template <int D, int BM, int BN, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    const float* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum,
-    float* __restrict__ dk, float* __restrict__ dv, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv),
-    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(BN * 2, 1)
+    attention_bwd_dkdv_tc32(const float* __restrict__ q, const float* __restrict__ k,
+                            const float* __restrict__ v, const float* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ delta,
+                            float* __restrict__ dq_accum, float* __restrict__ dk,
+                            float* __restrict__ dv, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
+                            CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+                            CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
+                            CUFLASH_MASK_PARAMS, float scale, float scale_log2,
+                            CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = BN * 2, NW = BN / 16, P = D + 4, PQ = BM + 4;
     constexpr int KSTEPS = D / 8, QTILES = BM / 8, DTILES = D / 8;
     // dQ work split: warp w takes m16 tile w % QM and a slice of DQ_SLICE d-tiles.
@@ -37,7 +38,10 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     static_assert(BN % 16 == 0 && BM % 16 == 0 && NW % QM == 0, "tile shape");
     using FragA = Tf32Frag<4>;
     using FragB = Tf32Frag<2>;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
@@ -52,10 +56,15 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
 
     float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
@@ -76,8 +85,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
             const int rows = min(BM, mask.q_len - m0);
             __syncthreads();  // the previous query tile's readers are done
             cp_async_tile_f32<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-            cp_async_tile_f32<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
-                                         rows);
+            cp_async_tile_f32<BM, D, NT>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
             load_row_stats<BM, NT>(lse_s, delta_s, lse + head_rows + m0, delta + head_rows + m0,
                                    rows);
             cp_async_commit();
@@ -104,8 +112,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
                 }
             }
 
-            probs_and_dscores(st, dpt, mask,
-                              !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN), m0,
+            probs_and_dscores(st, dpt, mask, !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN), m0,
                               n0 + warp * 16 + g, t, lse_s, delta_s, scale_log2);
 
             // dV += P^T dO and dK += dS^T Q: A from the accumulators, B = dO / Q.
@@ -155,8 +162,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_bwd_dkdv_tc32(
                     for (int r = 0; r < 2; ++r) {
                         const int row = qm * 16 + g + 8 * r;
                         if (row >= rows) continue;
-                        float* dst = dq_accum + (head_rows + m0 + row) * D +
-                                     (d_first + c0) * 8 + 2 * t;
+                        float* dst =
+                            dq_accum + (head_rows + m0 + row) * D + (d_first + c0) * 8 + 2 * t;
 #pragma unroll
                         for (int d = 0; d < DQ_CHUNK; ++d) {
                             if (c0 + d >= d_count) break;

@@ -14,16 +14,20 @@
 namespace cuflash {
 
 template <int D, int BM, int BN>
-__global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(BM * 2, 1)
+    attention_fwd_tc32(const float* __restrict__ q, const float* __restrict__ k,
+                       const float* __restrict__ v, float* __restrict__ out,
+                       float* __restrict__ lse, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
+                       CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads,
+                       int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
     using FragA = Tf32Frag<4>;
     using FragB = Tf32Frag<2>;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);
@@ -35,8 +39,11 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
 
     cp_async_tile_f32<BM, D, NT>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -64,7 +71,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
         const float* Vb = Vs + buf * BN * P;
 
         // One k-step of S = Q K^T into acc.
-        auto score_step = [&](int ks, float (&acc)[NTILES][4]) {
+        auto score_step = [&](int ks, float(&acc)[NTILES][4]) {
             FragA a;
             load_a_f32<P>(a, Qs, warp * 16, ks * 8);
 #pragma unroll
@@ -98,11 +105,13 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_fwd_tc32(
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(o, row_max, row_sum, warp * 16, rows, lse + row_base,
-                [&](int row, int d, float x0, float x1) {
-                    *reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) + d * 8 + 2 * t) =
-                        make_float2(x0, x1);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp * 16, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            *reinterpret_cast<float2*>(out + offset_of(out_st, b, h, m0 + row) + d * 8 + 2 * t) =
+                make_float2(x0, x1);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

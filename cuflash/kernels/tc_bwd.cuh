@@ -22,15 +22,15 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
-__global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv),
-    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(BN * 2)
+    attention_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, float* __restrict__ dq_accum,
+                          T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
+                          CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                          CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dkv), int num_heads, int group,
+                          int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2,
+                          CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64 or 128 columns wide (the head_dim's class); products over
     // the head_dim and dK, dV on its exact width DK (padding columns zeros).
@@ -39,25 +39,33 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
     constexpr int QM = BM / 16, DQ_TILES = DT / 8 / (NW / QM);  // dQ work split
     static_assert(BN % 16 == 0 && BM % 32 == 0 && NW % QM == 0 && D % 8 == 0 && DT <= 128,
                   "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
-    T* dSs = dOs + 2 * BM * DT;  // dS^T, [BN keys][BM queries]
+    T* Qs = Vs + BN * DT;                                    // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;                               // two buffers of BM x DT
+    T* dSs = dOs + 2 * BM * DT;                              // dS^T, [BN keys][BM queries]
     float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                         // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
     // ldmatrix row/chunk of this lane for an A fragment and for a B pair.
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
     const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
@@ -93,8 +101,8 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
             }
         }
 
-        const auto mods =
-            score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+        const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h,
+                                                    mask, user_args);
         if constexpr (MODIFIED && !Modifiers<MODIFIED>::mask_only)
             modified_probs_and_dscores(st, dpt, mask, mods, m0, n0 + warp * 16 + g, t, lse_b,
                                        delta_b, scale_log2);
@@ -116,10 +124,14 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
                                     Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
                                     Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
             if (ATOMIC_DQ) {  // keep dS^T for the dQ product
-                unsigned* row_lo = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk) + 2 * t);
-                unsigned* row_hi = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk) + 2 * t);
-                unsigned* row_lo2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk + 1) + 2 * t);
-                unsigned* row_hi2 = reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk + 1) + 2 * t);
+                unsigned* row_lo =
+                    reinterpret_cast<unsigned*>(dSs + swizzled<BM>(warp * 16 + g, 2 * kk) + 2 * t);
+                unsigned* row_hi = reinterpret_cast<unsigned*>(
+                    dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk) + 2 * t);
+                unsigned* row_lo2 = reinterpret_cast<unsigned*>(
+                    dSs + swizzled<BM>(warp * 16 + g, 2 * kk + 1) + 2 * t);
+                unsigned* row_hi2 = reinterpret_cast<unsigned*>(
+                    dSs + swizzled<BM>(warp * 16 + g + 8, 2 * kk + 1) + 2 * t);
                 *row_lo = sa[0];
                 *row_hi = sa[1];
                 *row_lo2 = sa[2];
@@ -140,17 +152,16 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         if (ATOMIC_DQ) {  // dQ[m16 tile warp % QM, d slice] += scale * dS K
             __syncthreads();
             atomic_dq_tile<T, D, BM, BN, DQ_TILES>(dSs, Ks, dq_accum + (head_rows + m0) * D,
-                                                   warp % QM, (warp / QM) * DQ_TILES, rows,
-                                                   scale);
+                                                   warp % QM, (warp / QM) * DQ_TILES, rows, scale);
         }
     };
 
     const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
     auto load_step = [&](int step, int buf) {
         load_query_tile<BM, DT, D, NT>(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
-                                   delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
-                                   steps.head(step), steps.row0(step), num_heads, mask.q_len,
-                                   q_len);
+                                       delta_s + buf * BM, q, q_st, dout, dout_st, lse, delta, b,
+                                       steps.head(step), steps.row0(step), num_heads, mask.q_len,
+                                       q_len);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
@@ -167,14 +178,14 @@ __global__ void __launch_bounds__(BN * 2) attention_bwd_dkdv_tc(
         __syncthreads();
         const int h = steps.head(step), m0 = steps.row0(step);
         const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
-        query_tile(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM,
-                   delta_s + buf * BM, head_rows, m0, min(BM, mask.q_len - m0), h);
+        query_tile(Qs + buf * BM * DT, dOs + buf * BM * DT, lse_s + buf * BM, delta_s + buf * BM,
+                   head_rows, m0, min(BM, mask.q_len - m0), h);
         __syncthreads();  // dS^T and this query buffer are rewritten next
     }
 
     const long long tile_key = offset_of(dkv_st, b, hk, n0);
-    store_dkdv<T, D, DTILES>(dk + tile_key, dv + tile_key, dkv_st.s, warp * 16, seq.key_rows - n0, 0, dk_acc, dv_acc,
-                             scale);
+    store_dkdv<T, D, DTILES>(dk + tile_key, dv + tile_key, dkv_st.s, warp * 16, seq.key_rows - n0,
+                             0, dk_acc, dv_acc, scale);
 }
 
 }  // namespace cuflash

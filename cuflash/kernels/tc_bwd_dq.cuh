@@ -25,13 +25,14 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
-__global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(BM * 2, 2)
+    attention_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ dout, const float* __restrict__ lse,
+                        const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
+                        CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                        CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
+                        CUFLASH_MASK_PARAMS, float scale, float scale_log2,
+                        CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim and dQ's columns on its exact width DK (padding zeros).
@@ -40,7 +41,10 @@ __global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
     // Scores the modifiers change take the per-element path on every tile.
     constexpr bool SCORES_MODIFIED = MODIFIED && !Modifiers<MODIFIED>::mask_only;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
@@ -54,9 +58,13 @@ __global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq += seq.q_start * dq_st.s;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq += seq.q_start * dq_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
     const auto mods =
         score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
@@ -125,8 +133,8 @@ __global__ void __launch_bounds__(BM * 2, 2) attention_bwd_dq_tc(
     }
     cp_async_wait<0>();  // Q's and dO's copies, when no key tile was read
 
-    store_fragment_rows<T, D, DTILES>(dq + offset_of(dq_st, b, h, m0), dq_st.s, warp * 16, rows,
-                                      0, acc, scale);
+    store_fragment_rows<T, D, DTILES>(dq + offset_of(dq_st, b, h, m0), dq_st.s, warp * 16, rows, 0,
+                                      acc, scale);
 }
 
 }  // namespace cuflash

@@ -22,13 +22,14 @@
 namespace cuflash {
 
 template <typename T, int D, int BN, bool MODIFIED>
-__global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, const T* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           T* __restrict__ dq, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
+                           CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
+                           CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                           float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // The exact head_dim in k16 steps (DK columns, padding zeros) in tiles of the
     // head_dim's class (DL columns, in blocks of 64).
@@ -38,14 +39,17 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     static_assert(D % 8 == 0 && D <= 256 && (BN == 32 || BN == 64), "tile shape");
     // Scores the modifiers change take the per-element path on every tile.
     constexpr bool SCORES_MODIFIED = MODIFIED && !Modifiers<MODIFIED>::mask_only;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* dOs = Qs + BM * DL;
-    T* Ks = dOs + BM * DL;      // two buffers of BN x DL
-    T* Vs = Ks + 2 * BN * DL;   // two buffers of BN x DL
+    T* Ks = dOs + BM * DL;     // two buffers of BN x DL
+    T* Vs = Ks + 2 * BN * DL;  // two buffers of BN x DL
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;
@@ -53,15 +57,18 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq += seq.q_start * dq_st.s;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq += seq.q_start * dq_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
     const auto mods =
         score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-    cp_async_tile_sw128<BM, DK, NT, D>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s,
-                                       rows);
+    cp_async_tile_sw128<BM, DK, NT, D>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
@@ -69,10 +76,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_kv = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s,
-                                           keys);
-        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s,
-                                           keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s, keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s, keys);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -112,8 +117,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
             const int kv_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
-            Wgmma<T, BN>::ss(dp, wgmma_desc(dOs + q_at, 16, ATOM),
-                             wgmma_desc(Vb + kv_at, 16, ATOM), ks > 0);
+            Wgmma<T, BN>::ss(dp, wgmma_desc(dOs + q_at, 16, ATOM), wgmma_desc(Vb + kv_at, 16, ATOM),
+                             ks > 0);
         }
         wgmma_commit();
         const bool partial = mods.partial_tile(m0 / BM, n0 / BN);
@@ -137,8 +142,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DK>::rs(acc, dsa[kk],
-                             wgmma_desc(Kb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+            Wgmma<T, DK>::rs(acc, dsa[kk], wgmma_desc(Kb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
+                             1);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc);
@@ -146,8 +151,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dq_wgmma(
     }
     cp_async_wait<0>();  // Q's and dO's copies, when no key tile was read
 
-    store_fragment_rows<T, D, DTILES>(dq + offset_of(dq_st, b, h, m0), dq_st.s, warp_row, rows,
-                                      0, acc, scale);
+    store_fragment_rows<T, D, DTILES>(dq + offset_of(dq_st, b, h, m0), dq_st.s, warp_row, rows, 0,
+                                      acc, scale);
 }
 
 }  // namespace cuflash

@@ -75,15 +75,15 @@ static_assert(best_split(256).dv_first == 128 && best_split(256).dk_first == 128
 static_assert(best_split(192).dv_first + best_split(192).dk_first == 192, "DK = 192");
 
 template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED>
-__global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv),
-    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_bwd_dkdv_wgmma(const T* __restrict__ q, const T* __restrict__ k,
+                             const T* __restrict__ v, const T* __restrict__ dout,
+                             const float* __restrict__ lse, const float* __restrict__ delta,
+                             float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv,
+                             CUFLASH_OFFSETS, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
+                             CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dkv),
+                             int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
+                             float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
     // products over the head_dim take DK / 16 k16 steps (padding columns zeros).
@@ -101,18 +101,21 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
     constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;           // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;      // two buffers of BM x DT
-    T* dSs = dOs + 2 * BM * DT;     // dS^T, [BN keys][BM queries]
-    T* Ps = dSs + BN * BM;          // P^T, [BN keys][BM queries] (EXCHANGE only)
+    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
+    T* dSs = dOs + 2 * BM * DT;  // dS^T, [BN keys][BM queries]
+    T* Ps = dSs + BN * BM;       // P^T, [BN keys][BM queries] (EXCHANGE only)
     float* lse_s = reinterpret_cast<float*>(Ps + (EXCHANGE ? BN * BM : 0));  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                                         // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;
@@ -121,14 +124,19 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
     const int q0 = EXCHANGE ? wg * SN : 0;      // and first S^T query column
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
     if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    q += seq.q_start * q_st.s; dout += seq.q_start * dout_st.s;
-    lse += seq.q_start; delta += seq.q_start; dq_accum += seq.q_start * D;
-    k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s; dv += seq.kv_start * dkv_st.s;
+    q += seq.q_start * q_st.s;
+    dout += seq.q_start * dout_st.s;
+    lse += seq.q_start;
+    delta += seq.q_start;
+    dq_accum += seq.q_start * D;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    dk += seq.kv_start * dkv_st.s;
+    dv += seq.kv_start * dkv_st.s;
 
     QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
-    steps.narrow(score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
-                                           hk * group, mask, user_args),
+    steps.narrow(score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, hk * group,
+                                           mask, user_args),
                  blockIdx.x, hk, group);
     auto load_step = [&](int step, int buf) {
         const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
@@ -137,8 +145,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                                delta + head_rows + m0, rows);
         cp_async_tile_sw128<BM, DK, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0),
                                            q_st.s, rows);
-        cp_async_tile_sw128<BM, DK, NT, D>(dOs + buf * BM * DT,
-                                           dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+        cp_async_tile_sw128<BM, DK, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, m0),
+                                           dout_st.s, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
@@ -194,8 +202,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                 const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
                 const int q_at = (ks >> 2) * (BM * 64) + q0 * 64 + (ks & 3) * 16;
                 Wgmma<T, SN>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM),
-                                 wgmma_desc(Qb + q_at, 16, ATOM),
-                                 ks > 0);
+                                 wgmma_desc(Qb + q_at, 16, ATOM), ks > 0);
             }
             wgmma_commit();
 #pragma unroll
@@ -206,9 +213,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
                                  wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
             }
             wgmma_commit();
-            const auto mods =
-                score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask,
-                                          user_args);
+            const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
+                                                        h, mask, user_args);
             const bool partial = mods.partial_tile(blockIdx.x, m0 / BM);
             // Modified scores take P^T and dS^T in one pass after both products (the
             // modifiers' derivative enters dS^T); ALiBi alone (derivative 1) may take
@@ -281,8 +287,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 #pragma unroll
                 for (int kk = 0; kk < DQ_KSTEPS; ++kk)
                     Wgmma<T, DQ_COLS>::ss_mn(
-                        dq, wgmma_desc(dSs + dq_block * (BN * 64) + kk * 16 * 64,
-                                       BN * 64 * sizeof(T), ATOM),
+                        dq,
+                        wgmma_desc(dSs + dq_block * (BN * 64) + kk * 16 * 64, BN * 64 * sizeof(T),
+                                   ATOM),
                         wgmma_desc(Ks + (dq_col / 64) * (BN * 64) + kk * 16 * 64,
                                    BN * 64 * sizeof(T), ATOM),
                         kk > 0);
@@ -356,17 +363,19 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_wgmma(
 
         const long long tile_key = offset_of(dkv_st, b, hk, n0);
         store_fragment_rows<T, D, DK_TILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
-                                       columns.dk_first, dk_acc, scale);
+                                            columns.dk_first, dk_acc, scale);
         store_fragment_rows<T, D, DV_TILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
-                                       columns.dv_first, dv_acc, 1.f);
+                                            columns.dv_first, dv_acc, 1.f);
     };
     constexpr SplitPlan plan = best_split(DK);
     if constexpr (SPLIT_D && DK < 256) {  // a copy of the loop a warpgroup
         using First = WarpgroupColumns<plan.dv_first, plan.dk_first>;
         using Second = WarpgroupColumns<DK - plan.dv_first, DK - plan.dk_first>;
         // The warpgroup index made warp-uniform for ptxas (each copy holds wgmma).
-        if (__shfl_sync(0xffffffffu, wg, 0) == 0) run(First{0, 0});
-        else run(Second{plan.dv_first, plan.dk_first});
+        if (__shfl_sync(0xffffffffu, wg, 0) == 0)
+            run(First{0, 0});
+        else
+            run(Second{plan.dv_first, plan.dk_first});
     } else if constexpr (SPLIT_D) {  // 128 columns of each a warpgroup: one copy
         run(WarpgroupColumns<128, 128>{128 * wg, 128 * wg});
     } else {

@@ -23,40 +23,44 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum,
-    T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv),
-    int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS, float scale,
-    float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_bwd_dkdv_tc_wide(const T* __restrict__ q, const T* __restrict__ k,
+                               const T* __restrict__ v, const T* __restrict__ dout,
+                               const float* __restrict__ lse, const float* __restrict__ delta,
+                               float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv,
+                               CUFLASH_OFFSETS, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
+                               CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dkv),
+                               int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
+                               float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).
     constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
     constexpr int NT = 256, NW = 8, KSTEPS = DK / 16;
-    constexpr int KT = BN / 16;          // key m16 tiles; warp w has key tile w % KT
-    constexpr int SPLIT = NW / KT;       // warps sharing a key tile
-    constexpr int QN = BM / 8 / SPLIT;   // phase 1: query n8 tiles per warp
-    constexpr int DN = DT / 8 / SPLIT;    // phase 2: d n8 tiles per warp
-    constexpr int QM = BM / 16;          // phase 3: query m16 tiles
+    constexpr int KT = BN / 16;              // key m16 tiles; warp w has key tile w % KT
+    constexpr int SPLIT = NW / KT;           // warps sharing a key tile
+    constexpr int QN = BM / 8 / SPLIT;       // phase 1: query n8 tiles per warp
+    constexpr int DN = DT / 8 / SPLIT;       // phase 2: d n8 tiles per warp
+    constexpr int QM = BM / 16;              // phase 3: query m16 tiles
     constexpr int DQN = DT / 8 / (NW / QM);  // phase 3: d n8 tiles per warp
-    static_assert(NW % KT == 0 && NW % QM == 0 && QN % 2 == 0 && DN % 2 == 0 &&
-                  DQN % 2 == 0 && D % 8 == 0 && (BM == 32 || BM == 64), "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(dout);
+    static_assert(NW % KT == 0 && NW % QM == 0 && QN % 2 == 0 && DN % 2 == 0 && DQN % 2 == 0 &&
+                      D % 8 == 0 && (BM == 32 || BM == 64),
+                  "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>(smem4);
     T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
-    T* Ps = dOs + 2 * BM * DT;   // P^T, [BN keys][BM queries]
-    T* dSs = Ps + BN * BM;      // dS^T, [BN keys][BM queries]
+    T* Qs = Vs + BN * DT;                                    // two buffers of BM x DT
+    T* dOs = Qs + 2 * BM * DT;                               // two buffers of BM x DT
+    T* Ps = dOs + 2 * BM * DT;                               // P^T, [BN keys][BM queries]
+    T* dSs = Ps + BN * BM;                                   // dS^T, [BN keys][BM queries]
     float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                          // two buffers of BM
+    float* delta_s = lse_s + 2 * BM;                         // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
@@ -89,7 +93,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
         cp_async_tile<BM, DT, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, row0), q_st.s,
                                      rows);
         cp_async_tile<BM, DT, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, row0),
-                                 dout_st.s, rows);
+                                     dout_st.s, rows);
         load_row_stats<BM, NT>(lse_s + buf * BM, delta_s + buf * BM, lse + head_rows + m0,
                                delta + head_rows + m0, rows);
     };
@@ -187,15 +191,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_dkdv_tc_wide(
 
         // 3. dQ[m16 tile warp % QM, d tiles [DQN (warp / QM), +DQN)] += scale * dS K.
         if (ATOMIC_DQ)
-            atomic_dq_tile<T, DT, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * DT,
-                                               warp % QM, (warp / QM) * DQN, rows, scale);
+            atomic_dq_tile<T, DT, BM, BN, DQN>(dSs, Ks, dq_accum + (head_rows + m0) * DT, warp % QM,
+                                               (warp / QM) * DQN, rows, scale);
         __syncthreads();  // P^T, dS^T and this query buffer are rewritten next
     }
 
     const long long tile_key = offset_of(dkv_st, b, hk, seq.kv_start + n0);
     store_dkdv<T, D, DN>(dk + tile_key, dv + tile_key, dkv_st.s, kw * 16, seq.key_rows - n0,
-                         share * DN * 8, dk_acc,
-                         dv_acc, scale);
+                         share * DN * 8, dk_acc, dv_acc, scale);
 }
 
 }  // namespace cuflash

@@ -18,11 +18,12 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
-__global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(BM * 2 / MT)
+    attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                     CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                     float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).
@@ -30,7 +31,10 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     constexpr int WM = 16 * MT, NT = BM / WM * 32;
     constexpr int KSTEPS = DK / 16, NTILES = BN / 8, DTILES = DK / 8, QF = Q_REGS ? KSTEPS : 1;
     static_assert(BM % WM == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>(smem4);
@@ -42,9 +46,13 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
+    const auto mods =
+        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile<BM, DT, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -63,7 +71,7 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     init_rows(o, row_max, row_sum);
 
     // A fragment of Q for (m tile, k step): rows of the warp, columns 16 ks.
-    auto load_q_fragment = [&](unsigned (&f)[4], int mt, int ks) {
+    auto load_q_fragment = [&](unsigned(&f)[4], int mt, int ks) {
         const int row = warp * WM + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
         ldmatrix_x4(f, Qs + swizzled<DT>(row, 2 * ks + (lane >> 4)));
     };
@@ -90,7 +98,8 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NTILES; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+            for (int n = 0; n < NTILES; ++n)
+                s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll(Q_REGS ? KSTEPS : 2)  // bounds register pressure
         for (int ks = 0; ks < KSTEPS; ++ks) {
             unsigned a_smem[MT][4];
@@ -102,10 +111,10 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
             for (int n = 0; n < NTILES; n += 2) {
                 unsigned kb[4];
                 ldmatrix_x4(kb, Kb + swizzled<DT>(n * 8 + (lane & 7) + 8 * (lane >> 4),
-                                                 2 * ks + ((lane >> 3) & 1)));
+                                                  2 * ks + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    const unsigned (&a)[4] = Q_REGS ? qf[mt][ks % QF] : a_smem[mt];
+                    const unsigned(&a)[4] = Q_REGS ? qf[mt][ks % QF] : a_smem[mt];
                     Op::mma(s[mt][n], a, kb[0], kb[1]);
                     Op::mma(s[mt][n + 1], a, kb[2], kb[3]);
                 }
@@ -132,8 +141,9 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
 #pragma unroll
             for (int d = 0; d < DTILES; d += 2) {
                 unsigned vb[4];
-                ldmatrix_x4_trans(vb, Vb + swizzled<DT>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
-                                                       d + (lane >> 4)));
+                ldmatrix_x4_trans(vb,
+                                  Vb + swizzled<DT>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                    d + (lane >> 4)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Op::mma(o[mt][d], pa[mt], vb[0], vb[1]);
@@ -145,12 +155,14 @@ __global__ void __launch_bounds__(BM * 2 / MT) attention_fwd_tc(
     }
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(o, row_max, row_sum, warp * WM, rows, lse + row_base,
-                [&](int row, int d, float x0, float x1) {
-                    if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                        reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
-                            Op::pack(x0, x1);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp * WM, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+                reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
+                    Op::pack(x0, x1);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

@@ -26,14 +26,19 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* start, unsi
                                                          unsigned stride_bytes) {
     return static_cast<unsigned long long>((smem_addr(start) & 0x3FFFF) >> 4) |
            static_cast<unsigned long long>((lead_bytes & 0x3FFFF) >> 4) << 16 |
-           static_cast<unsigned long long>((stride_bytes & 0x3FFFF) >> 4) << 32 |
-           1ull << 62;
+           static_cast<unsigned long long>((stride_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
 }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 // Wait until at most N committed wgmma groups of this warpgroup are pending.
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 // ptxas moves register-only arithmetic freely across a wgmma wait and a
 // barrier: it sank the pipelined forward's softmax below the wait for P V,
@@ -41,22 +46,24 @@ __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 // that work keeps the work before the next wait (`slot`: this thread's own
 // scratch word, never read).
 __device__ __forceinline__ void complete_before_wait(float* slot, float value) {
-    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(smem_addr(slot)), "f"(value) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(smem_addr(slot)), "f"(value) : "memory");
 }
 // A barrier of the 128 threads of warpgroup wg only (named barrier 1 + wg).
 __device__ __forceinline__ void warpgroup_sync(int wg) {
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 // cp.async and plain stores write shared memory through the generic proxy;
 // wgmma reads it through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Pin accumulator registers here: the compiler may not move their reads or
 // writes across this point (wgmma works on them behind its back).
 template <int N>
 __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; ++i)
-        asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3]) :: "memory");
+        asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3])::"memory");
 }
 
 // Rows [0, ROWS) of a [rows][COLS] 16-bit tile (row stride `stride` elements)
@@ -68,21 +75,20 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
 template <int ROWS, int COLS, int NT, int D = COLS, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
                                                     long long stride, int valid_rows) {
-    cp_async_rows<ROWS, pow2_at_least(COLS / 8), NT, D / 8>(dst, src, stride, valid_rows,
-                                                           [](int r, int c) {
-        return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-    });
+    cp_async_rows<ROWS, pow2_at_least(COLS / 8), NT, D / 8>(
+        dst, src, stride, valid_rows,
+        [](int r, int c) { return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3); });
 }
 
 // Up to D = 32, and up to D = 96 on 64-key tiles, two blocks an SM (128 registers):
 // they hide each other's softmax where a key tile's products are short.
 template <typename T, int D, int BN, int WG>
 __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ? 2 : 1)
-    attention_fwd_wgmma(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out),
-    int num_heads, int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
+                        CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
+                        CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
+                        float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
     // in shared memory tiles of the head_dim's class (DL columns, in blocks of 64).
@@ -90,7 +96,10 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q); CUFLASH_STRIDES_OF(k); CUFLASH_STRIDES_OF(v); CUFLASH_STRIDES_OF(out);
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
@@ -103,9 +112,13 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
     const int rows = min(BM, mask.q_len - m0);
     if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s; k += seq.kv_start * k_st.s; v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s; lse += seq.q_start;
-    const auto mods = score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
+    const auto mods =
+        score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
     int n_start, tiles;
@@ -115,13 +128,11 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     const T* v_head = v + offset_of(v_st, b, hk, 0);
     auto load_k = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s,
-                                           keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s, keys);
     };
     auto load_v = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s,
-                                           keys);
+        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s, keys);
     };
     auto load_kv = [&](int tile, int buf) {
         load_k(tile, buf);
@@ -135,7 +146,7 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
 
     // S = Q K^T of key buffer `buf` for this warpgroup's 64 rows (D / 16 steps
     // of k16), committed as one group, not waited for.
-    auto issue_scores = [&](int buf, float (&s)[1][NTILES][4]) {
+    auto issue_scores = [&](int buf, float(&s)[1][NTILES][4]) {
         const T* Kb = Ks + buf * BN * DL;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -147,7 +158,7 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
         pin_registers(s[0]);
     };
     // P from the S accumulators as the A fragments of P V, 16 keys per step.
-    auto pack_probs = [&](const float (&s)[1][NTILES][4], unsigned (&pa)[BN / 16][4]) {
+    auto pack_probs = [&](const float(&s)[1][NTILES][4], unsigned(&pa)[BN / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -157,12 +168,12 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
         }
     };
     // O += P V of value buffer `buf`, committed as one group, not waited for.
-    auto issue_pv = [&](int buf, const unsigned (&pa)[BN / 16][4]) {
+    auto issue_pv = [&](int buf, const unsigned(&pa)[BN / 16][4]) {
         const T* Vb = Vs + buf * BN * DL;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DK>::rs(o[0], pa[kk],
-                            wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+            Wgmma<T, DK>::rs(o[0], pa[kk], wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
+                             1);
         wgmma_commit();
         pin_registers(o[0]);
     };
@@ -204,12 +215,14 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     cp_async_wait<0>();  // Q's copy, when no key tile was read
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(o, row_max, row_sum, warp_row, rows, lse + row_base,
-                [&](int row, int d, float x0, float x1) {
-                    if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
-                        reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
-                            Op::pack(x0, x1);
-                }, sinks, h);
+    finish_rows(
+        o, row_max, row_sum, warp_row, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+                reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
+                    Op::pack(x0, x1);
+        },
+        sinks, h);
 }
 
 }  // namespace cuflash

@@ -140,8 +140,17 @@ cuflash.errors.InvalidArgumentError: mask_mod: same_document reads doc[kv_idx] w
 
 from . import cxx
 from .api import MaskMod, Modifier, ScoreMod, index_grids
-from .factories import (alibi_score, and_masks, causal_mask, chunked_mask, document_mask,
-                        or_masks, prefix_lm_mask, relative_bias_score, softcap_score)
+from .factories import (
+    alibi_score,
+    and_masks,
+    causal_mask,
+    chunked_mask,
+    document_mask,
+    or_masks,
+    prefix_lm_mask,
+    relative_bias_score,
+    softcap_score,
+)
 from .functions import abs, exp, log, maximum, minimum, sqrt, tanh, where
 from .ir import MAX_ARRAY_NDIM, MAX_ARRAYS, MAX_POWER  # noqa: F401 - MAX_POWER: not in __all__
 
@@ -157,10 +166,29 @@ MODIFIER_PRELUDE = cxx.MODIFIER_PRELUDE
 MODIFIER_ARRAYS_DTYPE = cxx.MODIFIER_ARRAYS_DTYPE
 
 __all__ = [
-    "Modifier", "ScoreMod", "MaskMod", "index_grids", "MODIFIER_PRELUDE",
-    "MODIFIER_ARRAYS_DTYPE", "MAX_ARRAYS", "MAX_ARRAY_NDIM",
-    "where", "tanh", "exp", "log", "sqrt", "abs", "minimum", "maximum",
-    "causal_mask", "document_mask", "prefix_lm_mask", "chunked_mask", "and_masks", "or_masks",
-    "softcap_score", "alibi_score", "relative_bias_score",
+    "Modifier",
+    "ScoreMod",
+    "MaskMod",
+    "index_grids",
+    "MODIFIER_PRELUDE",
+    "MODIFIER_ARRAYS_DTYPE",
+    "MAX_ARRAYS",
+    "MAX_ARRAY_NDIM",
+    "where",
+    "tanh",
+    "exp",
+    "log",
+    "sqrt",
+    "abs",
+    "minimum",
+    "maximum",
+    "causal_mask",
+    "document_mask",
+    "prefix_lm_mask",
+    "chunked_mask",
+    "and_masks",
+    "or_masks",
+    "softcap_score",
+    "alibi_score",
+    "relative_bias_score",
 ]
-

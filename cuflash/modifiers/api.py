@@ -20,13 +20,20 @@ from .source import NoSource, parameter_names
 def index_grids(batch, heads, q_len, kv_len):
     """Broadcastable int64 index grids ``b [B,1,1,1]``, ``h [1,H,1,1]``,
     ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]`` for the NumPy evaluators."""
-    return (np.arange(batch).reshape(-1, 1, 1, 1), np.arange(heads).reshape(1, -1, 1, 1),
-            np.arange(q_len).reshape(1, 1, -1, 1), np.arange(kv_len).reshape(1, 1, 1, -1))
+    return (
+        np.arange(batch).reshape(-1, 1, 1, 1),
+        np.arange(heads).reshape(1, -1, 1, 1),
+        np.arange(q_len).reshape(1, 1, -1, 1),
+        np.arange(kv_len).reshape(1, 1, 1, -1),
+    )
 
 
 def require_int(name, value, minimum_value):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < minimum_value:
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, (int, np.integer))
+        or value < minimum_value
+    ):
         raise InvalidArgumentError(name, f"expected an int >= {minimum_value}, got {value!r}")
     return int(value)
 
@@ -71,19 +78,21 @@ class Modifier(Inlinable):
         the wrong type, unsupported arrays or a keyword that ``fn`` does not use.
     """
 
-    kind = None
-    ROLE = None
-    PARAMETERS = ()
+    kind: str | None = None
+    ROLE: str | None = None
+    PARAMETERS: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, fn, /, **arrays):
         if not isinstance(fn, types.FunctionType):
-            raise InvalidArgumentError(self.ROLE, f"expected a Python function (def or "
-                                                  f"lambda), got {type(fn).__name__}")
+            raise InvalidArgumentError(
+                self.ROLE, f"expected a Python function (def or lambda), got {type(fn).__name__}"
+            )
         used = set(fn.__code__.co_names) | set(fn.__code__.co_freevars)
         for name in arrays:
             if name not in used or name in parameter_names(fn.__code__):
-                raise InvalidArgumentError(self.ROLE, f"{fn.__qualname__} does not read a "
-                                                      f"variable named {name!r}")
+                raise InvalidArgumentError(
+                    self.ROLE, f"{fn.__qualname__} does not read a variable named {name!r}"
+                )
         self.fn, self.name = fn, fn.__qualname__
         self._bindings = dict(arrays)
         translator = Translator(fn, self.PARAMETERS, self._bindings)
@@ -106,8 +115,9 @@ class Modifier(Inlinable):
 
     def _build_sources(self):
         placeholder = "CUFLASH_MODIFIER_STRUCT"
-        anonymous = cxx_struct(placeholder, self.kind, self._expression,
-                               self._grad_expression, self._inputs)
+        anonymous = cxx_struct(
+            placeholder, self.kind, self._expression, self._grad_expression, self._inputs
+        )
         digest = hashlib.sha256(anonymous.encode()).hexdigest()[:12]
         prefix = "UserScoreMod" if self.kind == "score" else "UserMaskMod"
         self.struct_name = f"{prefix}_{digest}"
@@ -131,10 +141,13 @@ class Modifier(Inlinable):
             return fn
         code = fn.__code__
         scope = dict(fn.__globals__)
-        scope.update((name, value) for name, value in self._bindings.items()
-                     if name in code.co_names)
-        cells = tuple(types.CellType(self._bindings[name]) if name in self._bindings else cell
-                      for name, cell in zip(code.co_freevars, fn.__closure__ or ()))
+        scope.update(
+            (name, value) for name, value in self._bindings.items() if name in code.co_names
+        )
+        cells = tuple(
+            types.CellType(self._bindings[name]) if name in self._bindings else cell
+            for name, cell in zip(code.co_freevars, fn.__closure__ or ())
+        )
         return types.FunctionType(code, scope, fn.__name__, fn.__defaults__, cells or None)
 
     def __call__(self, *args):
@@ -153,8 +166,7 @@ class Modifier(Inlinable):
         """Does the function's result depend on index ``name`` (``"b"``, ``"h"``,
         ``"q_idx"`` or ``"kv_idx"``)?"""
         roots = [self._expression] + ([self._grad_expression] if self.kind == "score" else [])
-        return any(expr.operation == "param" and expr.value == name
-                   for expr in graph_nodes(roots))
+        return any(expr.operation == "param" and expr.value == name for expr in graph_nodes(roots))
 
     # ......................................................... validation
 
@@ -173,9 +185,12 @@ class Modifier(Inlinable):
         InvalidArgumentError
             Naming the array, the index, its range and the axis's extent.
         """
-        extents = {"b": require_int("batch", batch, 0), "h": require_int("heads", heads, 0),
-                   "q_idx": require_int("q_len", q_len, 0),
-                   "kv_idx": require_int("kv_len", kv_len, 0)}
+        extents = {
+            "b": require_int("batch", batch, 0),
+            "h": require_int("heads", heads, 0),
+            "q_idx": require_int("q_len", q_len, 0),
+            "kv_idx": require_int("kv_len", kv_len, 0),
+        }
         if 0 in extents.values():
             return  # nothing is evaluated
         roots = [self._expression] + ([self._grad_expression] if self.kind == "score" else [])
@@ -193,11 +208,16 @@ class Modifier(Inlinable):
             else:
                 ranges[id(expr)] = interval_step(expr, range_of)
             known = ranges[id(expr)]
-            if expr.kind == INT32 and known is not None and not (
-                    INT_LIMITS[INT32][0] <= known[0] and known[1] <= INT_LIMITS[INT32][1]):
+            if (
+                expr.kind == INT32
+                and known is not None
+                and not (INT_LIMITS[INT32][0] <= known[0] and known[1] <= INT_LIMITS[INT32][1])
+            ):
                 raise InvalidArgumentError(
-                    self.ROLE, f"{self.name}: int32 arithmetic may overflow for {sizes}: a "
-                               f"value ranges over [{known[0]}, {known[1]}]")
+                    self.ROLE,
+                    f"{self.name}: int32 arithmetic may overflow for {sizes}: a "
+                    f"value ranges over [{known[0]}, {known[1]}]",
+                )
             if expr.operation == "read":
                 self._check_read(expr, range_of, sizes)
 
@@ -208,10 +228,12 @@ class Modifier(Inlinable):
             known = ranges_of(index)
             if known is not None and (known[0] < 0 or known[1] >= array.shape[axis]):
                 raise InvalidArgumentError(
-                    self.ROLE, f"{self.name} reads {text} with axis-{axis} indices in "
-                               f"[{known[0]}, {known[1]}] for {sizes}, but "
-                               f"{text.split('[')[0]} has {array.shape[axis]} entries on axis "
-                               f"{axis} (indices never wrap)")
+                    self.ROLE,
+                    f"{self.name} reads {text} with axis-{axis} indices in "
+                    f"[{known[0]}, {known[1]}] for {sizes}, but "
+                    f"{text.split('[')[0]} has {array.shape[axis]} entries on axis "
+                    f"{axis} (indices never wrap)",
+                )
 
     # ........................................................... GPU side
 
@@ -245,17 +267,22 @@ class Modifier(Inlinable):
             if on_device != is_cupy_array(array):
                 have, need = ("numpy", "cupy") if on_device else ("cupy", "numpy")
                 raise InvalidArgumentError(
-                    self.ROLE, f"{self.name}: array {entry.name} is a {have} array; "
-                               f"{'the GPU kernels need' if on_device else 'host code needs'} "
-                               f"a {need} array (make the modifier with {need}.asarray)")
+                    self.ROLE,
+                    f"{self.name}: array {entry.name} is a {have} array; "
+                    f"{'the GPU kernels need' if on_device else 'host code needs'} "
+                    f"a {need} array (make the modifier with {need}.asarray)",
+                )
             if on_device and device is None:
                 device = xp.cuda.Device().id
             if on_device and array.device.id != device:
                 raise InvalidArgumentError(
-                    self.ROLE, f"{self.name}: array {entry.name} is on device "
-                               f"{array.device.id}, the call runs on device {device}")
-            record["data"][entry.slot] = array.data.ptr if on_device else \
-                array.__array_interface__["data"][0]
+                    self.ROLE,
+                    f"{self.name}: array {entry.name} is on device "
+                    f"{array.device.id}, the call runs on device {device}",
+                )
+            record["data"][entry.slot] = (
+                array.data.ptr if on_device else array.__array_interface__["data"][0]
+            )
             for axis, (stride, extent) in enumerate(zip(array.strides, array.shape)):
                 record["stride"][entry.slot, axis] = stride // array.itemsize
                 record["shape"][entry.slot, axis] = extent
@@ -293,10 +320,12 @@ class Modifier(Inlinable):
                 low, high = np.min(position), np.max(position)
                 if low < 0 or high >= array.shape[axis]:
                     raise InvalidArgumentError(
-                        self.ROLE, f"{self.name}: an index on axis {axis} of {entry.name} "
-                                   f"ranges over [{low}, {high}], outside [0, "
-                                   f"{array.shape[axis] - 1}] (indices never wrap; the "
-                                   "kernels would clamp it)")
+                        self.ROLE,
+                        f"{self.name}: an index on axis {axis} of {entry.name} "
+                        f"ranges over [{low}, {high}], outside [0, "
+                        f"{array.shape[axis] - 1}] (indices never wrap; the "
+                        "kernels would clamp it)",
+                    )
             values = array[tuple(positions)]
             if entry.kind == FLOAT:
                 return np.asarray(values, dtype=dtype)
@@ -334,13 +363,14 @@ class ScoreMod(Modifier):
 
     kind = "score"
     ROLE = "score_mod"
-    PARAMETERS = (("score", FLOAT), ("b", INT32), ("h", INT32), ("q_idx", INT32),
-                  ("kv_idx", INT32))
+    PARAMETERS = (("score", FLOAT), ("b", INT32), ("h", INT32), ("q_idx", INT32), ("kv_idx", INT32))
 
     def _checked_result(self, result, translator):
         if result.kind == BOOL:
-            raise translator.problem("a score modifier must return a number (the new score), "
-                                     "got a bool; use MaskMod for masks")
+            raise translator.problem(
+                "a score modifier must return a number (the new score), "
+                "got a bool; use MaskMod for masks"
+            )
         return convert(result, FLOAT)
 
     def numpy_scores(self, score, b, h, q_idx, kv_idx, dtype=np.float32):
@@ -370,8 +400,9 @@ class MaskMod(Modifier):
 
     def _checked_result(self, result, translator):
         if result.kind != BOOL:
-            raise translator.problem(f"a mask modifier must return a bool (a condition), got "
-                                     f"a {result.kind}")
+            raise translator.problem(
+                f"a mask modifier must return a bool (a condition), got a {result.kind}"
+            )
         return result
 
     def numpy_mask(self, b, h, q_idx, kv_idx):

@@ -19,8 +19,7 @@ _CELLS_PER_BLOCK = 8
 def _optional_count(name, value):
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < 1:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise InvalidArgumentError(name, f"expected a positive int or None, got {value!r}")
     return int(value)
 
@@ -52,8 +51,9 @@ class BlockMask:
 
     def __init__(self, mask_mod, batch, heads, q_len, kv_len):
         if not isinstance(mask_mod, MaskMod):
-            raise InvalidArgumentError("mask_mod", f"expected a cuflash.modifiers.MaskMod, "
-                                                   f"got {type(mask_mod).__name__}")
+            raise InvalidArgumentError(
+                "mask_mod", f"expected a cuflash.modifiers.MaskMod, got {type(mask_mod).__name__}"
+            )
         self.mask_mod = mask_mod
         self.batch = _optional_count("batch", batch)
         self.heads = _optional_count("heads", heads)
@@ -64,15 +64,19 @@ class BlockMask:
         for name, size, index in (("batch", self.batch, "b"), ("heads", self.heads, "h")):
             if size is None and mask_mod.reads_index(index):
                 raise InvalidArgumentError(
-                    name, f"{mask_mod.name} reads {index}: give the calls' {name} (None "
-                          f"classifies one {index} for all)")
+                    name,
+                    f"{mask_mod.name} reads {index}: give the calls' {name} (None "
+                    f"classifies one {index} for all)",
+                )
         mask_mod.check_bounds(self.batch or 1, self.heads or 1, self.q_len, self.kv_len)
         self._cells = None  # (any_visible, all_visible) on the device, once classified
         self._views = {}
 
     def __repr__(self):
-        return (f"BlockMask({self.mask_mod.name}, batch={self.batch}, heads={self.heads}, "
-                f"q_len={self.q_len}, kv_len={self.kv_len})")
+        return (
+            f"BlockMask({self.mask_mod.name}, batch={self.batch}, heads={self.heads}, "
+            f"q_len={self.q_len}, kv_len={self.kv_len})"
+        )
 
     @property
     def entries(self):
@@ -82,14 +86,18 @@ class BlockMask:
     def check_call(self, batch, num_heads, q_len, kv_len):
         """Raise ``InvalidArgumentError`` unless this block mask serves a call of these
         sizes."""
-        for name, mine, call in (("batch", self.batch, batch), ("num_heads", self.heads,
-                                                                 num_heads),
-                                 ("q_len", self.q_len, q_len), ("kv_len", self.kv_len,
-                                                                kv_len)):
+        for name, mine, call in (
+            ("batch", self.batch, batch),
+            ("num_heads", self.heads, num_heads),
+            ("q_len", self.q_len, q_len),
+            ("kv_len", self.kv_len, kv_len),
+        ):
             if mine is not None and mine != call:
                 raise InvalidArgumentError(
-                    "block_mask", f"made for {name}={mine}, the call has {name}={call} "
-                                  "(make a block mask for the call's sizes)")
+                    "block_mask",
+                    f"made for {name}={mine}, the call has {name}={call} "
+                    "(make a block mask for the call's sizes)",
+                )
 
     # ............................................................ classification
 
@@ -99,8 +107,9 @@ class BlockMask:
             import cupy
 
             functors = kernel_build.UserFunctors.of(mask_mod=self.mask_mod)
-            kernel = kernel_build.load_kernel("block_mask.cu", "cuflash::classify_mask_cells",
-                                              functors=functors)
+            kernel = kernel_build.load_kernel(
+                "block_mask.cu", "cuflash::classify_mask_cells", functors=functors
+            )
             entries, heads = self.entries
             q_cells, kv_cells = math.ceil(self.q_len / CELL), math.ceil(self.kv_len / CELL)
             shape = (entries, heads, q_cells, kv_cells)
@@ -108,10 +117,20 @@ class BlockMask:
             all_visible = cupy.empty(shape, dtype=np.uint8)
             arguments = self.mask_mod.kernel_arguments(cupy)[0]
             grid = (math.ceil(kv_cells / _CELLS_PER_BLOCK), q_cells, entries * heads)
-            kernel(grid, (CELL * CELL,), (arguments, any_visible, all_visible,
-                                          np.int32(heads), np.int32(self.q_len),
-                                          np.int32(self.kv_len), np.int32(q_cells),
-                                          np.int32(kv_cells)))
+            kernel(
+                grid,
+                (CELL * CELL,),
+                (
+                    arguments,
+                    any_visible,
+                    all_visible,
+                    np.int32(heads),
+                    np.int32(self.q_len),
+                    np.int32(self.kv_len),
+                    np.int32(q_cells),
+                    np.int32(kv_cells),
+                ),
+            )
             self._cells = (any_visible, all_visible)
         return self
 
@@ -120,8 +139,7 @@ class BlockMask:
         tiles], uint8: 0 empty, 1 partial, 2 full), from the mask's NumPy evaluator (for
         tests and the docs; the kernels use :meth:`classify`'s)."""
         entries, heads = self.entries
-        visible = self.mask_mod.numpy_mask(*index_grids(entries, heads, self.q_len,
-                                                        self.kv_len))
+        visible = self.mask_mod.numpy_mask(*index_grids(entries, heads, self.q_len, self.kv_len))
         visible = np.broadcast_to(visible, (entries, heads, self.q_len, self.kv_len))
         return _fold(np, visible, visible, rows, keys)  # an element is a cell
 
@@ -144,8 +162,9 @@ class BlockMask:
         key = (direction, outer, inner, num_heads, num_kv_heads, host)
         found = self._views.get(key)
         if found is None:
-            found = self._views[key] = _View(self, direction, outer, inner, num_heads,
-                                             num_kv_heads, host)
+            found = self._views[key] = _View(
+                self, direction, outer, inner, num_heads, num_kv_heads, host
+            )
         return found
 
 
@@ -159,8 +178,7 @@ def _fold(xp, any_visible, all_visible, fold_q, fold_kv):
     shape = (entries, heads, q_tiles, fold_q, kv_tiles, fold_kv)
     any_tile = xp.pad(any_visible, pad, constant_values=0).reshape(shape).max(axis=(3, 5))
     all_tile = xp.pad(all_visible, pad, constant_values=1).reshape(shape).min(axis=(3, 5))
-    return xp.where(any_tile != 0, xp.where(all_tile != 0, FULL, PARTIAL),
-                    EMPTY).astype(np.uint8)
+    return xp.where(any_tile != 0, xp.where(all_tile != 0, FULL, PARTIAL), EMPTY).astype(np.uint8)
 
 
 def _ranges(xp, nonempty):
@@ -178,8 +196,7 @@ class _View:
     ``kernels/common.cuh``), on the device or (``host``) in host memory: ``fields()``
     gives its record's values."""
 
-    def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads,
-                 host=False):
+    def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads, host=False):
         if host:
             xp, classes_of = np, block_mask.cpu_classes
         else:
@@ -195,20 +212,27 @@ class _View:
         range_heads = heads
         if direction == "backward" and heads > 1:  # a block serves a KV head's group
             group = num_heads // num_kv_heads
-            nonempty = nonempty.reshape(entries, num_kv_heads, group, outer_tiles,
-                                        inner_tiles).any(axis=2)
+            nonempty = nonempty.reshape(entries, num_kv_heads, group, outer_tiles, inner_tiles).any(
+                axis=2
+            )
             range_heads = num_kv_heads
         self.classes = xp.ascontiguousarray(classes)
         self.ranges = _ranges(xp, nonempty)
         tile_count = outer_tiles * inner_tiles
-        self.class_strides = (heads * tile_count if entries > 1 else 0,
-                              tile_count if heads > 1 else 0)
-        self.range_strides = (range_heads * outer_tiles * 2 if entries > 1 else 0,
-                              outer_tiles * 2 if range_heads > 1 else 0)
+        self.class_strides = (
+            heads * tile_count if entries > 1 else 0,
+            tile_count if heads > 1 else 0,
+        )
+        self.range_strides = (
+            range_heads * outer_tiles * 2 if entries > 1 else 0,
+            outer_tiles * 2 if range_heads > 1 else 0,
+        )
         self.tiles = (outer_tiles, inner_tiles)
 
     def fields(self):
         """The ``BlockMaskView`` record's values, in order."""
-        addresses = [a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
-                     for a in (self.classes, self.ranges)]
+        addresses = [
+            a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+            for a in (self.classes, self.ranges)
+        ]
         return (*addresses, *self.class_strides, *self.range_strides, *self.tiles)

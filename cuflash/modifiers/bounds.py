@@ -37,15 +37,15 @@ def interval_step(expr, range_of):
         return (pick(low, other_low), pick(high, other_high))
     if operation in ("add", "sub", "mul"):
         function = INT_FOLDERS[operation]
-        corners = [function(first, second) for first in (low, high)
-                   for second in (other_low, other_high)]
+        corners = [
+            function(first, second) for first in (low, high) for second in (other_low, other_high)
+        ]
         return (min(corners), max(corners))
     if operation == "floordiv":
         if other_low <= 0 <= other_high:  # the helper gives 0 for a zero divisor
             largest = max(-low, high, 0)
             return (-largest, largest)
-        corners = [first // second for first in (low, high)
-                   for second in (other_low, other_high)]
+        corners = [first // second for first in (low, high) for second in (other_low, other_high)]
         return (min(corners), max(corners))
     if operation == "mod":
         if other_low > 0:

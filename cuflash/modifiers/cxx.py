@@ -3,24 +3,40 @@ through NVRTC after :data:`MODIFIER_PRELUDE`, and the layout of the ``ModifierAr
 record the kernels take (:data:`MODIFIER_ARRAYS_DTYPE`)."""
 
 import math
-from pathlib import Path
 import re
+from pathlib import Path
 
 import numpy as np
 
-from .ir import (BOOL, FLOAT, INT32, INT64, INT_LIMITS, MAX_ARRAY_NDIM, MAX_ARRAYS, SYMBOLS,
-                 statements)
+from .ir import (
+    BOOL,
+    FLOAT,
+    INT32,
+    INT64,
+    INT_LIMITS,
+    MAX_ARRAY_NDIM,
+    MAX_ARRAYS,
+    SYMBOLS,
+    statements,
+)
 
 _CXX_TYPE = {FLOAT: "float", INT32: "int", INT64: "long long", BOOL: "bool"}
 
 #: The layout of ``ModifierArrays`` (:data:`MODIFIER_PRELUDE`): a kernel argument passed
 #: by value, as :meth:`Modifier.kernel_arguments` packs it.
-MODIFIER_ARRAYS_DTYPE = np.dtype({
-    "names": ["data", "stride", "shape"],
-    "formats": [("<u8", (MAX_ARRAYS,)), ("<i8", (MAX_ARRAYS, MAX_ARRAY_NDIM)),
-                ("<i8", (MAX_ARRAYS, MAX_ARRAY_NDIM))],
-    "offsets": [0, 8 * MAX_ARRAYS, 8 * MAX_ARRAYS * (1 + MAX_ARRAY_NDIM)],
-    "itemsize": 8 * MAX_ARRAYS * (1 + 2 * MAX_ARRAY_NDIM), "aligned": True})
+MODIFIER_ARRAYS_DTYPE = np.dtype(
+    {
+        "names": ["data", "stride", "shape"],
+        "formats": [
+            ("<u8", (MAX_ARRAYS,)),
+            ("<i8", (MAX_ARRAYS, MAX_ARRAY_NDIM)),
+            ("<i8", (MAX_ARRAYS, MAX_ARRAY_NDIM)),
+        ],
+        "offsets": [0, 8 * MAX_ARRAYS, 8 * MAX_ARRAYS * (1 + MAX_ARRAY_NDIM)],
+        "itemsize": 8 * MAX_ARRAYS * (1 + 2 * MAX_ARRAY_NDIM),
+        "aligned": True,
+    }
+)
 
 #: C++ that every functor needs before it: ``ModifierArrays``, the helpers the functors
 #: call, ``NoScoreMod`` and ``NoMaskMod``.
@@ -53,11 +69,16 @@ def _cxx_constant(expr):
     return f"({value}{suffix})" if value < 0 else f"{value}{suffix}"
 
 
-_CXX_PARAMETERS = {"score": "score", "b": "b", "h": "h", "q_idx": "q_idx",
-                   "kv_idx": "kv_idx"}
-_CXX_FUNCTIONS = {"tanh": "tanhf", "exp": "expf", "log": "logf", "sqrt": "sqrtf",
-                  "abs": "cuflash_mod_abs", "minimum": "cuflash_mod_min",
-                  "maximum": "cuflash_mod_max"}
+_CXX_PARAMETERS = {"score": "score", "b": "b", "h": "h", "q_idx": "q_idx", "kv_idx": "kv_idx"}
+_CXX_FUNCTIONS = {
+    "tanh": "tanhf",
+    "exp": "expf",
+    "log": "logf",
+    "sqrt": "sqrtf",
+    "abs": "cuflash_mod_abs",
+    "minimum": "cuflash_mod_min",
+    "maximum": "cuflash_mod_max",
+}
 
 
 def _cxx_expression(expr, text, accessors):
@@ -95,14 +116,22 @@ def _cxx_accessor(entry, name):
     ndim = entry.array.ndim
     slot = entry.slot
     parameters = "".join(f", long long i{axis}" for axis in range(ndim))
-    offset = " + ".join(f"cuflash_mod_clamp(i{axis}, arrays.shape[{slot}][{axis}]) * "
-                        f"arrays.stride[{slot}][{axis}]" for axis in range(ndim)) or "0"
+    offset = (
+        " + ".join(
+            f"cuflash_mod_clamp(i{axis}, arrays.shape[{slot}][{axis}]) * "
+            f"arrays.stride[{slot}][{axis}]"
+            for axis in range(ndim)
+        )
+        or "0"
+    )
     load = f"cuflash_mod_load<{ctype}>(arrays.data[{slot}], {offset})"
     if entry.kind == BOOL:
         load = f"({load} != 0)"
-    return (f"    static CUFLASH_MOD_FN {_CXX_TYPE[entry.kind]} {name}("
-            f"const ModifierArrays& arrays{parameters}) {{\n"
-            f"        return {load};\n    }}\n")
+    return (
+        f"    static CUFLASH_MOD_FN {_CXX_TYPE[entry.kind]} {name}("
+        f"const ModifierArrays& arrays{parameters}) {{\n"
+        f"        return {load};\n    }}\n"
+    )
 
 
 def _accessor_names(inputs):
@@ -131,15 +160,16 @@ def cxx_struct(name_placeholder, kind, value, grad, inputs):
 
     indent = " " * 8
     if kind == "score":
-        signature = ("float score, int b, int h, int q_idx, int kv_idx, "
-                     "const ModifierArrays& arrays")
+        signature = "float score, int b, int h, int q_idx, int kv_idx, const ModifierArrays& arrays"
         lines, (result,) = statements([value], render, indent, declare)
         out.append(f"    CUFLASH_MOD_FN float operator()({signature}) const {{\n")
         out += [line + "\n" for line in lines]
         out.append(f"{indent}return {result};\n    }}\n")
         lines, (result, slope) = statements([value, grad], render, indent, declare)
-        out.append(f"    // d(operator())/d(score); 0 where the score is masked (-inf).\n"
-                   f"    CUFLASH_MOD_FN float grad({signature}) const {{\n")
+        out.append(
+            f"    // d(operator())/d(score); 0 where the score is masked (-inf).\n"
+            f"    CUFLASH_MOD_FN float grad({signature}) const {{\n"
+        )
         out += [line + "\n" for line in lines]
         out.append(f"{indent}return {result} == -CUFLASH_MOD_INF ? 0.0f : {slope};\n    }}\n")
     else:

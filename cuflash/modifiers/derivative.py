@@ -64,9 +64,13 @@ def _derivative_step(expr, derivative_of):
     if operation == "where":
         return select(args[0], derivative_of(args[1]), derivative_of(args[2]))
     if operation in ("add", "sub"):
-        return (_plus if operation == "add" else _minus)(derivative_of(args[0]), derivative_of(args[1]))
+        return (_plus if operation == "add" else _minus)(
+            derivative_of(args[0]), derivative_of(args[1])
+        )
     if operation == "mul":
-        return _plus(_times(derivative_of(args[0]), args[1]), _times(args[0], derivative_of(args[1])))
+        return _plus(
+            _times(derivative_of(args[0]), args[1]), _times(args[0], derivative_of(args[1]))
+        )
     if operation == "div":
         top, bottom = args
         if derivative_of(bottom) is ZERO:

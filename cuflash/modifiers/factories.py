@@ -14,8 +14,9 @@ from .functions import abs, maximum, minimum, tanh
 
 def _require_array(name, value, ndims, dtypes):
     if not is_array(value):
-        raise InvalidArgumentError(name, f"expected a numpy or cupy array, got "
-                                         f"{type(value).__name__}")
+        raise InvalidArgumentError(
+            name, f"expected a numpy or cupy array, got {type(value).__name__}"
+        )
     if value.ndim not in ndims:
         shapes = " or ".join(f"{ndim}-D" for ndim in ndims)
         raise InvalidArgumentError(name, f"expected {shapes}, got {value.ndim}-D")
@@ -32,7 +33,7 @@ _FLOAT_DTYPES = (np.dtype(np.float32),)
 def causal_mask(offset=0):
     """Keys at or before the query's position ``q_idx + offset`` (``offset = kv_len -
     q_len`` aligns the last query with the last key, as ``causal=True`` does)."""
-    offset = require_int("offset", offset, -2**31)
+    offset = require_int("offset", offset, -(2**31))
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
@@ -54,14 +55,20 @@ def document_mask(doc_ids, kv_doc_ids=None):
     attention inside each document.
     """
     query_ids = _require_array("doc_ids", doc_ids, (1, 2), _INDEX_DTYPES)
-    key_ids = query_ids if kv_doc_ids is None else _require_array(
-        "kv_doc_ids", kv_doc_ids, (query_ids.ndim,), _INDEX_DTYPES)
+    key_ids = (
+        query_ids
+        if kv_doc_ids is None
+        else _require_array("kv_doc_ids", kv_doc_ids, (query_ids.ndim,), _INDEX_DTYPES)
+    )
     if query_ids.ndim == 1:
+
         def same_document(b, h, q_idx, kv_idx):
             return query_ids[q_idx] == key_ids[kv_idx]
     else:
+
         def same_document(b, h, q_idx, kv_idx):
             return query_ids[b, q_idx] == key_ids[b, kv_idx]
+
     return MaskMod(same_document)
 
 
@@ -75,7 +82,7 @@ def prefix_lm_mask(prefix_len, offset=0):
     offset : int
         The query's position is ``q_idx + offset``.
     """
-    offset = require_int("offset", offset, -2**31)
+    offset = require_int("offset", offset, -(2**31))
     if is_array(prefix_len):
         lengths = _require_array("prefix_len", prefix_len, (1,), _INDEX_DTYPES)
 
@@ -86,6 +93,7 @@ def prefix_lm_mask(prefix_len, offset=0):
 
         def prefix_or_causal(b, h, q_idx, kv_idx):
             return kv_idx < length or kv_idx <= q_idx + offset
+
     return MaskMod(prefix_or_causal)
 
 
@@ -94,7 +102,7 @@ def chunked_mask(chunk, causal=True, offset=0):
     (and the key not after the query with ``causal``). The query's position is
     ``q_idx + offset``."""
     chunk = require_int("chunk", chunk, 1)
-    offset = require_int("offset", offset, -2**31)
+    offset = require_int("offset", offset, -(2**31))
     if not isinstance(causal, (bool, np.bool_)):
         raise InvalidArgumentError("causal", f"expected a bool, got {type(causal).__name__}")
     causal = bool(causal)
@@ -113,12 +121,16 @@ def _joined(masks, operation):
     for other in masks[1:]:
         first, second = result, other
         if operation == "and":
+
             def both(b, h, q_idx, kv_idx):
                 return first(b, h, q_idx, kv_idx) and second(b, h, q_idx, kv_idx)
+
             result = MaskMod(both)
         else:
+
             def either(b, h, q_idx, kv_idx):
                 return first(b, h, q_idx, kv_idx) or second(b, h, q_idx, kv_idx)
+
             result = MaskMod(either)
     return result
 
@@ -135,8 +147,12 @@ def or_masks(*masks):
 
 def softcap_score(cap):
     """Soft-capping, ``cap * tanh(score / cap)`` (SPEC 8's ``softcap``)."""
-    if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, float, np.number)) \
-            or not math.isfinite(cap) or cap <= 0:
+    if (
+        isinstance(cap, (bool, np.bool_))
+        or not isinstance(cap, (int, float, np.number))
+        or not math.isfinite(cap)
+        or cap <= 0
+    ):
         raise InvalidArgumentError("cap", f"expected a finite number > 0, got {cap!r}")
     cap = float(cap)
 
@@ -156,13 +172,16 @@ def alibi_score(slopes, offset=0):
     offset : int
     """
     slopes = _require_array("slopes", slopes, (1, 2), _FLOAT_DTYPES)
-    offset = require_int("offset", offset, -2**31)
+    offset = require_int("offset", offset, -(2**31))
     if slopes.ndim == 1:
+
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * abs(q_idx + offset - kv_idx)
     else:
+
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes[b, h] * abs(q_idx + offset - kv_idx)
+
     return ScoreMod(alibi)
 
 
@@ -179,10 +198,11 @@ def relative_bias_score(table, offset=0):
     """
     table = _require_array("table", table, (2,), _FLOAT_DTYPES)
     if table.shape[1] % 2 == 0:
-        raise InvalidArgumentError("table", f"expected an odd number of distances "
-                                            f"(2 R + 1), got {table.shape[1]}")
+        raise InvalidArgumentError(
+            "table", f"expected an odd number of distances (2 R + 1), got {table.shape[1]}"
+        )
     reach = (table.shape[1] - 1) // 2
-    offset = require_int("offset", offset, -2**31)
+    offset = require_int("offset", offset, -(2**31))
 
     def relative_bias(score, b, h, q_idx, kv_idx):
         distance = minimum(maximum(kv_idx - q_idx - offset, -reach), reach)

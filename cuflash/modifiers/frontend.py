@@ -10,14 +10,40 @@ import math
 import numpy as np
 
 from .functions import abs, exp, log, maximum, minimum, sqrt, tanh, where
-from .ir import (BOOL, FLOAT, INT32, INT64, MAX_ARRAY_NDIM, MAX_ARRAYS, TypeProblem,
-                 arithmetic, call, compare, constant, convert, intern, logical,
-                 logical_not, negate, power, require_numeric, select)
+from .ir import (
+    BOOL,
+    FLOAT,
+    INT32,
+    INT64,
+    MAX_ARRAY_NDIM,
+    MAX_ARRAYS,
+    TypeProblem,
+    arithmetic,
+    call,
+    compare,
+    constant,
+    convert,
+    intern,
+    logical,
+    logical_not,
+    negate,
+    power,
+    require_numeric,
+    select,
+)
 from .source import function_syntax, source_location
 
 # Every callable a modifier may call, by the function it means.
-_FUNCTION_ARITY = {"where": 3, "tanh": 1, "exp": 1, "log": 1, "sqrt": 1, "abs": 1,
-                   "minimum": 2, "maximum": 2}
+_FUNCTION_ARITY = {
+    "where": 3,
+    "tanh": 1,
+    "exp": 1,
+    "log": 1,
+    "sqrt": 1,
+    "abs": 1,
+    "minimum": 2,
+    "maximum": 2,
+}
 _CALLABLES = {}
 for _name, _objects in {
     "where": (where, np.where),
@@ -33,8 +59,12 @@ for _name, _objects in {
         _CALLABLES[id(_object)] = (_object, _name)
 del _name, _objects, _object
 
-_KIND_OF_DTYPE = {np.dtype(np.int32): INT32, np.dtype(np.int64): INT64,
-                  np.dtype(np.float32): FLOAT, np.dtype(np.bool_): BOOL}
+_KIND_OF_DTYPE = {
+    np.dtype(np.int32): INT32,
+    np.dtype(np.int64): INT64,
+    np.dtype(np.float32): FLOAT,
+    np.dtype(np.bool_): BOOL,
+}
 
 
 class _ArrayInput:
@@ -50,8 +80,7 @@ class _ArrayInput:
 
 
 def is_cupy_array(value):
-    return type(value).__module__.startswith("cupy") and hasattr(
-        value, "__cuda_array_interface__")
+    return type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")
 
 
 def is_array(value):
@@ -65,20 +94,54 @@ class Inlinable:
     nodes of those names) and ``_inputs`` (the ``_ArrayInput`` of each slot it reads)."""
 
 
-_STATEMENT_NAMES = {"For": "a for loop", "While": "a while loop", "With": "a with block",
-                    "Try": "a try block", "Raise": "raise", "Assert": "assert",
-                    "Import": "import", "ImportFrom": "import", "Global": "global",
-                    "Nonlocal": "nonlocal", "Delete": "del", "FunctionDef": "a nested def",
-                    "ClassDef": "a class", "Expr": "an expression statement"}
-_EXPRESSION_NAMES = {"ListComp": "a list comprehension", "GeneratorExp": "a generator",
-                     "Lambda": "a lambda", "List": "a list", "Dict": "a dict",
-                     "Set": "a set", "Tuple": "a tuple", "JoinedStr": "an f-string",
-                     "Slice": "a slice", "Starred": "*", "NamedExpr": ":=",
-                     "Await": "await", "Yield": "yield"}
-_BINARY_OPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div",
-               ast.FloorDiv: "floordiv", ast.Mod: "mod", ast.Pow: "pow"}
-_COMPARISONS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq",
-                ast.NotEq: "ne"}
+_STATEMENT_NAMES = {
+    "For": "a for loop",
+    "While": "a while loop",
+    "With": "a with block",
+    "Try": "a try block",
+    "Raise": "raise",
+    "Assert": "assert",
+    "Import": "import",
+    "ImportFrom": "import",
+    "Global": "global",
+    "Nonlocal": "nonlocal",
+    "Delete": "del",
+    "FunctionDef": "a nested def",
+    "ClassDef": "a class",
+    "Expr": "an expression statement",
+}
+_EXPRESSION_NAMES = {
+    "ListComp": "a list comprehension",
+    "GeneratorExp": "a generator",
+    "Lambda": "a lambda",
+    "List": "a list",
+    "Dict": "a dict",
+    "Set": "a set",
+    "Tuple": "a tuple",
+    "JoinedStr": "an f-string",
+    "Slice": "a slice",
+    "Starred": "*",
+    "NamedExpr": ":=",
+    "Await": "await",
+    "Yield": "yield",
+}
+_BINARY_OPS = {
+    ast.Add: "add",
+    ast.Sub: "sub",
+    ast.Mult: "mul",
+    ast.Div: "div",
+    ast.FloorDiv: "floordiv",
+    ast.Mod: "mod",
+    ast.Pow: "pow",
+}
+_COMPARISONS = {
+    ast.Lt: "lt",
+    ast.LtE: "le",
+    ast.Gt: "gt",
+    ast.GtE: "ge",
+    ast.Eq: "eq",
+    ast.NotEq: "ne",
+}
 
 
 class Translator:
@@ -120,19 +183,32 @@ class Translator:
         syntax, self.first_line = function_syntax(self.fn)
         names = [arg.arg for arg in syntax.args.args]
         extra = syntax.args
-        if (len(names) != len(self.parameters) or extra.vararg or extra.kwarg
-                or extra.kwonlyargs or extra.posonlyargs):
+        if (
+            len(names) != len(self.parameters)
+            or extra.vararg
+            or extra.kwarg
+            or extra.kwonlyargs
+            or extra.posonlyargs
+        ):
             wanted = ", ".join(name for name, _ in self.parameters)
-            raise self.problem(f"expected exactly {len(self.parameters)} positional "
-                               f"parameters ({wanted}), got {ast.unparse(syntax.args) or 'none'}",
-                               syntax)
-        scope = {name: intern("param", kind, value=canonical)
-                 for name, (canonical, kind) in zip(names, self.parameters)}
+            raise self.problem(
+                f"expected exactly {len(self.parameters)} positional "
+                f"parameters ({wanted}), got {ast.unparse(syntax.args) or 'none'}",
+                syntax,
+            )
+        scope = {
+            name: intern("param", kind, value=canonical)
+            for name, (canonical, kind) in zip(names, self.parameters)
+        }
         if isinstance(syntax, ast.Lambda):
             return self.expression(syntax.body, scope)
         body = syntax.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             body = body[1:]  # the docstring
         return self.block(body, scope, syntax)
 
@@ -147,7 +223,7 @@ class Translator:
                     raise self.problem("return needs a value", statement)
                 return self.expression(statement.value, scope)
             if isinstance(statement, ast.If):
-                rest = statements[position + 1:]
+                rest = statements[position + 1 :]
                 condition = self.expression(statement.test, scope)
                 when_true = self.block(statement.body + rest, scope, statement)
                 when_false = self.block(statement.orelse + rest, scope, statement)
@@ -167,17 +243,24 @@ class Translator:
             target, value = statement.target, statement.value
         elif isinstance(statement, ast.AugAssign):
             target = statement.target
-            value = ast.BinOp(left=ast.Name(id=getattr(target, "id", "?"), ctx=ast.Load()),
-                              op=statement.op, right=statement.value)
+            value = ast.BinOp(
+                left=ast.Name(id=getattr(target, "id", "?"), ctx=ast.Load()),
+                op=statement.op,
+                right=statement.value,
+            )
             ast.copy_location(value, statement)
             ast.fix_missing_locations(value)
         else:
             name = _STATEMENT_NAMES.get(type(statement).__name__, type(statement).__name__)
-            raise self.problem(f"unsupported syntax: {name}; a modifier holds assignments, "
-                               "if/else and return", statement)
+            raise self.problem(
+                f"unsupported syntax: {name}; a modifier holds assignments, if/else and return",
+                statement,
+            )
         if not isinstance(target, ast.Name):
-            raise self.problem(f"unsupported syntax: assignment to {ast.unparse(target)}; "
-                               "assign to a plain name", statement)
+            raise self.problem(
+                f"unsupported syntax: assignment to {ast.unparse(target)}; assign to a plain name",
+                statement,
+            )
         return target.id, self.expression(value, scope)
 
     # ....................................................... expressions
@@ -213,17 +296,23 @@ class Translator:
         if is_array(found):
             if found.ndim == 0:
                 return self.read(found, label, [], node)
-            raise self.problem(f"array {label} is {found.ndim}-D: index it with "
-                               f"{found.ndim} indices", node)
-        raise self.problem(f"{label} is a {type(found).__name__}; a modifier uses numbers, "
-                           "arrays and its own parameters", node)
+            raise self.problem(
+                f"array {label} is {found.ndim}-D: index it with {found.ndim} indices", node
+            )
+        raise self.problem(
+            f"{label} is a {type(found).__name__}; a modifier uses numbers, "
+            "arrays and its own parameters",
+            node,
+        )
 
     def resolve(self, node, scope):
         """The Python object a name or attribute chain outside the function means."""
         if isinstance(node, ast.Name):
             if node.id in scope:
-                raise self.problem(f"{node.id} is a parameter or local here, not a captured "
-                                   "array or function", node)
+                raise self.problem(
+                    f"{node.id} is a parameter or local here, not a captured array or function",
+                    node,
+                )
             for space in (self.bindings, self.closure, self.fn.__globals__):
                 if node.id in space:
                     return space[node.id]
@@ -235,13 +324,15 @@ class Translator:
             if not hasattr(base, node.attr):
                 raise self.problem(f"{ast.unparse(node)} does not exist", node)
             return getattr(base, node.attr)
-        raise self.problem(f"unsupported syntax: {ast.unparse(node)} as a function or array",
-                           node)
+        raise self.problem(f"unsupported syntax: {ast.unparse(node)} as a function or array", node)
 
     def visit_UnaryOp(self, node, scope):
         literal = node.operand
-        if isinstance(node.op, ast.USub) and isinstance(literal, ast.Constant) \
-                and type(literal.value) in (int, float):
+        if (
+            isinstance(node.op, ast.USub)
+            and isinstance(literal, ast.Constant)
+            and type(literal.value) in (int, float)
+        ):
             return constant(-literal.value)  # -9223372036854775808 is a literal
         operand = self.expression(literal, scope)
         if isinstance(node.op, ast.USub):
@@ -281,13 +372,15 @@ class Translator:
         return result
 
     def visit_IfExp(self, node, scope):
-        return select(self.expression(node.test, scope), self.expression(node.body, scope),
-                      self.expression(node.orelse, scope))
+        return select(
+            self.expression(node.test, scope),
+            self.expression(node.body, scope),
+            self.expression(node.orelse, scope),
+        )
 
     def visit_Call(self, node, scope):
         if node.keywords or any(isinstance(arg, ast.Starred) for arg in node.args):
-            raise self.problem(f"calls take positional arguments only: {ast.unparse(node)}",
-                               node)
+            raise self.problem(f"calls take positional arguments only: {ast.unparse(node)}", node)
         function = self.resolve(node.func, scope)
         label = ast.unparse(node.func)
         if function is float:
@@ -297,13 +390,17 @@ class Translator:
             return self.inline(function, args, node)
         entry = _CALLABLES.get(id(function))
         if entry is None or entry[0] is not function:
-            raise self.problem(f"unsupported function {label}; a modifier may call where, "
-                               "tanh, exp, log, sqrt, abs, minimum, maximum, float and "
-                               "other modifiers", node)
+            raise self.problem(
+                f"unsupported function {label}; a modifier may call where, "
+                "tanh, exp, log, sqrt, abs, minimum, maximum, float and "
+                "other modifiers",
+                node,
+            )
         name = entry[1]
         if len(node.args) != _FUNCTION_ARITY[name]:
-            raise self.problem(f"{label} takes {_FUNCTION_ARITY[name]} arguments here, got "
-                               f"{len(node.args)}", node)
+            raise self.problem(
+                f"{label} takes {_FUNCTION_ARITY[name]} arguments here, got {len(node.args)}", node
+            )
         return call(name, *(self.expression(arg, scope) for arg in node.args))
 
     def float_call(self, node, scope):
@@ -315,8 +412,7 @@ class Translator:
             try:
                 return constant(float(argument.value))
             except ValueError:
-                raise self.problem(f"float({argument.value!r}) is not a number",
-                                   node) from None
+                raise self.problem(f"float({argument.value!r}) is not a number", node) from None
         value = self.expression(argument, scope)
         require_numeric("float", value)
         return convert(value, FLOAT)
@@ -332,17 +428,23 @@ class Translator:
         label = ast.unparse(base)
         array = self.resolve(base, scope)
         if not is_array(array):
-            raise self.problem(f"{label} is a {type(array).__name__}, not an array; pass a "
-                               "numpy or cupy array", node)
+            raise self.problem(
+                f"{label} is a {type(array).__name__}, not an array; pass a numpy or cupy array",
+                node,
+            )
         if len(indices) != array.ndim:
-            raise self.problem(f"array {label} is {array.ndim}-D but {ast.unparse(node)} "
-                               f"gives {len(indices)} indices", node)
+            raise self.problem(
+                f"array {label} is {array.ndim}-D but {ast.unparse(node)} "
+                f"gives {len(indices)} indices",
+                node,
+            )
         values = []
         for index in indices:
             value = self.expression(index, scope)
             if value.kind not in (INT32, INT64):
-                raise self.problem(f"array indices must be integers: {ast.unparse(index)} "
-                                   f"is a {value.kind}", index)
+                raise self.problem(
+                    f"array indices must be integers: {ast.unparse(index)} is a {value.kind}", index
+                )
             values.append(value)
         return self.read(array, label, values, node, ast.unparse(node))
 
@@ -358,18 +460,22 @@ class Translator:
                 return entry.slot
         dtype = np.dtype(array.dtype)
         if dtype not in _KIND_OF_DTYPE:
-            raise self.problem(f"array {label}: unsupported dtype {dtype}; expected int32, "
-                               "int64, float32 or bool", node)
+            raise self.problem(
+                f"array {label}: unsupported dtype {dtype}; expected int32, int64, float32 or bool",
+                node,
+            )
         if array.ndim > MAX_ARRAY_NDIM:
-            raise self.problem(f"array {label} is {array.ndim}-D; at most "
-                               f"{MAX_ARRAY_NDIM}-D", node)
+            raise self.problem(f"array {label} is {array.ndim}-D; at most {MAX_ARRAY_NDIM}-D", node)
         if array.size == 0:
             raise self.problem(f"array {label} is empty", node)
         for axis, stride in enumerate(array.strides):
             if stride % array.itemsize:
-                raise self.problem(f"array {label}: the stride of axis {axis} ({stride} "
-                                   f"bytes) is not a multiple of its itemsize "
-                                   f"({array.itemsize})", node)
+                raise self.problem(
+                    f"array {label}: the stride of axis {axis} ({stride} "
+                    f"bytes) is not a multiple of its itemsize "
+                    f"({array.itemsize})",
+                    node,
+                )
         if len(self.arrays) == MAX_ARRAYS:
             names = ", ".join(entry.name for entry in self.arrays)
             raise self.problem(f"reads more than {MAX_ARRAYS} arrays ({names}, {label})", node)
@@ -383,16 +489,21 @@ class Translator:
     def inline(self, modifier, args, node):
         """The result of calling another modifier: its graph on these arguments."""
         if len(args) != len(modifier.PARAMETERS):
-            raise self.problem(f"{modifier.name} takes {len(modifier.PARAMETERS)} arguments, "
-                               f"got {len(args)}", node)
+            raise self.problem(
+                f"{modifier.name} takes {len(modifier.PARAMETERS)} arguments, got {len(args)}", node
+            )
         values = {}
         for (canonical, kind), arg in zip(modifier.PARAMETERS, args):
             if kind == INT32 and arg.kind != INT32:
-                raise self.problem(f"{modifier.name}: its index arguments must be int32 "
-                                   f"expressions, got a {arg.kind}", node)
+                raise self.problem(
+                    f"{modifier.name}: its index arguments must be int32 "
+                    f"expressions, got a {arg.kind}",
+                    node,
+                )
             values[canonical] = convert(arg, kind)
-        slots = {entry.slot: self.slot_of(entry.array, entry.name, node)
-                 for entry in modifier._inputs}
+        slots = {
+            entry.slot: self.slot_of(entry.array, entry.name, node) for entry in modifier._inputs
+        }
         return _substitute(modifier._expression, values, slots)
 
 
@@ -408,11 +519,13 @@ def _substitute(root, values, slots):
             result = values[expr.value]
         elif expr.operation == "read":
             slot, text = expr.value
-            result = intern("read", expr.kind, [rebuild(arg) for arg in expr.args],
-                            (slots[slot], text))
+            result = intern(
+                "read", expr.kind, [rebuild(arg) for arg in expr.args], (slots[slot], text)
+            )
         else:
-            result = intern(expr.operation, expr.kind, [rebuild(arg) for arg in expr.args],
-                            expr.value)
+            result = intern(
+                expr.operation, expr.kind, [rebuild(arg) for arg in expr.args], expr.value
+            )
         done[id(expr)] = result
         return result
 

@@ -19,7 +19,7 @@ MAX_POWER = 8
 
 FLOAT, INT32, INT64, BOOL = "float32", "int32", "int64", "bool"
 _NUMERIC_RANK = {INT32: 0, INT64: 1, FLOAT: 2}
-INT_LIMITS = {INT32: (-2**31, 2**31 - 1), INT64: (-2**63, 2**63 - 1)}
+INT_LIMITS = {INT32: (-(2**31), 2**31 - 1), INT64: (-(2**63), 2**63 - 1)}
 
 # -------------------------------------------------------------- expression graph
 
@@ -51,7 +51,7 @@ class Expr:
         return f"Expr({self.operation}, {self.kind}, {self.value!r}, {len(self.args)} args)"
 
 
-_INTERNED = weakref.WeakValueDictionary()
+_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _INTERN_LOCK = threading.Lock()
 
 
@@ -120,14 +120,33 @@ def convert(expr, kind):
 def require_numeric(what, *exprs):
     for expr in exprs:
         if not _is_numeric(expr):
-            raise TypeProblem(f"{what} takes numbers, got a {expr.kind}; "
-                              "use where(condition, 1, 0) for a 0/1 number")
+            raise TypeProblem(
+                f"{what} takes numbers, got a {expr.kind}; "
+                "use where(condition, 1, 0) for a 0/1 number"
+            )
 
 
-INT_FOLDERS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
-               "floordiv": operator.floordiv, "mod": operator.mod}
-SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
-           "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+INT_FOLDERS = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+}
+SYMBOLS = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "div": "/",
+    "floordiv": "//",
+    "mod": "%",
+    "lt": "<",
+    "le": "<=",
+    "gt": ">",
+    "ge": ">=",
+    "eq": "==",
+    "ne": "!=",
+}
 
 
 def arithmetic(operation, left, right):
@@ -156,6 +175,7 @@ def arithmetic(operation, left, right):
 def _integer_identity(operation, left, right):
     """``x + 0``, ``0 + x``, ``x - 0``, ``x * 1``, ``1 * x``, ``x // 1`` as ``x`` (exact on
     integers), else None."""
+
     def is_constant(expr, value):
         return expr.operation == "const" and expr.value == value
 
@@ -173,8 +193,11 @@ def _integer_identity(operation, left, right):
 def power(base, exponent):
     """``base ** exponent`` for a constant integer exponent from 0 to ``MAX_POWER``."""
     require_numeric("**", base)
-    if exponent.operation != "const" or exponent.kind not in (INT32, INT64) \
-            or not 0 <= exponent.value <= MAX_POWER:
+    if (
+        exponent.operation != "const"
+        or exponent.kind not in (INT32, INT64)
+        or not 0 <= exponent.value <= MAX_POWER
+    ):
         raise TypeProblem(f"** takes a constant integer exponent from 0 to {MAX_POWER}")
     result = convert(constant(1), base.kind) if exponent.value == 0 else None
     square, count = base, exponent.value
@@ -191,8 +214,9 @@ def negate(expr):
     """``-expr``."""
     require_numeric("unary -", expr)
     if expr.operation == "const":
-        return _int_constant(-expr.value, expr.kind) if expr.kind != FLOAT else \
-            constant(-expr.value)
+        return (
+            _int_constant(-expr.value, expr.kind) if expr.kind != FLOAT else constant(-expr.value)
+        )
     return intern("neg", expr.kind, (expr,))
 
 
@@ -208,8 +232,7 @@ def compare(operation, left, right):
 def _require_condition(what, *exprs):
     for expr in exprs:
         if expr.kind != BOOL:
-            raise TypeProblem(f"{what} takes conditions (comparisons or bools), "
-                              f"got a {expr.kind}")
+            raise TypeProblem(f"{what} takes conditions (comparisons or bools), got a {expr.kind}")
 
 
 def logical(operation, left, right):
@@ -237,8 +260,9 @@ def select(condition, when_true, when_false):
     _require_condition("a condition", condition)
     if when_true.kind == BOOL or when_false.kind == BOOL:
         if when_true.kind != when_false.kind:
-            raise TypeProblem(f"the branches have different types ({when_true.kind} and "
-                              f"{when_false.kind})")
+            raise TypeProblem(
+                f"the branches have different types ({when_true.kind} and {when_false.kind})"
+            )
         kind = BOOL
     else:
         kind = _common_kind(when_true, when_false)
@@ -278,8 +302,7 @@ def graph_nodes(roots):
                 order.append(expr)
             else:
                 stack.append((expr, True))
-                stack.extend((arg, False) for arg in reversed(expr.args)
-                             if id(arg) not in seen)
+                stack.extend((arg, False) for arg in reversed(expr.args) if id(arg) not in seen)
     return order
 
 

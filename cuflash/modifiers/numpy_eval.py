@@ -6,8 +6,13 @@ import math
 
 from .ir import FLOAT, SYMBOLS, statements
 
-_PY_FUNCTIONS = {"tanh": "np.tanh", "exp": "np.exp", "log": "np.log", "sqrt": "np.sqrt",
-                 "abs": "np.abs"}
+_PY_FUNCTIONS = {
+    "tanh": "np.tanh",
+    "exp": "np.exp",
+    "log": "np.log",
+    "sqrt": "np.sqrt",
+    "abs": "np.abs",
+}
 
 
 def _py_constant(expr):
@@ -54,6 +59,7 @@ def _py_expression(expr, text, accessors):
 
 def py_function(function_name, parameters, roots):
     """NumPy source of a function of ``parameters`` returning the roots' values."""
+
     def render(expr, text):
         return _py_expression(expr, text, None)
 

@@ -15,7 +15,7 @@ def source_location(fn):
 
 
 def parameter_names(code):
-    return code.co_varnames[:code.co_argcount]
+    return code.co_varnames[: code.co_argcount]
 
 
 def function_syntax(fn):
@@ -24,9 +24,11 @@ def function_syntax(fn):
     try:
         lines, start = inspect.findsource(fn)
     except (OSError, TypeError) as exc:
-        raise NoSource(f"cannot read the source of {fn.__qualname__} ({exc}); define "
-                       "the function with def or lambda in a file (or a notebook cell), "
-                       "not at an interactive prompt or through exec") from None
+        raise NoSource(
+            f"cannot read the source of {fn.__qualname__} ({exc}); define "
+            "the function with def or lambda in a file (or a notebook cell), "
+            "not at an interactive prompt or through exec"
+        ) from None
     if fn.__name__ != "<lambda>":
         block = inspect.getblock(lines[start:])
         try:
@@ -36,8 +38,10 @@ def function_syntax(fn):
         definition = tree.body[0] if tree is not None and tree.body else None
         if isinstance(definition, ast.FunctionDef) and definition.name == fn.__name__:
             return definition, start + 1
-        raise NoSource(f"cannot find the definition of {fn.__qualname__} in its source file "
-                       "(was the file changed since it was imported?)")
+        raise NoSource(
+            f"cannot find the definition of {fn.__qualname__} in its source file "
+            "(was the file changed since it was imported?)"
+        )
     return _lambda_syntax(fn, lines, start)
 
 
@@ -47,7 +51,7 @@ class NoSource(Exception):
 
 def _lambda_syntax(fn, lines, start):
     """The one lambda of ``lines[start]`` whose parameters are ``fn``'s."""
-    text = "".join(lines[start:start + 200])
+    text = "".join(lines[start : start + 200])
     wanted = list(parameter_names(fn.__code__))
     found = []
     for offset in (match.start() for match in re.finditer(r"\blambda\b", lines[start])):
@@ -56,8 +60,10 @@ def _lambda_syntax(fn, lines, start):
             found.append(node)
     if len(found) != 1:
         why = "several lambdas with its parameters" if found else "no lambda matching it"
-        raise NoSource(f"cannot find {fn.__qualname__} in its source: line {start + 1} has "
-                       f"{why}; define it with def")
+        raise NoSource(
+            f"cannot find {fn.__qualname__} in its source: line {start + 1} has "
+            f"{why}; define it with def"
+        )
     return found[0], start + 1
 
 
@@ -82,9 +88,13 @@ def _parse_lambda_at(text, offset):
                 depth -= 1
             if depth == 0 and token.type == tokenize.OP and token.string == ":":
                 seen_colon = True
-            at_end = depth < 0 or (depth == 0 and (
-                token.type in (tokenize.NEWLINE, tokenize.ENDMARKER)
-                or (token.type == tokenize.OP and token.string in (",", ";") and seen_colon)))
+            at_end = depth < 0 or (
+                depth == 0
+                and (
+                    token.type in (tokenize.NEWLINE, tokenize.ENDMARKER)
+                    or (token.type == tokenize.OP and token.string in (",", ";") and seen_colon)
+                )
+            )
             if not at_end:
                 continue
             if seen_colon:

@@ -66,8 +66,9 @@ def inlined(headers, kernel_dir=KERNEL_DIR):
     ``cuflash/kernels``) with their local includes inlined once each, as the library's
     modules are (``cuflash.kernel_build.inlined_source``)."""
     seen = set()
-    return "\n".join(kernel_build.inlined_source(Path(kernel_dir) / h, seen)
-                     for h in headers) + "\n"
+    return (
+        "\n".join(kernel_build.inlined_source(Path(kernel_dir) / h, seen) for h in headers) + "\n"
+    )
 
 
 def _unquoted(text, start=0):
@@ -140,8 +141,13 @@ _INSTRUCTIONS = (
 
 
 # setmaxnreg moves registers between warpgroups: nothing to model.
-_NO_OPS = ("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "fence.proxy.async",
-           "setmaxnreg")
+_NO_OPS = (
+    "wgmma.fence",
+    "wgmma.commit_group",
+    "wgmma.wait_group",
+    "fence.proxy.async",
+    "setmaxnreg",
+)
 
 
 def _wgmma(template, outputs, inputs):
@@ -158,10 +164,12 @@ def _wgmma(template, outputs, inputs):
     else:
         a_regs, a_desc = "{0u, 0u, 0u, 0u}", inputs[0][1]
     b_desc, accumulate = inputs[-2][1], inputs[-1][1]
-    return (f"{{ float* const sim_d[] = {{{accumulators}}}; const unsigned sim_a[4] = {a_regs}; "
-            f"::sim::wgmma<{n}, {str(bf16).lower()}, {str(a_registers).lower()}, "
-            f"{str(bool(trans_a)).lower()}, {str(bool(trans_b)).lower()}>"
-            f"(sim_d, sim_a, {a_desc}, {b_desc}, ({accumulate}) != 0); }}")
+    return (
+        f"{{ float* const sim_d[] = {{{accumulators}}}; const unsigned sim_a[4] = {a_regs}; "
+        f"::sim::wgmma<{n}, {str(bf16).lower()}, {str(a_registers).lower()}, "
+        f"{str(bool(trans_a)).lower()}, {str(bool(trans_b)).lower()}>"
+        f"(sim_d, sim_a, {a_desc}, {b_desc}, ({accumulate}) != 0); }}"
+    )
 
 
 def _translate(body):
@@ -214,13 +222,16 @@ def rewrite(source):
             continue
         # the statement's closing parenthesis: the first ")" that closes more than it opened
         end = next(i for i, c, depth in _unquoted(source, m.end()) if depth < 0)
-        out += [source[pos:m.start()], _translate(source[m.end():end])]
+        out += [source[pos : m.start()], _translate(source[m.end() : end])]
         pos = end + 1
     out.append(source[pos:])
     text = "".join(out)
-    return re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+(?:\s+\w+)*?)\s+(\w+)\s*"
-                  r"\[\s*\]\s*;",
-                  r"\1* \2 = static_cast<\1*>(::sim::dynamic_shared());", text)
+    return re.sub(
+        r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+(?:\s+\w+)*?)\s+(\w+)\s*"
+        r"\[\s*\]\s*;",
+        r"\1* \2 = static_cast<\1*>(::sim::dynamic_shared());",
+        text,
+    )
 
 
 # ---------------------------------------------------------------------- modules
@@ -285,8 +296,11 @@ class Module:
                 self._library.sim_guarded_free(copy, max(1, high - low))
         if status == 2:
             fault = self._library.sim_fault_address()
-            near = [i for i, low, high, copy in guarded
-                    if copy - 4096 <= fault < copy + (high - low) + 4096]
+            near = [
+                i
+                for i, low, high, copy in guarded
+                if copy - 4096 <= fault < copy + (high - low) + 4096
+            ]
             where = f"argument {near[0]}'s guard page" if near else "memory of no argument"
             raise SimulationError(f"{name}: an access at {fault:#x} faulted ({where})")
         if status:
@@ -298,16 +312,20 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR, prefix=""):
     ``kernel_dir``), after ``prefix`` (the user's modifier functors)."""
     lines = [f'#include "{RUNTIME}"', rewrite(prefix + inlined(headers, kernel_dir))]
     for i, name in enumerate(names):
-        lines.append(f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
-                     f'unsigned threads, unsigned long long shared_bytes, void** params) {{\n'
-                     f'    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, '
-                     f'dim3{{threads, 1, 1}}, shared_bytes, params);\n}}')
-    lines += ['extern "C" const char* sim_failure() { return ::sim::failure; }',
-              'extern "C" unsigned long long sim_fault_address() { return ::sim::fault_address; }',
-              'extern "C" void* sim_guarded_alloc(unsigned long long bytes) '
-              '{ return ::sim::guarded_alloc(bytes); }',
-              'extern "C" void sim_guarded_free(void* p, unsigned long long bytes) '
-              '{ ::sim::guarded_free(p, bytes); }']
+        lines.append(
+            f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
+            f"unsigned threads, unsigned long long shared_bytes, void** params) {{\n"
+            f"    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, "
+            f"dim3{{threads, 1, 1}}, shared_bytes, params);\n}}"
+        )
+    lines += [
+        'extern "C" const char* sim_failure() { return ::sim::failure; }',
+        'extern "C" unsigned long long sim_fault_address() { return ::sim::fault_address; }',
+        'extern "C" void* sim_guarded_alloc(unsigned long long bytes) '
+        "{ return ::sim::guarded_alloc(bytes); }",
+        'extern "C" void sim_guarded_free(void* p, unsigned long long bytes) '
+        "{ ::sim::guarded_free(p, bytes); }",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -320,7 +338,7 @@ def _defines(options):
     return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(names, headers, kernel_dir, arch, functors):
     defines = f"#define __CUDA_ARCH__ {arch}0\n"
     prefix = ""
@@ -336,18 +354,33 @@ def _built(names, headers, kernel_dir, arch, functors):
             cpp = Path(tmp) / "kernels.cpp"
             cpp.write_text(source)
             built = Path(tmp) / "kernels.so"
-            done = subprocess.run([compiler(), *COMPILER_FLAGS, "-o", str(built), str(cpp)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [compiler(), *COMPILER_FLAGS, "-o", str(built), str(cpp)],
+                capture_output=True,
+                text=True,
+            )
             if done.returncode:
                 raise RuntimeError(f"the simulated kernels do not compile:\n{done.stderr[-6000:]}")
             os.replace(built, library)  # atomic: parallel test workers may build it too
     return Module(library, list(names))
 
 
-HEADERS = ("general_fwd.cuh", "general_bwd.cuh", "tc_fwd.cuh", "tc_bwd.cuh", "tc_bwd_wide.cuh",
-           "tc_bwd_dq.cuh", "tc_fwd_wg.cuh", "forward_wgmma_ws.cuh", "tc_bwd_wg.cuh", "tc_bwd_dq_wg.cuh",
-           "split_fwd_wg.cuh", "split_fwd_wide_wg.cuh", "split_bwd_wg.cuh",
-           "split_bwd_wide_wg.cuh")
+HEADERS = (
+    "general_fwd.cuh",
+    "general_bwd.cuh",
+    "tc_fwd.cuh",
+    "tc_bwd.cuh",
+    "tc_bwd_wide.cuh",
+    "tc_bwd_dq.cuh",
+    "tc_fwd_wg.cuh",
+    "forward_wgmma_ws.cuh",
+    "tc_bwd_wg.cuh",
+    "tc_bwd_dq_wg.cuh",
+    "split_fwd_wg.cuh",
+    "split_fwd_wide_wg.cuh",
+    "split_bwd_wg.cuh",
+    "split_bwd_wide_wg.cuh",
+)
 
 
 def build(names, headers=HEADERS, arch=80, functors=None):

@@ -55,7 +55,9 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+    return uint4{x, y, z, w};
+}
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
@@ -81,7 +83,7 @@ struct Fiber {
     dim3 tid;
     int lane = 0, warp = 0;
     bool done = false;
-    std::vector<PendingCopy> copies;   // issued, not yet in a committed group
+    std::vector<PendingCopy> copies;               // issued, not yet in a committed group
     std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
 };
 
@@ -212,7 +214,10 @@ inline unsigned short float_to_bf16(float x) {
 inline float flush_denormal(float x) { return fabsf(x) < 1.17549435e-38f ? copysignf(0.f, x) : x; }
 
 // An instruction the simulator does not model, reached at run time.
-inline void unsupported(const char* instruction) { failure = instruction; yield(); }
+inline void unsupported(const char* instruction) {
+    failure = instruction;
+    yield();
+}
 
 }  // namespace sim
 
@@ -224,19 +229,52 @@ inline void unsupported(const char* instruction) { failure = instruction; yield(
 #define gridDim (sim::grid_dim)
 
 inline void __syncthreads() { sim::arrive(sim::block_barrier); }
-inline void __syncwarp(unsigned = 0xffffffffu) { sim::arrive(sim::warps[sim::current->warp].barrier); }
-inline unsigned __float_as_uint(float x) { unsigned u; memcpy(&u, &x, 4); return u; }
-inline int __float_as_int(float x) { int u; memcpy(&u, &x, 4); return u; }
-inline float __uint_as_float(unsigned u) { float x; memcpy(&x, &u, 4); return x; }
-inline float __int_as_float(int u) { float x; memcpy(&x, &u, 4); return x; }
-template <typename T> inline T __ldg(const T* p) { return *p; }
-inline float atomicAdd(float* p, float x) { const float old = *p; *p = old + x; return old; }
-inline unsigned atomicMax(unsigned* p, unsigned x) { const unsigned old = *p; *p = old > x ? old : x; return old; }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    sim::arrive(sim::warps[sim::current->warp].barrier);
+}
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+inline int __float_as_int(float x) {
+    int u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+inline float __int_as_float(int u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+template <typename T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+inline float atomicAdd(float* p, float x) {
+    const float old = *p;
+    *p = old + x;
+    return old;
+}
+inline unsigned atomicMax(unsigned* p, unsigned x) {
+    const unsigned old = *p;
+    *p = old > x ? old : x;
+    return old;
+}
 inline size_t __cvta_generic_to_shared(const void* p) { return sim::shared_address(p); }
 template <typename A, typename B>
-inline auto min(A a, B b) -> std::common_type_t<A, B> { return b < a ? b : a; }
+inline auto min(A a, B b) -> std::common_type_t<A, B> {
+    return b < a ? b : a;
+}
 template <typename A, typename B>
-inline auto max(A a, B b) -> std::common_type_t<A, B> { return b > a ? b : a; }
+inline auto max(A a, B b) -> std::common_type_t<A, B> {
+    return b > a ? b : a;
+}
 
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float __fdividef(float x, float y) { return x / y; }
@@ -271,7 +309,9 @@ inline void cvt_rn_f16x2_f32(unsigned& out, float a, float b) {
 inline void cvt_rn_bf16x2_f32(unsigned& out, float a, float b) {
     out = (static_cast<unsigned>(float_to_bf16(a)) << 16) | float_to_bf16(b);
 }
-inline void ex2_approx_ftz_f32(float& out, float in) { out = flush_denormal(exp2f(flush_denormal(in))); }
+inline void ex2_approx_ftz_f32(float& out, float in) {
+    out = flush_denormal(exp2f(flush_denormal(in)));
+}
 inline void tanh_approx_f32(float& out, float in) { out = tanhf(in); }
 
 inline void cp_async(unsigned dst, const void* src, int bytes, int valid_bytes) {
@@ -305,7 +345,9 @@ inline void ld_shared_v2_f32(float& x, float& y, unsigned address) {
 // Four 8x8 b16 matrices; lanes 8 i .. 8 i + 7 give the row addresses of matrix i.
 inline void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned address) {
     unsigned* out[4] = {&r0, &r1, &r2, &r3};
-    struct Regs { unsigned r[4]; };
+    struct Regs {
+        unsigned r[4];
+    };
     const Regs regs = collective(address, [](int lane, auto offer) {
         Regs x;
         for (int i = 0; i < 4; ++i) {
@@ -320,7 +362,9 @@ inline void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, 
 inline void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
                               unsigned address) {
     unsigned* out[4] = {&r0, &r1, &r2, &r3};
-    struct Regs { unsigned r[4]; };
+    struct Regs {
+        unsigned r[4];
+    };
     const Regs regs = collective(address, [](int lane, auto offer) {
         Regs x;
         for (int i = 0; i < 4; ++i) {
@@ -354,8 +398,13 @@ inline void movmatrix_trans(unsigned& out, unsigned in) {
 template <bool BF16>
 inline void mma_m16n8k16(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
                          unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-    struct Offer { unsigned a[4], b[2]; float c[4]; };
-    struct Out { float d[4]; };
+    struct Offer {
+        unsigned a[4], b[2];
+        float c[4];
+    };
+    struct Out {
+        float d[4];
+    };
     auto element = [](unsigned x, int half) {
         const unsigned short bits = static_cast<unsigned short>(half ? x >> 16 : x & 0xffffu);
         return BF16 ? bf16_to_float(bits) : half_to_float(bits);
@@ -401,9 +450,7 @@ inline void unpack_f16x2_f32(float& a, float& b, unsigned x) {
     b = half_to_float(static_cast<unsigned short>(x >> 16));
 }
 inline void mov_dynamic_smem_size(unsigned& out) { out = static_cast<unsigned>(shared_capacity); }
-inline void st_shared_f32(unsigned address, float x) {
-    memcpy(shared_pointer(address), &x, 4);
-}
+inline void st_shared_f32(unsigned address, float x) { memcpy(shared_pointer(address), &x, 4); }
 // @p red.global.add.v2.f32
 inline void red_global_add_v2_f32(float* p, float x, float y, bool predicate) {
     if (predicate) {
@@ -465,7 +512,8 @@ inline void land(const PendingCopy& c) {
 inline void cp_async_mbarrier_arrive(unsigned address) {
     Mbarrier* m = mbarrier_at(address);
     if (m == nullptr) return;
-    for (auto& group : current->groups) m->attached.insert(m->attached.end(), group.begin(), group.end());
+    for (auto& group : current->groups)
+        m->attached.insert(m->attached.end(), group.begin(), group.end());
     m->attached.insert(m->attached.end(), current->copies.begin(), current->copies.end());
     current->groups.clear();
     current->copies.clear();
@@ -506,7 +554,8 @@ struct Descriptor {
         return swizzled(start + (row / 8) * stride + (row % 8) * 128 + 2 * k);
     }
     unsigned mn_major(int k, int mn) const {
-        return swizzled(start + (mn / 64) * lead + (k / 8) * stride + (k % 8) * 128 + 2 * (mn % 64));
+        return swizzled(start + (mn / 64) * lead + (k / 8) * stride + (k % 8) * 128 +
+                        2 * (mn % 64));
     }
 };
 template <bool BF16>
@@ -525,7 +574,9 @@ inline float shared_element(unsigned address) {
 template <int N, bool BF16, bool A_REGISTERS, bool TRANS_A, bool TRANS_B>
 inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long long a_desc,
                   unsigned long long b_desc, bool accumulate) {
-    struct Offer { unsigned a[4]; };
+    struct Offer {
+        unsigned a[4];
+    };
     Offer mine;
     memcpy(mine.a, a_regs, sizeof(mine.a));
     warpgroup_collective(mine, [&](int rank, auto offer) {
@@ -534,9 +585,10 @@ inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long lo
         for (int r = 0; r < 64; ++r)
             for (int k = 0; k < 16; ++k) {
                 if (A_REGISTERS) {
-                    const unsigned x =
-                        offer(32 * (r / 16) + 4 * (r % 8) + (k % 8) / 2).a[((r % 16) >= 8) + 2 * (k >= 8)];
-                    const unsigned short bits = static_cast<unsigned short>(k % 2 ? x >> 16 : x & 0xffffu);
+                    const unsigned x = offer(32 * (r / 16) + 4 * (r % 8) + (k % 8) / 2)
+                                           .a[((r % 16) >= 8) + 2 * (k >= 8)];
+                    const unsigned short bits =
+                        static_cast<unsigned short>(k % 2 ? x >> 16 : x & 0xffffu);
                     a[r][k] = BF16 ? bf16_to_float(bits) : half_to_float(bits);
                 } else {
                     a[r][k] = shared_element<BF16>(TRANS_A ? a_layout.mn_major(k, r)
@@ -562,8 +614,8 @@ inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long lo
 // ---- launches ----------------------------------------------------------------------
 
 inline void fiber_entry(unsigned lo, unsigned hi) {
-    auto* body = reinterpret_cast<std::function<void()>*>(
-        static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
+    auto* body = reinterpret_cast<std::function<void()>*>(static_cast<uintptr_t>(lo) |
+                                                          (static_cast<uintptr_t>(hi) << 32));
     (*body)();
     ++progress;
     current->done = true;
@@ -582,9 +634,8 @@ inline void on_fault(int, siginfo_t* info, void*) {
 // follows one), 16-byte aligned: a kernel's access past an argument's end faults.
 inline void* guarded_alloc(size_t bytes) {
     const size_t page = 4096, data = (bytes + 15) / 16 * 16, pages = (data + page - 1) / page;
-    unsigned char* base = static_cast<unsigned char*>(
-        mmap(nullptr, (pages + 2) * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-             -1, 0));
+    unsigned char* base = static_cast<unsigned char*>(mmap(
+        nullptr, (pages + 2) * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     if (base == MAP_FAILED) return nullptr;
     mprotect(base, page, PROT_NONE);
     mprotect(base + (pages + 1) * page, page, PROT_NONE);
@@ -610,8 +661,8 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
     grid_dim = grid;
     block_dim = block;
     shared_capacity = std::max<size_t>(shared_bytes, 16);
-    void* shared = mmap(nullptr, shared_capacity, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* shared =
+        mmap(nullptr, shared_capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (shared == MAP_FAILED) {
         failure = "no memory for the block's shared memory";
         return 1;
@@ -643,7 +694,8 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                 for (Warp& w : warps) w.barrier = Barrier{32, 0, 0};
                 warpgroups.assign((threads + 127) / 128, Warpgroup{});
                 for (size_t i = 0; i < warpgroups.size(); ++i)
-                    warpgroups[i].barrier = Barrier{std::min(128, threads - 128 * static_cast<int>(i)), 0, 0};
+                    warpgroups[i].barrier =
+                        Barrier{std::min(128, threads - 128 * static_cast<int>(i)), 0, 0};
                 for (NamedBarrier& b : named_barriers) b = NamedBarrier{};
                 mbarriers.clear();
                 for (int i = 0; i < threads; ++i) {

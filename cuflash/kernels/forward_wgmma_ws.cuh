@@ -5,10 +5,11 @@
 //     into rings of STAGES shared-memory stages (cp.async, the 128-byte
 //     swizzled layout that wgmma reads); each stage's mbarrier completes when
 //     the copies land (cp.async.mbarrier.arrive), so the producer never waits
-//     for them, only for a stage to come back; it keeps 56 registers a thread.
+//     for them, only for a stage to come back; its copy loop is not unrolled, and it
+//     keeps 32 registers a thread.
 //   warpgroups 1 and 2, the consumers, own 64 query rows each, wait on the
 //     barriers only, and hand each stage back once their products have read
-//     it; they take the producer's registers (224 a thread).
+//     it; they take the producer's registers (240 a thread).
 // Each consumer overlaps within itself: S(j + 1) = Q K(j + 1)^T and
 // O += P(j) V(j) are issued together and the softmax of S(j + 1) runs while
 // P V does (as attention_fwd_wgmma's pipelined loop). The two consumers also
@@ -22,7 +23,7 @@
 
 namespace cuflash {
 
-constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+constexpr int kProducerRegisters = 32, kConsumerRegisters = 240;
 
 // The consumers' turns on the tensor cores: consumer c waits at barrier 8 + c
 // before it issues a tile's products and, once they are issued, lets the
@@ -87,19 +88,19 @@ __global__ void __launch_bounds__(384, 1)
         registers_down<kProducerRegisters>();
         const T* k_head = k + offset_of(k_st, b, hk, 0);
         const T* v_head = v + offset_of(v_st, b, hk, 0);
-        cp_async_tile_sw128<BM, DK, 128, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+        cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
         cp_async_arrive(q_full);
         // Every stage refilled as soon as both consumers have handed it back; the
         // producer never waits for its own copies.
         for (int j = 0; j < tiles; ++j) {
             const int n0 = n_start + j * BN, keys = mask.kv_len - n0;
             k_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D>(Ks + Ring::stage(j) * BN * DL, k_head + n0 * k_st.s,
-                                                k_st.s, keys);
+            cp_async_tile_sw128<BN, DK, 128, D, true>(Ks + Ring::stage(j) * BN * DL,
+                                                      k_head + n0 * k_st.s, k_st.s, keys);
             k_ring->filled(j);
             v_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D>(Vs + Ring::stage(j) * BN * DL, v_head + n0 * v_st.s,
-                                                v_st.s, keys);
+            cp_async_tile_sw128<BN, DK, 128, D, true>(Vs + Ring::stage(j) * BN * DL,
+                                                      v_head + n0 * v_st.s, v_st.s, keys);
             v_ring->filled(j);
         }
         return;

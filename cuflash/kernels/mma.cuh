@@ -111,8 +111,10 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 // (their source is not read). The tile layouts below are all this loop with
 // another `to`. When the NT threads cover whole rows a pass, each thread
 // keeps its chunk column and steps NT / CH rows at a time: one address add a
-// chunk, the loop unrolled.
-template <int ROWS, int CH, int NT, int VALID_CH = CH, typename T, typename Layout>
+// chunk, the loop unrolled (ROLLED: not, for a producer warpgroup that keeps
+// few registers).
+template <int ROWS, int CH, int NT, int VALID_CH = CH, bool ROLLED = false, typename T,
+          typename Layout>
 __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src, long long stride,
                                               int valid_rows, Layout to) {
     constexpr int PER_CHUNK = 16 / sizeof(T);
@@ -122,12 +124,18 @@ __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src,
         const int r0 = threadIdx.x / CH, c = threadIdx.x % CH;
         const bool column_valid = VALID_CH == CH || c < VALID_CH;
         const T* from = src + r0 * stride + c * PER_CHUNK;
-#pragma unroll
-        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        auto copy_row = [&](int i) {
             const int r = r0 + i * ROW_STEP;
             const bool valid = column_valid && r < valid_rows;
             cp_async_16(dst + to(r, c), valid ? from : src, valid);
             from += ROW_STEP * stride;
+        };
+        if constexpr (ROLLED) {
+#pragma unroll 1
+            for (int i = 0; i < ROWS / ROW_STEP; ++i) copy_row(i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < ROWS / ROW_STEP; ++i) copy_row(i);
         }
     } else {
 #pragma unroll 4

@@ -247,6 +247,7 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
                                             float* __restrict__ lse_rows, Store store,
                                             const float* __restrict__ sinks = nullptr, int h = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float sink2 = sink_log2(sinks, h);  // -inf without sinks
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -257,7 +258,7 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
             const int row = row0 + mt * 16 + g + 8 * r;
             if (row >= rows) continue;
             float top = row_max[mt][r], o_scale = 1.f;
-            if (sinks != nullptr) o_scale = add_sink(sink_log2(sinks, h), top, total);
+            if (sink2 != neg_inf()) o_scale = add_sink(sink2, top, total);
             // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
             // from a NaN input is not 0, so it reaches out and lse, never hidden.
             const float inv = total != 0.f ? o_scale / total : 0.f;

@@ -72,10 +72,10 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
 // `src`; columns from D to the power-of-two chunk count that covers COLS
 // (whole rows a pass for the copy loop; the tile must hold them), and rows at
 // or past valid_rows, become zeros.
-template <int ROWS, int COLS, int NT, int D = COLS, typename T>
+template <int ROWS, int COLS, int NT, int D = COLS, bool ROLLED = false, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
                                                     long long stride, int valid_rows) {
-    cp_async_rows<ROWS, pow2_at_least(COLS / 8), NT, D / 8>(
+    cp_async_rows<ROWS, pow2_at_least(COLS / 8), NT, D / 8, ROLLED>(
         dst, src, stride, valid_rows,
         [](int r, int c) { return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3); });
 }

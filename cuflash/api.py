@@ -1,4 +1,4 @@
-"""The public functions: forward, backward and the vjp helper (SPEC section 1)."""
+"""The public functions: forward, backward and the vjp helper (the API reference)."""
 
 import dataclasses
 

@@ -1,5 +1,5 @@
-"""Block masks (SPEC 8): a user's mask function classified tile by tile, built once and
-reused, so that the kernels skip the tiles it empties and evaluate it only on the
+"""Block masks (see the Semantics page): a user's mask function classified tile by tile,
+built once and reused, so that the kernels skip the tiles it empties and evaluate it only on the
 tiles it cuts.
 
 :func:`create_block_mask` takes a :class:`cuflash.modifiers.MaskMod` and the sizes of

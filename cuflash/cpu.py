@@ -26,10 +26,11 @@ def _kv_block(x, c0, c1):
 
 
 def modify_scores(s, r0, r1, c0, c1, q_len, kv_len, softcap, slopes):
-    """The score modifiers (SPEC 8) on float32 scaled scores of rows ``[r0, r1)`` and keys
-    ``[c0, c1)``: ``softcap tanh(s / softcap)`` (0: none), then ``- slope |p - j|`` with
-    ``p = i + kv_len - q_len`` (``slopes`` broadcasting against ``s``, or None). Returns
-    the scores and their derivative with respect to ``s`` (1 without a soft-cap)."""
+    """The score modifiers (see the Semantics page) on float32 scaled scores of rows
+    ``[r0, r1)`` and keys ``[c0, c1)``: ``softcap tanh(s / softcap)`` (0: none), then
+    ``- slope |p - j|`` with ``p = i + kv_len - q_len`` (``slopes`` broadcasting against
+    ``s``, or None). Returns the scores and their derivative with respect to ``s`` (1
+    without a soft-cap)."""
     derivative = np.float32(1)
     if softcap:
         cap = np.float32(softcap)
@@ -43,8 +44,9 @@ def modify_scores(s, r0, r1, c0, c1, q_len, kv_len, softcap, slopes):
 
 
 def _scores(problem, q_blk, k_blk, r0, r1, c0, c1, slopes):
-    """Scaled scores with the score modifiers (SPEC 8) and invisible entries at ``-inf``,
-    the visibility mask, and the modifiers' derivative (1 without a soft-cap)."""
+    """Scaled scores with the score modifiers (see the Semantics page) and invisible
+    entries at ``-inf``, the visibility mask, and the modifiers' derivative (1 without a
+    soft-cap)."""
     s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * np.float32(problem.softmax_scale)
     s, derivative = modify_scores(
         s, r0, r1, c0, c1, problem.q_len, problem.kv_len, problem.softcap, slopes

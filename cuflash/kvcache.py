@@ -1,4 +1,4 @@
-"""Attention over a KV cache for inference (SPEC section 6).
+"""Attention over a KV cache for inference (the KV-cache page).
 
 :func:`flash_attention_with_kvcache` appends new keys and values to a cache
 in place and attends the query rows of each sequence to its cached keys, with
@@ -76,7 +76,7 @@ class KVCacheProblem:
     softmax_scale: float
     window: tuple  # (left, right), -1 = unbounded, causal folded in
     return_lse: bool
-    softcap: float = 0.0  # SPEC 8; 0 is off
+    softcap: float = 0.0  # the Semantics page's score modifiers; 0 is off
     alibi_batch_stride: int = -1  # ALiBi slopes: H for [B, H], 0 for [H], -1 for none
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
@@ -379,12 +379,12 @@ def flash_attention_with_kvcache(
         Also return the float32 log-sum-exp ``[B, num_heads, S_q]``.
     softcap : float, default 0.0, keyword-only
         Soft-capping of the scaled scores, ``softcap * tanh(s / softcap)``; 0 is off
-        (SPEC 8, as in :func:`cuflash.flash_attention_fwd`).
+        (the Semantics page's score modifiers, as in :func:`cuflash.flash_attention_fwd`).
     alibi_slopes : float32 array ``[num_heads]`` or ``[B, num_heads]``, optional
         ALiBi: adds ``-slope * |p - j|`` to the score of query row ``i`` (at ``p = i +
         L_b - S_q``) and key ``j``, after the soft-cap; on the arrays' device.
     score_mod, mask_mod : cuflash.modifiers.ScoreMod, MaskMod, optional, keyword-only
-        The user's score and mask functions (SPEC 8), as in
+        The user's score and mask functions (see the Semantics page), as in
         :func:`cuflash.flash_attention_fwd` on the sequence's keys: ``b`` is the
         batch entry, ``h`` the query head, ``q_idx`` the query row ``i`` (``0 ..
         S_q - 1``; its position in the sequence is ``i + L_b - S_q``) and ``kv_idx``

@@ -1,4 +1,4 @@
-"""The GPU path of :func:`cuflash.flash_attention_with_kvcache` (SPEC section 6): the
+"""The GPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): the
 append, the split-KV kernel of ``kernels/decode.cu`` and the combine of its splits (or,
 for long query chunks on a contiguous cache, the dense forward's plan), one call at a
 time (:func:`gpu_forward`) or as a launch plan for device-held lengths

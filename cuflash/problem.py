@@ -1,4 +1,4 @@
-"""Validation of every argument (SPEC section 4), shared by every path.
+"""Validation of every argument (the errors of the Troubleshooting page), shared by every path.
 
 ``forward_problem`` and ``backward_problem`` check the arguments and return
 an :class:`AttentionProblem` that holds everything the kernels need. Nothing
@@ -31,7 +31,7 @@ MAX_INT32 = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class PackedSequences:
-    """How the rows of a packed call's arrays split into sequences (SPEC 7): the
+    """How the rows of a packed call's arrays split into sequences (the Packed batches page): the
     problem's arrays are one batch entry of every sequence end to end, and the
     kernels read where each sequence starts from the offsets on the device."""
 
@@ -68,7 +68,7 @@ class AttentionProblem:
 
     @property
     def modified(self):
-        """Do score modifiers (SPEC 8) apply, built-in or the user's?"""
+        """Do score modifiers (see the Semantics page) apply, built-in or the user's?"""
         return (
             self.softcap > 0
             or self.alibi_slopes_shape is not None

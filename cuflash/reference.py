@@ -13,7 +13,7 @@ import numpy as np
 
 
 def _mask(q_len, kv_capacity, kv_len, causal, window):
-    """``[S_q, S_k]`` booleans from SPEC 3's words, written out again."""
+    """``[S_q, S_k]`` booleans from the Semantics page's visible-key rule, written out again."""
     if isinstance(window, (tuple, list)):
         left, right = window
     else:
@@ -37,9 +37,10 @@ def _expand_kv(x, num_heads):
 
 
 def _modified_scores(scores, q_len, kv_len, softcap, alibi_slopes):
-    """SPEC 8 on scaled scores ``[B, H, S_q, S_k]``: ``softcap tanh(s / softcap)``, then
-    ``- slope |p - j|`` (``p = i + kv_len - q_len``). Returns the scores and their
-    derivative with respect to the scaled score (1 without a soft-cap)."""
+    """The built-in score modifiers (see the Semantics page) on scaled scores
+    ``[B, H, S_q, S_k]``: ``softcap tanh(s / softcap)``, then ``- slope |p - j|``
+    (``p = i + kv_len - q_len``). Returns the scores and their derivative with respect
+    to the scaled score (1 without a soft-cap)."""
     derivative = np.ones_like(scores)
     if softcap:
         t = np.tanh(scores / softcap)
@@ -152,7 +153,7 @@ def attention_reference(
     softmax_scale : float, optional
     softcap : float, optional
     alibi_slopes : array_like ``[H]`` or ``[B, H]``, optional
-        The score modifiers of SPEC 8.
+        The score modifiers of the Semantics page.
     score_mod, mask_mod : cuflash.modifiers.ScoreMod, MaskMod, optional
         User-defined modifiers, evaluated in float64 after the built-in ones.
     sinks : array_like ``[H]``, optional

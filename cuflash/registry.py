@@ -99,7 +99,7 @@ class KernelSpec:
     # after it (None: backward_dq_general).
     atomic_dq_head_dims: tuple | None = (8, 256)
     dq_kernel: str | None = None
-    modifiers: bool = False  # also compiled with the score modifiers of SPEC 8
+    modifiers: bool = False  # also compiled with the score modifiers
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
     # backward; None: a user's mask is evaluated on every tile.
@@ -718,7 +718,7 @@ def choose(
     ``tensor_cores`` False (the general kernel path, or rows off the 16-byte
     grid that cp.async needs) leaves the CUDA-core kernels only; ``excluded``
     names kernels to pass over (tests and benchmarks compare the next in line);
-    ``modified`` (score modifiers, SPEC 8) leaves the kernels compiled with them.
+    ``modified`` (score modifiers) leaves the kernels compiled with them.
     Kernels for sm_90a serve compute capability 9.0 only.
     """
     sm = generation(compute_capability)

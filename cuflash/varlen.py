@@ -1,4 +1,4 @@
-"""Packed batches of variable-length sequences (SPEC section 7).
+"""Packed batches of variable-length sequences (the Packed batches page).
 
 The tokens of every sequence lie end to end, ``q`` as ``[total_q, num_heads,
 head_dim]`` and ``k``, ``v`` as ``[total_k, num_kv_heads, head_dim]``, and the

@@ -1,5 +1,6 @@
-"""The benchmarked shapes: :class:`Case`, the grid, FLOP counts (SPEC section 5), and the
-input sets, enough of them that a round of calls spans several L2 caches."""
+"""The benchmarked shapes: :class:`Case`, the grid, FLOP counts (the Performance page's
+conventions), and the input sets, enough of them that a round of calls spans several L2
+caches."""
 
 import dataclasses
 import math
@@ -20,7 +21,7 @@ MAX_INPUT_SETS = 8
 
 
 def attention_flops(batch, heads, seqlen, head_dim, causal, direction="fwd"):
-    """FLOPs of one attention pass by FlashAttention's convention (SPEC section 5).
+    """FLOPs of one attention pass by FlashAttention's convention (see the Performance page).
 
     Parameters
     ----------

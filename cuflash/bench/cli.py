@@ -19,7 +19,7 @@ reach torch through DLPack without copies.
 
 Timing: CUDA events around every call after a warm-up, the median of many
 calls, rotating among several input sets so that no call finds its inputs
-in the L2 cache. TFLOP/s follow SPEC section 5: forward ``4*B*H*S*S*D``,
+in the L2 cache. TFLOP/s follow the Performance page's convention: forward ``4*B*H*S*S*D``,
 halved when causal; backward 2.5 times that.
 
 Instead of the grid, any of four other tables (each with torch's peers on
@@ -35,9 +35,9 @@ the same inputs in the same run, and the ratios):
   call (wall time of 1000 back-to-back calls of a tiny problem, cuflash's
   backward with ``synchronize=False``).
 - ``--decode``: ``flash_attention_with_kvcache`` decoding from contiguous and
-  paged caches (SPEC section 6): time, cache bytes read per second, torch
+  paged caches (the KV-cache page): time, cache bytes read per second, torch
   flash and cuDNN on a contiguous cache of the same keys and values.
-- ``--varlen``: a packed batch of 16384 tokens (SPEC section 7), lengths
+- ``--varlen``: a packed batch of 16384 tokens (the Packed batches page), lengths
   uniform in 64..4096 (fixed seed, the last trimmed) and 8 x 2048, bfloat16,
   ``H = 2048 / D`` for D 64 and 128, causal and not: TFLOP/s (work inside the
   sequences only) of ``flash_attention_varlen_fwd`` / ``_bwd``, of the dense

@@ -1,4 +1,4 @@
-"""Decoding from a KV cache (``--decode``, SPEC section 6): ``flash_attention_with_kvcache``
+"""Decoding from a KV cache (``--decode``, the KV-cache page): ``flash_attention_with_kvcache``
 on contiguous and paged caches, next to torch SDPA on a contiguous cache of the same keys and
 values."""
 
@@ -16,7 +16,7 @@ from .measure import _first_line, agreement, forward_output, free_memory, run_or
 from .progress import progress_bar
 from .timing import time_calls
 
-# Decoding from a KV cache (issue 15, SPEC section 6): bfloat16, D=128, H=32, H_kv=8.
+# Decoding from a KV cache (issue 15, the KV-cache page): bfloat16, D=128, H=32, H_kv=8.
 DECODE_BATCH_CACHE = ((1, 32768), (16, 8192), (64, 2048), (256, 512))  # S_q = 1
 DECODE_BLOCK_SIZES = (0, 16, 256)  # 0: contiguous
 DECODE_LONG_QUERY_CACHE = (16, 8192)  # B, cache length of the longer query blocks
@@ -28,7 +28,7 @@ DECODE_TARGET_MIN_BYTES = 256e6
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCase:
-    """One decoding step from a KV cache of ``cache_len`` keys a sequence (SPEC section 6).
+    """One decoding step from a KV cache of ``cache_len`` keys a sequence (the KV-cache page).
 
     ``block_size`` 0 is a contiguous cache ``[B, H_kv, L, D]``; otherwise the
     cache is paged in blocks of that many keys.

@@ -6,7 +6,7 @@ Usage::
 
     python -m cuflash.bench_masks [--heads 16 --head-dim 128] [--no-torch] [--json FILE]
 
-Three masks (bfloat16, SPEC 8's targets):
+Three masks (bfloat16, the Performance page's targets for score modifiers):
 
 * ``documents``: 8 documents of 2048 tokens packed into one sequence of 16384, causal
   inside each (B = 1); cuflash's time at most 1.15x its varlen call's and at most

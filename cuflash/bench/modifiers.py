@@ -57,7 +57,7 @@ class CuflashModified(CuflashAttention):
 
 def flex_score_mod(modifier, slopes):
     """flex_attention's ``score_mod`` for ``modifier`` (None when plain): the soft-cap
-    first, then the ALiBi bias, as in cuflash (SPEC 8)."""
+    first, then the ALiBi bias, as in cuflash (see the Semantics page)."""
     import torch
 
     if modifier == "plain":

@@ -1,4 +1,4 @@
-"""Packed variable-length batches (``--varlen``, SPEC section 7): cuflash's varlen calls
+"""Packed variable-length batches (``--varlen``, the Packed batches page): cuflash's varlen calls
 against its dense kernels on equal lengths, torch SDPA on nested jagged tensors and compiled
 ``flex_attention`` with a document mask."""
 
@@ -34,7 +34,7 @@ from .implementations import (
 from .measure import forward_output, free_memory, measure_implementation, skipped
 from .progress import progress_bar
 
-# Packed variable-length batches (issue 16, SPEC section 7): bfloat16, H = 2048 / D.
+# Packed variable-length batches (issue 16, the Packed batches page): bfloat16, H = 2048 / D.
 VARLEN_LENGTH_RANGE = (64, 4096)  # uniform, inclusive; the last length is trimmed
 VARLEN_SEED = 0
 VARLEN_EQUAL = (8, 2048)  # B, S of the equal-lengths case
@@ -537,7 +537,7 @@ def format_varlen_table(records, direction):
 
 def format_varlen(record):
     """The packed variable-length tables (forward, backward) of a report's varlen section."""
-    title = "### Packed variable-length batch (SPEC section 7)"
+    title = "### Packed variable-length batch"
     if not record.get("records"):
         return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
     return "\n\n".join(

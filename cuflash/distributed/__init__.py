@@ -1,4 +1,4 @@
-"""Sequences longer than one device: ring (context-parallel) attention (SPEC 9).
+"""Sequences longer than one device: ring (context-parallel) attention (the Distributed page).
 
 Each rank holds a shard of the sequence axis of q, k and v (self-attention: one
 sequence length). The K/V shards travel around the ring of ranks; at every

@@ -80,7 +80,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// The visible-key rule of SPEC 3 (bottom-right aligned; -1 = unbounded).
+// The visible-key rule of the Semantics page (bottom-right aligned; -1 = unbounded).
 struct Mask {
     int q_len, kv_len, left, right;
 
@@ -179,7 +179,7 @@ __device__ __forceinline__ Sequence sequence_of(int b, const int* __restrict__ o
     return Sequence{0, q0, k0, k1 - k0, Mask{q1 - q0, k1 - k0, left, right}};
 }
 
-// The score modifiers of SPEC 8, applied to a scaled score s = scale q.k of
+// The score modifiers of the Semantics page, applied to a scaled score s = scale q.k of
 // query row i and key j (positions within the block's sequence): a soft-cap,
 // s -> softcap tanh(s / softcap), then ALiBi, s -> s - slope |i + kv_len -
 // q_len - j|, then the user's score function (cuflash.modifiers), and the

@@ -1,4 +1,4 @@
-// Attention over a KV cache (SPEC 6): split-KV ("Flash-Decoding") kernels.
+// Attention over a KV cache (the KV-cache page): split-KV ("Flash-Decoding") kernels.
 //
 // kvcache_append   writes k_new / v_new into the cache at each sequence's length.
 // kvcache_decode   one block per (split of the keys, tile of packed query rows,
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,             \
         int alibi_batch_stride, float softcap_log2
 
-// The score modifiers (SPEC 8) of packed row m (query row i = m / group of
+// The score modifiers (see the Semantics page) of packed row m (query row i = m / group of
 // query head h = hk group + m % group) in sequence b: the soft-cap and the
 // ALiBi slope in log2 units (they commute with the scaling: c tanh(s / c) and
 // slope |p - j| scale linearly), the user's functions and arrays (b, h, i and

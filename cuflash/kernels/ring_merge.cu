@@ -1,4 +1,4 @@
-// Ring attention (SPEC 9): one pass that merges a partial result into a rank's
+// Ring attention (the Distributed page): one pass that merges a partial result into a rank's
 // accumulators by log-sum-exp, in place.
 //
 // ring_merge<T>  one warp per query row. The accumulators hold a contiguous

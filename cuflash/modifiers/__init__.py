@@ -1,4 +1,4 @@
-"""User-defined score and mask modifiers (SPEC 8): one Python definition for every path.
+"""User-defined score and mask modifiers (see the Semantics page): one Python definition for every path.
 
 A *score modifier* is a function ``(score, b, h, q_idx, kv_idx) -> score`` that
 rewrites each scaled score ``s = softmax_scale * q . k`` before the softmax; a

@@ -146,7 +146,7 @@ def or_masks(*masks):
 
 
 def softcap_score(cap):
-    """Soft-capping, ``cap * tanh(score / cap)`` (SPEC 8's ``softcap``)."""
+    """Soft-capping, ``cap * tanh(score / cap)`` (the built-in ``softcap``)."""
     if (
         isinstance(cap, (bool, np.bool_))
         or not isinstance(cap, (int, float, np.number))
@@ -163,8 +163,8 @@ def softcap_score(cap):
 
 
 def alibi_score(slopes, offset=0):
-    """ALiBi, ``score - slope * |q_idx + offset - kv_idx|`` (SPEC 8's ``alibi_slopes``
-    with ``offset = kv_len - q_len``).
+    """ALiBi, ``score - slope * |q_idx + offset - kv_idx|`` (the built-in
+    ``alibi_slopes``, with ``offset = kv_len - q_len``).
 
     Parameters
     ----------

@@ -322,15 +322,20 @@ def _raw_kernel(source_file, name_expression, options, shared_bytes, prefix=""):
 _SINGLE_KERNELS: dict = {}
 
 
-def load_kernel(source_file, name_expression, shared_bytes=0, arch=None, functors=None):
-    """A kernel of another ``.cu`` file of ``kernels/`` (local includes inlined), compiled
-    through NVRTC once per (device, source, name, arch, functors) and cached: the loader
-    for kernels outside the per-(dtype, head_dim) variants. ``arch`` (e.g. ``"sm_90a"``)
-    for kernels that need an arch-specific target; ``shared_bytes`` above 48 KB raises the
-    kernel's dynamic shared-memory limit; :class:`UserFunctors` go before the source."""
+def load_standalone(name_expression, shared_bytes=0, functors=None):
+    """A kernel of ``cuflash.registry.STANDALONE_KERNELS`` (outside the per-(dtype,
+    head_dim) variants): ``name_expression`` (from its ``name_expression``) of its source
+    file (local includes inlined), compiled through NVRTC once per (device, source, name,
+    arch, functors) and cached; LookupError for a kernel the registry does not hold.
+    ``shared_bytes`` above 48 KB raises the kernel's dynamic shared-memory limit;
+    :class:`UserFunctors` (kernels with ``modifiers``) go before the source."""
     import cupy
 
-    key = (cupy.cuda.Device().id, source_file, name_expression, arch, shared_bytes, functors)
+    spec = registry.standalone_of(name_expression)
+    if functors is not None and not spec.modifiers:
+        raise ValueError(f"{spec.name} is not compiled with modifier functors")
+    arch = spec.arch
+    key = (cupy.cuda.Device().id, spec.source, name_expression, arch, shared_bytes, functors)
     with _MODULES_LOCK:
         found = _SINGLE_KERNELS.get(key)
         if found is None:
@@ -340,9 +345,18 @@ def load_kernel(source_file, name_expression, shared_bytes=0, arch=None, functor
                 options += functors.options
                 prefix = functors.prefix
             found = _SINGLE_KERNELS[key] = _raw_kernel(
-                source_file, name_expression, options, shared_bytes, prefix
+                spec.source, name_expression, options, shared_bytes, prefix
             )
     return found
+
+
+def compile_standalone_offline(name_expressions, arch, functors=None):
+    """:func:`compile_source_offline` of registry kernels outside the variants, all of one
+    source file (``cuflash.registry.STANDALONE_KERNELS``)."""
+    sources = {registry.standalone_of(name).source for name in name_expressions}
+    if len(sources) != 1:
+        raise ValueError(f"expected the kernels of one source file, got {sorted(sources)}")
+    return compile_source_offline(sources.pop(), name_expressions, arch, functors)
 
 
 def compile_source_offline(source_file, name_expressions, arch, functors=None):

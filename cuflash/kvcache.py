@@ -4,7 +4,7 @@
 in place and attends the query rows of each sequence to its cached keys, with
 per-sequence lengths, a contiguous or a paged cache, and the masking rules of
 the dense functions. NumPy arrays run the CPU path below; CuPy arrays run the
-split-KV kernels of ``kernels/decode.cu``.
+split-KV kernels of the registry's ``STANDALONE_KERNELS`` (``kernels/decode.cu``).
 """
 
 import dataclasses
@@ -13,9 +13,10 @@ import numbers
 
 import numpy as np
 
-from . import plans
+from . import plans, registry
 from . import sinks as attention_sinks
 from .cpu import modify_scores, user_modified
+from .decode_tiles import THREADS, decode_shape, decode_tc_shape
 from .errors import InvalidArgumentError
 from .masking import key_range, normalize_window, visible_keys
 from .problem import (
@@ -34,9 +35,6 @@ from .problem import (
 )
 
 LOG2E = 1.4426950408889634
-SOURCE_FILE = "decode.cu"
-THREADS = 128
-TILE_BYTES = 16384  # kDecodeTileBytes of decode.cu
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
 MAX_SPLITS = 128  # kMaxSplits of decode.cu: the combine takes a thread a split
@@ -639,41 +637,6 @@ def cpu_forward(
 # GPU path
 
 
-def decode_shape(itemsize, head_dim, rows):
-    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of decode.cu):
-    keys a tile and the dynamic shared memory in bytes."""
-    elems = 16 // itemsize
-    chunks = head_dim // elems
-    fit = TILE_BYTES // (head_dim * itemsize)
-    keys = 128 if fit >= 128 else 64 if fit >= 64 else 32 if fit >= 32 else 16
-    pitch = chunks + 1
-    ksub = min(THREADS // chunks, keys)
-    kv_bytes = 4 * keys * pitch * 16
-    reduce_bytes = ksub * rows * (head_dim + 1) * 4
-    shared = max(kv_bytes, reduce_bytes) + rows * head_dim * 4 + keys * rows * 4 + 4 * rows * 4
-    return keys, shared
-
-
-def decode_tc_shape(head_dim, row_warps, stages, keys=None):
-    """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys, paged>``
-    (``DecodeTcShape`` of decode.cu): keys a tile, packed query rows a block and the
-    dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
-    keys = decode_tc_keys(head_dim) if keys is None else keys
-    chunks = head_dim // 8
-    key_warps = min(4 // row_warps, keys // 16)
-    rows = 16 * row_warps
-    pitch = chunks + 1
-    kv_bytes = 2 * stages * keys * pitch * 16
-    reduce_bytes = key_warps * rows * head_dim * 4
-    shared = max(kv_bytes, reduce_bytes) + rows * pitch * 16 + 2 * key_warps * rows * 4
-    return keys, rows, shared
-
-
-def decode_tc_keys(head_dim):
-    """Keys a tile of the tensor-core decode kernel: 16 KB of K up to head_dim 128."""
-    return 64 if head_dim <= 128 else 32
-
-
 def decode_tc_stages(head_dim, longest):
     """K/V tiles in the tensor-core kernel's pipeline for sequences of up to ``longest``
     keys (see :data:`LONG_CACHE_KEYS`)."""
@@ -696,10 +659,26 @@ def decode_tc_name(problem, row_warps, stages, keys):
     8-wide N, K and V as its A operand: half the products) where a block's packed query
     rows fit 8."""
     narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
-    return (
-        f"cuflash::kvcache_decode_tc<{_cxx_type(problem.dtype)}, {problem.head_dim}, "
-        f"{row_warps}, {stages}, {keys}, {'true' if problem.paged else 'false'}, "
-        f"{'true' if narrow else 'false'}>"
+    return registry.STANDALONE["kvcache_decode_tc"].name_expression(
+        dtype=problem.dtype,
+        head_dim=problem.head_dim,
+        row_warps=row_warps,
+        stages=stages,
+        keys=keys,
+        paged=problem.paged,
+        narrow=narrow,
+    )
+
+
+def append_name(problem):
+    """The name expression of ``kvcache_append`` for ``problem``."""
+    return registry.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
+
+
+def combine_name(problem):
+    """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``."""
+    return registry.STANDALONE["kvcache_combine"].name_expression(
+        dtype=problem.dtype, head_dim=problem.head_dim
     )
 
 
@@ -721,7 +700,9 @@ def decode_kernel(problem):
         return name, keys_per_tile, rows, shared
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim, rows)
-    name = f"cuflash::kvcache_decode<{_cxx_type(problem.dtype)}, {problem.head_dim}, {rows}>"
+    name = registry.STANDALONE["kvcache_decode"].name_expression(
+        dtype=problem.dtype, head_dim=problem.head_dim, rows=rows
+    )
     return name, keys_per_tile, rows, shared
 
 
@@ -758,19 +739,19 @@ _KERNELS: dict = {}
 
 def _kernel(name, shared=0, functors=None):
     """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
-    the kernel of decode.cu from :func:`cuflash.kernel_build.load_kernel` (with the user's
-    modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy from its
-    registers and shared memory (128 threads a block)."""
+    the registry's kernel ``name`` from :func:`cuflash.kernel_build.load_standalone` (with
+    the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy
+    from its registers and shared memory (128 threads a block)."""
     import cupy
 
     device_id = cupy.cuda.runtime.getDevice()
     found = _KERNELS.get((device_id, name, functors))
     if found is None:
         from .gpu import modifier_compile_errors
-        from .kernel_build import load_kernel
+        from .kernel_build import load_standalone
 
         with modifier_compile_errors(functors):
-            kernel = load_kernel(SOURCE_FILE, name, shared_bytes=shared, functors=functors)
+            kernel = load_standalone(name, shared_bytes=shared, functors=functors)
         attributes = cupy.cuda.Device(device_id).attributes
         smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
@@ -785,12 +766,6 @@ def _kernel(name, shared=0, functors=None):
             attributes["MultiProcessorCount"],
         )
     return found
-
-
-def _cxx_type(dtype):
-    from .kernel_build import CXX_TYPES
-
-    return CXX_TYPES[np.dtype(dtype)]
 
 
 def _paging_args(problem, block_table):

@@ -129,7 +129,6 @@ def gpu_forward(
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
     table_ptr, paging = kvcache._paging_args(problem, block_table)
-    cxx = kvcache._cxx_type(problem.dtype)
     dense = None
     if problem.batch * problem.num_heads:
         dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
@@ -138,7 +137,7 @@ def gpu_forward(
         key_counts = _key_counts(problem, cache_seqlens)
     if problem.new_len and problem.batch and problem.num_kv_heads:
         k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-        append = kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0]
+        append = kvcache._kernel(kvcache.append_name(problem))[0]
         elements = problem.new_len * problem.head_dim
         append(
             (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
@@ -229,7 +228,7 @@ def gpu_forward(
         shared_mem=shared,
     )
     if splits > 1:
-        combine = kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0]
+        combine = kvcache._kernel(kvcache.combine_name(problem))[0]
         combine(
             (part_rows,),
             (THREADS,),
@@ -280,14 +279,13 @@ class DecodePlan:
             or (block_table is not None and not block_table.flags.c_contiguous)
         )
         q = unit_last_stride(cupy, q)
-        cxx = kvcache._cxx_type(problem.dtype)
         _, paging = kvcache._paging_args(problem, block_table)
         self.append = None
         if problem.new_len and problem.num_kv_heads:
             k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
             elements = problem.new_len * problem.head_dim
             self.append = Launch(
-                kvcache._kernel(f"cuflash::kvcache_append<{cxx}>")[0].kernel,
+                kvcache._kernel(kvcache.append_name(problem))[0].kernel,
                 (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
                 THREADS,
                 0,
@@ -342,7 +340,7 @@ class DecodePlan:
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
-                kvcache._kernel(f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>")[0].kernel,
+                kvcache._kernel(kvcache.combine_name(problem))[0].kernel,
                 (self.part_rows,),
                 THREADS,
                 0,

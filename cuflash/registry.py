@@ -7,7 +7,9 @@ and the head dims) and its tile traits for a head_dim: the tile of query rows
 memory, and the C++ expression that instantiates it. The dispatch
 (:func:`choose`), the kernel build and its cache (``cuflash.kernel_build``),
 ``python -m cuflash.precompile``, the compile tests, the sanitizer settings and
-the docs' coverage table all read this table.
+the docs' coverage table all read this table. :data:`STANDALONE_KERNELS` names the
+kernels of the other ``.cu`` files (the KV cache's, the block-mask classification and
+the ring merge): nothing loads a kernel the registry does not hold.
 
 Tile traits per head-dim class follow FlashAttention-2's kernel traits: every
 multiple of 8 from 8 to 256 runs on the tiles of its class (64, 128 or 256
@@ -683,6 +685,58 @@ KERNELS = (
 )
 BY_NAME = {spec.name: spec for spec in KERNELS}
 BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StandaloneKernel:
+    """A kernel of its own ``.cu`` file (``source``, in ``kernels/``) outside the variants,
+    built one instantiation at a time (``cuflash.kernel_build.load_standalone``).
+    ``template``: its C++ function template, instantiated with ``parameters`` in order
+    (none: not a template) by :meth:`name_expression`; ``modifiers``: compiled with the
+    user's modifier functors where a call has them; ``arch``: a target of its own."""
+
+    name: str
+    source: str
+    template: str
+    parameters: tuple = ()
+    modifiers: bool = False
+    arch: str | None = None
+
+    def name_expression(self, **args):
+        """``cuflash::template<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
+        dtype, the others ints or bools."""
+        if set(args) != set(self.parameters):
+            raise TypeError(f"{self.name} takes {self.parameters}, got {tuple(args)}")
+        cxx = [
+            CXX_TYPES[np.dtype(args[p])] if p == "dtype" else _cxx(args[p]) for p in self.parameters
+        ]
+        return f"cuflash::{self.template}" + (f"<{', '.join(cxx)}>" if cxx else "")
+
+
+# The kernels outside the variants, each once: registry name = C++ template; the file
+# differs where one holds several (decode.cu: the KV cache's append, split-KV decode on
+# tensor cores and on CUDA cores, and combine) or names its use (block_mask.cu).
+_DECODE_TC = ("dtype", "head_dim", "row_warps", "stages", "keys", "paged", "narrow")
+STANDALONE_KERNELS = (
+    StandaloneKernel("kvcache_append", "decode.cu", "kvcache_append", ("dtype",)),
+    StandaloneKernel("kvcache_decode_tc", "decode.cu", "kvcache_decode_tc", _DECODE_TC, True),
+    StandaloneKernel(
+        "kvcache_decode", "decode.cu", "kvcache_decode", ("dtype", "head_dim", "rows"), True
+    ),
+    StandaloneKernel("kvcache_combine", "decode.cu", "kvcache_combine", ("dtype", "head_dim")),
+    StandaloneKernel("classify_mask_cells", "block_mask.cu", "classify_mask_cells", (), True),
+    StandaloneKernel("ring_merge", "ring_merge.cu", "ring_merge", ("dtype",)),
+)
+STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
+
+
+def standalone_of(name_expression):
+    """The :class:`StandaloneKernel` ``name_expression`` instantiates (LookupError if none)."""
+    template = name_expression.removeprefix("cuflash::").split("<", 1)[0]
+    for kernel in STANDALONE_KERNELS:
+        if name_expression.startswith("cuflash::") and kernel.template == template:
+            return kernel
+    raise LookupError(f"{name_expression} is not a kernel of the registry")
 
 
 def variant_roles(dtype, head_dim, sm):

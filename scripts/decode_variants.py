@@ -17,7 +17,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cuflash import kvcache, plans
+from cuflash import kvcache, plans, registry
 from cuflash.kvcache import decode_tc_name, decode_tc_shape, flash_attention_with_kvcache
 
 CASES = [
@@ -83,7 +83,7 @@ def use_variant(original, keys, stages, smem_floor=0):
 
     def chosen(problem):
         name, k, rows, shared = original(problem)
-        if not name.startswith("cuflash::kvcache_decode_tc"):
+        if registry.standalone_of(name).name != "kvcache_decode_tc":
             return name, k, rows, shared
         row_warps = rows // 16
         k, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages, keys)
@@ -93,9 +93,9 @@ def use_variant(original, keys, stages, smem_floor=0):
 
 
 def _compile(name):
-    from cuflash.kernel_build import load_kernel
+    from cuflash.kernel_build import load_standalone
 
-    load_kernel(kvcache.SOURCE_FILE, name)
+    load_standalone(name)
     return name
 
 
@@ -103,16 +103,25 @@ def warm(variants):
     """Compile every variant's kernels in parallel processes (CuPy keeps them on disk)."""
     from concurrent.futures import ProcessPoolExecutor
 
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    kernels = registry.STANDALONE
     names = [
-        "cuflash::kvcache_append<cuflash::bf16_t>",
-        f"cuflash::kvcache_combine<cuflash::bf16_t, {HEAD_DIM}>",
+        kernels["kvcache_append"].name_expression(dtype=bf16),
+        kernels["kvcache_combine"].name_expression(dtype=bf16, head_dim=HEAD_DIM),
     ]
     names += [
-        f"cuflash::kvcache_decode_tc<cuflash::bf16_t, {HEAD_DIM}, 1, {stages}, {keys}, "
-        f"{paged}, {narrow}>"
+        kernels["kvcache_decode_tc"].name_expression(
+            dtype=bf16,
+            head_dim=HEAD_DIM,
+            row_warps=1,
+            stages=stages,
+            keys=keys,
+            paged=paged,
+            narrow=narrow,
+        )
         for _, keys, stages in variants
-        for paged in ("false", "true")
-        for narrow in ("false", "true")
+        for paged in (False, True)
+        for narrow in (False, True)
     ]
     with ProcessPoolExecutor(len(names)) as pool:
         for name in pool.map(_compile, names):

@@ -26,7 +26,8 @@ def _strides(a):
 
 
 def _module(name, capability):
-    return simulator.build([name], headers=(kvcache.SOURCE_FILE,), arch=capability)
+    source = registry.standalone_of(name).source
+    return simulator.build([name], headers=(source,), arch=capability)
 
 
 def forward(
@@ -84,7 +85,6 @@ def forward(
         lengths_array, length_value = np.ascontiguousarray(lengths, np.int32), np.int32(0)
     table = None if table is None else np.ascontiguousarray(table, np.int32)
     _, paging = kvcache._paging_args(problem, block_table)
-    cxx = kvcache._cxx_type(problem.dtype)
 
     attention = None  # the dense forward's problem, for a long query chunk
     if block_table is None and problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS:
@@ -112,7 +112,7 @@ def forward(
     if dense and lengths_array is not None:
         key_counts = np.full(problem.batch, -1, np.int32) if problem.new_len else lengths_array
     if problem.new_len and problem.batch and problem.num_kv_heads:
-        name = f"cuflash::kvcache_append<{cxx}>"
+        name = kvcache.append_name(problem)
         elements = problem.new_len * problem.head_dim
         _module(name, capability).launch(
             name,
@@ -211,7 +211,7 @@ def forward(
         guard,
     )
     if splits > 1:
-        combine = f"cuflash::kvcache_combine<{cxx}, {problem.head_dim}>"
+        combine = kvcache.combine_name(problem)
         _module(combine, capability).launch(
             combine,
             (part_rows,),

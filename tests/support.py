@@ -478,13 +478,18 @@ def poison_gpu_allocations():
     return undo
 
 
-def compile_and_check(source_file, names, arch, functors=None):
-    """Compile ``names`` of ``kernels/source_file`` for ``arch`` through NVRTC (no GPU; with
-    the user's modifier functors if given): each kernel without spills or a stack frame,
-    in at most 255 registers."""
+def compile_and_check(names, arch, functors=None, source_file=None):
+    """Compile ``names`` for ``arch`` through NVRTC (no GPU; with the user's modifier
+    functors if given): each kernel without spills or a stack frame, in at most 255
+    registers. ``names``: registry kernels outside the variants (their source file from
+    ``cuflash.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
     from cuflash import kernel_build
 
-    log, cubin, lowered = kernel_build.compile_source_offline(source_file, names, arch, functors)
+    if source_file is None:
+        compiled = kernel_build.compile_standalone_offline(names, arch, functors)
+    else:
+        compiled = kernel_build.compile_source_offline(source_file, names, arch, functors)
+    log, cubin, lowered = compiled
     report = kernel_build.CompileReport(None, arch, log, cubin, lowered).kernels()
     for name, info in report.items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, arch, info)

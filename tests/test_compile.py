@@ -276,3 +276,93 @@ def test_precompile_job_list():
         precompile.jobs_for(["float16"], [12], sm=80)
     with pytest.raises(InvalidArgumentError, match="dtype"):
         precompile.jobs_for(["float64"], [64], sm=80)
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels outside the variants: registry.STANDALONE_KERNELS
+
+
+def test_standalone_kernels_are_their_templates():
+    """Each kernel outside the variants once, its registry name its C++ template's, which
+    its source file defines as a ``__global__`` function with the registry's template
+    parameters (none: not a template)."""
+    import re
+
+    names = [kernel.name for kernel in registry.STANDALONE_KERNELS]
+    assert len(names) == len(set(names)) == len(registry.STANDALONE)
+    assert not set(names) & set(registry.BY_NAME)
+    for kernel in registry.STANDALONE_KERNELS:
+        assert kernel.name == kernel.template, kernel
+        source = kernel_build.module_source(kernel.source)
+        found = re.search(
+            rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.template}\(", source
+        )
+        assert found is not None, kernel.name
+        parameters = [p for p in (found.group(2) or "").split(",") if p.strip()]
+        assert len(parameters) == len(kernel.parameters), (kernel.name, parameters)
+        assert registry.standalone_of(kernel.name_expression(**_arguments(kernel))) is kernel
+    with pytest.raises(LookupError):
+        registry.standalone_of("cuflash::attention_fwd_general<float, 64, 64, 32>")
+    with pytest.raises(TypeError):
+        registry.STANDALONE["ring_merge"].name_expression()
+
+
+def _arguments(kernel):
+    values = {"dtype": np.float32, "paged": False, "narrow": True}
+    return {p: values.get(p, 16) for p in kernel.parameters}
+
+
+def test_every_launched_standalone_kernel_is_in_the_registry():
+    """Every name expression a path outside the variants can launch is one of the registry's
+    STANDALONE_KERNELS: the KV cache's append, split-KV decode (over dtypes, head dims,
+    packed query rows, paged or not, short or long sequences) and combine, the block-mask
+    classification and the ring merge; and no module of the library names a kernel source
+    file, a C++ kernel or a RawModule besides the registry and the kernel build."""
+    from pathlib import Path
+
+    from cuflash import kvcache
+
+    launched = set()
+    for dtype in registry.CXX_TYPES:
+        for head_dim in (8, 40, 64, 72, 128, 136, 256):
+            for q_len, heads, kv_heads in ((1, 8, 8), (1, 32, 8), (2, 32, 8), (4, 32, 4)):
+                for paged in (False, True):
+                    for lengths in (10, np.array([10, 4000], np.int32)):
+                        q = np.zeros((2, heads, q_len, head_dim), dtype)
+                        shape = (
+                            (16, kv_heads, 512, head_dim)
+                            if paged
+                            else (2, kv_heads, 4096, head_dim)
+                        )
+                        cache = np.zeros(shape, dtype)
+                        table = np.arange(16, dtype=np.int32).reshape(2, 8) if paged else None
+                        new = np.zeros((2, kv_heads, 1, head_dim), dtype)
+                        problem = kvcache.kvcache_problem(
+                            q, cache, cache, heads, kv_heads, head_dim, True, 0, lengths,
+                            new, new, table, None, False, False,
+                        )  # fmt: skip
+                        launched.add(kvcache.decode_kernel(problem)[0])
+                        launched |= {kvcache.append_name(problem), kvcache.combine_name(problem)}
+    assert {registry.standalone_of(name).name for name in launched} == {
+        "kvcache_append",
+        "kvcache_decode_tc",
+        "kvcache_decode",
+        "kvcache_combine",
+    }
+    assert any(name.endswith(", true, true>") for name in launched)  # paged and narrow
+    for name in launched:
+        kernel = registry.standalone_of(name)
+        arguments = name.split("<", 1)[1].rstrip(">").split(", ")
+        assert len(arguments) == len(kernel.parameters), name
+    assert registry.standalone_of(registry.STANDALONE["classify_mask_cells"].name_expression())
+    for dtype in registry.CXX_TYPES:  # the ring merge of each dtype's output
+        merge = registry.STANDALONE["ring_merge"].name_expression(dtype=dtype)
+        assert registry.standalone_of(merge).source == "ring_merge.cu"
+    package = Path(kernel_build.__file__).parent
+    owners = {"registry.py", "kernel_build.py"}
+    for path in package.rglob("*.py"):
+        if path.name in owners and path.parent == package:
+            continue
+        text = path.read_text()
+        for pattern in ('.cu"', ".cu'", '"cuflash::', "RawModule(", "RawKernel(", "load_kernel("):
+            assert pattern not in text, (path.relative_to(package), pattern)

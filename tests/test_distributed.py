@@ -335,8 +335,7 @@ def test_ring_demo_runs_on_every_gpu():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_merge_kernel_compiles_without_spills(arch):
-    from cuflash.kernel_build import CXX_TYPES
+    from cuflash import registry
 
-    compile_and_check(
-        "ring_merge.cu", [f"cuflash::ring_merge<{cxx}>" for cxx in CXX_TYPES.values()], arch
-    )
+    merge = registry.STANDALONE["ring_merge"]
+    compile_and_check([merge.name_expression(dtype=dtype) for dtype in registry.CXX_TYPES], arch)

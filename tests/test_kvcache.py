@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
-from cuflash import InvalidArgumentError, kernel_build, kvcache, plans
+from cuflash import InvalidArgumentError, kernel_build, kvcache, plans, registry
+from cuflash.decode_tiles import decode_tc_keys
 from cuflash.kvcache import (
     ROW_TILES,
     decode_shape,
-    decode_tc_keys,
     decode_tc_shape,
     flash_attention_with_kvcache,
     num_splits,
@@ -634,20 +634,30 @@ def test_cpu_unused_block_table_entries_are_never_read(rng):
 
 
 def _kernel_names(dtype_names, head_dims):
+    kernels = registry.STANDALONE
     names = []
-    for dtype in dtype_names:
-        cxx = kernel_build.CXX_TYPES[DTYPES[dtype]]
-        names.append(f"cuflash::kvcache_append<{cxx}>")
+    for dtype in (DTYPES[n] for n in dtype_names):
+        names.append(kernels["kvcache_append"].name_expression(dtype=dtype))
         for d in head_dims:
-            names.append(f"cuflash::kvcache_combine<{cxx}, {d}>")
-            names += [f"cuflash::kvcache_decode<{cxx}, {d}, {rm}>" for rm in ROW_TILES]
-            if DTYPES[dtype].itemsize == 2 and d % 16 == 0:
+            names.append(kernels["kvcache_combine"].name_expression(dtype=dtype, head_dim=d))
+            names += [
+                kernels["kvcache_decode"].name_expression(dtype=dtype, head_dim=d, rows=rm)
+                for rm in ROW_TILES
+            ]
+            if dtype.itemsize == 2 and d % 16 == 0:
                 names += [
-                    f"cuflash::kvcache_decode_tc<{cxx}, {d}, {rw}, {stages}, "
-                    f"{decode_tc_keys(d)}, {paged}, {narrow}>"
-                    for rw, narrow in ((1, "true"), (1, "false"), (2, "false"), (4, "false"))
+                    kernels["kvcache_decode_tc"].name_expression(
+                        dtype=dtype,
+                        head_dim=d,
+                        row_warps=rw,
+                        stages=stages,
+                        keys=decode_tc_keys(d),
+                        paged=paged,
+                        narrow=narrow,
+                    )
+                    for rw, narrow in ((1, True), (1, False), (2, False), (4, False))
                     for stages in (2, 3)
-                    for paged in ("false", "true")
+                    for paged in (False, True)
                 ]
     return names
 
@@ -665,7 +675,7 @@ def test_decode_kernels_compile_without_spills(arch):
         "cuflash::kvcache_decode_tc<cuflash::bf16_t, 128, 4, 2, 64, true, false>",
         "cuflash::kvcache_decode<float, 128, 4>",
     ]
-    compile_and_check("decode.cu", names, arch)
+    compile_and_check(names, arch)
 
 
 # Each class's edges and insides (float16 is bfloat16's code on another type).
@@ -674,7 +684,7 @@ COMPILED_HEAD_DIMS = (8, 24, 40, 64, 72, 96, 120, 128, 136, 160, 200, 248, 256)
 
 def _compile_job(job):
     dtype, arch = job
-    compile_and_check("decode.cu", _kernel_names([dtype], COMPILED_HEAD_DIMS), arch)
+    compile_and_check(_kernel_names([dtype], COMPILED_HEAD_DIMS), arch)
     return True
 
 
@@ -791,7 +801,7 @@ def test_split_cap_is_the_combines():
     """The combine takes a thread a split: MAX_SPLITS is its kMaxSplits (kDecodeThreads)."""
     import re
 
-    source = kernel_build.module_source("decode.cu")
+    source = kernel_build.module_source(registry.STANDALONE["kvcache_combine"].source)
     assert re.search(r"constexpr int kMaxSplits = kDecodeThreads;", source)
     assert re.search(rf"constexpr int kDecodeThreads = {kvcache.THREADS};", source)
     assert kvcache.MAX_SPLITS == kvcache.THREADS

@@ -291,7 +291,9 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
         {role for _, role in precompile.modifier_jobs([dtype], [head_dim], capability, capability)}
     )
     names = variant.kernel_names()
-    report = compile_and_check(kernel_build.MODULE_FILE, [names[r] for r in roles], arch, functors)
+    report = compile_and_check(
+        [names[r] for r in roles], arch, functors, source_file=kernel_build.MODULE_FILE
+    )
     assert len(report) == len(roles)
     if arch == "sm_90a" and dtype != "float32":
         from cuflash.kernel_build import compile_offline
@@ -304,8 +306,7 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
         assert all(ops["HGMMA"] > 0 for ops in opcodes.values()), opcodes
         assert all(registry.BY_ROLE[r].needs_sm90a for r in opcodes)
     compile_and_check(
-        "block_mask.cu",
-        ["cuflash::classify_mask_cells"],
+        [registry.STANDALONE["classify_mask_cells"].name_expression()],
         arch,
         kernel_build.UserFunctors.of(mask_mod=mask_mod),
     )
@@ -571,7 +572,7 @@ def test_decode_kernels_with_user_functors_compile(arch, rng):
         kernel_build.UserFunctors.of(score_mod, mask_mod),
         kernel_build.UserFunctors.of(None, mask_mod),
     ):
-        assert len(compile_and_check("decode.cu", names, arch, functors)) == len(names)
+        assert len(compile_and_check(names, arch, functors)) == len(names)
 
 
 def test_kvcache_modifier_reads_are_bounded_by_the_capacity(rng):

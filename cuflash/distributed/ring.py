@@ -87,16 +87,17 @@ def _merge(out_acc, lse_acc, out, lse, rows):
 
 
 def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
-    """:func:`_merge` in one pass of ``kernels/ring_merge.cu`` (a warp a row)."""
+    """:func:`_merge` in one pass of the registry's ``ring_merge`` (a warp a row)."""
     import cupy
 
-    from ..kernel_build import CXX_TYPES, load_kernel
+    from .. import registry
+    from ..kernel_build import load_standalone
 
     out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
     batch, heads, shard_len, head_dim = out_acc.shape
     count = rows.stop - rows.start
     heads_total = batch * heads
-    kernel = load_kernel("ring_merge.cu", f"cuflash::ring_merge<{CXX_TYPES[out.dtype]}>")
+    kernel = load_standalone(registry.STANDALONE["ring_merge"].name_expression(dtype=out.dtype))
     threads = 256
     blocks = -(-heads_total * count * 32 // threads)
     kernel(

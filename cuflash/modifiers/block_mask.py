@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .. import kernel_build
+from .. import kernel_build, registry
 from ..errors import InvalidArgumentError
 from .api import MaskMod, index_grids
 
@@ -107,9 +107,8 @@ class BlockMask:
             import cupy
 
             functors = kernel_build.UserFunctors.of(mask_mod=self.mask_mod)
-            kernel = kernel_build.load_kernel(
-                "block_mask.cu", "cuflash::classify_mask_cells", functors=functors
-            )
+            name = registry.STANDALONE["classify_mask_cells"].name_expression()
+            kernel = kernel_build.load_standalone(name, functors=functors)
             entries, heads = self.entries
             q_cells, kv_cells = math.ceil(self.q_len / CELL), math.ceil(self.kv_len / CELL)
             shape = (entries, heads, q_cells, kv_cells)

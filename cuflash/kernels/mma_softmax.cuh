@@ -245,9 +245,13 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
                                             const float (&row_max)[MT][2],
                                             const float (&row_sum)[MT][2], int row0, int rows,
                                             float* __restrict__ lse_rows, Store store,
-                                            const float* __restrict__ sinks = nullptr, int h = 0) {
+                                            const float* __restrict__ sinks = nullptr, int h = 0,
+                                            bool hoist_sink = true) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float sink2 = sink_log2(sinks, h);  // -inf without sinks
+    // The sink read once before the rows (-inf without sinks), or per row where that
+    // spills less (`hoist_sink` false: the mma.sync forward's modified role; ptxas
+    // spilled 8-16 bytes with either form in one of the two roles).
+    const float sink2 = hoist_sink ? sink_log2(sinks, h) : neg_inf();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -258,7 +262,8 @@ __device__ __forceinline__ void finish_rows(const float (&o)[MT][DTILES][4],
             const int row = row0 + mt * 16 + g + 8 * r;
             if (row >= rows) continue;
             float top = row_max[mt][r], o_scale = 1.f;
-            if (sink2 != neg_inf()) o_scale = add_sink(sink2, top, total);
+            if (hoist_sink ? sink2 != neg_inf() : sinks != nullptr)
+                o_scale = add_sink(hoist_sink ? sink2 : sink_log2(sinks, h), top, total);
             // A row that sees no key sums to exactly 0 (out 0, lse -inf); a NaN
             // from a NaN input is not 0, so it reaches out and lse, never hidden.
             const float inv = total != 0.f ? o_scale / total : 0.f;

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(BM * 2 / MT)
                 reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                     Op::pack(x0, x1);
         },
-        sinks, h);
+        sinks, h, !MODIFIED);
 }
 
 }  // namespace cuflash

@@ -7,7 +7,7 @@ and the head dims) and its tile traits for a head_dim: the tile of query rows
 memory, and the C++ expression that instantiates it. The dispatch
 (:func:`choose`), the kernel build and its cache (``cuflash.kernel_build``),
 ``python -m cuflash.precompile``, the compile tests, the sanitizer settings and
-the docs' coverage table all read this table. :data:`STANDALONE_KERNELS` names the
+the docs' coverage table all read this table. ``STANDALONE_KERNELS`` names the
 kernels of the other ``.cu`` files (the KV cache's, the block-mask classification and
 the ring merge): nothing loads a kernel the registry does not hold.
 

@@ -5,8 +5,8 @@
 //     into rings of STAGES shared-memory stages (cp.async, the 128-byte
 //     swizzled layout that wgmma reads); each stage's mbarrier completes when
 //     the copies land (cp.async.mbarrier.arrive), so the producer never waits
-//     for them, only for a stage to come back; its copy loop is not unrolled, and it
-//     keeps 32 registers a thread.
+//     for them, only for a stage to come back; its copy loop is not unrolled,
+//     and it keeps 24 registers a thread.
 //   warpgroups 1 and 2, the consumers, own 64 query rows each, wait on the
 //     barriers only, and hand each stage back once their products have read
 //     it; they take the producer's registers (240 a thread).
@@ -23,7 +23,16 @@
 
 namespace cuflash {
 
-constexpr int kProducerRegisters = 32, kConsumerRegisters = 240;
+// setmaxnreg moves registers within the block's launch allocation only: 384
+// threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, and a
+// consumer's setmaxnreg.inc past what the producer gave up waits forever.
+// The producer's copy loops are not unrolled, so that it runs in 24 registers and
+// the consumers get 240 (at 224 they spill with a user's score or mask function
+// compiled in). The unrolled loops at 56 / 224 measured the same ratio to cuDNN
+// (0.74-0.82 at D = 128 and 192; docs/kernels/forward-sm90-wgmma.md).
+constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 384 * 168,
+              "the warpgroups' registers exceed the block's launch allocation");
 
 // The consumers' turns on the tensor cores: consumer c waits at barrier 8 + c
 // before it issues a tile's products and, once they are issued, lets the

@@ -14,6 +14,7 @@ import numbers
 import numpy as np
 
 from . import plans, registry
+from . import rotary as rotary_embedding
 from .decode_tiles import THREADS, decode_shape, decode_tc_shape
 from .errors import InvalidArgumentError
 from .kvcache_cpu import cpu_forward
@@ -76,6 +77,7 @@ class KVCacheProblem:
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     sinks: bool = False  # attention sinks (float32 [H]) given
+    rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
 
     @property
     def alibi(self):
@@ -162,6 +164,9 @@ def kvcache_problem(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
@@ -267,6 +272,11 @@ def kvcache_problem(
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
     has_sinks = check_sinks(sinks, q, num_heads)
+    rotary = rotary_embedding.check_rotary(
+        rotary_cos, rotary_sin, rotary_interleaved, q, head_dim, dtype
+    )
+    if rotary is not None and host_lengths is not None:
+        rotary_embedding.check_positions(rotary, host_lengths, new_len, q_len)
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
@@ -304,6 +314,7 @@ def kvcache_problem(
         score_mod=score_mod,
         mask_mod=mask_mod,
         sinks=has_sinks,
+        rotary=rotary,
     )
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
@@ -332,6 +343,9 @@ def flash_attention_with_kvcache(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -390,10 +404,23 @@ def flash_attention_with_kvcache(
         Attention sinks, as in :func:`cuflash.flash_attention_fwd`: ``exp(sinks[h])``
         joins each row's softmax with a zero value (once a row, also when the keys are
         split across blocks); on the arrays' device.
+    rotary_cos, rotary_sin : arrays ``[S_rot, rotary_dim / 2]``, optional, keyword-only
+        Rotary embedding at the append (the KV-cache page's "Rotary embedding"), both or
+        neither, float32 or ``q``'s dtype, on the arrays' device. Row ``t`` of ``k_new``
+        is rotated at position ``cache_seqlens[b] + t`` before it is written, and query
+        row ``i`` at ``p = i + L_b - S_q``; the caller's ``q`` and ``k_new`` are not
+        modified. The first ``rotary_dim`` (``<= head_dim``) dimensions rotate in pairs,
+        ``x1' = x1 cos - x2 sin``, ``x2' = x1 sin + x2 cos`` with the tables' row of the
+        position, in float32, rounded to the dtype. Host-held positions must be rows
+        ``0 .. S_rot - 1``; device-held ones are clamped to them.
+    rotary_interleaved : bool, default False, keyword-only
+        The pairs: ``(x[r], x[r + rotary_dim / 2])`` (GPT-NeoX) by default, ``(x[2r],
+        x[2r + 1])`` (GPT-J) when True.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
-        capacity, used block ids naming blocks) before any kernel runs.
+        capacity, used block ids naming blocks, rotated positions within the
+        rotary tables) before any kernel runs.
         Without it they are never trusted either: the kernels clamp lengths
         to ``[0, capacity - S_new]`` and block ids to ``[0, num_blocks)``, so
         no access leaves the buffers, but a bad value gives a wrong result.
@@ -413,12 +440,15 @@ def flash_attention_with_kvcache(
     InvalidArgumentError
         Before any kernel runs and before the cache is written: shapes,
         dtypes, devices, ``block_table``'s shape or dtype, host-held lengths
-        above the capacity, and with ``check=True`` bad device-held lengths
+        above the capacity, rotary tables that do not fit (or that host-held
+        positions run past), and with ``check=True`` bad device-held lengths
         or block ids (naming the sequence).
 
     Notes
     -----
-    CuPy arrays run on the current device and stream: the append, the
+    CuPy arrays run on the current device and stream: the append (which with
+    rotary tables also writes the rotated copy of ``q`` that the attention
+    reads, so it runs even without ``k_new``), the
     split-KV attention kernel and the combine of the splits, in that order
     (long query chunks on a contiguous cache take the dense forward's kernels
     after the append instead: see the KV-cache page). Accumulation is always
@@ -433,6 +463,7 @@ def flash_attention_with_kvcache(
     ):
         # Device-held lengths: the plan of this signature serves every step.
         given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks)
+        given += (rotary_cos, rotary_sin)
         key = plans.signature(
             tuple(a for a in given if a is not None),
             (
@@ -446,13 +477,12 @@ def flash_attention_with_kvcache(
                 softmax_scale,
                 return_lse,
                 softcap,
+                rotary_interleaved,
             ),
         )
         plan = plans.get(key)
         if plan is not None:
-            return plan(
-                q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
-            )
+            return plan(*given)
     problem = kvcache_problem(
         q,
         k_cache,
@@ -474,7 +504,11 @@ def flash_attention_with_kvcache(
         score_mod,
         mask_mod,
         sinks,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
     )
+    tables = (rotary_cos, rotary_sin)
     if problem.xp is np:
         out, lse = cpu_forward(
             problem,
@@ -487,6 +521,7 @@ def flash_attention_with_kvcache(
             block_table,
             alibi_slopes,
             sinks,
+            *tables,
         )
         return (out, lse) if problem.return_lse else out
     from .kvcache_gpu import DecodePlan, gpu_forward  # imported on first GPU use only
@@ -496,9 +531,7 @@ def flash_attention_with_kvcache(
             problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes
         )
         plans.remember(key, plan)
-        return plan(
-            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
-        )
+        return plan(*given)
     out, lse = gpu_forward(
         problem,
         q,
@@ -511,6 +544,7 @@ def flash_attention_with_kvcache(
         check,
         alibi_slopes,
         sinks,
+        *tables,
     )
     return (out, lse) if problem.return_lse else out
 
@@ -555,6 +589,15 @@ def decode_tc_name(problem, row_warps, stages, keys):
 def append_name(problem):
     """The name expression of ``kvcache_append`` for ``problem``."""
     return registry.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
+
+
+def append_blocks(problem):
+    """Blocks along x of ``kvcache_append``'s grid: the new rows' elements, then (with the
+    rotary embedding) the elements of a KV head's query rows, 128 a block."""
+    blocks = -(-problem.new_len * problem.head_dim // THREADS)
+    if problem.rotary is not None:
+        blocks += -(-problem.group_size * problem.q_len * problem.head_dim // THREADS)
+    return blocks
 
 
 def combine_name(problem):

@@ -1,9 +1,11 @@
 """The CPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): NumPy
 arrays, host-held lengths already validated by :func:`cuflash.kvcache.kvcache_problem`;
-the append, then a blocked online softmax in float32 one sequence at a time."""
+the append (rotating the new keys with rotary tables), then a blocked online softmax in
+float32 one sequence at a time."""
 
 import numpy as np
 
+from . import rotary as rotary_embedding
 from . import sinks as attention_sinks
 from .cpu import modify_scores, user_modified
 from .masking import key_range, visible_keys
@@ -94,9 +96,14 @@ def cpu_forward(
     block_table,
     alibi_slopes=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
 ):
-    """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
+    """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated),
+    with ``problem.rotary`` rotating copies of ``q`` and ``k_new`` at their positions."""
     lengths = problem.host_lengths
+    if problem.rotary is not None:
+        q, k_new = rotary_embedding.rotated_inputs(problem, q, k_new, rotary_cos, rotary_sin)
     if problem.new_len:
         _append_cpu(problem, k_cache, k_new, block_table, lengths)
         _append_cpu(problem, v_cache, v_new, block_table, lengths)

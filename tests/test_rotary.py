@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import simulated_kvcache
 import simulator
-from support import DTYPES, HAS_GPU, check_lse, rel_error, to_numpy
+from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 from test_kvcache import (
     BOUND,
     KVCase,
@@ -22,7 +22,7 @@ from test_kvcache import (
     oracle,
 )
 
-from cuflash import InvalidArgumentError, flash_attention_with_kvcache, plans, rotary
+from cuflash import InvalidArgumentError, flash_attention_with_kvcache, plans, registry, rotary
 
 if HAS_GPU:
     import cupy
@@ -453,7 +453,16 @@ def test_cpu_valid_base_runs(rng):
 
 
 # ---------------------------------------------------------------------------------------
-# The append kernel in the CPU simulator
+# The append kernel in the CPU simulator; its compilation
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_append_kernel_compiles_without_spills(arch):
+    """kvcache_append of every dtype, the rotation included, through NVRTC."""
+    kernel = registry.STANDALONE["kvcache_append"]
+    names = [kernel.name_expression(dtype=DTYPES[n]) for n in ("float32", "float16", "bfloat16")]
+    compile_and_check(names, arch)
+
 
 SIMULATED = [CASES[i] for i in (0, 2, 3, 4, 6, 9, 10, 12, 14, 15)]
 

@@ -415,7 +415,7 @@ def flash_attention_with_kvcache(
         ``0 .. S_rot - 1``; device-held ones are clamped to them.
     rotary_interleaved : bool, default False, keyword-only
         The pairs: ``(x[r], x[r + rotary_dim / 2])`` (GPT-NeoX) by default, ``(x[2r],
-        x[2r + 1])`` (GPT-J) when True.
+        x[2r + 1])`` (GPT-J) when True; without the tables it changes nothing.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the

@@ -430,9 +430,9 @@ class DecodePlan:
         key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
         attended = _rotated_query(problem, q)
         if self.append is not None:  # 0: the lengths' value (they are on the device)
-            tables = (0, 0)
-            if problem.rotary is not None:
-                tables = tuple(cupy.ascontiguousarray(t).data.ptr for t in (rotary_cos, rotary_sin))
+            tables = (None, None)
+            if problem.rotary is not None:  # held until the launch is queued
+                tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
             self.append(
                 stream,
                 address(k_new),
@@ -445,7 +445,7 @@ class DecodePlan:
                 address(key_counts) if problem.new_len else 0,
                 q.data.ptr,
                 attended.data.ptr,
-                *tables,
+                *map(address, tables),
             )
         q = attended
         if self.dense is not None:

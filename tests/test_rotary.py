@@ -671,3 +671,17 @@ def test_gpu_rejects_tables_of_another_kind(rng):
     case, inputs = _valid(rng, xp=cupy)
     with pytest.raises(InvalidArgumentError, match="mixed"):
         call(case, dict(inputs, rotary_cos=to_numpy(inputs["rotary_cos"])))
+
+
+@pytest.mark.gpu
+def test_gpu_check_verifies_the_positions(rng):
+    """check=True copies device-held lengths to the host and rejects positions past the
+    tables before anything is written."""
+    case, inputs = _valid(rng, xp=cupy)
+    short = dict(inputs, rotary_cos=inputs["rotary_cos"][:41], rotary_sin=inputs["rotary_sin"][:41])
+    snapshot = inputs["k_cache"].copy()
+    with pytest.raises(InvalidArgumentError, match="sequence 2: position 41 is past"):
+        call(case, short, check=True)
+    assert cupy.array_equal(snapshot.view(cupy.uint16), inputs["k_cache"].view(cupy.uint16))
+    out, _ = call(case, short)  # without check: clamped to the last row, no error
+    assert bool(cupy.isfinite(out.astype(np.float32)).all())

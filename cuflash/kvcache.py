@@ -14,11 +14,11 @@ import numbers
 import numpy as np
 
 from . import plans, registry
-from . import sinks as attention_sinks
-from .cpu import modify_scores, user_modified
+from . import rotary as rotary_embedding
 from .decode_tiles import THREADS, decode_shape, decode_tc_shape
 from .errors import InvalidArgumentError
-from .masking import key_range, normalize_window, visible_keys
+from .kvcache_cpu import cpu_forward
+from .masking import normalize_window
 from .problem import (
     MAX_GRID_YZ,
     _array_module,
@@ -49,8 +49,6 @@ LONG_CACHE_KEYS = 2048
 # With this many packed query rows (S_q x group) or more and a contiguous cache, the
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
-CPU_KEY_BLOCK = 512
-CPU_ROW_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +77,7 @@ class KVCacheProblem:
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     sinks: bool = False  # attention sinks (float32 [H]) given
+    rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
 
     @property
     def alibi(self):
@@ -165,6 +164,9 @@ def kvcache_problem(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """Validate a call (every check runs on the host, before any kernel)."""
     if (k_new is None) != (v_new is None):
@@ -270,6 +272,11 @@ def kvcache_problem(
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
     has_sinks = check_sinks(sinks, q, num_heads)
+    rotary = rotary_embedding.check_rotary(
+        rotary_cos, rotary_sin, rotary_interleaved, q, head_dim, dtype
+    )
+    if rotary is not None and host_lengths is not None:
+        rotary_embedding.check_positions(rotary, host_lengths, new_len, q_len)
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
@@ -307,6 +314,7 @@ def kvcache_problem(
         score_mod=score_mod,
         mask_mod=mask_mod,
         sinks=has_sinks,
+        rotary=rotary,
     )
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
@@ -335,6 +343,9 @@ def flash_attention_with_kvcache(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -393,10 +404,23 @@ def flash_attention_with_kvcache(
         Attention sinks, as in :func:`cuflash.flash_attention_fwd`: ``exp(sinks[h])``
         joins each row's softmax with a zero value (once a row, also when the keys are
         split across blocks); on the arrays' device.
+    rotary_cos, rotary_sin : arrays ``[S_rot, rotary_dim / 2]``, optional, keyword-only
+        Rotary embedding at the append (the KV-cache page's "Rotary embedding"), both or
+        neither, float32 or ``q``'s dtype, on the arrays' device. Row ``t`` of ``k_new``
+        is rotated at position ``cache_seqlens[b] + t`` before it is written, and query
+        row ``i`` at ``p = i + L_b - S_q``; the caller's ``q`` and ``k_new`` are not
+        modified. The first ``rotary_dim`` (``<= head_dim``) dimensions rotate in pairs,
+        ``x1' = x1 cos - x2 sin``, ``x2' = x1 sin + x2 cos`` with the tables' row of the
+        position, in float32, rounded to the dtype. Host-held positions must be rows
+        ``0 .. S_rot - 1``; device-held ones are clamped to them.
+    rotary_interleaved : bool, default False, keyword-only
+        The pairs: ``(x[r], x[r + rotary_dim / 2])`` (GPT-NeoX) by default, ``(x[2r],
+        x[2r + 1])`` (GPT-J) when True; without the tables it changes nothing.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
-        capacity, used block ids naming blocks) before any kernel runs.
+        capacity, used block ids naming blocks, rotated positions within the
+        rotary tables) before any kernel runs.
         Without it they are never trusted either: the kernels clamp lengths
         to ``[0, capacity - S_new]`` and block ids to ``[0, num_blocks)``, so
         no access leaves the buffers, but a bad value gives a wrong result.
@@ -416,12 +440,15 @@ def flash_attention_with_kvcache(
     InvalidArgumentError
         Before any kernel runs and before the cache is written: shapes,
         dtypes, devices, ``block_table``'s shape or dtype, host-held lengths
-        above the capacity, and with ``check=True`` bad device-held lengths
+        above the capacity, rotary tables that do not fit (or that host-held
+        positions run past), and with ``check=True`` bad device-held lengths
         or block ids (naming the sequence).
 
     Notes
     -----
-    CuPy arrays run on the current device and stream: the append, the
+    CuPy arrays run on the current device and stream: the append (which with
+    rotary tables also writes the rotated copy of ``q`` that the attention
+    reads, so it runs even without ``k_new``), the
     split-KV attention kernel and the combine of the splits, in that order
     (long query chunks on a contiguous cache take the dense forward's kernels
     after the append instead: see the KV-cache page). Accumulation is always
@@ -436,6 +463,7 @@ def flash_attention_with_kvcache(
     ):
         # Device-held lengths: the plan of this signature serves every step.
         given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks)
+        given += (rotary_cos, rotary_sin)
         key = plans.signature(
             tuple(a for a in given if a is not None),
             (
@@ -449,13 +477,12 @@ def flash_attention_with_kvcache(
                 softmax_scale,
                 return_lse,
                 softcap,
+                rotary_interleaved,
             ),
         )
         plan = plans.get(key)
         if plan is not None:
-            return plan(
-                q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
-            )
+            return plan(*given)
     problem = kvcache_problem(
         q,
         k_cache,
@@ -477,7 +504,11 @@ def flash_attention_with_kvcache(
         score_mod,
         mask_mod,
         sinks,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
     )
+    tables = (rotary_cos, rotary_sin)
     if problem.xp is np:
         out, lse = cpu_forward(
             problem,
@@ -490,6 +521,7 @@ def flash_attention_with_kvcache(
             block_table,
             alibi_slopes,
             sinks,
+            *tables,
         )
         return (out, lse) if problem.return_lse else out
     from .kvcache_gpu import DecodePlan, gpu_forward  # imported on first GPU use only
@@ -499,9 +531,7 @@ def flash_attention_with_kvcache(
             problem, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes
         )
         plans.remember(key, plan)
-        return plan(
-            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks
-        )
+        return plan(*given)
     out, lse = gpu_forward(
         problem,
         q,
@@ -514,123 +544,9 @@ def flash_attention_with_kvcache(
         check,
         alibi_slopes,
         sinks,
+        *tables,
     )
     return (out, lse) if problem.return_lse else out
-
-
-# ---------------------------------------------------------------------------------------
-# CPU path
-
-
-def _key_index(problem, block_table, b, positions):
-    """(blocks, rows) of positions ``positions`` of sequence ``b`` in the cache."""
-    if not problem.paged:
-        return np.full(positions.shape, b), positions
-    return block_table[b, positions // problem.block_size], positions % problem.block_size
-
-
-def _gather(problem, cache, block_table, b, length):
-    """Sequence ``b``'s first ``length`` keys as float32 ``[H_kv, length, D]``."""
-    blocks, rows = _key_index(problem, block_table, b, np.arange(length))
-    return cache[blocks, :, rows].astype(np.float32).transpose(1, 0, 2)
-
-
-@np.errstate(all="ignore")
-def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
-    """One sequence (batch entry ``b``): q ``[H, S_q, D]``, keys/values float32 ``[H_kv,
-    L, D]`` -> out, lse; ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1,
-    1]`` or None; the user's functions (``problem.score_mod``, ``mask_mod``) after them;
-    ``sink`` the attention sinks as float32 ``[1, H_kv, G, 1, 1]``, or None.
-
-    Blocked over query rows and keys with an online softmax in float32.
-    """
-    h_kv, group, q_len, d = (
-        problem.num_kv_heads,
-        problem.group_size,
-        problem.q_len,
-        problem.head_dim,
-    )
-    scale = np.float32(problem.softmax_scale)
-    out = np.zeros((h_kv, group, q_len, d), dtype=np.float32)
-    lse = np.full((h_kv, group, q_len), -np.inf, dtype=np.float32)
-    q_grouped = q_seq.astype(np.float32).reshape(h_kv, group, q_len, d)
-    for r0 in range(0, q_len, CPU_ROW_BLOCK):
-        r1 = min(r0 + CPU_ROW_BLOCK, q_len)
-        q_blk = q_grouped[:, :, r0:r1]
-        row_max = np.full((h_kv, group, r1 - r0, 1), -np.inf, dtype=np.float32)
-        row_sum = np.zeros((h_kv, group, r1 - r0, 1), dtype=np.float32)
-        acc = np.zeros((h_kv, group, r1 - r0, d), dtype=np.float32)
-        lo, hi = key_range(r0, r1, q_len, kv_len, *problem.window)
-        for c0 in range(lo, hi, CPU_KEY_BLOCK):
-            c1 = min(c0 + CPU_KEY_BLOCK, hi)
-            k_blk = keys[:, None, c0:c1]
-            s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * scale
-            s, _ = modify_scores(s, r0, r1, c0, c1, q_len, kv_len, problem.softcap, slopes)
-            visible = visible_keys(
-                np.arange(r0, r1), np.arange(c0, c1), q_len, kv_len, *problem.window
-            )
-            s, visible, _ = user_modified(problem, s, visible, None, np.int64(b), r0, r1, c0, c1)
-            s = np.where(visible, s, np.float32(-np.inf))
-            new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
-            base = np.where(np.isfinite(new_max), new_max, np.float32(0))
-            alpha = np.exp(row_max - base)
-            p = np.exp(s - base)
-            row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
-            acc = acc * alpha + p @ values[:, None, c0:c1]
-            row_max = new_max
-        if sink is not None:
-            row_max, row_sum, acc = attention_sinks.fold_into_rows(row_max, row_sum, acc, sink[0])
-        seen = row_sum != 0  # a NaN sum counts as seen: NaN is never hidden
-        out[:, :, r0:r1] = np.where(seen, acc / row_sum, np.float32(0))
-        lse[:, :, r0:r1] = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))[..., 0]
-    return out.reshape(-1, q_len, d), lse.reshape(-1, q_len)
-
-
-def _append_cpu(problem, cache, new, block_table, lengths):
-    positions = np.arange(problem.new_len)
-    for b, length in enumerate(lengths):
-        blocks, rows = _key_index(problem, block_table, b, int(length) + positions)
-        cache[blocks, :, rows] = new[b].transpose(1, 0, 2)
-
-
-def cpu_forward(
-    problem,
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    k_new,
-    v_new,
-    block_table,
-    alibi_slopes=None,
-    sinks=None,
-):
-    """Return ``(out, lse)`` on NumPy arrays; appends first (lengths already validated)."""
-    lengths = problem.host_lengths
-    if problem.new_len:
-        _append_cpu(problem, k_cache, k_new, block_table, lengths)
-        _append_cpu(problem, v_cache, v_new, block_table, lengths)
-    out = np.empty(problem.q_shape, dtype=problem.dtype)
-    lse = np.empty(problem.lse_shape, dtype=np.float32)
-    if problem.num_heads == 0:
-        return out, lse
-    sink = (
-        None
-        if sinks is None
-        else attention_sinks.grouped(sinks, problem.num_kv_heads, problem.group_size)
-    )
-    for b in range(problem.batch):
-        kv_len = int(lengths[b]) + problem.new_len
-        keys = _gather(problem, k_cache, block_table, b, kv_len)
-        values = _gather(problem, v_cache, block_table, b, kv_len)
-        slopes = None
-        if alibi_slopes is not None:
-            row = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
-            slopes = row.astype(np.float32).reshape(problem.num_kv_heads, problem.group_size, 1, 1)
-        out_b, lse_b = _attend(problem, q[b], keys, values, kv_len, slopes, b, sink)
-        out[b] = out_b.astype(problem.dtype)
-        lse[b] = lse_b
-    return out, lse
 
 
 # ---------------------------------------------------------------------------------------
@@ -673,6 +589,15 @@ def decode_tc_name(problem, row_warps, stages, keys):
 def append_name(problem):
     """The name expression of ``kvcache_append`` for ``problem``."""
     return registry.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
+
+
+def append_blocks(problem):
+    """Blocks along x of ``kvcache_append``'s grid: the new rows' elements, then (with the
+    rotary embedding) the elements of a KV head's query rows, 128 a block."""
+    blocks = -(-problem.new_len * problem.head_dim // THREADS)
+    if problem.rotary is not None:
+        blocks += -(-problem.group_size * problem.q_len * problem.head_dim // THREADS)
+    return blocks
 
 
 def combine_name(problem):

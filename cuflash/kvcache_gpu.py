@@ -10,6 +10,7 @@ import numbers
 import numpy as np
 
 from . import kvcache  # its functions are read at call time (tools replace some)
+from . import rotary as rotary_embedding
 from .kvcache import DENSE_MIN_ROWS, LOG2E, THREADS
 
 
@@ -31,6 +32,10 @@ def _verify_on_host(problem, cache_seqlens, block_table):
         lengths = host[: problem.batch].astype(np.int64)
         host = host[problem.batch :]
         kvcache._check_lengths(lengths, problem.new_len, problem.capacity)
+        if problem.rotary is not None:
+            rotary_embedding.check_positions(
+                problem.rotary, lengths, problem.new_len, problem.q_len
+            )
     if block_table is not None:
         table = host.reshape(problem.batch, problem.max_blocks)
         kvcache._check_block_ids(
@@ -86,6 +91,36 @@ def _key_counts(problem, cache_seqlens):
     return cupy.empty(problem.batch, np.int32) if problem.new_len else cache_seqlens
 
 
+def _rotated_query(problem, q):
+    """Where the append writes the rotated query rows (the rotary embedding): a new
+    contiguous ``[B, H, S_q, D]`` array that the attention then reads, or ``q`` itself."""
+    import cupy
+
+    if problem.rotary is None or problem.batch * problem.num_heads == 0:
+        return q
+    return cupy.empty(problem.q_shape, dtype=problem.dtype)
+
+
+def _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging):
+    """``kvcache_append``'s arguments after its pointers."""
+    from .gpu import element_strides
+
+    no_rows = (np.int64(0),) * 3
+    return (
+        *(no_rows if k_new is None else element_strides(k_new)),
+        *(no_rows if v_new is None else element_strides(v_new)),
+        *element_strides(k_cache),
+        *element_strides(v_cache),
+        *element_strides(q),
+        np.int32(problem.new_len),
+        np.int32(problem.head_dim),
+        *paging,
+        np.int32(problem.q_len),
+        np.int32(problem.group_size),
+        *rotary_embedding.append_arguments(problem),
+    )
+
+
 def _user_modifiers(problem):
     """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
     ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
@@ -112,9 +147,13 @@ def gpu_forward(
     check,
     alibi_slopes=None,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
 ):
-    """Return ``(out, lse)`` on the current device and stream: append, attend, combine
-    (``sinks``: the attention sinks, which the unsplit kernel or the combine adds)."""
+    """Return ``(out, lse)`` on the current device and stream: append (rotating the new
+    keys and a copy of the query rows with ``rotary_cos`` / ``rotary_sin``), attend,
+    combine (``sinks``: the attention sinks, which the unsplit kernel or the combine
+    adds)."""
     import cupy
 
     from .gpu import element_strides as _strides
@@ -129,37 +168,42 @@ def gpu_forward(
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
     table_ptr, paging = kvcache._paging_args(problem, block_table)
+    q = unit_last_stride(cupy, q)
+    attended = _rotated_query(problem, q)  # the query rows the attention reads
     dense = None
     if problem.batch * problem.num_heads:
-        dense = _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
+        dense = _dense_plan(
+            problem, attended, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
+        )
     key_counts = None
     if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
         key_counts = _key_counts(problem, cache_seqlens)
-    if problem.new_len and problem.batch and problem.num_kv_heads:
-        k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+    if kvcache.append_blocks(problem) and problem.batch and problem.num_kv_heads:
+        if problem.new_len:
+            k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
+        tables = (np.uint64(0),) * 2
+        if problem.rotary is not None:
+            tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
         append = kvcache._kernel(kvcache.append_name(problem))[0]
-        elements = problem.new_len * problem.head_dim
         append(
-            (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
+            (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
             (THREADS,),
             (
-                k_new,
-                v_new,
+                np.uint64(0) if k_new is None else k_new,
+                np.uint64(0) if v_new is None else v_new,
                 k_cache,
                 v_cache,
                 seqlen_ptr,
                 seqlen_value,
                 table_ptr,
-                np.uint64(0) if key_counts is None else key_counts,
-                *_strides(k_new),
-                *_strides(v_new),
-                *_strides(k_cache),
-                *_strides(v_cache),
-                np.int32(problem.new_len),
-                np.int32(problem.head_dim),
-                *paging,
+                key_counts if problem.new_len and key_counts is not None else np.uint64(0),
+                q,
+                attended,
+                *tables,
+                *_append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging),
             ),
         )
+    q = attended
     if problem.batch * problem.num_heads == 0:
         return (
             cupy.empty(problem.q_shape, dtype=problem.dtype),
@@ -169,7 +213,6 @@ def gpu_forward(
         return dense(
             q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes, sinks=sinks
         )
-    q = unit_last_stride(cupy, q)
     name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
@@ -281,24 +324,17 @@ class DecodePlan:
         q = unit_last_stride(cupy, q)
         _, paging = kvcache._paging_args(problem, block_table)
         self.append = None
-        if problem.new_len and problem.num_kv_heads:
-            k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-            elements = problem.new_len * problem.head_dim
+        if kvcache.append_blocks(problem) and problem.num_kv_heads:
+            if problem.new_len:
+                k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
             self.append = Launch(
                 kvcache._kernel(kvcache.append_name(problem))[0].kernel,
-                (-(-elements // THREADS), problem.num_kv_heads, problem.batch),
+                (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
                 THREADS,
                 0,
-                (
-                    *element_strides(k_new),
-                    *element_strides(v_new),
-                    *element_strides(k_cache),
-                    *element_strides(v_cache),
-                    np.int32(problem.new_len),
-                    np.int32(problem.head_dim),
-                    *paging,
-                ),
+                _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging),
             )
+        q = _rotated_query(problem, q)  # the layout the attention reads (rotated: its own)
         self.dense = _dense_plan(
             problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
         )
@@ -368,6 +404,8 @@ class DecodePlan:
         block_table,
         alibi_slopes=None,
         sinks=None,
+        rotary_cos=None,
+        rotary_sin=None,
     ):
         import cupy
 
@@ -390,18 +428,26 @@ class DecodePlan:
         )
         lengths = cache_seqlens.data.ptr
         key_counts = None if self.dense is None else _key_counts(problem, cache_seqlens)
+        attended = _rotated_query(problem, q)
         if self.append is not None:  # 0: the lengths' value (they are on the device)
+            tables = (None, None)
+            if problem.rotary is not None:  # held until the launch is queued
+                tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
             self.append(
                 stream,
-                k_new.data.ptr,
-                v_new.data.ptr,
+                address(k_new),
+                address(v_new),
                 k_cache.data.ptr,
                 v_cache.data.ptr,
                 lengths,
                 0,
                 table,
-                address(key_counts),
+                address(key_counts) if problem.new_len else 0,
+                q.data.ptr,
+                attended.data.ptr,
+                *map(address, tables),
             )
+        q = attended
         if self.dense is not None:
             out, lse = self.dense(
                 q,

@@ -20,6 +20,13 @@ The cache is either contiguous, ``[B, H_kv, S_cap, D]`` per layer, or paged
 shared by all sequences, and a ``block_table`` that gives each sequence its
 blocks in a shuffled order, as a paged-attention server hands them out.
 
+With ``--rotary`` the model also has rotary position embeddings (GPT-NeoX
+pairs over the whole head): training and decoding without a cache rotate q
+and k by hand (:class:`RotaryAttention`) before the dense call, and decoding
+with the cache passes the tables (:func:`cuflash.rotary.tables`) to
+:func:`flash_attention_with_kvcache`, which rotates the new keys as it appends
+them and the query rows at their positions.
+
 Every generated token is checked against greedy decoding without a cache
 (the whole sequence run through the model again at every step, with the
 dense :func:`cuflash.flash_attention_fwd`): both must pick the same tokens.
@@ -33,6 +40,10 @@ On the CPU, in well under a minute (most of it training)::
 On a GPU, with a paged bfloat16 cache::
 
     python examples/generate_tiny_lm.py --device gpu --paged --dtype bfloat16
+
+With rotary position embeddings, rotated at the append::
+
+    python examples/generate_tiny_lm.py --device cpu --rotary
 """
 
 import argparse
@@ -46,7 +57,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny_lm as lm  # noqa: E402  (the model, task and training of the sibling example)
 
 cuflash = lm.cuflash
+from cuflash import rotary  # noqa: E402
 from cuflash.kvcache import flash_attention_with_kvcache  # noqa: E402
+
+
+def rotate(x, cos, sin, inverse=False):
+    """``x`` ``[B, H, S, D]`` with row ``s`` rotated at position ``s`` (GPT-NeoX pairs
+    ``(r, r + D / 2)``; float32 arithmetic, float64 for float64), or back with
+    ``inverse``."""
+    xp = lm.array_module(x)
+    half = x.shape[-1] // 2
+    c, s = cos[: x.shape[2]], sin[: x.shape[2]]
+    if inverse:
+        s = -s
+    wide = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+    x1, x2 = wide[..., :half], wide[..., half:]
+    return xp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+class RotaryAttention:
+    """An attention ``vjp`` (``train_tiny_lm.AttentionBackend.vjp``) with rotary position
+    embeddings: q and k rotated at their positions before ``vjp``, their gradients
+    rotated back (the rotation's transpose) after it."""
+
+    def __init__(self, vjp, cos, sin):
+        self.vjp, self.cos, self.sin = vjp, cos, sin
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        out, inner = self.vjp(
+            rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin), v, *args, **kwargs
+        )
+        return out, RotaryGradients(inner, self.cos, self.sin)
+
+
+class RotaryGradients:
+    """The backward of :class:`RotaryAttention`: ``dout -> (dq, dk, dv)``."""
+
+    def __init__(self, inner, cos, sin):
+        self.inner, self.cos, self.sin = inner, cos, sin
+        self.q = inner.q  # what train_tiny_lm's attention_backward reads the dtype from
+
+    def __call__(self, dout):
+        dq, dk, dv = self.inner(dout)
+        return (
+            rotate(dq, self.cos, self.sin, inverse=True),
+            rotate(dk, self.cos, self.sin, inverse=True),
+            dv,
+        )
 
 
 class KVCache:
@@ -86,11 +143,13 @@ class KVCache:
         self.lengths = xp.zeros(batch, dtype=np.int32)  # keys held, on the arrays' device
 
 
-def cached_attention(x, wqkv, wo, cfg, cache, layer, dtype):
+def cached_attention(x, wqkv, wo, cfg, cache, layer, dtype, tables=None):
     """Self-attention of the new positions ``x`` ``[B, S_new, d]`` over the cache.
 
     The new keys and values are appended to layer ``layer``'s cache by the call
-    itself; the caller advances ``cache.lengths`` once every layer has run.
+    itself (with ``tables``, the rotary ``(cos, sin)``, the keys rotated at their
+    positions as they are written, and the queries at theirs); the caller advances
+    ``cache.lengths`` once every layer has run.
     """
     batch, new, _ = x.shape
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -110,14 +169,17 @@ def cached_attention(x, wqkv, wo, cfg, cache, layer, dtype):
         k_new=k_new,
         v_new=v_new,
         block_table=cache.block_table,
+        rotary_cos=None if tables is None else tables[0],
+        rotary_sin=None if tables is None else tables[1],
     )
     merged = out.transpose(0, 2, 1, 3).reshape(batch, new, h * d).astype(x.dtype, copy=False)
     return merged @ wo
 
 
-def forward_with_cache(params, cfg, tokens, cache, dtype):
+def forward_with_cache(params, cfg, tokens, cache, dtype, tables=None):
     """Logits ``[B, S_new, vocab]`` of ``tokens`` ``[B, S_new]`` placed after the cached
-    positions; appends their keys and values to every layer's cache."""
+    positions; appends their keys and values to every layer's cache (rotary ``tables``:
+    ``(cos, sin)`` or None)."""
     xp = lm.array_module(tokens)
     start = int(cache.lengths[0])  # every sequence has the same length here
     positions = xp.arange(start, start + tokens.shape[1])
@@ -125,7 +187,7 @@ def forward_with_cache(params, cfg, tokens, cache, dtype):
     for i in range(cfg.num_layers):
         p = lm.block_parameters(params, f"layers.{i}.")
         a, _ = lm.layer_norm_forward(x, p["ln1.g"], p["ln1.b"])
-        x = x + cached_attention(a, p["attn.wqkv"], p["attn.wo"], cfg, cache, i, dtype)
+        x = x + cached_attention(a, p["attn.wqkv"], p["attn.wo"], cfg, cache, i, dtype, tables)
         m, _ = lm.layer_norm_forward(x, p["ln2.g"], p["ln2.b"])
         y, _ = lm.mlp_forward(m, p["mlp.w1"], p["mlp.b1"], p["mlp.w2"], p["mlp.b2"])
         x = x + y
@@ -135,14 +197,15 @@ def forward_with_cache(params, cfg, tokens, cache, dtype):
     return x @ head
 
 
-def generate(params, cfg, prompt, steps, cache, dtype):
-    """Greedy decoding with the cache: ``steps`` tokens after ``prompt`` ``[B, P]``."""
+def generate(params, cfg, prompt, steps, cache, dtype, tables=None):
+    """Greedy decoding with the cache: ``steps`` tokens after ``prompt`` ``[B, P]`` (rotary
+    ``tables``: ``(cos, sin)`` or None)."""
     xp = lm.array_module(prompt)
-    logits = forward_with_cache(params, cfg, prompt, cache, dtype)  # prefill
+    logits = forward_with_cache(params, cfg, prompt, cache, dtype, tables)  # prefill
     token = logits[:, -1].argmax(axis=-1)
     chosen = [token]
     for _ in range(steps - 1):  # decode: one token a step
-        logits = forward_with_cache(params, cfg, token[:, None], cache, dtype)
+        logits = forward_with_cache(params, cfg, token[:, None], cache, dtype, tables)
         token = logits[:, -1].argmax(axis=-1)
         chosen.append(token)
     return xp.stack(chosen, axis=1)
@@ -194,6 +257,11 @@ def parse_args(argv=None):
         default=4,
         help="rows a block of the paged cache holds (default 4)",
     )
+    p.add_argument(
+        "--rotary",
+        action="store_true",
+        help="rotary position embeddings, rotated at the append by the cached calls",
+    )
     p.add_argument("--items", type=int, default=8, help="symbols to reverse (default 8)")
     p.add_argument("--symbols", type=int, default=16, help="alphabet size (default 16)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
@@ -218,9 +286,14 @@ def main(argv=None):
         task.vocab_size, task.seq_len, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2
     )
     backend = lm.AttentionBackend(cuflash.flash_attention_vjp, dtype)
+    tables = None
+    if args.rotary:  # the tables cover every position of a sequence
+        tables = rotary.tables(task.seq_len, cfg.head_dim, xp=xp)
+        backend = lm.AttentionBackend(RotaryAttention(backend.vjp, *tables), dtype)
     print(
         f"device: {'GPU (CuPy)' if xp is not np else 'CPU (NumPy)'}, attention and cache "
-        f"dtype {args.dtype}; task: {task.describe()}"
+        f"dtype {args.dtype}{', rotary embeddings' if args.rotary else ''}; "
+        f"task: {task.describe()}"
     )
     start = time.perf_counter()
     params = train_model(args, task, cfg, xp, backend)
@@ -244,7 +317,7 @@ def main(argv=None):
         else "contiguous"
     )
     start = time.perf_counter()
-    with_cache = lm.to_numpy(generate(params, cfg, prompt, args.items, cache, dtype))
+    with_cache = lm.to_numpy(generate(params, cfg, prompt, args.items, cache, dtype, tables))
     seconds = time.perf_counter() - start
     without_cache = lm.to_numpy(generate_without_cache(params, cfg, prompt, args.items, backend))
     accuracy = float((with_cache == answer).mean())

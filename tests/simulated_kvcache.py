@@ -6,14 +6,13 @@ lengths and block ids the kernels read may differ from the ones the call is vali
 with (``device_lengths``, ``device_table``), as garbage on a GPU would.
 """
 
-import math
 import numbers
 
 import numpy as np
 import simulated_attention
 import simulator
 
-from cuflash import kvcache, registry
+from cuflash import kvcache, registry, rotary
 from cuflash.problem import forward_problem
 
 #: What the split count is chosen for (cuflash.kvcache.num_splits): a small GPU, so that
@@ -54,6 +53,9 @@ def forward(
     device_table=None,
     guard=False,
     sinks=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
     ``capability`` (no user modifiers)."""
@@ -76,6 +78,9 @@ def forward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
     )
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
@@ -85,11 +90,15 @@ def forward(
         lengths_array, length_value = np.ascontiguousarray(lengths, np.int32), np.int32(0)
     table = None if table is None else np.ascontiguousarray(table, np.int32)
     _, paging = kvcache._paging_args(problem, block_table)
+    q = np.ascontiguousarray(q)
+    attended = q  # the query rows the attention reads: the append's rotated copy, poisoned
+    if problem.rotary is not None and problem.batch * problem.num_heads:
+        attended = np.full(problem.q_shape, np.nan, problem.dtype)
 
     attention = None  # the dense forward's problem, for a long query chunk
     if block_table is None and problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS:
         attention = forward_problem(
-            q,
+            attended,
             k_cache,
             v_cache,
             num_heads,
@@ -111,12 +120,12 @@ def forward(
     key_counts = None
     if dense and lengths_array is not None:
         key_counts = np.full(problem.batch, -1, np.int32) if problem.new_len else lengths_array
-    if problem.new_len and problem.batch and problem.num_kv_heads:
+    if kvcache.append_blocks(problem) and problem.batch and problem.num_kv_heads:
         name = kvcache.append_name(problem)
-        elements = problem.new_len * problem.head_dim
+        no_rows = (np.int64(0),) * 3
         _module(name, capability).launch(
             name,
-            (math.ceil(elements / kvcache.THREADS), problem.num_kv_heads, problem.batch),
+            (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
             kvcache.THREADS,
             0,
             [
@@ -128,20 +137,28 @@ def forward(
                 length_value,
                 table,
                 key_counts if problem.new_len else None,
-                *_strides(k_new),
-                *_strides(v_new),
+                q,
+                attended,
+                rotary_cos,
+                rotary_sin,
+                *(no_rows if k_new is None else _strides(k_new)),
+                *(no_rows if v_new is None else _strides(v_new)),
                 *_strides(k_cache),
                 *_strides(v_cache),
+                *_strides(q),
                 np.int32(problem.new_len),
                 np.int32(problem.head_dim),
                 *paging,
+                np.int32(problem.q_len),
+                np.int32(problem.group_size),
+                *rotary.append_arguments(problem),
             ],
             guard,
         )
     if dense:  # the dense forward over the cache, its key counts per entry
         out, lse = simulated_attention.run_forward(
             attention,
-            q,
+            attended,
             k_cache,
             v_cache,
             offsets=(None, key_counts),
@@ -179,7 +196,7 @@ def forward(
         kvcache.THREADS,
         shared,
         [
-            np.ascontiguousarray(q),
+            attended,
             k_cache,
             v_cache,
             lengths_array,
@@ -192,7 +209,7 @@ def forward(
             slopes,
             sinks,
             simulated_attention.NO_USER_ARGUMENTS,
-            *_strides(np.ascontiguousarray(q)),
+            *_strides(attended),
             *_strides(k_cache),
             *_strides(v_cache),
             np.int32(problem.num_heads),

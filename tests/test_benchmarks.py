@@ -272,8 +272,8 @@ def test_head_dim_sweep_cases():
 
 def test_decode_cases_and_cache_bytes():
     cases = bench.decode_cases()
-    assert len(cases) == 4 * 3 + 2
-    assert {(c.batch, c.cache_len) for c in cases if c.q_len == 1} == {
+    assert len(cases) == 4 * 3 + 2 + 4
+    assert {(c.batch, c.cache_len) for c in cases if c.q_len == 1 and not c.new_len} == {
         (1, 32768),
         (16, 8192),
         (64, 2048),
@@ -283,6 +283,13 @@ def test_decode_cases_and_cache_bytes():
         (16, 8192, 4),
         (16, 8192, 512),
     ]
+    assert [(c.batch, c.cache_len, c.block_size, c.rotary) for c in cases if c.new_len] == [
+        (64, 4096, 0, False),
+        (64, 4096, 0, True),
+        (64, 4096, 16, False),
+        (64, 4096, 16, True),
+    ]
+    assert bench.DecodeCase(64, 4096, new_len=1, rotary=True).group.rotary  # its own reference
     assert {c.layout for c in cases} == {"contiguous", "paged 16", "paged 256"}
     case = bench.DecodeCase(16, 8192, block_size=256)
     assert case.cache_bytes == 2 * 16 * 8 * 8192 * 128 * 2  # 512 MiB of bfloat16
@@ -370,6 +377,13 @@ def synthetic_report():
                         case, torch_impl, bench.Timing((factor * seconds,)), "", 4e-3
                     )
                 )
+    for case in (c for c in bench.decode_cases() if c.new_len):  # rotary: +8 %, then +2 %
+        seconds = (
+            case.cache_bytes / 3.9e12 * (1 + (0.02 if case.block_size else 0.08) * case.rotary)
+        )
+        decode.append(
+            bench.decode_record(case, bench.CuflashDecode(case, None), bench.Timing((seconds,)), "")
+        )
     return {
         "environment": {"gpu": "NVIDIA H200", "cuflash": "0.1.0"},
         "settings": {"allow_tf32": False},
@@ -417,6 +431,12 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     ) in printed
     assert "B=16 cache 8192 S_q=1 contiguous (0.90x, 3.00 TB/s)." in printed  # 512 MiB cache
     assert "torch-flash enable_gqa=True (2 cases)" in printed
+    assert "| 64 | 4096 | 1 | paged 16, append 1, rotary | 280.8 | 3.82 | – | – | – |" in printed
+    assert (
+        "Rotary embedding at the append (one new token a step): B=64 cache 4096 contiguous: "
+        "275.3 us without, 297.3 us with (+8.0%); B=64 cache 4096 paged 16: 275.3 us without, "
+        "280.8 us with (+2.0%). Target: at most +5%; missed: B=64 cache 4096 contiguous."
+    ) in printed
 
 
 def test_asv_suite_has_the_host_time_decode_and_varlen_benchmarks():

@@ -537,6 +537,18 @@ def kvcache_bad_calls():
             block_table=np.array([[0, 1], [2, 9]], np.int32),
             cache_seqlens=9,
         ),
+        kv(rotary_cos=a(16, 32)),
+        kv(
+            q=a(2, 8, 1, 64, dtype=np.float16),
+            k_cache=a(2, 2, 16, 64, dtype=np.float16),
+            v_cache=a(2, 2, 16, 64, dtype=np.float16),
+            rotary_cos=a(16, 32, dtype=np.float64),
+            rotary_sin=a(16, 32, dtype=np.float64),
+        ),
+        kv(rotary_cos=a(16, 32), rotary_sin=a(16, 8)),
+        kv(rotary_cos=a(16, 40), rotary_sin=a(16, 40)),
+        kv(rotary_cos=a(16, 32), rotary_sin=a(16, 32)),
+        kv(rotary_cos=a(8, 32), rotary_sin=a(8, 32), cache_seqlens=np.array([3, 9], np.int32)),
         kv(q=a(70000, 8, 1, 64), k_cache=a(70000, 2, 1, 64), v_cache=a(70000, 2, 1, 64)),
         kv(
             q=a(0, 1, 2**31, 8),

@@ -253,3 +253,77 @@ def test_train_varlen_lm_writes_a_csv_without_matplotlib(tmp_path, monkeypatch, 
         "packed,10,3.000000,1.500",
     ]
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_generate_tiny_lm_with_rotary_runs_and_agrees():
+    """--rotary: trained with rotary embeddings, cached decoding (tables passed to the
+    call, paged) picks the tokens of recomputing without a cache."""
+    proc = run_example(
+        "generate_tiny_lm.py", "--device", "cpu", "--rotary", "--paged", "--steps", "30"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rotary embeddings" in proc.stdout
+    assert "cache and recompute agree" in proc.stdout
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_generate_tiny_lm_rotary_cache_gives_the_recomputed_logits(paged):
+    """The cached prefill with the tables gives the logits of the model with rotary
+    embeddings; without them it does not (the comparison can fail)."""
+    example = load_example("generate_tiny_lm.py")
+    lm = example.lm
+    dtype = np.dtype(np.float32)
+    task = lm.ReverseTask(6, 12)
+    cfg = lm.ModelConfig(
+        task.vocab_size, task.seq_len, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    params = lm.init_parameters(cfg, np, np.float32, seed=3)
+    params.flat[:] += np.random.default_rng(5).normal(0.0, 0.3, params.flat.shape)
+    tables = example.rotary.tables(task.seq_len, cfg.head_dim)
+    attention = example.RotaryAttention(example.cuflash.flash_attention_vjp, *tables)
+    backend = lm.AttentionBackend(attention, dtype)
+    prompt = task.sample(np.random.default_rng(4), 5)[0][:, :7]
+
+    def cached(with_tables):
+        cache = example.KVCache(
+            cfg, 5, task.seq_len, dtype, np, block_size=3 if paged else None, seed=5
+        )
+        return example.forward_with_cache(
+            params, cfg, prompt, cache, dtype, tables if with_tables else None
+        )
+
+    recomputed, _ = lm.model_forward(params, cfg, prompt, backend)
+    assert np.allclose(cached(True), recomputed, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(cached(False), recomputed, rtol=1e-2, atol=1e-2)
+
+
+def test_generate_tiny_lm_rotary_backward_is_the_rotations_transpose():
+    """RotaryAttention's gradients of q and k against central differences in float64;
+    rotating them forward instead of back would not match."""
+    example = load_example("generate_tiny_lm.py")
+    lm = example.lm
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape) for shape in ((1, 2, 5, 8), (1, 1, 5, 8), (1, 1, 5, 8)))
+    weights = rng.standard_normal(q.shape)
+    cos, sin = example.rotary.tables(5, 8, dtype=np.float64)
+    attention = example.RotaryAttention(lm.oracle_attention_vjp, cos, sin)
+    out, vjp = attention(q, k, v, 2, 1, 8, causal=True)
+    grads = dict(zip("qk", vjp(weights)[:2]))
+    raw_dq = lm.oracle_attention_vjp(
+        example.rotate(q, cos, sin), example.rotate(k, cos, sin), v, 2, 1, 8, causal=True
+    )[1](weights)[0]
+    forward_rotated = example.rotate(raw_dq, cos, sin)  # the planted error
+
+    def loss(q, k):
+        return float((attention(q, k, v, 2, 1, 8, causal=True)[0] * weights).sum())
+
+    eps = 1e-6
+    for name, index in (("q", (0, 1, 3, 1)), ("q", (0, 0, 4, 6)), ("k", (0, 0, 2, 5))):
+        arrays = {"q": q.copy(), "k": k.copy()}
+        arrays[name][index] += eps
+        plus = loss(**arrays)
+        arrays[name][index] -= 2 * eps
+        numeric = (plus - loss(**arrays)) / (2 * eps)
+        assert abs(numeric - grads[name][index]) <= 1e-6 * max(1.0, abs(numeric)), name
+        if name == "q":
+            assert abs(numeric - forward_rotated[index]) > 1e-3

@@ -24,6 +24,11 @@ DECODE_LONG_QUERY_LENS = (4, 512)  # speculative decoding, chunked prefill
 DECODE_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 DECODE_TARGET_TB_PER_S = 3.4  # 80% of the H200's copy rate, where the cache is >= 256 MB
 DECODE_TARGET_MIN_BYTES = 256e6
+# Rotary embedding at the append (the KV-cache page): one new token appended a step, with
+# and without the tables, on these layouts; the tables may cost at most this fraction.
+DECODE_ROTARY_BATCH_CACHE = (64, 4096)
+DECODE_ROTARY_BLOCK_SIZES = (0, 16)
+DECODE_ROTARY_TARGET = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +36,9 @@ class DecodeCase:
     """One decoding step from a KV cache of ``cache_len`` keys a sequence (the KV-cache page).
 
     ``block_size`` 0 is a contiguous cache ``[B, H_kv, L, D]``; otherwise the
-    cache is paged in blocks of that many keys.
+    cache is paged in blocks of that many keys. With ``new_len`` the step appends
+    that many rows (``L - new_len`` cached before it), with ``rotary`` rotated by
+    rotary tables of ``L`` positions over the whole head.
     """
 
     batch: int
@@ -42,6 +49,8 @@ class DecodeCase:
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "bfloat16"
+    new_len: int = 0
+    rotary: bool = False
 
     @property
     def layout(self):
@@ -73,7 +82,13 @@ def decode_cases():
         for block_size in DECODE_BLOCK_SIZES
     ]
     batch, cache_len = DECODE_LONG_QUERY_CACHE
-    return cases + [DecodeCase(batch, cache_len, q_len) for q_len in DECODE_LONG_QUERY_LENS]
+    cases += [DecodeCase(batch, cache_len, q_len) for q_len in DECODE_LONG_QUERY_LENS]
+    batch, cache_len = DECODE_ROTARY_BATCH_CACHE
+    return cases + [
+        DecodeCase(batch, cache_len, new_len=1, block_size=block_size, rotary=rotary)
+        for block_size in DECODE_ROTARY_BLOCK_SIZES
+        for rotary in (False, True)
+    ]
 
 
 def kvcache_function():
@@ -104,6 +119,10 @@ class DecodeInputSet:
     k_cache: object  # k itself, or its paged copy
     v_cache: object
     block_table: object = None
+    k_new: object = None  # [B, H_kv, new_len, D] appended a step, or None
+    v_new: object = None
+    rotary_cos: object = None  # [L, D / 2] float32 tables, or None
+    rotary_sin: object = None
 
 
 def make_decode_sets(case, count, seed=0):
@@ -115,17 +134,26 @@ def make_decode_sets(case, count, seed=0):
         shape = (case.batch, heads, rows, case.head_dim)
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
+    tables = (None, None)
+    if case.rotary:
+        from ..rotary import tables as rotary_tables
+
+        tables = rotary_tables(case.cache_len, case.head_dim, xp=cupy)
     sets = []
     for _ in range(count):
         k, v = draw(case.kv_heads, case.cache_len), draw(case.kv_heads, case.cache_len)
+        new = [draw(case.kv_heads, case.new_len) for _ in "kv"] if case.new_len else [None] * 2
         sets.append(
             DecodeInputSet(
                 draw(case.heads, case.q_len),
                 k,
                 v,
-                cupy.full(case.batch, case.cache_len, dtype=np.int32),
+                cupy.full(case.batch, case.cache_len - case.new_len, dtype=np.int32),
                 k,
                 v,
+                None,
+                *new,
+                *tables,
             )
         )
     return sets
@@ -157,7 +185,8 @@ def paged_input_set(x, block_size, seed=0):
 
 
 class CuflashDecode:
-    """``cuflash.flash_attention_with_kvcache``: bottom-right causal, no appended rows."""
+    """``cuflash.flash_attention_with_kvcache``: bottom-right causal, appending the case's
+    new rows (none in most cases), with its rotary tables if any."""
 
     name = "cuflash"
 
@@ -180,6 +209,11 @@ class CuflashDecode:
             True,
             cache_seqlens=x.cache_seqlens,
             block_table=x.block_table,
+            **{
+                name: getattr(x, name)
+                for name in ("k_new", "v_new", "rotary_cos", "rotary_sin")
+                if getattr(x, name) is not None
+            },
         )
 
 
@@ -260,7 +294,7 @@ def decode_table(function, torch, budget, l2_bytes):
         for case in (c for c in cases if c.group == group):
             bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} {case.layout}")
             impls = [CuflashDecode(case, function)]
-            if case.block_size == 0:
+            if case.block_size == 0 and not case.new_len:  # torch: the steps without appends
                 impls += [TorchDecode(case, torch, backend) for backend in peers]
             inputs = (
                 contiguous_sets
@@ -292,6 +326,53 @@ def decode_table(function, torch, budget, l2_bytes):
         free_memory(torch)
     bar.close()
     return records
+
+
+def step_label(record):
+    """The layout column of a decode record: the layout, then the append and the rotary
+    tables where the step has them."""
+    label = record["layout"]
+    if record.get("new_len"):
+        label += f", append {record['new_len']}"
+    if record.get("rotary"):
+        label += ", rotary"
+    return label
+
+
+def rotary_cost(records):
+    """Lines on what the rotary tables cost a decoding step: cuflash's time of each rotary
+    step against the same step without the tables (target: at most
+    DECODE_ROTARY_TARGET more)."""
+    plain = {}
+    for r in records:
+        if r["impl"] == "cuflash" and r.get("new_len") and not r.get("rotary"):
+            plain[(r["batch"], r["cache_len"], r["layout"], r["new_len"])] = r["median_s"]
+    parts, missed = [], []
+    for r in records:
+        if r["impl"] != "cuflash" or not r.get("rotary"):
+            continue
+        without = plain.get((r["batch"], r["cache_len"], r["layout"], r["new_len"]))
+        with_tables = r["median_s"]
+        where = f"B={r['batch']} cache {r['cache_len']} {r['layout']}"
+        if without is None or with_tables is None:
+            parts.append(f"{where}: not measured")
+            continue
+        extra = with_tables / without - 1
+        parts.append(
+            f"{where}: {_format_us(without)} us without, {_format_us(with_tables)} us with "
+            f"({extra:+.1%})"
+        )
+        if extra > DECODE_ROTARY_TARGET:
+            missed.append(where)
+    if not parts:
+        return []
+    return [
+        "",
+        f"Rotary embedding at the append (one new token a step): {'; '.join(parts)}. "
+        f"Target: at most {DECODE_ROTARY_TARGET:+.0%}; missed: "
+        + (", ".join(missed) if missed else "none")
+        + ".",
+    ]
 
 
 def format_decode(record):
@@ -332,7 +413,7 @@ def format_decode(record):
         ratio = min(measured) / mine if measured and mine is not None else None
         rate = None if mine is None else r["cache_bytes"] / mine / 1e12
         lines.append(
-            f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {r['layout']} | "
+            f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {step_label(r)} | "
             f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
             + " | ".join(_format_us(t) for t in theirs)
             + f" | {_format_ratio(ratio)} |"
@@ -347,7 +428,7 @@ def format_decode(record):
             misses.append(f"{rate:.2f} TB/s")
         if misses:
             below.append(
-                f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {r['layout']} "
+                f"B={r['batch']} cache {r['cache_len']} S_q={r['q_len']} {step_label(r)} "
                 f"({', '.join(misses)})"
             )
     lines += [
@@ -358,6 +439,7 @@ def format_decode(record):
         + (", ".join(below) if below else "none")
         + ".",
     ]
+    lines += rotary_cost(records)
     modes = {}
     for r in records:
         if r.get("gqa"):

@@ -278,6 +278,10 @@ inline auto max(A a, B b) -> std::common_type_t<A, B> {
 
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float __fdividef(float x, float y) { return x / y; }
+// Rounded float32 arithmetic that never contracts into a fused multiply-add.
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fsub_rn(float x, float y) { return x - y; }
 inline int __any_sync(unsigned, int predicate) {
     return sim::collective(predicate != 0, [](int, auto offer) {
         bool any = false;

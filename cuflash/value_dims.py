@@ -1,8 +1,11 @@
-"""A value head dim of its own (``head_dim_v``) on the GPU, through the equal-width kernels.
+"""A value head dim of its own (``head_dim_v``) on the GPU where a kernel does not take it.
 
-Today's kernels take one head dim for q, k and v. A call whose v is narrower or
-wider than q and k runs them on a problem of the wider width, the narrower
-operands padded with zero columns on the device, and slices the results back:
+The forward kernel that takes v narrower than q and k natively
+(``forward_wgmma_ws``, the Hopper forward: ``KernelSpec.takes_value_dims``) runs
+such calls as they are. Every other kernel takes one head dim for q, k and v: a
+call whose v is narrower or wider than q and k runs them on a problem of the
+wider width, the narrower operands padded with zero columns on the device, and
+slices the results back:
 
 * ``head_dim_v < head_dim``: v (and, in the backward, dout and the output) gain
   zero columns. The output's padding columns are then exact zeros, Delta =
@@ -12,10 +15,10 @@ operands padded with zero columns on the device, and slices the results back:
   any score; dq's and dk's padding columns are cut off.
 
 So the results are those of the unpadded problem, exactly (the softmax scale was
-fixed from the true ``head_dim`` before padding). Each call pays for the copies;
-a kernel that takes both widths natively replaces this, case by case, where the
-plans are built (``forward_plan``, ``backward_plan``). Calls with equal widths
-get the plain plan and pay nothing here.
+fixed from the true ``head_dim`` before padding). Each call pays for the copies
+and the wider products. Where the plans are built (``forward_plan``,
+``backward_plan``) the plan's ``takes_value_dims`` says which calls run natively;
+calls with equal widths get the plain plan and pay nothing here.
 """
 
 import dataclasses
@@ -82,9 +85,10 @@ class _Padding:
 
 def forward_plan(build, problem, q, k, v):
     """``build(problem, q, k, v)``, a forward plan (``gpu.ForwardPlan``,
-    ``varlen.PackedForward``), for a problem of equal widths; else that plan built at the
-    common width, wrapped in the padding."""
-    if not pads_values(problem):
+    ``varlen.PackedForward``), for a problem of equal widths or one its kernel takes
+    natively (``build.takes_value_dims``); else that plan built at the common width,
+    wrapped in the padding."""
+    if not pads_values(problem) or build.takes_value_dims(problem, q, k, v):
         return build(problem, q, k, v)
     padding = _Padding(problem)
     return PaddedForward(build(widened(problem), *padding.widen(q, k, v)), padding)
@@ -92,7 +96,8 @@ def forward_plan(build, problem, q, k, v):
 
 def backward_plan(build, problem, dout, q, k, v, out, *rest):
     """The same for a backward plan, ``build(problem, dout, q, k, v, out, *rest)``
-    (``gpu.BackwardPlan``, ``varlen.PackedBackward``)."""
+    (``gpu.BackwardPlan``, ``varlen.PackedBackward``): no backward kernel takes two
+    widths yet, so every such call is padded."""
     if not pads_values(problem):
         return build(problem, dout, q, k, v, out, *rest)
     padding = _Padding(problem)

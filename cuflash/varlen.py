@@ -396,12 +396,20 @@ class PackedForward:
         if problem.has_rows:
             self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
 
+    @staticmethod
+    def takes_value_dims(problem, q, k, v):
+        """``gpu.ForwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
+        from . import gpu
+
+        views = map(_heads_first, (q, k, v))
+        return not problem.has_rows or gpu.ForwardPlan.takes_value_dims(problem.attention, *views)
+
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks=None):
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
             return (
-                xp.zeros(q.shape, dtype=attention.dtype),
+                xp.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype),
                 xp.full((attention.num_heads, self.problem.total_q), -np.inf, dtype=np.float32),
             )
         out, lse = self.dense(

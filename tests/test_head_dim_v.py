@@ -280,6 +280,7 @@ def test_padding_is_exact_on_the_cpu(widths, rng, monkeypatch):
 
         return plan
 
+    build_forward.takes_value_dims = lambda *arrays: False  # a kernel of one width
     padded = value_dims.forward_plan(build_forward, problem, q, k, v)
     assert isinstance(padded, value_dims.PaddedForward)
     out, lse = padded(q, k, v)
@@ -317,6 +318,26 @@ def test_equal_widths_take_the_plain_plan(rng):
         assert problem.head_dim_v == 32 and not value_dims.pads_values(problem)
         plan = object()
         assert value_dims.forward_plan(lambda *a: plan, problem, q, k, v) is plan
+
+
+def test_a_kernel_that_takes_value_dims_is_not_padded(rng):
+    """A plan whose kernel takes v's head dim gets the arrays as they are; the registry
+    says which kernel does (the Hopper forward, for v narrower than q and k)."""
+    case = Case(head_dim=64, head_dim_v=32)
+    q, k, v, _ = random_inputs(case, rng)
+    problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=32)
+
+    def build(problem, *arrays):
+        return problem, arrays
+
+    build.takes_value_dims = lambda *arrays: True
+    built, arrays = value_dims.forward_plan(build, problem, q, k, v)
+    assert built is problem and all(a is b for a, b in zip(arrays, (q, k, v)))
+    takes = {spec.name for spec in cuflash.registry.KERNELS if spec.takes_value_dims(64, 32)}
+    assert takes == {"forward_wgmma_ws"}
+    assert not cuflash.registry.BY_NAME["forward_wgmma_ws"].takes_value_dims(32, 64)
+    with pytest.raises(ValueError, match="does not take head_dim_v"):
+        cuflash.registry.BY_NAME["forward_wgmma"].name_expression("forward_wgmma", q.dtype, 64, 32)
 
 
 def _arrays(xp, d=64, dv=32):
@@ -400,3 +421,122 @@ def test_dtype_of_results(rng):
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, head_dim_v=40)
     grads = cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args, head_dim_v=40)
     assert out.dtype == DTYPES["bfloat16"] and all(g.dtype == out.dtype for g in grads)
+
+
+# ---- the native forward (forward_wgmma_ws, v narrower than q and k) in the simulator
+
+SIMULATED = [
+    # the MLA training head dims: 64-key tiles, two stages (the rings wrap), two query
+    # tiles, GQA, causal rows past the keys
+    (
+        Case(dtype="bfloat16", batch=1, heads=2, kv_heads=1, q_len=150, kv_len=140),
+        192,
+        128,
+        dict(causal=True),
+    ),
+    # 128-key tiles, three stages, a window and kv_seq_len; D_v = 16 j + 8
+    (
+        Case(dtype="float16", batch=1, heads=1, kv_heads=1, q_len=70, kv_len=420),
+        128,
+        72,
+        dict(window_size=(90, 20), kv_seq_len=401),
+    ),
+    # the modified role: sinks, soft-cap and ALiBi; D_v in the 64 class below D's 256
+    (
+        Case(dtype="bfloat16", batch=2, heads=2, kv_heads=2, q_len=40, kv_len=100),
+        256,
+        40,
+        dict(causal=True, softcap=5.0),
+    ),
+]
+
+
+def _simulator():
+    simulator = pytest.importorskip("simulator")
+    if simulator.compiler() is None:
+        pytest.skip("the simulator needs a host C++ compiler (g++ or CXX)")
+    return pytest.importorskip("simulated_attention")
+
+
+@pytest.mark.parametrize(
+    "case, d, dv, options", SIMULATED, ids=lambda x: str(x) if isinstance(x, int) else None
+)
+def test_native_forward_in_the_simulator(case, d, dv, options, rng):
+    """forward_wgmma_ws instantiated with DV < D (the registry's choice on an H100/H200)
+    against the oracle, NaN-poisoned outputs; the modified role with sinks and ALiBi."""
+    simulated = _simulator()
+    case = dataclasses.replace(case, head_dim=d, head_dim_v=dv)
+    spec = cuflash.registry.choose(
+        "forward", DTYPES[case.dtype], d, 90, modified="softcap" in options
+    )
+    assert spec.name == "forward_wgmma_ws" and spec.takes_value_dims(d, dv)
+    q, k, v, _ = random_inputs(case, rng)
+    extra = {}
+    if "softcap" in options:
+        extra = dict(
+            sinks=random_sinks(rng, case.heads),
+            alibi_slopes=rng.uniform(0.02, 0.3, case.heads).astype(np.float32),
+        )
+    out, lse = simulated.forward(
+        q, k, v, *case.args[:3], **options, **extra, capability=90, head_dim_v=dv
+    )
+    assert out.shape == (case.batch, case.heads, case.q_len, dv)
+    oracle_options = dict(options)
+    if "window_size" in oracle_options:
+        oracle_options["window"] = oracle_options.pop("window_size")
+    host = [x.astype(np.float64) for x in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*host, **oracle_options, **extra)
+    assert rel_error(out, ref_out) <= PACKED_BOUND[case.dtype] + FLOOR[case.dtype]
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert np.max(np.abs(lse[finite] - ref_lse[finite])) <= 1e-4 * (1 + np.abs(ref_lse).max())
+
+
+def test_native_packed_forward_in_the_simulator(rng):
+    """A packed batch on the native forward: each sequence against the oracle, a sequence
+    of no key zeros, rows outside every sequence zeroed at D_v columns."""
+    simulated = _simulator()
+    lengths_q, lengths_k, heads, kv_heads, d, dv = [30, 0, 90, 12], [50, 7, 90, 0], 2, 1, 96, 32
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths_q, lengths_k, heads, kv_heads, d, "bfloat16", np, dv
+    )
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), heads, kv_heads, d, True)
+    out, lse = simulated.varlen_forward(q, k, v, *args, capability=90, head_dim_v=dv)
+    assert out.shape == (q.shape[0], heads, dv)
+    # the CPU path's gradients, so that check_packed_results sees a whole call
+    _, vjp = cuflash.flash_attention_varlen_vjp(q, k, v, *args, head_dim_v=dv)
+    check_packed_results(
+        (q, k, v, dout), out, lse, vjp(dout), lengths_q, lengths_k, "bfloat16", True
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_native_forward_matches_the_padded_one(rng, poisoned):
+    """On an H100/H200 the MLA shape's forward runs natively (no padding); skipping that
+    kernel pads instead: both against the oracle, and the same lse."""
+    from cuflash import dispatch, gpu
+
+    case = Case(
+        dtype="bfloat16",
+        heads=4,
+        kv_heads=2,
+        q_len=300,
+        kv_len=300,
+        head_dim=192,
+        head_dim_v=128,
+        causal=True,
+    )
+    q, k, v, _ = random_inputs(case, rng, cupy)
+    problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=128)
+    hopper = gpu.device_capability()[1] == 90
+    assert gpu.ForwardPlan.takes_value_dims(problem, q, k, v) == hopper
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, head_dim_v=128)
+    with dispatch.skip_kernels("forward_wgmma_ws"):
+        assert not gpu.ForwardPlan.takes_value_dims(problem, q, k, v)
+        padded_out, padded_lse = cuflash.flash_attention_fwd(q, k, v, *case.args, head_dim_v=128)
+    host = [to_numpy(x).astype(np.float64) for x in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*host, True)
+    bound = PACKED_BOUND["bfloat16"] + FLOOR["bfloat16"]
+    for got in (out, padded_out):
+        assert got.shape == (2, 4, 300, 128) and rel_error(got, ref_out) <= bound
+    assert np.max(np.abs(to_numpy(lse) - to_numpy(padded_lse))) <= 1e-3

@@ -2,9 +2,10 @@
 v head dim 128) with ``head_dim_v``, against the same call with v (and, in the backward,
 dout and the output) padded by the caller to 192 columns, forward and backward.
 
-The padded call is the cost of doing without ``head_dim_v``; while the GPU path itself
-pads (:mod:`cuflash.value_dims`), the ``head_dim_v`` call pays that padding's copies on
-top, and a native kernel should beat the padded call by the products it saves.
+The padded call is the cost of doing without ``head_dim_v``. The forward on an H100/H200
+runs natively (``forward_wgmma_ws`` with DV = 128) and should beat it by the products it
+saves; the backward pads inside the library (:mod:`cuflash.value_dims`) and pays that
+padding's copies on top.
 """
 
 import contextlib

@@ -483,6 +483,8 @@ class BackwardPlan:
     """The launches of one backward signature (atomic or deterministic)."""
 
     def __init__(self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic):
+        if problem.head_dim_v != problem.head_dim:  # no backward kernel takes two widths
+            raise ValueError("the backward kernels take one head dim (pad v instead)")
         self.problem = problem
         self.deterministic = deterministic
         given = (dout, q, k, v, output)

@@ -756,13 +756,18 @@ def variant_roles(dtype, head_dim, sm, head_dim_v=None):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
     generation ``sm``); a kernel's roles without score modifiers only where it serves such
     calls (``plain_head_dims``). With a ``head_dim_v`` other than head_dim: the kernels
-    that take it natively only (``value_dims``), instantiated for it."""
+    that take it natively (``value_dims``), instantiated for it, and the helpers (a packed
+    forward's zeroing), which take the row width as an argument."""
     narrow_v = head_dim_v is not None and head_dim_v != head_dim
     return {
-        role: spec.name_expression(role, dtype, head_dim, head_dim_v)
+        role: spec.name_expression(role, dtype, head_dim, head_dim_v if spec.value_dims else None)
         for spec in KERNELS
         if spec.compiled_for(dtype, head_dim, sm)
-        and (not narrow_v or spec.takes_value_dims(head_dim, head_dim_v))
+        and (
+            not narrow_v
+            or spec.direction == "helper"
+            or spec.takes_value_dims(head_dim, head_dim_v)
+        )
         for role in spec.roles(head_dim)
         if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)
     }

@@ -382,15 +382,22 @@ VALUE_DIM_VARIANTS = [
 
 @pytest.mark.parametrize("dtype, head_dim, head_dim_v", VALUE_DIM_VARIANTS, ids=lambda x: str(x))
 def test_value_dim_variants_compile_without_spills(dtype, head_dim, head_dim_v):
-    """The variant of a call with v's own head dim holds only the kernels that take it
+    """The variant of a call with v's own head dim holds the kernels that take it
     (forward_wgmma_ws: its modified role, and its plain one from D = 72), instantiated
-    with DV; they compile for sm_90a with no spill, stack frame or serialized wgmma."""
+    with DV, and the helpers (a packed forward's zeroing) as they are; the DV kernels
+    compile for sm_90a with no spill, stack frame or serialized wgmma."""
     variant = kernel_build.Variant(dtype, head_dim, 90, head_dim_v)
     names = variant.kernel_names()
-    want = {"forward_wgmma_ws_modified"} | ({"forward_wgmma_ws"} if head_dim >= 72 else set())
-    assert set(names) == want
-    assert all(name.endswith(f", {head_dim_v}>") for name in names.values())
-    for role, info in kernel_build.compile_offline(variant, "sm_90a").kernels().items():
+    native = {"forward_wgmma_ws_modified"} | ({"forward_wgmma_ws"} if head_dim >= 72 else set())
+    helpers = {r for r in names if registry.BY_ROLE[r].direction == "helper"}
+    assert "packed_zero_outside" in helpers and set(names) == native | helpers
+    assert all(names[role].endswith(f", {head_dim_v}>") for role in native)
+    assert (
+        names["packed_zero_outside"]
+        == kernel_build.Variant(dtype, head_dim, 90).kernel_names()["packed_zero_outside"]
+    )
+    report = kernel_build.compile_offline(variant, "sm_90a", roles=sorted(native))
+    for role, info in report.kernels().items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (role, info)
         assert info["stack"] == 0, (role, info)
         assert 0 < info["registers"] <= 255, (role, info)

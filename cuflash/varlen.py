@@ -230,8 +230,7 @@ def flash_attention_varlen_fwd(
     ----------
     q : cupy.ndarray or numpy.ndarray, shape ``[total_q, num_heads, head_dim]``
         The queries of every sequence end to end; float32, float16 or bfloat16.
-    k, v : arrays, shapes ``[total_k, num_kv_heads, head_dim]`` and ``[total_k,
-        num_kv_heads, head_dim_v]``
+    k, v : arrays, shape ``[total_k, num_kv_heads, head_dim]`` (v: ``head_dim_v`` last)
         The keys and values of every sequence end to end.
     cu_seqlens_q, cu_seqlens_k : int32 arrays ``[B + 1]`` on the arrays' device
         Offsets: sequence ``b`` is queries ``cu_seqlens_q[b] ..< cu_seqlens_q[b + 1]``

@@ -114,7 +114,8 @@ def _call(case, x, padded, direction):
 
 def value_dim_report(budget, l2_bytes, case=MLA_TRAINING):
     """Median GPU time of the ``head_dim_v`` call and the padded call, each direction."""
-    set_bytes = (2 * case.head_dim + 4 * case.head_dim_v) * math.prod(
+    # q, k and the padded v, dout: head_dim columns; v, dout: head_dim_v columns
+    set_bytes = (4 * case.head_dim + 2 * case.head_dim_v) * math.prod(
         (case.batch, case.heads, case.seqlen)
     )
     sets, note = run_or_reason(

@@ -540,3 +540,17 @@ def test_gpu_native_forward_matches_the_padded_one(rng, poisoned):
     for got in (out, padded_out):
         assert got.shape == (2, 4, 300, 128) and rel_error(got, ref_out) <= bound
     assert np.max(np.abs(to_numpy(lse) - to_numpy(padded_lse))) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cached_plans_still_check_head_dim_v(poisoned):
+    """head_dim_v is part of a plan's signature: a call that drops it after one that gave
+    it is still refused, forward and backward."""
+    q, k, v, dout, lse, _ = _arrays(cupy)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, 64, head_dim_v=32)
+    cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 2, 64, head_dim_v=32)
+    message = "v: has head_dim 32, head_dim is 64"
+    with pytest.raises(cuflash.InvalidArgumentError, match=message):
+        cuflash.flash_attention_fwd(q, k, v, 4, 2, 64)
+    with pytest.raises(cuflash.InvalidArgumentError, match=message):
+        cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 2, 64)

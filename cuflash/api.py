@@ -4,14 +4,14 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, plans
+from . import cpu, plans, value_dims
 from .problem import backward_problem, forward_problem
 
 
 def _empty_forward(problem):
     xp = problem.xp
     return (
-        xp.empty(problem.q_shape, dtype=problem.dtype),
+        xp.empty(problem.out_shape, dtype=problem.dtype),
         xp.empty(problem.lse_shape, dtype=np.float32),
     )
 
@@ -22,7 +22,7 @@ def _empty_backward(problem):
     grads = (
         xp.empty(problem.q_shape, dtype=problem.dtype),
         xp.zeros(problem.kv_shape, dtype=problem.dtype),
-        xp.zeros(problem.kv_shape, dtype=problem.dtype),
+        xp.zeros(problem.v_shape, dtype=problem.dtype),
     )
     return (*grads, xp.zeros(problem.num_heads, np.float32)) if problem.sinks else grads
 
@@ -52,6 +52,7 @@ def flash_attention_fwd(
     mask_mod=None,
     block_mask=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Fused scaled-dot-product attention, forward pass.
 
@@ -61,7 +62,8 @@ def flash_attention_fwd(
         Queries; float32, float16 or bfloat16 (``ml_dtypes.bfloat16``). Any
         strides with a unit last stride are used without a copy (e.g. a
         ``[B, S, H, D]`` buffer passed as ``x.transpose(0, 2, 1, 3)``).
-    k, v : same kind and dtype as ``q``, shape ``[B, num_kv_heads, S_k, head_dim]``
+    k, v : same kind and dtype as ``q``, shapes ``[B, num_kv_heads, S_k, head_dim]`` and
+        ``[B, num_kv_heads, S_k, head_dim_v]``
         Keys and values. ``num_kv_heads`` must divide ``num_heads`` (GQA/MQA):
         query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     num_heads, num_kv_heads, head_dim : int
@@ -119,10 +121,16 @@ def flash_attention_fwd(
         (exp(sinks[h]) + sum_j exp(s_ij))``; ``lse`` includes it (a row that sees no
         key gives zeros and ``lse = sinks[h]``). Of ``q``'s array kind and device; the
         backward must be given the same array and then also returns ``dsinks``.
+    head_dim_v : int, optional, keyword-only
+        v's head dim when it differs from q's and k's (MLA training: ``head_dim`` 192,
+        ``head_dim_v`` 128); a multiple of 8, 8 to 256; None means ``head_dim``. The
+        output (and in the backward dout and dv) have ``head_dim_v`` columns; the
+        default ``softmax_scale`` stays ``1 / sqrt(head_dim)``. The backward must be
+        given the same value.
 
     Returns
     -------
-    out : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+    out : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
         Contiguous. Rows that see no key are zeros.
     lse : array, float32, shape ``[B, num_heads, S_q]``
         Contiguous natural-log sum of ``exp(softmax_scale * q . k)`` over the
@@ -156,6 +164,7 @@ def flash_attention_fwd(
             block_mask,
             alibi_slopes is None,
             sinks is None,
+            head_dim_v,
         ),
     )
     plan = plans.get(key)
@@ -178,6 +187,7 @@ def flash_attention_fwd(
             mask_mod=mask_mod,
             block_mask=block_mask,
             sinks=sinks,
+            head_dim_v=head_dim_v,
         )
         if problem.is_empty:
             return _empty_forward(problem)
@@ -185,7 +195,7 @@ def flash_attention_fwd(
             return cpu.forward(problem, q, k, v, alibi_slopes, sinks)
         from . import gpu  # imported on first GPU use only
 
-        plan = gpu.ForwardPlan(problem, q, k, v)
+        plan = value_dims.forward_plan(gpu.ForwardPlan, problem, q, k, v)
         plans.remember(key, plan)
     return plan(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks)
 
@@ -214,17 +224,18 @@ def flash_attention_bwd(
     mask_mod=None,
     block_mask=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Gradients of :func:`flash_attention_fwd` with respect to q, k and v (and the
     attention sinks, when given).
 
     Parameters
     ----------
-    dout : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+    dout : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
         Gradient of the loss with respect to ``output``.
     q, k, v : arrays
         The forward inputs (shapes and dtypes as in :func:`flash_attention_fwd`).
-    output : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+    output : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
         The forward output.
     lse : float32 array, shape ``[B, num_heads, S_q]``
         The forward log-sum-exp.
@@ -232,7 +243,7 @@ def flash_attention_bwd(
         As passed to the forward.
     kv_seq_len, softmax_scale, allow_tf32, softcap, alibi_slopes : keyword-only
         As passed to the forward.
-    score_mod, mask_mod, block_mask : keyword-only
+    score_mod, mask_mod, block_mask, head_dim_v : keyword-only
         As passed to the forward.
     sinks : float32 array ``[num_heads]``, optional, keyword-only
         The forward's attention sinks (the same array): ``dsinks`` is returned too.
@@ -248,7 +259,7 @@ def flash_attention_bwd(
     Returns
     -------
     dq : array, shape of ``q``, dtype of ``q``
-    dk, dv : arrays, shape of ``k``, dtype of ``q``
+    dk, dv : arrays, shapes of ``k`` and ``v``, dtype of ``q``
         With GQA the gradients of query heads sharing a KV head are summed.
         Gradients of keys at or beyond ``kv_seq_len`` are zero. All three are
         contiguous.
@@ -282,6 +293,7 @@ def flash_attention_bwd(
             block_mask,
             alibi_slopes is None,
             sinks is None,
+            head_dim_v,
         ),
     )
     plan = plans.get(key)
@@ -309,6 +321,7 @@ def flash_attention_bwd(
             mask_mod=mask_mod,
             block_mask=block_mask,
             sinks=sinks,
+            head_dim_v=head_dim_v,
         )
         if problem.is_empty:
             return _empty_backward(problem)
@@ -316,12 +329,28 @@ def flash_attention_bwd(
             return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes, sinks)
         from . import gpu  # imported on first GPU use only
 
-        plan = gpu.BackwardPlan(
-            problem, dout, q, k, v, output, lse.flags.c_contiguous, bool(deterministic)
+        plan = value_dims.backward_plan(
+            gpu.BackwardPlan,
+            problem,
+            dout,
+            q,
+            k,
+            v,
+            output,
+            lse.flags.c_contiguous,
+            bool(deterministic),
         )
         plans.remember(key, plan)
     return plan(
-        dout, q, k, v, output, lse, bool(synchronize), alibi_slopes=alibi_slopes, sinks=sinks
+        dout,
+        q,
+        k,
+        v,
+        output,
+        lse,
+        synchronize=bool(synchronize),
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
 
 
@@ -341,6 +370,7 @@ class AttentionConfig:
     alibi_slopes : array or None
     score_mod, mask_mod, block_mask : cuflash.modifiers, cuflash.block_mask objects or None
     sinks : array or None
+    head_dim_v : int or None
         As passed to :func:`flash_attention_vjp`.
     """
 
@@ -358,6 +388,7 @@ class AttentionConfig:
     mask_mod: object = None
     block_mask: object = None
     sinks: object = None
+    head_dim_v: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,7 +418,7 @@ class AttentionVJP:
 
         Parameters
         ----------
-        dout : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+        dout : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
         deterministic, synchronize : bool
             As in :func:`flash_attention_bwd`.
 
@@ -421,6 +452,7 @@ class AttentionVJP:
             mask_mod=c.mask_mod,
             block_mask=c.block_mask,
             sinks=c.sinks,
+            head_dim_v=c.head_dim_v,
         )
 
 
@@ -443,16 +475,17 @@ def flash_attention_vjp(
     mask_mod=None,
     block_mask=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Forward pass plus a callable that runs the matching backward pass.
 
     The stateless replacement for an autograd tape. Arguments are those of
     :func:`flash_attention_fwd` (``sinks`` included: the vjp then returns ``dsinks``
-    fourth).
+    fourth; ``head_dim_v`` too).
 
     Returns
     -------
-    out : array, shape ``[B, num_heads, S_q, head_dim]``
+    out : array, shape ``[B, num_heads, S_q, head_dim_v]``
     vjp : AttentionVJP
         ``dq, dk, dv = vjp(dout)``; ``vjp.lse`` and ``vjp.config`` are readable.
 
@@ -481,6 +514,7 @@ def flash_attention_vjp(
         mask_mod,
         block_mask,
         sinks,
+        head_dim_v,
     )
     out, lse = flash_attention_fwd(
         q,
@@ -500,5 +534,6 @@ def flash_attention_vjp(
         mask_mod=mask_mod,
         block_mask=block_mask,
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     return out, AttentionVJP(q, k, v, out, lse, config)

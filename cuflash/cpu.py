@@ -109,7 +109,7 @@ def forward(problem, q, k, v, alibi_slopes=None, sinks=None):
         if sinks is None
         else attention_sinks.grouped(sinks, problem.num_kv_heads, problem.group_size)
     )
-    out = np.empty(problem.q_shape, dtype=problem.dtype)
+    out = np.empty(problem.out_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     shape5 = (problem.batch, problem.num_kv_heads, problem.group_size)
     for r0 in range(0, problem.q_len, ROWS):
@@ -117,7 +117,7 @@ def forward(problem, q, k, v, alibi_slopes=None, sinks=None):
         q_blk = _grouped(q[:, :, r0:r1], problem)
         row_max = np.full(shape5 + (r1 - r0, 1), -np.inf, dtype=np.float32)
         row_sum = np.zeros(shape5 + (r1 - r0, 1), dtype=np.float32)
-        acc = np.zeros(shape5 + (r1 - r0, problem.head_dim), dtype=np.float32)
+        acc = np.zeros(shape5 + (r1 - r0, problem.head_dim_v), dtype=np.float32)
         lo, hi = key_range(r0, r1, problem.q_len, problem.kv_len, *problem.window)
         for c0 in range(lo, hi, COLS):
             c1 = min(c0 + COLS, hi)
@@ -147,7 +147,7 @@ def backward(problem, dout, q, k, v, output, lse, alibi_slopes=None, sinks=None)
     scale = np.float32(problem.softmax_scale)
     dq = np.zeros(problem.q_shape, dtype=np.float32)
     dk = np.zeros(problem.kv_shape, dtype=np.float32)
-    dv = np.zeros(problem.kv_shape, dtype=np.float32)
+    dv = np.zeros(problem.v_shape, dtype=np.float32)
     grouped_dq = dq.reshape(
         problem.batch, problem.num_kv_heads, problem.group_size, problem.q_len, problem.head_dim
     )

@@ -303,7 +303,8 @@ def _functors(problem):
 
 def _variant(problem):
     sm = registry.generation(device_capability()[1])
-    return kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim, sm))
+    head_dim_v = None if problem.head_dim_v == problem.head_dim else problem.head_dim_v
+    return kernel_build.load(kernel_build.Variant(problem.dtype, problem.head_dim, sm, head_dim_v))
 
 
 class Float16Pieces:
@@ -350,11 +351,12 @@ def _pieces_strides(pieces):
 class OutputLayout:
     """Where a plan's output of ``heads`` heads and ``rows`` rows a head lives: a dense
     problem's outputs are contiguous ``[B, heads, rows, D]``, a packed one's contiguous
-    ``[rows, heads, D]`` (tokens first, as its inputs); ``strides`` are the element
-    strides of the batch, head and row axes as the kernels take them."""
+    ``[rows, heads, D]`` (tokens first, as its inputs), D the problem's head_dim or
+    ``width``; ``strides`` are the element strides of the batch, head and row axes as the
+    kernels take them."""
 
-    def __init__(self, problem, heads, rows):
-        d = problem.head_dim
+    def __init__(self, problem, heads, rows, width=None):
+        d = problem.head_dim if width is None else width
         if problem.packed is None:
             self.shape = (problem.batch, heads, rows, d)
             self.strides = (np.int64(heads * rows * d), np.int64(rows * d), np.int64(d))
@@ -372,7 +374,7 @@ def _zero_outside(loaded, problem, layout, rows):
     (dense): ``launch(stream, output, offsets)`` (addresses)."""
     if problem.packed is None:
         return None
-    d = problem.head_dim
+    d = layout.shape[-1]
     return Launch.of_role(
         loaded,
         "packed_zero_outside",
@@ -382,7 +384,8 @@ def _zero_outside(loaded, problem, layout, rows):
 
 
 class ForwardPlan:
-    """The launches of one forward signature."""
+    """The launches of one forward signature (v narrower than q and k where the kernel
+    takes it: :meth:`takes_value_dims`)."""
 
     def __init__(self, problem, q, k, v):
         self.problem = problem
@@ -390,10 +393,12 @@ class ForwardPlan:
         self.copies = any(a is not b for a, b in zip(contiguous_rows, (q, k, v)))
         q, k, v = contiguous_rows
         self.spec = choose(problem, "forward", rows_are_16_byte_aligned((q, k, v)))
+        if not self.spec.takes_value_dims(problem.head_dim, problem.head_dim_v):
+            raise ValueError(f"{self.spec.name} does not take head_dim_v (pad v instead)")
         loaded = _variant(problem)
         rows, batch = _query_grid(problem)
         grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads, batch)
-        self.out = OutputLayout(problem, problem.num_heads, problem.q_len)
+        self.out = OutputLayout(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
         tail = (
             *self.out.strides,
             np.int32(problem.num_heads),
@@ -420,6 +425,14 @@ class ForwardPlan:
             _functors(problem),
         )
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
+
+    @staticmethod
+    def takes_value_dims(problem, q, k, v):
+        """Does the kernel a plan of ``problem`` runs take its v's head dim as it is
+        (``cuflash.value_dims`` pads the calls of those that do not)?"""
+        arrays = [unit_last_stride(cupy, a) for a in (q, k, v)]
+        spec = choose(problem, "forward", rows_are_16_byte_aligned(arrays))
+        return spec.takes_value_dims(problem.head_dim, problem.head_dim_v)
 
     def __call__(self, q, k, v, offsets=(None, None), alibi_slopes=None, sinks=None):
         """``(out, lse)``; ``offsets``: a packed problem's ``cu_seqlens_q``, ``cu_seqlens_k``
@@ -470,6 +483,8 @@ class BackwardPlan:
     """The launches of one backward signature (atomic or deterministic)."""
 
     def __init__(self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic):
+        if problem.head_dim_v != problem.head_dim:  # no backward kernel takes two widths
+            raise ValueError("the backward kernels take one head dim (pad v instead)")
         self.problem = problem
         self.deterministic = deterministic
         given = (dout, q, k, v, output)

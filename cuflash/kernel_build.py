@@ -60,16 +60,19 @@ def module_source(name=MODULE_FILE):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One (storage dtype, head_dim, tile generation) and the kernels it holds: every
-    kernel of ``cuflash.registry.KERNELS`` that serves it on that generation."""
+    kernel of ``cuflash.registry.KERNELS`` that serves it on that generation. With a
+    ``head_dim_v`` (v's head dim, other than head_dim): the kernels that take it natively,
+    instantiated for it (``registry.variant_roles``)."""
 
     dtype: np.dtype
     head_dim: int
     sm: int = 90  # 80: tiles for sm_80..sm_89; 90: sm_90 and newer
+    head_dim_v: int | None = None
 
     @functools.cache  # noqa: B019 - a few dozen variants per process
     def kernel_names(self):
         """Kernel role -> C++ name expression to instantiate (one shared dict: do not modify)."""
-        return registry.variant_roles(self.dtype, self.head_dim, self.sm)
+        return registry.variant_roles(self.dtype, self.head_dim, self.sm, self.head_dim_v)
 
     def traits(self, role):
         """The ``cuflash.registry.Traits`` of kernel ``role`` at this head_dim."""

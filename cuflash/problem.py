@@ -52,7 +52,8 @@ class AttentionProblem:
     q_len: int
     kv_capacity: int  # S_k of the k/v tensors (memory extent)
     kv_len: int  # keys actually read (kv_seq_len)
-    head_dim: int
+    head_dim: int  # of q and k
+    head_dim_v: int  # of v, the output and their gradients (head_dim unless given)
     softmax_scale: float
     causal: bool
     window: tuple  # (left, right), -1 = unbounded; causal already folded in
@@ -98,6 +99,14 @@ class AttentionProblem:
     @property
     def kv_shape(self):
         return (self.batch, self.num_kv_heads, self.kv_capacity, self.head_dim)
+
+    @property
+    def v_shape(self):
+        return (self.batch, self.num_kv_heads, self.kv_capacity, self.head_dim_v)
+
+    @property
+    def out_shape(self):
+        return (self.batch, self.num_heads, self.q_len, self.head_dim_v)
 
     @property
     def lse_shape(self):
@@ -230,6 +239,26 @@ def check_head_counts(num_heads, num_kv_heads, head_dim):
     return num_heads, num_kv_heads, head_dim
 
 
+def check_head_dim_v(head_dim_v, head_dim):
+    """v's head dim as an int (``head_dim`` for None): a multiple of 8 from 8 to
+    MAX_HEAD_DIM."""
+    if head_dim_v is None:
+        return head_dim
+    head_dim_v = _count("head_dim_v", head_dim_v, 1)
+    if head_dim_v % 8 or head_dim_v > MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            "head_dim_v",
+            f"unsupported head_dim_v {head_dim_v}: must be a multiple of 8 from 8 to "
+            f"{MAX_HEAD_DIM}",
+        )
+    return head_dim_v
+
+
+def value_dim_label(head_dim_v):
+    """How a message names v's expected head dim: the argument that set it."""
+    return "head_dim" if head_dim_v is None else "head_dim_v"
+
+
 def check_softcap(softcap):
     """``softcap`` as a float: finite and >= 0 (0 is off)."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
@@ -326,31 +355,38 @@ def forward_problem(
     block_mask=None,
     modifier_sizes=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
-    (a packed call's sequences and longest lengths; default the arrays')."""
+    (a packed call's sequences and longest lengths; default the arrays'); ``head_dim_v``:
+    v's last dimension (None: ``head_dim``)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, a, 4, "[B, H, S, D]")
     dtype = _check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
+    value_label = value_dim_label(head_dim_v)
+    head_dim_v = check_head_dim_v(head_dim_v, head_dim)
     batch, _, q_len, _ = q.shape
     if q.shape[1] != num_heads:
         raise InvalidArgumentError("q", f"has {q.shape[1]} heads, num_heads is {num_heads}")
     if q.shape[3] != head_dim:
         raise InvalidArgumentError("q", f"has head_dim {q.shape[3]}, head_dim is {head_dim}")
-    for name, a in (("k", k), ("v", v)):
+    for name, a, width, label in (
+        ("k", k, head_dim, "head_dim"),
+        ("v", v, head_dim_v, value_label),
+    ):
         if a.shape[0] != batch:
             raise InvalidArgumentError(name, f"batch {a.shape[0]} differs from q's {batch}")
         if a.shape[1] != num_kv_heads:
             raise InvalidArgumentError(
                 name, f"has {a.shape[1]} heads, num_kv_heads is {num_kv_heads}"
             )
-        if a.shape[3] != head_dim:
-            raise InvalidArgumentError(name, f"has head_dim {a.shape[3]}, head_dim is {head_dim}")
+        if a.shape[3] != width:
+            raise InvalidArgumentError(name, f"has head_dim {a.shape[3]}, {label} is {width}")
     if k.shape[2] != v.shape[2]:
         raise InvalidArgumentError(
             "v", f"sequence length {v.shape[2]} differs from k's {k.shape[2]}"
@@ -397,6 +433,7 @@ def forward_problem(
         kv_capacity=kv_capacity,
         kv_len=kv_len,
         head_dim=head_dim,
+        head_dim_v=head_dim_v,
         softmax_scale=scale,
         causal=bool(causal),
         window=window,
@@ -435,8 +472,10 @@ def backward_problem(
     mask_mod=None,
     block_mask=None,
     sinks=None,
+    head_dim_v=None,
 ):
-    """Validate a backward call: the forward's checks plus dout, output and lse."""
+    """Validate a backward call: the forward's checks plus dout, output and lse (both
+    ``[B, H, S_q, head_dim_v]``)."""
     extra = [("dout", dout), ("output", output)]
     problem = forward_problem(
         q,
@@ -457,12 +496,13 @@ def backward_problem(
         mask_mod=mask_mod,
         block_mask=block_mask,
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     # lse is float32, so it joins the array-kind check but not the dtype one.
     _array_module([("q", q), ("lse", lse)])
     for name, a in extra:
         _check_rank(name, a, 4, "[B, H, S, D]")
-        _check_shape(name, a, problem.q_shape)
+        _check_shape(name, a, problem.out_shape)
     _check_rank("lse", lse, 3, "[B, H, S_q]")
     _check_shape("lse", lse, problem.lse_shape)
     if lse.dtype != np.float32:

@@ -144,8 +144,9 @@ def attention_reference(
 
     Parameters
     ----------
-    q, k, v : array_like, ``[B, H, S_q, D]`` and ``[B, H_kv, S_k, D]``
-        Any real dtype; heads and head_dim are read from the shapes.
+    q, k, v : array_like, ``[B, H, S_q, D]``, ``[B, H_kv, S_k, D]`` and ``[B, H_kv, S_k, D_v]``
+        Any real dtype; heads and head dims are read from the shapes (v's ``D_v`` may
+        differ from ``D``; the default scale is ``1 / sqrt(D)``).
     causal : bool
     window : int or (int, int)
         ``window_size`` of :func:`cuflash.flash_attention_fwd`.
@@ -161,7 +162,7 @@ def attention_reference(
 
     Returns
     -------
-    out : numpy.ndarray, float64 ``[B, H, S_q, D]``
+    out : numpy.ndarray, float64 ``[B, H, S_q, D_v]``
         Zeros in rows that see no key.
     lse : numpy.ndarray, float64 ``[B, H, S_q]``
         ``-inf`` in rows that see no key (``sinks[h]`` with sinks).
@@ -205,12 +206,12 @@ def attention_reference_grad(
 
     Parameters
     ----------
-    dout : array_like, ``[B, H, S_q, D]``
+    dout : array_like, ``[B, H, S_q, D_v]``
         Gradient of the loss with respect to the output.
     q, k, v, causal, window, kv_seq_len, softmax_scale, softcap, alibi_slopes
     score_mod, mask_mod, sinks
         As in :func:`attention_reference`.
-    out : array_like, ``[B, H, S_q, D]``, optional
+    out : array_like, ``[B, H, S_q, D_v]``, optional
         An output to take ``Delta = rowsum(dout * out)`` from, as the flash
         backward does, instead of the exact one. Given the output rounded to
         the input dtype, the result is exactly what a backward computes from
@@ -223,13 +224,13 @@ def attention_reference_grad(
     Returns
     -------
     dq : numpy.ndarray, float64, shape of ``q``
-    dk, dv : numpy.ndarray, float64, shape of ``k``
+    dk, dv : numpy.ndarray, float64, shapes of ``k`` and ``v``
         With GQA the gradients of query heads that share a KV head are summed.
     dsinks : numpy.ndarray, float64 ``[H]``, only with ``sinks``
         ``-sum_{b, i} exp(sinks[h] - lse) Delta`` (the sink's probability times Delta).
     """
     dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
-    num_heads, head_dim = q.shape[1], q.shape[3]
+    num_heads = q.shape[1]
     num_kv_heads, kv_capacity = k.shape[1], k.shape[2]
     probs, row_lse, scale, derivative = _probabilities(
         q,
@@ -256,8 +257,9 @@ def attention_reference_grad(
     dq = scale * dscores @ ke
     dk = scale * np.swapaxes(dscores, -1, -2) @ q
     group = num_heads // num_kv_heads
-    fold = (q.shape[0], num_kv_heads, group, kv_capacity, head_dim)
-    grads = dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold).sum(axis=2)
+    fold = (q.shape[0], num_kv_heads, group, kv_capacity)
+    dk, dv = (x.reshape(*fold, x.shape[3]).sum(axis=2) for x in (dk, dv))
+    grads = dq, dk, dv
     if sinks is None:
         return grads
     if lse is not None:

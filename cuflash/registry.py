@@ -106,6 +106,13 @@ class KernelSpec:
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
     # backward; None: a user's mask is evaluated on every tile.
     block_tiles: object = None
+    # A forward whose v (and output) may be narrower than q and k: a last template
+    # argument DV, v's head dim (cuflash.value_dims pads the calls of the others).
+    value_dims: bool = False
+
+    def takes_value_dims(self, head_dim, head_dim_v):
+        """Whether it computes a call whose v has ``head_dim_v`` columns natively."""
+        return head_dim_v == head_dim or (self.value_dims and head_dim_v < head_dim)
 
     def serves_head_dim(self, head_dim, modified=True):
         """Whether it serves ``head_dim``; ``modified`` False: for a call without score
@@ -171,8 +178,9 @@ class KernelSpec:
         """The role of one instantiation."""
         return self.name + (ATOMIC_DQ if atomic_dq else "") + (MODIFIED if modified else "")
 
-    def name_expression(self, role, dtype, head_dim):
-        """The C++ expression that instantiates ``role`` for (dtype, head_dim)."""
+    def name_expression(self, role, dtype, head_dim, head_dim_v=None):
+        """The C++ expression that instantiates ``role`` for (dtype, head_dim), with v's
+        ``head_dim_v`` where given and other than head_dim (``value_dims`` kernels)."""
         args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
         args.append(str(head_dim))
         args += [_cxx(a) for a in self.traits(head_dim).template_args]
@@ -180,6 +188,10 @@ class KernelSpec:
             args.append("true" if ATOMIC_DQ in role else "false")
         if self.modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
+        if head_dim_v is not None and head_dim_v != head_dim:
+            if not self.takes_value_dims(head_dim, head_dim_v):
+                raise ValueError(f"{self.name} does not take head_dim_v {head_dim_v}")
+            args.append(str(head_dim_v))
         return f"cuflash::{self.template}<{', '.join(args)}>"
 
 
@@ -410,6 +422,7 @@ KERNELS = (
         block_tiles=_owned_and_visited,
         reads_key_counts=True,
         plain_head_dims=(72, 256),
+        value_dims=True,
     ),
     # Calls without modifiers up to D = 64 take forward_wgmma, two blocks an SM there
     # (attention_fwd_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
@@ -739,14 +752,22 @@ def standalone_of(name_expression):
     raise LookupError(f"{name_expression} is not a kernel of the registry")
 
 
-def variant_roles(dtype, head_dim, sm):
+def variant_roles(dtype, head_dim, sm, head_dim_v=None):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
     generation ``sm``); a kernel's roles without score modifiers only where it serves such
-    calls (``plain_head_dims``)."""
+    calls (``plain_head_dims``). With a ``head_dim_v`` other than head_dim: the kernels
+    that take it natively (``value_dims``), instantiated for it, and the helpers (a packed
+    forward's zeroing), which take the row width as an argument."""
+    narrow_v = head_dim_v is not None and head_dim_v != head_dim
     return {
-        role: spec.name_expression(role, dtype, head_dim)
+        role: spec.name_expression(role, dtype, head_dim, head_dim_v if spec.value_dims else None)
         for spec in KERNELS
         if spec.compiled_for(dtype, head_dim, sm)
+        and (
+            not narrow_v
+            or spec.direction == "helper"
+            or spec.takes_value_dims(head_dim, head_dim_v)
+        )
         for role in spec.roles(head_dim)
         if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)
     }

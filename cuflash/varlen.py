@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, plans
+from . import cpu, plans, value_dims
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .problem import (
@@ -34,6 +34,7 @@ from .problem import (
     backward_problem,
     check_dims,
     check_head_counts,
+    check_head_dim_v,
     check_int32,
     forward_problem,
 )
@@ -126,6 +127,7 @@ def varlen_problem(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
@@ -137,12 +139,13 @@ def varlen_problem(
         _check_rank(name, a, 3, "[tokens, heads, head_dim]")
     _check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
+    width_v = check_head_dim_v(head_dim_v, head_dim)
     labels = ("tokens", "heads", "head_dim")
     check_dims("q", q, (None, num_heads, head_dim), labels)
-    for name, a in (("k", k), ("v", v)):
-        check_dims(name, a, (k.shape[0], num_kv_heads, head_dim), labels)
-    for name, a in extra_arrays:
-        check_dims(name, a, q.shape, labels)
+    check_dims("k", k, (k.shape[0], num_kv_heads, head_dim), labels)
+    check_dims("v", v, (k.shape[0], num_kv_heads, width_v), labels)
+    for name, a in extra_arrays:  # dout and out: v's head dim
+        check_dims(name, a, (q.shape[0], num_heads, width_v), labels)
     for name, offsets in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_rank(name, offsets, 1, "[B + 1]")
     check_int32("cu_seqlens_q", cu_seqlens_q, (max(1, cu_seqlens_q.shape[0]),), "[B + 1]")
@@ -174,6 +177,7 @@ def varlen_problem(
         mask_mod=mask_mod,
         modifier_sizes=(count, max_seqlen_q, max_seqlen_k),
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     attention = dataclasses.replace(
         attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k)
@@ -218,6 +222,7 @@ def flash_attention_varlen_fwd(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
@@ -225,7 +230,7 @@ def flash_attention_varlen_fwd(
     ----------
     q : cupy.ndarray or numpy.ndarray, shape ``[total_q, num_heads, head_dim]``
         The queries of every sequence end to end; float32, float16 or bfloat16.
-    k, v : arrays, shape ``[total_k, num_kv_heads, head_dim]``
+    k, v : arrays, shape ``[total_k, num_kv_heads, head_dim]`` (v: ``head_dim_v`` last)
         The keys and values of every sequence end to end.
     cu_seqlens_q, cu_seqlens_k : int32 arrays ``[B + 1]`` on the arrays' device
         Offsets: sequence ``b`` is queries ``cu_seqlens_q[b] ..< cu_seqlens_q[b + 1]``
@@ -248,6 +253,8 @@ def flash_attention_varlen_fwd(
         Attention sinks, as in :func:`cuflash.flash_attention_fwd` (the same logits for
         every sequence; a row of a sequence with no key gives zeros and
         ``lse = sinks[h]``).
+    head_dim_v : int, optional, keyword-only
+        v's head dim, as in :func:`cuflash.flash_attention_fwd` (None: ``head_dim``).
     check : bool, default False
         Verify device-held offsets before any kernel runs: one device-to-host copy
         (which synchronizes the stream), then the errors below, naming the sequence.
@@ -258,7 +265,7 @@ def flash_attention_varlen_fwd(
 
     Returns
     -------
-    out : array, shape ``[total_q, num_heads, head_dim]``, dtype of ``q``
+    out : array, shape ``[total_q, num_heads, head_dim_v]``, dtype of ``q``
     lse : float32 array, shape ``[num_heads, total_q]`` (FlashAttention-2's layout)
 
     Raises
@@ -289,6 +296,7 @@ def flash_attention_varlen_fwd(
             mask_mod,
             alibi_slopes is None,
             sinks is None,
+            head_dim_v,
         ),
     )
     plan = plans.get(key)
@@ -314,12 +322,13 @@ def flash_attention_varlen_fwd(
             score_mod=score_mod,
             mask_mod=mask_mod,
             sinks=sinks,
+            head_dim_v=head_dim_v,
         )
         if problem.xp is np:
             return _forward_per_sequence(
                 problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes, sinks
             )
-        plan = PackedForward(problem, q, k, v)
+        plan = value_dims.forward_plan(PackedForward, problem, q, k, v)
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -343,7 +352,7 @@ def _forward_per_sequence(
 ):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
-    out = np.zeros(q.shape, dtype=attention.dtype)
+    out = np.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype)
     lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
     for b, q0, q1, k0, k1 in problem.sequences():
         views = (_heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1))
@@ -363,6 +372,7 @@ def _forward_per_sequence(
                 score_mod=attention.score_mod,
                 mask_mod=attention.mask_mod,
                 sinks=sinks,
+                head_dim_v=attention.head_dim_v,
             ),
             b,
         )
@@ -385,12 +395,20 @@ class PackedForward:
         if problem.has_rows:
             self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
 
+    @staticmethod
+    def takes_value_dims(problem, q, k, v):
+        """``gpu.ForwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
+        from . import gpu
+
+        views = map(_heads_first, (q, k, v))
+        return not problem.has_rows or gpu.ForwardPlan.takes_value_dims(problem.attention, *views)
+
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks=None):
         xp = self.problem.xp
         attention = self.problem.attention
         if self.dense is None:  # no query row to compute
             return (
-                xp.zeros(q.shape, dtype=attention.dtype),
+                xp.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype),
                 xp.full((attention.num_heads, self.problem.total_q), -np.inf, dtype=np.float32),
             )
         out, lse = self.dense(
@@ -429,20 +447,21 @@ def flash_attention_varlen_bwd(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """Gradients of :func:`flash_attention_varlen_fwd` with respect to q, k and v (and the
     attention sinks, when given).
 
     Parameters
     ----------
-    dout, out : arrays, shape ``[total_q, num_heads, head_dim]``, dtype of ``q``
+    dout, out : arrays, shape ``[total_q, num_heads, head_dim_v]``, dtype of ``q``
         The upstream gradient and the forward output.
     lse : float32 array, shape ``[num_heads, total_q]``
         The forward log-sum-exp.
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As passed to the forward.
     num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32,
-    softcap, alibi_slopes, score_mod, mask_mod, sinks
+    softcap, alibi_slopes, score_mod, mask_mod, sinks, head_dim_v
         As passed to the forward.
     deterministic, synchronize : bool
         As in :func:`cuflash.flash_attention_bwd`.
@@ -452,7 +471,7 @@ def flash_attention_varlen_bwd(
     Returns
     -------
     dq : array, shape of ``q``
-    dk, dv : arrays, shape of ``k``
+    dk, dv : arrays, shapes of ``k`` and ``v``
         With GQA the gradients of query heads sharing a KV head are summed. Tokens of
         no sequence (none, when the offsets end at the totals) get zeros.
     dsinks : float32 array ``[num_heads]``, only with ``sinks``
@@ -480,6 +499,7 @@ def flash_attention_varlen_bwd(
             mask_mod,
             alibi_slopes is None,
             sinks is None,
+            head_dim_v,
         ),
     )
     plan = plans.get(key)
@@ -508,6 +528,7 @@ def flash_attention_varlen_bwd(
             score_mod=score_mod,
             mask_mod=mask_mod,
             sinks=sinks,
+            head_dim_v=head_dim_v,
         )
         _array_module([("q", q), ("lse", lse)])
         _check_rank("lse", lse, 2, "[num_heads, total_q]")
@@ -529,12 +550,24 @@ def flash_attention_varlen_bwd(
                 alibi_slopes,
                 sinks,
             )
-        plan = PackedBackward(problem, dout, q, k, v, out, lse, bool(deterministic))
+        plan = value_dims.backward_plan(
+            PackedBackward, problem, dout, q, k, v, out, lse, bool(deterministic)
+        )
         plans.remember(key, plan)
     if check:
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return plan(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, bool(synchronize), alibi_slopes, sinks
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        synchronize=bool(synchronize),
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
 
 
@@ -573,6 +606,7 @@ def _backward_per_sequence(
                 alibi_slopes=slopes,
                 score_mod=attention.score_mod,
                 mask_mod=attention.mask_mod,
+                head_dim_v=attention.head_dim_v,
             ),
             b,
         )
@@ -681,6 +715,7 @@ class VarlenVJP:
             score_mod=c.score_mod,
             mask_mod=c.mask_mod,
             sinks=c.sinks,
+            head_dim_v=c.head_dim_v,
         )
 
 
@@ -706,6 +741,7 @@ def flash_attention_varlen_vjp(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    head_dim_v=None,
 ):
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
@@ -733,6 +769,7 @@ def flash_attention_varlen_vjp(
         score_mod=score_mod,
         mask_mod=mask_mod,
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     config = AttentionConfig(
         num_heads,
@@ -748,6 +785,7 @@ def flash_attention_varlen_vjp(
         score_mod,
         mask_mod,
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     return out, VarlenVJP(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config

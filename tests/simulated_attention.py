@@ -80,11 +80,11 @@ def _poisoned(shape, dtype):
 class _Output:
     """An output of ``heads`` heads and ``rows`` rows a head, NaN-poisoned, as
     ``cuflash.gpu.OutputLayout`` lays it out: ``array`` (dense ``[B, heads, rows, D]``,
-    packed ``[rows, heads, D]``), ``view`` (``[B, heads, rows, D]`` either way) and the
-    kernels' ``strides``."""
+    packed ``[rows, heads, D]``, D the head_dim or ``width``), ``view`` (``[B, heads,
+    rows, D]`` either way) and the kernels' ``strides``."""
 
-    def __init__(self, problem, heads, rows):
-        d = problem.head_dim
+    def __init__(self, problem, heads, rows, width=None):
+        d = problem.head_dim if width is None else width
         if problem.packed is None:
             self.array = _poisoned((problem.batch, heads, rows, d), problem.dtype)
             self.view = self.array
@@ -105,10 +105,12 @@ class Kernels:
         self.roles = {}
         for spec, atomic in specs:
             role = spec.role(atomic_dq=atomic, modified=problem.modified and spec.modifiers)
+            # v's head dim where the kernel takes one of its own (the forward's)
+            head_dim_v = problem.head_dim_v if spec.value_dims else None
             self.roles[spec.name] = (
                 spec,
                 role,
-                spec.name_expression(role, problem.dtype, problem.head_dim),
+                spec.name_expression(role, problem.dtype, problem.head_dim, head_dim_v),
             )
         self.module = simulator.build(
             sorted({name for _, _, name in self.roles.values()}), arch=capability, functors=functors
@@ -224,13 +226,14 @@ def run_forward(
         excluded=frozenset(excluded),
         modified=problem.modified,
     )
+    assert spec.takes_value_dims(problem.head_dim, problem.head_dim_v), spec.name
     pieces = spec.precision == "float32"
     packed = problem.packed is not None
     helpers = _helpers(
         *(PIECES_HELPERS if pieces else ()), *(("packed_zero_outside",) if packed else ())
     )
     kernels = Kernels(problem, [(spec, False)] + helpers, capability, guard)
-    out = _Output(problem, problem.num_heads, problem.q_len)
+    out = _Output(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
     lse = _poisoned(problem.lse_shape, np.float32)
     if pieces:
         (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
@@ -448,9 +451,11 @@ def forward(
     excluded=(),
     capability=80,
     sinks=None,
+    head_dim_v=None,
 ):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
-    (``excluded``: kernels to pass over)."""
+    (``excluded``: kernels to pass over; ``head_dim_v``: v's head dim, for a kernel that
+    takes one of its own)."""
     problem = forward_problem(
         q,
         k,
@@ -468,6 +473,7 @@ def forward(
         mask_mod=mask_mod,
         block_mask=block_mask,
         sinks=sinks,
+        head_dim_v=head_dim_v,
     )
     return run_forward(
         problem,
@@ -556,6 +562,7 @@ def _packed(
     causal,
     window_size,
     extra_arrays=(),
+    head_dim_v=None,
 ):
     return varlen_problem(
         q,
@@ -574,6 +581,7 @@ def _packed(
         False,
         False,
         extra_arrays=extra_arrays,
+        head_dim_v=head_dim_v,
     ).attention
 
 
@@ -594,8 +602,9 @@ def varlen_forward(
     capability=80,
     guard=False,
     sinks=None,
+    head_dim_v=None,
 ):
-    """``(out [total_q, H, D], lse [H, total_q])`` of a packed batch (validated with the
+    """``(out [total_q, H, D_v], lse [H, total_q])`` of a packed batch (validated with the
     host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
     would be, else the same)."""
     problem = _packed(
@@ -611,6 +620,7 @@ def varlen_forward(
         head_dim,
         causal,
         window_size,
+        head_dim_v=head_dim_v,
     )
     out, lse = run_forward(
         problem,

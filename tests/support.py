@@ -39,6 +39,7 @@ class Case:
     q_len: int = 67
     kv_len: int = 67  # capacity S_k
     head_dim: int = 64
+    head_dim_v: object = None  # v's head dim (head_dim_v of the API; None: head_dim)
     causal: bool = False
     window: object = 0
     kv_seq_len: object = None
@@ -56,15 +57,18 @@ class Case:
     def args(self):
         return (self.heads, self.kv_heads, self.head_dim, self.causal, self.window)
 
+    @property
+    def value_dim(self):
+        """The last dimension of v, the output, dout and dv."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
 
 def random_inputs(case, rng, xp=np):
-    """Fresh q, k, v, dout of the case's dtype (float64 copies for the oracle too)."""
+    """Fresh q, k, v, dout of the case's dtype (v and dout of its ``value_dim``)."""
 
-    def make(heads, length):
+    def make(heads, length, width=case.head_dim):
         shape = (
-            (case.batch, length, heads, case.head_dim)
-            if case.bshd
-            else (case.batch, heads, length, case.head_dim)
+            (case.batch, length, heads, width) if case.bshd else (case.batch, heads, length, width)
         )
         x = rng.standard_normal(shape).astype(DTYPES[case.dtype])
         x = xp.asarray(x)
@@ -72,8 +76,8 @@ def random_inputs(case, rng, xp=np):
 
     q = make(case.heads, case.q_len)
     k = make(case.kv_heads, case.kv_len)
-    v = make(case.kv_heads, case.kv_len)
-    dout = make(case.heads, case.q_len)
+    v = make(case.kv_heads, case.kv_len, case.value_dim)
+    dout = make(case.heads, case.q_len, case.value_dim)
     return q, k, v, dout
 
 
@@ -155,11 +159,11 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
     ds = _round(p * (dp - (dout * out).sum(axis=-1, keepdims=True)) * derivative, dt)
     dq = _round(ds @ k * np.float32(scale), dt)
     dk = _round(np.swapaxes(ds, -1, -2) @ q * np.float32(scale), dt)
-    fold = (case.batch, case.kv_heads, group, case.kv_len, case.head_dim)
+    fold = (case.batch, case.kv_heads, group, case.kv_len)
     return out, (
         dq,
-        _round(dk.reshape(fold).sum(axis=2), dt),
-        _round(dv.reshape(fold).sum(axis=2), dt),
+        _round(dk.reshape(*fold, case.head_dim).sum(axis=2), dt),
+        _round(dv.reshape(*fold, case.value_dim).sum(axis=2), dt),
     )
 
 
@@ -237,7 +241,12 @@ def run_and_check(case, xp, rng, deterministic=False, allow_tf32=False):
     computation in TF32 (see :func:`naive_in_dtype`).
     """
     q, k, v, dout = random_inputs(case, rng, xp)
-    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, allow_tf32=allow_tf32)
+    kw = dict(
+        kv_seq_len=case.kv_seq_len,
+        softmax_scale=case.scale,
+        allow_tf32=allow_tf32,
+        head_dim_v=case.head_dim_v,
+    )
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
     dq, dk, dv = cuflash.flash_attention_bwd(
         dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
@@ -337,15 +346,19 @@ def check_modified_results(case, inputs, results, softcap, slopes):
 PACKED_BOUND = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
 
 
-def packed_inputs(rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp=np):
-    """Fresh packed q, k, v, dout (``[tokens, heads, D]``) and int32 offsets of the lengths."""
+def packed_inputs(
+    rng, lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, xp=np, head_dim_v=None
+):
+    """Fresh packed q, k, v, dout (``[tokens, heads, D]``; v and dout ``head_dim_v``
+    wide when given) and int32 offsets of the lengths."""
+    width_v = head_dim if head_dim_v is None else head_dim_v
 
-    def make(total, h):
-        return xp.asarray(rng.standard_normal((total, h, head_dim)).astype(DTYPES[dtype]))
+    def make(total, h, width=head_dim):
+        return xp.asarray(rng.standard_normal((total, h, width)).astype(DTYPES[dtype]))
 
     q = make(sum(lengths_q), heads)
-    k, v = make(sum(lengths_k), kv_heads), make(sum(lengths_k), kv_heads)
-    dout = make(sum(lengths_q), heads)
+    k, v = make(sum(lengths_k), kv_heads), make(sum(lengths_k), kv_heads, width_v)
+    dout = make(sum(lengths_q), heads, width_v)
     cu_q = xp.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
     cu_k = xp.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
     return q, k, v, dout, cu_q, cu_k
@@ -372,7 +385,7 @@ def check_packed_results(
     heads = q.shape[1]
     dq, dk, dv = grads
     bound = PACKED_BOUND[dtype] if bound is None else bound
-    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert out.shape == inputs[3].shape and lse.shape == (heads, q.shape[0])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, inputs[1].shape, inputs[2].shape)
     offsets_q = np.concatenate([[0], np.cumsum(lengths_q)])
     offsets_k = np.concatenate([[0], np.cumsum(lengths_k)])

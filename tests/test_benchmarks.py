@@ -674,3 +674,51 @@ def test_varlen_mask_is_the_document_mask():
     causal = bench.document_mask_mod(document, True)(0, 0, q_idx, kv_idx)
     assert plain.sum() == 2 * 2 + 3 * 3 + 1 and causal.sum() == 3 + 6 + 1
     assert (causal == (plain & (q_idx >= kv_idx))).all()
+
+
+def test_head_dim_v_shape_and_flops():
+    """The MLA training shape, and FLOPs at the true widths that reduce to the Performance
+    page's convention when the widths are equal."""
+    mla = bench.MLA_TRAINING
+    assert (mla.dtype, mla.heads, mla.head_dim, mla.head_dim_v, mla.seqlen) == (
+        "bfloat16",
+        16,
+        192,
+        128,
+        4096,
+    )
+    assert mla.causal and mla.batch * mla.seqlen == bench.TOKENS
+    equal = dataclasses.replace(mla, head_dim_v=mla.head_dim)
+    for direction in bench.DIRECTIONS:
+        want = bench.attention_flops(4, 16, 4096, 192, True, direction)
+        assert equal.flops(direction) == want
+        assert mla.flops(direction) < want
+    assert mla.flops("fwd") == 4 * 16 * 4096**2 * (192 + 128)
+
+
+def test_head_dim_v_option_and_table(capsys, tmp_path):
+    args = bench.parse_args(["--head-dim-v"])
+    assert args.modes == ("head_dim_v",) and args.time_budget == 60.0
+    mla = dataclasses.asdict(bench.MLA_TRAINING)
+
+    def record(call, direction, seconds):
+        timing = None if seconds is None else bench.Timing((seconds,) * 5).summary()
+        flops = bench.MLA_TRAINING.flops(direction)
+        note = "" if seconds else "OOM"
+        return dict(call=call, direction=direction, **mla, timing=timing, flops=flops, note=note)
+
+    records = [
+        record("head_dim_v", "fwd", 0.004),
+        record("v padded", "fwd", 0.005),
+        record("head_dim_v", "bwd", None),
+        record("v padded", "bwd", 0.012),
+    ]
+    table = bench.format_value_dims(records)
+    assert "D=192 D_v=128 causal" in table
+    assert "| fwd | head_dim_v | 4.000 |" in table and "| 1.25x |" in table
+    assert "- head_dim_v bwd: OOM" in table
+    report = {"environment": {}, "settings": {}, "head_dim_v": records, "measurements": []}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    assert table in capsys.readouterr().out

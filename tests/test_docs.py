@@ -596,6 +596,8 @@ def bad_calls():
         fwd(k=a(1, 2, 16, 64)),
         fwd(k=a(2, 4, 16, 64)),
         fwd(v=a(2, 2, 16, 32)),
+        fwd(v=a(2, 2, 16, 32), head_dim_v=48),
+        fwd(v=a(2, 2, 16, 12), head_dim_v=12),
         fwd(v=a(2, 2, 12, 64)),
         fwd(kv_seq_len=8.0),
         fwd(kv_seq_len=-1),

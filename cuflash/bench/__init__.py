@@ -11,7 +11,7 @@
 - ``environment``: CuPy, torch, the GPU and the versions; ``progress``: stderr.
 - one module a suite, its cases, measurements and tables: ``dense`` (the grid's
   defaults and table), ``head_dims``, ``small_calls``, ``decode``, ``varlen``,
-  ``first_call``, ``memory``.
+  ``value_dims`` (``head_dim_v``), ``first_call``, ``memory``.
 - ``formatting`` (shared Markdown cells), ``report`` (the whole report), ``plots``.
 - ``masks`` and ``modifiers`` (``python -m cuflash.bench_masks``, ``python -m
   cuflash.bench_modifiers``), with ``peer_commands``: cuflash next to ``flex_attention``.
@@ -175,6 +175,7 @@ from .timing import (
     event_times,
     time_calls,
 )
+from .value_dims import MLA_TRAINING, ValueDimCase, format_value_dims, value_dim_report
 from .varlen import (
     VARLEN_DENSE_MULTIPLE,
     VARLEN_DTYPE,
@@ -245,6 +246,7 @@ __all__ = [
     "METHOD_LINE",
     "MIN_REPEATS",
     "MIN_TARGET_SECONDS",
+    "MLA_TRAINING",
     "MODE_TIME_BUDGETS",
     "Measurement",
     "NO_GPU_MESSAGE",
@@ -285,6 +287,7 @@ __all__ = [
     "VARLEN_RECOMPILE_LIMIT",
     "VARLEN_SEED",
     "VARLEN_TARGET",
+    "ValueDimCase",
     "VarlenCase",
     "add_peer_options",
     "agreement",
@@ -315,6 +318,7 @@ __all__ = [
     "format_report",
     "format_small_calls",
     "format_throughput_table",
+    "format_value_dims",
     "format_varlen",
     "format_varlen_intro",
     "format_varlen_table",
@@ -362,6 +366,7 @@ __all__ = [
     "tflops",
     "time_calls",
     "torch_stream",
+    "value_dim_report",
     "varlen_cases",
     "varlen_flops",
     "varlen_ratios",

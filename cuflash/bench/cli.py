@@ -7,7 +7,7 @@ Usage::
                             [--no-memory] [--allow-tf32] [--time-budget SECONDS]
                             [--json PATH] [--plots DIR]
     python -m cuflash.bench [--head-dim-sweep] [--small-calls] [--decode] [--varlen]
-                            [options above]
+                            [--head-dim-v] [options above]
     python -m cuflash.bench --from-json PATH [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
@@ -22,7 +22,7 @@ calls, rotating among several input sets so that no call finds its inputs
 in the L2 cache. TFLOP/s follow the Performance page's convention: forward ``4*B*H*S*S*D``,
 halved when causal; backward 2.5 times that.
 
-Instead of the grid, any of four other tables (each with torch's peers on
+Instead of the grid, any of five other tables (each with torch's peers on
 the same inputs in the same run, and the ratios):
 
 - ``--head-dim-sweep``: every head dim of ``SWEEP_HEAD_DIMS`` (float32:
@@ -46,6 +46,10 @@ the same inputs in the same run, and the ratios):
   kernels on equal lengths of the batch's mean, of torch SDPA (flash) on a
   nested jagged tensor and of compiled ``flex_attention`` with a document
   mask, and cuflash varlen's ratio to each.
+- ``--head-dim-v``: the MLA training shape (bfloat16, H = 16, D = 192, v head dim
+  128, S = 4096, causal, B * S = 16384) with ``head_dim_v``, against the same call
+  with v (and dout, out) padded to 192 columns by the caller, forward and backward
+  (cuflash only).
 
 Also measured: the first-call cost of one kernel variant (compile with an
 empty CuPy kernel cache, then with a warm one, each in a fresh process) and
@@ -84,6 +88,7 @@ from .progress import _status
 from .report import format_report
 from .small_calls import small_call_sweep
 from .timing import QUICK_TARGET_SECONDS, TARGET_SECONDS, Budget
+from .value_dims import value_dim_report
 from .varlen import varlen_report
 
 DEFAULT_TIME_BUDGET = 540.0
@@ -95,6 +100,7 @@ MODE_TIME_BUDGETS = {
     "small_calls": 60.0,
     "decode": 120.0,
     "varlen": 300.0,
+    "head_dim_v": 60.0,
 }
 
 NO_GPU_MESSAGE = (
@@ -193,6 +199,12 @@ def parse_args(argv=None):
         "and not: cuflash varlen against the dense kernels on equal "
         "lengths, torch SDPA (flash) on nested tensors and flex_attention",
     )
+    parser.add_argument(
+        "--head-dim-v",
+        action="store_true",
+        help="instead of the grid: the MLA training shape (bfloat16, D 192, v head dim "
+        "128, S 4096, causal) with head_dim_v against v padded to 192",
+    )
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     parser.add_argument(
@@ -257,6 +269,9 @@ def run(args):
     if args.varlen:
         _status("packed variable-length table")
         report["varlen"] = varlen_report(torch, budget, env["l2_bytes"])
+    if args.head_dim_v:
+        _status("head_dim_v: the MLA training shape")
+        report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"])
     if args.head_dim_sweep:
         _status(f"head-dim sweep, {len(args.sweep_cases)} cases")
         report["head_dim_sweep"] = [

@@ -7,6 +7,7 @@ from .first_call import format_first_call
 from .head_dims import format_head_dim_sweep
 from .memory import format_memory
 from .small_calls import format_small_calls
+from .value_dims import format_value_dims
 from .varlen import format_varlen
 
 METHOD_LINE = (
@@ -41,6 +42,8 @@ def format_report(report, measurements):
         parts += ["", format_varlen(report["varlen"])]
     if report.get("head_dim_sweep"):
         parts += ["", format_head_dim_sweep(report["head_dim_sweep"])]
+    if report.get("head_dim_v"):
+        parts += ["", format_value_dims(report["head_dim_v"])]
     if report.get("first_call"):
         parts += ["", format_first_call(report["first_call"])]
     if report.get("memory"):

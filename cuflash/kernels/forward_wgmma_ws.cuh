@@ -17,6 +17,9 @@
 // their issues, so that one's products run while the other's softmax does.
 // The arguments are attention_fwd_wgmma's (every path that launches that
 // kernel launches this one).
+// DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
+// V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
+// the launch's shared memory is D's, which holds the narrower V stages.
 #pragma once
 #include "mbarrier.cuh"
 #include "tc_fwd_wg.cuh"
@@ -44,7 +47,7 @@ __device__ __forceinline__ void pass_turn(int consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(9 - consumer) : "memory");
 }
 
-template <typename T, int D, int BN, int STAGES, bool MODIFIED>
+template <typename T, int D, int BN, int STAGES, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(384, 1)
     forward_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
@@ -53,9 +56,11 @@ __global__ void __launch_bounds__(384, 1)
                      float scale_log2, CUFLASH_MODIFIER_PARAMS) {
     using Op = TensorOp<T>;
     constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
-    constexpr int BM = 128, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
+    constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
+    constexpr int BM = 128, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
+    static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     using Ring = StageRing<STAGES, 2>;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);
@@ -65,8 +70,8 @@ __global__ void __launch_bounds__(384, 1)
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
-    T* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of BN x DL
-    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DL);
+    T* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of BN x DVL
+    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DVL);
     Ring* v_ring = k_ring + 1;
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
     float* order_slots = reinterpret_cast<float*>(q_full + 1);  // 256, see complete_before_wait
@@ -108,8 +113,8 @@ __global__ void __launch_bounds__(384, 1)
                                                       k_head + n0 * k_st.s, k_st.s, keys);
             k_ring->filled(j);
             v_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D, true>(Vs + Ring::stage(j) * BN * DL,
-                                                      v_head + n0 * v_st.s, v_st.s, keys);
+            cp_async_tile_sw128<BN, DVK, 128, DV, true>(Vs + Ring::stage(j) * BN * DVL,
+                                                        v_head + n0 * v_st.s, v_st.s, keys);
             v_ring->filled(j);
         }
         return;
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(384, 1)
     const int warp_row = consumer * 64 + warp * 16;
     const bool signalling = (threadIdx.x & 127) == 0;  // hands the stages back
 
-    float o[1][DTILES][4], row_max[1][2], row_sum[1][2];
+    float o[1][DVTILES][4], row_max[1][2], row_sum[1][2];
     init_rows(o, row_max, row_sum);
 
     // S = Q K^T of key stage `stage` for this consumer's 64 rows, committed, not waited for.
@@ -148,11 +153,11 @@ __global__ void __launch_bounds__(384, 1)
     };
     // O += P V of value stage `stage`, committed, not waited for.
     auto issue_pv = [&](int stage, const unsigned(&pa)[BN / 16][4]) {
-        const T* Vb = Vs + stage * BN * DL;
+        const T* Vb = Vs + stage * BN * DVL;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DK>::rs(o[0], pa[kk], wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
-                             1);
+            Wgmma<T, DVK>::rs(o[0], pa[kk],
+                              wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
         wgmma_commit();
         pin_registers(o[0]);
     };
@@ -232,7 +237,7 @@ __global__ void __launch_bounds__(384, 1)
     finish_rows(
         o, row_max, row_sum, warp_row, rows, lse + row_base,
         [&](int row, int d, float x0, float x1) {
-            if (d * 8 < D)  // the last n8 tile of a D = 16 j + 8 is padding
+            if (d * 8 < DV)  // the last n8 tile of a DV = 16 j + 8 is padding
                 reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
                     Op::pack(x0, x1);
         },

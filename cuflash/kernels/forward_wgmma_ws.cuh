@@ -31,11 +31,16 @@ namespace cuflash {
 // consumer's setmaxnreg.inc past what the producer gave up waits forever.
 // The producer's copy loops are not unrolled, so that it runs in 24 registers and
 // the consumers get 240 (at 224 they spill with a user's score or mask function
-// compiled in). The unrolled loops at 56 / 224 measured the same ratio to cuDNN
-// (0.74-0.82 at D = 128 and 192; docs/kernels/forward-sm90-wgmma.md).
-constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
-static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 384 * 168,
-              "the warpgroups' registers exceed the block's launch allocation");
+// compiled in; the unrolled loops at 56 / 224 measured the same ratio to cuDNN, 0.74-0.82
+// at D = 128 and 192: docs/kernels/forward-sm90-wgmma.md). A V narrower than Q and K
+// (DV < D) copies tiles of two widths, which spills at 24 (4 bytes at D = 96, DV = 40):
+// there the split is 32 / 232.
+template <bool NARROW_V>
+struct WarpgroupRegisters {
+    static constexpr int producer = NARROW_V ? 32 : 24, consumer = NARROW_V ? 232 : 240;
+    static_assert(128 * producer + 256 * consumer <= 384 * 168,
+                  "the warpgroups' registers exceed the block's launch allocation");
+};
 
 // The consumers' turns on the tensor cores: consumer c waits at barrier 8 + c
 // before it issues a tile's products and, once they are issued, lets the
@@ -99,7 +104,7 @@ __global__ void __launch_bounds__(384, 1)
     __syncthreads();  // the barriers' initialization, seen by every thread
 
     if (threadIdx.x < 128) {  // ---- the producer
-        registers_down<kProducerRegisters>();
+        registers_down<WarpgroupRegisters<(DV < D)>::producer>();
         const T* k_head = k + offset_of(k_st, b, hk, 0);
         const T* v_head = v + offset_of(v_st, b, hk, 0);
         cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -121,7 +126,7 @@ __global__ void __launch_bounds__(384, 1)
     }
 
     // ---- the consumers
-    registers_up<kConsumerRegisters>();
+    registers_up<WarpgroupRegisters<(DV < D)>::consumer>();
     const int consumer = (threadIdx.x >> 7) - 1, thread = threadIdx.x - 128;
     const int warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 3;
     const int warp_row = consumer * 64 + warp * 16;

@@ -290,6 +290,21 @@ def _backward_wgmma_traits(d):
     return Traits(keys, 256, smem, (rows,))
 
 
+def _backward_ws_traits(d):
+    """kernels/backward_wgmma_ws.cuh: 128 keys (a producer and two consumer warpgroups of
+    64 keys), K and V resident, STAGES stages of 64 query rows of Q and dO and their lse
+    and Delta, two buffers of dS^T, the ring's barriers (16 bytes a stage) and K/V's."""
+    rows, keys, stages, width = 64, 128, 3, 128
+    smem = (
+        2 * (2 * keys * width + 2 * stages * rows * width + 2 * keys * rows)
+        + FLOAT_BYTES * 2 * stages * rows
+        + 16 * stages
+        + 8
+        + 1024
+    )
+    return Traits(keys, 384, smem, (rows, stages))
+
+
 def _backward_mma_sync_traits(d):
     rows, keys = {64: (64, 128), 128: (32, 128)}[head_dim_class(d)]
     smem = (
@@ -499,6 +514,24 @@ KERNELS = (
         "attention_fwd_general",
         _forward_general_traits,
         modifiers=True,
+    ),
+    # The warp-specialized backward of plain calls in the 128 class (a producer
+    # warpgroup feeds Q, dO, lse and Delta through a ring of stages); its register
+    # split leaves no room for the modifiers or the 64 class's atomic dQ
+    # (docs/kernels/backward-sm90-wgmma.md).
+    KernelSpec(
+        "backward_wgmma_ws",
+        "backward",
+        "wgmma",
+        "16-bit",
+        HOPPER,
+        (72, 128),
+        "backward_wgmma_ws",
+        _backward_ws_traits,
+        needs_sm90a=True,
+        padded_dq=True,
+        atomic_dq_head_dims=(72, 128),
+        dq_kernel="backward_dq_wgmma",
     ),
     KernelSpec(
         "backward_wgmma",

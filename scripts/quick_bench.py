@@ -28,10 +28,23 @@ PATHS_16 = {
     "auto": ("auto", (), False, False),
     "det": ("auto", (), False, True),
     "general": ("general", (), False, False),
-    "mma": ("auto", ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"), False, False),
-    "mma-det": ("auto", ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"), False, True),
+    "mma": (
+        "auto",
+        ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"),
+        False,
+        False,
+    ),
+    "mma-det": (
+        "auto",
+        ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"),
+        False,
+        True,
+    ),
     "sync": ("auto", ("forward_wgmma_ws",), False, False),
-    "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False, False),
+    # without the warp-specialized kernels (the previous defaults), atomic and deterministic
+    "nows": ("auto", ("forward_wgmma_ws", "backward_wgmma_ws"), False, False),
+    "nows-det": ("auto", ("forward_wgmma_ws", "backward_wgmma_ws"), False, True),
+    "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False, False),
 }
 PATHS_32 = {
     "auto": ("auto", (), False, False),

@@ -30,11 +30,18 @@ from cuflash.problem import BFLOAT16
 SETTINGS = {
     "auto": ("auto", (), False),
     "general": ("general", (), False),
-    "mma-sync": ("auto", ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"), False),
+    "mma-sync": (
+        "auto",
+        ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"),
+        False,
+    ),
     # the 16-bit forwards alone, dense and packed (the warp-specialized kernel
     # from head_dim 72 up and with modifiers): a short run for a kernel change
     "forward-16": ("auto", (), False),
-    "split-d": ("auto", ("backward_wgmma", "backward_mma_sync"), False),
+    # the 16-bit defaults, forward and backward (the warp-specialized backward in the
+    # 128 class), dense and packed
+    "auto-16": ("auto", (), False),
+    "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False),
     "tf32": ("auto", (), True),
 }
 
@@ -58,7 +65,7 @@ def main(settings):
     ]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
         float32 = dtype == np.float32
-        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16")
+        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16")
         if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
             continue  # 16-bit kernels; float32 kernels
         path, skipped, tf32 = SETTINGS[setting]

@@ -139,13 +139,18 @@ def test_dispatch_order():
 
 
 def test_dq_passes():
-    """The Hopper 16-bit backward adds dQ by atomics up to head_dim 128 and takes its
+    """The Hopper 16-bit backwards add dQ by atomics up to head_dim 128 and take their
     wgmma dQ pass past it (every call) and for deterministic calls; before Hopper the
     16-bit backwards add dQ by atomics and their deterministic calls take the mma.sync dQ
     pass; the variants hold exactly the roles those paths launch."""
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     spec = registry.choose("backward", bf16, 128, 90)
-    assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
+    assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
+    assert spec.atomic_dq(72) and spec.atomic_dq(128)
+    # the calls the warp-specialized backward leaves: the 64 class, modified, past 128
+    for head_dim, modified in ((64, False), (128, True), (136, False)):
+        spec = registry.choose("backward", bf16, head_dim, 90, modified=modified)
+        assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
     assert spec.atomic_dq(128) and not spec.atomic_dq(136) and not spec.atomic_dq(256)
     for head_dim, atomic in ((64, True), (128, True), (136, False), (192, False)):
         roles = kernel_build.Variant(bf16, head_dim, 90).kernel_names()
@@ -242,7 +247,7 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             assert ops["HMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
-        if spec.name == "forward_wgmma_ws":
+        if spec.name in ("forward_wgmma_ws", "backward_wgmma_ws"):
             # the producer's copies, the stage barriers' arrivals and waits, and the
             # registers handed from the producer to the consumers
             assert ops["LDGSTS"] > 0 and ops["SYNCS"] > 0, (role, ops)

@@ -79,13 +79,15 @@ def test_every_head_dim_deterministic(case, rng, poisoned):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_every_head_dim_on_mma_sync(case, deterministic, rng, poisoned):
     """The kernels of A100-class GPUs (on an H100/H200 the wgmma ones serve by default)."""
-    with dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"):
+    with dispatch.skip_kernels(
+        "forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"
+    ):
         run_and_check(case, cupy, rng, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", [c for c in SIXTEEN_BIT[::4]], ids=str)
 def test_every_head_dim_split_d_backward(case, rng, poisoned):
-    with dispatch.skip_kernels("backward_wgmma", "backward_mma_sync"):
+    with dispatch.skip_kernels("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"):
         run_and_check(case, cupy, rng)
 
 

@@ -19,7 +19,7 @@ WIDE_CASES += [
     Case(dtype="bfloat16", head_dim=256, heads=4, kv_heads=1, q_len=1, kv_len=500, kv_seq_len=333),
     Case(dtype="float16", head_dim=128, q_len=257, kv_len=129, bshd=True),
 ]
-WGMMA_16_BIT = ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma")
+WGMMA_16_BIT = ("forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma")
 
 
 def _hopper():
@@ -78,7 +78,7 @@ def test_forwards_without_warp_specialization_match_oracle(case, rng, poisoned):
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_split_d_backward_matches_oracle(case, deterministic, rng, poisoned):
-    with dispatch.skip_kernels("backward_wgmma", "backward_mma_sync"):
+    with dispatch.skip_kernels("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"):
         arrays = random_inputs(case, rng, cupy)
         assert _chosen(case, arrays, "backward") == "backward_mma_sync_split_d"
         run_and_check(case, cupy, rng, deterministic=deterministic)

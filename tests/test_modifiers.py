@@ -295,7 +295,9 @@ def test_gpu_other_kernels(path, dtype, deterministic, rng, poisoned):
     context = (
         dispatch.kernel_path("general")
         if path == "general"
-        else dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma", "backward_wgmma")
+        else dispatch.skip_kernels(
+            "forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"
+        )
     )
     with context:
         for head_dim in (40, 64, 128):

@@ -192,6 +192,81 @@ def test_warp_specialized_forward_wraps_its_stage_rings(case, rng):
     check_results(case, inputs, out, lse, grads)
 
 
+# More query tiles than the warp-specialized backward has stages (three of 64 rows), so
+# that its ring wraps: GQA (the steps run over the group's heads), a key tile cut short
+# (kv_seq_len), D = 120 (the padded float32 dQ rows), rows that see no key.
+BACKWARD_RING_CASES = [
+    RING_CASES[0],
+    RING_CASES[1],
+    Case(
+        dtype="bfloat16",
+        head_dim=120,
+        batch=2,
+        heads=2,
+        kv_heads=1,
+        q_len=150,
+        kv_len=140,
+        window=(60, 8),
+    ),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", BACKWARD_RING_CASES, ids=str)
+def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, rng):
+    """backward_wgmma_ws over more query tiles than stages, with dQ by its atomics or by
+    backward_dq_wgmma: the producer refills a stage once both consumers hand it back,
+    and the consumers meet at their named barrier before dQ reads both halves of dS^T."""
+    spec = registry.choose("backward", DTYPES[case.dtype], case.head_dim, 90)
+    assert spec.name == "backward_wgmma_ws"
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=90)
+    check_results(case, inputs, out, lse, grads)
+
+
+def _broken_backward(case, old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized backward of ``case`` (dQ by its atomics) with ``old`` replaced
+    by ``new`` in its header: the largest relative error of dq, dk, dv."""
+    header = "backward_wgmma_ws.cuh"
+    source = (simulator.KERNEL_DIR / header).read_text()
+    broken = source.replace(old, new, 1)
+    assert broken != source
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for path in simulator.KERNEL_DIR.glob("*.cuh"):
+        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
+    q, k, v, dout = random_inputs(case, rng)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, capability=90)
+    grads = simulated_attention.backward(dout, q, k, v, out, lse, *case.args, capability=90)
+    expected = oracle(case, q, k, v, dout)[2]
+    return max(rel_error(g, e) for g, e in zip(grads, expected))
+
+
+# The simulator runs every thread up to its next barrier in turn, so a consumer's dQ
+# issued before the other consumer's half of dS^T is in (no named barrier, or one dS^T
+# buffer) still reads that half in time there: compute-sanitizer's racecheck holds
+# those (docs/kernels/simulator.md).
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # a stage never handed back: the producer waits for it forever
+        ("ring->release(step, signalling);  // every", "(void)0;  // every"),
+        # a stage's copies never arrive: the consumers wait forever
+        ("ring->filled(step);", "(void)step;"),
+    ],
+    ids=["no-release", "no-fill"],
+)
+def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized backward with one side of its stage handshake left out: a
+    deadlock or a fault, never a pass."""
+    try:
+        error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
+    except RuntimeError as exc:  # the simulator's deadlock or fault report
+        assert "deadlock" in str(exc) or "fault" in str(exc), exc
+        return
+    pytest.fail(f"a broken handshake passed (gradients' error {error})")
+
+
 FLOAT32_CASES = [
     Case(
         dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90, causal=True

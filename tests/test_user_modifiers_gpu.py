@@ -130,7 +130,9 @@ def test_gpu_other_dtypes(dtype, rng, poisoned, compiled):
 @pytest.mark.gpu
 def test_gpu_mma_sync_kernels(rng, poisoned, compiled):
     """The kernels before Hopper read the block mask too."""
-    with dispatch.skip_kernels("forward_wgmma_ws", "forward_wgmma", "backward_wgmma"):
+    with dispatch.skip_kernels(
+        "forward_wgmma_ws", "forward_wgmma", "backward_wgmma_ws", "backward_wgmma"
+    ):
         for deterministic in (False, True):
             _run(rng, "documents", head_dim=128, deterministic=deterministic)
 

@@ -136,6 +136,7 @@ def test_gpu_other_kernels_read_the_offsets(path, dtype, rng, poisoned):
         context = dispatch.skip_kernels(
             "forward_wgmma_ws",
             "forward_wgmma",
+            "backward_wgmma_ws",
             "backward_wgmma",
             "forward_float32_pieces",
             "backward_float32_pieces",

@@ -9,6 +9,7 @@
 #include "tc_bwd_wide.cuh"
 #include "tc_bwd_dq.cuh"
 #include "tc_bwd_wg.cuh"
+#include "backward_wgmma_ws.cuh"
 #include "tc_bwd_dq_wg.cuh"
 #include "split_fwd_wg.cuh"
 #include "split_fwd_wide_wg.cuh"

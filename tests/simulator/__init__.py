@@ -375,6 +375,7 @@ HEADERS = (
     "tc_fwd_wg.cuh",
     "forward_wgmma_ws.cuh",
     "tc_bwd_wg.cuh",
+    "backward_wgmma_ws.cuh",
     "tc_bwd_dq_wg.cuh",
     "split_fwd_wg.cuh",
     "split_fwd_wide_wg.cuh",

@@ -1,5 +1,5 @@
 """The tiles of the KV cache's split-KV decode kernels (``kvcache_decode`` and
-``kvcache_decode_tc`` of the registry's ``STANDALONE_KERNELS``, ``kernels/decode.cu``):
+``kvcache_decode_tc`` of the registry's ``STANDALONE_KERNELS``, ``kernels/kvcache_decode*.cu``):
 keys a tile, packed query rows a block and the dynamic shared memory, mirroring the
 kernels' ``DecodeShape`` and ``DecodeTcShape``."""
 
@@ -8,7 +8,7 @@ TILE_BYTES = 16384  # kDecodeTileBytes
 
 
 def decode_shape(itemsize, head_dim, rows):
-    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of decode.cu):
+    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of decode_common.cuh):
     keys a tile and the dynamic shared memory in bytes."""
     elems = 16 // itemsize
     chunks = head_dim // elems
@@ -24,7 +24,7 @@ def decode_shape(itemsize, head_dim, rows):
 
 def decode_tc_shape(head_dim, row_warps, stages, keys=None):
     """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys, paged>``
-    (``DecodeTcShape`` of decode.cu): keys a tile, packed query rows a block and the
+    (``DecodeTcShape`` of kvcache_decode_tc.cu): keys a tile, packed query rows a block and the
     dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
     keys = decode_tc_keys(head_dim) if keys is None else keys
     chunks = head_dim // 8

@@ -17,7 +17,7 @@ import numpy as np
 from cupy.cuda import function as _function
 from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
-from . import dispatch, kernel_build, registry
+from . import dispatch, kernel_build, registry, tile_traits
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
@@ -571,7 +571,7 @@ class BackwardPlan:
             # dQ is that buffer itself).
             count = math.prod(problem.q_shape)
             if self.spec.padded_dq:
-                accum_width = registry.head_dim_class(problem.head_dim)
+                accum_width = tile_traits.head_dim_class(problem.head_dim)
             self.convert = Launch.of_role(
                 loaded,
                 "backward_dq_convert",

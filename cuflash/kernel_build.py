@@ -75,7 +75,7 @@ class Variant:
         return registry.variant_roles(self.dtype, self.head_dim, self.sm, self.head_dim_v)
 
     def traits(self, role):
-        """The ``cuflash.registry.Traits`` of kernel ``role`` at this head_dim."""
+        """The ``cuflash.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
         return registry.BY_ROLE[role].traits(self.head_dim)
 
 

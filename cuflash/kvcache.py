@@ -4,7 +4,7 @@
 in place and attends the query rows of each sequence to its cached keys, with
 per-sequence lengths, a contiguous or a paged cache, and the masking rules of
 the dense functions. NumPy arrays run the CPU path below; CuPy arrays run the
-split-KV kernels of the registry's ``STANDALONE_KERNELS`` (``kernels/decode.cu``).
+split-KV kernels of the registry's ``STANDALONE_KERNELS`` (``kernels/kvcache_*.cu``).
 """
 
 import dataclasses
@@ -37,7 +37,7 @@ from .problem import (
 LOG2E = 1.4426950408889634
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
-MAX_SPLITS = 128  # kMaxSplits of decode.cu: the combine takes a thread a split
+MAX_SPLITS = 128  # kMaxSplits of kvcache_combine.cu: the combine takes a thread a split
 MIN_KEYS_PER_SPLIT = 256
 BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
 # K/V tiles in the tensor-core kernel's pipeline: 2 (three blocks an SM up to head_dim

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import simulator
 
-from cuflash import registry
+from cuflash import registry, tile_traits
 from cuflash.gpu import USER_ARGS_DTYPE, _functors
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import _heads_first, varlen_problem
@@ -314,7 +314,7 @@ def run_backward(
         helpers.append((dq_spec, False))
     kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard)
 
-    accum_width = registry.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
+    accum_width = tile_traits.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
     rows = math.prod(problem.lse_shape)
     delta = _poisoned(rows, np.float32)
     lse_log2 = _poisoned(rows, np.float32)

@@ -496,14 +496,18 @@ def compile_and_check(names, arch, functors=None, source_file=None):
     functors if given): each kernel without spills or a stack frame, in at most 255
     registers. ``names``: registry kernels outside the variants (their source file from
     ``cuflash.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
-    from cuflash import kernel_build
+    from cuflash import kernel_build, registry
 
-    if source_file is None:
-        compiled = kernel_build.compile_standalone_offline(names, arch, functors)
+    if source_file is None:  # each registry kernel's own file
+        by_source = {}
+        for name in names:
+            by_source.setdefault(registry.standalone_of(name).source, []).append(name)
     else:
-        compiled = kernel_build.compile_source_offline(source_file, names, arch, functors)
-    log, cubin, lowered = compiled
-    report = kernel_build.CompileReport(None, arch, log, cubin, lowered).kernels()
+        by_source = {source_file: list(names)}
+    report = {}
+    for source, source_names in by_source.items():
+        compiled = kernel_build.compile_source_offline(source, source_names, arch, functors)
+        report.update(kernel_build.CompileReport(None, arch, *compiled).kernels())
     for name, info in report.items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, arch, info)
         assert info["stack"] == 0, (name, arch, info)

@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from cuflash import kernel_build, registry
+from cuflash import kernel_build, registry, tile_traits
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
 JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in kernel_build.all_variants(sm)]
@@ -192,7 +192,7 @@ def expected_hgmma(role, head_dim):
     spec = registry.BY_ROLE[role]
     traits = spec.traits(head_dim)
     steps = -(-head_dim // 16)  # k16 steps over the head_dim, its exact width
-    width = registry.head_dim_class(head_dim)
+    width = tile_traits.head_dim_class(head_dim)
     if spec.name.startswith("forward_wgmma"):
         keys = traits.template_args[0]
         return (2 if spec.name == "forward_wgmma_ws" else 1) * (steps + keys // 16)

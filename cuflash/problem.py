@@ -15,6 +15,7 @@ import numpy as np
 # BFLOAT16 and DTYPES_BY_NAME are imported from here by the scripts, tests and benchmarks.
 from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
 from .errors import InvalidArgumentError
+from .fp8 import check_backward as check_not_fp8
 from .masking import normalize_window
 from .modifiers.api import MaskMod, ScoreMod
 from .modifiers.block_mask import BlockMask
@@ -139,6 +140,7 @@ def _array_module(named_arrays):
 
 
 def _check_dtypes(named_arrays):
+    check_not_fp8(named_arrays)  # FP8 forwards are validated by cuflash.fp8_forward
     first_name, first = named_arrays[0]
     if first.dtype not in SUPPORTED_DTYPES:
         raise InvalidArgumentError(
@@ -356,17 +358,19 @@ def forward_problem(
     modifier_sizes=None,
     sinks=None,
     head_dim_v=None,
+    storage_dtype=None,
 ):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
     (a packed call's sequences and longest lengths; default the arrays'); ``head_dim_v``:
-    v's last dimension (None: ``head_dim``)."""
+    v's last dimension (None: ``head_dim``); ``storage_dtype``: the FP8 dtype of the
+    arrays, which :func:`cuflash.fp8.storage_dtype` has checked (None: the usual dtypes)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, a, 4, "[B, H, S, D]")
-    dtype = _check_dtypes(named)
+    dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     value_label = value_dim_label(head_dim_v)
     head_dim_v = check_head_dim_v(head_dim_v, head_dim)

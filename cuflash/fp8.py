@@ -272,3 +272,29 @@ def scaled_output(out, scale, out_dtype):
     if scale is not None:
         out = out * (scale if hasattr(scale, "dtype") else np.float32(scale))
     return out.astype(out_dtype, copy=False)
+
+
+def quantize(x, num_kv_heads=None):
+    """NumPy ``x`` ``[B, H, S, D]`` (any real dtype) in e4m3 with its descale: ``(values,
+    descale)``, ``values`` float8_e4m3fn of ``x / descale`` rounded to nearest and
+    ``descale = amax / 448`` (e4m3's largest value) in float32, one for the whole array
+    or, with ``num_kv_heads``, a ``[B, num_kv_heads]`` array over each KV head's group
+    of heads (FlashAttention-3's per-(batch, KV head) scaling).
+
+    >>> import numpy as np
+    >>> from cuflash import fp8
+    >>> values, descale = fp8.quantize(np.full((1, 2, 3, 8), 0.5), num_kv_heads=1)
+    >>> true_value = values[0, 0, 0, 0].astype(np.float32) * descale[0, 0]
+    >>> values.dtype.name, descale.shape, float(true_value)
+    ('float8_e4m3fn', (1, 1), 0.5)
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if num_kv_heads is None:
+        amax = np.abs(x).max(initial=0.0)
+    else:
+        amax = np.abs(x.reshape(x.shape[0], num_kv_heads, -1)).max(axis=-1, initial=0.0)
+    descale = (np.where(amax > 0, amax, 1.0) / 448.0).astype(np.float32)
+    if num_kv_heads is None:
+        return (x / np.float64(descale)).astype(E4M3), descale[()]
+    rows = np.repeat(descale, x.shape[1] // num_kv_heads, axis=1)[:, :, None, None]
+    return (x / rows.astype(np.float64)).astype(E4M3), descale

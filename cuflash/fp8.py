@@ -153,8 +153,9 @@ def check_out_dtype(out_dtype, default):
     except TypeError:
         dtype = None
     if dtype not in SUPPORTED_DTYPES:
+        name = getattr(out_dtype, "__name__", None) or repr(out_dtype)
         raise InvalidArgumentError(
-            "out_dtype", f"expected float32, float16 or bfloat16, got {out_dtype!r}"
+            "out_dtype", f"expected float32, float16 or bfloat16, got {name}"
         )
     return dtype
 
@@ -162,6 +163,13 @@ def check_out_dtype(out_dtype, default):
 def default_out_dtype(q):
     """bfloat16 for an FP8 ``q``; a 16-bit q's own dtype (a KV-cache call)."""
     return q.dtype if q.dtype in SIXTEEN_BIT else BFLOAT16
+
+
+def _type_name(x):
+    """``list``, ``numpy.ndarray``, ``cupy.ndarray``: a type, with its package unless
+    built in."""
+    package = type(x).__module__.split(".")[0]
+    return type(x).__name__ if package == "builtins" else f"{package}.{type(x).__name__}"
 
 
 def check_descale(name, descale, xp, batch, num_kv_heads):
@@ -179,7 +187,7 @@ def check_descale(name, descale, xp, batch, num_kv_heads):
         raise InvalidArgumentError(
             name,
             f"expected a float or a float32 [B, num_kv_heads] {xp.__name__} array, "
-            f"got {type(descale).__name__}",
+            f"got {_type_name(descale)}",
         )
     if descale.dtype != np.float32:
         raise InvalidArgumentError(name, f"expected dtype float32, got {descale.dtype}")

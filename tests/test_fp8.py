@@ -525,7 +525,7 @@ EXPECTED = [
     "v_descale: expected a float or a float32 [B, num_kv_heads] numpy array, got list",
     "q_descale: must be positive and finite, got 0.0",
     "k_descale: must be positive and finite everywhere",
-    "out_dtype: expected float32, float16 or bfloat16, got <class 'numpy.float64'>",
+    "out_dtype: expected float32, float16 or bfloat16, got float64",
     "q: dtype float32 with an FP8 cache; expected FP8 like the cache, float16 or bfloat16",
     "rotary_cos: not with an FP8 cache: the rotated keys would be rounded to e4m3; rotate k "
     "before quantizing it",

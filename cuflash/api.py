@@ -544,7 +544,7 @@ def flash_attention_vjp(
     >>> dq.shape, dk.shape, vjp.lse.shape
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
-    fp8.check_backward([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
+    fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
     config = AttentionConfig(
         num_heads,
         num_kv_heads,

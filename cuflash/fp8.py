@@ -129,15 +129,16 @@ def storage_dtype(named_arrays, fp8_format, sixteen_bit_first=False):
     return first.dtype
 
 
-def check_backward(named_arrays):
-    """The backward has no FP8 form: raise for an FP8 array among ``named_arrays``."""
+def check_not_fp8(named_arrays):
+    """Raise for an FP8 array among ``named_arrays``: of the calls that take none (the
+    backward, the vjp helpers, ring attention)."""
     for name, a in named_arrays:
         dtype = getattr(a, "dtype", None)
         if dtype is not None and (is_storage(dtype) or _is_float8(dtype)):
             raise InvalidArgumentError(
                 name,
-                f"dtype {dtype}: FP8 inputs are forward only; the backward and the vjp "
-                "take float32, float16 or bfloat16",
+                f"dtype {dtype}: FP8 inputs are for the forward functions only; the "
+                "backward, the vjp and ring attention take float32, float16 or bfloat16",
             )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 # BFLOAT16 and DTYPES_BY_NAME are imported from here by the scripts, tests and benchmarks.
 from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
 from .errors import InvalidArgumentError
-from .fp8 import check_backward as check_not_fp8
+from .fp8 import check_not_fp8
 from .masking import normalize_window
 from .modifiers.api import MaskMod, ScoreMod
 from .modifiers.block_mask import BlockMask

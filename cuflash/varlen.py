@@ -771,7 +771,7 @@ def flash_attention_varlen_vjp(
     vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     from .api import AttentionConfig
 
-    fp8.check_backward([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
+    fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
     out, lse = flash_attention_varlen_fwd(
         q,
         k,

@@ -13,6 +13,7 @@ import pytest
 from support import BFLOAT16, cupy, rel_error, to_numpy
 
 import cuflash
+from cuflash import distributed as dist
 from cuflash import fp8
 from cuflash.reference import attention_reference
 
@@ -474,6 +475,15 @@ def _e4m3(*shape):
     return np.zeros(shape, E4M3)
 
 
+class _OneRank:
+    """A process group of one rank (ring attention's sample call)."""
+
+    rank, size = 0, 1
+
+    def exchange(self, obj):
+        return obj
+
+
 def fp8_bad_calls():
     """One invalid CPU call per FP8 message (the docs' error table shares them)."""
     q, kv = _e4m3(2, 4, 8, 16), _e4m3(2, 2, 8, 16)
@@ -507,6 +517,7 @@ def fp8_bad_calls():
             q, q, kv, kv, q, np.zeros((2, 4, 8), np.float32), 4, 2, 16
         ),
         lambda: cuflash.flash_attention_vjp(q, kv, kv, 4, 2, 16),
+        lambda: dist.ring_attention_fwd(q, q, q, 4, 4, 16, True, group=_OneRank()),
     ]
 
 
@@ -529,10 +540,12 @@ EXPECTED = [
     "q: dtype float32 with an FP8 cache; expected FP8 like the cache, float16 or bfloat16",
     "rotary_cos: not with an FP8 cache: the rotated keys would be rounded to e4m3; rotate k "
     "before quantizing it",
-    "q: dtype float8_e4m3fn: FP8 inputs are forward only; the backward and the vjp take "
-    "float32, float16 or bfloat16",
-    "q: dtype float8_e4m3fn: FP8 inputs are forward only; the backward and the vjp take "
-    "float32, float16 or bfloat16",
+    "q: dtype float8_e4m3fn: FP8 inputs are for the forward functions only; the backward, "
+    "the vjp and ring attention take float32, float16 or bfloat16",
+    "q: dtype float8_e4m3fn: FP8 inputs are for the forward functions only; the backward, "
+    "the vjp and ring attention take float32, float16 or bfloat16",
+    "q: dtype float8_e4m3fn: FP8 inputs are for the forward functions only; the backward, "
+    "the vjp and ring attention take float32, float16 or bfloat16",
 ]
 
 
@@ -573,7 +586,7 @@ def test_packed_bad_descale_names_the_sequences():
         cuflash.flash_attention_varlen_fwd(
             q, kv, kv, cu_q, cu_k, 8, 8, 4, 2, 16, q_descale=np.ones((3, 2), np.float32)
         )
-    with pytest.raises(cuflash.InvalidArgumentError, match="forward only"):
+    with pytest.raises(cuflash.InvalidArgumentError, match="forward functions only"):
         cuflash.flash_attention_varlen_vjp(q, kv, kv, cu_q, cu_k, 8, 8, 4, 2, 16)
 
 

@@ -69,10 +69,7 @@ def check_format(fp8_format):
 
 def _check_one(name, a, fp8_format):
     """Is array ``a`` FP8 storage? Raises for 8-bit arrays that are not e4m3."""
-    dtype = getattr(a, "dtype", None)
-    if dtype is None:
-        return False
-    if dtype == BITS:
+    if a.dtype == BITS:
         if fp8_format is None:
             raise InvalidArgumentError(
                 name,
@@ -80,20 +77,20 @@ def _check_one(name, a, fp8_format):
                 "(CuPy has no float8 dtype)",
             )
         return True
-    if E4M3 is not None and dtype == E4M3:
+    if E4M3 is not None and a.dtype == E4M3:
         return True
-    if _is_float8(dtype):
+    if _is_float8(a.dtype):
         raise InvalidArgumentError(
-            name, f"unsupported FP8 dtype {dtype}; expected float8_e4m3fn (e4m3)"
+            name, f"unsupported FP8 dtype {a.dtype}; expected float8_e4m3fn (e4m3)"
         )
     return False
 
 
 def storage_dtype(named_arrays, fp8_format, sixteen_bit_first=False):
-    """The FP8 storage dtype shared by ``named_arrays`` (float8_e4m3fn or uint8), checked:
-    every array FP8 of that one dtype, except that with ``sixteen_bit_first`` the first
-    (the KV cache's q) may instead be float16 or bfloat16. Raises when none is FP8 (an
-    FP8 keyword was given without FP8 arrays)."""
+    """The FP8 storage dtype shared by arrays ``named_arrays`` (float8_e4m3fn or uint8),
+    checked: every array FP8 of that one dtype, except that with ``sixteen_bit_first``
+    the first (the KV cache's q) may instead be float16 or bfloat16. Raises when none is
+    FP8 (an FP8 keyword was given without FP8 arrays)."""
     check_format(fp8_format)
     kinds = [(name, a, _check_one(name, a, fp8_format)) for name, a in named_arrays]
     fp8 = [(name, a) for name, a, is_fp8 in kinds if is_fp8]
@@ -106,26 +103,24 @@ def storage_dtype(named_arrays, fp8_format, sixteen_bit_first=False):
         )
     first_name, first = fp8[0]
     for index, (name, a, is_fp8) in enumerate(kinds):
-        if is_fp8 and a.dtype != first.dtype:
-            raise InvalidArgumentError(
-                name, f"dtype {a.dtype} differs from {first_name}'s {first.dtype}"
-            )
         if is_fp8:
-            continue
-        if index == 0 and sixteen_bit_first:
-            if getattr(a, "dtype", None) not in SIXTEEN_BIT:
+            if a.dtype != first.dtype:
+                raise InvalidArgumentError(
+                    name, f"dtype {a.dtype} differs from {first_name}'s {first.dtype}"
+                )
+        elif index == 0 and sixteen_bit_first:
+            if a.dtype not in SIXTEEN_BIT:
                 raise InvalidArgumentError(
                     name,
-                    f"dtype {getattr(a, 'dtype', type(a).__name__)} with an FP8 cache; "
-                    "expected FP8 like the cache, float16 or bfloat16",
+                    f"dtype {a.dtype} with an FP8 cache; expected FP8 like the cache, "
+                    "float16 or bfloat16",
                 )
-            continue
-        raise InvalidArgumentError(
-            name,
-            f"dtype {getattr(a, 'dtype', type(a).__name__)} mixed with FP8 "
-            f"{first_name}; FP8 attention takes q, k and v all in e4m3 (only a KV-cache "
-            "call takes a 16-bit q)",
-        )
+        else:
+            raise InvalidArgumentError(
+                name,
+                f"dtype {a.dtype} mixed with FP8 {first_name}; FP8 attention takes q, k and "
+                "v all in e4m3 (only a KV-cache call takes a 16-bit q)",
+            )
     return first.dtype
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from . import fp8
 from .errors import InvalidArgumentError
 from .kvcache import kvcache_problem
-from .problem import forward_problem
+from .problem import _array_module, forward_problem
 from .varlen import varlen_problem, verified_offsets
 
 
@@ -41,7 +41,9 @@ def dense_forward(
     float32), ``descales`` ``(q_descale, k_descale, v_descale)``."""
     from .api import flash_attention_fwd
 
-    storage = fp8.storage_dtype([("q", q), ("k", k), ("v", v)], fp8_format)
+    named = [("q", q), ("k", k), ("v", v)]
+    _array_module(named)  # array kinds first, then their dtypes
+    storage = fp8.storage_dtype(named, fp8_format)
     problem = forward_problem(
         q,
         k,
@@ -112,7 +114,9 @@ def varlen_forward(
     ``softmax_scale``, ``allow_tf32`` and ``check`` among them)."""
     from .varlen import flash_attention_varlen_fwd
 
-    storage = fp8.storage_dtype([("q", q), ("k", k), ("v", v)], fp8_format)
+    named = [("q", q), ("k", k), ("v", v)]
+    _array_module(named)
+    storage = fp8.storage_dtype(named, fp8_format)
     problem = varlen_problem(
         q,
         k,
@@ -215,6 +219,7 @@ def kvcache_forward(
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None and v_new is not None:
         named += [("k_new", k_new), ("v_new", v_new)]
+    _array_module(named)
     storage = fp8.storage_dtype(named, fp8_format, sixteen_bit_first=True)
     if any(t is not None for t in rotary_tables):
         raise InvalidArgumentError(

@@ -25,8 +25,14 @@ ARRAYS = [pytest.param("numpy", id="cpu"), pytest.param("cupy", id="gpu", marks=
 FLOOR = 1e-5
 
 
-def _xp(name):
-    return np if name == "numpy" else cupy
+def _xp(name, request=None):
+    """The array module of a parameter; with ``request``, GPU allocations start as NaN
+    (the ``poisoned`` fixture), so an output element left unwritten fails the test."""
+    if name == "numpy":
+        return np
+    if request is not None:
+        request.getfixturevalue("poisoned")
+    return cupy
 
 
 def fresh(rng, shape, outliers=False):
@@ -195,9 +201,9 @@ def dense_call(rng, xp, case, descale_kind, storage="float8", outliers=False, **
 @pytest.mark.parametrize("descale_kind", ["none", "scalar", "per_head"])
 @pytest.mark.parametrize("case", DENSE, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("arrays", ARRAYS)
-def test_dense_matches_oracle(arrays, case, descale_kind, rng):
+def test_dense_matches_oracle(arrays, case, descale_kind, rng, request):
     """bfloat16 out (the default) and float32 lse against the oracle."""
-    out, lse, ref_out, ref_lse = dense_call(rng, _xp(arrays), case, descale_kind)
+    out, lse, ref_out, ref_lse = dense_call(rng, _xp(arrays, request), case, descale_kind)
     check_output(out, ref_out, BFLOAT16)
     check_lse(lse, ref_lse)
 
@@ -291,10 +297,10 @@ def test_bshd_views_and_empty_calls(arrays, rng):
 
 @pytest.mark.parametrize("descale_kind", ["scalar", "per_head"])
 @pytest.mark.parametrize("arrays", ARRAYS)
-def test_packed_matches_oracle(arrays, descale_kind, rng):
+def test_packed_matches_oracle(arrays, descale_kind, rng, request):
     """Each sequence against the oracle with its own row of descales (a sequence of no
     query row and one of no key included)."""
-    xp = _xp(arrays)
+    xp = _xp(arrays, request)
     lengths_q, lengths_k, h, hk, d = [9, 0, 30, 4], [12, 5, 25, 0], 4, 2, 64
     q = fresh(rng, (sum(lengths_q), h, d)).astype(E4M3)
     k, v = (fresh(rng, (sum(lengths_k), hk, d)).astype(E4M3) for _ in "kv")
@@ -377,10 +383,10 @@ def cache_oracle(q, k_cache, v_cache, lengths, block_table, block_size, descales
 @pytest.mark.parametrize("q_kind", ["e4m3", "bfloat16"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("arrays", ARRAYS)
-def test_kvcache_appends_and_matches_oracle(arrays, paged, q_kind, rng):
+def test_kvcache_appends_and_matches_oracle(arrays, paged, q_kind, rng, request):
     """The new keys land in the FP8 cache at each sequence's length (nothing else
     changes) and the rows attend to the dequantized cache with per-(B, H_kv) descales."""
-    xp = _xp(arrays)
+    xp = _xp(arrays, request)
     b, h, hk, d, s_q, s_new, block_size = 3, 8, 2, 64, 2, 3, 16
     lengths = np.array([0, 21, 40], np.int32)
     if paged:

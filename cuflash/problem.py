@@ -200,7 +200,10 @@ def _device_memory(device_id):
     return cupy.cuda.Device(device_id).mem_info[1]
 
 
-def _check_device_limits(problem, named_arrays):
+def _check_device_limits(problem, named_arrays, element_bytes=None):
+    """Grid and length limits, and (GPU) memory: about twice the arrays' bytes (the outputs
+    mirror the inputs), at ``element_bytes`` an element when the call computes on copies
+    of another width (FP8 inputs dequantized to float32), else at the arrays' own."""
     if problem.num_heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         raise InvalidArgumentError(
             "q",
@@ -213,7 +216,7 @@ def _check_device_limits(problem, named_arrays):
         )
     if problem.xp is np:
         return
-    needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs
+    needed = 2 * sum(a.size * (element_bytes or a.itemsize) for _, a in named_arrays)
     total = _device_memory(named_arrays[0][1].device.id)
     if needed > total:
         raise InvalidArgumentError(
@@ -449,7 +452,7 @@ def forward_problem(
         block_mask=block_mask,
         sinks=has_sinks,
     )
-    _check_device_limits(problem, named)
+    _check_device_limits(problem, named, element_bytes=None if storage_dtype is None else 4)
     return problem
 
 

@@ -54,7 +54,7 @@ def requested(arrays, *keywords):
         return True
     for a in arrays:
         dtype = getattr(a, "dtype", None)
-        if dtype is not None and dtype.itemsize == 1 and (dtype == BITS or _is_float8(dtype)):
+        if dtype is not None and (is_storage(dtype) or _is_float8(dtype)):
             return True
     return False
 

@@ -273,6 +273,52 @@ def test_modifiers_and_sinks(arrays, rng):
     check_lse(lse, ref_lse)
 
 
+def _user_modifiers(xp, table, documents, q_len, kv_len):
+    """A relative-bias score_mod and a document mask as a block mask, on ``xp`` arrays."""
+    from cuflash import modifiers
+    from cuflash.block_mask import create_block_mask
+
+    score_mod = modifiers.relative_bias_score(xp.asarray(table))
+    mask_mod = modifiers.document_mask(xp.asarray(documents))
+    return score_mod, mask_mod, create_block_mask(mask_mod, None, None, q_len, kv_len)
+
+
+@pytest.mark.parametrize("arrays", ARRAYS)
+def test_user_modifiers_and_block_masks(arrays, rng):
+    """The user's score_mod and a block mask apply to FP8 inputs as to 16-bit ones."""
+    xp = _xp(arrays)
+    b, h, hk, s, d = 2, 4, 2, 96, 64
+    shapes = ((b, h, s, d), (b, hk, s, d), (b, hk, s, d))
+    (q, k, v), descales = fp8_inputs(rng, shapes, "per_head", hk)
+    table = rng.uniform(-1, 1, (h, 9)).astype(np.float32)
+    documents = np.repeat(np.arange(3), (40, 16, 40)).astype(np.int32)
+    score_mod, _, block_mask = _user_modifiers(xp, table, documents, s, s)
+    out, lse = cuflash.flash_attention_fwd(
+        *(stored(x, xp, "float8") for x in (q, k, v)),
+        h,
+        hk,
+        d,
+        True,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        q_descale=xp.asarray(descales[0]),
+        k_descale=xp.asarray(descales[1]),
+        v_descale=xp.asarray(descales[2]),
+        **storage_keyword(xp, "float8"),
+    )
+    host_score, host_mask, _ = _user_modifiers(np, table, documents, s, s)
+    ref_out, ref_lse = attention_reference(
+        true_values(q, descales[0], h),
+        true_values(k, descales[1]),
+        true_values(v, descales[2]),
+        True,
+        score_mod=host_score,
+        mask_mod=host_mask,
+    )
+    check_output(out, ref_out, BFLOAT16)
+    check_lse(lse, ref_lse)
+
+
 @pytest.mark.parametrize("arrays", ARRAYS)
 def test_bshd_views_and_empty_calls(arrays, rng):
     """[B, S, H, D] buffers viewed as [B, H, S, D] need no copy; an empty call returns

@@ -185,7 +185,8 @@ def _append(xp, problem, cache, new, block_table, lengths):
         rows = positions % problem.block_size
     else:
         blocks, rows = sequences, positions
-    cache[blocks, :, rows] = new.transpose(0, 2, 1, 3)
+    # [blocks, rows, H_kv, D] views: the two index arrays lead, side by side
+    cache.transpose(0, 2, 1, 3)[blocks, rows] = new.transpose(0, 2, 1, 3)
 
 
 def kvcache_forward(

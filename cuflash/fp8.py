@@ -8,7 +8,7 @@ has no float8 dtype, a ``uint8`` array (NumPy or CuPy) holding the e4m3 bits wit
 
 Dequantizing is exact: every e4m3 value is a float32 (and a bfloat16 and a float16)
 value, looked up in a 256-entry table that ``ml_dtypes`` itself decodes. The descales
-are applied as float32 products (one rounding of 2^-24 relative), q's and k's both to
+are applied as float32 products (roundings of 2^-24 relative), q's and k's both to
 q (so a paged cache, whose blocks several sequences may share, is never rescaled) and
 v's to the output.
 """

@@ -247,7 +247,7 @@ def test_descales_change_the_result(arrays, rng):
     kw = storage_keyword(xp, "float8")
     plain, _ = cuflash.flash_attention_fwd(*bits, h, hk, d, out_dtype="float32", **kw)
     sharper, _ = cuflash.flash_attention_fwd(
-        *bits, h, hk, d, q_descale=2.0, k_descale=1.5, out_dtype="float32", **kw
+        *bits, h, hk, d, q_descale=2.0, k_descale=np.float32(1.5), out_dtype="float32", **kw
     )
     ref, _ = attention_reference(
         *(x.astype(np.float64) for x in (q, k, v)), softmax_scale=3.0 / math.sqrt(d)
@@ -341,9 +341,12 @@ def test_bshd_views_and_empty_calls(arrays, rng):
 # --------------------------------------------------------------------------- packed
 
 
-@pytest.mark.parametrize("descale_kind", ["scalar", "per_head"])
+@pytest.mark.parametrize(
+    ("descale_kind", "storage"),
+    [("scalar", "float8"), ("per_head", "float8"), ("per_head", "bits")],
+)
 @pytest.mark.parametrize("arrays", ARRAYS)
-def test_packed_matches_oracle(arrays, descale_kind, rng, request):
+def test_packed_matches_oracle(arrays, descale_kind, storage, rng, request):
     """Each sequence against the oracle with its own row of descales (a sequence of no
     query row and one of no key included)."""
     xp = _xp(arrays, request)
@@ -356,7 +359,7 @@ def test_packed_matches_oracle(arrays, descale_kind, rng, request):
     if descale_kind == "scalar":
         descales = tuple(float(d[0, 0]) for d in descales)
     out, lse = cuflash.flash_attention_varlen_fwd(
-        *(stored(x, xp, "float8") for x in (q, k, v)),
+        *(stored(x, xp, storage) for x in (q, k, v)),
         xp.asarray(cu_q),
         xp.asarray(cu_k),
         max(lengths_q),
@@ -370,7 +373,7 @@ def test_packed_matches_oracle(arrays, descale_kind, rng, request):
         v_descale=on(xp, descales)[2],
         out_dtype="float32",
         check=xp is not np,
-        **storage_keyword(xp, "float8"),
+        **storage_keyword(xp, storage),
     )
     out, lse = to_numpy(out), to_numpy(lse)
     for s in range(len(lengths_q)):

@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, plans, value_dims
+from . import cpu, fp8, plans, value_dims
 from .problem import backward_problem, forward_problem
 
 
@@ -53,6 +53,11 @@ def flash_attention_fwd(
     block_mask=None,
     sinks=None,
     head_dim_v=None,
+    fp8_format=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Fused scaled-dot-product attention, forward pass.
 
@@ -127,11 +132,22 @@ def flash_attention_fwd(
         output (and in the backward dout and dv) have ``head_dim_v`` columns; the
         default ``softmax_scale`` stays ``1 / sqrt(head_dim)``. The backward must be
         given the same value.
+    fp8_format : "e4m3", optional, keyword-only
+        FP8 inputs (the FP8 page, forward only): ``q``, ``k`` and ``v`` all NumPy
+        arrays of ``ml_dtypes.float8_e4m3fn``, or all ``uint8`` arrays (NumPy or CuPy;
+        CuPy has no float8 dtype) holding e4m3 bits, which this keyword names. Every
+        other option works as with 16-bit inputs; ``allow_tf32`` is ignored.
+    q_descale, k_descale, v_descale : float or float32 array ``[B, num_kv_heads]``, optional
+        FP8 only, keyword-only: a stored value times its descale is the true value
+        (FlashAttention-3's meaning); 1 when not given. The scores are ``softmax_scale *
+        (q . k) * q_descale * k_descale``, the output ``(P V) * v_descale``.
+    out_dtype : dtype, optional, keyword-only
+        FP8 only: the output's dtype, bfloat16 (the default), float16 or float32.
 
     Returns
     -------
     out : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
-        Contiguous. Rows that see no key are zeros.
+        Contiguous. Rows that see no key are zeros. FP8 inputs: ``out_dtype``.
     lse : array, float32, shape ``[B, num_heads, S_q]``
         Contiguous natural-log sum of ``exp(softmax_scale * q . k)`` over the
         visible keys (and ``exp(sinks[h])``); ``-inf`` for a row that sees no key.
@@ -147,6 +163,35 @@ def flash_attention_fwd(
     CuPy arrays run on the current device and stream; NumPy arrays run on the
     CPU path with the same semantics. Accumulation is always float32.
     """
+    if fp8.requested((q, k, v), fp8_format, q_descale, k_descale, v_descale, out_dtype):
+        from .fp8_forward import dense_forward
+
+        options = dict(
+            allow_tf32=allow_tf32,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+            sinks=sinks,
+            head_dim_v=head_dim_v,
+        )
+        return dense_forward(
+            q,
+            k,
+            v,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            kv_seq_len,
+            softmax_scale,
+            options,
+            fp8_format,
+            (q_descale, k_descale, v_descale),
+            out_dtype,
+        )
     key = plans.signature(
         _arrays_and_slopes((q, k, v), alibi_slopes, sinks),
         (
@@ -499,6 +544,7 @@ def flash_attention_vjp(
     >>> dq.shape, dk.shape, vjp.lse.shape
     ((1, 2, 16, 32), (1, 2, 16, 32), (1, 2, 16))
     """
+    fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
     config = AttentionConfig(
         num_heads,
         num_kv_heads,

@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from . import plans, registry
+from . import fp8, plans, registry
 from . import rotary as rotary_embedding
 from .decode_tiles import THREADS, decode_shape, decode_tc_shape
 from .errors import InvalidArgumentError
@@ -167,8 +167,11 @@ def kvcache_problem(
     rotary_cos=None,
     rotary_sin=None,
     rotary_interleaved=False,
+    storage_dtype=None,
 ):
-    """Validate a call (every check runs on the host, before any kernel)."""
+    """Validate a call (every check runs on the host, before any kernel); ``storage_dtype``:
+    the FP8 dtype of the cache, which :func:`cuflash.fp8.storage_dtype` has checked (with
+    ``q``'s, which may be 16-bit), or None (the usual dtypes)."""
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
         raise InvalidArgumentError(missing, "k_new and v_new must be given together")
@@ -187,7 +190,7 @@ def kvcache_problem(
     if k_new is not None:
         for name, a in (("k_new", k_new), ("v_new", v_new)):
             _check_rank(name, a, 4, "[B, H_kv, S_new, D]")
-    dtype = _check_dtypes(named)
+    dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     batch, _, q_len, _ = q.shape
     check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
@@ -346,6 +349,11 @@ def flash_attention_with_kvcache(
     rotary_cos=None,
     rotary_sin=None,
     rotary_interleaved=False,
+    fp8_format=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -416,6 +424,11 @@ def flash_attention_with_kvcache(
     rotary_interleaved : bool, default False, keyword-only
         The pairs: ``(x[r], x[r + rotary_dim / 2])`` (GPT-NeoX) by default, ``(x[2r],
         x[2r + 1])`` (GPT-J) when True; without the tables it changes nothing.
+    fp8_format, q_descale, k_descale, v_descale, out_dtype : keyword-only
+        An FP8 cache (the FP8 page): ``k_cache`` and ``v_cache`` (and ``k_new``,
+        ``v_new``) in e4m3 as in :func:`cuflash.flash_attention_fwd`, ``q`` in e4m3 too
+        or in float16/bfloat16 (whose dtype is then ``out_dtype``'s default); the
+        descales ``[B, num_kv_heads]`` one row a sequence. No rotary tables.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -454,6 +467,34 @@ def flash_attention_with_kvcache(
     after the append instead: see the KV-cache page). Accumulation is always
     float32.
     """
+    if fp8.requested(
+        (q, k_cache, v_cache, k_new, v_new), fp8_format, q_descale, k_descale, v_descale, out_dtype
+    ):
+        from .fp8_forward import kvcache_forward
+
+        options = dict(softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
+        options.update(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+        return kvcache_forward(
+            q,
+            k_cache,
+            v_cache,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            cache_seqlens,
+            k_new,
+            v_new,
+            block_table,
+            return_lse,
+            check,
+            options,
+            (rotary_cos, rotary_sin),
+            fp8_format,
+            (q_descale, k_descale, v_descale),
+            out_dtype,
+        )
     key = None
     if (
         check is False

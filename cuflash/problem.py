@@ -15,6 +15,7 @@ import numpy as np
 # BFLOAT16 and DTYPES_BY_NAME are imported from here by the scripts, tests and benchmarks.
 from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
 from .errors import InvalidArgumentError
+from .fp8 import check_not_fp8
 from .masking import normalize_window
 from .modifiers.api import MaskMod, ScoreMod
 from .modifiers.block_mask import BlockMask
@@ -139,6 +140,7 @@ def _array_module(named_arrays):
 
 
 def _check_dtypes(named_arrays):
+    check_not_fp8(named_arrays)  # FP8 forwards are validated by cuflash.fp8_forward
     first_name, first = named_arrays[0]
     if first.dtype not in SUPPORTED_DTYPES:
         raise InvalidArgumentError(
@@ -198,7 +200,10 @@ def _device_memory(device_id):
     return cupy.cuda.Device(device_id).mem_info[1]
 
 
-def _check_device_limits(problem, named_arrays):
+def _check_device_limits(problem, named_arrays, element_bytes=None):
+    """Grid and length limits, and (GPU) memory: about twice the arrays' bytes (the outputs
+    mirror the inputs), at ``element_bytes`` an element when the call computes on copies
+    of another width (FP8 inputs dequantized to float32), else at the arrays' own."""
     if problem.num_heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         raise InvalidArgumentError(
             "q",
@@ -211,7 +216,7 @@ def _check_device_limits(problem, named_arrays):
         )
     if problem.xp is np:
         return
-    needed = 2 * sum(a.nbytes for _, a in named_arrays)  # outputs mirror inputs
+    needed = 2 * sum(a.size * (element_bytes or a.itemsize) for _, a in named_arrays)
     total = _device_memory(named_arrays[0][1].device.id)
     if needed > total:
         raise InvalidArgumentError(
@@ -356,17 +361,19 @@ def forward_problem(
     modifier_sizes=None,
     sinks=None,
     head_dim_v=None,
+    storage_dtype=None,
 ):
     """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
     the batch entries per-entry slopes cover (the sequences of a packed call; default
     the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
     (a packed call's sequences and longest lengths; default the arrays'); ``head_dim_v``:
-    v's last dimension (None: ``head_dim``)."""
+    v's last dimension (None: ``head_dim``); ``storage_dtype``: the FP8 dtype of the
+    arrays, which :func:`cuflash.fp8.storage_dtype` has checked (None: the usual dtypes)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, a, 4, "[B, H, S, D]")
-    dtype = _check_dtypes(named)
+    dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     value_label = value_dim_label(head_dim_v)
     head_dim_v = check_head_dim_v(head_dim_v, head_dim)
@@ -445,7 +452,7 @@ def forward_problem(
         block_mask=block_mask,
         sinks=has_sinks,
     )
-    _check_device_limits(problem, named)
+    _check_device_limits(problem, named, element_bytes=None if storage_dtype is None else 4)
     return problem
 
 

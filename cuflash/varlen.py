@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, plans, value_dims
+from . import cpu, fp8, plans, value_dims
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .problem import (
@@ -128,16 +128,18 @@ def varlen_problem(
     mask_mod=None,
     sinks=None,
     head_dim_v=None,
+    storage_dtype=None,
 ):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
-    ``check`` (:func:`verified_offsets`)."""
+    ``check`` (:func:`verified_offsets`). ``storage_dtype``: as in ``forward_problem``."""
     _check_flag("check", check)
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = _array_module(named + [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
     for name, a in (("q", q), ("k", k), ("v", v), *extra_arrays):
         _check_rank(name, a, 3, "[tokens, heads, head_dim]")
-    _check_dtypes(named)
+    if storage_dtype is None:
+        _check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     width_v = check_head_dim_v(head_dim_v, head_dim)
     labels = ("tokens", "heads", "head_dim")
@@ -178,6 +180,7 @@ def varlen_problem(
         modifier_sizes=(count, max_seqlen_q, max_seqlen_k),
         sinks=sinks,
         head_dim_v=head_dim_v,
+        storage_dtype=storage_dtype,
     )
     attention = dataclasses.replace(
         attention, packed=PackedSequences(count, max_seqlen_q, max_seqlen_k)
@@ -223,6 +226,11 @@ def flash_attention_varlen_fwd(
     mask_mod=None,
     sinks=None,
     head_dim_v=None,
+    fp8_format=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention over a packed batch of variable-length sequences, forward pass.
 
@@ -255,6 +263,9 @@ def flash_attention_varlen_fwd(
         ``lse = sinks[h]``).
     head_dim_v : int, optional, keyword-only
         v's head dim, as in :func:`cuflash.flash_attention_fwd` (None: ``head_dim``).
+    fp8_format, q_descale, k_descale, v_descale, out_dtype : keyword-only
+        FP8 inputs, as in :func:`cuflash.flash_attention_fwd` (the FP8 page), with
+        ``[B, num_kv_heads]`` descales one row a sequence.
     check : bool, default False
         Verify device-held offsets before any kernel runs: one device-to-host copy
         (which synchronizes the stream), then the errors below, naming the sequence.
@@ -276,6 +287,18 @@ def flash_attention_varlen_fwd(
         starting at 0, decreasing, disagreeing with the totals, or a length above
         ``max_seqlen_*`` (naming the sequence).
     """
+    if fp8.requested((q, k, v), fp8_format, q_descale, k_descale, v_descale, out_dtype):
+        from .fp8_forward import varlen_forward
+
+        options = dict(softmax_scale=softmax_scale, allow_tf32=allow_tf32, check=check)
+        options.update(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod)
+        options.update(mask_mod=mask_mod, sinks=sinks, head_dim_v=head_dim_v)
+        arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+        sizes = (max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim)
+        descales = (q_descale, k_descale, v_descale)
+        return varlen_forward(
+            *arrays, *sizes, causal, window_size, options, fp8_format, descales, out_dtype
+        )
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     key = plans.signature(
         (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
@@ -748,6 +771,7 @@ def flash_attention_varlen_vjp(
     vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     from .api import AttentionConfig
 
+    fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
     out, lse = flash_attention_varlen_fwd(
         q,
         k,

@@ -722,3 +722,33 @@ def test_head_dim_v_option_and_table(capsys, tmp_path):
     saved.write_text(json.dumps(report))
     assert bench.main(["--from-json", str(saved)]) == 0
     assert table in capsys.readouterr().out
+
+
+def test_fp8_option_and_table(capsys, tmp_path):
+    """``--fp8``: its cases on the grid's shapes, the cuDNN hook's note when the frontend
+    is absent, and the table (bfloat16 / fp8 time) from a saved report."""
+    args = bench.parse_args(["--fp8"])
+    assert args.modes == ("fp8",) and args.time_budget == bench.MODE_TIME_BUDGETS["fp8"]
+    cases = bench.fp8_cases()
+    assert len(cases) == 8 and all(c.batch * c.seqlen == bench.TOKENS for c in cases)
+    assert all(c.heads * c.head_dim == bench.HIDDEN for c in cases)
+    peer, note = bench.cudnn_fp8_peer()
+    assert peer is None and note  # no GPU graph here: a reason instead
+    case = cases[0]
+
+    def record(call, seconds):
+        timing = None if seconds is None else bench.Timing((seconds,) * 5).summary()
+        note = "" if seconds else "nvidia-cudnn-frontend is not installed"
+        fields = dataclasses.asdict(case)
+        return dict(call=call, **fields, timing=timing, flops=case.flops(), note=note)
+
+    records = [record("cuflash fp8", 0.002), record("cuflash bfloat16", 0.003)]
+    records.append(record("cudnn fp8", None))
+    table = bench.format_fp8(records)
+    assert "| 64 | 1024 | False | cuflash fp8 | 2.000 |" in table and "| 1.50x |" in table
+    assert "- cudnn fp8: nvidia-cudnn-frontend is not installed" in table
+    report = {"environment": {}, "settings": {}, "fp8": records, "measurements": []}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    assert table in capsys.readouterr().out

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_fp8 import fp8_bad_calls  # the FP8 messages' sample calls
 
 import cuflash
 
@@ -639,6 +640,7 @@ def bad_calls():
         *varlen_bad_calls(),
         *distributed_bad_calls(),
         *modifier_bad_calls(),
+        *fp8_bad_calls(),
         lambda: precompile.jobs_for(["float64"], [64], sm=80),
         lambda: precompile.jobs_for(["float16"], [12], sm=80),
     ]

@@ -11,7 +11,7 @@
 - ``environment``: CuPy, torch, the GPU and the versions; ``progress``: stderr.
 - one module a suite, its cases, measurements and tables: ``dense`` (the grid's
   defaults and table), ``head_dims``, ``small_calls``, ``decode``, ``varlen``,
-  ``value_dims`` (``head_dim_v``), ``first_call``, ``memory``.
+  ``value_dims`` (``head_dim_v``), ``fp8`` (the FP8 forward), ``first_call``, ``memory``.
 - ``formatting`` (shared Markdown cells), ``report`` (the whole report), ``plots``.
 - ``masks`` and ``modifiers`` (``python -m cuflash.bench_masks``, ``python -m
   cuflash.bench_modifiers``), with ``peer_commands``: cuflash next to ``flex_attention``.
@@ -88,6 +88,7 @@ from .first_call import (
     measure_first_call,
 )
 from .formatting import format_agreement, format_notes
+from .fp8 import Fp8Case, cudnn_fp8_peer, format_fp8, fp8_cases, fp8_report
 from .head_dims import (
     FLOAT32_SWEEP_HEAD_DIMS,
     FLOAT32_SWEEP_PEERS,
@@ -231,6 +232,7 @@ __all__ = [
     "FLOAT32_SWEEP_PEERS",
     "FLOAT32_SWEEP_TARGET",
     "FLOP_FACTORS",
+    "Fp8Case",
     "HIDDEN",
     "HOST_TIME_CALLS",
     "HOST_TIME_CASE",
@@ -295,6 +297,7 @@ __all__ = [
     "build_grid",
     "causal_bias",
     "compiled_flex_attention",
+    "cudnn_fp8_peer",
     "decode_cases",
     "decode_record",
     "decode_table",
@@ -310,6 +313,7 @@ __all__ = [
     "format_decode",
     "format_environment",
     "format_first_call",
+    "format_fp8",
     "format_head_dim_sweep",
     "format_head_dim_sweep_table",
     "format_host_time",
@@ -323,6 +327,8 @@ __all__ = [
     "format_varlen_intro",
     "format_varlen_table",
     "forward_output",
+    "fp8_cases",
+    "fp8_report",
     "free_memory",
     "gpu_unavailable_reason",
     "head_dim_sweep",

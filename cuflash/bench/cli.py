@@ -7,7 +7,7 @@ Usage::
                             [--no-memory] [--allow-tf32] [--time-budget SECONDS]
                             [--json PATH] [--plots DIR]
     python -m cuflash.bench [--head-dim-sweep] [--small-calls] [--decode] [--varlen]
-                            [--head-dim-v] [options above]
+                            [--head-dim-v] [--fp8] [options above]
     python -m cuflash.bench --from-json PATH [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
@@ -22,7 +22,7 @@ calls, rotating among several input sets so that no call finds its inputs
 in the L2 cache. TFLOP/s follow the Performance page's convention: forward ``4*B*H*S*S*D``,
 halved when causal; backward 2.5 times that.
 
-Instead of the grid, any of five other tables (each with torch's peers on
+Instead of the grid, any of six other tables (each with torch's peers on
 the same inputs in the same run, and the ratios):
 
 - ``--head-dim-sweep``: every head dim of ``SWEEP_HEAD_DIMS`` (float32:
@@ -50,6 +50,10 @@ the same inputs in the same run, and the ratios):
   128, S = 4096, causal, B * S = 16384) with ``head_dim_v``, against the same call
   with v (and dout, out) padded to 192 columns by the caller, forward and backward
   (cuflash only).
+- ``--fp8``: the FP8 (e4m3) forward (the FP8 page) on the grid's shapes, D 64 and
+  128, S 1024 and 4096, causal and not, bfloat16 out, against the bfloat16 forward on
+  the same shapes and cuDNN's FP8 attention when ``nvidia-cudnn-frontend`` provides
+  it (``cuflash.bench.fp8.cudnn_fp8_peer``).
 
 Also measured: the first-call cost of one kernel variant (compile with an
 empty CuPy kernel cache, then with a warm one, each in a fresh process) and
@@ -79,6 +83,7 @@ from .dense import (
 )
 from .environment import environment, gpu_unavailable_reason, import_torch
 from .first_call import measure_first_call
+from .fp8 import fp8_report
 from .head_dims import SWEEP_DTYPES, head_dim_sweep, head_dim_sweep_cases
 from .implementations import implementation_factories
 from .measure import Measurement, run_grid
@@ -101,6 +106,7 @@ MODE_TIME_BUDGETS = {
     "decode": 120.0,
     "varlen": 300.0,
     "head_dim_v": 60.0,
+    "fp8": 120.0,
 }
 
 NO_GPU_MESSAGE = (
@@ -205,6 +211,12 @@ def parse_args(argv=None):
         help="instead of the grid: the MLA training shape (bfloat16, D 192, v head dim "
         "128, S 4096, causal) with head_dim_v against v padded to 192",
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="instead of the grid: the FP8 (e4m3) forward, D 64/128, S 1024/4096, causal "
+        "and not, against the bfloat16 forward and cuDNN FP8 (when installed)",
+    )
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     parser.add_argument(
@@ -272,6 +284,9 @@ def run(args):
     if args.head_dim_v:
         _status("head_dim_v: the MLA training shape")
         report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"])
+    if args.fp8:
+        _status("FP8 forward")
+        report["fp8"] = fp8_report(budget, env["l2_bytes"])
     if args.head_dim_sweep:
         _status(f"head-dim sweep, {len(args.sweep_cases)} cases")
         report["head_dim_sweep"] = [

@@ -4,6 +4,7 @@ from .cases import DIRECTIONS
 from .decode import format_decode
 from .dense import format_throughput_table
 from .first_call import format_first_call
+from .fp8 import format_fp8
 from .head_dims import format_head_dim_sweep
 from .memory import format_memory
 from .small_calls import format_small_calls
@@ -44,6 +45,8 @@ def format_report(report, measurements):
         parts += ["", format_head_dim_sweep(report["head_dim_sweep"])]
     if report.get("head_dim_v"):
         parts += ["", format_value_dims(report["head_dim_v"])]
+    if report.get("fp8"):
+        parts += ["", format_fp8(report["fp8"])]
     if report.get("first_call"):
         parts += ["", format_first_call(report["first_call"])]
     if report.get("memory"):

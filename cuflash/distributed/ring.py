@@ -8,6 +8,7 @@ import numpy as np
 from .. import sinks as attention_sinks
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..errors import InvalidArgumentError
+from ..fp8 import check_not_fp8
 from ..masking import normalize_window
 from ..problem import check_sinks
 from .groups import start_exchange
@@ -54,6 +55,7 @@ class _Schedule:
 
     def __init__(self, group, layout, q, k, v, causal, window_size):
         self.rank, self.size = _check_group(group)
+        check_not_fp8([("q", q), ("k", k), ("v", v)])  # before any rank exchanges
         chunk_count(layout, self.size)
         _check_shards(q, k, v, layout, self.size)
         self.layout, self.shard_length = layout, q.shape[2]

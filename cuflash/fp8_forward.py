@@ -1,0 +1,293 @@
+"""The FP8 (e4m3) forward of the dense, packed and KV-cache functions (the FP8 page).
+
+Each call validates every argument first (the usual checks, with the FP8 dtypes
+checked by :mod:`cuflash.fp8`, then the descales and ``out_dtype``), then dequantizes
+its FP8 arrays to float32 (exactly; ``q`` times ``q_descale * k_descale``) and runs the
+float32 forward of its function, whose output it multiplies by ``v_descale`` and rounds
+to ``out_dtype``. The same steps run on NumPy and CuPy arrays, so the CPU path and the
+GPU path compute the same thing; on the GPU the dequantized copies are float32 arrays
+of the inputs' shapes (a native FP8 kernel is to replace this path).
+"""
+
+import numbers
+
+import numpy as np
+
+from . import fp8
+from .errors import InvalidArgumentError
+from .kvcache import kvcache_problem
+from .problem import _array_module, forward_problem
+from .varlen import varlen_problem, verified_offsets
+
+
+def dense_forward(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    kv_seq_len,
+    softmax_scale,
+    options,
+    fp8_format,
+    descales,
+    out_dtype,
+):
+    """:func:`cuflash.flash_attention_fwd` on FP8 ``q``, ``k``, ``v``; ``options`` are its
+    other keywords (``allow_tf32`` checked, then ignored: the float32 forward runs in
+    float32), ``descales`` ``(q_descale, k_descale, v_descale)``."""
+    from .api import flash_attention_fwd
+
+    named = [("q", q), ("k", k), ("v", v)]
+    _array_module(named)  # array kinds first, then their dtypes
+    storage = fp8.storage_dtype(named, fp8_format)
+    problem = forward_problem(
+        q,
+        k,
+        v,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale,
+        storage_dtype=storage,
+        **options,
+    )
+    xp = problem.xp
+    q_descale, k_descale, v_descale = fp8.check_descales(
+        descales, xp, problem.batch, problem.num_kv_heads
+    )
+    dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
+    if problem.is_empty:
+        return xp.empty(problem.out_shape, dtype=dtype), xp.empty(problem.lse_shape, np.float32)
+    group = problem.group_size
+    query_scale = fp8.per_head(xp, fp8.query_scale(xp, q_descale, k_descale), group)
+    out, lse = flash_attention_fwd(
+        fp8.decode(q, query_scale),
+        fp8.decode(k),
+        fp8.decode(v),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        kv_seq_len,
+        softmax_scale=softmax_scale,
+        **dict(options, allow_tf32=False),
+    )
+    return fp8.scaled_output(out, fp8.per_head(xp, v_descale, group), dtype), lse
+
+
+def _token_sequences(xp, cu_seqlens_q, total_q, count):
+    """The sequence of each query token, ``[total_q]`` (clamped to ``0 .. count - 1``,
+    so device offsets that break the rules index no descale outside its array)."""
+    tokens = xp.arange(total_q, dtype=np.int32)
+    found = xp.searchsorted(cu_seqlens_q, tokens, side="right") - 1
+    return xp.clip(found, 0, count - 1)
+
+
+def varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    options,
+    fp8_format,
+    descales,
+    out_dtype,
+):
+    """:func:`cuflash.flash_attention_varlen_fwd` on FP8 ``q``, ``k``, ``v``: the descales
+    are ``[B, num_kv_heads]`` with ``B`` the sequences (``options``: its other keywords,
+    ``softmax_scale``, ``allow_tf32`` and ``check`` among them)."""
+    from .varlen import flash_attention_varlen_fwd
+
+    named = [("q", q), ("k", k), ("v", v)]
+    _array_module(named)
+    storage = fp8.storage_dtype(named, fp8_format)
+    problem = varlen_problem(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        options["softmax_scale"],
+        options["allow_tf32"],
+        options["check"],
+        softcap=options["softcap"],
+        alibi_slopes=options["alibi_slopes"],
+        score_mod=options["score_mod"],
+        mask_mod=options["mask_mod"],
+        sinks=options["sinks"],
+        head_dim_v=options["head_dim_v"],
+        storage_dtype=storage,
+    )
+    xp = problem.xp
+    count = problem.attention.packed.count
+    q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, count, num_kv_heads)
+    dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
+    if options["check"] and xp is not np:  # before any kernel (the dequantization) runs
+        verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    query_scale = fp8.query_scale(xp, q_descale, k_descale)
+    rows = None
+    if count == 0:  # no sequence: every output row is zero, whatever the scales
+        query_scale = v_descale = None
+    elif any(hasattr(s, "dtype") for s in (query_scale, v_descale)):
+        rows = _token_sequences(xp, cu_seqlens_q, q.shape[0], count)
+    group = problem.attention.group_size
+    out, lse = flash_attention_varlen_fwd(
+        fp8.decode(q, fp8.per_head(xp, query_scale, group, rows)),
+        fp8.decode(k),
+        fp8.decode(v),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        **dict(options, allow_tf32=False, check=False),
+    )
+    return fp8.scaled_output(out, fp8.per_head(xp, v_descale, group, rows), dtype), lse
+
+
+def _append(xp, problem, cache, new, block_table, lengths):
+    """Write ``new`` ``[B, H_kv, S_new, D]`` into the FP8 ``cache`` at each sequence's
+    ``lengths`` (an int array ``[B]``, already clamped to ``0 .. capacity - S_new``); a
+    paged cache's block ids are clamped to its blocks, as the GPU kernels clamp them."""
+    positions = lengths[:, None] + xp.arange(problem.new_len)[None, :]
+    sequences = xp.arange(problem.batch)[:, None]
+    if problem.paged:
+        blocks = xp.clip(
+            block_table[sequences, positions // problem.block_size], 0, problem.num_blocks - 1
+        )
+        rows = positions % problem.block_size
+    else:
+        blocks, rows = sequences, positions
+    # [blocks, rows, H_kv, D] views: the two index arrays lead, side by side
+    cache.transpose(0, 2, 1, 3)[blocks, rows] = new.transpose(0, 2, 1, 3)
+
+
+def kvcache_forward(
+    q,
+    k_cache,
+    v_cache,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    window_size,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    return_lse,
+    check,
+    options,
+    rotary_tables,
+    fp8_format,
+    descales,
+    out_dtype,
+):
+    """:func:`cuflash.flash_attention_with_kvcache` with an FP8 cache (``q`` FP8, float16
+    or bfloat16; ``k_new``, ``v_new`` of the cache's dtype): the append into the FP8
+    cache in place, then attention over the whole cache dequantized to float32.
+    ``options``: ``softmax_scale`` and the score modifiers; ``rotary_tables``:
+    ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take."""
+    from .kvcache import flash_attention_with_kvcache
+
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if k_new is not None and v_new is not None:
+        named += [("k_new", k_new), ("v_new", v_new)]
+    _array_module(named)
+    storage = fp8.storage_dtype(named, fp8_format, sixteen_bit_first=True)
+    if any(t is not None for t in rotary_tables):
+        raise InvalidArgumentError(
+            "rotary_cos",
+            "not with an FP8 cache: the rotated keys would be rounded to e4m3; rotate "
+            "k before quantizing it",
+        )
+    problem = kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        options["softmax_scale"],
+        return_lse,
+        check,
+        options["softcap"],
+        options["alibi_slopes"],
+        options["score_mod"],
+        options["mask_mod"],
+        options["sinks"],
+        storage_dtype=storage,
+    )
+    xp = problem.xp
+    q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, problem.batch, num_kv_heads)
+    dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
+    if check and xp is not np:  # before the append writes the cache
+        from .kvcache_gpu import _verify_on_host
+
+        _verify_on_host(problem, cache_seqlens, block_table)
+    if isinstance(cache_seqlens, numbers.Integral):
+        lengths = xp.full(problem.batch, int(cache_seqlens), dtype=np.int32)
+        attended = int(cache_seqlens) + problem.new_len
+    else:  # host-held lengths are verified; device-held ones clamped like the kernels'
+        lengths = xp.clip(cache_seqlens, 0, problem.capacity - problem.new_len).astype(np.int32)
+        attended = lengths + np.int32(problem.new_len)
+    if problem.new_len and problem.batch:
+        _append(xp, problem, k_cache, k_new, block_table, lengths)
+        _append(xp, problem, v_cache, v_new, block_table, lengths)
+    group = problem.group_size
+    query_scale = fp8.per_head(xp, fp8.query_scale(xp, q_descale, k_descale), group)
+    if fp8.is_storage(q.dtype):
+        queries = fp8.decode(q, query_scale)
+    else:
+        queries = q.astype(np.float32)
+        if query_scale is not None:
+            queries *= query_scale if hasattr(query_scale, "dtype") else np.float32(query_scale)
+    out, lse = flash_attention_with_kvcache(
+        queries,
+        fp8.decode(k_cache),
+        fp8.decode(v_cache),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        cache_seqlens=attended,
+        block_table=block_table,
+        return_lse=True,
+        **options,
+    )
+    out = fp8.scaled_output(out, fp8.per_head(xp, v_descale, group), dtype)
+    return (out, lse) if return_lse else out

@@ -176,6 +176,7 @@ def choose(problem, direction, aligned):
         tensor_cores=aligned and dispatch.current() == "auto",
         excluded=dispatch.excluded(),
         modified=problem.modified,
+        head_dim_v=problem.head_dim_v,
     )
 
 
@@ -480,11 +481,12 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """The launches of one backward signature (atomic or deterministic)."""
+    """The launches of one backward signature (atomic or deterministic; v narrower than q
+    and k where its kernels take it: :meth:`takes_value_dims`)."""
 
     def __init__(self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic):
-        if problem.head_dim_v != problem.head_dim:  # no backward kernel takes two widths
-            raise ValueError("the backward kernels take one head dim (pad v instead)")
+        if not self.takes_value_dims(problem, dout, q, k, v, output, deterministic=deterministic):
+            raise ValueError("this backward takes one head dim (pad v instead)")
         self.problem = problem
         self.deterministic = deterministic
         given = (dout, q, k, v, output)
@@ -606,6 +608,20 @@ class BackwardPlan:
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
         self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout, problem.kv_capacity)
 
+    @staticmethod
+    def takes_value_dims(problem, dout, q, k, v, output, *rest, deterministic=False):
+        """Do the kernels a plan of ``problem`` runs (dK/dV, and the dQ pass where dQ is
+        not added by atomics) take its v's head dim as it is (``cuflash.value_dims`` pads
+        the calls of those that do not)?"""
+        if problem.head_dim_v == problem.head_dim:
+            return True
+        arrays = [unit_last_stride(cupy, a) for a in (q, k, v, dout)]
+        spec = choose(problem, "backward", rows_are_16_byte_aligned(arrays))
+        if not spec.takes_value_dims(problem.head_dim, problem.head_dim_v):
+            return False
+        atomic = not deterministic and spec.atomic_dq(problem.head_dim)
+        return atomic or spec.dq_pass().takes_value_dims(problem.head_dim, problem.head_dim_v)
+
     def __call__(
         self,
         dout,
@@ -654,6 +670,8 @@ class BackwardPlan:
         if sinks is not None:
             rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta
             dsinks = attention_sinks.gradient(cupy, sinks, lse, rows, 1)
+        # dK and dV take one set of strides in the kernels: a narrower dV is written into
+        # rows of head_dim columns and its first head_dim_v are copied out at the end.
         dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
         tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes), 0)
         inputs, scales = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr), ()
@@ -686,6 +704,8 @@ class BackwardPlan:
             self.zero_outside_q(stream, dq.data.ptr, tail[0])
             self.zero_outside_k(stream, dk.data.ptr, tail[1])
             self.zero_outside_k(stream, dv.data.ptr, tail[1])
+        if problem.head_dim_v != problem.head_dim:
+            dv = cupy.ascontiguousarray(dv[..., : problem.head_dim_v])
         if synchronize:
             cupy.cuda.get_current_stream().synchronize()
         return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)

@@ -78,13 +78,18 @@ class KernelSpec:
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
     # backward; None: a user's mask is evaluated on every tile.
     block_tiles: object = None
-    # A forward whose v (and output) may be narrower than q and k: a last template
-    # argument DV, v's head dim (cuflash.value_dims pads the calls of the others).
-    value_dims: bool = False
+    # A kernel whose v (and output, dout, dv) may be narrower than q and k: a last
+    # template argument DV, v's head dim (cuflash.value_dims pads the calls of the
+    # others); True, or a rule (head_dim, head_dim_v) -> bool for the narrower v it takes.
+    value_dims: object = False
 
     def takes_value_dims(self, head_dim, head_dim_v):
         """Whether it computes a call whose v has ``head_dim_v`` columns natively."""
-        return head_dim_v == head_dim or (self.value_dims and head_dim_v < head_dim)
+        if head_dim_v == head_dim:
+            return True
+        if not self.value_dims or head_dim_v > head_dim:
+            return False
+        return self.value_dims is True or self.value_dims(head_dim, head_dim_v)
 
     def serves_head_dim(self, head_dim, modified=True):
         """Whether it serves ``head_dim``; ``modified`` False: for a call without score
@@ -177,6 +182,19 @@ def _cxx(value):
 
 def _fixed(rows, threads=128):
     return lambda d: Traits(rows, threads, 0, ())
+
+
+def _splits_the_narrower_v(head_dim, head_dim_v):
+    """attention_bwd_dkdv_wgmma's narrower v: any in the 64 and 128 classes; in the 256
+    class one whose dV and dK columns split between its warpgroups at 32 to 144 columns
+    each (``best_split`` of kernels/tc_bwd_wg.cuh: the first warpgroup 64 or 128 of
+    each)."""
+    if tile_traits.head_dim_class(head_dim) < 256:
+        return True
+    dk, dvk = tile_traits.round_up(head_dim, 16), tile_traits.round_up(head_dim_v, 16)
+    return any(
+        32 <= dvk - dv <= 144 and 32 <= dk - dkc <= 144 for dv in (64, 128) for dkc in (64, 128)
+    )
 
 
 def _owned_and_visited(traits):
@@ -323,6 +341,7 @@ KERNELS = (
         block_tiles=_owned_and_visited,
         atomic_dq_head_dims=(8, 128),
         dq_kernel="backward_dq_wgmma",
+        value_dims=_splits_the_narrower_v,
     ),
     KernelSpec(
         "backward_mma_sync",
@@ -413,6 +432,7 @@ KERNELS = (
         ALL_HEAD_DIMS,
         "attention_bwd_delta",
         _fixed(4),
+        value_dims=True,
     ),
     KernelSpec(
         "backward_dq_general",
@@ -437,6 +457,7 @@ KERNELS = (
         needs_sm90a=True,
         modifiers=True,
         block_tiles=_owned_and_visited,
+        value_dims=True,
     ),
     KernelSpec(
         "backward_dq_mma_sync",
@@ -603,6 +624,7 @@ def choose(
     tensor_cores=True,
     excluded=frozenset(),
     modified=False,
+    head_dim_v=None,
 ):
     """The first kernel of ``direction`` that serves the call.
 
@@ -610,9 +632,12 @@ def choose(
     grid that cp.async needs) leaves the CUDA-core kernels only; ``excluded``
     names kernels to pass over (tests and benchmarks compare the next in line);
     ``modified`` (score modifiers) leaves the kernels compiled with them.
-    Kernels for sm_90a serve compute capability 9.0 only.
+    Kernels for sm_90a serve compute capability 9.0 only. With a ``head_dim_v`` other
+    than head_dim, the first that takes it natively (``takes_value_dims``), else the
+    first that serves the call (``cuflash.value_dims`` then pads it).
     """
     sm = generation(compute_capability)
+    first = None
     for spec in KERNELS:
         if (
             spec.direction != direction
@@ -626,7 +651,11 @@ def choose(
             continue
         if spec.instruction != "cuda cores" and not tensor_cores:
             continue
-        return spec
+        if head_dim_v is None or spec.takes_value_dims(head_dim, head_dim_v):
+            return spec
+        first = first or spec
+    if first is not None:
+        return first
     raise LookupError(f"no {direction} kernel serves {np.dtype(dtype)} head_dim {head_dim}")
 
 

@@ -1,8 +1,8 @@
 """A value head dim of its own (``head_dim_v``) on the GPU where a kernel does not take it.
 
-The forward kernel that takes v narrower than q and k natively
-(``forward_wgmma_ws``, the Hopper forward: ``KernelSpec.takes_value_dims``) runs
-such calls as they are. Every other kernel takes one head dim for q, k and v: a
+The kernels that take v narrower than q and k natively (``KernelSpec.takes_value_dims``:
+the Hopper forward ``forward_wgmma_ws``, the Hopper backward ``backward_wgmma`` with its
+dQ pass) run such calls as they are. Every other kernel takes one head dim for q, k and v: a
 call whose v is narrower or wider than q and k runs them on a problem of the
 wider width, the narrower operands padded with zero columns on the device, and
 slices the results back:
@@ -96,9 +96,12 @@ def forward_plan(build, problem, q, k, v):
 
 def backward_plan(build, problem, dout, q, k, v, out, *rest):
     """The same for a backward plan, ``build(problem, dout, q, k, v, out, *rest)``
-    (``gpu.BackwardPlan``, ``varlen.PackedBackward``): no backward kernel takes two
-    widths yet, so every such call is padded."""
-    if not pads_values(problem):
+    (``gpu.BackwardPlan``, ``varlen.PackedBackward``; ``rest`` ends with the call's
+    ``deterministic``), natively where ``build.takes_value_dims`` says so."""
+    deterministic = bool(rest[-1]) if rest else False
+    if not pads_values(problem) or build.takes_value_dims(
+        problem, dout, q, k, v, out, deterministic=deterministic
+    ):
         return build(problem, dout, q, k, v, out, *rest)
     padding = _Padding(problem)
     plan = build(widened(problem), *padding.widen(dout, q, k, v, out), *rest)

@@ -662,6 +662,16 @@ class PackedBackward:
                 deterministic,
             )
 
+    @staticmethod
+    def takes_value_dims(problem, dout, q, k, v, out, *rest, deterministic=False):
+        """``gpu.BackwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
+        from . import gpu
+
+        views = map(_heads_first, (dout, q, k, v, out))
+        return not problem.has_rows or gpu.BackwardPlan.takes_value_dims(
+            problem.attention, *views, deterministic=deterministic
+        )
+
     def __call__(
         self,
         dout,

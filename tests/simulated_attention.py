@@ -297,9 +297,13 @@ def run_backward(
         capability,
         excluded=frozenset(excluded),
         modified=problem.modified,
+        head_dim_v=problem.head_dim_v,
     )
     atomic = not deterministic and spec.atomic_dq(head_dim)
     dq_spec = None if atomic else spec.dq_pass()
+    # v narrower than q and k: the kernels that take it natively (as gpu.BackwardPlan)
+    assert spec.takes_value_dims(head_dim, problem.head_dim_v), spec.name
+    assert atomic or dq_spec.takes_value_dims(head_dim, problem.head_dim_v), dq_spec.name
     pieces = spec.precision == "float32"
     packed = problem.packed is not None
     # a dense float32 dQ is the atomics' buffer itself, else converted
@@ -429,7 +433,8 @@ def run_backward(
         _zero_outside(kernels, problem, dq, offsets[0])
         _zero_outside(kernels, problem, dk, offsets[1])
         _zero_outside(kernels, problem, dv, offsets[1])
-    return dq.array, dk.array, dv.array
+    # dV is written into rows of head_dim columns (the kernels' one dK/dV stride set)
+    return dq.array, dk.array, np.ascontiguousarray(dv.array[..., : problem.head_dim_v])
 
 
 def forward(
@@ -509,8 +514,10 @@ def backward(
     block_mask=None,
     excluded=(),
     capability=80,
+    head_dim_v=None,
 ):
-    """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``."""
+    """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``
+    (``head_dim_v``: v's head dim, for the kernels that take it natively)."""
     problem = backward_problem(
         dout,
         q,
@@ -532,6 +539,7 @@ def backward(
         score_mod=score_mod,
         mask_mod=mask_mod,
         block_mask=block_mask,
+        head_dim_v=head_dim_v,
     )
     return run_backward(
         problem,

@@ -378,8 +378,9 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
             assert pattern not in text, (path.relative_to(package), pattern)
 
 
-# v narrower than q and k (head_dim_v): the Hopper forward's DV instantiations, MLA's
-# (192, 128) first, each head-dim class of v below each of q/k's, DV = 16 j + 8.
+# v narrower than q and k (head_dim_v): the Hopper forward's and backward's DV
+# instantiations, MLA's (192, 128) first, each head-dim class of v below each of q/k's,
+# DV = 16 j + 8.
 VALUE_DIM_VARIANTS = [
     (registry.SIXTEEN_BIT_DTYPES[-1], 192, 128),
     (registry.SIXTEEN_BIT_DTYPES[0], 192, 128),
@@ -393,19 +394,27 @@ VALUE_DIM_VARIANTS = [
 @pytest.mark.parametrize("dtype, head_dim, head_dim_v", VALUE_DIM_VARIANTS, ids=lambda x: str(x))
 def test_value_dim_variants_compile_without_spills(dtype, head_dim, head_dim_v):
     """The variant of a call with v's own head dim holds the kernels that take it
-    (forward_wgmma_ws: its modified role, and its plain one from D = 72), instantiated
-    with DV, and the helpers (a packed forward's zeroing) as they are; the DV kernels
+    (forward_wgmma_ws: its modified role, and its plain one from D = 72; backward_wgmma
+    where its warpgroups split dV's columns, and the dQ pass), instantiated with DV, and
+    the helpers (Delta at DV columns; a packed call's zeroing as it is); the DV kernels
     compile for sm_90a with no spill, stack frame or serialized wgmma."""
     variant = kernel_build.Variant(dtype, head_dim, 90, head_dim_v)
     names = variant.kernel_names()
-    native = {"forward_wgmma_ws_modified"} | ({"forward_wgmma_ws"} if head_dim >= 72 else set())
-    helpers = {r for r in names if registry.BY_ROLE[r].direction == "helper"}
+    forward = {"forward_wgmma_ws_modified"} | ({"forward_wgmma_ws"} if head_dim >= 72 else set())
+    dq = {"backward_dq_wgmma", "backward_dq_wgmma_modified"}
+    dkdv = set()
+    if registry.BY_NAME["backward_wgmma"].takes_value_dims(head_dim, head_dim_v):
+        dkdv = set(registry.BY_NAME["backward_wgmma"].roles(head_dim))
+    native = forward | dq | dkdv
+    helpers = {r for r in names if registry.BY_ROLE[r].direction == "helper"} - dq
     assert "packed_zero_outside" in helpers and set(names) == native | helpers
-    assert all(names[role].endswith(f", {head_dim_v}>") for role in native)
+    assert all(names[role].endswith(f", {head_dim_v}>") for role in native | {"backward_delta"})
+    assert (head_dim, head_dim_v) not in ((192, 128), (128, 72)) or dkdv  # MLA's natively
     assert (
         names["packed_zero_outside"]
         == kernel_build.Variant(dtype, head_dim, 90).kernel_names()["packed_zero_outside"]
     )
+    native |= {"backward_delta"}
     report = kernel_build.compile_offline(variant, "sm_90a", roles=sorted(native))
     for role, info in report.kernels().items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (role, info)

@@ -18,6 +18,7 @@ from support import (
     PACKED_BOUND,
     Case,
     check_packed_results,
+    check_results,
     cupy,
     packed_inputs,
     random_inputs,
@@ -554,3 +555,66 @@ def test_gpu_cached_plans_still_check_head_dim_v(poisoned):
         cuflash.flash_attention_fwd(q, k, v, 4, 2, 64)
     with pytest.raises(cuflash.InvalidArgumentError, match=message):
         cuflash.flash_attention_bwd(dout, q, k, v, out, lse, 4, 2, 64)
+
+
+# ---- the native backward (backward_wgmma and its dQ pass, v narrower than q and k) in
+# the simulator
+
+SIMULATED_BACKWARD = [
+    # the MLA training head dims: the 256 class's warpgroups split dV's 128 columns and
+    # dK's 192 (64 + 128 and 64 + 64, a copy of the loop each), the dQ pass's dP over
+    # 128 columns; GQA, causal rows past the keys
+    (Case(dtype="bfloat16", batch=1, heads=2, kv_heads=1, q_len=150, kv_len=140), 192, 128, {}),
+    # the 128 class (the warp-specialized backward does not take D_v: the next kernel
+    # does), a window and kv_seq_len, D_v = 16 j + 8
+    (
+        Case(dtype="float16", batch=1, heads=2, kv_heads=2, q_len=70, kv_len=150),
+        128,
+        40,
+        dict(window=(60, 8), kv_seq_len=141),
+    ),
+    # the 64 class; an uneven split of the 256 class (dV's 144 columns as 64 + 80, dK's
+    # 256 as 128 + 128)
+    (Case(dtype="bfloat16", batch=2, heads=1, kv_heads=1, q_len=60, kv_len=60), 64, 32, {}),
+    (Case(dtype="float16", batch=1, heads=1, kv_heads=1, q_len=50, kv_len=90), 256, 136, {}),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    "case, d, dv, options",
+    SIMULATED_BACKWARD,
+    ids=lambda x: str(x) if isinstance(x, int) else None,
+)
+def test_native_backward_in_the_simulator(case, d, dv, options, deterministic, rng):
+    """attention_bwd_dkdv_wgmma and attention_bwd_dq_wgmma instantiated with DV < D (the
+    registry's choice on an H100/H200), their Delta at DV columns, against the oracle by
+    the GPU tests' rule, atomic and deterministic dQ (the forward's out and lse from the
+    CPU path)."""
+    simulated = _simulator()
+    case = dataclasses.replace(case, head_dim=d, head_dim_v=dv, **options)
+    spec = cuflash.registry.choose("backward", DTYPES[case.dtype], d, 90, head_dim_v=dv)
+    assert spec.name == "backward_wgmma" and spec.takes_value_dims(d, dv)
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, head_dim_v=dv)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)  # the CPU path's
+    grads = simulated.backward(
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic, capability=90
+    )
+    assert grads[2].shape == v.shape
+    check_results(case, (q, k, v, dout), out, lse, grads)
+
+
+def test_backward_takes_the_narrower_v_where_its_kernels_do():
+    """On an H100/H200 the 16-bit backward of a narrower v runs natively on backward_wgmma
+    (and its dQ pass), but in the 256 class only where its warpgroups can split dV's and
+    dK's columns (64 of v's or fewer cannot); a wider v is padded."""
+    bf16 = DTYPES["bfloat16"]
+    spec = cuflash.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
+    assert spec.name == "backward_wgmma" and spec.dq_pass().takes_value_dims(192, 128)
+    assert cuflash.registry.choose("backward", bf16, 128, 90).name == "backward_wgmma_ws"
+    assert cuflash.registry.choose("backward", bf16, 128, 90, head_dim_v=64).name == (
+        "backward_wgmma"
+    )
+    assert not spec.takes_value_dims(192, 64) and not spec.takes_value_dims(128, 192)
+    assert spec.takes_value_dims(128, 64)

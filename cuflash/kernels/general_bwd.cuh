@@ -21,7 +21,8 @@
 
 namespace cuflash {
 
-template <typename T, int D>
+// DV: the head dim of dO and O (v's), D's unless v has its own.
+template <typename T, int D, int DV = D>
 __global__ void __launch_bounds__(128)
     attention_bwd_delta(const T* __restrict__ dout, const T* __restrict__ out,
                         const float* __restrict__ lse, float* __restrict__ delta,
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(128)
     const T* dO = dout + offset_of(dout_st, b, h, row);
     const T* O = out + offset_of(out_st, b, h, row);
     float sum = 0.f;
-    for (int d = lane; d < D; d += 32) sum += to_float(dO[d]) * to_float(O[d]);
+    for (int d = lane; d < DV; d += 32) sum += to_float(dO[d]) * to_float(O[d]);
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) {

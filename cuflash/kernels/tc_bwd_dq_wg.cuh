@@ -21,7 +21,7 @@
 
 namespace cuflash {
 
-template <typename T, int D, int BN, bool MODIFIED>
+template <typename T, int D, int BN, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
     attention_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, const T* __restrict__ dout,
@@ -37,6 +37,10 @@ __global__ void __launch_bounds__(256, 1)
     constexpr int BM = 128, NT = 256, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && (BN == 32 || BN == 64), "tile shape");
+    // v's (and dO's) head dim DV may be below D (MLA): dO and V fill DVK columns of the
+    // same tiles and dP = dO V^T takes DVK / 16 steps.
+    constexpr int DVK = round_up(DV, 16), DVSTEPS = DVK / 16;
+    static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     // Scores the modifiers change take the per-element path on every tile.
     constexpr bool SCORES_MODIFIED = MODIFIED && !Modifiers<MODIFIED>::mask_only;
     CUFLASH_STRIDES_OF(q);
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(256, 1)
         score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
 
     cp_async_tile_sw128<BM, DK, NT, D>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-    cp_async_tile_sw128<BM, DK, NT, D>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+    cp_async_tile_sw128<BM, DVK, NT, DV>(dOs, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     int n_start, tiles;
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
@@ -77,7 +81,8 @@ __global__ void __launch_bounds__(256, 1)
     auto load_kv = [&](int tile, int buf) {
         const int n0 = n_start + tile * BN, keys = mask.kv_len - n0;
         cp_async_tile_sw128<BN, DK, NT, D>(Ks + buf * BN * DL, k_head + n0 * k_st.s, k_st.s, keys);
-        cp_async_tile_sw128<BN, DK, NT, D>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s, keys);
+        cp_async_tile_sw128<BN, DVK, NT, DV>(Vs + buf * BN * DL, v_head + n0 * v_st.s, v_st.s,
+                                             keys);
     };
     if (tiles > 0) load_kv(0, 0);
     cp_async_commit();
@@ -114,7 +119,7 @@ __global__ void __launch_bounds__(256, 1)
         }
         wgmma_commit();
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
+        for (int ks = 0; ks < DVSTEPS; ++ks) {
             const int q_at = (ks >> 2) * (BM * 64) + wg * (64 * 64) + (ks & 3) * 16;
             const int kv_at = (ks >> 2) * (BN * 64) + (ks & 3) * 16;
             Wgmma<T, BN>::ss(dp, wgmma_desc(dOs + q_at, 16, ATOM), wgmma_desc(Vb + kv_at, 16, ATOM),

@@ -50,31 +50,38 @@ struct WarpgroupColumns {
     int dv_first, dk_first;
 };
 
-// Past head_dim 128 the warpgroups share the columns of dV and dK: warpgroup 0 the
-// first 64 or 128 of each, warpgroup 1 the rest, the split with the fewest columns
-// on the busier warpgroup (at DK = 256 128 of each; at DK = 192 warpgroup 0 owns dV's
-// first 128 and dK's first 64).
+// Past head_dim 128 the warpgroups share the columns of dV (DVK of them) and dK (DK):
+// warpgroup 0 the first 64 or 128 of each, warpgroup 1 the rest, the split with the
+// fewest columns on the busier warpgroup (at DK = 256 128 of each; at DK = 192
+// warpgroup 0 owns dV's first 128 and dK's first 64; at DK = 192, DVK = 128 (MLA)
+// 64 of dV and 128 of dK).
 struct SplitPlan {
     int dv_first, dk_first;
 };
-__host__ __device__ constexpr SplitPlan best_split(int dk) {
-    SplitPlan best{128, 128};
+// The split must leave each warpgroup 32 to 144 columns of each (the N of
+// Wgmma::ss_nb); none does: dv_first 0 (the registry pads such a v).
+__host__ __device__ constexpr SplitPlan best_split(int dk, int dvk) {
+    SplitPlan best{0, 0};
     int best_load = 1 << 30;
     for (int dv = 128; dv >= 64; dv -= 64)
         for (int dkc = 128; dkc >= 64; dkc -= 64) {
-            const int first = dv + dkc, second = 2 * dk - dv - dkc;
+            const int first = dv + dkc, second = dk + dvk - dv - dkc;
             const int load = first > second ? first : second;
-            if (dv < dk && dkc < dk && load < best_load) {
+            const bool fits =
+                dvk - dv >= 32 && dvk - dv <= 144 && dk - dkc >= 32 && dk - dkc <= 144;
+            if (fits && load < best_load) {
                 best_load = load;
                 best = SplitPlan{dv, dkc};
             }
         }
     return best;
 }
-static_assert(best_split(256).dv_first == 128 && best_split(256).dk_first == 128, "DK = 256");
-static_assert(best_split(192).dv_first + best_split(192).dk_first == 192, "DK = 192");
+static_assert(best_split(256, 256).dv_first == 128 && best_split(256, 256).dk_first == 128,
+              "DK = 256");
+static_assert(best_split(192, 192).dv_first + best_split(192, 192).dk_first == 192, "DK = 192");
+static_assert(best_split(192, 128).dv_first + best_split(192, 128).dk_first == 192, "MLA");
 
-template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED>
+template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
     attention_bwd_dkdv_wgmma(const T* __restrict__ q, const T* __restrict__ k,
                              const T* __restrict__ v, const T* __restrict__ dout,
@@ -88,6 +95,10 @@ __global__ void __launch_bounds__(256, 1)
     // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
     // products over the head_dim take DK / 16 k16 steps (padding columns zeros).
     constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
+    // v's (and dO's, dV's) head dim DV may be below D (MLA): V and dO fill DVK columns
+    // of the same tiles, dP^T takes DVK / 16 steps and dV has DVK columns.
+    constexpr int DVK = round_up(DV, 16), DVSTEPS = DVK / 16;
+    static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     constexpr bool SPLIT_D = DT == 256;  // warpgroups split the columns, not the keys
     constexpr bool EXCHANGE = SPLIT_D;   // and S^T, dP^T by queries, P^T, dS^T via smem
     constexpr int BN = SPLIT_D ? 64 : 128, NT = 256, QTILES = BM / 8, KSTEPS = DK / 16;
@@ -145,13 +156,13 @@ __global__ void __launch_bounds__(256, 1)
                                delta + head_rows + m0, rows);
         cp_async_tile_sw128<BM, DK, NT, D>(Qs + buf * BM * DT, q + offset_of(q_st, b, h, m0),
                                            q_st.s, rows);
-        cp_async_tile_sw128<BM, DK, NT, D>(dOs + buf * BM * DT, dout + offset_of(dout_st, b, h, m0),
-                                           dout_st.s, rows);
+        cp_async_tile_sw128<BM, DVK, NT, DV>(dOs + buf * BM * DT,
+                                             dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
     };
     if (steps.count > 0) {
         const int keys = mask.kv_len - n0;
         cp_async_tile_sw128<BN, DK, NT, D>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile_sw128<BN, DK, NT, D>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
+        cp_async_tile_sw128<BN, DVK, NT, DV>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
         load_step(0, 0);
     }
     cp_async_commit();
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(256, 1)
             }
             wgmma_commit();
 #pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
+            for (int ks = 0; ks < DVSTEPS; ++ks) {
                 const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
                 const int q_at = (ks >> 2) * (BM * 64) + q0 * 64 + (ks & 3) * 16;
                 Wgmma<T, SN>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
@@ -364,13 +375,14 @@ __global__ void __launch_bounds__(256, 1)
         const long long tile_key = offset_of(dkv_st, b, hk, n0);
         store_fragment_rows<T, D, DK_TILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
                                             columns.dk_first, dk_acc, scale);
-        store_fragment_rows<T, D, DV_TILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
-                                            columns.dv_first, dv_acc, 1.f);
+        store_fragment_rows<T, DV, DV_TILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0,
+                                             columns.dv_first, dv_acc, 1.f);
     };
-    constexpr SplitPlan plan = best_split(DK);
-    if constexpr (SPLIT_D && DK < 256) {  // a copy of the loop a warpgroup
+    constexpr SplitPlan plan = best_split(DK, DVK);
+    static_assert(!SPLIT_D || plan.dv_first > 0, "no split of dV and dK between the warpgroups");
+    if constexpr (SPLIT_D && (DK < 256 || DVK < 256)) {  // a copy of the loop a warpgroup
         using First = WarpgroupColumns<plan.dv_first, plan.dk_first>;
-        using Second = WarpgroupColumns<DK - plan.dv_first, DK - plan.dk_first>;
+        using Second = WarpgroupColumns<DVK - plan.dv_first, DK - plan.dk_first>;
         // The warpgroup index made warp-uniform for ptxas (each copy holds wgmma).
         if (__shfl_sync(0xffffffffu, wg, 0) == 0)
             run(First{0, 0});
@@ -379,7 +391,7 @@ __global__ void __launch_bounds__(256, 1)
     } else if constexpr (SPLIT_D) {  // 128 columns of each a warpgroup: one copy
         run(WarpgroupColumns<128, 128>{128 * wg, 128 * wg});
     } else {
-        run(WarpgroupColumns<DK, DK>{0, 0});
+        run(WarpgroupColumns<DVK, DK>{0, 0});
     }
 }
 

@@ -44,7 +44,7 @@ class KernelSpec:
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
     of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
-    :class:`Traits`; ``template``: the C++ function template. ``padded_dq``: the
+    :class:`cuflash.tile_traits.Traits`; ``template``: the C++ function template. ``padded_dq``: the
     atomic dQ accumulates in rows of the head-dim class's width.
     """
 

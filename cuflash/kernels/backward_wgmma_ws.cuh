@@ -13,8 +13,8 @@
 //     come back. Its copy loops are not unrolled: 40 registers a thread.
 //   warpgroups 1 and 2, the consumers, own keys [64 c, 64 c + 64) of the
 //     tile and all columns of their dK and dV (in registers, 232 a thread);
-//     they wait on the barriers only and hand each stage back once every
-//     product of the step has read it.
+//     they wait on the barriers only, and each thread hands each stage back
+//     once its products and its own loads of lse and Delta have read it.
 // Per query tile, each consumer (M = 64 keys), as attention_bwd_dkdv_wgmma:
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
@@ -67,7 +67,10 @@ __global__ void __launch_bounds__(384, 1)
     static_assert(DT == 128 && BM == 64, "tile shape");
     // The atomic dQ: consumer c adds columns [64 c, + 64) over all 128 keys.
     constexpr int DQ_COLS = 64, DQ_KSTEPS = BN / 16;
-    using Ring = StageRing<STAGES, 2>;
+    // A stage's empty barrier takes an arrival from every consumer thread: each reads the
+    // stage's lse and Delta with its own loads (racecheck found one thread a warpgroup
+    // handing the stage back while other warps still read them).
+    using Ring = StageRing<STAGES, 256>;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);
     CUFLASH_STRIDES_OF(v);
@@ -133,9 +136,8 @@ __global__ void __launch_bounds__(384, 1)
     const int consumer = (threadIdx.x >> 7) - 1;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp_row = warp * 16;
-    const int wg_key0 = consumer * 64;                 // the consumer's first key in the tile
-    const int key_row = wg_key0 + warp_row;            // the warp's
-    const bool signalling = (threadIdx.x & 127) == 0;  // hands the stages back
+    const int wg_key0 = consumer * 64;       // the consumer's first key in the tile
+    const int key_row = wg_key0 + warp_row;  // the warp's
 
     float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
         pin_registers(dv_acc);
         pin_registers(dk_acc);
-        ring->release(step, signalling);  // every product of the step has read the stage
+        ring->release(step, true);  // this thread's products and loads have read the stage
     }
 
     const long long tile_key = offset_of(dkv_st, b, hk, n0);

@@ -56,8 +56,10 @@ __device__ __forceinline__ void registers_up() {
 
 // The ring of STAGES shared-memory stages of one operand: `full[s]` completes
 // when the copies of the producer's 128 threads into stage s have landed; `empty[s]`
-// when each of the CONSUMERS warpgroups has finished reading it. Use i of the
-// ring (0, 1, ...) is stage i % STAGES in phase (i / STAGES) & 1.
+// after CONSUMERS arrivals: one a consumer warpgroup where only its wgmma read the
+// stage (the forward), one a consumer thread where threads also load from it (the
+// backward's lse and Delta). Use i of the ring (0, 1, ...) is stage i % STAGES in
+// phase (i / STAGES) & 1.
 template <int STAGES, int CONSUMERS>
 struct StageRing {
     unsigned long long full[STAGES], empty[STAGES];
@@ -81,7 +83,8 @@ struct StageRing {
     __device__ __forceinline__ void wait_full(int use) {
         mbarrier_wait(&full[stage(use)], parity(use));
     }
-    // Consumer: one thread of a warpgroup, once the warpgroup's reads are done.
+    // Consumer: an arrival (`signalling`), once this thread's (or warpgroup's) reads
+    // are done.
     __device__ __forceinline__ void release(int use, bool signalling) {
         if (signalling) mbarrier_arrive(&empty[stage(use)]);
     }

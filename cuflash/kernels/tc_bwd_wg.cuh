@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(256, 1)
             const int buf = step & 1;
             cp_async_wait<0>();
             fence_proxy_async();
-            __syncthreads();  // this step's tile is in shared memory; the previous step is done
+            // this step's tile is in shared memory; the previous step is done
+            block_sync_divergent<NT>();
             if (step + 1 < steps.count) load_step(step + 1, buf ^ 1);
             cp_async_commit();
             const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(256, 1)
             };
             if (ATOMIC_DQ || EXCHANGE) {  // both warpgroups' halves are read
                 fence_proxy_async();
-                __syncthreads();
+                block_sync_divergent<NT>();
             }
             // With BM = 128 dQ goes after dV and dK: P^T and dS^T of 128 queries in
             // registers next to dQ's accumulators spill.

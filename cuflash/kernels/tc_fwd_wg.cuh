@@ -52,6 +52,14 @@ __device__ __forceinline__ void complete_before_wait(float* slot, float value) {
 __device__ __forceinline__ void warpgroup_sync(int wg) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
+// A barrier of the block's NT threads from code the warpgroups may reach at different
+// instructions (each running its own copy of a loop): barrier.sync without .aligned.
+// __syncthreads is bar.sync 0, the .aligned form, which needs every thread at the same
+// instruction (compute-sanitizer's synccheck reports divergent threads there).
+template <int NT>
+__device__ __forceinline__ void block_sync_divergent() {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(0), "n"(NT) : "memory");
+}
 // cp.async and plain stores write shared memory through the generic proxy;
 // wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {

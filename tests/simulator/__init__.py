@@ -189,7 +189,7 @@ def _translate(body):
         return f"::sim::mov_dynamic_smem_size({args[0]})"
     if "red.global.add.v2.f32" in template:  # setp.ne p, %3, 0; @p red [%0], {%1, %2}
         return f"::sim::red_global_add_v2_f32({args[0]}, {args[1]}, {args[2]}, ({args[3]}) != 0)"
-    m = re.search(r"bar\.(sync|arrive)\s+%0,\s*(\d+|%1)", template)
+    m = re.search(r"(?:bar|barrier)\.(sync|arrive)\s+%0,\s*(\d+|%1)", template)
     if m:
         count = args[1] if m.group(2) == "%1" else m.group(2)
         return f"::sim::bar_{m.group(1)}({args[0]}, {count})"

@@ -17,6 +17,9 @@ _CURRENT = contextvars.ContextVar("cuflash_kernel_path", default="auto")
 _EXCLUDED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
     "cuflash_excluded_kernels", default=frozenset()
 )
+_TRIED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "cuflash_tried_kernels", default=frozenset()
+)
 
 
 @contextlib.contextmanager
@@ -71,3 +74,30 @@ def skip_kernels(*names):
 def excluded():
     """The kernels passed over in this context (see :func:`skip_kernels`)."""
     return _EXCLUDED.get()
+
+
+@contextlib.contextmanager
+def try_kernels(*names):
+    """Let the dispatch take the opt-in kernels ``names`` (``KernelSpec.opt_in`` of
+    ``cuflash.registry.KERNELS``: written and checked without a GPU, awaiting their GPU
+    run) inside the ``with`` block, where they serve the call, for tests and benchmarks.
+
+    >>> import cuflash
+    >>> with cuflash.dispatch.try_kernels("backward_wgmma_ws"):
+    ...     pass
+    """
+    from . import registry
+
+    unknown = set(names) - {spec.name for spec in registry.KERNELS if spec.opt_in}
+    if unknown:
+        raise InvalidArgumentError("names", f"not opt-in kernels: {sorted(unknown)}")
+    token = _TRIED.set(_TRIED.get() | frozenset(names))
+    try:
+        yield
+    finally:
+        _TRIED.reset(token)
+
+
+def tried():
+    """The opt-in kernels the dispatch may take in this context (see :func:`try_kernels`)."""
+    return _TRIED.get()

@@ -177,6 +177,7 @@ def choose(problem, direction, aligned):
         excluded=dispatch.excluded(),
         modified=problem.modified,
         head_dim_v=problem.head_dim_v,
+        tried=dispatch.tried(),
     )
 
 

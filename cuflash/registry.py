@@ -82,6 +82,9 @@ class KernelSpec:
     # template argument DV, v's head dim (cuflash.value_dims pads the calls of the
     # others); True, or a rule (head_dim, head_dim_v) -> bool for the narrower v it takes.
     value_dims: object = False
+    # Taken by the dispatch only inside ``cuflash.dispatch.try_kernels`` (its ``tried``):
+    # written and checked without a GPU (compiler, simulator), awaiting a GPU run.
+    opt_in: bool = False
 
     def takes_value_dims(self, head_dim, head_dim_v):
         """Whether it computes a call whose v has ``head_dim_v`` columns natively."""
@@ -311,8 +314,10 @@ KERNELS = (
     ),
     # The warp-specialized backward of plain calls in the 128 class (a producer
     # warpgroup feeds Q, dO, lse and Delta through a ring of stages); its register
-    # split leaves no room for the modifiers or the 64 class's atomic dQ
-    # (docs/kernels/backward-sm90-wgmma.md).
+    # split leaves no room for the modifiers or the 64 class's atomic dQ. Opt-in: its
+    # first GPU run (D = 128, S = 4096) measured the deterministic backward 10 % above
+    # backward_wgmma's and the atomic one 12 % below, and racecheck found a stage handed
+    # back early, fixed since without a GPU (docs/kernels/backward-sm90-wgmma.md).
     KernelSpec(
         "backward_wgmma_ws",
         "backward",
@@ -326,6 +331,7 @@ KERNELS = (
         padded_dq=True,
         atomic_dq_head_dims=(72, 128),
         dq_kernel="backward_dq_wgmma",
+        opt_in=True,
     ),
     KernelSpec(
         "backward_wgmma",
@@ -625,6 +631,7 @@ def choose(
     excluded=frozenset(),
     modified=False,
     head_dim_v=None,
+    tried=frozenset(),
 ):
     """The first kernel of ``direction`` that serves the call.
 
@@ -634,7 +641,8 @@ def choose(
     ``modified`` (score modifiers) leaves the kernels compiled with them.
     Kernels for sm_90a serve compute capability 9.0 only. With a ``head_dim_v`` other
     than head_dim, the first that takes it natively (``takes_value_dims``), else the
-    first that serves the call (``cuflash.value_dims`` then pads it).
+    first that serves the call (``cuflash.value_dims`` then pads it). An ``opt_in``
+    kernel serves only when ``tried`` names it.
     """
     sm = generation(compute_capability)
     first = None
@@ -642,6 +650,7 @@ def choose(
         if (
             spec.direction != direction
             or spec.name in excluded
+            or (spec.opt_in and spec.name not in tried)
             or sm not in spec.archs
             or (spec.needs_sm90a and compute_capability != 90)
             or not spec.serves_head_dim(head_dim, modified)

@@ -20,7 +20,7 @@ import cupy
 
 import cuflash
 from cuflash.bench import time_calls
-from cuflash.dispatch import skip_kernels
+from cuflash.dispatch import skip_kernels, try_kernels
 from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
@@ -42,8 +42,10 @@ PATHS_16 = {
     ),
     "sync": ("auto", ("forward_wgmma_ws",), False, False),
     # without the warp-specialized kernels (the previous defaults), atomic and deterministic
-    "nows": ("auto", ("forward_wgmma_ws", "backward_wgmma_ws"), False, False),
-    "nows-det": ("auto", ("forward_wgmma_ws", "backward_wgmma_ws"), False, True),
+    # the opt-in warp-specialized backward (cuflash.dispatch.try_kernels), atomic and
+    # deterministic
+    "ws": ("auto", (), False, False),
+    "ws-det": ("auto", (), False, True),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False, False),
 }
 PATHS_32 = {
@@ -77,7 +79,8 @@ def main(cases, float32=False, only=None):
         for name, (path, skipped, tf32, det) in (PATHS_32 if float32 else PATHS_16).items():
             if only and name not in only:
                 continue
-            with cuflash.kernel_path(path), skip_kernels(*skipped):
+            tried = ("backward_wgmma_ws",) if name.startswith("ws") else ()
+            with cuflash.kernel_path(path), skip_kernels(*skipped), try_kernels(*tried):
                 fwd = median_ms(
                     lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal, allow_tf32=tf32)
                 )

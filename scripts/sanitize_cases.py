@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash.dispatch import skip_kernels
+from cuflash.dispatch import skip_kernels, try_kernels
 from cuflash.problem import BFLOAT16
 
 # name -> (kernel path, kernels skipped, allow_tf32). "auto" runs the defaults (on
@@ -38,9 +38,10 @@ SETTINGS = {
     # the 16-bit forwards alone, dense and packed (the warp-specialized kernel
     # from head_dim 72 up and with modifiers): a short run for a kernel change
     "forward-16": ("auto", (), False),
-    # the 16-bit defaults, forward and backward (the warp-specialized backward in the
-    # 128 class), dense and packed
+    # the 16-bit defaults, forward and backward, dense and packed; "ws-16" the same with
+    # the opt-in warp-specialized backward (cuflash.dispatch.try_kernels)
     "auto-16": ("auto", (), False),
+    "ws-16": ("auto", (), False),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False),
     "tf32": ("auto", (), True),
 }
@@ -65,14 +66,15 @@ def main(settings):
     ]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
         float32 = dtype == np.float32
-        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16")
+        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16", "ws-16")
         if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
             continue  # 16-bit kernels; float32 kernels
         path, skipped, tf32 = SETTINGS[setting]
         cfg = dict(cfg, allow_tf32=tf32)
         q = cupy.asarray(rng.standard_normal((1, 4, 70, d)).astype(dtype))
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 90, d)).astype(dtype)) for _ in "kv")
-        with cuflash.kernel_path(path), skip_kernels(*skipped):
+        tried = ("backward_wgmma_ws",) if setting == "ws-16" else ()
+        with cuflash.kernel_path(path), skip_kernels(*skipped), try_kernels(*tried):
             out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, d, **cfg)
             for det in () if setting == "forward-16" else (False, True):
                 grads = cuflash.flash_attention_bwd(
@@ -83,7 +85,8 @@ def main(settings):
         if bool(cupy.isnan(out).any()):
             failures += 1
         if cfg.get("kv_seq_len") is None:
-            failures += packed_calls(rng, dtype, d, path, skipped, cfg)
+            with try_kernels(*tried):
+                failures += packed_calls(rng, dtype, d, path, skipped, cfg)
     if "auto" in settings:
         failures += kvcache_and_ring_calls(rng, head_dims)
     for setting in settings:

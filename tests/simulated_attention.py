@@ -17,7 +17,7 @@ import math
 import numpy as np
 import simulator
 
-from cuflash import registry, tile_traits
+from cuflash import dispatch, registry, tile_traits
 from cuflash.gpu import USER_ARGS_DTYPE, _functors
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import _heads_first, varlen_problem
@@ -224,6 +224,7 @@ def run_forward(
         problem.head_dim,
         capability,
         excluded=frozenset(excluded),
+        tried=dispatch.tried(),
         modified=problem.modified,
     )
     assert spec.takes_value_dims(problem.head_dim, problem.head_dim_v), spec.name
@@ -296,6 +297,7 @@ def run_backward(
         head_dim,
         capability,
         excluded=frozenset(excluded),
+        tried=dispatch.tried(),
         modified=problem.modified,
         head_dim_v=problem.head_dim_v,
     )

@@ -85,7 +85,7 @@ class _Padding:
 
 def forward_plan(build, problem, q, k, v):
     """``build(problem, q, k, v)``, a forward plan (``gpu.ForwardPlan``,
-    ``varlen.PackedForward``), for a problem of equal widths or one its kernel takes
+    ``packed_plans.PackedForward``), for a problem of equal widths or one its kernel takes
     natively (``build.takes_value_dims``); else that plan built at the common width,
     wrapped in the padding."""
     if not pads_values(problem) or build.takes_value_dims(problem, q, k, v):
@@ -96,7 +96,7 @@ def forward_plan(build, problem, q, k, v):
 
 def backward_plan(build, problem, dout, q, k, v, out, *rest):
     """The same for a backward plan, ``build(problem, dout, q, k, v, out, *rest)``
-    (``gpu.BackwardPlan``, ``varlen.PackedBackward``; ``rest`` ends with the call's
+    (``gpu.BackwardPlan``, ``packed_plans.PackedBackward``; ``rest`` ends with the call's
     ``deterministic``), natively where ``build.takes_value_dims`` says so."""
     deterministic = bool(rest[-1]) if rest else False
     if not pads_values(problem) or build.takes_value_dims(

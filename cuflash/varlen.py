@@ -23,6 +23,7 @@ import numpy as np
 from . import cpu, fp8, plans, value_dims
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
+from .packed_plans import PackedBackward, PackedForward, heads_first
 from .problem import (
     MAX_GRID_YZ,
     PackedSequences,
@@ -99,12 +100,6 @@ def _check_offsets(name, offsets, total, max_name, max_seqlen, tokens):
         )
 
 
-def _heads_first(x, start=None, stop=None):
-    """Tokens ``[start, stop)`` of a packed ``[tokens, heads, D]`` array as a
-    ``[1, heads, n, D]`` view (unit last stride: the dense functions take it as it is)."""
-    return x[start:stop][None].transpose(0, 2, 1, 3)
-
-
 def varlen_problem(
     q,
     k,
@@ -160,9 +155,9 @@ def varlen_problem(
     max_seqlen_q = _count("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _count("max_seqlen_k", max_seqlen_k, 0)
     attention = forward_problem(
-        _heads_first(q),
-        _heads_first(k),
-        _heads_first(v),
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
         num_heads,
         num_kv_heads,
         head_dim,
@@ -171,7 +166,7 @@ def varlen_problem(
         None,
         softmax_scale,
         allow_tf32=allow_tf32,
-        extra_arrays=[(name, _heads_first(a)) for name, a in extra_arrays],
+        extra_arrays=[(name, heads_first(a)) for name, a in extra_arrays],
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         alibi_batch=count,
@@ -378,7 +373,7 @@ def _forward_per_sequence(
     out = np.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype)
     lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
     for b, q0, q1, k0, k1 in problem.sequences():
-        views = (_heads_first(q, q0, q1), _heads_first(k, k0, k1), _heads_first(v, k0, k1))
+        views = (heads_first(q, q0, q1), heads_first(k, k0, k1), heads_first(v, k0, k1))
         slopes = _sequence_slopes(alibi_slopes, b)
         sequence = _sequence_problem(
             forward_problem(
@@ -403,44 +398,6 @@ def _forward_per_sequence(
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
-
-
-class PackedForward:
-    """The launches of one packed forward signature: the dense forward's kernels over
-    ``[1, H, total, D]`` views, a block per (query tile, head, sequence), writing the
-    outputs in the packed layout."""
-
-    def __init__(self, problem, q, k, v):
-        from . import gpu  # imported on first GPU use only
-
-        self.problem = problem
-        self.dense = None
-        if problem.has_rows:
-            self.dense = gpu.ForwardPlan(problem.attention, *map(_heads_first, (q, k, v)))
-
-    @staticmethod
-    def takes_value_dims(problem, q, k, v):
-        """``gpu.ForwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
-        from . import gpu
-
-        views = map(_heads_first, (q, k, v))
-        return not problem.has_rows or gpu.ForwardPlan.takes_value_dims(problem.attention, *views)
-
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks=None):
-        xp = self.problem.xp
-        attention = self.problem.attention
-        if self.dense is None:  # no query row to compute
-            return (
-                xp.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype),
-                xp.full((attention.num_heads, self.problem.total_q), -np.inf, dtype=np.float32),
-            )
-        out, lse = self.dense(
-            *map(_heads_first, (q, k, v)),
-            offsets=(cu_seqlens_q, cu_seqlens_k),
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-        )
-        return out, lse[0]
 
 
 def flash_attention_varlen_bwd(
@@ -605,11 +562,11 @@ def _backward_per_sequence(
     dv = np.zeros(v.shape, dtype=attention.dtype)
     for b, q0, q1, k0, k1 in problem.sequences():
         views = (
-            _heads_first(dout, q0, q1),
-            _heads_first(q, q0, q1),
-            _heads_first(k, k0, k1),
-            _heads_first(v, k0, k1),
-            _heads_first(out, q0, q1),
+            heads_first(dout, q0, q1),
+            heads_first(q, q0, q1),
+            heads_first(k, k0, k1),
+            heads_first(v, k0, k1),
+            heads_first(out, q0, q1),
             np.ascontiguousarray(lse[:, q0:q1])[None],
         )
         slopes = _sequence_slopes(alibi_slopes, b)
@@ -644,65 +601,6 @@ def _backward_per_sequence(
         rows[q0:q1] = True
     delta = np.where(rows, attention_sinks.row_deltas(dout, out).T, np.float32(0))
     return dq, dk, dv, attention_sinks.gradient(np, sinks, lse, delta, 0)
-
-
-class PackedBackward:
-    """The launches of one packed backward signature (see :class:`PackedForward`)."""
-
-    def __init__(self, problem, dout, q, k, v, out, lse, deterministic):
-        from . import gpu  # imported on first GPU use only
-
-        self.problem = problem
-        self.dense = None
-        if problem.has_rows:
-            self.dense = gpu.BackwardPlan(
-                problem.attention,
-                *map(_heads_first, (dout, q, k, v, out)),
-                lse.flags.c_contiguous,
-                deterministic,
-            )
-
-    @staticmethod
-    def takes_value_dims(problem, dout, q, k, v, out, *rest, deterministic=False):
-        """``gpu.BackwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
-        from . import gpu
-
-        views = map(_heads_first, (dout, q, k, v, out))
-        return not problem.has_rows or gpu.BackwardPlan.takes_value_dims(
-            problem.attention, *views, deterministic=deterministic
-        )
-
-    def __call__(
-        self,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        synchronize,
-        alibi_slopes,
-        sinks=None,
-    ):
-        xp = self.problem.xp
-        if self.dense is None:  # no query row: no gradient anywhere
-            grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
-            if sinks is not None:
-                grads += (xp.zeros(sinks.shape, dtype=np.float32),)
-        else:
-            grads = self.dense(
-                *map(_heads_first, (dout, q, k, v, out)),
-                lse[None],
-                False,
-                offsets=(cu_seqlens_q, cu_seqlens_k),
-                alibi_slopes=alibi_slopes,
-                sinks=sinks,
-            )
-        if synchronize:
-            xp.cuda.get_current_stream().synchronize()
-        return grads
 
 
 @dataclasses.dataclass(frozen=True)

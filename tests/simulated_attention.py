@@ -19,8 +19,9 @@ import simulator
 
 from cuflash import dispatch, registry, tile_traits
 from cuflash.gpu import USER_ARGS_DTYPE, _functors
+from cuflash.packed_plans import heads_first
 from cuflash.problem import backward_problem, forward_problem
-from cuflash.varlen import _heads_first, varlen_problem
+from cuflash.varlen import varlen_problem
 
 LOG2E = 1.4426950408889634
 #: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros.
@@ -90,7 +91,7 @@ class _Output:
             self.view = self.array
         else:
             self.array = _poisoned((rows, heads, d), problem.dtype)
-            self.view = _heads_first(self.array)
+            self.view = heads_first(self.array)
         self.strides = _strides(self.view)
 
 
@@ -634,7 +635,7 @@ def varlen_forward(
     )
     out, lse = run_forward(
         problem,
-        *map(_heads_first, (q, k, v)),
+        *map(heads_first, (q, k, v)),
         offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
         capability=capability,
         guard=guard,
@@ -682,7 +683,7 @@ def varlen_backward(
     )
     return run_backward(
         problem,
-        *map(_heads_first, (dout, q, k, v, out)),
+        *map(heads_first, (dout, q, k, v, out)),
         np.ascontiguousarray(lse[None]),
         deterministic,
         offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),

@@ -303,6 +303,7 @@ def test_padding_is_exact_on_the_cpu(widths, rng, monkeypatch):
 
         return plan
 
+    build_backward.takes_value_dims = lambda *arrays, deterministic: False  # one width
     padded = value_dims.backward_plan(build_backward, bwd, dout, q, k, v, out, None, False)
     grads = padded(dout, q, k, v, out, lse, synchronize=False)
     for got, want in zip(grads, cpu.backward(bwd, dout, q, k, v, out, lse)):
@@ -323,7 +324,8 @@ def test_equal_widths_take_the_plain_plan(rng):
 
 def test_a_kernel_that_takes_value_dims_is_not_padded(rng):
     """A plan whose kernel takes v's head dim gets the arrays as they are; the registry
-    says which kernel does (the Hopper forward, for v narrower than q and k)."""
+    says which kernels do (the Hopper forward and backward, its dQ pass and Delta, for v
+    narrower than q and k)."""
     case = Case(head_dim=64, head_dim_v=32)
     q, k, v, _ = random_inputs(case, rng)
     problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=32)
@@ -335,7 +337,7 @@ def test_a_kernel_that_takes_value_dims_is_not_padded(rng):
     built, arrays = value_dims.forward_plan(build, problem, q, k, v)
     assert built is problem and all(a is b for a, b in zip(arrays, (q, k, v)))
     takes = {spec.name for spec in cuflash.registry.KERNELS if spec.takes_value_dims(64, 32)}
-    assert takes == {"forward_wgmma_ws"}
+    assert takes == {"forward_wgmma_ws", "backward_wgmma", "backward_dq_wgmma", "backward_delta"}
     assert not cuflash.registry.BY_NAME["forward_wgmma_ws"].takes_value_dims(32, 64)
     with pytest.raises(ValueError, match="does not take head_dim_v"):
         cuflash.registry.BY_NAME["forward_wgmma"].name_expression("forward_wgmma", q.dtype, 64, 32)

@@ -667,10 +667,6 @@ class BackwardPlan:
             lse_log2,
             dq_target if self.atomic else 0,
         )
-        dsinks = None
-        if sinks is not None:
-            rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta
-            dsinks = attention_sinks.gradient(cupy, sinks, lse, rows, 1)
         # dK and dV take one set of strides in the kernels: a narrower dV is written into
         # rows of head_dim columns and its first head_dim_v are copied out at the end.
         dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
@@ -705,6 +701,10 @@ class BackwardPlan:
             self.zero_outside_q(stream, dq.data.ptr, tail[0])
             self.zero_outside_k(stream, dk.data.ptr, tail[1])
             self.zero_outside_k(stream, dv.data.ptr, tail[1])
+        dsinks = None
+        if sinks is not None:  # queued last: the host builds its CuPy steps under the kernels
+            rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta
+            dsinks = attention_sinks.gradient(cupy, sinks, lse, rows, 1)
         if problem.head_dim_v != problem.head_dim:
             dv = cupy.ascontiguousarray(dv[..., : problem.head_dim_v])
         if synchronize:

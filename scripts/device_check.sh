@@ -2,9 +2,12 @@
 # One call on a GPU machine: environment, the GPU test suite, the demo, and
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
-#   steps: precompile, tests, demo (the default), families, fuzz, quick, asv, bench-float32,
-#          bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on the first launch of
-#          NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall reasons, tensor pipe use)
+#   steps: precompile, tests, demo (the default), features, families, fuzz, quick, asv,
+#          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
+#          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
+#          reasons, tensor pipe use), costs (the model-shape features against their targets)
+# "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
+# log cut short by its limit still names every test that failed before the cut.
 # "families" runs tests/test_kernel_families.py in its own process (a kernel fault
 # there cannot spoil the rest of the suite); "tests" then leaves that file out.
 # Wheels carried in .whl/ (e.g. asv, which the GPU image lacks) are installed first.
@@ -24,6 +27,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, print its tail
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - start)) s"
   tail -n "${TAIL:-6}" "$OUT/$name.log"
+  grep -E "(FAILED|ERROR) tests/" "$OUT/$name.log" | sed 's/ - .*//' | sort -u | head -n 40
 }
 for step in $steps; do
   case $step in
@@ -31,8 +35,13 @@ for step in $steps; do
     families) TAIL=30 run gpu-families ${FAMILIES_LIMIT:-200} python3 -m pytest -m gpu -q -rf \
                -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/test_kernel_families.py ;;
     tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=20 run gpu-tests ${TESTS_LIMIT:-450} \
-             python3 -m pytest -m gpu -q -rf -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
-             --ignore=tests/test_kernel_families.py tests ;;
+             python3 -m pytest -m gpu -v -rf -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 \
+             ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/test_kernel_families.py tests ;;
+    features) TAIL=20 run gpu-features ${FEATURES_LIMIT:-240} python3 -m pytest -m gpu -v -rf \
+             -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 tests/test_head_dim_v.py \
+             tests/test_rotary.py tests/test_fp8.py tests/test_sinks.py tests/test_kvcache.py ;;
+    costs) TAIL=30 run costs 120 bash -c "python3 scripts/feature_costs.py && \
+             python3 -m cuflash.bench --head-dim-v --no-first-call --no-memory --time-budget 30" ;;
     demo) run demo 60 python3 -m cuflash ;;
     fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \
             python3 -m pytest -m gpu -q -p no:cacheprovider -k gpu_fuzz tests/test_fuzz.py ;;

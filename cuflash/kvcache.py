@@ -28,6 +28,7 @@ from .problem import (
     check_alibi_slopes,
     check_dims,
     check_head_counts,
+    check_head_dim_v,
     check_int32,
     check_sinks,
     check_softcap,
@@ -49,6 +50,9 @@ LONG_CACHE_KEYS = 2048
 # With this many packed query rows (S_q x group) or more and a contiguous cache, the
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
+# Head dims the KV-cache call takes (absorbed MLA decodes a 576-wide latent whose first
+# 512 columns are the values); the GPU kernels take one head dim up to GPU_MAX_HEAD_DIM.
+MAX_HEAD_DIM, MAX_HEAD_DIM_V, GPU_MAX_HEAD_DIM = 576, 512, 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,7 @@ class KVCacheProblem:
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
     sinks: bool = False  # attention sinks (float32 [H]) given
     rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
+    head_dim_v: int = 0  # of v_cache, v_new and the output (head_dim unless given)
 
     @property
     def alibi(self):
@@ -90,6 +95,10 @@ class KVCacheProblem:
     @property
     def q_shape(self):
         return (self.batch, self.num_heads, self.q_len, self.head_dim)
+
+    @property
+    def out_shape(self):
+        return (self.batch, self.num_heads, self.q_len, self.head_dim_v)
 
     @property
     def lse_shape(self):
@@ -143,6 +152,32 @@ def _check_lengths(lengths, new_len, capacity):
             )
 
 
+def _extent(xp, a):
+    """``(first, last)`` byte addresses an array's elements span."""
+    start = a.data.ptr if xp is not np else a.__array_interface__["data"][0]
+    low = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s < 0 and n)
+    high = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s > 0 and n)
+    return low, high + a.itemsize - 1, start
+
+
+def _check_value_view(xp, k_cache, v_cache):
+    """A ``v_cache`` that shares memory with ``k_cache`` must be its first ``head_dim_v``
+    columns (``k_cache[..., :head_dim_v]``, absorbed MLA's latent read as the values):
+    the same start and strides. Any other overlap is an error."""
+    if not (k_cache.size and v_cache.size):
+        return
+    k_low, k_high, k_start = _extent(xp, k_cache)
+    v_low, v_high, v_start = _extent(xp, v_cache)
+    if v_high < k_low or k_high < v_low:
+        return
+    if v_start != k_start or tuple(v_cache.strides) != tuple(k_cache.strides):
+        raise InvalidArgumentError(
+            "v_cache",
+            "shares memory with k_cache but is not its first head_dim_v columns "
+            "(k_cache[..., :head_dim_v])",
+        )
+
+
 def kvcache_problem(
     q,
     k_cache,
@@ -168,6 +203,7 @@ def kvcache_problem(
     rotary_sin=None,
     rotary_interleaved=False,
     storage_dtype=None,
+    head_dim_v=None,
 ):
     """Validate a call (every check runs on the host, before any kernel); ``storage_dtype``:
     the FP8 dtype of the cache, which :func:`cuflash.fp8.storage_dtype` has checked (with
@@ -191,17 +227,30 @@ def kvcache_problem(
         for name, a in (("k_new", k_new), ("v_new", v_new)):
             _check_rank(name, a, 4, "[B, H_kv, S_new, D]")
     dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
-    num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
+    num_heads, num_kv_heads, head_dim = check_head_counts(
+        num_heads, num_kv_heads, head_dim, MAX_HEAD_DIM
+    )
+    head_dim_v = check_head_dim_v(head_dim_v, head_dim, MAX_HEAD_DIM_V)
+    if head_dim_v > MAX_HEAD_DIM_V:  # head_dim_v not given: v's head dim is head_dim's
+        raise InvalidArgumentError(
+            "head_dim_v",
+            f"v's head dim is at most {MAX_HEAD_DIM_V}: pass head_dim_v for a head_dim of "
+            f"{head_dim}",
+        )
     batch, _, q_len, _ = q.shape
     check_dims("q", q, (None, num_heads, None, head_dim), ("batch", "heads", "", "head_dim"))
     if q_len < 1:
         raise InvalidArgumentError("q", "S_q must be >= 1 (one or more new query rows)")
     labels = ("blocks" if paged else "batch", "heads", "rows", "head_dim")
     check_dims("k_cache", k_cache, (None if paged else batch, num_kv_heads, None, head_dim), labels)
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
+    v_shape = (*k_cache.shape[:3], head_dim_v)
+    if tuple(v_cache.shape) != v_shape:
         raise InvalidArgumentError(
-            "v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}"
+            "v_cache",
+            f"expected shape {v_shape} (k_cache's rows, head_dim_v {head_dim_v} columns), "
+            f"got {tuple(v_cache.shape)}",
         )
+    _check_value_view(xp, k_cache, v_cache)
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.size and a.strides[-1] != a.itemsize:
             raise InvalidArgumentError(
@@ -212,12 +261,12 @@ def kvcache_problem(
     new_len = 0
     if k_new is not None:
         new_len = k_new.shape[2]
-        for name, a in (("k_new", k_new), ("v_new", v_new)):
+        for name, a, width in (("k_new", k_new, head_dim), ("v_new", v_new, head_dim_v)):
             check_dims(
                 name,
                 a,
-                (batch, num_kv_heads, new_len, head_dim),
-                ("batch", "heads", "rows", "head_dim"),
+                (batch, num_kv_heads, new_len, width),
+                ("batch", "heads", "rows", "head_dim" if name == "k_new" else "head_dim_v"),
             )
         if xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
             raise InvalidArgumentError("k_cache", "is read-only; k_new needs a writable cache")
@@ -318,7 +367,20 @@ def kvcache_problem(
         mask_mod=mask_mod,
         sinks=has_sinks,
         rotary=rotary,
+        head_dim_v=head_dim_v,
     )
+    if xp is not np and head_dim > GPU_MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            "head_dim",
+            f"the GPU path takes head_dim up to {GPU_MAX_HEAD_DIM}, got {head_dim} (NumPy "
+            f"arrays take up to {MAX_HEAD_DIM} on the CPU path)",
+        )
+    if xp is not np and head_dim_v != head_dim:
+        raise InvalidArgumentError(
+            "head_dim_v",
+            f"the GPU path takes v of q's head dim, got {head_dim_v} against {head_dim} "
+            "(NumPy arrays take a head_dim_v of their own on the CPU path)",
+        )
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
@@ -354,6 +416,7 @@ def flash_attention_with_kvcache(
     k_descale=None,
     v_descale=None,
     out_dtype=None,
+    head_dim_v=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -371,7 +434,7 @@ def flash_attention_with_kvcache(
         ``x.transpose(0, 2, 1, 3)``); never copied, written in place.
     num_heads, num_kv_heads, head_dim : int
         Must agree with the shapes; ``num_kv_heads`` divides ``num_heads``
-        (GQA/MQA); ``head_dim`` a multiple of 8 from 8 to 256.
+        (GQA/MQA); ``head_dim`` a multiple of 8 from 8 to 256 (576 on the CPU path).
     causal : bool, default True
         Bottom-right aligned per sequence: query row ``i`` of sequence ``b``
         sits at position ``p = i + L_b - S_q`` and sees keys ``j <= p``.
@@ -429,6 +492,14 @@ def flash_attention_with_kvcache(
         ``v_new``) in e4m3 as in :func:`cuflash.flash_attention_fwd`, ``q`` in e4m3 too
         or in float16/bfloat16 (whose dtype is then ``out_dtype``'s default); the
         descales ``[B, num_kv_heads]`` one row a sequence. No rotary tables.
+    head_dim_v : int, optional, keyword-only
+        The head dim of ``v_cache``, ``v_new`` and the output when it is not
+        ``head_dim`` (a multiple of 8 up to 512): MLA's values, e.g. absorbed MLA's
+        ``head_dim`` 576 with ``head_dim_v`` 512, where ``v_cache`` may be the view
+        ``k_cache[..., :head_dim_v]`` of the latent cache (read as the values; with
+        ``v_new`` its rows are written after ``k_new``'s). Any other ``v_cache``
+        sharing memory with ``k_cache`` is an error. The CPU path takes it; the GPU
+        path takes one head dim up to 256 for now (the KV-cache page).
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -442,7 +513,7 @@ def flash_attention_with_kvcache(
 
     Returns
     -------
-    out : array, shape ``[B, num_heads, S_q, head_dim]``, dtype of ``q``
+    out : array, shape ``[B, num_heads, S_q, head_dim_v]``, dtype of ``q``
         Rows that see no key are zeros.
     lse : array, float32, shape ``[B, num_heads, S_q]``
         Only with ``return_lse``; ``-inf`` for rows that see no key (``sinks[h]`` with
@@ -519,6 +590,7 @@ def flash_attention_with_kvcache(
                 return_lse,
                 softcap,
                 rotary_interleaved,
+                head_dim_v,
             ),
         )
         plan = plans.get(key)
@@ -548,6 +620,7 @@ def flash_attention_with_kvcache(
         rotary_cos,
         rotary_sin,
         rotary_interleaved,
+        head_dim_v=head_dim_v,
     )
     tables = (rotary_cos, rotary_sin)
     if problem.xp is np:

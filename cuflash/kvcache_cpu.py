@@ -29,21 +29,23 @@ def _gather(problem, cache, block_table, b, length):
 
 @np.errstate(all="ignore")
 def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
-    """One sequence (batch entry ``b``): q ``[H, S_q, D]``, keys/values float32 ``[H_kv,
-    L, D]`` -> out, lse; ``slopes`` the sequence's ALiBi slopes as float32 ``[H_kv, G, 1,
-    1]`` or None; the user's functions (``problem.score_mod``, ``mask_mod``) after them;
-    ``sink`` the attention sinks as float32 ``[1, H_kv, G, 1, 1]``, or None.
+    """One sequence (batch entry ``b``): q ``[H, S_q, D]``, keys float32 ``[H_kv, L, D]``,
+    values ``[H_kv, L, D_v]`` -> out ``[H, S_q, D_v]``, lse; ``slopes`` the sequence's
+    ALiBi slopes as float32 ``[H_kv, G, 1, 1]`` or None; the user's functions
+    (``problem.score_mod``, ``mask_mod``) after them; ``sink`` the attention sinks as
+    float32 ``[1, H_kv, G, 1, 1]``, or None.
 
     Blocked over query rows and keys with an online softmax in float32.
     """
-    h_kv, group, q_len, d = (
+    h_kv, group, q_len, d, dv = (
         problem.num_kv_heads,
         problem.group_size,
         problem.q_len,
         problem.head_dim,
+        problem.head_dim_v,
     )
     scale = np.float32(problem.softmax_scale)
-    out = np.zeros((h_kv, group, q_len, d), dtype=np.float32)
+    out = np.zeros((h_kv, group, q_len, dv), dtype=np.float32)
     lse = np.full((h_kv, group, q_len), -np.inf, dtype=np.float32)
     q_grouped = q_seq.astype(np.float32).reshape(h_kv, group, q_len, d)
     for r0 in range(0, q_len, CPU_ROW_BLOCK):
@@ -51,7 +53,7 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
         q_blk = q_grouped[:, :, r0:r1]
         row_max = np.full((h_kv, group, r1 - r0, 1), -np.inf, dtype=np.float32)
         row_sum = np.zeros((h_kv, group, r1 - r0, 1), dtype=np.float32)
-        acc = np.zeros((h_kv, group, r1 - r0, d), dtype=np.float32)
+        acc = np.zeros((h_kv, group, r1 - r0, dv), dtype=np.float32)
         lo, hi = key_range(r0, r1, q_len, kv_len, *problem.window)
         for c0 in range(lo, hi, CPU_KEY_BLOCK):
             c1 = min(c0 + CPU_KEY_BLOCK, hi)
@@ -75,7 +77,7 @@ def _attend(problem, q_seq, keys, values, kv_len, slopes=None, b=0, sink=None):
         seen = row_sum != 0  # a NaN sum counts as seen: NaN is never hidden
         out[:, :, r0:r1] = np.where(seen, acc / row_sum, np.float32(0))
         lse[:, :, r0:r1] = np.where(seen, row_max + np.log(row_sum), np.float32(-np.inf))[..., 0]
-    return out.reshape(-1, q_len, d), lse.reshape(-1, q_len)
+    return out.reshape(-1, q_len, dv), lse.reshape(-1, q_len)
 
 
 def _append_cpu(problem, cache, new, block_table, lengths):
@@ -107,7 +109,7 @@ def cpu_forward(
     if problem.new_len:
         _append_cpu(problem, k_cache, k_new, block_table, lengths)
         _append_cpu(problem, v_cache, v_new, block_table, lengths)
-    out = np.empty(problem.q_shape, dtype=problem.dtype)
+    out = np.empty(problem.out_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=np.float32)
     if problem.num_heads == 0:
         return out, lse

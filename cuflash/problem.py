@@ -226,9 +226,9 @@ def _check_device_limits(problem, named_arrays, element_bytes=None):
         )
 
 
-def check_head_counts(num_heads, num_kv_heads, head_dim):
+def check_head_counts(num_heads, num_kv_heads, head_dim, max_head_dim=MAX_HEAD_DIM):
     """``(num_heads, num_kv_heads, head_dim)`` as ints, validated: counts, GQA divisibility
-    and a supported head_dim."""
+    and a supported head_dim (a multiple of 8 up to ``max_head_dim``)."""
     num_heads = _count("num_heads", num_heads, 0)
     num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
     head_dim = _count("head_dim", head_dim, 1)
@@ -236,25 +236,25 @@ def check_head_counts(num_heads, num_kv_heads, head_dim):
         raise InvalidArgumentError(
             "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}"
         )
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+    if head_dim % 8 or head_dim > max_head_dim:
         raise InvalidArgumentError(
             "head_dim",
-            f"unsupported head_dim {head_dim}: must be a multiple of 8 from 8 to {MAX_HEAD_DIM}",
+            f"unsupported head_dim {head_dim}: must be a multiple of 8 from 8 to {max_head_dim}",
         )
     return num_heads, num_kv_heads, head_dim
 
 
-def check_head_dim_v(head_dim_v, head_dim):
+def check_head_dim_v(head_dim_v, head_dim, max_head_dim_v=MAX_HEAD_DIM):
     """v's head dim as an int (``head_dim`` for None): a multiple of 8 from 8 to
-    MAX_HEAD_DIM."""
+    ``max_head_dim_v``."""
     if head_dim_v is None:
         return head_dim
     head_dim_v = _count("head_dim_v", head_dim_v, 1)
-    if head_dim_v % 8 or head_dim_v > MAX_HEAD_DIM:
+    if head_dim_v % 8 or head_dim_v > max_head_dim_v:
         raise InvalidArgumentError(
             "head_dim_v",
             f"unsupported head_dim_v {head_dim_v}: must be a multiple of 8 from 8 to "
-            f"{MAX_HEAD_DIM}",
+            f"{max_head_dim_v}",
         )
     return head_dim_v
 

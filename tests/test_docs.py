@@ -302,6 +302,7 @@ GPU_ONLY_ERRORS = (
     "host code needs a numpy array",
     "the call runs on device",
     "the modifier does not compile",
+    "the GPU path takes",
 )
 
 
@@ -505,6 +506,7 @@ def kvcache_bad_calls():
 
     def kv(q=q1, k_cache=cache, v_cache=cache, num_heads=8, num_kv_heads=2, head_dim=64, **kw):
         kw.setdefault("cache_seqlens", 0)
+        v_cache = k_cache if v_cache is None else v_cache
         return lambda: cuflash.flash_attention_with_kvcache(
             q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, **kw
         )
@@ -513,6 +515,8 @@ def kvcache_bad_calls():
         kv(q=a(2, 8, 0, 64)),
         kv(k_cache=a(2, 1, 16, 64)),
         kv(v_cache=a(2, 2, 12, 64)),
+        kv(v_cache=cache[..., 32:], head_dim_v=32),
+        kv(q=a(2, 8, 1, 576), k_cache=a(2, 2, 16, 576), v_cache=None, head_dim=576),
         kv(k_cache=a(2, 2, 16, 128)[..., ::2], v_cache=a(2, 2, 16, 128)[..., ::2]),
         kv(k_new=new),
         kv(k_new=a(2, 2, 17, 64), v_new=a(2, 2, 17, 64)),
@@ -636,6 +640,7 @@ def bad_calls():
         bwd(synchronize=None),
         lambda: cuflash.kernel_path("fast").__enter__(),
         lambda: cuflash.dispatch.skip_kernels("forward_fastest").__enter__(),
+        lambda: cuflash.dispatch.try_kernels("forward_wgmma").__enter__(),
         *kvcache_bad_calls(),
         *varlen_bad_calls(),
         *distributed_bad_calls(),

@@ -490,7 +490,7 @@ BAD_CALLS = [
             v_new=None,
         ),
     ),
-    ("v_cache", "differs from k_cache", lambda a: _with(a, v_cache=a["v_cache"][:, :, :40])),
+    ("v_cache", "k_cache's rows, head_dim_v", lambda a: _with(a, v_cache=a["v_cache"][:, :, :40])),
     ("v_cache", "dtype", lambda a: _with(a, v_cache=a["v_cache"].astype(np.float16))),
     ("q", "unsupported dtype", lambda a: _with(a, q=a["q"].astype(np.float64))),
     ("k_new", "dtype", lambda a: _with(a, k_new=a["k_new"].astype(np.float16))),

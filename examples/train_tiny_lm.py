@@ -277,6 +277,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    sinks: bool = False  # a learned attention sink a head (gpt-oss), trained with dsinks
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -309,6 +310,8 @@ class ModelConfig:
                     f"layers.{i}.mlp.b2": (d,),
                 }
             )
+            if self.sinks:
+                shapes[f"layers.{i}.attn.sinks"] = (self.num_heads,)
         shapes.update({"ln_f.g": (d,), "ln_f.b": (d,)})
         if not self.tie_embeddings:
             shapes["head"] = (d, self.vocab_size)
@@ -370,7 +373,7 @@ def init_parameters(cfg, xp, dtype, seed):
     for name, shape in cfg.parameter_shapes().items():
         if name.endswith(".g"):
             host[name] = np.ones(shape)
-        elif name.endswith((".b", ".b1", ".b2")):
+        elif name.endswith((".b", ".b1", ".b2", ".sinks")):
             host[name] = np.zeros(shape)
         else:
             std = residual_std if name.endswith((".wo", ".w2")) else 0.02
@@ -477,8 +480,9 @@ class AttentionBackend:
     dtype: np.dtype
 
 
-def attention_forward(x, wqkv, wo, cfg, backend):
-    """Causal multi-head (or grouped-query) self-attention.
+def attention_forward(x, wqkv, wo, cfg, backend, sinks=None):
+    """Causal multi-head (or grouped-query) self-attention, with attention ``sinks``
+    (a logit a head, float32 to cuflash) when given.
 
     One matmul makes q, k and v side by side in a ``[B, S, H + 2 H_kv, D]``
     buffer; the ``[B, H, S, D]`` views cuflash wants are transposes of its
@@ -490,25 +494,30 @@ def attention_forward(x, wqkv, wo, cfg, backend):
     q = qkv[:, :, :h].transpose(0, 2, 1, 3)
     k = qkv[:, :, h : h + h_kv].transpose(0, 2, 1, 3)
     v = qkv[:, :, h + h_kv :].transpose(0, 2, 1, 3)
-    out, vjp = backend.vjp(q, k, v, h, h_kv, d, causal=True)
+    extra = {}
+    if sinks is not None:  # float32 for cuflash; the float64 oracle keeps them as they are
+        extra["sinks"] = sinks if backend.dtype == np.float64 else sinks.astype(np.float32)
+    out, vjp = backend.vjp(q, k, v, h, h_kv, d, causal=True, **extra)
     merged = out.transpose(0, 2, 1, 3).reshape(batch, seq, h * d).astype(x.dtype, copy=False)
     return merged @ wo, (x, merged, vjp)
 
 
 def attention_backward(dy, cache, wqkv, wo, cfg):
-    """Return ``(dx, dwqkv, dwo)``; ``vjp`` gives the gradients of q, k and v."""
+    """Return ``(dx, dwqkv, dwo, dsinks)``; ``vjp`` gives the gradients of q, k and v
+    (and of the sinks, fourth, when the forward had them; else ``dsinks`` is None)."""
     x, merged, vjp = cache
     batch, seq, _ = x.shape
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     xp = array_module(x)
     dout = (dy @ wo.T).astype(vjp.q.dtype, copy=False).reshape(batch, seq, h, d)
-    dq, dk, dv = vjp(dout.transpose(0, 2, 1, 3))
+    dq, dk, dv, *dsinks = vjp(dout.transpose(0, 2, 1, 3))
     dqkv = xp.empty((batch, seq, h + 2 * h_kv, d), dtype=x.dtype)
     dqkv[:, :, :h] = dq.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
     dqkv[:, :, h : h + h_kv] = dk.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
     dqkv[:, :, h + h_kv :] = dv.transpose(0, 2, 1, 3).astype(x.dtype, copy=False)
     dqkv = dqkv.reshape(batch, seq, -1)
-    return dqkv @ wqkv.T, matmul_grad(x, dqkv), matmul_grad(merged, dy)
+    dsinks = dsinks[0].astype(x.dtype) if dsinks else None
+    return dqkv @ wqkv.T, matmul_grad(x, dqkv), matmul_grad(merged, dy), dsinks
 
 
 def block_parameters(params, prefix):
@@ -520,7 +529,7 @@ def block_forward(x, params, prefix, cfg, backend):
     """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``."""
     p = block_parameters(params, prefix)
     a, ln1 = layer_norm_forward(x, p["ln1.g"], p["ln1.b"])
-    y, attn = attention_forward(a, p["attn.wqkv"], p["attn.wo"], cfg, backend)
+    y, attn = attention_forward(a, p["attn.wqkv"], p["attn.wo"], cfg, backend, p.get("attn.sinks"))
     x = x + y
     m, ln2 = layer_norm_forward(x, p["ln2.g"], p["ln2.b"])
     y, mlp = mlp_forward(m, p["mlp.w1"], p["mlp.b1"], p["mlp.w2"], p["mlp.b2"])
@@ -534,7 +543,7 @@ def block_backward(dx, cache, params, prefix, cfg, grads):
     dm, *mlp_grads = mlp_backward(dx, mlp, p["mlp.w1"], p["mlp.w2"])
     dx_mlp, dg2, db2 = layer_norm_backward(dm, ln2)
     dx = dx + dx_mlp
-    da, dwqkv, dwo = attention_backward(dx, attn, p["attn.wqkv"], p["attn.wo"], cfg)
+    da, dwqkv, dwo, dsinks = attention_backward(dx, attn, p["attn.wqkv"], p["attn.wo"], cfg)
     dx_attn, dg1, db1 = layer_norm_backward(da, ln1)
     names = (
         "mlp.w1",
@@ -550,6 +559,8 @@ def block_backward(dx, cache, params, prefix, cfg, grads):
     )
     values = (*mlp_grads, dg2, db2, dwqkv, dwo, dg1, db1)
     grads.update({prefix + n: g for n, g in zip(names, values)})
+    if dsinks is not None:
+        grads[prefix + "attn.sinks"] = dsinks
     return dx + dx_attn
 
 
@@ -718,16 +729,19 @@ def learning_rate(step, total_steps, peak, warmup):
 
 
 class OracleVJP:
-    """Residuals of :func:`oracle_attention_vjp`; ``vjp(dout)`` gives ``(dq, dk, dv)``."""
+    """Residuals of :func:`oracle_attention_vjp`; ``vjp(dout)`` gives ``(dq, dk, dv)``
+    (and ``dsinks`` with sinks)."""
 
-    def __init__(self, q, k, v, causal):
-        self.q, self.k, self.v, self.causal = q, k, v, causal
+    def __init__(self, q, k, v, causal, sinks=None):
+        self.q, self.k, self.v, self.causal, self.sinks = q, k, v, causal, sinks
 
     def __call__(self, dout):
-        return attention_reference_grad(dout, self.q, self.k, self.v, causal=self.causal)
+        return attention_reference_grad(
+            dout, self.q, self.k, self.v, causal=self.causal, sinks=self.sinks
+        )
 
 
-def oracle_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False):
+def oracle_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=False, sinks=None):
     """A float64 stand-in for :func:`cuflash.flash_attention_vjp` (NumPy only).
 
     Built on :mod:`cuflash.reference`, the plain-formula oracle with the same
@@ -736,8 +750,8 @@ def oracle_attention_vjp(q, k, v, num_heads, num_kv_heads, head_dim, causal=Fals
     """
     if q.shape[1] != num_heads or k.shape[1] != num_kv_heads or q.shape[3] != head_dim:
         raise ValueError("oracle attention: head arguments disagree with the shapes")
-    out, _ = attention_reference(q, k, v, causal=causal)
-    return out, OracleVJP(q, k, v, causal)
+    out, _ = attention_reference(q, k, v, causal=causal, sinks=sinks)
+    return out, OracleVJP(q, k, v, causal, sinks)
 
 
 def relative_error(a, b, floor=1e-12):
@@ -755,6 +769,7 @@ def gradient_check(
     cuflash_threshold=1e-4,
     seed=0,
     out=print,
+    sinks=False,
 ):
     """Check the hand-written gradients of a tiny model, in float64 on the CPU.
 
@@ -781,6 +796,8 @@ def gradient_check(
     seed : int
     out : callable
         Where the report lines go.
+    sinks : bool
+        The model with attention sinks (their gradient ``dsinks`` checked too).
 
     Returns
     -------
@@ -797,6 +814,7 @@ def gradient_check(
         num_kv_heads=1,
         mlp_ratio=2,
         tie_embeddings=tie_embeddings,
+        sinks=sinks,
     )
     rng = np.random.default_rng(seed)
     params = init_parameters(cfg, np, np.float64, seed)
@@ -814,7 +832,8 @@ def gradient_check(
     out(
         f"gradient check: float64, {cfg.num_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV head, "
-        f"{'tied' if tie_embeddings else 'untied'} embeddings, {samples} entries per tensor"
+        f"{'tied' if tie_embeddings else 'untied'} embeddings"
+        f"{', attention sinks' if sinks else ''}, {samples} entries per tensor"
     )
     out(f"  {'parameter':<20} {'finite diff':>12} {'cuflash':>12}")
     worst_fd = worst_flash = 0.0
@@ -1060,6 +1079,12 @@ def parse_args(argv=None):
         action="store_true",
         help="an output projection of its own instead of the token embedding",
     )
+    p.add_argument(
+        "--sinks",
+        action="store_true",
+        help="attention sinks (gpt-oss): a learned logit a head in every layer, "
+        "trained through the vjp's fourth gradient, dsinks",
+    )
     p.add_argument("--steps", type=int, help=_sized("steps", "training steps"))
     p.add_argument("--batch-size", type=int, help=_sized("batch_size", "sequences per step"))
     p.add_argument("--lr", type=float, help=_sized("lr", "peak learning rate"))
@@ -1108,8 +1133,11 @@ def main(argv=None):
         args.num_heads,
         args.num_kv_heads,
         tie_embeddings=not args.untied,
+        sinks=args.sinks,
     )
-    if not args.skip_gradcheck and not gradient_check(args.task, cfg.tie_embeddings):
+    if not args.skip_gradcheck and not gradient_check(
+        args.task, cfg.tie_embeddings, sinks=cfg.sinks
+    ):
         return 1
     size = sum(math.prod(s) for s in cfg.parameter_shapes().values())
     print(
@@ -1120,7 +1148,8 @@ def main(argv=None):
     print(
         f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads "
         f"/ {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, "
-        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, {size:,} parameters"
+        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings"
+        f"{', attention sinks' if cfg.sinks else ''}, {size:,} parameters"
     )
     print(
         f"training: {args.steps} steps of {args.batch_size} sequences, lr {args.lr:g}, "

@@ -93,6 +93,24 @@ def test_train_tiny_lm_require_target_fails_when_missed():
     assert "NOT reached" in proc.stdout
 
 
+def test_train_tiny_lm_gradient_check_covers_the_sinks(monkeypatch):
+    """With --sinks the gradient check holds dsinks to finite differences too, and a
+    wrong dsinks fails it."""
+    train = load_example("train_tiny_lm.py")
+    lines = []
+    assert train.gradient_check("recall", True, out=lines.append, sinks=True)
+    assert any("attn.sinks" in line for line in lines) and lines[-1] == "gradient check passed"
+    correct = train.attention_backward
+
+    def wrong(*args):
+        dx, dwqkv, dwo, dsinks = correct(*args)
+        return dx, dwqkv, dwo, dsinks * 1.01
+
+    monkeypatch.setattr(train, "attention_backward", wrong)
+    lines.clear()
+    assert not train.gradient_check("recall", True, out=lines.append, sinks=True)
+
+
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_train_tiny_lm_gradient_check_catches_a_wrong_backward(monkeypatch, tie_embeddings):
     train = load_example("train_tiny_lm.py")

@@ -153,3 +153,25 @@ def test_float32_pieces_accuracy_target(case, rng):
         assert e_pieces <= 2 * e_general, f"{what}: pieces {e_pieces:.3g}, general {e_general:.3g}"
         if what == "out" or case.head_dim <= 128:
             assert e_pieces < e_tf32 < 2e-2, f"{what}: TF32 {e_tf32:.3g}, pieces {e_pieces:.3g}"
+
+
+WS_BACKWARD_CASES = [c for c in WIDE_CASES if 72 <= c.head_dim <= 128] + [
+    Case(dtype="bfloat16", head_dim=128, heads=8, kv_heads=2, q_len=400, kv_len=300, causal=True),
+    Case(dtype="float16", head_dim=96, heads=2, kv_heads=1, q_len=333, kv_len=517, kv_seq_len=501),
+    Case(dtype="bfloat16", head_dim=120, q_len=200, kv_len=260, window=(70, 9)),
+    Case(dtype="float16", head_dim=72, heads=4, kv_heads=4, q_len=1, kv_len=300),
+]
+
+
+@pytest.mark.parametrize("case", WS_BACKWARD_CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_opt_in_warp_specialized_backward_matches_oracle(case, deterministic, rng, poisoned):
+    """The opt-in backward_wgmma_ws (``cuflash.dispatch.try_kernels``): more query tiles
+    than its ring's stages, GQA, cut key tiles, windows, D = 120 (its padded dQ rows), a
+    single query row; atomic and deterministic dQ."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    with dispatch.try_kernels("backward_wgmma_ws"):
+        arrays = random_inputs(case, rng, cupy)
+        assert _chosen(case, arrays, "backward") == "backward_wgmma_ws"
+        run_and_check(case, cupy, rng, deterministic=deterministic)

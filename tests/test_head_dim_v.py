@@ -623,3 +623,25 @@ def test_backward_takes_the_narrower_v_where_its_kernels_do():
     )
     assert not spec.takes_value_dims(192, 64) and not spec.takes_value_dims(128, 192)
     assert spec.takes_value_dims(128, 64)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64)])
+def test_native_modified_backward_in_the_simulator(d, dv, rng):
+    """The modified roles of the native backward (soft-cap and ALiBi, their derivative in
+    dS) with v narrower than q and k, atomic and deterministic, against the oracle."""
+    simulated = _simulator()
+    case = Case(dtype="bfloat16", heads=2, kv_heads=1, q_len=90, kv_len=100, causal=True)
+    case = dataclasses.replace(case, head_dim=d, head_dim_v=dv)
+    q, k, v, dout = random_inputs(case, rng)
+    slopes = rng.uniform(0.02, 0.3, 2).astype(np.float32)
+    kw = dict(softcap=5.0, alibi_slopes=slopes, head_dim_v=dv)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, 2, 1, d, True, **kw)  # the CPU path's
+    host = [x.astype(np.float64) for x in (dout, q, k, v)]
+    ref = attention_reference_grad(*host, causal=True, softcap=5.0, alibi_slopes=slopes)
+    for deterministic in (False, True):
+        grads = simulated.backward(
+            dout, q, k, v, out, lse, 2, 1, d, True, deterministic=deterministic, capability=90, **kw
+        )
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            assert got.shape == want.shape, name
+            assert rel_error(got, want) <= PACKED_BOUND["bfloat16"] + FLOOR["bfloat16"], name

@@ -31,9 +31,13 @@ def _ring(
     deterministic=False,
     batch=1,
     xp=np,
+    vjp_function=None,
+    sinks=None,
 ):
-    """Run forward and backward on ``size`` virtual ranks (arrays of ``xp``); return the
-    gathered results and the inputs, as NumPy arrays."""
+    """Run forward and backward on ``size`` virtual ranks (arrays of ``xp``) with
+    ``vjp_function`` (the ring's by default); return the gathered results (and dsinks,
+    sixth, with ``sinks``) and the inputs, as NumPy arrays."""
+    vjp_function = vjp_function or dist.ring_attention_vjp
     length = dist.chunk_count(layout, size) * chunk
     full = [
         rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES[dtype])
@@ -44,13 +48,16 @@ def _ring(
     ]
 
     def rank(group, q, k, v, dout):
-        out, vjp = dist.ring_attention_vjp(
-            q, k, v, heads, kv_heads, head_dim, causal, window, group=group, layout=layout
+        extra = {} if sinks is None else {"sinks": xp.asarray(sinks)}
+        out, vjp = vjp_function(
+            q, k, v, heads, kv_heads, head_dim, causal, window, group=group, layout=layout, **extra
         )
         return (out, vjp.lse, *vjp(dout, deterministic=deterministic))
 
     results = dist.ThreadGroup(size).run(rank, per_rank)
     gathered = [to_numpy(dist.gather([r[i] for r in results], layout)) for i in range(5)]
+    if sinks is not None:  # every rank's dsinks: the whole sequence's, the same bits
+        gathered.append([to_numpy(r[5]) for r in results])
     return gathered, full
 
 
@@ -96,6 +103,77 @@ def test_deterministic_ring_repeats_bitwise(rng):
     again = _ring(np.random.default_rng(seed), 3, "zigzag", deterministic=True)[0]
     for x, y in zip(first, again):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_ulysses_matches_oracle(size, causal, layout, rng):
+    """The all-to-all over heads: the ring's arguments and results (4 query heads on 4
+    KV heads split over up to 4 ranks)."""
+    _check(
+        rng,
+        size,
+        layout,
+        causal=causal,
+        heads=4,
+        kv_heads=4,
+        vjp_function=dist.ulysses_attention_vjp,
+    )
+
+
+def test_ulysses_gqa_windows_batch_and_bfloat16(rng):
+    _check(
+        rng,
+        2,
+        "zigzag",
+        window=(5, 3),
+        causal=False,
+        heads=8,
+        kv_heads=2,
+        batch=2,
+        dtype="bfloat16",
+        vjp_function=dist.ulysses_attention_vjp,
+    )
+
+
+def test_ulysses_sinks_and_deterministic_bits(rng):
+    """Sinks split with their heads; dsinks gathered back, the whole sequence's on every
+    rank, equal to the ring's; a deterministic backward repeats bitwise."""
+    sinks = rng.standard_normal(4).astype(np.float32)
+    seed = int(rng.integers(2**31))
+    runs = [
+        _ring(
+            np.random.default_rng(seed),
+            2,
+            "zigzag",
+            heads=4,
+            kv_heads=2,
+            deterministic=True,
+            sinks=sinks,
+            vjp_function=function,
+        )[0]
+        for function in (dist.ulysses_attention_vjp, dist.ulysses_attention_vjp)
+    ]
+    ring = _ring(np.random.default_rng(seed), 2, "zigzag", heads=4, kv_heads=2, sinks=sinks)[0]
+    for x, y in zip(runs[0][:5], runs[1][:5]):
+        assert np.array_equal(x, y)
+    for got, want in zip(runs[0][:5], ring[:5]):
+        assert rel_error(got.astype(np.float64), want.astype(np.float64)) <= 1e-5
+    per_rank = runs[0][5]
+    assert all(np.array_equal(per_rank[0], d) for d in per_rank)
+    assert rel_error(per_rank[0].astype(np.float64), ring[5][0].astype(np.float64)) <= 1e-5
+
+
+def test_ulysses_needs_heads_that_split_over_the_ranks():
+    q = np.zeros((1, 3, 8, 16), np.float32)
+    k = np.zeros((1, 1, 8, 16), np.float32)
+
+    def rank(group, q, k):
+        return dist.ulysses_attention_fwd(q, k, k, 3, 1, 16, group=group)
+
+    with pytest.raises(cuflash.InvalidArgumentError, match="3 heads do not split over the 2"):
+        dist.ThreadGroup(2).run(rank, [(q, k), (q, k)])
 
 
 def test_shard_and_gather_are_inverse(rng):

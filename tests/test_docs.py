@@ -371,6 +371,9 @@ def distributed_bad_calls():
         def exchange(self, obj):
             return obj
 
+    class Two(One):
+        rank, size = 0, 2
+
     def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
         return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group, layout=layout)
 
@@ -382,6 +385,14 @@ def distributed_bad_calls():
         lambda: dist.shard(np.zeros((1, 1, 10, 4)), "zigzag", 0, 2),
         lambda: dist.ThreadGroup(0),
         lambda: dist.NcclGroup(2, 2),
+        lambda: dist.ulysses_attention_fwd(
+            np.zeros((1, 3, 8, 16), np.float32),
+            *[np.zeros((1, 1, 8, 16), np.float32)] * 2,
+            3,
+            1,
+            16,
+            group=Two(),
+        ),
     ]
 
 

@@ -35,6 +35,10 @@ so that a step's kernels run while the next step's shards travel.
 or CuPy arrays): the simulation the CPU tests check against the oracle.
 ``python -m cuflash.distributed`` runs ring attention on every visible GPU
 against the single-GPU call and prints the timings.
+
+:func:`ulysses_attention_fwd` (and ``_bwd``, ``_vjp``) take the ring's arguments and
+give its results by an all-to-all over heads instead (DeepSpeed-Ulysses): each rank
+computes the whole sequence of its group of heads in one dense call.
 """
 
 from .groups import InFlight, NcclGroup, Received, ThreadGroup, start_exchange
@@ -54,8 +58,20 @@ from .layout import (
     step_calls,
 )
 from .ring import RingVJP, ring_attention_bwd, ring_attention_fwd, ring_attention_vjp
+from .ulysses import (
+    UlyssesVJP,
+    all_to_all,
+    ulysses_attention_bwd,
+    ulysses_attention_fwd,
+    ulysses_attention_vjp,
+)
 
 __all__ = [
+    "UlyssesVJP",
+    "all_to_all",
+    "ulysses_attention_bwd",
+    "ulysses_attention_fwd",
+    "ulysses_attention_vjp",
     "LAYOUTS",
     "InFlight",
     "NcclGroup",

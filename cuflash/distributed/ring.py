@@ -320,9 +320,10 @@ class RingVJP:
     lse: object
     arguments: tuple
     options: dict
+    backward = staticmethod(ring_attention_bwd)  # the matching backward of the mode
 
     def __call__(self, dout, *, deterministic=False):
-        return ring_attention_bwd(
+        return self.backward(
             dout,
             self.q,
             self.k,
@@ -333,6 +334,13 @@ class RingVJP:
             deterministic=deterministic,
             **self.options,
         )
+
+
+def with_vjp(forward, residuals, q, k, v, arguments, options):
+    """``forward(q, k, v, *arguments, **options)``'s ``out`` and its ``residuals`` object
+    (a :class:`RingVJP` or one of its modes') for the matching backward."""
+    out, lse = forward(q, k, v, *arguments, **options)
+    return out, residuals(q, k, v, out, lse, arguments, options)
 
 
 def ring_attention_vjp(
@@ -356,5 +364,4 @@ def ring_attention_vjp(
     options = dict(
         group=group, layout=layout, softmax_scale=softmax_scale, allow_tf32=allow_tf32, sinks=sinks
     )
-    out, lse = ring_attention_fwd(q, k, v, *arguments, **options)
-    return out, RingVJP(q, k, v, out, lse, arguments, options)
+    return with_vjp(ring_attention_fwd, RingVJP, q, k, v, arguments, options)

@@ -14,14 +14,12 @@ chunks for every rank along, so a rank receives what each other rank holds for i
 all-to-all's bytes on average: a group with its own all-to-all is the next step).
 """
 
-import dataclasses
-
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..errors import InvalidArgumentError
 from ..problem import check_sinks
 from .groups import start_exchange
 from .layout import array_module, gather, shard
-from .ring import _check_group, _check_shards
+from .ring import RingVJP, _check_group, _check_shards, with_vjp
 
 
 def _check_heads(num_heads, num_kv_heads, size):
@@ -166,31 +164,11 @@ def ulysses_attention_bwd(
     return dq, dk, dv, xp.concatenate([received[j][0] for j in range(size)])
 
 
-@dataclasses.dataclass(frozen=True)
-class UlyssesVJP:
+class UlyssesVJP(RingVJP):
     """The residuals of one Ulysses forward on one rank; ``dq, dk, dv = vjp(dout)`` (and
     ``dsinks`` fourth with sinks)."""
 
-    q: object
-    k: object
-    v: object
-    out: object
-    lse: object
-    arguments: tuple
-    options: dict
-
-    def __call__(self, dout, *, deterministic=False):
-        return ulysses_attention_bwd(
-            dout,
-            self.q,
-            self.k,
-            self.v,
-            self.out,
-            self.lse,
-            *self.arguments,
-            deterministic=deterministic,
-            **self.options,
-        )
+    backward = staticmethod(ulysses_attention_bwd)
 
 
 def ulysses_attention_vjp(
@@ -214,5 +192,4 @@ def ulysses_attention_vjp(
     options = dict(
         group=group, layout=layout, softmax_scale=softmax_scale, allow_tf32=allow_tf32, sinks=sinks
     )
-    out, lse = ulysses_attention_fwd(q, k, v, *arguments, **options)
-    return out, UlyssesVJP(q, k, v, out, lse, arguments, options)
+    return with_vjp(ulysses_attention_fwd, UlyssesVJP, q, k, v, arguments, options)

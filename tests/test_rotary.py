@@ -6,6 +6,7 @@ untrusted device-held lengths clamped to the tables."""
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 import simulated_kvcache
@@ -166,7 +167,7 @@ def run_rotary_case(case, rng, xp=np, function=flash_attention_with_kvcache):
     if kv.new_len:  # float32 arithmetic, then the dtype's rounding: within one unit
         got, want = appended_rows(case, inputs, got_k), appended_rows(case, reference, want_k)
         want64 = want.astype(np.float64)
-        slack = 1.01 * np.finfo(want.dtype).eps * np.abs(want64) + 1e-6
+        slack = 1.01 * ml_dtypes.finfo(want.dtype).eps * np.abs(want64) + 1e-6
         assert np.all(np.abs(got.astype(np.float64) - want64) <= slack), case
         want_k = want_k.copy()  # the rest of the cache: bit for bit
         table = None if inputs["block_table"] is None else to_numpy(inputs["block_table"])

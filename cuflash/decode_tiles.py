@@ -40,3 +40,37 @@ def decode_tc_shape(head_dim, row_warps, stages, keys=None):
 def decode_tc_keys(head_dim):
     """Keys a tile of the tensor-core decode kernel: 16 KB of K up to head_dim 128."""
     return 64 if head_dim <= 128 else 32
+
+
+def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):
+    """The dynamic shared memory in bytes of ``kvcache_decode_mla<T, head_dim, head_dim_v,
+    keys, stages, paged, latent>`` (``DecodeMlaShape`` of kvcache_decode_mla.cu): the K
+    (and, not latent, V) tiles, 16 query rows, P and the warps' row statistics."""
+    rows, warps = 16, THREADS // 32
+    k_pitch = head_dim // 8 + 1
+    v_chunks = 0 if latent else keys * (head_dim_v // 8 + 1)
+    kv_bytes = stages * (keys * k_pitch + v_chunks) * 16
+    return kv_bytes + rows * k_pitch * 16 + rows * (keys // 8 + 1) * 16 + 2 * warps * rows * 4
+
+
+MLA_STAGES = 2
+
+
+def decode_mla_keys(head_dim, head_dim_v, latent, max_shared):
+    """Keys a tile of ``kvcache_decode_mla``: the most of 64, 32, 16 whose two-stage tiles
+    fit ``max_shared`` bytes of a block (64 for absorbed MLA's 576 / 512 latent on sm_90,
+    32 on sm_80 and sm_86)."""
+    for keys in (64, 32, 16):
+        if decode_mla_shape(head_dim, head_dim_v, keys, MLA_STAGES, latent) <= max_shared:
+            return keys
+    return 16
+
+
+def block_shared_limit(capability):
+    """Dynamic shared memory a block may opt in to on a GPU of compute ``capability`` (86:
+    sm_86): 227 KB on sm_90 and sm_100, 163 KB on sm_80 and sm_87, else 99 KB."""
+    if 90 <= capability < 120:
+        return 232448
+    if capability in (80, 87):
+        return 166912
+    return 101376

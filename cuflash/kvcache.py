@@ -15,7 +15,15 @@ import numpy as np
 
 from . import fp8, plans, registry
 from . import rotary as rotary_embedding
-from .decode_tiles import THREADS, decode_shape, decode_tc_shape
+from .decode_tiles import (
+    MLA_STAGES,
+    THREADS,
+    block_shared_limit,
+    decode_mla_keys,
+    decode_mla_shape,
+    decode_shape,
+    decode_tc_shape,
+)
 from .errors import InvalidArgumentError
 from .kvcache_cpu import cpu_forward
 from .masking import normalize_window
@@ -51,8 +59,11 @@ LONG_CACHE_KEYS = 2048
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
 # Head dims the KV-cache call takes (absorbed MLA decodes a 576-wide latent whose first
-# 512 columns are the values); the GPU kernels take one head dim up to GPU_MAX_HEAD_DIM.
+# 512 columns are the values). On the GPU, one head dim up to GPU_MAX_HEAD_DIM takes the
+# split-KV kernels of every dtype; wider keys or a value head dim of its own take
+# kvcache_decode_mla (16-bit, head_dim a multiple of 16, head_dim_v of MLA_V_MULTIPLE).
 MAX_HEAD_DIM, MAX_HEAD_DIM_V, GPU_MAX_HEAD_DIM = 576, 512, 256
+MLA_V_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +94,13 @@ class KVCacheProblem:
     sinks: bool = False  # attention sinks (float32 [H]) given
     rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
     head_dim_v: int = 0  # of v_cache, v_new and the output (head_dim unless given)
+    latent: bool = False  # v_cache is k_cache[..., :head_dim_v] (absorbed MLA)
+
+    @property
+    def own_value_dims(self):
+        """Keys wider than GPU_MAX_HEAD_DIM or a value head dim of its own: the GPU's
+        kvcache_decode_mla serves the call."""
+        return self.head_dim_v != self.head_dim or self.head_dim > GPU_MAX_HEAD_DIM
 
     @property
     def alibi(self):
@@ -163,19 +181,21 @@ def _extent(xp, a):
 def _check_value_view(xp, k_cache, v_cache):
     """A ``v_cache`` that shares memory with ``k_cache`` must be its first ``head_dim_v``
     columns (``k_cache[..., :head_dim_v]``, absorbed MLA's latent read as the values):
-    the same start and strides. Any other overlap is an error."""
+    the same start and strides. Any other overlap is an error. Returns whether it is
+    that view."""
     if not (k_cache.size and v_cache.size):
-        return
+        return False
     k_low, k_high, k_start = _extent(xp, k_cache)
     v_low, v_high, v_start = _extent(xp, v_cache)
     if v_high < k_low or k_high < v_low:
-        return
+        return False
     if v_start != k_start or tuple(v_cache.strides) != tuple(k_cache.strides):
         raise InvalidArgumentError(
             "v_cache",
             "shares memory with k_cache but is not its first head_dim_v columns "
             "(k_cache[..., :head_dim_v])",
         )
+    return True
 
 
 def kvcache_problem(
@@ -250,7 +270,7 @@ def kvcache_problem(
             f"expected shape {v_shape} (k_cache's rows, head_dim_v {head_dim_v} columns), "
             f"got {tuple(v_cache.shape)}",
         )
-    _check_value_view(xp, k_cache, v_cache)
+    latent = _check_value_view(xp, k_cache, v_cache)
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.size and a.strides[-1] != a.itemsize:
             raise InvalidArgumentError(
@@ -368,22 +388,32 @@ def kvcache_problem(
         sinks=has_sinks,
         rotary=rotary,
         head_dim_v=head_dim_v,
+        latent=latent,
     )
-    if xp is not np and head_dim > GPU_MAX_HEAD_DIM:
-        raise InvalidArgumentError(
-            "head_dim",
-            f"the GPU path takes head_dim up to {GPU_MAX_HEAD_DIM}, got {head_dim} (NumPy "
-            f"arrays take up to {MAX_HEAD_DIM} on the CPU path)",
-        )
-    if xp is not np and head_dim_v != head_dim:
-        raise InvalidArgumentError(
-            "head_dim_v",
-            f"the GPU path takes v of q's head dim, got {head_dim_v} against {head_dim} "
-            "(NumPy arrays take a head_dim_v of their own on the CPU path)",
-        )
+    if xp is not np and problem.own_value_dims:
+        _check_mla_on_gpu(problem)
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
         _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
+
+
+def _check_mla_on_gpu(problem):
+    """The GPU's kvcache_decode_mla takes float16/bfloat16, head_dim a multiple of 16
+    and head_dim_v a multiple of MLA_V_MULTIPLE (the NumPy path takes every case)."""
+    wide = f"head_dim {problem.head_dim} with head_dim_v {problem.head_dim_v}"
+    if np.dtype(problem.dtype).itemsize != 2:
+        raise InvalidArgumentError(
+            "q",
+            f"{wide} takes float16 or bfloat16 on the GPU, got {np.dtype(problem.dtype).name} "
+            "(NumPy arrays take float32 on the CPU path)",
+        )
+    if problem.head_dim % 16 or problem.head_dim_v % MLA_V_MULTIPLE:
+        raise InvalidArgumentError(
+            "head_dim_v" if problem.head_dim % 16 == 0 else "head_dim",
+            f"{wide}: the GPU path takes a head_dim of 16s and a head_dim_v of "
+            f"{MLA_V_MULTIPLE}s where they differ or head_dim is above {GPU_MAX_HEAD_DIM} "
+            "(NumPy arrays take any on the CPU path)",
+        )
 
 
 def flash_attention_with_kvcache(
@@ -434,7 +464,8 @@ def flash_attention_with_kvcache(
         ``x.transpose(0, 2, 1, 3)``); never copied, written in place.
     num_heads, num_kv_heads, head_dim : int
         Must agree with the shapes; ``num_kv_heads`` divides ``num_heads``
-        (GQA/MQA); ``head_dim`` a multiple of 8 from 8 to 256 (576 on the CPU path).
+        (GQA/MQA); ``head_dim`` a multiple of 8 from 8 to 256, or to 576 with
+        ``head_dim_v`` (on the GPU: float16/bfloat16 and a multiple of 16 above 256).
     causal : bool, default True
         Bottom-right aligned per sequence: query row ``i`` of sequence ``b``
         sits at position ``p = i + L_b - S_q`` and sees keys ``j <= p``.
@@ -498,8 +529,10 @@ def flash_attention_with_kvcache(
         ``head_dim`` 576 with ``head_dim_v`` 512, where ``v_cache`` may be the view
         ``k_cache[..., :head_dim_v]`` of the latent cache (read as the values; with
         ``v_new`` its rows are written after ``k_new``'s). Any other ``v_cache``
-        sharing memory with ``k_cache`` is an error. The CPU path takes it; the GPU
-        path takes one head dim up to 256 for now (the KV-cache page).
+        sharing memory with ``k_cache`` is an error. On the GPU a ``head_dim_v`` of
+        its own (or a ``head_dim`` above 256) takes float16/bfloat16, ``head_dim`` a
+        multiple of 16 and ``head_dim_v`` a multiple of 64; the latent view is read
+        once (the KV-cache page).
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -708,7 +741,7 @@ def append_name(problem):
 def append_blocks(problem):
     """Blocks along x of ``kvcache_append``'s grid: the new rows' elements, then (with the
     rotary embedding) the elements of a KV head's query rows, 128 a block."""
-    blocks = -(-problem.new_len * problem.head_dim // THREADS)
+    blocks = -(-problem.new_len * max(problem.head_dim, problem.head_dim_v) // THREADS)
     if problem.rotary is not None:
         blocks += -(-problem.group_size * problem.q_len * problem.head_dim // THREADS)
     return blocks
@@ -717,7 +750,7 @@ def append_blocks(problem):
 def combine_name(problem):
     """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``."""
     return registry.STANDALONE["kvcache_combine"].name_expression(
-        dtype=problem.dtype, head_dim=problem.head_dim
+        dtype=problem.dtype, head_dim=problem.head_dim_v
     )
 
 
@@ -726,10 +759,28 @@ def uses_tensor_cores(problem):
     return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
 
 
-def decode_kernel(problem):
+def decode_kernel(problem, capability=80):
     """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
-    split-KV kernel that serves ``problem``: the tensor-core one (16-bit, head_dim a
-    multiple of 16; 16, 32 or 64 packed rows a block) or the CUDA-core one."""
+    split-KV kernel that serves ``problem`` on a GPU of compute ``capability``: for a
+    value head dim of its own or keys wider than GPU_MAX_HEAD_DIM the MLA one (16 packed
+    rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
+    or 64 packed rows a block) or the CUDA-core one."""
+    if problem.own_value_dims:
+        limit = block_shared_limit(capability)
+        keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, limit)
+        name = registry.STANDALONE["kvcache_decode_mla"].name_expression(
+            dtype=problem.dtype,
+            head_dim=problem.head_dim,
+            head_dim_v=problem.head_dim_v,
+            keys=keys,
+            stages=MLA_STAGES,
+            paged=problem.paged,
+            latent=problem.latent,
+        )
+        shared = decode_mla_shape(
+            problem.head_dim, problem.head_dim_v, keys, MLA_STAGES, problem.latent
+        )
+        return name, keys, 16, shared
     packed_rows = problem.q_len * problem.group_size
     if uses_tensor_cores(problem):
         row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4

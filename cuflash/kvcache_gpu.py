@@ -58,6 +58,8 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
     the registry's ``reads_key_counts`` read (the Hopper ones)."""
     if block_table is not None or problem.q_len * problem.group_size < DENSE_MIN_ROWS:
         return None
+    if problem.own_value_dims:  # kvcache_decode_mla's
+        return None
     from .gpu import ForwardPlan
     from .problem import forward_problem
 
@@ -114,6 +116,7 @@ def _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging):
         *element_strides(q),
         np.int32(problem.new_len),
         np.int32(problem.head_dim),
+        np.int32(problem.head_dim_v),
         *paging,
         np.int32(problem.q_len),
         np.int32(problem.group_size),
@@ -156,6 +159,7 @@ def gpu_forward(
     adds)."""
     import cupy
 
+    from .gpu import device_capability
     from .gpu import element_strides as _strides
     from .gpu import rows_are_16_byte_aligned as _aligned
     from .problem import unit_last_stride
@@ -206,14 +210,14 @@ def gpu_forward(
     q = attended
     if problem.batch * problem.num_heads == 0:
         return (
-            cupy.empty(problem.q_shape, dtype=problem.dtype),
+            cupy.empty(problem.out_shape, dtype=problem.dtype),
             cupy.empty(problem.lse_shape, dtype=np.float32),
         )
     if dense is not None:  # key_counts None: an int length
         return dense(
             q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes, sinks=sinks
         )
-    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
+    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, device_capability()[1])
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
     decode, per_sm, sm_count = kvcache._kernel(name, shared, functors)
@@ -223,11 +227,11 @@ def gpu_forward(
         per_sm * sm_count,
         *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
     )
-    out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+    out = cupy.empty(problem.out_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
     if splits > 1:
-        part_out = cupy.empty((part_rows * splits, problem.head_dim), dtype=np.float32)
+        part_out = cupy.empty((part_rows * splits, problem.head_dim_v), dtype=np.float32)
         part_lse = cupy.empty(part_rows * splits, dtype=np.float32)
     else:
         part_out = part_lse = np.uint64(0)
@@ -312,7 +316,13 @@ class DecodePlan:
     ):
         import cupy
 
-        from .gpu import NO_USER_ARGUMENTS, Launch, element_strides, rows_are_16_byte_aligned
+        from .gpu import (
+            NO_USER_ARGUMENTS,
+            Launch,
+            device_capability,
+            element_strides,
+            rows_are_16_byte_aligned,
+        )
         from .problem import unit_last_stride
 
         self.problem = problem
@@ -340,7 +350,7 @@ class DecodePlan:
         )
         if self.dense is not None:
             return
-        name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
+        name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, device_capability()[1])
         row_tiles = -(-problem.q_len * problem.group_size // rows)
         decode, per_sm, sm_count = kvcache._kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
@@ -389,7 +399,7 @@ class DecodePlan:
             )
             # The splits' partial rows and their lse in one workspace (256-byte aligned).
             self.part_lse_offset = (
-                -(-4 * self.part_rows * self.splits * problem.head_dim // 256) * 256
+                -(-4 * self.part_rows * self.splits * problem.head_dim_v // 256) * 256
             )
             self.workspace_bytes = self.part_lse_offset + 4 * self.part_rows * self.splits
 
@@ -458,7 +468,7 @@ class DecodePlan:
                 sinks=sinks,
             )
             return (out, lse) if problem.return_lse else out
-        out = cupy.empty(problem.q_shape, dtype=problem.dtype)
+        out = cupy.empty(problem.out_shape, dtype=problem.dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
         inputs = (
             q.data.ptr,

@@ -571,6 +571,13 @@ STANDALONE_KERNELS = (
         "kvcache_decode_tc", "kvcache_decode_tc.cu", "kvcache_decode_tc", _DECODE_TC, True
     ),
     StandaloneKernel(
+        "kvcache_decode_mla",
+        "kvcache_decode_mla.cu",
+        "kvcache_decode_mla",
+        ("dtype", "head_dim", "head_dim_v", "keys", "stages", "paged", "latent"),
+        True,
+    ),
+    StandaloneKernel(
         "kvcache_decode",
         "kvcache_decode.cu",
         "kvcache_decode",

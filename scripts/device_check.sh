@@ -2,7 +2,7 @@
 # One call on a GPU machine: environment, the GPU test suite, the demo, and
 # optional extra steps. Logs go to $OUT (or ./.gpuout).
 # Usage: bash scripts/device_check.sh [step ...]
-#   steps: precompile, tests, demo (the default), features, families, fuzz, quick, asv,
+#   steps: precompile, tests, demo (the default), features, families, fuzz, quick, asv, mla,
 #          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
 #          reasons, tensor pipe use), costs (the model-shape features against their targets)
@@ -39,9 +39,12 @@ for step in $steps; do
              ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/test_kernel_families.py tests ;;
     features) TAIL=20 run gpu-features ${FEATURES_LIMIT:-240} python3 -m pytest -m gpu -v -rf \
              -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 tests/test_head_dim_v.py \
+             tests/test_kvcache_head_dim_v.py \
              tests/test_rotary.py tests/test_fp8.py tests/test_sinks.py tests/test_kvcache.py ;;
     costs) TAIL=30 run costs 120 bash -c "python3 scripts/feature_costs.py && \
              python3 -m cuflash.bench --head-dim-v --no-first-call --no-memory --time-budget 30" ;;
+    mla) TAIL=20 run mla-decode 150 python3 -m cuflash.bench --mla-decode --no-first-call \
+           --no-memory --time-budget 40 --json "$OUT/h200-mla-decode.json" ;;
     demo) run demo 60 python3 -m cuflash ;;
     fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \
             python3 -m pytest -m gpu -q -p no:cacheprovider -k gpu_fuzz tests/test_fuzz.py ;;

@@ -6,7 +6,8 @@ cases, on both kernel paths, and every tensor-core kernel, also those the
 default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
 forward and backward where Hopper takes wgmma, the split-D 16-bit backward, float32
 on TF32; score modifiers (soft-cap, ALiBi) on the dense and packed calls; decoding
-from a paged cache with modifiers (user functions too) and garbage lengths; ring
+from a paged cache with modifiers (user functions too) and garbage lengths; absorbed
+MLA decoding (kvcache_decode_mla) with garbage lengths and block ids; ring
 attention over two virtual ranks; user score and mask functions with a block mask and
 garbage document ids.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
@@ -89,6 +90,7 @@ def main(settings):
                 failures += packed_calls(rng, dtype, d, path, skipped, cfg)
     if "auto" in settings:
         failures += kvcache_and_ring_calls(rng, head_dims)
+        failures += mla_decode_calls(rng)
     for setting in settings:
         if setting in ("auto", "mma-sync", "general"):
             path, skipped, _ = SETTINGS[setting]
@@ -122,6 +124,44 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
         if i == 0:
             failures += sum(bool(cupy.isnan(x).any()) for x in (out, *grads[0], *grads[1]))
     return failures
+
+
+def mla_decode_calls(rng):
+    """kvcache_decode_mla: absorbed MLA (v_cache the latent's first 512 columns), contiguous
+    and paged, with an append, split over long caches and with garbage device lengths and
+    block ids; a v cache of its own (192 / 128) with modifiers; the count of NaN results
+    with valid lengths."""
+    failures = 0
+    latent = cupy.asarray(rng.standard_normal((2, 1, 1024, 576)).astype(BFLOAT16))
+    blocks = latent.reshape(2, 1, 16, 64, 576).transpose(0, 2, 1, 3, 4).reshape(32, 1, 64, 576)
+    table = cupy.asarray(np.arange(32, dtype=np.int32).reshape(2, 16)[:, ::-1].copy())
+    q = cupy.asarray(rng.standard_normal((2, 20, 1, 576)).astype(BFLOAT16))
+    new = cupy.asarray(rng.standard_normal((2, 1, 1, 576)).astype(BFLOAT16))
+    for cache, ids in ((latent, None), (blocks, table)):
+        for lengths in ([1000, 300], [2**30, -5]):
+            out = cuflash.flash_attention_with_kvcache(
+                q, cache, cache[..., :512], 20, 1, 576,
+                cache_seqlens=cupy.asarray(np.array(lengths, np.int32)), k_new=new,
+                v_new=new[..., :512], block_table=ids, head_dim_v=512,
+            )  # fmt: skip
+            failures += lengths[1] > 0 and bool(cupy.isnan(out).any())
+        if ids is not None:
+            bad = cupy.asarray(np.array([[10**6] * 16, [-4] * 16], np.int32))
+            out = cuflash.flash_attention_with_kvcache(
+                q, cache, cache[..., :512], 20, 1, 576, cache_seqlens=cupy.asarray(
+                    np.array([500, 40], np.int32)), block_table=bad, head_dim_v=512,
+            )  # fmt: skip
+            failures += bool(cupy.isnan(out).any())
+    k_cache = cupy.asarray(rng.standard_normal((2, 2, 300, 192)).astype(np.float16))
+    v_cache = cupy.asarray(rng.standard_normal((2, 2, 300, 128)).astype(np.float16))
+    q = cupy.asarray(rng.standard_normal((2, 4, 3, 192)).astype(np.float16))
+    out = cuflash.flash_attention_with_kvcache(
+        q, k_cache, v_cache, 4, 2, 192, window_size=(50, 0),
+        cache_seqlens=cupy.asarray(np.array([290, 17], np.int32)), softcap=4.0,
+        alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, 4).astype(np.float32)),
+        sinks=cupy.asarray(rng.standard_normal(4).astype(np.float32)), head_dim_v=128,
+    )  # fmt: skip
+    return failures + bool(cupy.isnan(out).any())
 
 
 def kvcache_and_ring_calls(rng, head_dims):

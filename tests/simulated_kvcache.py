@@ -56,6 +56,7 @@ def forward(
     rotary_cos=None,
     rotary_sin=None,
     rotary_interleaved=False,
+    head_dim_v=None,
 ):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
     ``capability`` (no user modifiers)."""
@@ -81,6 +82,7 @@ def forward(
         rotary_cos=rotary_cos,
         rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved,
+        head_dim_v=head_dim_v,
     )
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
@@ -96,7 +98,8 @@ def forward(
         attended = np.full(problem.q_shape, np.nan, problem.dtype)
 
     attention = None  # the dense forward's problem, for a long query chunk
-    if block_table is None and problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS:
+    long_chunk = problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS
+    if block_table is None and long_chunk and not problem.own_value_dims:
         attention = forward_problem(
             attended,
             k_cache,
@@ -148,6 +151,7 @@ def forward(
                 *_strides(q),
                 np.int32(problem.new_len),
                 np.int32(problem.head_dim),
+                np.int32(problem.head_dim_v),
                 *paging,
                 np.int32(problem.q_len),
                 np.int32(problem.group_size),
@@ -169,7 +173,7 @@ def forward(
         )
         return (out, lse) if return_lse else out
 
-    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem)
+    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, capability)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
     splits = kvcache.num_splits(
@@ -177,12 +181,12 @@ def forward(
         RESIDENT_BLOCKS * SM_COUNT,
         *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
     )
-    out = np.full(problem.q_shape, np.nan, problem.dtype)
+    out = np.full(problem.out_shape, np.nan, problem.dtype)
     lse = np.full(problem.lse_shape, np.nan, np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
     part_out = part_lse = None
     if splits > 1:
-        part_out = np.full((part_rows * splits, problem.head_dim), np.nan, np.float32)
+        part_out = np.full((part_rows * splits, problem.head_dim_v), np.nan, np.float32)
         part_lse = np.full(part_rows * splits, np.nan, np.float32)
     left, right = problem.window
     slopes = None if alibi_slopes is None else np.ascontiguousarray(alibi_slopes)

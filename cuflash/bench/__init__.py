@@ -11,7 +11,8 @@
 - ``environment``: CuPy, torch, the GPU and the versions; ``progress``: stderr.
 - one module a suite, its cases, measurements and tables: ``dense`` (the grid's
   defaults and table), ``head_dims``, ``small_calls``, ``decode``, ``varlen``,
-  ``value_dims`` (``head_dim_v``), ``fp8`` (the FP8 forward), ``first_call``, ``memory``.
+  ``value_dims`` (``head_dim_v``), ``mla_decode`` (absorbed-MLA decoding), ``fp8`` (the FP8
+  forward), ``first_call``, ``memory``.
 - ``formatting`` (shared Markdown cells), ``report`` (the whole report), ``plots``.
 - ``masks`` and ``modifiers`` (``python -m cuflash.bench_masks``, ``python -m
   cuflash.bench_modifiers``), with ``peer_commands``: cuflash next to ``flex_attention``.
@@ -145,6 +146,7 @@ from .memory import (
     memory_sweep,
     pool_growth_bytes,
 )
+from .mla_decode import MLA_DECODE_CASES, MlaDecodeCase, format_mla_decode, mla_decode_report
 from .peer_commands import add_peer_options, flex_peer_torch, no_gpu_to_measure, print_report
 from .plots import plot_memory, plot_throughput
 from .progress import TextProgress, progress_bar
@@ -248,6 +250,7 @@ __all__ = [
     "METHOD_LINE",
     "MIN_REPEATS",
     "MIN_TARGET_SECONDS",
+    "MLA_DECODE_CASES",
     "MLA_TRAINING",
     "MODE_TIME_BUDGETS",
     "Measurement",
@@ -289,6 +292,7 @@ __all__ = [
     "VARLEN_RECOMPILE_LIMIT",
     "VARLEN_SEED",
     "VARLEN_TARGET",
+    "MlaDecodeCase",
     "ValueDimCase",
     "VarlenCase",
     "add_peer_options",
@@ -318,6 +322,7 @@ __all__ = [
     "format_head_dim_sweep_table",
     "format_host_time",
     "format_memory",
+    "format_mla_decode",
     "format_notes",
     "format_report",
     "format_small_calls",
@@ -346,6 +351,7 @@ __all__ = [
     "measure_direction",
     "measure_first_call",
     "measure_implementation",
+    "mla_decode_report",
     "memory_record",
     "memory_records",
     "memory_sweep",

@@ -7,7 +7,7 @@ Usage::
                             [--no-memory] [--allow-tf32] [--time-budget SECONDS]
                             [--json PATH] [--plots DIR]
     python -m cuflash.bench [--head-dim-sweep] [--small-calls] [--decode] [--varlen]
-                            [--head-dim-v] [--fp8] [options above]
+                            [--head-dim-v] [--mla-decode] [--fp8] [options above]
     python -m cuflash.bench --from-json PATH [--plots DIR]
 
 Every case has ``B * S = 16384`` tokens and ``H = 2048 / D`` heads. For each
@@ -50,6 +50,10 @@ the same inputs in the same run, and the ratios):
   128, S = 4096, causal, B * S = 16384) with ``head_dim_v``, against the same call
   with v (and dout, out) padded to 192 columns by the caller, forward and backward
   (cuflash only).
+- ``--mla-decode``: absorbed-MLA decoding (bfloat16, one KV head of 576 whose first
+  512 columns are the values, one new query row of 16 or 128 query heads, L = 4096
+  and 16384, B = 32 and 128): the latent cache's TB/s and the products' TFLOP/s
+  (cuflash only: no torch backend takes the shape).
 - ``--fp8``: the FP8 (e4m3) forward (the FP8 page) on the grid's shapes, D 64 and
   128, S 1024 and 4096, causal and not, bfloat16 out, against the bfloat16 forward on
   the same shapes and cuDNN's FP8 attention when ``nvidia-cudnn-frontend`` provides
@@ -88,6 +92,7 @@ from .head_dims import SWEEP_DTYPES, head_dim_sweep, head_dim_sweep_cases
 from .implementations import implementation_factories
 from .measure import Measurement, run_grid
 from .memory import MEMORY_SEQLENS, QUICK_MEMORY_SEQLENS, memory_sweep
+from .mla_decode import mla_decode_report
 from .plots import plot_memory, plot_throughput
 from .progress import _status
 from .report import format_report
@@ -106,6 +111,7 @@ MODE_TIME_BUDGETS = {
     "decode": 120.0,
     "varlen": 300.0,
     "head_dim_v": 60.0,
+    "mla_decode": 60.0,
     "fp8": 120.0,
 }
 
@@ -212,6 +218,13 @@ def parse_args(argv=None):
         "128, S 4096, causal) with head_dim_v against v padded to 192",
     )
     parser.add_argument(
+        "--mla-decode",
+        action="store_true",
+        help="instead of the grid: absorbed-MLA decoding (bfloat16, one KV head of 576 "
+        "whose first 512 columns are the values, 16 and 128 query heads, L 4096 and "
+        "16384, B 32 and 128): the cache's TB/s and TFLOP/s",
+    )
+    parser.add_argument(
         "--fp8",
         action="store_true",
         help="instead of the grid: the FP8 (e4m3) forward, D 64/128, S 1024/4096, causal "
@@ -284,6 +297,9 @@ def run(args):
     if args.head_dim_v:
         _status("head_dim_v: the MLA training shape")
         report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"])
+    if args.mla_decode:
+        _status("absorbed-MLA decoding")
+        report["mla_decode"] = mla_decode_report(budget)
     if args.fp8:
         _status("FP8 forward")
         report["fp8"] = fp8_report(budget, env["l2_bytes"])

@@ -7,6 +7,7 @@ from .first_call import format_first_call
 from .fp8 import format_fp8
 from .head_dims import format_head_dim_sweep
 from .memory import format_memory
+from .mla_decode import format_mla_decode
 from .small_calls import format_small_calls
 from .value_dims import format_value_dims
 from .varlen import format_varlen
@@ -45,6 +46,8 @@ def format_report(report, measurements):
         parts += ["", format_head_dim_sweep(report["head_dim_sweep"])]
     if report.get("head_dim_v"):
         parts += ["", format_value_dims(report["head_dim_v"])]
+    if report.get("mla_decode"):
+        parts += ["", format_mla_decode(report["mla_decode"])]
     if report.get("fp8"):
         parts += ["", format_fp8(report["fp8"])]
     if report.get("first_call"):

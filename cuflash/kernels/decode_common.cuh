@@ -223,8 +223,11 @@ struct TileSource {
 // aligned. Where the rows are one run of memory rows (a contiguous cache, or a full
 // load inside one block of a paged one), each thread keeps its chunk column and steps
 // its addresses by a constant, at fixed offsets where the rows are dense; elsewhere
-// each copy takes its block from `source`.
-template <typename T, int BN, int CH, int PITCH, int THREADS, int STRIDE, bool PAGED>
+// each copy takes its block from `source`. WITH_V false: K alone (the tile of one
+// cache, e.g. absorbed MLA's latent, or a V cache of its own width passed as K);
+// COMMIT false: the copies join the next commit group.
+template <typename T, int BN, int CH, int PITCH, int THREADS, int STRIDE, bool PAGED,
+          bool WITH_V = true, bool COMMIT = true>
 __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T* k_head,
                                              const T* v_head, const CacheRows& rows,
                                              TileSource<T, BN, CH, THREADS, STRIDE, PAGED>& source,
@@ -254,12 +257,14 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
             constexpr long long PASS = Chunks::ROWS_A_PASS * CH * ELEMS;  // rows of D elements
             const long long k_pass = Chunks::ROWS_A_PASS * k_ss;
             const long long v_pass = Chunks::ROWS_A_PASS * v_ss;
-            if (full && k_pass == PASS && v_pass == PASS) {  // dense rows: fixed offsets
+            if (full && k_pass == PASS &&
+                (!WITH_V || v_pass == PASS)) {  // dense rows: fixed offsets
 #pragma unroll
                 for (int it = 0; it < Chunks::ITERS; ++it) {
                     const int n = n0 + it * Chunks::ROWS_A_PASS;
                     cp_async_16_stream(k_dst + n * PITCH + c, k_src + it * PASS, true);
-                    cp_async_16_stream(v_dst + n * PITCH + c, v_src + it * PASS, true);
+                    if constexpr (WITH_V)
+                        cp_async_16_stream(v_dst + n * PITCH + c, v_src + it * PASS, true);
                 }
             } else {
 #pragma unroll
@@ -267,12 +272,13 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
                     const int n = n0 + it * Chunks::ROWS_A_PASS;
                     const bool valid = full || key0 + n < key_end;
                     cp_async_16_stream(k_dst + n * PITCH + c, valid ? k_src : k_head, valid);
-                    cp_async_16_stream(v_dst + n * PITCH + c, valid ? v_src : v_head, valid);
+                    if constexpr (WITH_V)
+                        cp_async_16_stream(v_dst + n * PITCH + c, valid ? v_src : v_head, valid);
                     k_src += k_pass;
                     v_src += v_pass;
                 }
             }
-            cp_async_commit();
+            if constexpr (COMMIT) cp_async_commit();
             return;
         }
     }
@@ -298,7 +304,8 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
             if (!Chunks::covers(it, thread)) break;
             const Chunk x = chunk(it);
             cp_async_16_stream(k_dst + x.dst, x.valid ? x.k_src : k_head, x.valid);
-            cp_async_16_stream(v_dst + x.dst, x.valid ? x.v_src : v_head, x.valid);
+            if constexpr (WITH_V)
+                cp_async_16_stream(v_dst + x.dst, x.valid ? x.v_src : v_head, x.valid);
         }
     } else {
         for (int it = 0; it < Chunks::ITERS; ++it) {
@@ -309,11 +316,11 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
 #pragma unroll
             for (int e = 0; e < ELEMS; ++e) {
                 kd[e] = x.valid ? x.k_src[e] : T{};
-                vd[e] = x.valid ? x.v_src[e] : T{};
+                if constexpr (WITH_V) vd[e] = x.valid ? x.v_src[e] : T{};
             }
         }
     }
-    cp_async_commit();
+    if constexpr (COMMIT) cp_async_commit();
 }
 
 // The split-KV kernels' arguments (kvcache_decode and kvcache_decode_tc take the
@@ -378,6 +385,69 @@ __device__ __forceinline__ bool decode_sees(int m, int j, int group, int hk, int
     if constexpr (!ScoreModifiers::user_mask) return true;
     const auto mods = decode_modifiers(m, group, hk, b, mask, nullptr, 0, 0.f, user);
     return mods.sees(m / group, j);
+}
+
+// The keys of a thread's two packed rows m[0], m[1] ([lo, hi); a row past rows_total sees
+// none) and those that every row of its warp sees ([full_lo, full_hi), over the lanes).
+struct RowKeys {
+    int lo[2], hi[2], full_lo, full_hi;
+
+    __device__ __forceinline__ RowKeys(const Mask& mask, const int (&m)[2], int rows_total,
+                                       int group) {
+        full_lo = 0;
+        full_hi = 0x7fffffff;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lo[r] = hi[r] = 0;
+            if (m[r] < rows_total) {
+                mask.row_keys(m[r] / group, lo[r], hi[r]);
+                full_lo = max(full_lo, lo[r]);
+                full_hi = min(full_hi, hi[r]);
+            }
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            full_lo = max(full_lo, __shfl_xor_sync(0xffffffffu, full_lo, o));
+            full_hi = min(full_hi, __shfl_xor_sync(0xffffffffu, full_hi, o));
+        }
+    }
+    // Do keys [key0, key0 + n) need masking for some row of the warp?
+    __device__ __forceinline__ bool edge(int key0, int n) const {
+        return !(key0 >= full_lo && key0 + n <= full_hi);
+    }
+};
+
+// Split `split` of num_splits of the BN-key tiles over [range_lo, range_hi): `count`
+// consecutive tiles from `first`.
+struct SplitTiles {
+    int first, count;
+};
+template <int BN>
+__device__ __forceinline__ SplitTiles split_tiles(int range_lo, int range_hi, int num_splits,
+                                                  int split) {
+    const int tiles = range_hi > range_lo ? (range_hi - range_lo + BN - 1) / BN : 0;
+    const int per_split = (tiles + num_splits - 1) / num_splits;
+    const int first = min(tiles, split * per_split);
+    return SplitTiles{first, min(tiles, first + per_split) - first};
+}
+
+// Score x (scale log2(e) q.k) of packed row m and key j after the call's modifiers
+// (`modified`: decode_modifies) and masks: -inf outside the row's keys [lo, hi) where the
+// tile is an edge one, or where the user's mask hides it.
+template <typename T>
+__device__ __forceinline__ float decode_score(float x, bool edge, bool modified, int m, int j,
+                                              int lo, int hi, int rows_total, int group, int hk,
+                                              int b, const Mask& mask,
+                                              const float* __restrict__ alibi_slopes,
+                                              int alibi_batch_stride, float softcap_log2,
+                                              const UserModifierArgs& user) {
+    const bool row_live = m < rows_total;
+    if (modified && row_live)
+        x = decode_modified_score<T>(x, m, j, group, hk, b, mask, alibi_slopes, alibi_batch_stride,
+                                     softcap_log2, user);
+    if ((edge && (j < lo || j >= hi)) || (row_live && !decode_sees(m, j, group, hk, b, mask, user)))
+        x = neg_inf();
+    return x;
 }
 
 }  // namespace cuflash

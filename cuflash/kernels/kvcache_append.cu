@@ -31,9 +31,10 @@ __device__ __forceinline__ float rotary_element(const T* __restrict__ x, int d, 
                  : __fadd_rn(__fmul_rn(other, s), __fmul_rn(self, c));
 }
 
-// k_new / v_new [B, H_kv, S_new, D] into the cache at rows cached_length(b) ..
-// One thread an element; grid (key blocks + query blocks, H_kv, B): the first
-// ceil(S_new * D / 128) blocks of x append, k_new's rows rotated at their positions
+// k_new [B, H_kv, S_new, D] / v_new [.., D_v] into the cache at rows cached_length(b) ..
+// One thread an element of the wider row; grid (key blocks + query blocks, H_kv, B): the
+// first ceil(S_new * max(D, D_v) / 128) blocks of x append (k first, then v: where
+// v_cache is k_cache's first D_v columns, absorbed MLA's latent, v_new's values win), k_new's rows rotated at their positions
 // with rotary_dim > 0. With rotary_dim > 0 the next ceil(group * S_q * D / 128) rotate
 // the query rows of the KV head's query heads at their positions p = i + L_b - S_q
 // into q_rotated [B, H, S_q, D] (contiguous), which the attention kernels then read.
@@ -52,11 +53,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
                    long long kn_sb, long long kn_sh, long long kn_ss, long long vn_sb,
                    long long vn_sh, long long vn_ss, long long k_sb, long long k_sh, long long k_ss,
                    long long v_sb, long long v_sh, long long v_ss, long long q_sb, long long q_sh,
-                   long long q_ss, int new_len, int head_dim, int capacity, int block_size,
-                   int max_blocks, int num_blocks, int q_len, int group, int rotary_dim,
-                   int rotary_rows, int interleaved, int tables_in_t) {
+                   long long q_ss, int new_len, int head_dim, int head_dim_v, int capacity,
+                   int block_size, int max_blocks, int num_blocks, int q_len, int group,
+                   int rotary_dim, int rotary_rows, int interleaved, int tables_in_t) {
     const int hk = blockIdx.y, b = blockIdx.z;
-    const long long key_elements = static_cast<long long>(new_len) * head_dim;
+    const int width = max(head_dim, head_dim_v);
+    const long long key_elements = static_cast<long long>(new_len) * width;
     const int key_blocks = static_cast<int>((key_elements + kDecodeThreads - 1) / kDecodeThreads);
     const int length = cached_length(seqlens, seqlen_value, b, new_len, capacity);
     if (static_cast<int>(blockIdx.x) >= key_blocks) {  // the query rows' rotation
@@ -77,19 +79,21 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const long long idx = static_cast<long long>(blockIdx.x) * kDecodeThreads + threadIdx.x;
     if (idx >= key_elements) return;
-    const int t = static_cast<int>(idx / head_dim), d = static_cast<int>(idx % head_dim);
+    const int t = static_cast<int>(idx / width), d = static_cast<int>(idx % width);
     const int pos = length + t;
     if (key_counts != nullptr && idx == 0 && hk == 0) key_counts[b] = pos + new_len;
     const CacheRows rows = cache_rows(block_table, b, max_blocks, block_size, num_blocks);
     long long k_off, v_off;
     rows.offsets(pos, k_sb, k_ss, v_sb, v_ss, k_off, v_off);
     const T* k_row = k_new + b * kn_sb + hk * kn_sh + t * kn_ss;
-    k_cache[k_off + hk * k_sh + d] =
-        rotary_dim > 0
-            ? from_float<T>(rotary_element(k_row, d, rotary_dim, interleaved != 0, rotary_cos,
-                                           rotary_sin, tables_in_t != 0, min(pos, rotary_rows - 1)))
-            : k_row[d];
-    v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
+    if (d < head_dim)
+        k_cache[k_off + hk * k_sh + d] =
+            rotary_dim > 0 ? from_float<T>(rotary_element(k_row, d, rotary_dim, interleaved != 0,
+                                                          rotary_cos, rotary_sin, tables_in_t != 0,
+                                                          min(pos, rotary_rows - 1)))
+                           : k_row[d];
+    if (d < head_dim_v)
+        v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
 }
 
 }  // namespace cuflash

@@ -93,30 +93,12 @@ __global__ void __launch_bounds__(kDecodeThreads,
     const int last_row = min(row0 + ROWS, rows_total) - 1;
     int range_lo, range_hi;
     mask.key_range(row0 / group, last_row / group + 1, range_lo, range_hi);
-    int my_lo[2], my_hi[2], full_lo = 0, full_hi = 0x7fffffff;
     const int tile_row[2] = {NARROW ? 2 * t : rw * 16 + g, NARROW ? 2 * t + 1 : rw * 16 + g + 8};
     const int my_row[2] = {row0 + tile_row[0], row0 + tile_row[1]};
     const bool modified = decode_modifies(alibi_slopes, softcap_log2);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int m = my_row[r];
-        my_lo[r] = my_hi[r] = 0;
-        if (m < rows_total) {
-            mask.row_keys(m / group, my_lo[r], my_hi[r]);
-            full_lo = max(full_lo, my_lo[r]);
-            full_hi = min(full_hi, my_hi[r]);
-        }
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        full_lo = max(full_lo, __shfl_xor_sync(0xffffffffu, full_lo, o));
-        full_hi = min(full_hi, __shfl_xor_sync(0xffffffffu, full_hi, o));
-    }
-    const int tiles = range_hi > range_lo ? (range_hi - range_lo + BN - 1) / BN : 0;
-    // The split's tiles: `count` consecutive ones from `first`.
-    const int per_split = (tiles + num_splits - 1) / num_splits;
-    const int first = min(tiles, split * per_split);
-    const int count = min(tiles, first + per_split) - first;
+    const RowKeys keys(mask, my_row, rows_total, group);
+    const SplitTiles mine = split_tiles<BN>(range_lo, range_hi, num_splits, split);
+    const int first = mine.first, count = mine.count;
     auto tile_of = [&](int step) { return first + step; };
 
     const T* k_head = k_cache + hk * k_sh;
@@ -232,7 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads,
                 }
             }
             const int key0 = range_lo + tile * BN + kw * WARP_KEYS;
-            const bool edge = !(key0 >= full_lo && key0 + WARP_KEYS <= full_hi);
+            const bool edge = keys.edge(key0, WARP_KEYS);
             float new_max[2] = {row_max[0], row_max[1]};
             if (!edge && !modified && !ScoreModifiers::user_mask) {  // every score as it is
 #pragma unroll
@@ -249,16 +231,10 @@ __global__ void __launch_bounds__(kDecodeThreads,
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int r = row_of(e), key = key0 + key_of(n, e);
-                        float x = s[n][e] * scale_log2;
-                        const bool row_live = my_row[r] < rows_total;
-                        if (modified && row_live)
-                            x = decode_modified_score<T>(x, my_row[r], key, group, hk, b, mask,
-                                                         alibi_slopes, alibi_batch_stride,
-                                                         softcap_log2, user_args);
-                        if ((edge && (key < my_lo[r] || key >= my_hi[r])) ||
-                            (row_live &&
-                             !decode_sees(my_row[r], key, group, hk, b, mask, user_args)))
-                            x = neg_inf();
+                        const float x = decode_score<T>(
+                            s[n][e] * scale_log2, edge, modified, my_row[r], key, keys.lo[r],
+                            keys.hi[r], rows_total, group, hk, b, mask, alibi_slopes,
+                            alibi_batch_stride, softcap_log2, user_args);
                         s[n][e] = x;
                         new_max[r] = fmaxf(new_max[r], x);
                     }

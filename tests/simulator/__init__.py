@@ -48,6 +48,11 @@ CACHE_DIR = Path(os.environ.get("CUFLASH_SIM_CACHE", Path(tempfile.gettempdir())
 COMPILER_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
 
 
+def _bytes_at(address, size):
+    """The ``size`` bytes at ``address`` as a writable uint8 array (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * max(1, size)).from_address(address))[:size]
+
+
 class SimulationError(RuntimeError):
     """A simulated launch failed: a deadlock, a shared-memory address outside the block's,
     an instruction the simulator does not model."""
@@ -262,7 +267,9 @@ class Module:
         them alive), None (a null pointer), NumPy scalars (their bytes, so their type
         must be the parameter's), or one-element structured arrays (a record passed by
         value). With ``guard``, each array is copied into memory between inaccessible
-        pages for the launch (and back after it): a read or write past its end, or far
+        pages for the launch (and the bytes the launch changed back after it, so that
+        arguments that share memory, such as absorbed MLA's ``v_cache`` view of
+        ``k_cache``, keep each other's writes): a read or write past its end, or far
         before its start, raises SimulationError naming the argument.
         """
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -276,7 +283,7 @@ class Module:
                     low, high = byte_bounds(a)  # the memory a view spans
                     copy = self._library.sim_guarded_alloc(max(1, high - low))
                     ctypes.memmove(copy, low, high - low)
-                    guarded.append((i, low, high, copy))
+                    guarded.append((i, low, high, copy, _bytes_at(low, high - low).copy()))
                     address = copy + (address - low)
                 cell = np.array([address], dtype=np.uint64)
             elif isinstance(a, np.ndarray):  # a record by value
@@ -289,16 +296,18 @@ class Module:
             pointers[i] = cell.ctypes.data
         try:
             status = self._entries[name](*grid, int(threads), int(shared_bytes), pointers)
-            for _, low, high, copy in guarded:  # outputs come back (inputs are unchanged)
-                ctypes.memmove(low, copy, high - low)
+            for _, low, high, copy, snapshot in guarded:  # the bytes it changed come back
+                after = _bytes_at(copy, high - low)
+                changed = np.flatnonzero(after != snapshot)
+                _bytes_at(low, high - low)[changed] = after[changed]
         finally:
-            for _, low, high, copy in guarded:
+            for _, low, high, copy, _ in guarded:
                 self._library.sim_guarded_free(copy, max(1, high - low))
         if status == 2:
             fault = self._library.sim_fault_address()
             near = [
                 i
-                for i, low, high, copy in guarded
+                for i, low, high, copy, _ in guarded
                 if copy - 4096 <= fault < copy + (high - low) + 4096
             ]
             where = f"argument {near[0]}'s guard page" if near else "memory of no argument"

@@ -404,7 +404,7 @@ def _check_mla_on_gpu(problem):
     if np.dtype(problem.dtype).itemsize != 2:
         raise InvalidArgumentError(
             "q",
-            f"{wide} takes float16 or bfloat16 on the GPU, got {np.dtype(problem.dtype).name} "
+            f"{wide}: the GPU path takes float16 or bfloat16, got {np.dtype(problem.dtype).name} "
             "(NumPy arrays take float32 on the CPU path)",
         )
     if problem.head_dim % 16 or problem.head_dim_v % MLA_V_MULTIPLE:

@@ -430,7 +430,7 @@ def test_gpu_refuses_what_its_kernels_do_not_take():
     """A value head dim of its own or keys past 256 on the GPU: float16/bfloat16, head_dim
     a multiple of 16 and head_dim_v of 64 (a clear error before any kernel)."""
     q, k_cache, v_cache = (cupy.asarray(x) for x in _arrays())
-    with pytest.raises(cuflash.InvalidArgumentError, match="float16 or bfloat16 on the GPU"):
+    with pytest.raises(cuflash.InvalidArgumentError, match="GPU path takes float16 or bfloat16"):
         _call(q, k_cache, v_cache, 64, head_dim_v=32)
     half = [cupy.asarray(x.astype(np.float16)) for x in _arrays(d=64, dv=32)]
     with pytest.raises(cuflash.InvalidArgumentError, match="head_dim_v of 64s"):
@@ -448,7 +448,7 @@ def test_gpu_requirements_hold_on_the_host():
     q, k_cache, v_cache = _arrays()
     problem = kvcache.kvcache_problem(q, k_cache, v_cache, 2, 1, 64, True, 0, 3, None, None,
                                       None, None, False, False, head_dim_v=32)  # fmt: skip
-    with pytest.raises(cuflash.InvalidArgumentError, match="float16 or bfloat16"):
+    with pytest.raises(cuflash.InvalidArgumentError, match="GPU path takes float16 or bfloat16"):
         kvcache._check_mla_on_gpu(problem)
     half = kvcache.kvcache_problem(*(x.astype(np.float16) for x in (q, k_cache, v_cache)), 2, 1,
                                    64, True, 0, 3, None, None, None, None, False, False,

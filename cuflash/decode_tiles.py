@@ -56,14 +56,23 @@ def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):
 MLA_STAGES = 2
 
 
-def decode_mla_keys(head_dim, head_dim_v, latent, max_shared):
-    """Keys a tile of ``kvcache_decode_mla``: the most of 64, 32, 16 whose two-stage tiles
-    fit ``max_shared`` bytes of a block (64 for absorbed MLA's 576 / 512 latent on sm_90,
-    32 on sm_80 and sm_86)."""
-    for keys in (64, 32, 16):
-        if decode_mla_shape(head_dim, head_dim_v, keys, MLA_STAGES, latent) <= max_shared:
+def decode_mla_keys(head_dim, head_dim_v, latent, capability):
+    """Keys a tile of ``kvcache_decode_mla`` on a GPU of compute ``capability``: the most of
+    64, 32, 16 whose two-stage tiles let two blocks share an SM (each block has four warps,
+    too few alone to hide the products' latency: 32 keys with two blocks an SM ran
+    1.37-1.43x faster than 64 with one on an H200, at 576 / 512), else the most that fit
+    one block."""
+    fits = [
+        keys
+        for keys in (64, 32, 16)
+        if decode_mla_shape(head_dim, head_dim_v, keys, MLA_STAGES, latent)
+        <= block_shared_limit(capability)
+    ]
+    for keys in fits:
+        shared = decode_mla_shape(head_dim, head_dim_v, keys, MLA_STAGES, latent)
+        if 2 * (shared + 1024) <= sm_shared_memory(capability):
             return keys
-    return 16
+    return fits[0] if fits else 16
 
 
 def block_shared_limit(capability):
@@ -74,3 +83,13 @@ def block_shared_limit(capability):
     if capability in (80, 87):
         return 166912
     return 101376
+
+
+def sm_shared_memory(capability):
+    """Shared memory of one SM on a GPU of compute ``capability``, the 1 KB a block
+    reserves included: 228 KB on sm_90 and sm_100, 164 KB on sm_80 and sm_87, else 100 KB."""
+    if 90 <= capability < 120:
+        return 233472
+    if capability in (80, 87):
+        return 167936
+    return 102400

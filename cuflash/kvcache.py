@@ -18,7 +18,6 @@ from . import rotary as rotary_embedding
 from .decode_tiles import (
     MLA_STAGES,
     THREADS,
-    block_shared_limit,
     decode_mla_keys,
     decode_mla_shape,
     decode_shape,
@@ -766,8 +765,7 @@ def decode_kernel(problem, capability=80):
     rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
     or 64 packed rows a block) or the CUDA-core one."""
     if problem.own_value_dims:
-        limit = block_shared_limit(capability)
-        keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, limit)
+        keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
         name = registry.STANDALONE["kvcache_decode_mla"].name_expression(
             dtype=problem.dtype,
             head_dim=problem.head_dim,

@@ -3,8 +3,10 @@
 :func:`flash_attention_with_kvcache` appends new keys and values to a cache
 in place and attends the query rows of each sequence to its cached keys, with
 per-sequence lengths, a contiguous or a paged cache, and the masking rules of
-the dense functions. NumPy arrays run the CPU path below; CuPy arrays run the
-split-KV kernels of the registry's ``STANDALONE_KERNELS`` (``kernels/kvcache_*.cu``).
+the dense functions. NumPy arrays run the CPU path (:mod:`cuflash.kvcache_cpu`); CuPy
+arrays run the split-KV kernels of the registry's ``STANDALONE_KERNELS``
+(``kernels/kvcache_*.cu``), chosen by :mod:`cuflash.decode_kernels` and launched by
+:mod:`cuflash.kvcache_gpu`.
 """
 
 import dataclasses
@@ -13,16 +15,8 @@ import numbers
 
 import numpy as np
 
-from . import fp8, plans, registry
+from . import fp8, plans
 from . import rotary as rotary_embedding
-from .decode_tiles import (
-    MLA_STAGES,
-    THREADS,
-    decode_mla_keys,
-    decode_mla_shape,
-    decode_shape,
-    decode_tc_shape,
-)
 from .errors import InvalidArgumentError
 from .kvcache_cpu import cpu_forward
 from .masking import normalize_window
@@ -42,21 +36,6 @@ from .problem import (
     check_user_modifiers,
 )
 
-LOG2E = 1.4426950408889634
-ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
-NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
-MAX_SPLITS = 128  # kMaxSplits of kvcache_combine.cu: the combine takes a thread a split
-MIN_KEYS_PER_SPLIT = 256
-BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
-# K/V tiles in the tensor-core kernel's pipeline: 2 (three blocks an SM up to head_dim
-# 128), or 3 (two blocks an SM) for sequences of LONG_CACHE_KEYS keys or more, whose
-# blocks stream long enough that two deeper ones an SM read faster (decode_tc_stages).
-TC_STAGES = 2
-LONG_CACHE_STAGES = 3
-LONG_CACHE_KEYS = 2048
-# With this many packed query rows (S_q x group) or more and a contiguous cache, the
-# dense tensor-core forward serves the call (see _dense_plan).
-DENSE_MIN_ROWS = 64
 # Head dims the KV-cache call takes (absorbed MLA decodes a 576-wide latent whose first
 # 512 columns are the values). On the GPU, one head dim up to GPU_MAX_HEAD_DIM takes the
 # split-KV kernels of every dtype; wider keys or a value head dim of its own take
@@ -693,180 +672,3 @@ def flash_attention_with_kvcache(
         *tables,
     )
     return (out, lse) if problem.return_lse else out
-
-
-# ---------------------------------------------------------------------------------------
-# GPU path
-
-
-def decode_tc_stages(head_dim, longest):
-    """K/V tiles in the tensor-core kernel's pipeline for sequences of up to ``longest``
-    keys (see :data:`LONG_CACHE_KEYS`)."""
-    if head_dim <= 128 and longest >= LONG_CACHE_KEYS:
-        return LONG_CACHE_STAGES
-    return TC_STAGES
-
-
-def longest_sequence(problem):
-    """Keys of the longest sequence after the append: from host-held lengths, else the
-    capacity (device-held lengths may be anything up to it)."""
-    if problem.host_lengths is not None and problem.batch:
-        return int(problem.host_lengths.max()) + problem.new_len
-    return problem.capacity
-
-
-def decode_tc_name(problem, row_warps, stages, keys):
-    """The name expression of ``kvcache_decode_tc`` with these tiles for ``problem``: its
-    own instantiation for a paged cache, and the narrow one (the query rows as the MMA's
-    8-wide N, K and V as its A operand: half the products) where a block's packed query
-    rows fit 8."""
-    narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
-    return registry.STANDALONE["kvcache_decode_tc"].name_expression(
-        dtype=problem.dtype,
-        head_dim=problem.head_dim,
-        row_warps=row_warps,
-        stages=stages,
-        keys=keys,
-        paged=problem.paged,
-        narrow=narrow,
-    )
-
-
-def append_name(problem):
-    """The name expression of ``kvcache_append`` for ``problem``."""
-    return registry.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
-
-
-def append_blocks(problem):
-    """Blocks along x of ``kvcache_append``'s grid: the new rows' elements, then (with the
-    rotary embedding) the elements of a KV head's query rows, 128 a block."""
-    blocks = -(-problem.new_len * max(problem.head_dim, problem.head_dim_v) // THREADS)
-    if problem.rotary is not None:
-        blocks += -(-problem.group_size * problem.q_len * problem.head_dim // THREADS)
-    return blocks
-
-
-def combine_name(problem):
-    """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``."""
-    return registry.STANDALONE["kvcache_combine"].name_expression(
-        dtype=problem.dtype, head_dim=problem.head_dim_v
-    )
-
-
-def uses_tensor_cores(problem):
-    """float16/bfloat16 with head_dim a multiple of 16 run on mma.sync (kvcache_decode_tc)."""
-    return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
-
-
-def decode_kernel(problem, capability=80):
-    """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
-    split-KV kernel that serves ``problem`` on a GPU of compute ``capability``: for a
-    value head dim of its own or keys wider than GPU_MAX_HEAD_DIM the MLA one (16 packed
-    rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
-    or 64 packed rows a block) or the CUDA-core one."""
-    if problem.own_value_dims:
-        keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
-        name = registry.STANDALONE["kvcache_decode_mla"].name_expression(
-            dtype=problem.dtype,
-            head_dim=problem.head_dim,
-            head_dim_v=problem.head_dim_v,
-            keys=keys,
-            stages=MLA_STAGES,
-            paged=problem.paged,
-            latent=problem.latent,
-        )
-        shared = decode_mla_shape(
-            problem.head_dim, problem.head_dim_v, keys, MLA_STAGES, problem.latent
-        )
-        return name, keys, 16, shared
-    packed_rows = problem.q_len * problem.group_size
-    if uses_tensor_cores(problem):
-        row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
-        stages = decode_tc_stages(problem.head_dim, longest_sequence(problem))
-        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages)
-        name = decode_tc_name(problem, row_warps, stages, keys_per_tile)
-        return name, keys_per_tile, rows, shared
-    rows = row_tile(problem)
-    keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim, rows)
-    name = registry.STANDALONE["kvcache_decode"].name_expression(
-        dtype=problem.dtype, head_dim=problem.head_dim, rows=rows
-    )
-    return name, keys_per_tile, rows, shared
-
-
-def row_tile(problem):
-    """Packed query rows a decode block holds: the smallest RM >= min(S_q x group, 8)."""
-    rows = problem.q_len * problem.group_size
-    return next(rm for rm in ROW_TILES if rm >= min(rows, ROW_TILES[-1]))
-
-
-def num_splits(blocks, slots, tiles, cap):
-    """Splits of each sequence's keys for ``blocks`` blocks before splitting, ``slots``
-    blocks resident at once on the whole GPU and ``tiles`` key tiles in the longest
-    sequence. A block costs about BLOCK_START tiles of latency plus its share of the
-    tiles; the count that minimises waves x block time wins (the fewest on a tie), at
-    most MAX_SPLITS and none shorter than MIN_KEYS_PER_SPLIT keys (see ``split_cap``)."""
-    best, best_cost = 1, None
-    for splits in range(1, cap + 1):
-        waves = -(-blocks * splits // slots)
-        cost = waves * (BLOCK_START + tiles / splits)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = splits, cost
-    return best
-
-
-def split_cap(longest, keys_per_tile):
-    """Tiles of the longest sequence, capped so that a split keeps >= MIN_KEYS_PER_SPLIT
-    keys and there are at most MAX_SPLITS."""
-    tiles = max(1, -(-longest // keys_per_tile))
-    return tiles, max(1, min(MAX_SPLITS, -(-longest // max(MIN_KEYS_PER_SPLIT, keys_per_tile))))
-
-
-_KERNELS: dict = {}
-
-
-def _kernel(name, shared=0, functors=None):
-    """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
-    the registry's kernel ``name`` from :func:`cuflash.kernel_build.load_standalone` (with
-    the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy
-    from its registers and shared memory (128 threads a block)."""
-    import cupy
-
-    device_id = cupy.cuda.runtime.getDevice()
-    found = _KERNELS.get((device_id, name, functors))
-    if found is None:
-        from .gpu import modifier_compile_errors
-        from .kernel_build import load_standalone
-
-        with modifier_compile_errors(functors):
-            kernel = load_standalone(name, shared_bytes=shared, functors=functors)
-        attributes = cupy.cuda.Device(device_id).attributes
-        smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
-        regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
-        per_sm = min(
-            smem_per_sm // (shared + 1024) if shared else 16,
-            attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
-            attributes["MaxThreadsPerMultiProcessor"] // THREADS,
-        )
-        found = _KERNELS[(device_id, name, functors)] = (
-            kernel,
-            max(1, per_sm),
-            attributes["MultiProcessorCount"],
-        )
-    return found
-
-
-def _paging_args(problem, block_table):
-    table = np.uint64(0) if block_table is None else block_table
-    return table, (
-        np.int32(problem.capacity),
-        np.int32(problem.block_size),
-        np.int32(problem.max_blocks),
-        np.int32(max(problem.num_blocks, 1)),
-    )
-
-
-def _modifier_args(problem):
-    """The decode kernels' last scalars: the ALiBi slopes' batch stride and the soft-cap
-    in log2 units (the kernels' scores are ``scale log2(e) q . k``)."""
-    return (np.int32(max(problem.alibi_batch_stride, 0)), np.float32(problem.softcap * LOG2E))

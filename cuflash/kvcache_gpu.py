@@ -1,17 +1,21 @@
 """The GPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): the
-append, the split-KV kernels (``kernels/kvcache_decode_tc.cu``, ``kvcache_decode.cu``)
-and the combine of their splits (or, for long query chunks on a contiguous cache, the
-dense forward's plan), one call at a time (:func:`gpu_forward`) or as a launch plan for
-device-held lengths (:class:`DecodePlan`). The tile shapes, the split count and the
-kernel lookup are :mod:`cuflash.kvcache`'s."""
+append, the split-KV kernels (``kernels/kvcache_decode_tc.cu``, ``kvcache_decode.cu``,
+``kvcache_decode_mla.cu``) and the combine of their splits (or, for long query chunks on
+a contiguous cache, the dense forward's plan), one call at a time (:func:`gpu_forward`)
+or as a launch plan for device-held lengths (:class:`DecodePlan`). Which kernels, their
+tiles, the split count and the kernel lookup are :mod:`cuflash.decode_kernels`'s."""
 
 import numbers
 
 import numpy as np
 
-from . import kvcache  # its functions are read at call time (tools replace some)
+from . import (
+    decode_kernels,  # its functions are read at call time (tools replace some)
+    kvcache,
+)
 from . import rotary as rotary_embedding
-from .kvcache import DENSE_MIN_ROWS, LOG2E, THREADS
+from .decode_kernels import DENSE_MIN_ROWS, LOG2E
+from .decode_tiles import THREADS
 
 
 def _verify_on_host(problem, cache_seqlens, block_table):
@@ -171,7 +175,7 @@ def gpu_forward(
     if not isinstance(cache_seqlens, numbers.Integral):
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
-    table_ptr, paging = kvcache._paging_args(problem, block_table)
+    table_ptr, paging = decode_kernels._paging_args(problem, block_table)
     q = unit_last_stride(cupy, q)
     attended = _rotated_query(problem, q)  # the query rows the attention reads
     dense = None
@@ -182,15 +186,15 @@ def gpu_forward(
     key_counts = None
     if dense is not None and not isinstance(cache_seqlens, numbers.Integral):
         key_counts = _key_counts(problem, cache_seqlens)
-    if kvcache.append_blocks(problem) and problem.batch and problem.num_kv_heads:
+    if decode_kernels.append_blocks(problem) and problem.batch and problem.num_kv_heads:
         if problem.new_len:
             k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
         tables = (np.uint64(0),) * 2
         if problem.rotary is not None:
             tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
-        append = kvcache._kernel(kvcache.append_name(problem))[0]
+        append = decode_kernels._kernel(decode_kernels.append_name(problem))[0]
         append(
-            (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
+            (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
             (THREADS,),
             (
                 np.uint64(0) if k_new is None else k_new,
@@ -217,15 +221,17 @@ def gpu_forward(
         return dense(
             q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes, sinks=sinks
         )
-    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, device_capability()[1])
+    name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(
+        problem, device_capability()[1]
+    )
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
-    decode, per_sm, sm_count = kvcache._kernel(name, shared, functors)
+    decode, per_sm, sm_count = decode_kernels._kernel(name, shared, functors)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = kvcache.num_splits(
+    splits = decode_kernels.num_splits(
         blocks,
         per_sm * sm_count,
-        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
+        *decode_kernels.split_cap(decode_kernels.longest_sequence(problem), keys_per_tile),
     )
     out = cupy.empty(problem.out_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
@@ -270,12 +276,12 @@ def gpu_forward(
             np.int32(row_tiles),
             np.int32(_aligned((k_cache, v_cache))),
             np.float32(problem.softmax_scale * LOG2E),
-            *kvcache._modifier_args(problem),
+            *decode_kernels._modifier_args(problem),
         ),
         shared_mem=shared,
     )
     if splits > 1:
-        combine = kvcache._kernel(kvcache.combine_name(problem))[0]
+        combine = decode_kernels._kernel(decode_kernels.combine_name(problem))[0]
         combine(
             (part_rows,),
             (THREADS,),
@@ -332,14 +338,14 @@ class DecodePlan:
             or (block_table is not None and not block_table.flags.c_contiguous)
         )
         q = unit_last_stride(cupy, q)
-        _, paging = kvcache._paging_args(problem, block_table)
+        _, paging = decode_kernels._paging_args(problem, block_table)
         self.append = None
-        if kvcache.append_blocks(problem) and problem.num_kv_heads:
+        if decode_kernels.append_blocks(problem) and problem.num_kv_heads:
             if problem.new_len:
                 k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
             self.append = Launch(
-                kvcache._kernel(kvcache.append_name(problem))[0].kernel,
-                (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
+                decode_kernels._kernel(decode_kernels.append_name(problem))[0].kernel,
+                (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
                 THREADS,
                 0,
                 _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging),
@@ -350,12 +356,14 @@ class DecodePlan:
         )
         if self.dense is not None:
             return
-        name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, device_capability()[1])
+        name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(
+            problem, device_capability()[1]
+        )
         row_tiles = -(-problem.q_len * problem.group_size // rows)
-        decode, per_sm, sm_count = kvcache._kernel(name, shared)
+        decode, per_sm, sm_count = decode_kernels._kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
-        self.splits = kvcache.num_splits(
-            blocks, per_sm * sm_count, *kvcache.split_cap(problem.capacity, keys_per_tile)
+        self.splits = decode_kernels.num_splits(
+            blocks, per_sm * sm_count, *decode_kernels.split_cap(problem.capacity, keys_per_tile)
         )
         left, right = problem.window
         self.decode = Launch(
@@ -379,14 +387,14 @@ class DecodePlan:
                 np.int32(row_tiles),
                 np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
                 np.float32(problem.softmax_scale * LOG2E),
-                *kvcache._modifier_args(problem),
+                *decode_kernels._modifier_args(problem),
             ),
         )
         self.part_rows = problem.batch * problem.num_heads * problem.q_len
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
-                kvcache._kernel(kvcache.combine_name(problem))[0].kernel,
+                decode_kernels._kernel(decode_kernels.combine_name(problem))[0].kernel,
                 (self.part_rows,),
                 THREADS,
                 0,

@@ -17,8 +17,10 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cuflash import kvcache, plans, registry
-from cuflash.kvcache import decode_tc_name, decode_tc_shape, flash_attention_with_kvcache
+from cuflash import decode_kernels, plans, registry
+from cuflash.decode_kernels import decode_tc_name
+from cuflash.decode_tiles import decode_tc_shape
+from cuflash.kvcache import flash_attention_with_kvcache
 
 CASES = [
     (1, 32768, 0, 1),
@@ -153,9 +155,9 @@ def main():
     if args.warm:
         warm(variants)
         return
-    original_decode = kvcache.decode_kernel
+    original_decode = decode_kernels.decode_kernel
     if args.splits:
-        kvcache.num_splits = lambda blocks, slots, tiles, cap: min(args.splits, tiles)
+        decode_kernels.num_splits = lambda blocks, slots, tiles, cap: min(args.splits, tiles)
     print("case (B, keys, block size, S_q) | " + " | ".join(v[0] for v in variants))
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     for case in cases:
@@ -163,7 +165,9 @@ def main():
         cache_bytes = 2 * arrays[1].nbytes
         row = []
         for _, keys, stages in variants:
-            kvcache.decode_kernel = use_variant(original_decode, keys, stages, args.smem_floor)
+            decode_kernels.decode_kernel = use_variant(
+                original_decode, keys, stages, args.smem_floor
+            )
             plans.clear()
 
             def call():
@@ -174,7 +178,7 @@ def main():
                 row.append(f"{us:7.1f} us {cache_bytes / us / 1e6:4.2f} TB/s")
             except Exception as error:  # a variant that does not fit: say so, go on
                 row.append(f"failed: {type(error).__name__}: {str(error)[:60]}")
-        kvcache.decode_kernel = original_decode
+        decode_kernels.decode_kernel = original_decode
         print(case, "|", " | ".join(row), flush=True)
 
 

@@ -8,7 +8,7 @@ The launch plans are dropped between sizes (a cached plan keeps its tile).
 
 import sys
 
-from cuflash import kvcache, plans
+from cuflash import decode_kernels, plans
 from cuflash.bench.mla_decode import MLA_DECODE_CASES, format_mla_decode, mla_decode_report
 from cuflash.bench.timing import Budget
 
@@ -18,14 +18,14 @@ CASES = tuple(MLA_DECODE_CASES[i] for i in (1, 2, 5, 6))
 
 def main(argv):
     sizes = [int(a) for a in argv] or [64, 32, 16]
-    chosen = kvcache.decode_mla_keys
+    chosen = decode_kernels.decode_mla_keys
     for keys in sizes:
-        kvcache.decode_mla_keys = lambda *args, keys=keys: keys
+        decode_kernels.decode_mla_keys = lambda *args, keys=keys: keys
         plans.clear()
         records = mla_decode_report(Budget(24, 0.3), CASES)
         print(f"\n#### {keys} keys a tile\n")
         print(format_mla_decode(records))
-    kvcache.decode_mla_keys = chosen
+    decode_kernels.decode_mla_keys = chosen
 
 
 if __name__ == "__main__":

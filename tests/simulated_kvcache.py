@@ -12,10 +12,10 @@ import numpy as np
 import simulated_attention
 import simulator
 
-from cuflash import kvcache, registry, rotary
+from cuflash import decode_kernels, kvcache, registry, rotary
 from cuflash.problem import forward_problem
 
-#: What the split count is chosen for (cuflash.kvcache.num_splits): a small GPU, so that
+#: What the split count is chosen for (cuflash.decode_kernels.num_splits): a small GPU, so that
 #: the test shapes take several splits and the combine.
 RESIDENT_BLOCKS, SM_COUNT = 2, 4
 
@@ -91,14 +91,14 @@ def forward(
     else:
         lengths_array, length_value = np.ascontiguousarray(lengths, np.int32), np.int32(0)
     table = None if table is None else np.ascontiguousarray(table, np.int32)
-    _, paging = kvcache._paging_args(problem, block_table)
+    _, paging = decode_kernels._paging_args(problem, block_table)
     q = np.ascontiguousarray(q)
     attended = q  # the query rows the attention reads: the append's rotated copy, poisoned
     if problem.rotary is not None and problem.batch * problem.num_heads:
         attended = np.full(problem.q_shape, np.nan, problem.dtype)
 
     attention = None  # the dense forward's problem, for a long query chunk
-    long_chunk = problem.q_len * problem.group_size >= kvcache.DENSE_MIN_ROWS
+    long_chunk = problem.q_len * problem.group_size >= decode_kernels.DENSE_MIN_ROWS
     if block_table is None and long_chunk and not problem.own_value_dims:
         attention = forward_problem(
             attended,
@@ -123,13 +123,13 @@ def forward(
     key_counts = None
     if dense and lengths_array is not None:
         key_counts = np.full(problem.batch, -1, np.int32) if problem.new_len else lengths_array
-    if kvcache.append_blocks(problem) and problem.batch and problem.num_kv_heads:
-        name = kvcache.append_name(problem)
+    if decode_kernels.append_blocks(problem) and problem.batch and problem.num_kv_heads:
+        name = decode_kernels.append_name(problem)
         no_rows = (np.int64(0),) * 3
         _module(name, capability).launch(
             name,
-            (kvcache.append_blocks(problem), problem.num_kv_heads, problem.batch),
-            kvcache.THREADS,
+            (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
+            decode_kernels.THREADS,
             0,
             [
                 k_new,
@@ -173,13 +173,13 @@ def forward(
         )
         return (out, lse) if return_lse else out
 
-    name, keys_per_tile, rows, shared = kvcache.decode_kernel(problem, capability)
+    name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(problem, capability)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
-    splits = kvcache.num_splits(
+    splits = decode_kernels.num_splits(
         blocks,
         RESIDENT_BLOCKS * SM_COUNT,
-        *kvcache.split_cap(kvcache.longest_sequence(problem), keys_per_tile),
+        *decode_kernels.split_cap(decode_kernels.longest_sequence(problem), keys_per_tile),
     )
     out = np.full(problem.out_shape, np.nan, problem.dtype)
     lse = np.full(problem.lse_shape, np.nan, np.float32)
@@ -197,7 +197,7 @@ def forward(
     _module(name, capability).launch(
         name,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
-        kvcache.THREADS,
+        decode_kernels.THREADS,
         shared,
         [
             attended,
@@ -226,17 +226,17 @@ def forward(
             np.int32(splits),
             np.int32(row_tiles),
             np.int32(aligned),
-            np.float32(problem.softmax_scale * kvcache.LOG2E),
-            *kvcache._modifier_args(problem),
+            np.float32(problem.softmax_scale * decode_kernels.LOG2E),
+            *decode_kernels._modifier_args(problem),
         ],
         guard,
     )
     if splits > 1:
-        combine = kvcache.combine_name(problem)
+        combine = decode_kernels.combine_name(problem)
         _module(combine, capability).launch(
             combine,
             (part_rows,),
-            kvcache.THREADS,
+            decode_kernels.THREADS,
             0,
             [
                 part_out,

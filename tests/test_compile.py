@@ -331,7 +331,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     file, a C++ kernel or a RawModule besides the registry and the kernel build."""
     from pathlib import Path
 
-    from cuflash import kvcache
+    from cuflash import decode_kernels, kvcache
 
     launched = set()
     for dtype in registry.CXX_TYPES:
@@ -352,8 +352,11 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
                             q, cache, cache, heads, kv_heads, head_dim, True, 0, lengths,
                             new, new, table, None, False, False,
                         )  # fmt: skip
-                        launched.add(kvcache.decode_kernel(problem)[0])
-                        launched |= {kvcache.append_name(problem), kvcache.combine_name(problem)}
+                        launched.add(decode_kernels.decode_kernel(problem)[0])
+                        launched |= {
+                            decode_kernels.append_name(problem),
+                            decode_kernels.combine_name(problem),
+                        }
     assert {registry.standalone_of(name).name for name in launched} == {
         "kvcache_append",
         "kvcache_decode_tc",

@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
-from cuflash import InvalidArgumentError, kernel_build, kvcache, plans, registry
-from cuflash.decode_tiles import decode_tc_keys
-from cuflash.kvcache import (
-    ROW_TILES,
-    decode_shape,
-    decode_tc_shape,
-    flash_attention_with_kvcache,
-    num_splits,
-)
+from cuflash import InvalidArgumentError, decode_kernels, kernel_build, kvcache, plans, registry
+from cuflash.decode_kernels import ROW_TILES, num_splits
+from cuflash.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
+from cuflash.kvcache import flash_attention_with_kvcache
 from cuflash.reference import attention_reference
 
 if HAS_GPU:
@@ -732,10 +727,10 @@ def test_pipeline_depth_follows_the_longest_sequence():
         problem = kvcache.kvcache_problem(
             q, cache, cache, 8, 2, head_dim, True, 0, lengths, new, new, None, None, False, False
         )
-        name = kvcache.decode_kernel(problem)[0]
+        name = decode_kernels.decode_kernel(problem)[0]
         return int(name.split(",")[3])
 
-    long_enough = kvcache.LONG_CACHE_KEYS
+    long_enough = decode_kernels.LONG_CACHE_KEYS
     assert stages(np.array([10, long_enough], np.int32)) == 3
     assert stages(np.array([10, long_enough - 1], np.int32)) == 2
     assert stages(np.array([10, long_enough - 1], np.int32), new_len=1) == 3  # after the append
@@ -770,7 +765,7 @@ def test_decode_kernel_instantiation_follows_the_call():
             False,
             False,
         )
-        return kvcache.decode_kernel(problem)[0]
+        return decode_kernels.decode_kernel(problem)[0]
 
     assert name(1, 32, 8, False).endswith(", false, true>")
     assert name(1, 32, 8, True).endswith(", true, true>")
@@ -803,8 +798,8 @@ def test_split_cap_is_the_combines():
 
     source = kernel_build.module_source(registry.STANDALONE["kvcache_combine"].source)
     assert re.search(r"constexpr int kMaxSplits = kDecodeThreads;", source)
-    assert re.search(rf"constexpr int kDecodeThreads = {kvcache.THREADS};", source)
-    assert kvcache.MAX_SPLITS == kvcache.THREADS
+    assert re.search(rf"constexpr int kDecodeThreads = {decode_kernels.THREADS};", source)
+    assert decode_kernels.MAX_SPLITS == decode_kernels.THREADS
 
 
 def test_split_choice():
@@ -967,7 +962,7 @@ def test_gpu_query_chunks_through_plans(case, rng, poisoned):
 )
 def test_gpu_pipeline_depths(case, stages, rng, poisoned, monkeypatch):
     """The tensor-core kernel with two and three K/V tiles in its pipeline."""
-    monkeypatch.setattr(kvcache, "decode_tc_stages", lambda head_dim, longest: stages)
+    monkeypatch.setattr(decode_kernels, "decode_tc_stages", lambda head_dim, longest: stages)
     run_case(case, rng, xp=cupy)
 
 

@@ -322,7 +322,7 @@ def check_mla(case, out, lse, want_out, want_lse):
 def test_mla_cases_route_to_their_kernel():
     """Every case takes kvcache_decode_mla with the latent flag of its v_cache, its tile
     of keys fitting the block's shared memory of sm_80, sm_86 and sm_90."""
-    from cuflash import kvcache, registry
+    from cuflash import decode_kernels, kvcache, registry
     from cuflash.decode_tiles import block_shared_limit
 
     rng = np.random.default_rng(0)
@@ -335,18 +335,21 @@ def test_mla_cases_route_to_their_kernel():
         )  # fmt: skip
         assert problem.latent == case.latent and problem.own_value_dims
         for capability in (80, 86, 90):
-            name, keys, rows, shared = kvcache.decode_kernel(problem, capability)
+            name, keys, rows, shared = decode_kernels.decode_kernel(problem, capability)
             assert registry.standalone_of(name).name == "kvcache_decode_mla"
             assert name.endswith(f", {str(case.latent).lower()}>") and rows == 16
             assert shared <= block_shared_limit(capability) and keys in (16, 32, 64)
-        assert kvcache.decode_kernel(problem, 90)[1] >= kvcache.decode_kernel(problem, 86)[1]
+        assert (
+            decode_kernels.decode_kernel(problem, 90)[1]
+            >= decode_kernels.decode_kernel(problem, 86)[1]
+        )
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_mla_kernels_compile_without_spills(arch):
     """The kvcache_decode_mla instantiations the cases launch on that architecture, and the
     combine at their value head dims, compile through NVRTC with no spill or stack frame."""
-    from cuflash import kvcache
+    from cuflash import decode_kernels, kvcache
 
     rng = np.random.default_rng(0)
     capability = int(arch[3:5])
@@ -359,7 +362,10 @@ def test_mla_kernels_compile_without_spills(arch):
             inputs["v_new"], inputs["block_table"], None, True, False, head_dim_v=case.head_dim_v,
         )  # fmt: skip
         if case.dtype == "bfloat16":
-            names |= {kvcache.decode_kernel(problem, capability)[0], kvcache.combine_name(problem)}
+            names |= {
+                decode_kernels.decode_kernel(problem, capability)[0],
+                decode_kernels.combine_name(problem),
+            }
     assert len(names) >= 5
     compile_and_check(sorted(names), arch)
 

@@ -16,7 +16,7 @@ constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding aside
 
-// The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/kvcache.py's
+// The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/decode_tiles.py's
 // decode_shape; the kernel traps if it is launched with less shared memory).
 template <typename T, int D, int RM>
 struct DecodeShape {
@@ -324,7 +324,7 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
 }
 
 // The split-KV kernels' arguments (kvcache_decode and kvcache_decode_tc take the
-// same; cuflash/kvcache.py passes them in this order).
+// same; cuflash/kvcache_gpu.py passes them in this order).
 #define CUFLASH_DECODE_PARAMS(T)                                                                 \
     const T *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,       \
         const int *__restrict__ seqlens, int seqlen_value, const int *__restrict__ block_table,  \

@@ -319,20 +319,27 @@ def check_mla(case, out, lse, want_out, want_lse):
     )
 
 
+def mla_problem(case, rng):
+    """The validated call (``kvcache.kvcache_problem``) of ``case`` on fresh inputs."""
+    from cuflash import kvcache
+
+    inputs = mla_inputs(case, rng)
+    return kvcache.kvcache_problem(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
+        case.head_dim, True, case.window, inputs["cache_seqlens"], inputs["k_new"],
+        inputs["v_new"], inputs["block_table"], None, True, False, head_dim_v=case.head_dim_v,
+    )  # fmt: skip
+
+
 def test_mla_cases_route_to_their_kernel():
     """Every case takes kvcache_decode_mla with the latent flag of its v_cache, its tile
     of keys fitting the block's shared memory of sm_80, sm_86 and sm_90."""
-    from cuflash import decode_kernels, kvcache, registry
+    from cuflash import decode_kernels, registry
     from cuflash.decode_tiles import block_shared_limit
 
     rng = np.random.default_rng(0)
     for case in MLA_CASES:
-        inputs = mla_inputs(case, rng)
-        problem = kvcache.kvcache_problem(
-            inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-            case.head_dim, True, case.window, inputs["cache_seqlens"], inputs["k_new"],
-            inputs["v_new"], inputs["block_table"], None, True, False, head_dim_v=case.head_dim_v,
-        )  # fmt: skip
+        problem = mla_problem(case, rng)
         assert problem.latent == case.latent and problem.own_value_dims
         for capability in (80, 86, 90):
             name, keys, rows, shared = decode_kernels.decode_kernel(problem, capability)
@@ -349,18 +356,13 @@ def test_mla_cases_route_to_their_kernel():
 def test_mla_kernels_compile_without_spills(arch):
     """The kvcache_decode_mla instantiations the cases launch on that architecture, and the
     combine at their value head dims, compile through NVRTC with no spill or stack frame."""
-    from cuflash import decode_kernels, kvcache
+    from cuflash import decode_kernels
 
     rng = np.random.default_rng(0)
     capability = int(arch[3:5])
     names = set()
     for case in MLA_CASES:
-        inputs = mla_inputs(case, rng)
-        problem = kvcache.kvcache_problem(
-            inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-            case.head_dim, True, case.window, inputs["cache_seqlens"], inputs["k_new"],
-            inputs["v_new"], inputs["block_table"], None, True, False, head_dim_v=case.head_dim_v,
-        )  # fmt: skip
+        problem = mla_problem(case, rng)
         if case.dtype == "bfloat16":
             names |= {
                 decode_kernels.decode_kernel(problem, capability)[0],

@@ -6,6 +6,7 @@
 #          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
 #          reasons, tensor pipe use), costs (the model-shape features against their targets)
+# "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
 # "families" runs tests/test_kernel_families.py in its own process (a kernel fault
@@ -36,7 +37,7 @@ for step in $steps; do
                -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/test_kernel_families.py ;;
     tests) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ:-40} TAIL=20 run gpu-tests ${TESTS_LIMIT:-450} \
              python3 -m pytest -m gpu -v -rf -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 \
-             ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/test_kernel_families.py tests ;;
+             ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/test_kernel_families.py ${TEST_FILES:-tests} ;;
     features) TAIL=20 run gpu-features ${FEATURES_LIMIT:-240} python3 -m pytest -m gpu -v -rf \
              -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 tests/test_head_dim_v.py \
              tests/test_kvcache_head_dim_v.py \

@@ -45,6 +45,8 @@ SETTINGS = {
     "ws-16": ("auto", (), False),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False),
     "tf32": ("auto", (), True),
+    # the absorbed-MLA decode kernel alone (kvcache_decode_mla), a short run
+    "mla": ("auto", (), False),
 }
 
 
@@ -66,6 +68,8 @@ def main(settings):
         int(d) for d in os.environ.get("SANITIZE_HEAD_DIMS", "40,64,96,128,200,256").split(",")
     ]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
+        if setting == "mla":
+            continue  # its own calls below
         float32 = dtype == np.float32
         sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16", "ws-16")
         if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
@@ -90,6 +94,7 @@ def main(settings):
                 failures += packed_calls(rng, dtype, d, path, skipped, cfg)
     if "auto" in settings:
         failures += kvcache_and_ring_calls(rng, head_dims)
+    if "auto" in settings or "mla" in settings:
         failures += mla_decode_calls(rng)
     for setting in settings:
         if setting in ("auto", "mma-sync", "general"):

@@ -1,6 +1,6 @@
 """Every kernel variant compiles through NVRTC for sm_80 and sm_90a, without a GPU,
 with no register spills, no stack frame and no serialized wgmma in the compiler's
-report."""
+report (each tile class at its two ends, :func:`class_ends`)."""
 
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -11,7 +11,27 @@ import pytest
 from cuflash import kernel_build, registry, tile_traits
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
-JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in kernel_build.all_variants(sm)]
+
+
+def class_ends(variants):
+    """The smallest and largest head_dim of each run of variants whose kernels share
+    their tile traits (tile, threads, template arguments): the largest holds the most
+    fragments in registers, so it spills first, and the smallest takes the narrowest
+    paths. CUFLASH_COMPILE_EVERY_HEAD_DIM=1 compiles every head_dim instead."""
+    if os.environ.get("CUFLASH_COMPILE_EVERY_HEAD_DIM"):
+        return list(variants)
+    runs = {}
+    for v in variants:
+        key = (str(v.dtype), v.head_dim_v) + tuple(
+            (role, t.tile, t.threads, t.template_args)
+            for role, t in ((r, v.traits(r)) for r in v.kernel_names())
+        )
+        runs.setdefault(key, []).append(v)
+    ends = {id(v): v for run in runs.values() for v in (run[0], run[-1])}
+    return [v for v in variants if id(v) in ends]
+
+
+JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in class_ends(kernel_build.all_variants(sm))]
 
 
 def _compile(job):

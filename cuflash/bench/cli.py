@@ -296,7 +296,7 @@ def run(args):
         report["varlen"] = varlen_report(torch, budget, env["l2_bytes"])
     if args.head_dim_v:
         _status("head_dim_v: the MLA training shape")
-        report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"])
+        report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"], torch=torch)
     if args.mla_decode:
         _status("absorbed-MLA decoding")
         report["mla_decode"] = mla_decode_report(budget)

@@ -6,6 +6,10 @@ The padded call is the cost of doing without ``head_dim_v``. The forward on an H
 runs natively (``forward_wgmma_ws`` with DV = 128) and should beat it by the products it
 saves; the backward pads inside the library (:mod:`cuflash.value_dims`) and pays that
 padding's copies on top.
+
+With torch present, its SDPA backends that take a value head dim of their own run the
+same shape (``torch-flash``, ``torch-cudnn``, ``torch-efficient``; one that refuses it
+is listed with its reason).
 """
 
 import contextlib
@@ -20,11 +24,13 @@ import cuflash
 from .cases import DIRECTIONS, DTYPES, sets_spanning_l2, tflops
 from .environment import cupy
 from .formatting import _format_ratio, _format_tflops
+from .implementations import TORCH_BACKENDS, forced_backend, sdpa_backends
 from .measure import run_or_reason
 from .progress import _status
 from .timing import time_calls
 
 CALLS = ("head_dim_v", "v padded")
+TORCH_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 _NO_CONTEXT = types.SimpleNamespace(context=contextlib.nullcontext)
 
 
@@ -112,8 +118,34 @@ def _call(case, x, padded, direction):
     )
 
 
-def value_dim_report(budget, l2_bytes, case=MLA_TRAINING):
-    """Median GPU time of the ``head_dim_v`` call and the padded call, each direction."""
+def _torch_call(torch, case, x, direction):
+    """A no-argument callable running one pass of torch's SDPA on ``x`` (q, k, v with
+    their own widths), the backward through the graph of an untimed forward."""
+    q, k, v = (torch.from_dlpack(x[name]).requires_grad_() for name in ("q", "k", "v"))
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+    if direction == "fwd":
+        return sdpa
+    out, dout = sdpa(), torch.from_dlpack(x["dout"])
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+class _TorchPeer:
+    """One SDPA backend forced, CuPy's events on torch's stream."""
+
+    def __init__(self, torch, backend):
+        self.torch, self.backend = torch, backend
+        self.name = TORCH_BACKENDS[backend.name]
+
+    def context(self):
+        return forced_backend(self.torch, self.backend)
+
+
+def value_dim_report(budget, l2_bytes, case=MLA_TRAINING, torch=None):
+    """Median GPU time of the ``head_dim_v`` call, the padded call and, with ``torch``,
+    its SDPA backends, each direction."""
     # q, k and the padded v, dout: head_dim columns; v, dout: head_dim_v columns
     set_bytes = (4 * case.head_dim + 2 * case.head_dim_v) * math.prod(
         (case.batch, case.heads, case.seqlen)
@@ -124,19 +156,26 @@ def value_dim_report(budget, l2_bytes, case=MLA_TRAINING):
             case, sets_spanning_l2(set_bytes * DTYPES[case.dtype].itemsize, l2_bytes)
         ),
     )
+    peers = (
+        [] if torch is None else [_TorchPeer(torch, b) for b in sdpa_backends(torch, TORCH_PEERS)]
+    )
+    calls = [(name, _NO_CONTEXT) for name in CALLS] + [(peer.name, peer) for peer in peers]
     records = []
-    left = len(CALLS) * len(DIRECTIONS)
-    for name in CALLS:
+    left = len(calls) * len(DIRECTIONS)
+    for name, context in calls:
         for direction in DIRECTIONS:
             _status(f"head_dim_v: {name} {direction}")
             timing = None
+
+            def make(x, name=name, direction=direction):
+                if name in CALLS:
+                    return _call(case, x, name == "v padded", direction)
+                return _torch_call(torch, case, x, direction)
+
             if sets is not None:
                 target = budget.target_for(left)
                 timing, note = run_or_reason(
-                    _NO_CONTEXT,
-                    lambda: time_calls(
-                        [_call(case, x, name == "v padded", direction) for x in sets], target
-                    ),
+                    context, lambda: time_calls([make(x) for x in sets], target)
                 )
             left -= 1
             records.append(
@@ -160,7 +199,7 @@ def format_value_dims(records):
         f"H={first['heads']} S={first['seqlen']} D={first['head_dim']} "
         f"D_v={first['head_dim_v']}{' causal' if first['causal'] else ''}",
         "",
-        "| direction | call | median ms | TFLOP/s | padded / head_dim_v |",
+        "| direction | call | median ms | TFLOP/s | time / head_dim_v's |",
         "|---|---|---|---|---|",
     ]
     by_key = {(r["call"], r["direction"]): r for r in records}
@@ -168,19 +207,20 @@ def format_value_dims(records):
     def median(record):
         return None if record is None or record["timing"] is None else record["timing"]["median_s"]
 
+    names = list(dict.fromkeys(r["call"] for r in records))
     for direction in DIRECTIONS:
-        mine, padded = (median(by_key.get((call, direction))) for call in CALLS)
-        for call in CALLS:
+        mine = median(by_key.get((CALLS[0], direction)))
+        for call in names:
             record = by_key.get((call, direction))
             seconds = median(record)
-            ratio = None if mine is None or padded is None else padded / mine
+            ratio = None if mine is None or seconds is None else seconds / mine
             lines.append(
                 f"| {direction} | {call} | "
                 + ("–" if seconds is None else f"{seconds * 1e3:.3f}")
                 + " | "
                 + ("–" if seconds is None else _format_tflops(tflops(record["flops"], seconds)))
                 + " | "
-                + (_format_ratio(ratio) if call == CALLS[0] else "")
+                + ("" if call == CALLS[0] else _format_ratio(ratio))
                 + " |"
             )
     failed = [

@@ -27,7 +27,7 @@ def class_ends(variants):
             for role, t in ((r, v.traits(r)) for r in v.kernel_names())
         )
         runs.setdefault(key, []).append(v)
-    ends = {id(v): v for run in runs.values() for v in (run[0], run[-1])}
+    ends = {id(v) for run in runs.values() for v in (run[0], run[-1])}
     return [v for v in variants if id(v) in ends]
 
 

@@ -24,7 +24,7 @@ import cuflash
 from .cases import DIRECTIONS, DTYPES, sets_spanning_l2, tflops
 from .environment import cupy
 from .formatting import _format_ratio, _format_tflops
-from .implementations import TORCH_BACKENDS, forced_backend, sdpa_backends
+from .implementations import TorchSDPA, sdpa_backends
 from .measure import run_or_reason
 from .progress import _status
 from .timing import time_calls
@@ -118,29 +118,11 @@ def _call(case, x, padded, direction):
     )
 
 
-def _torch_call(torch, case, x, direction):
-    """A no-argument callable running one pass of torch's SDPA on ``x`` (q, k, v with
-    their own widths), the backward through the graph of an untimed forward."""
-    q, k, v = (torch.from_dlpack(x[name]).requires_grad_() for name in ("q", "k", "v"))
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
-
-    if direction == "fwd":
-        return sdpa
-    out, dout = sdpa(), torch.from_dlpack(x["dout"])
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-
-class _TorchPeer:
-    """One SDPA backend forced, CuPy's events on torch's stream."""
-
-    def __init__(self, torch, backend):
-        self.torch, self.backend = torch, backend
-        self.name = TORCH_BACKENDS[backend.name]
-
-    def context(self):
-        return forced_backend(self.torch, self.backend)
+def _peer_call(peer, x, direction):
+    """A no-argument callable of torch's SDPA (``peer``, a :class:`TorchSDPA`) on input
+    set ``x``, its q, k and v at their own widths."""
+    x = types.SimpleNamespace(**x)
+    return peer.forward_call(x) if direction == "fwd" else peer.backward_call(x)
 
 
 def value_dim_report(budget, l2_bytes, case=MLA_TRAINING, torch=None):
@@ -156,26 +138,23 @@ def value_dim_report(budget, l2_bytes, case=MLA_TRAINING, torch=None):
             case, sets_spanning_l2(set_bytes * DTYPES[case.dtype].itemsize, l2_bytes)
         ),
     )
-    peers = (
-        [] if torch is None else [_TorchPeer(torch, b) for b in sdpa_backends(torch, TORCH_PEERS)]
-    )
-    calls = [(name, _NO_CONTEXT) for name in CALLS] + [(peer.name, peer) for peer in peers]
+    calls = [
+        (name, _NO_CONTEXT, lambda x, d, padded=name == "v padded": _call(case, x, padded, d))
+        for name in CALLS
+    ]
+    for backend in [] if torch is None else sdpa_backends(torch, TORCH_PEERS):
+        peer = TorchSDPA(case, torch, backend)
+        calls.append((peer.name, peer, lambda x, d, peer=peer: _peer_call(peer, x, d)))
     records = []
     left = len(calls) * len(DIRECTIONS)
-    for name, context in calls:
+    for name, context, make in calls:
         for direction in DIRECTIONS:
             _status(f"head_dim_v: {name} {direction}")
             timing = None
-
-            def make(x, name=name, direction=direction):
-                if name in CALLS:
-                    return _call(case, x, name == "v padded", direction)
-                return _torch_call(torch, case, x, direction)
-
             if sets is not None:
                 target = budget.target_for(left)
                 timing, note = run_or_reason(
-                    context, lambda: time_calls([make(x) for x in sets], target)
+                    context, lambda: time_calls([make(x, direction) for x in sets], target)
                 )
             left -= 1
             records.append(

@@ -589,6 +589,7 @@ STANDALONE_KERNELS = (
     ),
     StandaloneKernel("classify_mask_cells", "block_mask.cu", "classify_mask_cells", (), True),
     StandaloneKernel("ring_merge", "ring_merge.cu", "ring_merge", ("dtype",)),
+    StandaloneKernel("sinks_gradient", "sinks_gradient.cu", "sinks_gradient"),
 )
 STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
 

@@ -5,12 +5,14 @@ oracle's dsinks against finite differences of its own output."""
 
 import numpy as np
 import pytest
+import simulator
 from sink_checks import NO_KEY_LSE_RTOL, check_sink_results, finite_difference_dsinks, random_sinks
 from support import (
     DTYPES,
     FLOOR,
     PACKED_BOUND,
     Case,
+    compile_and_check,
     cupy,
     packed_inputs,
     random_inputs,
@@ -249,3 +251,37 @@ def test_ring_sinks_match_oracle(size, layout, rng):
     check_sink_results(full, (*gathered, results[0][5]), sinks, "float32", causal, window)
     for r in results[1:]:
         assert np.array_equal(r[5], results[0][5])
+
+
+@pytest.mark.skipif(simulator.compiler() is None, reason="the simulator needs a C++ compiler")
+@pytest.mark.parametrize("shape, head_axis", [((3, 5, 700), 1), ((6, 1300), 0)], ids=str)
+def test_gpu_gradient_kernel_in_the_simulator(shape, head_axis, rng):
+    """The registry's ``sinks_gradient`` (the GPU backward's dsinks) in the CPU simulator
+    against the NumPy reduction, with rows whose lse is -inf (they add nothing), one NaN
+    row in the last head (its dsinks NaN, the others not), rows that span several of the
+    kernel's strides, and dsinks poisoned before the launch."""
+    heads = shape[head_axis]
+    sinks = random_sinks(rng, heads)
+    lse = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    delta = rng.standard_normal(shape).astype(np.float32)
+    lse.flat[rng.choice(lse.size, lse.size // 10, replace=False)] = -np.inf
+    expected = cuflash.sinks.gradient(np, sinks, lse, delta, head_axis)
+    nan_lse = lse.copy()
+    np.moveaxis(nan_lse, head_axis, 0)[-1].flat[3] = np.nan
+    name = cuflash.registry.STANDALONE["sinks_gradient"].name_expression()
+    module = simulator.build([name], headers=("sinks_gradient.cu",))
+    outer, inner = int(np.prod(shape[:head_axis])), int(np.prod(shape[head_axis + 1 :]))
+    for lse_in, check_nan in ((lse, False), (nan_lse, True)):
+        dsinks = np.full(heads, np.nan, np.float32)
+        args = (sinks, lse_in, delta, dsinks, np.int32(outer), np.int32(heads), np.int32(inner))
+        module.launch(name, (heads,), 512, 0, args, guard=True)
+        if check_nan:
+            assert np.isnan(dsinks[-1]) and not np.isnan(dsinks[:-1]).any()
+            assert rel_error(dsinks[:-1], expected[:-1]) < 1e-5
+        else:
+            assert rel_error(dsinks, expected) < 1e-5, (dsinks, expected)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_gradient_kernel_compiles_without_spills(arch):
+    compile_and_check([cuflash.registry.STANDALONE["sinks_gradient"].name_expression()], arch)

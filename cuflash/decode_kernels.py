@@ -16,8 +16,8 @@ from .decode_tiles import (
     decode_shape,
     decode_tc_shape,
 )
+from .kernel_params import LOG2E
 
-LOG2E = 1.4426950408889634
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
 MAX_SPLITS = 128  # kMaxSplits of kvcache_combine.cu: the combine takes a thread a split

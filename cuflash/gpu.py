@@ -8,6 +8,7 @@ outputs and launches; nothing else runs on the host.
 """
 
 import contextlib
+import functools
 import math
 import struct
 import threading
@@ -17,13 +18,12 @@ import numpy as np
 from cupy.cuda import function as _function
 from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
-from . import dispatch, kernel_build, registry, tile_traits
+from . import dispatch, kernel_build, kernel_params, registry, tile_traits
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
-from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
+from .kernel_params import LOG2E
 from .problem import unit_last_stride
 
-LOG2E = 1.4426950408889634
 FLOAT32 = np.dtype(np.float32)
 _DEVICES: dict = {}
 
@@ -60,12 +60,14 @@ class Launch:
     ``launch(stream, *addresses)`` passes the call's device addresses (ints, 0 for
     none) first, then the fixed arguments, straight to ``cuLaunchKernel``.
 
-    The fixed arguments are NumPy scalars of at most 8 bytes, or records passed by
+    The fixed arguments are a kernel's parameter struct (a
+    :class:`cuflash.kernel_params.Params`: the call's addresses are written into its
+    per-call members), or NumPy scalars of at most 8 bytes and records passed by
     value (an object with an ``address`` of its host bytes, such as
-    :class:`UserArguments`); they are packed once, with the array of parameter
-    pointers, so that a launch only writes the addresses into their slots. A
-    lock keeps two threads from sharing the slots: the driver copies them before
-    ``cuLaunchKernel`` returns.
+    :class:`UserArguments`) after the addresses; they are packed once, with the array
+    of parameter pointers, so that a launch only writes the addresses into their
+    slots. A lock keeps two threads from sharing the slots: the driver copies them
+    before ``cuLaunchKernel`` returns.
     """
 
     __slots__ = (
@@ -88,7 +90,7 @@ class Launch:
         self.grid += (1,) * (3 - len(self.grid))
         self.block = (int(threads), 1, 1)
         self.shared_bytes = int(shared_bytes)
-        self.fixed = tuple(fixed)
+        self.fixed = fixed if isinstance(fixed, kernel_params.Params) else tuple(fixed)
         self._dimensions = (function.ptr, *self.grid, *self.block, self.shared_bytes)
         self._params_address = None
         self._lock = threading.Lock()
@@ -108,7 +110,16 @@ class Launch:
 
     def _lay_out(self, count):
         """The slots of ``count`` addresses, then one a fixed scalar, and the array of
-        parameter pointers (a record's points at the record)."""
+        parameter pointers (a record's points at the record); or the parameter struct
+        and the one pointer at it."""
+        if isinstance(self.fixed, kernel_params.Params):
+            if count != len(self.fixed.per_call):
+                raise TypeError(f"{self.fixed.name}: {count} addresses for {self.fixed.per_call}")
+            self._storage = self.fixed
+            self._params = np.array([self.fixed.address], dtype=np.uint64)
+            self._pack = self.fixed.pack
+            self._params_address = self._params.ctypes.data
+            return self._params_address
         storage = np.zeros(count + len(self.fixed), dtype=np.int64)
         raw = storage.view(np.uint8)
         base = storage.ctypes.data
@@ -122,7 +133,7 @@ class Launch:
                     raise TypeError(f"a fixed kernel argument of {len(data)} bytes")
                 raw[8 * i : 8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._storage, self._params = storage, params  # alive while the launch is
-        self._pack = struct.Struct(f"<{count}Q").pack_into
+        self._pack = functools.partial(struct.Struct(f"<{count}Q").pack_into, storage, 0)
         self._params_address = params.ctypes.data
         return self._params_address
 
@@ -131,7 +142,7 @@ class Launch:
             params = self._params_address
             if params is None:
                 params = self._lay_out(len(addresses))
-            self._pack(self._storage, 0, *addresses)
+            self._pack(*addresses)
             _launch_kernel(*self._dimensions, stream, params, 0)
 
 
@@ -218,44 +229,7 @@ def _compiled(loaded, role, functors):
         return loaded.kernel(role, functors)
 
 
-#: ``UserModifierArgs`` of ``kernels/common.cuh``: the arrays of the user's score and
-#: mask functions and a block mask's view, one kernel argument passed by value.
-USER_ARGS_DTYPE = np.dtype(
-    {
-        "names": [
-            "score_arrays",
-            "mask_arrays",
-            "classes",
-            "ranges",
-            "class_batch_stride",
-            "class_head_stride",
-            "range_batch_stride",
-            "range_head_stride",
-            "outer_tiles",
-            "inner_tiles",
-        ],
-        "formats": [
-            MODIFIER_ARRAYS_DTYPE,
-            MODIFIER_ARRAYS_DTYPE,
-            "<u8",
-            "<u8",
-            "<i8",
-            "<i8",
-            "<i8",
-            "<i8",
-            "<i4",
-            "<i4",
-        ],
-        "offsets": [
-            0,
-            MODIFIER_ARRAYS_DTYPE.itemsize,
-            *(2 * MODIFIER_ARRAYS_DTYPE.itemsize + 8 * i for i in range(6)),
-            2 * MODIFIER_ARRAYS_DTYPE.itemsize + 48,
-            2 * MODIFIER_ARRAYS_DTYPE.itemsize + 52,
-        ],
-        "itemsize": 2 * MODIFIER_ARRAYS_DTYPE.itemsize + 56,
-    }
-)
+USER_ARGS_DTYPE = kernel_params.USER_ARGS_DTYPE
 
 
 class UserArguments:
@@ -401,30 +375,25 @@ class ForwardPlan:
         rows, batch = _query_grid(problem)
         grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads, batch)
         self.out = OutputLayout(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
-        tail = (
-            *self.out.strides,
-            np.int32(problem.num_heads),
-            np.int32(problem.group_size),
-            *_mask_args(problem),
-            np.float32(problem.softmax_scale * LOG2E),
-            *_modifier_args(problem),
-        )
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
             self.pieces = [
                 Float16Pieces(loaded, x.shape, element_strides(x), rows)
                 for x, rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))
             ]
-            strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
+            strides = [_pieces_strides(p) for p in self.pieces]
         else:
-            strides = (*element_strides(q), *element_strides(k), *element_strides(v))
+            strides = [element_strides(x) for x in (q, k, v)]
         self.user = _user_arguments(problem, self.spec, "forward")
+        params = kernel_params.forward_params(
+            problem,
+            *strides,
+            self.out.strides,
+            self.user,
+            pieces=self.pieces is not None,
+        )
         self.main = Launch.of_role(
-            loaded,
-            self.spec.role(modified=problem.modified),
-            grid,
-            (self.user, *strides, *tail),
-            _functors(problem),
+            loaded, self.spec.role(modified=problem.modified), grid, params, _functors(problem)
         )
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
@@ -464,17 +433,8 @@ class ForwardPlan:
             )
             self.main(
                 stream,
-                qh.data.ptr,
-                ql.data.ptr,
-                kh.data.ptr,
-                kl.data.ptr,
-                vh.data.ptr,
-                vl.data.ptr,
-                *tail[:2],
-                qs.data.ptr,
-                ks.data.ptr,
-                vs.data.ptr,
-                *tail[2:],
+                *(x.data.ptr for x in (qh, kh, vh, ql, kl, vl, qs, ks, vs)),
+                *tail,
             )
         if self.zero_outside is not None:
             self.zero_outside(stream, out.data.ptr, tail[2])

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import simulator
 
-from cuflash import dispatch, registry, tile_traits
+from cuflash import dispatch, kernel_params, registry, tile_traits
 from cuflash.gpu import USER_ARGS_DTYPE, _functors
 from cuflash.packed_plans import heads_first
 from cuflash.problem import backward_problem, forward_problem
@@ -242,31 +242,18 @@ def run_forward(
             _pieces(kernels, x, rows)
             for x, rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))
         )
-        inputs, scales = (qh, ql, kh, kl, vh, vl), (qs, ks, vs)
-        strides = tuple(s for x in (qh, kh, vh) for s in _contiguous_strides(x.shape))
+        inputs = (qh, kh, vh, ql, kl, vl, qs, ks, vs)
+        strides = [_contiguous_strides(x.shape) for x in (qh, kh, vh)]
     else:
-        inputs, scales = (q, k, v), ()
-        strides = (*_strides(q), *_strides(k), *_strides(v))
+        inputs = (q, k, v)
+        strides = [_strides(x) for x in (q, k, v)]
+    params = kernel_params.forward_params(
+        problem, *strides, out.strides, kernels.user(spec.name, "forward"), pieces=pieces
+    )
     kernels.launch(
         spec.name,
         _query_grid(problem, kernels.tile(spec.name)),
-        [
-            *inputs,
-            out.array,
-            lse,
-            *scales,
-            *offsets,
-            alibi_slopes,
-            sinks,
-            kernels.user(spec.name, "forward"),
-            *strides,
-            *out.strides,
-            np.int32(problem.num_heads),
-            np.int32(problem.group_size),
-            *_mask_args(problem),
-            np.float32(problem.softmax_scale * LOG2E),
-            *_modifier_args(problem, alibi_slopes),
-        ],
+        [(params, (*inputs, out.array, lse, *offsets, alibi_slopes, sinks))],
     )
     if packed:
         _zero_outside(kernels, problem, out, offsets[0])

@@ -21,6 +21,7 @@
 // V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
 // the launch's shared memory is D's, which holds the narrower V stages.
 #pragma once
+#include "params.cuh"
 #include "mbarrier.cuh"
 #include "tc_fwd_wg.cuh"
 
@@ -54,11 +55,9 @@ __device__ __forceinline__ void pass_turn(int consumer) {
 
 template <typename T, int D, int BN, int STAGES, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(384, 1)
-    forward_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                     CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
-                     float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    forward_wgmma_ws(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_INPUTS(T);
+    CUFLASH_FORWARD_REST(T);
     using Op = TensorOp<T>;
     constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
     constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
@@ -67,10 +66,6 @@ __global__ void __launch_bounds__(384, 1)
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     using Ring = StageRing<STAGES, 2>;
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

@@ -9,23 +9,18 @@
 // visited; query tiles are issued most expensive first.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_fwd_general(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-                          CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                          CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
-                          float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_general(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_INPUTS(T);
+    CUFLASH_FORWARD_REST(T);
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);

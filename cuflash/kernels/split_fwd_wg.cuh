@@ -30,6 +30,7 @@
 // that small ones keep a normal second piece; the row sums drop that gain
 // before lse is formed, and O drops it and s_v as it is stored.
 #pragma once
+#include "params.cuh"
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
@@ -145,14 +146,9 @@ __global__ void __launch_bounds__(128)
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
 __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
-    attention_fwd_split(const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-                        const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-                        const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-                        float* __restrict__ out, float* __restrict__ lse,
-                        const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-                        const float* __restrict__ v_scales, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                        CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads,
-                        int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_split(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_PIECES;
+    CUFLASH_FORWARD_REST(float);
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
@@ -161,10 +157,6 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
     constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

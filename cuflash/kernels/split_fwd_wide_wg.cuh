@@ -18,21 +18,16 @@
 // memory (64 KB each at 256 columns); K(it + 1) loads while the softmax and
 // P V(it) run, V(it + 1) while S(it + 1) does.
 #pragma once
+#include "params.cuh"
 #include "split_fwd_wg.cuh"
 
 namespace cuflash {
 
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    attention_fwd_split_wide(const half_t* __restrict__ qh, const half_t* __restrict__ ql,
-                             const half_t* __restrict__ kh, const half_t* __restrict__ kl,
-                             const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-                             float* __restrict__ out, float* __restrict__ lse,
-                             const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-                             const float* __restrict__ v_scales, CUFLASH_OFFSETS,
-                             CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                             CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
-                             float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_split_wide(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_PIECES;
+    CUFLASH_FORWARD_REST(float);
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the tiles' width
     constexpr int NTILES = BN / 8, OTILES = DP / 2 / 8;  // O: 128 columns a warpgroup
@@ -41,10 +36,6 @@ __global__ void __launch_bounds__(256, 1)
     constexpr int LOG2_GAIN = 14;                        // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D > 128 && D <= DP, "head_dim");
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

@@ -8,6 +8,7 @@
 // float32 accumulators; P goes from the S accumulators straight into the A
 // fragments of P V (keys reordered to match V's fragment reads).
 #pragma once
+#include "params.cuh"
 #include "mma_softmax.cuh"
 #include "mma_tf32.cuh"
 
@@ -15,19 +16,13 @@ namespace cuflash {
 
 template <int D, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1)
-    attention_fwd_tc32(const float* __restrict__ q, const float* __restrict__ k,
-                       const float* __restrict__ v, float* __restrict__ out,
-                       float* __restrict__ lse, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                       CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(out), int num_heads,
-                       int group, CUFLASH_MASK_PARAMS, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_tc32(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_INPUTS(float);
+    CUFLASH_FORWARD_REST(float);
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
     using FragA = Tf32Frag<4>;
     using FragB = Tf32Frag<2>;
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);

@@ -12,6 +12,7 @@
 // A fragments of P V. Only tiles that cross a mask boundary are masked
 // element by element; query tiles are issued most expensive first.
 #pragma once
+#include "params.cuh"
 #include "mma.cuh"
 #include "mma_softmax.cuh"
 
@@ -19,11 +20,9 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2 / MT)
-    attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ out, float* __restrict__ lse, CUFLASH_OFFSETS,
-                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                     CUFLASH_STRIDES(out), int num_heads, int group, CUFLASH_MASK_PARAMS,
-                     float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_fwd_tc(const __grid_constant__ ForwardParams params) {
+    CUFLASH_FORWARD_INPUTS(T);
+    CUFLASH_FORWARD_REST(T);
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).
@@ -31,10 +30,6 @@ __global__ void __launch_bounds__(BM * 2 / MT)
     constexpr int WM = 16 * MT, NT = BM / WM * 32;
     constexpr int KSTEPS = DK / 16, NTILES = BN / 8, DTILES = DK / 8, QF = Q_REGS ? KSTEPS : 1;
     static_assert(BM % WM == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
-    CUFLASH_STRIDES_OF(q);
-    CUFLASH_STRIDES_OF(k);
-    CUFLASH_STRIDES_OF(v);
-    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>(smem4);

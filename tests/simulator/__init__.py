@@ -265,8 +265,10 @@ class Module:
 
         ``args``, in the kernel's order: NumPy arrays (their address; the caller keeps
         them alive), None (a null pointer), NumPy scalars (their bytes, so their type
-        must be the parameter's), or one-element structured arrays (a record passed by
-        value). With ``guard``, each array is copied into memory between inaccessible
+        must be the parameter's), one-element structured arrays (a record passed by
+        value), or a parameter struct with its call's arrays: ``(params, arrays)``, a
+        ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays (or None),
+        in order. With ``guard``, each array is copied into memory between inaccessible
         pages for the launch (and the bytes the launch changed back after it, so that
         arguments that share memory, such as absorbed MLA's ``v_cache`` view of
         ``k_cache``, keep each other's writes): a read or write past its end, or far
@@ -276,16 +278,29 @@ class Module:
         if min(grid) <= 0:
             return
         storage, pointers, guarded = [], (ctypes.c_void_p * max(1, len(args)))(), []
+
+        def address_of(a, name):
+            """``a``'s address for the kernel (its guarded copy's with ``guard``)."""
+            if a is None:
+                return 0
+            address = a.ctypes.data
+            if guard:
+                low, high = byte_bounds(a)  # the memory a view spans
+                copy = self._library.sim_guarded_alloc(max(1, high - low))
+                ctypes.memmove(copy, low, high - low)
+                guarded.append((name, low, high, copy, _bytes_at(low, high - low).copy()))
+                address = copy + (address - low)
+            return address
+
         for i, a in enumerate(args):
             if a is None or (isinstance(a, np.ndarray) and a.dtype.names is None):
-                address = 0 if a is None else a.ctypes.data
-                if guard and a is not None:
-                    low, high = byte_bounds(a)  # the memory a view spans
-                    copy = self._library.sim_guarded_alloc(max(1, high - low))
-                    ctypes.memmove(copy, low, high - low)
-                    guarded.append((i, low, high, copy, _bytes_at(low, high - low).copy()))
-                    address = copy + (address - low)
-                cell = np.array([address], dtype=np.uint64)
+                cell = np.array([address_of(a, f"argument {i}")], dtype=np.uint64)
+            elif isinstance(a, tuple):  # a kernel_params.Params and its call's arrays
+                params, arrays = a
+                params.pack(
+                    *(address_of(x, f"{params.name}.{m}") for x, m in zip(arrays, params.per_call))
+                )
+                cell = params.record.copy()
             elif isinstance(a, np.ndarray):  # a record by value
                 cell = a
             elif isinstance(a, np.generic):
@@ -310,7 +325,7 @@ class Module:
                 for i, low, high, copy, _ in guarded
                 if copy - 4096 <= fault < copy + (high - low) + 4096
             ]
-            where = f"argument {near[0]}'s guard page" if near else "memory of no argument"
+            where = f"{near[0]}'s guard page" if near else "memory of no argument"
             raise SimulationError(f"{name}: an access at {fault:#x} faulted ({where})")
         if status:
             raise SimulationError(f"{name}: {self._library.sim_failure().decode()}")

@@ -36,6 +36,7 @@
 #define __launch_bounds__(...)
 #define __shared__ static  // one block runs at a time: a function's static is its block's
 #define __align__(n) alignas(n)
+#define __grid_constant__
 #ifndef __CUDA_ARCH__
 #define __CUDA_ARCH__ 800
 #endif

@@ -5,7 +5,8 @@
 #   steps: precompile, tests, demo (the default), features, families, fuzz, quick, asv, mla,
 #          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
-#          reasons, tensor pipe use), costs (the model-shape features against their targets)
+#          reasons, tensor pipe use), ncu-source (the same with stall samples per SASS
+#          instruction, to $OUT/ncu-source-sass.csv), costs (the model-shape features against their targets)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -71,6 +72,15 @@ for step in $steps; do
            --launch-count 1 --section SpeedOfLight --section SchedulerStats \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
            python3 scripts/quick_bench.py ${NCU_CASE:-64,4096,0} ;;
+    ncu-source) run ncu-source 300 ncu --kernel-name "regex:${NCU_KERNEL:-forward_wgmma_ws}" \
+           --launch-count 1 --clock-control none --section SpeedOfLight --section WarpStateStats \
+           --section SourceCounters -f -o "$OUT/ncu-source" \
+           python3 scripts/quick_bench.py --rows=auto ${NCU_CASE:-128,4096,0}
+         # stall samples per SASS instruction, for reading here (NCU_KERNEL's first launch)
+         ncu -i "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
+           > "$OUT/ncu-source-sass.csv" 2>&1
+         ncu -i "$OUT/ncu-source.ncu-rep" --page details > "$OUT/ncu-source-details.txt" 2>&1
+         tail -n 40 "$OUT/ncu-source-details.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -19,7 +19,7 @@
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
-__global__ void __launch_bounds__(BM * 2 / MT)
+__global__ void __launch_bounds__(BM * 2 / MT, 1)
     attention_fwd_tc(const __grid_constant__ ForwardParams params) {
     CUFLASH_FORWARD_INPUTS(T);
     CUFLASH_FORWARD_REST(T);

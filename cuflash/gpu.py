@@ -18,7 +18,7 @@ import numpy as np
 from cupy.cuda import function as _function
 from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
-from . import dispatch, kernel_build, kernel_params, registry, tile_traits
+from . import dispatch, kernel_build, kernel_params, registry, tensor_maps, tile_traits
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
 from .kernel_params import LOG2E
@@ -392,9 +392,23 @@ class ForwardPlan:
             self.user,
             pieces=self.pieces is not None,
         )
-        self.main = Launch.of_role(
-            loaded, self.spec.role(modified=problem.modified), grid, params, _functors(problem)
-        )
+        role = self.spec.role(modified=problem.modified)
+        self.main = Launch.of_role(loaded, role, grid, params, _functors(problem))
+        # The same kernel with q, k and v by the copy engine, where it can address them.
+        self.main_tma = None
+        if self.spec.name == "forward_wgmma_ws" and tensor_maps.available():
+            maps = kernel_params.forward_maps(
+                problem,
+                self.spec.traits(problem.head_dim),
+                [x.shape for x in (q, k, v)],
+                strides,
+                tensor_maps.TileMap.encode_into,
+            )
+            if maps is not None:
+                with_maps = kernel_params.forward_params(
+                    problem, *strides, self.out.strides, self.user, maps=maps
+                )
+                self.main_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)
 
     @staticmethod
@@ -426,7 +440,21 @@ class ForwardPlan:
             address(sinks),
         )
         if self.pieces is None:
-            self.main(stream, q.data.ptr, k.data.ptr, v.data.ptr, *tail)
+            addresses = (q.data.ptr, k.data.ptr, v.data.ptr)
+            # The maps read every key row of the arrays' kv_len: not for entries that see
+            # their own key counts (offsets[1] without offsets[0]: the KV cache's chunks).
+            launch = self.main
+            if (
+                self.main_tma is not None
+                and offsets[1] is None
+                and not any(a % 16 for a in addresses)
+            ):
+                launch = self.main_tma
+            try:
+                launch(stream, *addresses, *tail)
+            except tensor_maps.TensorMapError:
+                self.main_tma = None  # the driver refuses these arrays: cp.async
+                self.main(stream, *addresses, *tail)
         else:
             (qh, ql, qs), (kh, kl, ks), (vh, vl, vs) = (
                 pieces(stream, x) for pieces, x in zip(self.pieces, (q, k, v))

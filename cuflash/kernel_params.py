@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import tensor_maps
 from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 
 #: log2(e): the kernels take the softmax scale times it (their exponentials are base 2).
@@ -70,7 +71,13 @@ USER_ARGS_DTYPE = np.dtype(
 
 # member type -> (NumPy format, alignment)
 _SCALARS = {"int": ("<i4", 4), "float": ("<f4", 4), "long long": ("<i8", 8)}
-_RECORDS = {"Strides": (STRIDES_DTYPE, 8), "UserModifierArgs": (USER_ARGS_DTYPE, 8)}
+#: ``TensorMap`` of ``kernels/params.cuh``: a CUtensorMap's 128 bytes, 64-byte aligned.
+TENSOR_MAP_DTYPE = np.dtype(("<u8", (16,)))
+_RECORDS = {
+    "Strides": (STRIDES_DTYPE, 8),
+    "UserModifierArgs": (USER_ARGS_DTYPE, 8),
+    "TensorMap": (TENSOR_MAP_DTYPE, 64),
+}
 _POINTER = ("<u8", 8)
 
 _STRUCT = re.compile(r"^struct (\w+) \{\n(.*?)^\};", re.S | re.M)
@@ -121,19 +128,42 @@ def layout(name):
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
 
 
+def _aligned_record(dtype, alignment=64):
+    """One zeroed record of ``dtype`` at an address that is a multiple of ``alignment``
+    (a tensor map's, for the driver that encodes it in place)."""
+    raw = np.zeros(dtype.itemsize + alignment, dtype=np.uint8)
+    skip = -raw.ctypes.data % alignment
+    return raw[skip : skip + dtype.itemsize].view(dtype)
+
+
 class Params:
     """One launch's record of struct ``name``: the members in ``fields`` fixed now (a
     ``Strides`` member from a 3-tuple, ``user_args`` from a ``UserModifierArgs`` record,
     pointers as ints), the pointers ``per_call`` (in the struct's order) written at each
     launch by ``pack(*addresses)`` (0 for null); every other member zero (null). ``keep``: objects
-    whose memory the record points into."""
+    whose memory the record points into.
 
-    __slots__ = ("name", "record", "address", "per_call", "keep", "pack")
+    ``maps``: ``{member: (address member, map, encode)}``, tensor-map members that
+    ``pack`` encodes from a per-call address, ``encode(map, destination, address)``
+    (e.g. :meth:`cuflash.tensor_maps.TileMap.encode_into`), only when that address
+    differs from the last call's."""
 
-    def __init__(self, name, per_call, keep=(), **fields):
+    __slots__ = (
+        "name",
+        "record",
+        "address",
+        "per_call",
+        "keep",
+        "pack",
+        "_pack_addresses",
+        "_maps",
+        "_last",
+    )
+
+    def __init__(self, name, per_call, keep=(), maps=None, **fields):
         dtype = layout(name)
         self.name, self.per_call, self.keep = name, tuple(per_call), tuple(keep)
-        self.record = np.zeros(1, dtype=dtype)
+        self.record = _aligned_record(dtype)
         for member, value in fields.items():
             if member not in dtype.fields:
                 raise KeyError(f"{name} has no member {member!r}")
@@ -156,8 +186,31 @@ class Params:
         for offset in offsets:
             layout_text += f"{offset - at}xQ" if offset > at else "Q"
             at = offset + 8
-        self.pack = functools.partial(struct.Struct(layout_text).pack_into, self.record, start)
         self.address = self.record.ctypes.data
+        self._pack_addresses = functools.partial(
+            struct.Struct(layout_text).pack_into, self.record, start
+        )
+        self.pack = self._pack_addresses
+        self._maps = []
+        for member, (source, tile_map, encode) in (maps or {}).items():
+            if member not in dtype.fields or dtype.fields[member][0] != TENSOR_MAP_DTYPE:
+                raise KeyError(f"{name} has no tensor map member {member!r}")
+            if source not in self.per_call:
+                raise KeyError(f"{name}.{member}: {source!r} is not a per-call address")
+            destination = self.address + dtype.fields[member][1]
+            self._maps.append((self.per_call.index(source), tile_map, encode, destination))
+        if self._maps:
+            self._last = [None] * len(self._maps)
+            self.pack = self._pack_with_maps
+
+    def _pack_with_maps(self, *addresses):
+        self._pack_addresses(*addresses)
+        for i, (source, tile_map, encode, destination) in enumerate(self._maps):
+            address = addresses[source]
+            if address != self._last[i]:
+                self._last[i] = None  # a failed encoding leaves no stale map behind
+                encode(tile_map, destination, address)
+                self._last[i] = address
 
     def __getitem__(self, member):
         return self.record[member][0]
@@ -189,18 +242,23 @@ FORWARD_PIECES_ADDRESSES = (
 )
 
 
-def forward_params(problem, q_strides, k_strides, v_strides, out_strides, user, pieces=False):
+def forward_params(
+    problem, q_strides, k_strides, v_strides, out_strides, user, pieces=False, maps=None
+):
     """The ``ForwardParams`` of ``problem``'s forward launches (``kernels/params.cuh``):
     the arrays' element strides (``(batch, head, row)`` each), the user's modifier
     arguments (:class:`UserArguments`, or a ``UserModifierArgs`` record), the pieces
     kernels' addresses with ``pieces``; the call's addresses written at each launch
-    (:data:`FORWARD_ADDRESSES`, or :data:`FORWARD_PIECES_ADDRESSES`)."""
+    (:data:`FORWARD_ADDRESSES`, or :data:`FORWARD_PIECES_ADDRESSES`). ``maps``
+    (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``)."""
     left, right = problem.window
     record = getattr(user, "record", user)
     return Params(
         "ForwardParams",
         FORWARD_PIECES_ADDRESSES if pieces else FORWARD_ADDRESSES,
         keep=(user,),
+        maps=maps,
+        use_tma=int(maps is not None),
         q_st=tuple(q_strides),
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),
@@ -216,3 +274,31 @@ def forward_params(problem, q_strides, k_strides, v_strides, out_strides, user, 
         softcap=problem.softcap,
         user_args=record,
     )
+
+
+def forward_maps(problem, traits, shapes, strides, encode):
+    """The tensor maps of ``forward_wgmma_ws``'s bulk copies (``ForwardParams``'
+    ``q_map``, ``k_map`` and ``v_map``, for :func:`forward_params`' ``maps``) of q, k
+    and v of ``shapes`` (``[B, H, S, D]``) and element ``strides`` (batch, head, row),
+    read in boxes of the kernel's query and key tiles (``traits``: its tile traits),
+    each encoded at a call by ``encode(map, destination, address)``; or None where the
+    copy engine cannot take them: a packed call (its sequences' rows end where the
+    arrays' do not), a dtype other than 16 bits, or strides that are not 16-byte
+    multiples. A call whose entries see their own key counts (the KV cache's chunks)
+    or whose arrays are not 16-byte aligned must launch without them."""
+    if problem.packed is not None or problem.dtype.itemsize != 2:
+        return None
+    key_rows = traits.template_args[0]
+    maps = {}
+    for member, shape, stride, box, rows in zip(
+        ("q_map", "k_map", "v_map"),
+        shapes,
+        strides,
+        (traits.tile, key_rows, key_rows),
+        (problem.q_len, problem.kv_len, problem.kv_len),
+    ):
+        tile_map = tensor_maps.TileMap(shape, stride, box, rows)
+        if not tile_map.supported:
+            return None
+        maps[member] = (member[0], tile_map, encode)
+    return maps

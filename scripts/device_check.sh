@@ -6,7 +6,8 @@
 #          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
 #          reasons, tensor pipe use), ncu-source (the same with stall samples per SASS
-#          instruction, to $OUT/ncu-source-sass.csv), costs (the model-shape features against their targets)
+#          instruction, to $OUT/ncu-source-sass.csv), forward-tma (the copy engine's
+#          forward: its GPU tests, forward timings with and without it, host time), costs (the model-shape features against their targets)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -75,12 +76,18 @@ for step in $steps; do
     ncu-source) run ncu-source 300 ncu --kernel-name "regex:${NCU_KERNEL:-forward_wgmma_ws}" \
            --launch-count 1 --clock-control none --section SpeedOfLight --section WarpStateStats \
            --section SourceCounters -f -o "$OUT/ncu-source" \
-           python3 scripts/quick_bench.py --rows=auto ${NCU_CASE:-128,4096,0}
+           python3 scripts/quick_bench.py --forward --rows=auto ${NCU_CASE:-128,4096,0}
          # stall samples per SASS instruction, for reading here (NCU_KERNEL's first launch)
          ncu -i "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
            > "$OUT/ncu-source-sass.csv" 2>&1
          ncu -i "$OUT/ncu-source.ncu-rep" --page details > "$OUT/ncu-source-details.txt" 2>&1
          tail -n 40 "$OUT/ncu-source-details.txt" ;;
+    forward-tma) TAIL=30 run forward-tma 300 bash -c "python3 -m pytest -m gpu -q -rf \
+             -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_forward.py && \
+             python3 scripts/quick_bench.py --forward --rows=auto,cudnn ${QUICK_CASES:-} && \
+             CUFLASH_TMA=0 python3 scripts/quick_bench.py --forward --rows=auto ${QUICK_CASES:-} \
+             && python3 scripts/forward_host_time.py && \
+             CUFLASH_TMA=0 python3 scripts/forward_host_time.py" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,7 +1,7 @@
 """Kernel-development timing: cuflash (both paths) vs torch SDPA on a few cases.
 
-Usage: python scripts/quick_bench.py [--float32] [--rows=auto,det,flash] [D,S,causal ...]
-e.g. 128,4096,0 64,1024,1 (--rows: only the rows named)
+Usage: python scripts/quick_bench.py [--float32] [--forward] [--rows=auto,flash] [D,S,causal ...]
+e.g. 128,4096,0 64,1024,1 (--rows: only the rows named; --forward: no backward timings)
 B*S = 16384 tokens, H = 2048/D, bfloat16 (or float32); median of CUDA-event timings.
 Rows: the default dispatch ("auto"; "det" its deterministic backward), the general kernels,
 and kernels of the registry the default passes over on this device
@@ -14,6 +14,7 @@ pass), "split-d" = the split-D mma.sync backward; for float32 "tf32" = allow_tf3
 backends. The full comparison is `python -m cuflash.bench`.
 """
 
+import math
 import sys
 
 import cupy
@@ -41,6 +42,8 @@ PATHS_16 = {
         True,
     ),
     "sync": ("auto", ("forward_wgmma_ws",), False, False),
+    # the warp-specialized forward where the default takes forward_wgmma (D <= 64)
+    "ws-fwd": ("auto", ("forward_wgmma",), False, False),
     # without the warp-specialized kernels (the previous defaults), atomic and deterministic
     # the opt-in warp-specialized backward (cuflash.dispatch.try_kernels), atomic and
     # deterministic
@@ -60,7 +63,7 @@ def median_ms(fn):
     return time_calls([fn], 0.2).median * 1e3
 
 
-def main(cases, float32=False, only=None):
+def main(cases, float32=False, only=None, forward_only=False):
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,9 +88,24 @@ def main(cases, float32=False, only=None):
                     lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal, allow_tf32=tf32)
                 )
                 out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal, allow_tf32=tf32)
-                bwd = median_ms(
-                    lambda: cuflash.flash_attention_bwd(
-                        do, q, k, v, out, lse, h, h, d, causal, allow_tf32=tf32, deterministic=det
+                bwd = (
+                    math.nan
+                    if forward_only
+                    else median_ms(
+                        lambda: cuflash.flash_attention_bwd(
+                            do,
+                            q,
+                            k,
+                            v,
+                            out,
+                            lse,
+                            h,
+                            h,
+                            d,
+                            causal,
+                            allow_tf32=tf32,
+                            deterministic=det,
+                        )
                     )
                 )
             rows.append((name, fwd, bwd))
@@ -104,6 +122,9 @@ def main(cases, float32=False, only=None):
                 with sdpa_kernel(backend):
                     f = torch.nn.functional.scaled_dot_product_attention
                     fwd = median_ms(lambda: f(tq, tk, tv, is_causal=causal))
+                    if forward_only:
+                        rows.append((name, fwd, math.nan))
+                        continue
                     tq.requires_grad_(True)
                     tk.requires_grad_(True)
                     tv.requires_grad_(True)
@@ -124,9 +145,9 @@ def main(cases, float32=False, only=None):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    float32 = "--float32" in args
+    float32, forward_only = "--float32" in args, "--forward" in args
     only = [a.split("=", 1)[1].split(",") for a in args if a.startswith("--rows=")]
-    args = [a for a in args if a != "--float32" and not a.startswith("--rows=")] or [
+    args = [a for a in args if a[:2] != "--"] or [
         "64,4096,0",
         "128,4096,0",
         "128,4096,1",
@@ -137,4 +158,5 @@ if __name__ == "__main__":
         [(int(d), int(s), bool(int(c))) for d, s, c in (a.split(",") for a in args)],
         float32,
         only[0] if only else None,
+        forward_only,
     )

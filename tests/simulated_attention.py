@@ -122,9 +122,11 @@ class Kernels:
         traits = spec.traits(self.problem.head_dim)
         self.module.launch(name, grid, traits.threads, traits.shared_bytes, args, self.guard)
 
+    def traits(self, spec_name):
+        return self.roles[spec_name][0].traits(self.problem.head_dim)
+
     def tile(self, spec_name):
-        spec = self.roles[spec_name][0]
-        return spec.traits(self.problem.head_dim).tile
+        return self.traits(spec_name).tile
 
     def user(self, spec_name, direction):
         """The ``UserModifierArgs`` record of kernel ``spec_name`` (see
@@ -214,11 +216,13 @@ def run_forward(
     capability=80,
     guard=False,
     sinks=None,
+    tma=False,
 ):
     """``(out, lse)`` of ``problem`` (validated; q, k, v as ``[B, H, S, D]`` views, a packed
     problem's as ``[1, H, total, D]`` with its ``offsets``) on the kernels the registry
     chooses for ``capability`` (``guard``: see :class:`Kernels`; ``sinks``: float32
-    ``[H]`` attention sinks, or None)."""
+    ``[H]`` attention sinks, or None; ``tma``: q, k and v by bulk tensor copies, where
+    the kernel and the call take them, as on a GPU)."""
     spec = registry.choose(
         "forward",
         problem.dtype,
@@ -247,8 +251,16 @@ def run_forward(
     else:
         inputs = (q, k, v)
         strides = [_strides(x) for x in (q, k, v)]
+    maps = None
+    if tma and spec.name == "forward_wgmma_ws" and offsets[1] is None:
+        shapes = [x.shape for x in (q, k, v)]
+        traits = kernels.traits(spec.name)
+        maps = kernel_params.forward_maps(
+            problem, traits, shapes, strides, simulator.encode_tensor_map
+        )
+        assert maps is not None, "the copy engine takes every dense test case"
     params = kernel_params.forward_params(
-        problem, *strides, out.strides, kernels.user(spec.name, "forward"), pieces=pieces
+        problem, *strides, out.strides, kernels.user(spec.name, "forward"), pieces, maps
     )
     kernels.launch(
         spec.name,
@@ -447,10 +459,12 @@ def forward(
     capability=80,
     sinks=None,
     head_dim_v=None,
+    tma=True,
 ):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over; ``head_dim_v``: v's head dim, for a kernel that
-    takes one of its own)."""
+    takes one of its own; ``tma``: bulk tensor copies where a GPU's plan takes them, or
+    cp.async everywhere)."""
     problem = forward_problem(
         q,
         k,
@@ -479,6 +493,7 @@ def forward(
         excluded=excluded,
         capability=capability,
         sinks=sinks,
+        tma=tma,
     )
 
 

@@ -273,6 +273,8 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             # registers handed from the producer to the consumers
             assert ops["LDGSTS"] > 0 and ops["SYNCS"] > 0, (role, ops)
             assert ops["SETMAXREG"] + ops["USETMAXREG"] == 2, (role, ops)
+        if spec.name == "forward_wgmma_ws":  # and the copy engine's boxes (use_tma)
+            assert ops["UTMALDG"] > 0, (role, ops)
 
 
 def test_precompile_job_list():

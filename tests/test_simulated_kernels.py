@@ -111,8 +111,21 @@ CASES = [
 ]
 
 
-def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capability=80):
+def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capability=80, tma=True):
     q, k, v, dout = random_inputs(case, rng)
+    out, lse = simulated_attention.forward(
+        q,
+        k,
+        v,
+        *case.args,
+        kv_seq_len=case.kv_seq_len,
+        softmax_scale=case.scale,
+        softcap=softcap,
+        alibi_slopes=slopes,
+        excluded=excluded,
+        capability=capability,
+        tma=tma,
+    )
     kw = dict(
         kv_seq_len=case.kv_seq_len,
         softmax_scale=case.scale,
@@ -121,7 +134,6 @@ def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capabi
         excluded=excluded,
         capability=capability,
     )
-    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
     grads = simulated_attention.backward(
         dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
     )
@@ -176,19 +188,32 @@ RING_CASES = [
         window=(100, 0),
     ),
     Case(dtype="float16", head_dim=200, batch=1, heads=1, kv_heads=1, q_len=60, kv_len=300),
+    # the first query tile of each head seeing no key (S_q > S_k, causal), GQA
+    Case(
+        dtype="bfloat16",
+        head_dim=80,
+        batch=1,
+        heads=3,
+        kv_heads=1,
+        q_len=300,
+        kv_len=200,
+        causal=True,
+    ),
 ]
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp_async"])
 @pytest.mark.parametrize("case", RING_CASES, ids=str)
-def test_warp_specialized_forward_wraps_its_stage_rings(case, rng):
+def test_warp_specialized_forward_wraps_its_stage_rings(case, tma, rng):
     """forward_wgmma_ws over more key tiles than stages: the producer refills each stage
     once both consumers hand it back, and the consumers wait for each phase (a missed
     wait reads the poison or an older tile: the simulator lands a stage's copies only
-    when a consumer's wait sees them complete)."""
+    when a consumer's wait sees them complete); with the copy engine's boxes (rows past
+    kv_seq_len and columns past the head dim as zeros) and with cp.async."""
     assert (
         registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90).name == "forward_wgmma_ws"
     )
-    inputs, out, lse, grads = _run(case, rng, False, capability=90)
+    inputs, out, lse, grads = _run(case, rng, False, capability=90, tma=tma)
     check_results(case, inputs, out, lse, grads)
 
 
@@ -687,6 +712,33 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
     deadlock, a fault or results far from the oracle's, never a pass."""
     try:
         error = _broken_forward(RING_CASES[0], "mbarrier.cuh", old, new, rng, tmp_path, monkeypatch)
+    except simulator.SimulationError:
+        return
+    assert not error < 0.05, error
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # Q's barrier told of half its boxes' bytes: it completes before the second lands
+        (
+            "mbarrier_arrive_expect_tx(q_full, Q_BYTES);",
+            "mbarrier_arrive_expect_tx(q_full, Q_BYTES / 2);",
+        ),
+        # K's boxes one row off
+        ("&params.k_map, c * 64, n0, hk, b,", "&params.k_map, c * 64, n0 + 1, hk, b,"),
+        # V's stage barrier told of no bytes: it completes before its copies land
+        ("v_ring->expect(j, V_BYTES)", "v_ring->expect(j, 0)"),
+    ],
+    ids=["q-bytes", "k-rows", "v-bytes"],
+)
+def test_simulator_finds_broken_bulk_tensor_copies(old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized forward's bulk tensor copies with a wrong transaction count or
+    a box at the wrong rows: a deadlock, a fault or results far from the oracle's."""
+    try:
+        error = _broken_forward(
+            RING_CASES[0], "forward_wgmma_ws.cuh", old, new, rng, tmp_path, monkeypatch
+        )
     except simulator.SimulationError:
         return
     assert not error < 0.05, error

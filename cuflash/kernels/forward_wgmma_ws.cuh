@@ -2,11 +2,15 @@
 //
 // One block of three warpgroups per (query tile of 128 rows, head, batch):
 //   warpgroup 0, the producer, copies Q once and each key tile's K and V
-//     into rings of STAGES shared-memory stages (cp.async, the 128-byte
-//     swizzled layout that wgmma reads); each stage's mbarrier completes when
-//     the copies land (cp.async.mbarrier.arrive), so the producer never waits
-//     for them, only for a stage to come back; its copy loop is not unrolled,
-//     and it keeps 24 registers a thread.
+//     into rings of STAGES shared-memory stages (the 128-byte swizzled layout
+//     that wgmma reads); each stage's mbarrier completes when the copies land,
+//     so the producer never waits for them, only for a stage to come back. It
+//     keeps 24 registers a thread. With params.use_tma (dense calls whose
+//     arrays the copy engine can address: cuflash/gpu.py) one thread issues
+//     bulk tensor copies of 64-column boxes through the maps q_map, k_map and
+//     v_map (rows past the array's, columns past the head dim land as zeros),
+//     each stage's barrier awaiting their bytes; otherwise the 128 threads
+//     copy with cp.async (cp.async.mbarrier.arrive; the loop not unrolled).
 //   warpgroups 1 and 2, the consumers, own 64 query rows each, wait on the
 //     barriers only, and hand each stage back once their products have read
 //     it; they take the producer's registers (240 a thread).
@@ -32,10 +36,9 @@ namespace cuflash {
 // consumer's setmaxnreg.inc past what the producer gave up waits forever.
 // The producer's copy loops are not unrolled, so that it runs in 24 registers and
 // the consumers get 240 (at 224 they spill with a user's score or mask function
-// compiled in; the unrolled loops at 56 / 224 measured the same ratio to cuDNN, 0.74-0.82
-// at D = 128 and 192: docs/kernels/forward-sm90-wgmma.md). A V narrower than Q and K
-// (DV < D) copies tiles of two widths, which spills at 24 (4 bytes at D = 96, DV = 40):
-// there the split is 32 / 232.
+// compiled in; at 232 bfloat16 D = 256 with modifiers spilled 44 bytes). A V
+// narrower than Q and K (DV < D) copies tiles of two widths, which spills at 24
+// (4 bytes at D = 96, DV = 40): there the split is 32 / 232.
 template <bool NARROW_V>
 struct WarpgroupRegisters {
     static constexpr int producer = NARROW_V ? 32 : 24, consumer = NARROW_V ? 232 : 240;
@@ -91,15 +94,40 @@ __global__ void __launch_bounds__(384, 1)
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
 
+    const bool tma = params.use_tma != 0;
     if (threadIdx.x == 0) {
-        k_ring->init();
-        v_ring->init();
-        mbarrier_init(q_full, 128);
+        const unsigned producers = tma ? 1 : 128;  // one thread issues the bulk copies
+        k_ring->init(producers);
+        v_ring->init(producers);
+        mbarrier_init(q_full, producers);
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<WarpgroupRegisters<(DV < D)>::producer>();
+        if (tma) {  // one thread, the copy engine: boxes of 64 columns (dense calls only)
+            if (threadIdx.x == 0) {
+                constexpr unsigned Q_BYTES = BM * DL * sizeof(T), K_BYTES = BN * DL * sizeof(T);
+                constexpr unsigned V_BYTES = BN * DVL * sizeof(T);
+                mbarrier_arrive_expect_tx(q_full, Q_BYTES);
+                for (int c = 0; c < DL / 64; ++c)
+                    tma_load_4d(Qs + c * BM * 64, &params.q_map, c * 64, m0, h, b, q_full);
+                for (int j = 0; j < tiles; ++j) {
+                    const int n0 = n_start + j * BN, st = Ring::stage(j);
+                    k_ring->wait_empty(j);
+                    unsigned long long* k_full = k_ring->expect(j, K_BYTES);
+                    for (int c = 0; c < DL / 64; ++c)
+                        tma_load_4d(Ks + (st * DL + c * 64) * BN, &params.k_map, c * 64, n0, hk, b,
+                                    k_full);
+                    v_ring->wait_empty(j);
+                    unsigned long long* v_full = v_ring->expect(j, V_BYTES);
+                    for (int c = 0; c < DVL / 64; ++c)
+                        tma_load_4d(Vs + (st * DVL + c * 64) * BN, &params.v_map, c * 64, n0, hk, b,
+                                    v_full);
+                }
+            }
+            return;
+        }
         const T* k_head = k + offset_of(k_st, b, hk, 0);
         const T* v_head = v + offset_of(v_st, b, hk, 0);
         cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
@@ -130,14 +158,19 @@ __global__ void __launch_bounds__(384, 1)
     float o[1][DVTILES][4], row_max[1][2], row_sum[1][2];
     init_rows(o, row_max, row_sum);
 
+    // The operands' descriptors: each k16 step's and stage's a constant past these
+    // (wgmma_desc_plus: one add, not a descriptor built anew for each product).
+    const unsigned long long q_desc = wgmma_desc(Qs + consumer * (64 * 64), 16, ATOM);
+    const unsigned long long k_desc = wgmma_desc(Ks, 16, ATOM);
+    const unsigned long long v_desc = wgmma_desc(Vs, BN * 64 * sizeof(T), ATOM);
     // S = Q K^T of key stage `stage` for this consumer's 64 rows, committed, not waited for.
     auto issue_scores = [&](int stage, float(&s)[1][NTILES][4]) {
-        const T* Kb = Ks + stage * BN * DL;
+        const unsigned long long kb = wgmma_desc_plus(k_desc, stage * BN * DL * sizeof(T));
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            const T* qa = Qs + (ks >> 2) * (BM * 64) + consumer * (64 * 64) + (ks & 3) * 16;
-            const T* kb = Kb + (ks >> 2) * (BN * 64) + (ks & 3) * 16;
-            Wgmma<T, BN>::ss(s[0], wgmma_desc(qa, 16, ATOM), wgmma_desc(kb, 16, ATOM), ks > 0);
+            const unsigned qa = ((ks >> 2) * (BM * 64) + (ks & 3) * 16) * sizeof(T);
+            const unsigned ka = ((ks >> 2) * (BN * 64) + (ks & 3) * 16) * sizeof(T);
+            Wgmma<T, BN>::ss(s[0], wgmma_desc_plus(q_desc, qa), wgmma_desc_plus(kb, ka), ks > 0);
         }
         wgmma_commit();
         pin_registers(s[0]);
@@ -153,11 +186,10 @@ __global__ void __launch_bounds__(384, 1)
     };
     // O += P V of value stage `stage`, committed, not waited for.
     auto issue_pv = [&](int stage, const unsigned(&pa)[BN / 16][4]) {
-        const T* Vb = Vs + stage * BN * DVL;
+        const unsigned long long vb = wgmma_desc_plus(v_desc, stage * BN * DVL * sizeof(T));
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DVK>::rs(o[0], pa[kk],
-                              wgmma_desc(Vb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM), 1);
+            Wgmma<T, DVK>::rs(o[0], pa[kk], wgmma_desc_plus(vb, kk * 16 * 64 * sizeof(T)), 1);
         wgmma_commit();
         pin_registers(o[0]);
     };
@@ -169,13 +201,15 @@ __global__ void __launch_bounds__(384, 1)
 
     if (consumer == 1) pass_turn(consumer);  // consumer 0 issues first
     mbarrier_wait(q_full, 0);
-    fence_proxy_async();  // the producer's cp.async writes, read by wgmma (async proxy)
+    // The producer's cp.async writes, read by wgmma (the async proxy); the copy
+    // engine's are the async proxy's already.
+    if (!tma) fence_proxy_async();
     float s[1][NTILES][4];
     unsigned pa[BN / 16][4];
     const float bound = scores_bound<Op::wide_exponent>(mods);
     if (tiles > 0) {
         k_ring->wait_full(0);
-        fence_proxy_async();
+        if (!tma) fence_proxy_async();
         wait_turn(consumer);
         wgmma_fence();
         issue_scores(Ring::stage(0), s);
@@ -195,7 +229,7 @@ __global__ void __launch_bounds__(384, 1)
         const bool edge = edge_tile(j + 1, partial);
         k_ring->wait_full(j + 1);
         v_ring->wait_full(j);
-        fence_proxy_async();
+        if (!tma) fence_proxy_async();
         wait_turn(consumer);
         pin_registers(o[0]);
         wgmma_fence();
@@ -207,21 +241,19 @@ __global__ void __launch_bounds__(384, 1)
         k_ring->release(j + 1, signalling);
         const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
                                               n_start + (j + 1) * BN, scale_log2, mods, partial);
-        const float alpha0 =
-            exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 0, score_scale, bound);
-        const float alpha1 =
-            exp_row<1, NTILES, 0, true>(s, row_max, row_sum, 0, 1, score_scale, bound);
+        float alpha[2];
+        exp_rows<1, NTILES, 0, true>(s, row_max, row_sum, 0, score_scale, bound, alpha);
         complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
         wgmma_wait_all();
         pin_registers(o[0]);
         v_ring->release(j, signalling);
-        if (alpha0 != 1.f) rescale_row(o, 0, 0, alpha0);  // mostly 1 (exp_row)
-        if (alpha1 != 1.f) rescale_row(o, 0, 1, alpha1);
+        if (alpha[0] != 1.f) rescale_row(o, 0, 0, alpha[0]);  // mostly 1 (exp_rows)
+        if (alpha[1] != 1.f) rescale_row(o, 0, 1, alpha[1]);
         pack_probs(s, pa);
     }
     if (tiles > 0) {  // P V of the last tile
         v_ring->wait_full(tiles - 1);
-        fence_proxy_async();
+        if (!tma) fence_proxy_async();
         wait_turn(consumer);
         pin_registers(o[0]);
         wgmma_fence();

@@ -10,6 +10,7 @@
 // over the empty stages goes through.
 #pragma once
 #include "mma.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
@@ -43,6 +44,28 @@ __device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
                  : "memory");
 }
 
+// One arrival that also makes the phase wait for `bytes` more of bulk tensor copies
+// (the transaction count their complete_tx takes back).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// The box of `map` at coordinates (c0, c1, c2, c3) (elements, dimension 0 first) into
+// shared memory at `dst` (the map's swizzle applied, zeros outside the tensor) by the
+// copy engine (TMA); its bytes complete `bar`'s transaction count. `map` lives in
+// the kernel's parameter space (a member of a __grid_constant__ struct).
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                            int c3, unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_addr(bar))
+        : "memory");
+}
+
 // Registers move from the producer warpgroup to the consumers (sm_90a; each
 // role one branch, the kernel capped at entry by __launch_bounds__(n, 1)).
 template <int REGISTERS>
@@ -55,7 +78,8 @@ __device__ __forceinline__ void registers_up() {
 }
 
 // The ring of STAGES shared-memory stages of one operand: `full[s]` completes
-// when the copies of the producer's 128 threads into stage s have landed; `empty[s]`
+// when the copies into stage s have landed (those of the producer's 128 threads,
+// or one thread's bulk tensor copies: init's `producers`); `empty[s]`
 // after CONSUMERS arrivals: one a consumer warpgroup where only its wgmma read the
 // stage (the forward), one a consumer thread where threads also load from it (the
 // backward's lse and Delta). Use i of the ring (0, 1, ...) is stage i % STAGES in
@@ -64,10 +88,10 @@ template <int STAGES, int CONSUMERS>
 struct StageRing {
     unsigned long long full[STAGES], empty[STAGES];
 
-    __device__ __forceinline__ void init() {
+    __device__ __forceinline__ void init(unsigned producers = 128) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 128);
+            mbarrier_init(&full[s], producers);
             mbarrier_init(&empty[s], CONSUMERS);
         }
     }
@@ -79,6 +103,12 @@ struct StageRing {
     }
     // Producer: use `use`'s copies are issued; the stage is full once they land.
     __device__ __forceinline__ void filled(int use) { cp_async_arrive(&full[stage(use)]); }
+    // Producer (one thread, bulk tensor copies): the stage of use `use` is full once
+    // `bytes` have landed; returns its barrier, for the copies to complete.
+    __device__ __forceinline__ unsigned long long* expect(int use, unsigned bytes) {
+        mbarrier_arrive_expect_tx(&full[stage(use)], bytes);
+        return &full[stage(use)];
+    }
     // Consumer: wait until use `use`'s stage holds its tile.
     __device__ __forceinline__ void wait_full(int use) {
         mbarrier_wait(&full[stage(use)], parity(use));

@@ -206,6 +206,92 @@ __device__ __forceinline__ float exp_row(float (&s)[MT][NTILES][4], float (&row_
     return alpha;
 }
 
+// exp_rows' partial maxima of both rows of m16 tile mt, over CHAINS chains a row: of
+// the raw scores, or of their negations for a negative scale (the largest scaled
+// score; the comparisons take the sign for free).
+template <bool NEGATE, int MT, int NTILES, int CHAINS>
+__device__ __forceinline__ void partial_maxima(const float (&s)[MT][NTILES][4], int mt,
+                                               float (&mx)[2][CHAINS]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < CHAINS; ++c) mx[r][c] = neg_inf();
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float a = s[mt][n][2 * r], b = s[mt][n][2 * r + 1];
+            float& m = mx[r][n % CHAINS];
+            m = NEGATE ? fmaxf(m, fmaxf(-a, -b)) : fmaxf(m, fmaxf(a, b));
+        }
+}
+
+// 2'. exp_row for both rows of m16 tile mt at once, each alpha in `alpha`: the same
+// values but for the order of the sums, with the two rows' dependency chains side by
+// side and the maxima and sums taken over four partial chains a row (a chain of
+// 2 NTILES dependent FMNMX or FADD a row stalls a consumer of the warp-specialized
+// forward on their latency; Nsight Compute: docs/kernels/forward-sm90-wgmma.md).
+template <int MT, int NTILES, int LOG2_GAIN = 0, bool LAZY = false>
+__device__ __forceinline__ void exp_rows(float (&s)[MT][NTILES][4], float (&row_max)[MT][2],
+                                         float (&row_sum)[MT][2], int mt, float score_scale,
+                                         float bound, float (&alpha)[2]) {
+    static_assert(!LAZY || LOG2_GAIN == 0, "a lazy max keeps P under 2^kMaxSlack");
+    constexpr int CHAINS = NTILES >= 4 ? 4 : NTILES;
+    float new_max[2] = {bound, bound};
+    if (bound == neg_inf()) {
+        float mx[2][CHAINS];
+        if (score_scale >= 0.f)
+            partial_maxima<false>(s, mt, mx);
+        else
+            partial_maxima<true>(s, mt, mx);
+        float m[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m[r] = mx[r][0];
+#pragma unroll
+            for (int c = 1; c < CHAINS; ++c) m[r] = fmaxf(m[r], mx[r][c]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float tile_max = fabsf(score_scale) * m[r];
+            new_max[r] = LAZY ? (tile_max > row_max[mt][r] + kMaxSlack ? tile_max : row_max[mt][r])
+                              : fmaxf(row_max[mt][r], tile_max);
+        }
+    }
+    float shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float base = new_max[r] == neg_inf() ? 0.f : new_max[r];
+        alpha[r] = fast_exp2(row_max[mt][r] - base);
+        row_max[mt][r] = new_max[r];
+        shift[r] = LOG2_GAIN ? static_cast<float>(LOG2_GAIN) - base : -base;
+    }
+    float sum[2][CHAINS];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < CHAINS; ++c) sum[r][c] = 0.f;
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            s[mt][n][2 * r] = fast_exp2(fmaf(s[mt][n][2 * r], score_scale, shift[r]));
+            s[mt][n][2 * r + 1] = fast_exp2(fmaf(s[mt][n][2 * r + 1], score_scale, shift[r]));
+            sum[r][n % CHAINS] += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = sum[r][0];
+#pragma unroll
+        for (int c = 1; c < CHAINS; ++c) total += sum[r][c];
+        row_sum[mt][r] = row_sum[mt][r] * alpha[r] + total;
+    }
+}
+
 // 3. O's row r of m16 tile mt times alpha (1 where exp_row's running max did
 // not move: a caller with registers to spare on the branch skips the call).
 template <int MT, int DTILES>

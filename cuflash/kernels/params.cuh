@@ -12,6 +12,13 @@
 
 namespace cuflash {
 
+// A TMA tensor map (CUDA's CUtensorMap): 128 opaque bytes the host encodes
+// (cuflash/tensor_maps.py); the bulk tensor copies read it from the kernel's
+// parameter space.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
 // The forward kernels: out = softmax(scale Q K^T + modifiers) V and its lse.
 struct ForwardParams {
     // The arrays ([B, H, S, D] views; a packed call's [1, H, total, D]); null where
@@ -45,7 +52,13 @@ struct ForwardParams {
     float scale_log2;  // the softmax scale times log2 e
     int alibi_batch_stride;
     float softcap;
+    int use_tma;  // forward_wgmma_ws: q, k and v come by the maps below (0: cp.async)
     UserModifierArgs user_args;
+    // q's, k's and v's maps (use_tma): dims (head dim, rows, heads, batch), boxes
+    // of 64 columns by the kernel's query or key tile, the 128-byte swizzle.
+    TensorMap q_map;
+    TensorMap k_map;
+    TensorMap v_map;
 };
 
 // The forward kernels' arguments as the locals their bodies read: q, k and v of T

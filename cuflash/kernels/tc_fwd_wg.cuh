@@ -29,6 +29,13 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* start, unsi
            static_cast<unsigned long long>((lead_bytes & 0x3FFFF) >> 4) << 16 |
            static_cast<unsigned long long>((stride_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
 }
+// The descriptor of the operand `bytes` past `desc`'s start, with its offsets and
+// swizzle: shared memory ends below 256 KB, so the 14-bit start field takes the
+// sum without a carry (one add, where wgmma_desc masks and shifts).
+__device__ __forceinline__ unsigned long long wgmma_desc_plus(unsigned long long desc,
+                                                              unsigned bytes) {
+    return desc + (bytes >> 4);
+}
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

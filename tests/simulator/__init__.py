@@ -53,6 +53,34 @@ def _bytes_at(address, size):
     return np.ctypeslib.as_array((ctypes.c_uint8 * max(1, size)).from_address(address))[:size]
 
 
+TENSOR_MAP_MAGIC = 0x7E450A9  # runtime.h's kTensorMapMagic
+_TENSOR_MAP = np.dtype(
+    [
+        ("base", "<u8"),
+        ("dims", "<u8", 4),
+        ("strides", "<u8", 4),
+        ("box", "<u4", 4),
+        ("swizzle128", "<u4"),
+        ("magic", "<u4"),
+    ]
+)
+
+
+def encode_tensor_map(tile_map, destination, address):
+    """The simulator's encoding (runtime.h's ``SimTensorMap``) of a
+    :class:`cuflash.tensor_maps.TileMap` for the array at ``address``, written into
+    the 128 bytes at ``destination``: what the driver's encoding is on a GPU (the
+    ``encode`` of :func:`cuflash.kernel_params.forward_maps`)."""
+    record = np.zeros(1, _TENSOR_MAP)
+    record["base"] = address
+    record["dims"] = tile_map.dims
+    record["strides"] = tile_map.strides
+    record["box"] = tile_map.box
+    record["swizzle128"] = 1
+    record["magic"] = TENSOR_MAP_MAGIC
+    ctypes.memmove(destination, record.ctypes.data, record.itemsize)
+
+
 class SimulationError(RuntimeError):
     """A simulated launch failed: a deadlock, a shared-memory address outside the block's,
     an instruction the simulator does not model."""
@@ -139,6 +167,8 @@ _INSTRUCTIONS = (
     ("cp.async.commit_group", "cp_async_commit_group"),
     ("cp.async.wait_group", "cp_async_wait_group"),
     ("cp.async.mbarrier.arrive.noinc.shared", "cp_async_mbarrier_arrive"),
+    ("mbarrier.arrive.expect_tx.shared", "mbarrier_arrive_expect_tx"),
+    ("cp.async.bulk.tensor.4d.shared::cluster.global", "tma_load_4d"),
     ("mbarrier.init.shared", "mbarrier_init"),
     ("mbarrier.try_wait.parity.shared", "mbarrier_wait"),
     ("mbarrier.arrive.shared", "mbarrier_arrive"),

@@ -478,8 +478,12 @@ inline void bar_arrive(unsigned id, unsigned threads) {
 // Copies tied to a barrier by cp.async.mbarrier.arrive land when a waiter sees
 // their phase complete (not when issued): a consumer that reads a stage without
 // waiting for it reads the poison or an older tile.
+// A phase of a barrier that bulk tensor copies complete also waits for their bytes
+// (the transaction count: mbarrier.arrive.expect_tx adds, each copy's complete_tx
+// takes away); the phase completes when both the arrivals and the count are done.
 struct Mbarrier {
     int expected = 0, pending = 0;
+    long long transactions = 0;
     unsigned phase = 0;
     std::vector<PendingCopy> attached, completed;
 };
@@ -497,16 +501,97 @@ inline Mbarrier* mbarrier_at(unsigned address) {
     yield();
     return nullptr;
 }
-inline void mbarrier_arrive(unsigned address) {
-    Mbarrier* m = mbarrier_at(address);
-    if (m == nullptr) return;
-    ++progress;
-    if (--m->pending == 0) {
+inline void mbarrier_complete_if_done(Mbarrier* m) {
+    if (m->pending == 0 && m->transactions == 0) {
         m->pending = m->expected;
         ++m->phase;
         m->completed.insert(m->completed.end(), m->attached.begin(), m->attached.end());
         m->attached.clear();
     }
+}
+inline void mbarrier_arrive(unsigned address) {
+    Mbarrier* m = mbarrier_at(address);
+    if (m == nullptr) return;
+    ++progress;
+    if (m->pending == 0) {
+        failure = "an mbarrier arrival past its phase's expected count";
+        return;
+    }
+    --m->pending;
+    mbarrier_complete_if_done(m);
+}
+// mbarrier.arrive.expect_tx: the phase also waits for `bytes` more of bulk copies.
+inline void mbarrier_arrive_expect_tx(unsigned address, unsigned bytes) {
+    Mbarrier* m = mbarrier_at(address);
+    if (m == nullptr) return;
+    m->transactions += bytes;
+    mbarrier_arrive(address);
+}
+
+// The simulator's tensor map: what the host encodes in the 128 bytes of a CUtensorMap
+// (tests/simulator's encode_tensor_map writes it; the driver's format is opaque). A
+// tiled map of a 4-dimensional tensor, dimension 0 innermost and contiguous.
+struct SimTensorMap {
+    unsigned long long base;
+    unsigned long long dims[4];
+    unsigned long long strides[4];  // bytes; [0] is the element size
+    unsigned box[4];
+    unsigned swizzle128;  // 1: the 128-byte swizzle
+    unsigned magic;       // kTensorMapMagic: a map the host encoded
+};
+constexpr unsigned kTensorMapMagic = 0x7e450a9u;
+static_assert(sizeof(SimTensorMap) <= 128, "a tensor map is 128 bytes");
+
+// cp.async.bulk.tensor.4d ... mbarrier::complete_tx::bytes: the box at coordinates c
+// (element units, dimension 0 first) lands at `dst` row by row (rows of box[0]
+// elements, each 16-byte chunk moved by the 128-byte swizzle: XOR with address bits
+// 7-9), elements outside the tensor as zeros; the copies join the barrier's phase
+// and land when a waiter sees it complete; the box's bytes complete its count.
+inline void tma_load_4d(unsigned dst, unsigned long long map_address, int c0, int c1, int c2,
+                        int c3, unsigned bar) {
+    const SimTensorMap& map = *reinterpret_cast<const SimTensorMap*>(map_address);
+    Mbarrier* m = mbarrier_at(bar);
+    if (m == nullptr) return;
+    if (map.magic != kTensorMapMagic) {
+        failure = "a bulk tensor copy through a tensor map the host did not encode";
+        return;
+    }
+    const unsigned long long element = map.strides[0], row_bytes = map.box[0] * element;
+    if (dst % 128 || row_bytes % 16 || (map.swizzle128 && row_bytes != 128)) {
+        failure = "a bulk tensor copy's box or destination the hardware refuses";
+        return;
+    }
+    const int coords[4] = {c0, c1, c2, c3};
+    unsigned long long offset = 0;
+    for (unsigned i3 = 0; i3 < map.box[3]; ++i3)
+        for (unsigned i2 = 0; i2 < map.box[2]; ++i2)
+            for (unsigned i1 = 0; i1 < map.box[1]; ++i1) {
+                const long long at[4] = {0, coords[1] + static_cast<long long>(i1),
+                                         coords[2] + static_cast<long long>(i2),
+                                         coords[3] + static_cast<long long>(i3)};
+                bool inside = true;
+                unsigned long long row = map.base;
+                for (int d = 1; d < 4; ++d) {
+                    inside = inside && at[d] >= 0 && at[d] < static_cast<long long>(map.dims[d]);
+                    row += at[d] * map.strides[d];
+                }
+                for (unsigned long long chunk = 0; chunk < row_bytes; chunk += 16, offset += 16) {
+                    const long long first = c0 + static_cast<long long>(chunk / element);
+                    long long valid = 0;  // elements of the chunk inside dimension 0
+                    if (inside && first >= 0)
+                        valid = std::min<long long>(16 / element,
+                                                    static_cast<long long>(map.dims[0]) - first);
+                    unsigned address = dst + static_cast<unsigned>(offset);
+                    if (map.swizzle128) address ^= ((address >> 7) & 7u) << 4;
+                    const void* src = reinterpret_cast<const void*>(row + first * element);
+                    m->attached.push_back(
+                        PendingCopy{shared_pointer(address), src, 16,
+                                    static_cast<int>(std::max(0ll, valid) * element)});
+                }
+            }
+    ++progress;
+    m->transactions -= static_cast<long long>(offset);
+    mbarrier_complete_if_done(m);
 }
 inline void land(const PendingCopy& c) {
     if (c.valid_bytes > 0) memcpy(c.dst, c.src, c.valid_bytes);

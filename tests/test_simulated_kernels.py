@@ -113,19 +113,6 @@ CASES = [
 
 def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capability=80, tma=True):
     q, k, v, dout = random_inputs(case, rng)
-    out, lse = simulated_attention.forward(
-        q,
-        k,
-        v,
-        *case.args,
-        kv_seq_len=case.kv_seq_len,
-        softmax_scale=case.scale,
-        softcap=softcap,
-        alibi_slopes=slopes,
-        excluded=excluded,
-        capability=capability,
-        tma=tma,
-    )
     kw = dict(
         kv_seq_len=case.kv_seq_len,
         softmax_scale=case.scale,
@@ -134,6 +121,7 @@ def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capabi
         excluded=excluded,
         capability=capability,
     )
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw, tma=tma)
     grads = simulated_attention.backward(
         dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
     )

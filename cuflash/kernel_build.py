@@ -231,10 +231,16 @@ class CompileReport:
 
     def kernels(self):
         """Per kernel role: registers, stack frame, spill stores and loads, and whether
-        ptxas serialized its wgmma instructions (its advisory C7519, e.g. for a wgmma in a
-        branch that depends on the warpgroup)."""
+        ptxas serialized its wgmma instructions: its advisories "wgmma.mma_async
+        instructions are serialized due to ..." (C7519, e.g. for a wgmma in a branch that
+        depends on the warpgroup; C7512, insufficient register resources: every wgmma
+        then waits for the one before, which the register counts do not show)."""
         info, current = {}, None
-        serialized = set(re.findall(r"\(C7519\).*? in the function '(\w+)'", self.log))
+        serialized = set(
+            re.findall(
+                r"wgmma\.mma_async instructions are serialized.*? function '(\w+)'", self.log
+            )
+        )
         for line in self.log.splitlines():
             m = re.search(r"Compiling entry function '(\w+)'", line)
             if m:

@@ -68,6 +68,35 @@ def test_variant_compiles_without_spills(resource_reports, job):
             assert info["registers"] == 168, (role, info)
 
 
+def test_serialized_wgmma_advisories_are_read():
+    """Both of ptxas's advisories that it serialized a kernel's wgmma (C7519, C7512: every
+    wgmma then waits for the one before, which the register counts do not show) mark the
+    kernel; a kernel the log does not name stays unmarked."""
+    log = "\n".join(
+        [
+            "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions"
+            " are serialized due to insufficient register resources for the function 'k_a'",
+            "ptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions"
+            " are serialized due to the presence of Extern calls in the function 'k_b'",
+        ]
+        + [
+            line
+            for name in ("k_a", "k_b", "k_c")
+            for line in (
+                f"ptxas info    : Compiling entry function '{name}' for 'sm_90a'",
+                "ptxas info    : Used 168 registers",
+                "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            )
+        ]
+    )
+    variant = kernel_build.Variant(np.dtype(np.float16), 128, 90)
+    report = kernel_build.CompileReport(
+        variant, "sm_90a", log, b"", {"a": "k_a", "b": "k_b", "c": "k_c"}
+    )
+    marked = {role: info["wgmma_serialized"] for role, info in report.kernels().items()}
+    assert marked == {"a": True, "b": True, "c": False}
+
+
 def test_variants_cover_every_dtype_and_head_dim():
     variants = kernel_build.all_variants()
     assert len(variants) == 3 * 32

@@ -284,6 +284,34 @@ def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, mo
     pytest.fail(f"a broken handshake passed (gradients' error {error})")
 
 
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # the dQ tile overwritten before the copy engine has read the last additions
+        ("if (lane < 16) bulk_wait_read<0>();", "(void)0;"),
+        # the block exits with additions in flight
+        ("if (ATOMIC_DQ && lane < 16) bulk_wait<0>();", "(void)0;"),
+        # a warp's rows added before all its lanes have written them
+        (
+            "fence_proxy_async();  // this thread's writes, then read by the copy engine\n"
+            "            __syncwarp();",
+            "(void)0;",
+        ),
+    ],
+    ids=["no-read-wait", "no-final-wait", "no-warp-sync"],
+)
+def test_simulator_finds_broken_bulk_dq_additions(old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized backward's dQ tile handed to the copy engine without its
+    waits: a simulator failure or gradients far from the oracle's (about 2e-3 from it
+    when right), never a pass."""
+    try:
+        error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
+    except RuntimeError as exc:
+        assert "bulk reductions" in str(exc), exc
+        return
+    assert not error < 0.05, error
+
+
 FLOAT32_CASES = [
     Case(
         dtype="float32", head_dim=64, batch=1, heads=2, kv_heads=1, q_len=70, kv_len=90, causal=True

@@ -18,14 +18,22 @@
 // Per query tile, each consumer (M = 64 keys), as attention_bwd_dkdv_wgmma:
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
-//   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers
+//   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers;
+//                                    with ATOMIC_DQ dK's A is dS^T's shared
+//                                    buffer (both A's in registers left too
+//                                    few for the products in flight: ptxas
+//                                    serialized every wgmma at D = 128, C7512)
 //   dQ += dS K scale (ATOMIC_DQ)     dS^T to one of two shared buffers (the
 //                                    consumers meet at named barrier 1 once
 //                                    both halves are in), wgmma with A = dS
-//                                    M-major, B = K N-major; float32 atomics
-//                                    into dq_accum (columns [64 c, + 64) of
-//                                    rows 128 wide: the columns past D are
-//                                    padding, which the conversion skips).
+//                                    M-major, B = K N-major; the float32 tile
+//                                    to shared memory, and each warp's 16 rows
+//                                    (256 bytes each) added into dq_accum by
+//                                    the copy engine (cp.reduce.async.bulk:
+//                                    no atomics in the consumers' stream;
+//                                    columns [64 c, + 64) of rows 128 wide,
+//                                    the columns past D padding, which the
+//                                    conversion skips).
 // The split 40 / 232 is the only one that fits the block's registers without
 // spills: the producer spills 20 bytes at 32 (and at 24 with 240 for the
 // consumers); at 232 the consumers of the 64 class's atomic dQ (BM = 128) and
@@ -65,8 +73,10 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int BN = 128, QTILES = BM / 8, KSTEPS = DK / 16, DTILES = DK / 8;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(DT == 128 && BM == 64, "tile shape");
-    // The atomic dQ: consumer c adds columns [64 c, + 64) over all 128 keys.
-    constexpr int DQ_COLS = 64, DQ_KSTEPS = BN / 16;
+    // The atomic dQ: consumer c adds columns [64 c, + 64) over all 128 keys, through
+    // a float32 tile of BM rows DQ_PITCH apart (8 floats of padding: the fragments'
+    // 8-byte stores of a half-warp meet 32 different banks).
+    constexpr int DQ_COLS = 64, DQ_KSTEPS = BN / 16, DQ_PITCH = DT + 8;
     // A stage's empty barrier takes an arrival from every consumer thread: each reads the
     // stage's lse and Delta with its own loads (racecheck found one thread a warpgroup
     // handing the stage back while other warps still read them).
@@ -83,8 +93,9 @@ __global__ void __launch_bounds__(384, 1)
     T* Qs = Vs + BN * DT;             // STAGES buffers of BM x DT
     T* dOs = Qs + STAGES * BM * DT;   // STAGES buffers of BM x DT
     T* dSs = dOs + STAGES * BM * DT;  // two buffers of dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // STAGES buffers of BM
-    float* delta_s = lse_s + STAGES * BM;                        // STAGES buffers of BM
+    float* dq_s = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // BM rows of DQ_PITCH
+    float* lse_s = dq_s + BM * DQ_PITCH;                        // STAGES buffers of BM
+    float* delta_s = lse_s + STAGES * BM;                       // STAGES buffers of BM
     Ring* ring = reinterpret_cast<Ring*>(delta_s + STAGES * BM);
     unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(ring + 1);
 
@@ -234,14 +245,25 @@ __global__ void __launch_bounds__(384, 1)
         };
         auto add_dq = [&]() {  // once dQ's wgmma is done
             pin_registers(dq);
+            // The warp's rows of the tile, free once its last additions have read them.
+            if (lane < 16) bulk_wait_read<0>();
+            __syncwarp();
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = warp_row + g + 8 * r;
-                float* dst = dq_rows + static_cast<long long>(row) * DT + dq_col + 2 * t;
+                float* dst = dq_s + (warp_row + g + 8 * r) * DQ_PITCH + dq_col + 2 * t;
 #pragma unroll
                 for (int j = 0; j < DQ_COLS / 8; ++j)
-                    atomic_add_float2(dst + j * 8, dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale,
-                                      row < rows);
+                    *reinterpret_cast<float2*>(dst + j * 8) =
+                        make_float2(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
+            }
+            fence_proxy_async();  // this thread's writes, then read by the copy engine
+            __syncwarp();
+            const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
+            if (lane < 16) {
+                if (row < rows)
+                    bulk_reduce_add_f32(dq_rows + static_cast<long long>(row) * DT + dq_col,
+                                        dq_s + row * DQ_PITCH + dq_col, DQ_COLS * sizeof(float));
+                bulk_commit();
             }
         };
         if (ATOMIC_DQ) {  // the other consumer's half of dS^T is read too
@@ -250,15 +272,22 @@ __global__ void __launch_bounds__(384, 1)
         }
         if (ATOMIC_DQ) issue_dq();
 
-        // dV += P^T dO and dK += dS^T Q (16 queries a step): A from the registers.
+        // dV += P^T dO and dK += dS^T Q (16 queries a step): A from the registers, or
+        // dK's from dS^T's buffer (ATOMIC_DQ).
         wgmma_fence();
         constexpr unsigned B_STRIDE = BM * 64 * sizeof(T);  // between 64-column blocks
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
             Wgmma<T, DK>::rs(dv_acc, pa[kk], wgmma_desc(dOb + kk * 16 * 64, B_STRIDE, ATOM), 1);
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DK>::rs(dk_acc, sa[kk], wgmma_desc(Qb + kk * 16 * 64, B_STRIDE, ATOM), 1);
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            const unsigned long long q_desc = wgmma_desc(Qb + kk * 16 * 64, B_STRIDE, ATOM);
+            if (ATOMIC_DQ)  // dS^T from its shared buffer (this consumer's 64 keys, K-major)
+                Wgmma<T, DK>::ss_nb(dk_acc, wgmma_desc(dSb + wg_key0 * 64 + kk * 16, 16, ATOM),
+                                    q_desc, 1);
+            else
+                Wgmma<T, DK>::rs(dk_acc, sa[kk], q_desc, 1);
+        }
         wgmma_commit();
 
         if (ATOMIC_DQ) {  // dQ is done (dV, dK may still run): add it
@@ -271,6 +300,7 @@ __global__ void __launch_bounds__(384, 1)
         ring->release(step, true);  // this thread's products and loads have read the stage
     }
 
+    if (ATOMIC_DQ && lane < 16) bulk_wait<0>();  // dQ's additions, before the block exits
     const long long tile_key = offset_of(dkv_st, b, hk, n0);
     store_fragment_rows<T, D, DTILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0, 0,
                                       dk_acc, scale);

@@ -66,6 +66,32 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, int
         : "memory");
 }
 
+// dst[0, bytes) += src[0, bytes) in float32 (global += shared) by the copy engine,
+// in this thread's open bulk group; both addresses 16-byte aligned, bytes a multiple
+// of 16. The thread fences (fence_proxy_async) its own generic writes of `src` first,
+// and may overwrite `src` once bulk_wait_read has seen the group read.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+        "r"(smem_addr(src)), "r"(bytes)
+        : "memory");
+}
+// This thread's bulk operations since the last commit form a group.
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Wait until at most PENDING of this thread's bulk groups have not yet read their
+// shared memory (bulk_wait_read), or not yet completed (bulk_wait: their global
+// writes done; before the block exits, which frees the shared memory).
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 // Registers move from the producer warpgroup to the consumers (sm_90a; each
 // role one branch, the kernel capped at entry by __launch_bounds__(n, 1)).
 template <int REGISTERS>

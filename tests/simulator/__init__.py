@@ -165,6 +165,9 @@ _INSTRUCTIONS = (
     ("ld.shared.v2.f32", "ld_shared_v2_f32"),
     ("st.shared.f32", "st_shared_f32"),
     ("cp.async.commit_group", "cp_async_commit_group"),
+    ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "bulk_reduce_add_f32"),
+    ("cp.async.bulk.commit_group", "bulk_commit_group"),
+    ("cp.async.bulk.wait_group", "bulk_wait_group"),  # .read too: both read the source
     ("cp.async.wait_group", "cp_async_wait_group"),
     ("cp.async.mbarrier.arrive.noinc.shared", "cp_async_mbarrier_arrive"),
     ("mbarrier.arrive.expect_tx.shared", "mbarrier_arrive_expect_tx"),

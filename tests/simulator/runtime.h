@@ -73,6 +73,13 @@ struct PendingCopy {
     int bytes, valid_bytes;
 };
 
+// A bulk reduction (cp.reduce.async.bulk ... add.f32): global dst += shared src.
+struct PendingReduce {
+    float* dst;
+    const float* src;
+    int bytes;
+};
+
 struct Barrier {
     int expected = 0, arrived = 0;
     unsigned generation = 0;
@@ -86,6 +93,9 @@ struct Fiber {
     bool done = false;
     std::vector<PendingCopy> copies;               // issued, not yet in a committed group
     std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
+    // bulk reductions: the open group, then the committed ones (oldest first)
+    std::vector<PendingReduce> reduces;
+    std::vector<std::vector<PendingReduce>> reduce_groups;
 };
 
 // The threads of a warp (32) or a warpgroup (128) and the slots of their offers
@@ -339,6 +349,32 @@ inline void cp_async_wait_group(int pending) {
         }
         groups.erase(groups.begin());
     }
+}
+
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: held in the thread's
+// open bulk group; the copy engine reads the shared source when the thread waits for
+// the group (cp.async.bulk.wait_group[.read]), so a source overwritten before that
+// wait adds the wrong values.
+inline void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || src % 16 || bytes % 16) {
+        failure = "a bulk reduction's address or size not a multiple of 16 bytes";
+        return;
+    }
+    current->reduces.push_back(PendingReduce{dst, static_cast<const float*>(shared_pointer(src)),
+                                             static_cast<int>(bytes)});
+}
+inline void bulk_commit_group() {
+    current->reduce_groups.push_back(std::move(current->reduces));
+    current->reduces.clear();
+}
+inline void bulk_wait_group(int pending) {
+    auto& groups = current->reduce_groups;
+    while (static_cast<int>(groups.size()) > pending) {
+        for (const PendingReduce& r : groups.front())
+            for (int i = 0; i < r.bytes / 4; ++i) r.dst[i] += r.src[i];
+        groups.erase(groups.begin());
+    }
+    ++progress;
 }
 
 inline void ld_shared_v2_f32(float& x, float& y, unsigned address) {
@@ -708,6 +744,8 @@ inline void fiber_entry(unsigned lo, unsigned hi) {
                                                           (static_cast<uintptr_t>(hi) << 32));
     (*body)();
     ++progress;
+    if (!current->reduces.empty() || !current->reduce_groups.empty())
+        failure = "a thread exits with bulk reductions it has not waited for";
     current->done = true;
     leave(block_barrier);
     leave(warps[current->warp].barrier);
@@ -796,6 +834,8 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, F&& thread_body)
                     f.done = false;
                     f.copies.clear();
                     f.groups.clear();
+                    f.reduces.clear();
+                    f.reduce_groups.clear();
                     getcontext(&f.context);
                     f.context.uc_stack.ss_sp = f.stack;
                     f.context.uc_stack.ss_size = kStackBytes;

@@ -146,9 +146,8 @@ __global__ void __launch_bounds__(128)
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
 __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
-    attention_fwd_split(const __grid_constant__ ForwardParams params) {
+    attention_fwd_split(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
     CUFLASH_FORWARD_PIECES;
-    CUFLASH_FORWARD_REST(float);
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
@@ -157,6 +156,10 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
     constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

@@ -8,7 +8,8 @@ definitions lane by lane: shuffles, ``ldmatrix``, ``movmatrix``, ``mma.sync``, a
 ``mbarrier`` phases of the warp-specialized kernels. Each ``asm``
 statement is rewritten into a call of the simulator's version of its instruction;
 the rest of the source compiles as it is. A launch takes the arguments as
-``cuLaunchKernel`` does, from NumPy arrays and scalars.
+``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.kernel_params.Params``
+record), or NumPy arrays and scalars one a parameter.
 
 >>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
 >>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP

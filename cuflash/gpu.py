@@ -299,17 +299,12 @@ class Float16Pieces:
         batch, heads, seq_len, head_dim = shape
         self.shape = shape
         self.pieces_shape = (batch, heads, seq_len, head_dim)
+        abs_max, split = kernel_params.pieces_params(strides, valid_rows, heads, seq_len)
         self.abs_max = Launch.of_role(
-            loaded,
-            "float16_pieces_abs_max",
-            (math.ceil(valid_rows / 32), heads, batch),
-            (*strides, np.int32(valid_rows)),
+            loaded, "float16_pieces_abs_max", (math.ceil(valid_rows / 32), heads, batch), abs_max
         )
         self.split = Launch.of_role(
-            loaded,
-            "float16_pieces_split",
-            (math.ceil(valid_rows / 4), heads, batch),
-            (*strides, np.int32(heads), np.int32(seq_len), np.int32(valid_rows)),
+            loaded, "float16_pieces_split", (math.ceil(valid_rows / 4), heads, batch), split
         )
 
     def __call__(self, stream, x):
@@ -364,7 +359,7 @@ def _zero_outside(loaded, problem, layout, rows):
         loaded,
         "packed_zero_outside",
         (64,),
-        (np.int32(problem.packed.count), np.int32(rows), np.int64(layout.shape[1] * d)),
+        kernel_params.zero_outside_params(problem.packed.count, rows, layout.shape[1] * d),
     )
 
 

@@ -429,6 +429,36 @@ def dq_convert_params(problem, dq_strides, count, accum_width):
     )
 
 
+def zero_outside_params(count, rows, row_elements):
+    """The ``ZeroOutsideParams`` of a packed output's zeroing (``packed_zero_outside``):
+    ``count`` sequences, ``rows`` rows of ``row_elements`` elements; the call writes the
+    output ``x`` and its ``offsets``."""
+    return Params(
+        "ZeroOutsideParams",
+        ("x", "offsets"),
+        count=count,
+        total=rows,
+        row_elements=row_elements,
+    )
+
+
+def pieces_params(strides, valid_rows, heads, seq_len):
+    """The ``PiecesAbsMaxParams`` and ``PiecesSplitParams`` of the float16 pieces of a
+    float32 operand of element ``strides`` (``float16_pieces_abs_max``, then
+    ``float16_pieces_split``): its first ``valid_rows`` rows of each head, into pieces of
+    ``heads`` heads of ``seq_len`` rows."""
+    abs_max = Params("PiecesAbsMaxParams", ("x", "abs_max_bits"), x_st=strides, rows=valid_rows)
+    split = Params(
+        "PiecesSplitParams",
+        ("x", "abs_max", "hi", "lo", "scale_out"),
+        x_st=strides,
+        num_heads=heads,
+        seq_len=seq_len,
+        rows=valid_rows,
+    )
+    return abs_max, split
+
+
 def forward_maps(problem, traits, shapes, strides, encode):
     """The tensor maps of ``forward_wgmma_ws``'s bulk copies (``ForwardParams``'
     ``q_map``, ``k_map`` and ``v_map``, for :func:`forward_params`' ``maps``) of q, k

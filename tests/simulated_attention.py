@@ -152,13 +152,10 @@ def _zero_outside(kernels, problem, output, offsets):
     kernels.launch(
         "packed_zero_outside",
         (64,),
-        [
-            output.array,
-            offsets,
-            np.int32(problem.packed.count),
-            np.int32(rows),
-            np.int64(heads * d),
-        ],
+        (
+            kernel_params.zero_outside_params(problem.packed.count, rows, heads * d),
+            (output.array, offsets),
+        ),
     )
 
 
@@ -167,27 +164,20 @@ def _pieces(kernels, x, valid_rows):
     Float16Pieces), rows past ``valid_rows`` of each head left poisoned."""
     batch, heads, seq_len, _ = x.shape
     abs_max = np.zeros((batch, heads), np.float32)
+    abs_max_params, split_params = kernel_params.pieces_params(
+        _strides(x), valid_rows, heads, seq_len
+    )
     kernels.launch(
         "float16_pieces_abs_max",
         (math.ceil(valid_rows / 32), heads, batch),
-        [x, abs_max, *_strides(x), np.int32(valid_rows)],
+        (abs_max_params, (x, abs_max)),
     )
     hi, lo = _poisoned(x.shape, np.float16), _poisoned(x.shape, np.float16)
     scales = _poisoned((batch, heads), np.float32)
     kernels.launch(
         "float16_pieces_split",
         (math.ceil(valid_rows / 4), heads, batch),
-        [
-            x,
-            abs_max,
-            hi,
-            lo,
-            scales,
-            *_strides(x),
-            np.int32(heads),
-            np.int32(seq_len),
-            np.int32(valid_rows),
-        ],
+        (split_params, (x, abs_max, hi, lo, scales)),
     )
     return hi, lo, scales
 

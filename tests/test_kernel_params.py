@@ -57,6 +57,9 @@ def test_the_lists_are_the_kernels_kinds():
         "BackwardParams",
         "DqConvertParams",
         "ForwardParams",
+        "PiecesAbsMaxParams",
+        "PiecesSplitParams",
+        "ZeroOutsideParams",
     ]
 
 

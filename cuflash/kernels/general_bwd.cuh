@@ -78,8 +78,7 @@ __global__ void __launch_bounds__(256)
 // offsets that keep the rules there are none, and every block returns at once.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    attention_zero_outside(T* __restrict__ x, const int* __restrict__ offsets, int count, int total,
-                           long long row_elements) {
+    attention_zero_outside(CUFLASH_PARAMETERS(CUFLASH_ZERO_OUTSIDE_PARAMS, T)) {
     const int first = clamped(offsets[0], 0, total);
     const int last = max(first, clamped(offsets[count], 0, total));
     const long long before = first * row_elements, after = (total - last) * row_elements;

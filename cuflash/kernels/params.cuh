@@ -221,6 +221,46 @@ struct DqConvertParams {
     CUFLASH_DQ_CONVERT_PARAMS(CUFLASH_MEMBER, void)
 };
 
+// Zeros in the rows of a packed output outside every sequence,
+// attention_zero_outside (T: x's type).
+#define CUFLASH_ZERO_OUTSIDE_PARAMS(X, T)                                 \
+    X(PTR, T, x)               /* the output, [total, H, D] contiguous */ \
+    X(PTR, const int, offsets) /* its cu_seqlens (int32 [count + 1]) */   \
+    /* Fixed by the plan: */                                              \
+    X(VAL, int, count) /* sequences */                                    \
+    X(VAL, int, total) /* rows */                                         \
+    X(VAL, long long, row_elements)
+struct ZeroOutsideParams {
+    CUFLASH_ZERO_OUTSIDE_PARAMS(CUFLASH_MEMBER, void)
+};
+
+// The float16 pieces of a float32 operand: each head's largest |x|,
+// attention_abs_max, then the pieces and their scales, attention_split_f16
+// (T: float).
+#define CUFLASH_PIECES_ABS_MAX_PARAMS(X, T)                                  \
+    X(PTR, const T, x)                                                       \
+    X(PTR, unsigned, abs_max_bits) /* zeroed floats [B, H], as their bits */ \
+    /* Fixed by the plan: */                                                 \
+    X(STRIDES, Strides, x)                                                   \
+    X(VAL, int, rows) /* the rows of each head read */
+struct PiecesAbsMaxParams {
+    CUFLASH_PIECES_ABS_MAX_PARAMS(CUFLASH_MEMBER, void)
+};
+#define CUFLASH_PIECES_SPLIT_PARAMS(X, T)                            \
+    X(PTR, const T, x)                                               \
+    X(PTR, const float, abs_max) /* attention_abs_max's */           \
+    X(PTR, half_t, hi)           /* [B, H, seq_len, D] contiguous */ \
+    X(PTR, half_t, lo)                                               \
+    X(PTR, float, scale_out) /* [B, H] */                            \
+    /* Fixed by the plan: */                                         \
+    X(STRIDES, Strides, x)                                           \
+    X(VAL, int, num_heads)                                           \
+    X(VAL, int, seq_len)                                             \
+    X(VAL, int, rows)
+struct PiecesSplitParams {
+    CUFLASH_PIECES_SPLIT_PARAMS(CUFLASH_MEMBER, void)
+};
+
 // The float32 pieces kernels' names of their inputs: q's high and low float16 pieces
 // qh and ql, ..., dout's doh and dol, and dout's scales do_scales.
 #define CUFLASH_FORWARD_PIECES \

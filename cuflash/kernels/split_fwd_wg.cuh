@@ -95,8 +95,7 @@ __device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
 // 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_abs_max(const float* __restrict__ x, unsigned* __restrict__ abs_max_bits,
-                      CUFLASH_STRIDES(x), int rows) {
+    attention_abs_max(CUFLASH_PARAMETERS(CUFLASH_PIECES_ABS_MAX_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
@@ -120,10 +119,7 @@ __global__ void __launch_bounds__(128)
 // rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_split_f16(const float* __restrict__ x, const float* __restrict__ abs_max,
-                        half_t* __restrict__ hi, half_t* __restrict__ lo,
-                        float* __restrict__ scale_out, CUFLASH_STRIDES(x), int num_heads,
-                        int seq_len, int rows) {
+    attention_split_f16(CUFLASH_PARAMETERS(CUFLASH_PIECES_SPLIT_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;

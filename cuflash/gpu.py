@@ -21,7 +21,6 @@ from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 from . import dispatch, kernel_build, kernel_params, registry, tensor_maps, tile_traits
 from . import sinks as attention_sinks
 from .errors import InvalidArgumentError
-from .kernel_params import LOG2E
 from .problem import unit_last_stride
 
 FLOAT32 = np.dtype(np.float32)
@@ -50,24 +49,27 @@ def element_strides(a):
     return tuple(np.int64(s // a.itemsize) for s in a.strides[:3])
 
 
-def _mask_args(problem):
-    left, right = problem.window
-    return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
+# cuLaunchKernel's `extra` markers (cuda.h): the next value is the parameter buffer,
+# the next the address of its size (a size_t), the end of the array.
+CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 
 
 class Launch:
-    """One kernel launch with its grid, block, shared memory and trailing arguments fixed:
-    ``launch(stream, *addresses)`` passes the call's device addresses (ints, 0 for
-    none) first, then the fixed arguments, straight to ``cuLaunchKernel``.
+    """One kernel launch with its grid, block, shared memory and fixed arguments:
+    ``launch(stream, *addresses)`` passes the call's device addresses (ints, 0 for none)
+    and the fixed arguments straight to ``cuLaunchKernel``.
 
-    The fixed arguments are a kernel's parameter struct (a
+    The fixed arguments are the record of a kernel's parameter list (a
     :class:`cuflash.kernel_params.Params`: the call's addresses are written into its
-    per-call members), or NumPy scalars of at most 8 bytes and records passed by
-    value (an object with an ``address`` of its host bytes, such as
-    :class:`UserArguments`) after the addresses; they are packed once, with the array
-    of parameter pointers, so that a launch only writes the addresses into their
-    slots. A lock keeps two threads from sharing the slots: the driver copies them
-    before ``cuLaunchKernel`` returns.
+    per-call members), passed whole as the kernel's parameter buffer (``extra``:
+    CU_LAUNCH_PARAM_BUFFER_POINTER, "a buffer containing all kernel parameters", laid
+    out by the parameters' alignment as the record is); or NumPy scalars of at most 8
+    bytes and records passed by value (an object with an ``address`` of its host bytes,
+    such as :class:`UserArguments`) after the addresses, passed by an array of
+    parameter pointers (``kernelParams``; the KV cache's kernels). Either is packed once,
+    so that a launch only writes the addresses into their slots. A lock keeps two
+    threads from sharing the slots: the driver copies them before ``cuLaunchKernel``
+    returns.
     """
 
     __slots__ = (
@@ -79,7 +81,8 @@ class Launch:
         "_dimensions",
         "_storage",
         "_params",
-        "_params_address",
+        "_size",
+        "_arguments",
         "_pack",
         "_lock",
     )
@@ -92,7 +95,7 @@ class Launch:
         self.shared_bytes = int(shared_bytes)
         self.fixed = fixed if isinstance(fixed, kernel_params.Params) else tuple(fixed)
         self._dimensions = (function.ptr, *self.grid, *self.block, self.shared_bytes)
-        self._params_address = None
+        self._arguments = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -109,17 +112,28 @@ class Launch:
         )
 
     def _lay_out(self, count):
-        """The slots of ``count`` addresses, then one a fixed scalar, and the array of
-        parameter pointers (a record's points at the record); or the parameter struct
-        and the one pointer at it."""
+        """``cuLaunchKernel``'s ``(kernelParams, extra)``: for a parameter record, the
+        ``extra`` array that hands it over as the parameter buffer; else the slots of
+        ``count`` addresses, then one a fixed scalar, and the array of parameter pointers
+        (a record's points at the record)."""
         if isinstance(self.fixed, kernel_params.Params):
             if count != len(self.fixed.per_call):
                 raise TypeError(f"{self.fixed.name}: {count} addresses for {self.fixed.per_call}")
             self._storage = self.fixed
-            self._params = np.array([self.fixed.address], dtype=np.uint64)
+            self._size = np.array([self.fixed.size], dtype=np.uint64)  # a size_t
+            self._params = np.array(
+                [
+                    CU_LAUNCH_PARAM_BUFFER_POINTER,
+                    self.fixed.address,
+                    CU_LAUNCH_PARAM_BUFFER_SIZE,
+                    self._size.ctypes.data,
+                    CU_LAUNCH_PARAM_END,
+                ],
+                dtype=np.uint64,
+            )
             self._pack = self.fixed.pack
-            self._params_address = self._params.ctypes.data
-            return self._params_address
+            self._arguments = (0, self._params.ctypes.data)
+            return self._arguments
         storage = np.zeros(count + len(self.fixed), dtype=np.int64)
         raw = storage.view(np.uint8)
         base = storage.ctypes.data
@@ -134,16 +148,16 @@ class Launch:
                 raw[8 * i : 8 * i + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._storage, self._params = storage, params  # alive while the launch is
         self._pack = functools.partial(struct.Struct(f"<{count}Q").pack_into, storage, 0)
-        self._params_address = params.ctypes.data
-        return self._params_address
+        self._arguments = (params.ctypes.data, 0)
+        return self._arguments
 
     def __call__(self, stream, *addresses):
         with self._lock:
-            params = self._params_address
-            if params is None:
-                params = self._lay_out(len(addresses))
+            arguments = self._arguments
+            if arguments is None:
+                arguments = self._lay_out(len(addresses))
             self._pack(*addresses)
-            _launch_kernel(*self._dimensions, stream, params, 0)
+            _launch_kernel(*self._dimensions, stream, *arguments)
 
 
 def address(a):
@@ -190,11 +204,6 @@ def choose(problem, direction, aligned):
         head_dim_v=problem.head_dim_v,
         tried=dispatch.tried(),
     )
-
-
-def _modifier_args(problem):
-    """The score modifiers' scalars, the last arguments of every main kernel."""
-    return (np.int32(problem.alibi_batch_stride), np.float32(problem.softcap))
 
 
 def _contiguous_slopes(alibi_slopes):
@@ -290,17 +299,12 @@ class Float16Pieces:
         batch, heads, seq_len, head_dim = shape
         self.shape = shape
         self.pieces_shape = (batch, heads, seq_len, head_dim)
+        abs_max, split = kernel_params.pieces_params(strides, valid_rows, heads, seq_len)
         self.abs_max = Launch.of_role(
-            loaded,
-            "float16_pieces_abs_max",
-            (math.ceil(valid_rows / 32), heads, batch),
-            (*strides, np.int32(valid_rows)),
+            loaded, "float16_pieces_abs_max", (math.ceil(valid_rows / 32), heads, batch), abs_max
         )
         self.split = Launch.of_role(
-            loaded,
-            "float16_pieces_split",
-            (math.ceil(valid_rows / 4), heads, batch),
-            (*strides, np.int32(heads), np.int32(seq_len), np.int32(valid_rows)),
+            loaded, "float16_pieces_split", (math.ceil(valid_rows / 4), heads, batch), split
         )
 
     def __call__(self, stream, x):
@@ -355,7 +359,7 @@ def _zero_outside(loaded, problem, layout, rows):
         loaded,
         "packed_zero_outside",
         (64,),
-        (np.int32(problem.packed.count), np.int32(rows), np.int64(layout.shape[1] * d)),
+        kernel_params.zero_outside_params(problem.packed.count, rows, layout.shape[1] * d),
     )
 
 
@@ -461,8 +465,10 @@ class ForwardPlan:
             )
             self.main(
                 stream,
-                *(x.data.ptr for x in (qh, kh, vh, ql, kl, vl, qs, ks, vs)),
-                *tail,
+                *(x.data.ptr for x in (qh, ql, kh, kl, vh, vl)),
+                *tail[:2],
+                *(x.data.ptr for x in (qs, ks, vs)),
+                *tail[2:],
             )
         if self.zero_outside is not None:
             self.zero_outside(stream, out.data.ptr, tail[2])
@@ -490,12 +496,6 @@ class BackwardPlan:
         role = self.spec.role(atomic_dq=self.atomic, modified=problem.modified)
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
-        heads = (np.int32(problem.num_heads), np.int32(problem.group_size))
-        options = (
-            *_mask_args(problem),
-            np.float32(problem.softmax_scale),
-            np.float32(problem.softmax_scale * LOG2E),
-        )
         keys = self.spec.traits(problem.head_dim).tile
         key_rows, batch = _key_grid(problem)
         grid = (math.ceil(key_rows / keys), problem.num_kv_heads, batch)
@@ -510,22 +510,20 @@ class BackwardPlan:
                     (dout, problem.q_len),
                 )
             ]
-            strides = tuple(s for p in self.pieces for s in _pieces_strides(p))
+            strides = [_pieces_strides(p) for p in self.pieces]
         else:
-            strides = tuple(s for x in (q, k, v, dout) for s in element_strides(x))
+            strides = [element_strides(x) for x in (q, k, v, dout)]
         self.user = _user_arguments(problem, self.spec, "backward")
         self.dkdv = Launch.of_role(
             loaded,
             role,
             grid,
-            (
+            kernel_params.backward_params(
+                problem,
+                strides,
+                self.dkv_layout.strides,
                 self.user,
-                *strides,
-                *self.dkv_layout.strides,
-                *heads,
-                np.int32(problem.kv_capacity),
-                *options,
-                *_modifier_args(problem),
+                pieces=self.pieces is not None,
             ),
             _functors(problem),
         )
@@ -538,22 +536,20 @@ class BackwardPlan:
             # The float32 pieces' own dQ kernel reads the pieces; the others the inputs.
             self.dq_reads_pieces = dq_spec.precision == "float32"
             dq_strides = (
-                strides
-                if self.dq_reads_pieces
-                else tuple(s for x in (q, k, v, dout) for s in element_strides(x))
+                strides if self.dq_reads_pieces else [element_strides(x) for x in (q, k, v, dout)]
             )
             tile = dq_spec.traits(problem.head_dim).tile
             self.dq = Launch.of_role(
                 loaded,
                 dq_spec.role(modified=problem.modified),
                 (math.ceil(rows / tile), problem.num_heads, batch),
-                (
+                kernel_params.backward_params(
+                    problem,
+                    dq_strides,
+                    self.dq_layout.strides,
                     _user_arguments(problem, dq_spec, "forward"),
-                    *dq_strides,
-                    *self.dq_layout.strides,
-                    *heads,
-                    *options,
-                    *_modifier_args(problem),
+                    pieces=self.dq_reads_pieces,
+                    dq_pass=True,
                 ),
                 _functors(problem),
             )
@@ -567,12 +563,8 @@ class BackwardPlan:
                 loaded,
                 "backward_dq_convert",
                 (math.ceil(count / 512),),
-                (
-                    *self.dq_layout.strides,
-                    np.int64(count),
-                    np.int32(accum_width),
-                    np.int32(problem.num_heads),
-                    np.int32(problem.q_len),
+                kernel_params.dq_convert_params(
+                    problem, self.dq_layout.strides, count, accum_width
                 ),
             )
         self.row_bytes = -(-4 * math.prod(problem.lse_shape) // 256) * 256
@@ -586,12 +578,11 @@ class BackwardPlan:
             loaded,
             "backward_delta",
             (math.ceil(problem.q_len / 4), problem.num_heads, problem.batch),
-            (
-                *element_strides(dout),
-                *element_strides(output),
-                np.int32(problem.num_heads),
-                np.int32(problem.q_len),
-                np.int32(accum_width if self.atomic else 0),
+            kernel_params.delta_params(
+                problem,
+                element_strides(dout),
+                element_strides(output),
+                accum_width if self.atomic else 0,
             ),
         )
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
@@ -658,7 +649,7 @@ class BackwardPlan:
         # dK and dV take one set of strides in the kernels: a narrower dV is written into
         # rows of head_dim columns and its first head_dim_v are copied out at the end.
         dk, dv = self.dkv_layout.empty(), self.dkv_layout.empty()
-        tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes), 0)
+        tail = (address(offsets[0]), address(offsets[1]), address(alibi_slopes))
         inputs, scales = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr), ()
         if self.pieces is None:
             kernel_inputs, kernel_scales = inputs, scales

@@ -1,15 +1,18 @@
-"""The kernels' parameter structs as host records.
+"""The kernels' parameter lists as host records.
 
-Each attention kernel kind takes one struct, defined once in ``kernels/params.cuh``
-(``ForwardParams``, ...). This module reads those definitions and lays out the
-matching NumPy records by the C rules (each member at a multiple of its alignment,
-the size a multiple of the largest), so the host sets members by name and a member
-the kernels do not declare is an error when a plan is built, not a wrong result on
-a GPU. ``tests/test_kernel_params.py`` holds the layout against the C++
-compiler's ``offsetof``.
+Each attention kernel kind takes one parameter list, defined once in
+``kernels/params.cuh`` as an X-macro (``CUFLASH_FORWARD_PARAMS``, ...) that makes both
+the kernels' positional parameters and a C struct of the same members
+(``ForwardParams``, ...). This module reads those lists and lays out the matching
+NumPy records by the C rules (each member at a multiple of its alignment), which are
+also the rules of a kernel's parameter space, so the host sets members by name and
+a member the kernels do not declare is an error when a plan is built, not a wrong
+result on a GPU. ``tests/test_kernel_params.py`` holds the layout against the C++
+compiler's ``offsetof`` and against the parameters of the kernels' PTX.
 
-A launch (``cuflash.gpu.Launch``) passes the record whole; :class:`Params` fixes its
-members once a plan and writes only the call's device addresses at each launch.
+A launch (``cuflash.gpu.Launch``) passes the record whole as the kernel's parameter
+buffer (``cuLaunchKernel``'s ``extra``); :class:`Params` fixes its members once a plan
+and writes only the call's device addresses at each launch.
 """
 
 import functools
@@ -80,29 +83,42 @@ _RECORDS = {
 }
 _POINTER = ("<u8", 8)
 
-_STRUCT = re.compile(r"^struct (\w+) \{\n(.*?)^\};", re.S | re.M)
-_MEMBER = re.compile(r"^\s*(?:const\s+)?(long long|\w+)\s*(\*?)\s*(\w+);$")
+_STRUCT = re.compile(r"^struct (\w+) \{\s*(CUFLASH_\w+)\(CUFLASH_MEMBER\b[^)]*\)\s*\};", re.M)
+_LIST = re.compile(r"^#define (CUFLASH_\w+)\(X\b[^)]*\)((?:[^\n]*\\\n)*[^\n]*)$", re.M)
+_ENTRY = re.compile(r"^X\((PTR|VAL|STRIDES|MAP), ((?:const )?(?:long long|\w+)), (\w+)\)$")
 
 
 def members(text=None):
-    """``{struct: [(member, C type), ...]}`` of ``kernels/params.cuh`` (or ``text``), a
-    pointer's type written ``T*``; ValueError for a line the layout cannot read."""
+    """``{struct: [(member, C type), ...]}`` of the member lists of ``kernels/params.cuh``
+    (or ``text``): each struct ``S { CUFLASH_..._PARAMS(CUFLASH_MEMBER, ...) };`` with its
+    list's entries, a pointer's type written ``T*``, a STRIDES entry ``x`` as member
+    ``x_st`` of type ``Strides``; ValueError for an entry the layout cannot read."""
     text = PARAMS_HEADER.read_text() if text is None else text
+    lists = {m.group(1): m.group(2) for m in _LIST.finditer(text)}
     found = {}
     for m in _STRUCT.finditer(text):
+        name, body = m.group(1), lists.get(m.group(2))
+        if body is None:
+            raise ValueError(f"{name}: no member list {m.group(2)}")
         fields = []
-        for line in m.group(2).splitlines():
-            line = line.split("//", 1)[0].strip()
+        for line in body.split("\\\n"):
+            line = re.sub(r"/\*.*?\*/", "", line).strip()
             if not line:
                 continue
-            d = _MEMBER.match(line)
+            d = _ENTRY.match(line)
             if d is None:
-                raise ValueError(f"{m.group(1)}: a member the host cannot lay out: {line!r}")
-            ctype = d.group(1) + "*" if d.group(2) else d.group(1)
-            if not d.group(2) and ctype not in _SCALARS and ctype not in _RECORDS:
-                raise ValueError(f"{m.group(1)}.{d.group(3)}: unknown type {ctype}")
-            fields.append((d.group(3), ctype))
-        found[m.group(1)] = fields
+                raise ValueError(f"{name}: an entry the host cannot lay out: {line!r}")
+            kind, ctype, member = d.group(1), d.group(2).removeprefix("const "), d.group(3)
+            if kind == "PTR":
+                ctype += "*"
+            elif kind == "STRIDES":
+                member, ctype = member + "_st", "Strides"
+            elif kind == "MAP" and ctype != "TensorMap":
+                raise ValueError(f"{name}.{member}: a map of {ctype}")
+            elif ctype not in _SCALARS and ctype not in _RECORDS:
+                raise ValueError(f"{name}.{member}: unknown type {ctype}")
+            fields.append((member, ctype))
+        found[name] = fields
     return found
 
 
@@ -128,6 +144,13 @@ def layout(name):
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
 
 
+def parameter_bytes(name):
+    """The bytes of the parameter buffer of list ``name``'s kernels: where its last
+    parameter ends (the struct's size less its tail padding)."""
+    dtype = layout(name)
+    return max(offset + fmt.itemsize for fmt, offset in dtype.fields.values())
+
+
 def _aligned_record(dtype, alignment=64):
     """One zeroed record of ``dtype`` at an address that is a multiple of ``alignment``
     (a tensor map's, for the driver that encodes it in place)."""
@@ -137,7 +160,8 @@ def _aligned_record(dtype, alignment=64):
 
 
 class Params:
-    """One launch's record of struct ``name``: the members in ``fields`` fixed now (a
+    """One launch's record of struct ``name`` (its kernels' parameter buffer, of ``size``
+    bytes: :func:`parameter_bytes`): the members in ``fields`` fixed now (a
     ``Strides`` member from a 3-tuple, ``user_args`` from a ``UserModifierArgs`` record,
     pointers as ints), the pointers ``per_call`` (in the struct's order) written at each
     launch by ``pack(*addresses)`` (0 for null); every other member zero (null). ``keep``: objects
@@ -152,6 +176,7 @@ class Params:
         "name",
         "record",
         "address",
+        "size",
         "per_call",
         "keep",
         "pack",
@@ -187,6 +212,7 @@ class Params:
             layout_text += f"{offset - at}xQ" if offset > at else "Q"
             at = offset + 8
         self.address = self.record.ctypes.data
+        self.size = parameter_bytes(name)
         self._pack_addresses = functools.partial(
             struct.Struct(layout_text).pack_into, self.record, start
         )
@@ -228,17 +254,21 @@ FORWARD_ADDRESSES = (
     "alibi_slopes",
     "sinks",
 )
+#: And those of the float32 pieces kernels: each input's high and low pieces, out, lse,
+#: the pieces' scales, then as :data:`FORWARD_ADDRESSES`.
 FORWARD_PIECES_ADDRESSES = (
-    FORWARD_ADDRESSES[:3]
-    + (
-        "q_lo",
-        "k_lo",
-        "v_lo",
-        "q_scales",
-        "k_scales",
-        "v_scales",
-    )
-    + FORWARD_ADDRESSES[3:]
+    "q",
+    "q_lo",
+    "k",
+    "k_lo",
+    "v",
+    "v_lo",
+    "out",
+    "lse",
+    "q_scales",
+    "k_scales",
+    "v_scales",
+    *FORWARD_ADDRESSES[5:],
 )
 
 
@@ -274,6 +304,159 @@ def forward_params(
         softcap=problem.softcap,
         user_args=record,
     )
+
+
+#: The members of ``BackwardParams`` (the dK/dV kernels) a launch writes at each call,
+#: in order: the inputs, lse log2 e and Delta (``backward_delta``'s), the outputs, the
+#: packed call's offsets and the ALiBi slopes.
+BACKWARD_ADDRESSES = (
+    "q",
+    "k",
+    "v",
+    "dout",
+    "lse",
+    "delta",
+    "dq_accum",
+    "dk",
+    "dv",
+    "offsets_q",
+    "offsets_k",
+    "alibi_slopes",
+)
+#: And those of the float32 pieces kernels: each input's high and low pieces, ..., the
+#: outputs, the pieces' scales, then as :data:`BACKWARD_ADDRESSES`.
+BACKWARD_PIECES_ADDRESSES = (
+    "q",
+    "q_lo",
+    "k",
+    "k_lo",
+    "v",
+    "v_lo",
+    "dout",
+    "dout_lo",
+    "lse",
+    "delta",
+    "dq_accum",
+    "dk",
+    "dv",
+    "q_scales",
+    "k_scales",
+    "v_scales",
+    "dout_scales",
+    *BACKWARD_ADDRESSES[9:],
+)
+#: The same of ``BackwardDqParams`` (the dQ passes): dq in place of dq_accum, dk, dv.
+BACKWARD_DQ_ADDRESSES = (*BACKWARD_ADDRESSES[:6], "dq", *BACKWARD_ADDRESSES[9:])
+BACKWARD_DQ_PIECES_ADDRESSES = (
+    *BACKWARD_PIECES_ADDRESSES[:10],
+    "dq",
+    *BACKWARD_PIECES_ADDRESSES[13:],
+)
+
+
+def backward_params(problem, input_strides, output_strides, user, pieces=False, dq_pass=False):
+    """The ``BackwardParams`` of ``problem``'s dK/dV launches, or with ``dq_pass`` the
+    ``BackwardDqParams`` of its dQ pass (``kernels/params.cuh``): ``input_strides`` the
+    element strides of q, k, v and dout (``(batch, head, row)`` each), ``output_strides``
+    dK's and dV's (``dkv_st``) or dQ's (``dq_st``), the user's modifier arguments (as
+    :func:`forward_params`'), the pieces kernels' addresses with ``pieces``; the call's
+    addresses written at each launch (:data:`BACKWARD_ADDRESSES`,
+    :data:`BACKWARD_PIECES_ADDRESSES`, :data:`BACKWARD_DQ_ADDRESSES` or
+    :data:`BACKWARD_DQ_PIECES_ADDRESSES`)."""
+    left, right = problem.window
+    q_strides, k_strides, v_strides, dout_strides = input_strides
+    fields = {}
+    if dq_pass:
+        name, fields["dq_st"] = "BackwardDqParams", tuple(output_strides)
+        addresses = BACKWARD_DQ_PIECES_ADDRESSES if pieces else BACKWARD_DQ_ADDRESSES
+    else:
+        name, fields["dkv_st"] = "BackwardParams", tuple(output_strides)
+        fields["kv_capacity"] = problem.kv_capacity
+        addresses = BACKWARD_PIECES_ADDRESSES if pieces else BACKWARD_ADDRESSES
+    return Params(
+        name,
+        addresses,
+        keep=(user,),
+        q_st=tuple(q_strides),
+        k_st=tuple(k_strides),
+        v_st=tuple(v_strides),
+        dout_st=tuple(dout_strides),
+        num_heads=problem.num_heads,
+        group=problem.group_size,
+        q_len=problem.q_len,
+        kv_len=problem.kv_len,
+        win_left=left,
+        win_right=right,
+        scale=problem.softmax_scale,
+        scale_log2=problem.softmax_scale * LOG2E,
+        alibi_batch_stride=problem.alibi_batch_stride,
+        softcap=problem.softcap,
+        user_args=getattr(user, "record", user),
+        **fields,
+    )
+
+
+#: The members of ``BackwardDeltaParams`` a launch writes at each call, in order.
+DELTA_ADDRESSES = ("dout", "out", "lse", "delta", "lse_log2", "dq_accum")
+
+
+def delta_params(problem, dout_strides, out_strides, accum_width):
+    """The ``BackwardDeltaParams`` of ``problem``'s ``backward_delta`` launches: dout's
+    and out's element strides, and the atomic dQ's row width (0: no atomic dQ)."""
+    return Params(
+        "BackwardDeltaParams",
+        DELTA_ADDRESSES,
+        dout_st=tuple(dout_strides),
+        out_st=tuple(out_strides),
+        num_heads=problem.num_heads,
+        q_len=problem.q_len,
+        accum_width=accum_width,
+    )
+
+
+def dq_convert_params(problem, dq_strides, count, accum_width):
+    """The ``DqConvertParams`` of the atomic dQ's conversion (``backward_dq_convert``):
+    dQ's element strides, its ``count`` elements, the accumulator's row width; the call
+    writes ``dq_accum`` and ``dq``."""
+    return Params(
+        "DqConvertParams",
+        ("dq_accum", "dq"),
+        dq_st=tuple(dq_strides),
+        count=count,
+        accum_width=accum_width,
+        num_heads=problem.num_heads,
+        q_len=problem.q_len,
+    )
+
+
+def zero_outside_params(count, rows, row_elements):
+    """The ``ZeroOutsideParams`` of a packed output's zeroing (``packed_zero_outside``):
+    ``count`` sequences, ``rows`` rows of ``row_elements`` elements; the call writes the
+    output ``x`` and its ``offsets``."""
+    return Params(
+        "ZeroOutsideParams",
+        ("x", "offsets"),
+        count=count,
+        total=rows,
+        row_elements=row_elements,
+    )
+
+
+def pieces_params(strides, valid_rows, heads, seq_len):
+    """The ``PiecesAbsMaxParams`` and ``PiecesSplitParams`` of the float16 pieces of a
+    float32 operand of element ``strides`` (``float16_pieces_abs_max``, then
+    ``float16_pieces_split``): its first ``valid_rows`` rows of each head, into pieces of
+    ``heads`` heads of ``seq_len`` rows."""
+    abs_max = Params("PiecesAbsMaxParams", ("x", "abs_max_bits"), x_st=strides, rows=valid_rows)
+    split = Params(
+        "PiecesSplitParams",
+        ("x", "abs_max", "hi", "lo", "scale_out"),
+        x_st=strides,
+        num_heads=heads,
+        seq_len=seq_len,
+        rows=valid_rows,
+    )
+    return abs_max, split
 
 
 def forward_maps(problem, traits, shapes, strides, encode):

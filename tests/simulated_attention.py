@@ -23,7 +23,6 @@ from cuflash.packed_plans import heads_first
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import varlen_problem
 
-LOG2E = 1.4426950408889634
 #: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros.
 NO_USER_ARGUMENTS = np.zeros(1, dtype=USER_ARGS_DTYPE)
 PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
@@ -60,18 +59,6 @@ def _strides(a):
 def _contiguous_strides(shape):
     _, heads, rows, d = shape
     return (np.int64(heads * rows * d), np.int64(rows * d), np.int64(d))
-
-
-def _mask_args(problem):
-    left, right = problem.window
-    return (np.int32(problem.q_len), np.int32(problem.kv_len), np.int32(left), np.int32(right))
-
-
-def _modifier_args(problem, alibi_slopes):
-    batch_stride = (
-        alibi_slopes.shape[1] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
-    )
-    return (np.int32(batch_stride), np.float32(problem.softcap))
 
 
 def _poisoned(shape, dtype):
@@ -165,13 +152,10 @@ def _zero_outside(kernels, problem, output, offsets):
     kernels.launch(
         "packed_zero_outside",
         (64,),
-        [
-            output.array,
-            offsets,
-            np.int32(problem.packed.count),
-            np.int32(rows),
-            np.int64(heads * d),
-        ],
+        (
+            kernel_params.zero_outside_params(problem.packed.count, rows, heads * d),
+            (output.array, offsets),
+        ),
     )
 
 
@@ -180,27 +164,20 @@ def _pieces(kernels, x, valid_rows):
     Float16Pieces), rows past ``valid_rows`` of each head left poisoned."""
     batch, heads, seq_len, _ = x.shape
     abs_max = np.zeros((batch, heads), np.float32)
+    abs_max_params, split_params = kernel_params.pieces_params(
+        _strides(x), valid_rows, heads, seq_len
+    )
     kernels.launch(
         "float16_pieces_abs_max",
         (math.ceil(valid_rows / 32), heads, batch),
-        [x, abs_max, *_strides(x), np.int32(valid_rows)],
+        (abs_max_params, (x, abs_max)),
     )
     hi, lo = _poisoned(x.shape, np.float16), _poisoned(x.shape, np.float16)
     scales = _poisoned((batch, heads), np.float32)
     kernels.launch(
         "float16_pieces_split",
         (math.ceil(valid_rows / 4), heads, batch),
-        [
-            x,
-            abs_max,
-            hi,
-            lo,
-            scales,
-            *_strides(x),
-            np.int32(heads),
-            np.int32(seq_len),
-            np.int32(valid_rows),
-        ],
+        (split_params, (x, abs_max, hi, lo, scales)),
     )
     return hi, lo, scales
 
@@ -246,10 +223,10 @@ def run_forward(
             _pieces(kernels, x, rows)
             for x, rows in ((q, problem.q_len), (k, problem.kv_len), (v, problem.kv_len))
         )
-        inputs = (qh, kh, vh, ql, kl, vl, qs, ks, vs)
+        inputs, scales = (qh, ql, kh, kl, vh, vl), (qs, ks, vs)
         strides = [_contiguous_strides(x.shape) for x in (qh, kh, vh)]
     else:
-        inputs = (q, k, v)
+        inputs, scales = (q, k, v), ()
         strides = [_strides(x) for x in (q, k, v)]
     maps = None
     if tma and spec.name == "forward_wgmma_ws" and offsets[1] is None:
@@ -265,7 +242,7 @@ def run_forward(
     kernels.launch(
         spec.name,
         _query_grid(problem, kernels.tile(spec.name)),
-        [(params, (*inputs, out.array, lse, *offsets, alibi_slopes, sinks))],
+        (params, (*inputs, out.array, lse, *scales, *offsets, alibi_slopes, sinks)),
     )
     if packed:
         _zero_outside(kernels, problem, out, offsets[0])
@@ -331,30 +308,17 @@ def run_backward(
     kernels.launch(
         "backward_delta",
         (math.ceil(problem.q_len / 4), num_heads, problem.batch),
-        [
-            dout,
-            out,
-            lse,
-            delta,
-            lse_log2,
-            dq_accum,
-            *_strides(dout),
-            *_strides(out),
-            np.int32(num_heads),
-            np.int32(problem.q_len),
-            np.int32(accum_width if atomic else 0),
-        ],
+        (
+            kernel_params.delta_params(
+                problem, _strides(dout), _strides(out), accum_width if atomic else 0
+            ),
+            (dout, out, lse, delta, lse_log2, dq_accum),
+        ),
     )
 
     dk = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
     dv = _Output(problem, problem.num_kv_heads, problem.kv_capacity)
-    heads = (np.int32(num_heads), np.int32(problem.group_size))
-    options = (
-        *_mask_args(problem),
-        np.float32(problem.softmax_scale),
-        np.float32(problem.softmax_scale * LOG2E),
-    )
-    input_strides = tuple(s for x in (q, k, v, dout) for s in _strides(x))
+    input_strides = [_strides(x) for x in (q, k, v, dout)]
     inputs, scales, strides = (q, k, v, dout), (), input_strides
     if pieces:
         made = [
@@ -368,68 +332,64 @@ def run_backward(
         ]
         inputs = tuple(x for hi, lo, _ in made for x in (hi, lo))
         scales = tuple(scale for _, _, scale in made)
-        strides = tuple(s for hi, _, _ in made for s in _contiguous_strides(hi.shape))
-    modifiers = _modifier_args(problem, alibi_slopes)
+        strides = [_contiguous_strides(hi.shape) for hi, _, _ in made]
     if problem.kv_capacity:
+        params = kernel_params.backward_params(
+            problem, strides, dk.strides, kernels.user(spec.name, "backward"), pieces
+        )
         kernels.launch(
             spec.name,
             _key_grid(problem, kernels.tile(spec.name)),
-            [
-                *inputs,
-                lse_log2,
-                delta,
-                dq_accum,
-                dk.array,
-                dv.array,
-                *scales,
-                *offsets,
-                alibi_slopes,
-                None,
-                kernels.user(spec.name, "backward"),
-                *strides,
-                *dk.strides,
-                *heads,
-                np.int32(problem.kv_capacity),
-                *options,
-                *modifiers,
-            ],
+            (
+                params,
+                (
+                    *inputs,
+                    lse_log2,
+                    delta,
+                    dq_accum,
+                    dk.array,
+                    dv.array,
+                    *scales,
+                    *offsets,
+                    alibi_slopes,
+                ),
+            ),
         )
     if convert:
         count = math.prod(problem.q_shape)
         kernels.launch(
             "backward_dq_convert",
             (math.ceil(count / 512),),
-            [
-                dq_accum,
-                dq.array,
-                *dq.strides,
-                np.int64(count),
-                np.int32(accum_width),
-                np.int32(num_heads),
-                np.int32(problem.q_len),
-            ],
+            (
+                kernel_params.dq_convert_params(problem, dq.strides, count, accum_width),
+                (dq_accum, dq.array),
+            ),
         )
     elif not atomic:  # the float32 pieces' own dQ pass reads the pieces, the others the inputs
         reads_pieces = dq_spec.precision == "float32"
+        params = kernel_params.backward_params(
+            problem,
+            strides if reads_pieces else input_strides,
+            dq.strides,
+            kernels.user(dq_spec.name, "forward"),
+            reads_pieces,
+            dq_pass=True,
+        )
         kernels.launch(
             dq_spec.name,
             _query_grid(problem, kernels.tile(dq_spec.name)),
-            [
-                *(inputs if reads_pieces else (q, k, v, dout)),
-                lse_log2,
-                delta,
-                dq.array,
-                *(scales if reads_pieces else ()),
-                *offsets,
-                alibi_slopes,
-                None,
-                kernels.user(dq_spec.name, "forward"),
-                *(strides if reads_pieces else input_strides),
-                *dq.strides,
-                *heads,
-                *options,
-                *modifiers,
-            ],
+            (
+                params,
+                (
+                    *(inputs if reads_pieces else (q, k, v, dout)),
+                    lse_log2,
+                    delta,
+                    dq.array,
+                    *(scales if reads_pieces else ()),
+                    *offsets,
+                    alibi_slopes,
+                ),
+            ),
         )
     if packed:
         _zero_outside(kernels, problem, dq, offsets[0])

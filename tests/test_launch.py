@@ -106,3 +106,36 @@ def test_launches_from_threads_keep_their_own_addresses(monkeypatch):
         t.join()
     assert len(seen) == 100
     assert all(before == after == 1000 + stream for stream, before, after in seen)
+
+
+def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
+    """A kernel parameter record goes whole as cuLaunchKernel's parameter buffer
+    (``extra``: CU_LAUNCH_PARAM_BUFFER_POINTER, the record, CU_LAUNCH_PARAM_BUFFER_SIZE,
+    a size_t of the kernel's parameter bytes, CU_LAUNCH_PARAM_END), with no
+    ``kernelParams``; each call writes its addresses into the record."""
+    from cuflash import kernel_params
+
+    calls = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        words = [_read(extra + 8 * i, ctypes.c_uint64) for i in range(5)]
+        size = _read(words[3], ctypes.c_uint64)
+        record = (ctypes.c_uint8 * size).from_address(words[1])
+        calls.append((params, words, size, bytes(record)))
+
+    monkeypatch.setattr(gpu, "_launch_kernel", fake_launch)
+    record = kernel_params.Params(
+        "BackwardDeltaParams", kernel_params.DELTA_ADDRESSES, num_heads=3, accum_width=64
+    )
+    launch = gpu.Launch(FakeFunction(), (2,), 128, 0, record)
+    launch(7, 0x10, 0x20, 0x30, 0x40, 0x50, 0)
+    launch(7, 0x11, 0x21, 0x31, 0x41, 0x51, 0x61)
+    dtype = kernel_params.layout("BackwardDeltaParams")
+    for (params, words, size, raw), last in zip(calls, (0, 0x61)):
+        assert params == 0
+        assert words[0] == 1 and words[1] == record.address and words[2] == 2 and words[4] == 0
+        assert size == kernel_params.parameter_bytes("BackwardDeltaParams") == 108
+        seen = np.frombuffer(raw + bytes(dtype.itemsize - size), dtype=dtype)[0]
+        assert seen["dq_accum"] == last and seen["num_heads"] == 3 and seen["accum_width"] == 64
+    assert np.frombuffer(calls[0][3][:8], np.uint64)[0] == 0x10
+    assert np.frombuffer(calls[1][3][:8], np.uint64)[0] == 0x11

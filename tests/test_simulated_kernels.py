@@ -9,6 +9,7 @@ offsets, lengths and block ids holding garbage under guard pages."""
 
 import functools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from test_kvcache import CASES as KV_CASES
 from test_kvcache import run_case
 
 import cuflash
-from cuflash import dispatch, modifiers, registry
+from cuflash import dispatch, kernel_params, modifiers, registry
 from cuflash.block_mask import create_block_mask
 from cuflash.reference import attention_reference, attention_reference_grad
 
@@ -569,6 +570,26 @@ def test_garbage_device_offsets_stay_inside_the_arrays(offsets, capability, dtyp
         assert all(g.shape[1:] == (2, 64) for g in grads)
 
 
+def test_a_parameter_record_of_other_parameters_fails_the_launch():
+    """A kernel's parameter buffer must be laid out for its own parameter list: Delta's
+    kernel runs with its record, and fails with the dQ conversion's (laid out for other
+    parameters, as a host whose lists went out of step with the kernels' would)."""
+    problem = types.SimpleNamespace(num_heads=2, q_len=8)  # what the records read
+    name = "cuflash::attention_bwd_delta<float, 64>"
+    module = simulator.build([name], headers=("general_bwd.cuh",))
+    dout, out = np.ones((1, 2, 8, 64), np.float32), np.full((1, 2, 8, 64), 2.0, np.float32)
+    lse = np.zeros((1, 2, 8), np.float32)
+    delta, lse_log2 = np.zeros(16, np.float32), np.zeros(16, np.float32)
+    strides = (np.int64(1024), np.int64(512), np.int64(64))
+    arrays = (dout, out, lse, delta, lse_log2, None)
+    delta_params = kernel_params.delta_params(problem, strides, strides, 0)
+    module.launch(name, (2, 2, 1), 128, 0, (delta_params, arrays))
+    assert (delta == 128.0).all()
+    convert = kernel_params.dq_convert_params(problem, strides, 1024, 64)
+    with pytest.raises(simulator.SimulationError, match="parameter buffer of 60 bytes"):
+        module.launch(name, (2, 2, 1), 128, 0, (convert, (dout, out)))
+
+
 def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
     """The guard pages of the test above see an access outside an array: with the
     sequence's first query row taken from the offsets unclamped, the kernels fault."""
@@ -742,7 +763,7 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
             "mbarrier_arrive_expect_tx(q_full, Q_BYTES / 2);",
         ),
         # K's boxes one row off
-        ("&params.k_map, c * 64, n0, hk, b,", "&params.k_map, c * 64, n0 + 1, hk, b,"),
+        ("&k_map, c * 64, n0, hk, b,", "&k_map, c * 64, n0 + 1, hk, b,"),
         # V's stage barrier told of no bytes: it completes before its copies land
         ("v_ring->expect(j, V_BYTES)", "v_ring->expect(j, 0)"),
     ],

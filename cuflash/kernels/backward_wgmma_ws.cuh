@@ -61,13 +61,7 @@ __device__ __forceinline__ void consumers_meet() {
 
 template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(384, 1)
-    backward_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      const T* __restrict__ dout, const float* __restrict__ lse,
-                      const float* __restrict__ delta, float* __restrict__ dq_accum,
-                      T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                      CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-                      CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
-                      CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    backward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
     constexpr int BN = 128, QTILES = BM / 8, KSTEPS = DK / 16, DTILES = DK / 8;

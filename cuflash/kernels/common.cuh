@@ -451,22 +451,11 @@ struct Strides {
     long long b, h, s;
 };
 
-// Kernels take plain scalars (what CuPy passes); these spell them out.
+// A kernel takes an array's strides as three long long parameters (the STRIDES
+// entries of kernels/params.cuh) and its body reads them as one Strides.
 #define CUFLASH_STRIDES(x) long long x##_sb, long long x##_sh, long long x##_ss
 #define CUFLASH_STRIDES_OF(x) \
     const Strides x##_st { x##_sb, x##_sh, x##_ss }
-#define CUFLASH_MASK_PARAMS int q_len, int kv_len, int win_left, int win_right
-// The packed calls' offsets (int32 [B + 1] each), null for dense calls, the
-// ALiBi slopes (float32 [B, H] or [H]), null without, the attention sinks
-// (float32 [H], read by the forward kernels' row finish only: see add_sink),
-// null without, and the user's modifier arguments (by value); after a
-// kernel's arrays.
-#define CUFLASH_OFFSETS                                                          \
-    const int* __restrict__ offsets_q, const int* __restrict__ offsets_k,        \
-        const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, \
-        const UserModifierArgs user_args
-// The other modifier arguments, after a kernel's scalars (see ScoreModifiers).
-#define CUFLASH_MODIFIER_PARAMS int alibi_batch_stride, float softcap
 // The block's Sequence `seq` and its Mask `mask`; q_len (kv_len) stays the
 // rows a head of the arrays. The Hopper forward kernels (the registry's
 // `reads_key_counts`) take CUFLASH_FORWARD_SEQUENCE, which also reads

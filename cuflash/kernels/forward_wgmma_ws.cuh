@@ -5,7 +5,7 @@
 //     into rings of STAGES shared-memory stages (the 128-byte swizzled layout
 //     that wgmma reads); each stage's mbarrier completes when the copies land,
 //     so the producer never waits for them, only for a stage to come back. It
-//     keeps 24 registers a thread. With params.use_tma (dense calls whose
+//     keeps 24 registers a thread. With use_tma (dense calls whose
 //     arrays the copy engine can address: cuflash/gpu.py) one thread issues
 //     bulk tensor copies of 64-column boxes through the maps q_map, k_map and
 //     v_map (rows past the array's, columns past the head dim land as zeros),
@@ -58,9 +58,7 @@ __device__ __forceinline__ void pass_turn(int consumer) {
 
 template <typename T, int D, int BN, int STAGES, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(384, 1)
-    forward_wgmma_ws(const __grid_constant__ ForwardParams params) {
-    CUFLASH_FORWARD_INPUTS(T);
-    CUFLASH_FORWARD_REST(T);
+    forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
     constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
@@ -69,6 +67,10 @@ __global__ void __launch_bounds__(384, 1)
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     using Ring = StageRing<STAGES, 2>;
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(384, 1)
     mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
     mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
 
-    const bool tma = params.use_tma != 0;
+    const bool tma = use_tma != 0;
     if (threadIdx.x == 0) {
         const unsigned producers = tma ? 1 : 128;  // one thread issues the bulk copies
         k_ring->init(producers);
@@ -111,18 +113,18 @@ __global__ void __launch_bounds__(384, 1)
                 constexpr unsigned V_BYTES = BN * DVL * sizeof(T);
                 mbarrier_arrive_expect_tx(q_full, Q_BYTES);
                 for (int c = 0; c < DL / 64; ++c)
-                    tma_load_4d(Qs + c * BM * 64, &params.q_map, c * 64, m0, h, b, q_full);
+                    tma_load_4d(Qs + c * BM * 64, &q_map, c * 64, m0, h, b, q_full);
                 for (int j = 0; j < tiles; ++j) {
                     const int n0 = n_start + j * BN, st = Ring::stage(j);
                     k_ring->wait_empty(j);
                     unsigned long long* k_full = k_ring->expect(j, K_BYTES);
                     for (int c = 0; c < DL / 64; ++c)
-                        tma_load_4d(Ks + (st * DL + c * 64) * BN, &params.k_map, c * 64, n0, hk, b,
+                        tma_load_4d(Ks + (st * DL + c * 64) * BN, &k_map, c * 64, n0, hk, b,
                                     k_full);
                     v_ring->wait_empty(j);
                     unsigned long long* v_full = v_ring->expect(j, V_BYTES);
                     for (int c = 0; c < DVL / 64; ++c)
-                        tma_load_4d(Vs + (st * DVL + c * 64) * BN, &params.v_map, c * 64, n0, hk, b,
+                        tma_load_4d(Vs + (st * DVL + c * 64) * BN, &v_map, c * 64, n0, hk, b,
                                     v_full);
                 }
             }

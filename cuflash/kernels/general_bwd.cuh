@@ -17,6 +17,7 @@
 // Same 16 x 8 thread grid and shared-memory tiles as the forward kernel;
 // P = exp2(S * scale * log2(e) - lse * log2(e)), dS = P * (dP - Delta).
 #pragma once
+#include "params.cuh"
 #include "common.cuh"
 
 namespace cuflash {
@@ -24,11 +25,7 @@ namespace cuflash {
 // DV: the head dim of dO and O (v's), D's unless v has its own.
 template <typename T, int D, int DV = D>
 __global__ void __launch_bounds__(128)
-    attention_bwd_delta(const T* __restrict__ dout, const T* __restrict__ out,
-                        const float* __restrict__ lse, float* __restrict__ delta,
-                        float* __restrict__ lse_log2, float* __restrict__ dq_accum,
-                        CUFLASH_STRIDES(dout), CUFLASH_STRIDES(out), int num_heads, int q_len,
-                        int accum_width) {
+    attention_bwd_delta(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DELTA_PARAMS, T)) {
     CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(out);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -60,9 +57,7 @@ __global__ void __launch_bounds__(128)
 // or a tile width past D), dQ's at its strides.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    attention_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
-                             CUFLASH_STRIDES(dq), long long count, int accum_width, int num_heads,
-                             int q_len) {
+    attention_bwd_dq_convert(CUFLASH_PARAMETERS(CUFLASH_DQ_CONVERT_PARAMS, T)) {
     CUFLASH_STRIDES_OF(dq);
     const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
     if (i < count) {
@@ -83,8 +78,7 @@ __global__ void __launch_bounds__(256)
 // offsets that keep the rules there are none, and every block returns at once.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    attention_zero_outside(T* __restrict__ x, const int* __restrict__ offsets, int count, int total,
-                           long long row_elements) {
+    attention_zero_outside(CUFLASH_PARAMETERS(CUFLASH_ZERO_OUTSIDE_PARAMS, T)) {
     const int first = clamped(offsets[0], 0, total);
     const int last = max(first, clamped(offsets[count], 0, total));
     const long long before = first * row_elements, after = (total - last) * row_elements;
@@ -159,14 +153,7 @@ __device__ __forceinline__ void load_query_side(float* Qs, float* dOs, float* ls
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const T* __restrict__ dout, const float* __restrict__ lse,
-                       const float* __restrict__ delta, float* __restrict__ dq_accum,
-                       T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                       CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-                       CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
-                       CUFLASH_MASK_PARAMS, float scale, float scale_log2,
-                       CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dkdv(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q);
@@ -270,12 +257,7 @@ __global__ void __launch_bounds__(128, 1)
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const T* __restrict__ dout, const float* __restrict__ lse,
-                     const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
-                     CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                     CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
-                     CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dq(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
     constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);

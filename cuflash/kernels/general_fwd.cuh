@@ -15,12 +15,14 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_fwd_general(const __grid_constant__ ForwardParams params) {
-    CUFLASH_FORWARD_INPUTS(T);
-    CUFLASH_FORWARD_REST(T);
+    attention_fwd_general(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);

@@ -55,7 +55,7 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* ba
 // The box of `map` at coordinates (c0, c1, c2, c3) (elements, dimension 0 first) into
 // shared memory at `dst` (the map's swizzle applied, zeros outside the tensor) by the
 // copy engine (TMA); its bytes complete `bar`'s transaction count. `map` lives in
-// the kernel's parameter space (a member of a __grid_constant__ struct).
+// the kernel's parameter space (a __grid_constant__ parameter).
 __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                             int c3, unsigned long long* bar) {
     asm volatile(

@@ -33,6 +33,7 @@
 // D = 128 dK and dV of 64 keys would not fit one warpgroup's registers
 // beside the fresh ones.
 #pragma once
+#include "params.cuh"
 #include "split_fwd_wg.cuh"
 
 namespace cuflash {
@@ -46,16 +47,9 @@ __host__ __device__ constexpr int split_bwd_blocks() {
 }
 
 template <int D, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(256, split_bwd_blocks<D>()) attention_bwd_split(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
-    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum, float* __restrict__ dk,
-    float* __restrict__ dv, const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
-    float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, split_bwd_blocks<D>())
+    attention_bwd_split(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
+    CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);

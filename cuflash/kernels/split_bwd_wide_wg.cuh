@@ -25,6 +25,7 @@
 // The scales: as in split_bwd_wg.cuh, every piece is its operand times a
 // power of two, which the kernels take out of each product exactly.
 #pragma once
+#include "params.cuh"
 #include "split_fwd_wg.cuh"
 
 namespace cuflash {
@@ -163,16 +164,9 @@ __device__ __forceinline__ int warpgroup_pow2_exponent(const float (&x)[4][4], f
 }
 
 template <int D>
-__global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
-    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq_accum, float* __restrict__ dk,
-    float* __restrict__ dv, const float* __restrict__ q_scales, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const float* __restrict__ do_scales, CUFLASH_OFFSETS,
-    CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-    CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
-    float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_bwd_split_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
+    CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     constexpr int DP = 256, BN = 64, BM = 32, NT = 256, QTILES = BM / 8;
     constexpr int KSTEPS = round_up(D, 16) / 16, COLUMN_CHUNKS = round_up(D, 64) / 64;
@@ -301,15 +295,9 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_split_wide(
 }
 
 template <int D>
-__global__ void __launch_bounds__(256, 1) attention_bwd_dq_split_wide(
-    const half_t* __restrict__ qh, const half_t* __restrict__ ql, const half_t* __restrict__ kh,
-    const half_t* __restrict__ kl, const half_t* __restrict__ vh, const half_t* __restrict__ vl,
-    const half_t* __restrict__ doh, const half_t* __restrict__ dol, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq, const float* __restrict__ q_scales,
-    const float* __restrict__ k_scales, const float* __restrict__ v_scales,
-    const float* __restrict__ do_scales, CUFLASH_OFFSETS, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
-    CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
-    CUFLASH_MASK_PARAMS, float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+__global__ void __launch_bounds__(256, 1)
+    attention_bwd_dq_split_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, half_t, float)) {
+    CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 32, NT = 256, NTILES = BN / 8;
     constexpr int KSTEPS = round_up(D, 16) / 16;

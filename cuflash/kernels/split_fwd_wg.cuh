@@ -95,8 +95,7 @@ __device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
 // 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_abs_max(const float* __restrict__ x, unsigned* __restrict__ abs_max_bits,
-                      CUFLASH_STRIDES(x), int rows) {
+    attention_abs_max(CUFLASH_PARAMETERS(CUFLASH_PIECES_ABS_MAX_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
@@ -120,10 +119,7 @@ __global__ void __launch_bounds__(128)
 // rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_split_f16(const float* __restrict__ x, const float* __restrict__ abs_max,
-                        half_t* __restrict__ hi, half_t* __restrict__ lo,
-                        float* __restrict__ scale_out, CUFLASH_STRIDES(x), int num_heads,
-                        int seq_len, int rows) {
+    attention_split_f16(CUFLASH_PARAMETERS(CUFLASH_PIECES_SPLIT_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
@@ -146,9 +142,8 @@ __global__ void __launch_bounds__(128)
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
 __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
-    attention_fwd_split(const __grid_constant__ ForwardParams params) {
+    attention_fwd_split(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
     CUFLASH_FORWARD_PIECES;
-    CUFLASH_FORWARD_REST(float);
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.
     constexpr int DP = head_dim_class(D);
@@ -157,6 +152,10 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
     constexpr int LOG2_GAIN = 14;  // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D <= 128 && BN == 64, "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

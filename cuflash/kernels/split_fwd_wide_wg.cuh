@@ -25,9 +25,8 @@ namespace cuflash {
 
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    attention_fwd_split_wide(const __grid_constant__ ForwardParams params) {
+    attention_fwd_split_wide(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
     CUFLASH_FORWARD_PIECES;
-    CUFLASH_FORWARD_REST(float);
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the tiles' width
     constexpr int NTILES = BN / 8, OTILES = DP / 2 / 8;  // O: 128 columns a warpgroup
@@ -36,6 +35,10 @@ __global__ void __launch_bounds__(256, 1)
     constexpr int LOG2_GAIN = 14;                        // P is computed times 2^14
     constexpr unsigned ATOM = 1024;
     static_assert(D % 8 == 0 && D > 128 && D <= DP, "head_dim");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

@@ -15,21 +15,14 @@
 //                                            1/(NW/(BM/16)) slice of D, 8 d-tiles
 //                                            at a time; float32 atomics into dq_accum)
 #pragma once
+#include "params.cuh"
 #include "mma_tf32.cuh"
 
 namespace cuflash {
 
 template <int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BN * 2, 1)
-    attention_bwd_dkdv_tc32(const float* __restrict__ q, const float* __restrict__ k,
-                            const float* __restrict__ v, const float* __restrict__ dout,
-                            const float* __restrict__ lse, const float* __restrict__ delta,
-                            float* __restrict__ dq_accum, float* __restrict__ dk,
-                            float* __restrict__ dv, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                            CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-                            CUFLASH_STRIDES(dkv), int num_heads, int group, int kv_capacity,
-                            CUFLASH_MASK_PARAMS, float scale, float scale_log2,
-                            CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dkdv_tc32(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, float, float)) {
     constexpr int NT = BN * 2, NW = BN / 16, P = D + 4, PQ = BM + 4;
     constexpr int KSTEPS = D / 8, QTILES = BM / 8, DTILES = D / 8;
     // dQ work split: warp w takes m16 tile w % QM and a slice of DQ_SLICE d-tiles.

@@ -16,13 +16,15 @@ namespace cuflash {
 
 template <int D, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1)
-    attention_fwd_tc32(const __grid_constant__ ForwardParams params) {
-    CUFLASH_FORWARD_INPUTS(float);
-    CUFLASH_FORWARD_REST(float);
+    attention_fwd_tc32(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, float, float)) {
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
     using FragA = Tf32Frag<4>;
     using FragB = Tf32Frag<2>;
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     float* Qs = reinterpret_cast<float*>(smem4);

@@ -17,20 +17,14 @@
 //                                            and a 1/(NW/(BM/16)) slice of D)
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
+#include "params.cuh"
 #include "mma.cuh"
 
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(BN * 2)
-    attention_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          const T* __restrict__ dout, const float* __restrict__ lse,
-                          const float* __restrict__ delta, float* __restrict__ dq_accum,
-                          T* __restrict__ dk, T* __restrict__ dv, CUFLASH_OFFSETS,
-                          CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                          CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dkv), int num_heads, int group,
-                          int kv_capacity, CUFLASH_MASK_PARAMS, float scale, float scale_log2,
-                          CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dkdv_tc(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64 or 128 columns wide (the head_dim's class); products over
     // the head_dim and dK, dV on its exact width DK (padding columns zeros).

@@ -20,19 +20,14 @@
 // With score modifiers dS takes their derivative; a block mask's view has the
 // block's query tiles and key tiles.
 #pragma once
+#include "params.cuh"
 #include "mma.cuh"
 
 namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2, 2)
-    attention_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        const T* __restrict__ dout, const float* __restrict__ lse,
-                        const float* __restrict__ delta, T* __restrict__ dq, CUFLASH_OFFSETS,
-                        CUFLASH_STRIDES(q), CUFLASH_STRIDES(k), CUFLASH_STRIDES(v),
-                        CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dq), int num_heads, int group,
-                        CUFLASH_MASK_PARAMS, float scale, float scale_log2,
-                        CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dq_tc(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim and dQ's columns on its exact width DK (padding zeros).

@@ -17,19 +17,14 @@
 // block mask's view is the forward's (the same query and key tiles). The
 // mma.sync kernel of the same pass is tc_bwd_dq.cuh.
 #pragma once
+#include "params.cuh"
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
 
 template <typename T, int D, int BN, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k,
-                           const T* __restrict__ v, const T* __restrict__ dout,
-                           const float* __restrict__ lse, const float* __restrict__ delta,
-                           T* __restrict__ dq, CUFLASH_OFFSETS, CUFLASH_STRIDES(q),
-                           CUFLASH_STRIDES(k), CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout),
-                           CUFLASH_STRIDES(dq), int num_heads, int group, CUFLASH_MASK_PARAMS,
-                           float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dq_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // The exact head_dim in k16 steps (DK columns, padding zeros) in tiles of the
     // head_dim's class (DL columns, in blocks of 64).

@@ -37,6 +37,7 @@
 // [64 w, 64 w + 64) over all 128 keys (one atomic an element).
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
+#include "params.cuh"
 #include "tc_fwd_wg.cuh"
 
 namespace cuflash {
@@ -83,14 +84,7 @@ static_assert(best_split(192, 128).dv_first + best_split(192, 128).dk_first == 1
 
 template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dkdv_wgmma(const T* __restrict__ q, const T* __restrict__ k,
-                             const T* __restrict__ v, const T* __restrict__ dout,
-                             const float* __restrict__ lse, const float* __restrict__ delta,
-                             float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv,
-                             CUFLASH_OFFSETS, CUFLASH_STRIDES(q), CUFLASH_STRIDES(k),
-                             CUFLASH_STRIDES(v), CUFLASH_STRIDES(dout), CUFLASH_STRIDES(dkv),
-                             int num_heads, int group, int kv_capacity, CUFLASH_MASK_PARAMS,
-                             float scale, float scale_log2, CUFLASH_MODIFIER_PARAMS) {
+    attention_bwd_dkdv_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
     // products over the head_dim take DK / 16 k16 steps (padding columns zeros).

@@ -20,9 +20,7 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2 / MT, 1)
-    attention_fwd_tc(const __grid_constant__ ForwardParams params) {
-    CUFLASH_FORWARD_INPUTS(T);
-    CUFLASH_FORWARD_REST(T);
+    attention_fwd_tc(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).
@@ -30,6 +28,10 @@ __global__ void __launch_bounds__(BM * 2 / MT, 1)
     constexpr int WM = 16 * MT, NT = BM / WM * 32;
     constexpr int KSTEPS = DK / 16, NTILES = BN / 8, DTILES = DK / 8, QF = Q_REGS ? KSTEPS : 1;
     static_assert(BM % WM == 0 && BN % 16 == 0 && D % 8 == 0 && D <= 256, "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>(smem4);

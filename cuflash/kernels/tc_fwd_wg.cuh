@@ -100,9 +100,7 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 // they hide each other's softmax where a key tile's products are short.
 template <typename T, int D, int BN, int WG>
 __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ? 2 : 1)
-    attention_fwd_wgmma(const __grid_constant__ ForwardParams params) {
-    CUFLASH_FORWARD_INPUTS(T);
-    CUFLASH_FORWARD_REST(T);
+    attention_fwd_wgmma(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
     // in shared memory tiles of the head_dim's class (DL columns, in blocks of 64).
@@ -110,6 +108,10 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     constexpr int BM = 64 * WG, NT = 128 * WG, NTILES = BN / 8, DTILES = DK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);

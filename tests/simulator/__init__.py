@@ -8,7 +8,8 @@ definitions lane by lane: shuffles, ``ldmatrix``, ``movmatrix``, ``mma.sync``, a
 ``mbarrier`` phases of the warp-specialized kernels. Each ``asm``
 statement is rewritten into a call of the simulator's version of its instruction;
 the rest of the source compiles as it is. A launch takes the arguments as
-``cuLaunchKernel`` does, from NumPy arrays and scalars.
+``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.kernel_params.Params``
+record), or NumPy arrays and scalars one a parameter.
 
 >>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
 >>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP
@@ -286,26 +287,40 @@ class Module:
         self._library.sim_guarded_alloc.restype = ctypes.c_void_p
         self._library.sim_guarded_alloc.argtypes = [ctypes.c_ulonglong]
         self._library.sim_guarded_free.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
-        self._entries = {}
+        self._entries, self._buffer_entries = {}, {}
         for i, name in enumerate(names):
             entry = getattr(self._library, f"sim_kernel_{i}")
             entry.restype = ctypes.c_int
             entry.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
             self._entries[name] = entry
+            entry = getattr(self._library, f"sim_kernel_buffer_{i}")
+            entry.restype = ctypes.c_int
+            entry.argtypes = (
+                [ctypes.c_uint] * 4
+                + [ctypes.c_ulonglong]
+                + [
+                    ctypes.c_void_p,
+                    ctypes.c_ulonglong,
+                ]
+            )
+            self._buffer_entries[name] = entry
 
     def launch(self, name, grid, threads, shared_bytes, args, guard=False):
         """Run kernel ``name`` on ``grid`` (up to 3 dims) of blocks of ``threads``.
 
-        ``args``, in the kernel's order: NumPy arrays (their address; the caller keeps
-        them alive), None (a null pointer), NumPy scalars (their bytes, so their type
-        must be the parameter's), one-element structured arrays (a record passed by
-        value), or a parameter struct with its call's arrays: ``(params, arrays)``, a
-        ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays (or None),
-        in order. With ``guard``, each array is copied into memory between inaccessible
-        pages for the launch (and the bytes the launch changed back after it, so that
-        arguments that share memory, such as absorbed MLA's ``v_cache`` view of
-        ``k_cache``, keep each other's writes): a read or write past its end, or far
-        before its start, raises SimulationError naming the argument.
+        ``args``: a kernel parameter record with its call's arrays, ``(params, arrays)``
+        (a tuple: a ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays,
+        or None, in order), passed as the kernel's parameter buffer as
+        ``cuflash.gpu.Launch`` passes it (a buffer laid out for other parameters than the
+        kernel's is an error); or a list in the kernel's order: NumPy arrays (their
+        address; the caller keeps them alive), None (a null pointer), NumPy scalars
+        (their bytes, so their type must be the parameter's), one-element structured
+        arrays (a record passed by value). With ``guard``, each array is copied into
+        memory between inaccessible pages for the launch (and the bytes the launch
+        changed back after it, so that arguments that share memory, such as absorbed
+        MLA's ``v_cache`` view of ``k_cache``, keep each other's writes): a read or write
+        past its end, or far before its start, raises SimulationError naming the
+        argument.
         """
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
@@ -325,15 +340,22 @@ class Module:
                 address = copy + (address - low)
             return address
 
+        if isinstance(args, tuple):  # a kernel_params.Params and its call's arrays
+            params, arrays = args
+            if len(arrays) != len(params.per_call):
+                raise TypeError(f"{params.name}: {len(arrays)} arrays for {params.per_call}")
+            params.pack(
+                *(address_of(x, f"{params.name}.{m}") for x, m in zip(arrays, params.per_call))
+            )
+            buffer = params.record.copy()
+            storage.append(buffer)
+            entry, tail = self._buffer_entries[name], (buffer.ctypes.data, params.size)
+            args = ()
+        else:
+            entry, tail = self._entries[name], (pointers,)
         for i, a in enumerate(args):
             if a is None or (isinstance(a, np.ndarray) and a.dtype.names is None):
                 cell = np.array([address_of(a, f"argument {i}")], dtype=np.uint64)
-            elif isinstance(a, tuple):  # a kernel_params.Params and its call's arrays
-                params, arrays = a
-                params.pack(
-                    *(address_of(x, f"{params.name}.{m}") for x, m in zip(arrays, params.per_call))
-                )
-                cell = params.record.copy()
             elif isinstance(a, np.ndarray):  # a record by value
                 cell = a
             elif isinstance(a, np.generic):
@@ -343,7 +365,7 @@ class Module:
             storage.append(cell)
             pointers[i] = cell.ctypes.data
         try:
-            status = self._entries[name](*grid, int(threads), int(shared_bytes), pointers)
+            status = entry(*grid, int(threads), int(shared_bytes), *tail)
             for _, low, high, copy, snapshot in guarded:  # the bytes it changed come back
                 after = _bytes_at(copy, high - low)
                 changed = np.flatnonzero(after != snapshot)
@@ -373,7 +395,12 @@ def translation_unit(names, headers, kernel_dir=KERNEL_DIR, prefix=""):
             f'extern "C" int sim_kernel_{i}(unsigned gx, unsigned gy, unsigned gz, '
             f"unsigned threads, unsigned long long shared_bytes, void** params) {{\n"
             f"    return ::sim::launch(&{name}, dim3{{gx, gy, gz}}, "
-            f"dim3{{threads, 1, 1}}, shared_bytes, params);\n}}"
+            f"dim3{{threads, 1, 1}}, shared_bytes, params);\n}}\n"
+            f'extern "C" int sim_kernel_buffer_{i}(unsigned gx, unsigned gy, unsigned gz, '
+            f"unsigned threads, unsigned long long shared_bytes, const void* buffer, "
+            f"unsigned long long size) {{\n"
+            f"    return ::sim::launch_buffer(&{name}, dim3{{gx, gy, gz}}, "
+            f"dim3{{threads, 1, 1}}, shared_bytes, buffer, size);\n}}"
         )
     lines += [
         'extern "C" const char* sim_failure() { return ::sim::failure; }',

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -881,6 +882,39 @@ inline int launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t shared_
                   void** params) {
     return launch_with(kernel, grid, block, shared_bytes, params,
                        std::index_sequence_for<Args...>{});
+}
+
+// A kernel launch from one parameter buffer, as cuLaunchKernel's `extra` passes it
+// (CU_LAUNCH_PARAM_BUFFER_POINTER): argument i at the next multiple of its alignment
+// after argument i - 1 ends. A buffer whose `size` is not where the last argument
+// ends was laid out for other parameters: the launch fails.
+template <typename... Args, size_t... I>
+inline int launch_buffer_with(void (*kernel)(Args...), dim3 grid, dim3 block, size_t shared_bytes,
+                              const unsigned char* buffer, size_t size, std::index_sequence<I...>) {
+    using Values = std::tuple<std::remove_cv_t<Args>...>;
+    size_t offsets[sizeof...(Args) + 1] = {}, end = 0;
+    ((end = (end + alignof(std::tuple_element_t<I, Values>) - 1) /
+            alignof(std::tuple_element_t<I, Values>) * alignof(std::tuple_element_t<I, Values>),
+      offsets[I] = end, end += sizeof(std::tuple_element_t<I, Values>)),
+     ...);
+    if (end != size) {
+        static char message[128];
+        snprintf(message, sizeof message,
+                 "a parameter buffer of %zu bytes for parameters that end at byte %zu", size, end);
+        failure = message;
+        return 1;
+    }
+    Values values;
+    (memcpy(&std::get<I>(values), buffer + offsets[I], sizeof(std::tuple_element_t<I, Values>)),
+     ...);
+    return run_grid(grid, block, shared_bytes, [&]() { kernel(std::get<I>(values)...); });
+}
+template <typename... Args>
+inline int launch_buffer(void (*kernel)(Args...), dim3 grid, dim3 block, size_t shared_bytes,
+                         const void* buffer, size_t size) {
+    return launch_buffer_with(kernel, grid, block, shared_bytes,
+                              static_cast<const unsigned char*>(buffer), size,
+                              std::index_sequence_for<Args...>{});
 }
 
 }  // namespace sim

@@ -527,6 +527,23 @@ class BackwardPlan:
             ),
             _functors(problem),
         )
+        # The same kernel with q, k, v and dout by the copy engine, where it can
+        # address them.
+        self.dkdv_tma = None
+        if self.spec.name == "backward_wgmma_ws" and tensor_maps.available():
+            maps = kernel_params.backward_maps(
+                problem,
+                self.spec.traits(problem.head_dim),
+                [x.shape for x in (q, k, v, dout)],
+                strides,
+                tensor_maps.TileMap.encode_into,
+                tile_traits.head_dim_class(problem.head_dim) if self.atomic else 0,
+            )
+            if maps is not None:
+                with_maps = kernel_params.backward_params(
+                    problem, strides, self.dkv_layout.strides, self.user, maps=maps
+                )
+                self.dkdv_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.dq = self.convert = None
         self.dq_reads_pieces = False
         accum_width = problem.head_dim
@@ -660,8 +677,7 @@ class BackwardPlan:
             if self.dq_reads_pieces:
                 inputs, scales = kernel_inputs, kernel_scales
         if problem.kv_capacity:
-            self.dkdv(
-                stream,
+            call = (
                 *kernel_inputs,
                 lse_log2,
                 delta,
@@ -671,6 +687,14 @@ class BackwardPlan:
                 *kernel_scales,
                 *tail,
             )
+            if self.dkdv_tma is not None and not any(a % 16 for a in inputs):
+                try:
+                    self.dkdv_tma(stream, *call)
+                except tensor_maps.TensorMapError:
+                    self.dkdv_tma = None  # the driver refuses these arrays: cp.async
+                    self.dkdv(stream, *call)
+            else:
+                self.dkdv(stream, *call)
         if self.dq is not None:
             self.dq(stream, *inputs, lse_log2, delta, dq.data.ptr, *scales, *tail)
         elif self.convert is not None:

@@ -354,7 +354,9 @@ BACKWARD_DQ_PIECES_ADDRESSES = (
 )
 
 
-def backward_params(problem, input_strides, output_strides, user, pieces=False, dq_pass=False):
+def backward_params(
+    problem, input_strides, output_strides, user, pieces=False, dq_pass=False, maps=None
+):
     """The ``BackwardParams`` of ``problem``'s dK/dV launches, or with ``dq_pass`` the
     ``BackwardDqParams`` of its dQ pass (``kernels/params.cuh``): ``input_strides`` the
     element strides of q, k, v and dout (``(batch, head, row)`` each), ``output_strides``
@@ -362,7 +364,8 @@ def backward_params(problem, input_strides, output_strides, user, pieces=False, 
     :func:`forward_params`'), the pieces kernels' addresses with ``pieces``; the call's
     addresses written at each launch (:data:`BACKWARD_ADDRESSES`,
     :data:`BACKWARD_PIECES_ADDRESSES`, :data:`BACKWARD_DQ_ADDRESSES` or
-    :data:`BACKWARD_DQ_PIECES_ADDRESSES`)."""
+    :data:`BACKWARD_DQ_PIECES_ADDRESSES`). ``maps`` (:func:`backward_maps`, dK/dV
+    launches only): q, k, v and dout by the copy engine (``use_tma``)."""
     left, right = problem.window
     q_strides, k_strides, v_strides, dout_strides = input_strides
     fields = {}
@@ -372,11 +375,13 @@ def backward_params(problem, input_strides, output_strides, user, pieces=False, 
     else:
         name, fields["dkv_st"] = "BackwardParams", tuple(output_strides)
         fields["kv_capacity"] = problem.kv_capacity
+        fields["use_tma"] = int(maps is not None)
         addresses = BACKWARD_PIECES_ADDRESSES if pieces else BACKWARD_ADDRESSES
     return Params(
         name,
         addresses,
         keep=(user,),
+        maps=maps,
         q_st=tuple(q_strides),
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),
@@ -465,23 +470,64 @@ def forward_maps(problem, traits, shapes, strides, encode):
     and v of ``shapes`` (``[B, H, S, D]``) and element ``strides`` (batch, head, row),
     read in boxes of the kernel's query and key tiles (``traits``: its tile traits),
     each encoded at a call by ``encode(map, destination, address)``; or None where the
-    copy engine cannot take them: a packed call (its sequences' rows end where the
-    arrays' do not), a dtype other than 16 bits, or strides that are not 16-byte
-    multiples. A call whose entries see their own key counts (the KV cache's chunks)
-    or whose arrays are not 16-byte aligned must launch without them."""
-    if problem.packed is not None or problem.dtype.itemsize != 2:
-        return None
+    copy engine cannot take them (:func:`_tile_maps`). A call whose entries see their
+    own key counts (the KV cache's chunks) or whose arrays are not 16-byte aligned must
+    launch without them."""
     key_rows = traits.template_args[0]
-    maps = {}
-    for member, shape, stride, box, rows in zip(
+    return _tile_maps(
+        problem,
         ("q_map", "k_map", "v_map"),
         shapes,
         strides,
         (traits.tile, key_rows, key_rows),
         (problem.q_len, problem.kv_len, problem.kv_len),
-    ):
-        tile_map = tensor_maps.TileMap(shape, stride, box, rows)
+        encode,
+    )
+
+
+def backward_maps(problem, traits, shapes, strides, encode, dq_width=0):
+    """The tensor maps of ``backward_wgmma_ws``'s bulk copies (``BackwardParams``'
+    ``q_map``, ``k_map``, ``v_map`` and ``dout_map``, for :func:`backward_params`'
+    ``maps``) of q, k, v and dout (``shapes`` and ``strides`` in that order, as
+    :func:`forward_maps`'), in boxes of the kernel's query rows a step and its key
+    tile; with ``dq_width`` (the atomic dQ's row width) also ``dq_accum_map``, the
+    float32 dQ rows its bulk reductions add into, in boxes of a warp's 16 rows. None
+    where the copy engine cannot take them. Arrays that are not 16-byte aligned must
+    launch without them."""
+    rows, keys = traits.template_args[0], traits.tile
+    maps = _tile_maps(
+        problem,
+        ("q_map", "k_map", "v_map", "dout_map"),
+        shapes,
+        strides,
+        (rows, keys, keys, rows),
+        (problem.q_len, problem.kv_len, problem.kv_len, problem.q_len),
+        encode,
+    )
+    if maps is None or not dq_width:
+        return maps
+    shape = (problem.batch, problem.num_heads, problem.q_len, dq_width)
+    row_elements = problem.q_len * dq_width
+    accum = tensor_maps.TileMap(
+        shape, (problem.num_heads * row_elements, row_elements, dq_width), 16, itemsize=4
+    )
+    if not accum.supported:
+        return None
+    maps["dq_accum_map"] = ("dq_accum", accum, encode)
+    return maps
+
+
+def _tile_maps(problem, members, shapes, strides, boxes, rows, encode):
+    """``{member: (address member, TileMap, encode)}`` of each ``member`` (``x_map``
+    maps the call's address ``x``), or None for a packed call (its sequences' rows end
+    where the arrays' do not), a dtype other than 16 bits, or strides that are not
+    16-byte multiples."""
+    if problem.packed is not None or problem.dtype.itemsize != 2:
+        return None
+    maps = {}
+    for member, shape, stride, box, valid_rows in zip(members, shapes, strides, boxes, rows):
+        tile_map = tensor_maps.TileMap(shape, stride, box, valid_rows)
         if not tile_map.supported:
             return None
-        maps[member] = (member[0], tile_map, encode)
+        maps[member] = (member.removesuffix("_map"), tile_map, encode)
     return maps

@@ -24,11 +24,11 @@ import functools
 import os
 
 MAP_BYTES = 128
-BOX_COLUMNS = 64  # elements of 16 bits: one 128-byte swizzle row
+BOX_BYTES = 128  # a box's row: one 128-byte swizzle row (64 16-bit or 32 float32 elements)
 
 # CUtensorMapDataType UINT16 (the copies move bits), the 128-byte swizzle, L2 promotion
 # of 256 bytes, and zeros outside the tensor (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
-_UINT16, _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _OOB_ZEROS = 1, 0, 3, 3, 0
+_UINT16, _FLOAT32, _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _OOB_ZEROS = 1, 7, 0, 3, 3, 0
 
 
 class TensorMapError(RuntimeError):
@@ -70,9 +70,10 @@ def available():
 
 
 class TileMap:
-    """The map of a 16-bit ``[B, H, S, D]`` array (``shape``, element ``strides`` of
-    the batch, head and row axes) read ``box_rows`` rows at a time, of which the
-    first ``rows`` (at most S) exist.
+    """The map of a 16-bit (``itemsize`` 2) or float32 (4) ``[B, H, S, D]`` array
+    (``shape``, element ``strides`` of the batch, head and row axes) read or reduced
+    into in boxes of 128 bytes by ``box_rows`` rows, of which the first ``rows`` (at
+    most S) exist.
 
     ``dims``, ``strides`` (bytes; ``strides[0]`` the element size) and ``box`` are
     the tensor's, innermost first. :attr:`supported` says whether the hardware takes
@@ -82,17 +83,17 @@ class TileMap:
 
     __slots__ = ("dims", "strides", "box", "supported", "_args", "_address_word", "_encoded")
 
-    def __init__(self, shape, strides, box_rows, rows=None):
+    def __init__(self, shape, strides, box_rows, rows=None, itemsize=2):
         batch, heads, seq, head_dim = (int(x) for x in shape)
         rows = seq if rows is None else int(rows)
         self.dims = (head_dim, rows, heads, batch)
-        itemsize = 2
+        itemsize = int(itemsize)
         row, head, entry = (int(s) * itemsize for s in (strides[2], strides[1], strides[0]))
         # A dimension of one element never steps: give it a stride the driver takes.
         head = head if heads > 1 else row * max(1, rows)
         entry = entry if batch > 1 else head * max(1, heads)
         self.strides = (itemsize, row, head, entry)
-        self.box = (BOX_COLUMNS, int(box_rows), 1, 1)
+        self.box = (BOX_BYTES // itemsize, int(box_rows), 1, 1)
         self.supported = (
             all(0 < d < 2**32 for d in self.dims)
             and all(s > 0 and s % 16 == 0 and s < 2**40 for s in self.strides[1:])
@@ -130,7 +131,7 @@ class TileMap:
         dims, strides, box, steps = self._args
         status = _encoder()(
             destination,
-            _UINT16,
+            _UINT16 if self.strides[0] == 2 else _FLOAT32,
             4,
             address,
             dims,

@@ -7,7 +7,9 @@
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
 #          reasons, tensor pipe use), ncu-source (the same with stall samples per SASS
 #          instruction, to $OUT/ncu-source-sass.csv), forward-tma (the copy engine's
-#          forward: its GPU tests, forward timings with and without it, host time), costs (the model-shape features against their targets)
+#          forward: its GPU tests, forward timings with and without it, host time), backward-ws
+#          (the opt-in warp-specialized backward: its copy engine's GPU tests, timings
+#          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -88,6 +90,10 @@ for step in $steps; do
              CUFLASH_TMA=0 python3 scripts/quick_bench.py --forward --rows=auto ${QUICK_CASES:-} \
              && python3 scripts/forward_host_time.py && \
              CUFLASH_TMA=0 python3 scripts/forward_host_time.py" ;;
+    backward-ws) TAIL=30 run backward-ws 300 bash -c "python3 -m pytest -m gpu -q -rf \
+             -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py && \
+             python3 scripts/quick_bench.py --rows=auto,ws,det,ws-det,cudnn ${QUICK_CASES:-} && \
+             CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=ws,ws-det ${QUICK_CASES:-}" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -263,10 +263,12 @@ def run_backward(
     excluded=(),
     capability=80,
     guard=False,
+    tma=False,
 ):
     """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
     Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
-    conversion, or its dQ pass (deterministic calls, and the kernels without atomics)."""
+    conversion, or its dQ pass (deterministic calls, and the kernels without atomics);
+    ``tma``: q, k, v and dout by bulk tensor copies, where the kernel takes them."""
     head_dim, num_heads = problem.head_dim, problem.num_heads
     spec = registry.choose(
         "backward",
@@ -334,8 +336,18 @@ def run_backward(
         scales = tuple(scale for _, _, scale in made)
         strides = [_contiguous_strides(hi.shape) for hi, _, _ in made]
     if problem.kv_capacity:
+        maps = None
+        if tma and spec.name == "backward_wgmma_ws":
+            maps = kernel_params.backward_maps(
+                problem,
+                kernels.traits(spec.name),
+                [x.shape for x in (q, k, v, dout)],
+                strides,
+                simulator.encode_tensor_map,
+                accum_width if atomic else 0,
+            )
         params = kernel_params.backward_params(
-            problem, strides, dk.strides, kernels.user(spec.name, "backward"), pieces
+            problem, strides, dk.strides, kernels.user(spec.name, "backward"), pieces, maps=maps
         )
         kernels.launch(
             spec.name,
@@ -480,9 +492,11 @@ def backward(
     excluded=(),
     capability=80,
     head_dim_v=None,
+    tma=True,
 ):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``
-    (``head_dim_v``: v's head dim, for the kernels that take it natively)."""
+    (``head_dim_v``: v's head dim, for the kernels that take it natively; ``tma``: bulk
+    tensor copies where a GPU's plan takes them, or cp.async)."""
     problem = backward_problem(
         dout,
         q,
@@ -518,6 +532,7 @@ def backward(
         alibi_slopes=alibi_slopes,
         excluded=excluded,
         capability=capability,
+        tma=tma,
     )
 
 

@@ -124,7 +124,7 @@ def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capabi
     )
     out, lse = simulated_attention.forward(q, k, v, *case.args, **kw, tma=tma)
     grads = simulated_attention.backward(
-        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic, tma=tma
     )
     return (q, k, v, dout), out, lse, grads
 
@@ -206,7 +206,7 @@ def test_warp_specialized_forward_wraps_its_stage_rings(case, tma, rng):
     check_results(case, inputs, out, lse, grads)
 
 
-# More query tiles than the warp-specialized backward has stages (three of 64 rows), so
+# More query tiles than the warp-specialized backward has stages (two of 64 rows), so
 # that its ring wraps: GQA (the steps run over the group's heads), a key tile cut short
 # (kv_seq_len), D = 120 (the padded float32 dQ rows), rows that see no key.
 BACKWARD_RING_CASES = [
@@ -225,18 +225,20 @@ BACKWARD_RING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", BACKWARD_RING_CASES, ids=str)
-def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, rng):
-    """backward_wgmma_ws over more query tiles than stages, with dQ by its atomics or by
-    backward_dq_wgmma: the producer refills a stage once both consumers hand it back,
-    and the consumers meet at their named barrier before dQ reads both halves of dS^T."""
+def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, tma, rng):
+    """backward_wgmma_ws over more query tiles than stages, with dQ by its bulk additions
+    or by backward_dq_wgmma, its tiles copied by cp.async or by the copy engine: the
+    producer refills a stage once both consumers hand it back, and the consumers meet at
+    their named barrier before dQ reads both halves of dS^T."""
     with dispatch.try_kernels("backward_wgmma_ws"):
         spec = registry.choose(
             "backward", DTYPES[case.dtype], case.head_dim, 90, tried=dispatch.tried()
         )
         assert spec.name == "backward_wgmma_ws"
-        inputs, out, lse, grads = _run(case, rng, deterministic, capability=90)
+        inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
     check_results(case, inputs, out, lse, grads)
 
 
@@ -309,6 +311,34 @@ def test_simulator_finds_broken_bulk_dq_additions(old, new, rng, tmp_path, monke
         error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
     except RuntimeError as exc:
         assert "bulk reductions" in str(exc), exc
+        return
+    assert not error < 0.05, error
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # a step's barrier told of half its boxes' bytes: it completes before the rest land
+        ("ring->expect(step, STEP_BYTES)", "ring->expect(step, STEP_BYTES / 2)"),
+        # dO's boxes one row off
+        ("&dout_map, c * 64, m0, h,", "&dout_map, c * 64, m0 + 1, h,"),
+        # V's boxes read through K's map
+        ("&v_map, c * 64, n0, hk, b, kv_full", "&k_map, c * 64, n0, hk, b, kv_full"),
+        # dQ's boxes added a row off
+        ("dq_col + 32 * i, m0 + warp_row, h,", "dq_col + 32 * i, m0 + warp_row + 1, h,"),
+        # dQ's boxes written without the swizzle the copy engine reads them by
+        ("^ (row & 7)) << 2)", ") << 2)"),
+    ],
+    ids=["step-bytes", "dout-rows", "v-map", "dq-rows", "dq-swizzle"],
+)
+def test_simulator_finds_broken_backward_bulk_tensor_copies(old, new, rng, tmp_path, monkeypatch):
+    """The warp-specialized backward's bulk tensor copies with a wrong transaction count,
+    a box at the wrong rows or through the wrong map, and its dQ boxes added a row off
+    or unswizzled: a deadlock, a fault or gradients far from the oracle's, never a
+    pass."""
+    try:
+        error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
+    except simulator.SimulationError:
         return
     assert not error < 0.05, error
 

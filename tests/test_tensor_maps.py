@@ -24,6 +24,11 @@ def test_supported_arrays():
     m = TileMap((1, 1, 16, 8), (0, 0, 8), 128)
     assert m.supported and all(s % 16 == 0 and s > 0 for s in m.strides[1:])
     assert not TileMap((1, 1, 16, 8), (0, 0, 8), 512).supported  # a box of 512 rows
+    # float32 rows (the backward's dQ accumulator): 128-byte boxes of 32 columns
+    m = TileMap((2, 3, 70, 128), (3 * 70 * 128, 70 * 128, 128), 16, itemsize=4)
+    assert m.supported and m.strides == (4, 512, 35840, 107520) and m.box == (32, 16, 1, 1)
+    # 44 float32 columns: 176-byte rows, a multiple of 16
+    assert TileMap((1, 1, 64, 40), (64 * 44, 64 * 44, 44), 16, itemsize=4).supported
 
 
 def _fake_encoder(word_of):

@@ -10,7 +10,11 @@
 //     stages (cp.async, the 128-byte swizzled layout that wgmma reads); a
 //     stage's mbarrier completes when its copies land
 //     (cp.async.mbarrier.arrive), and the producer waits only for a stage to
-//     come back. Its copy loops are not unrolled: 40 registers a thread.
+//     come back. Its copy loops are not unrolled: 40 registers a thread. With
+//     use_tma one thread copies K, V, Q and dO by bulk tensor copies (boxes of
+//     64 columns through the maps; the barriers also await their bytes) and
+//     warp 0 lse and Delta by cp.async; the other producer warps exit. The
+//     consumers then add dQ through dq_accum_map (below).
 //   warpgroups 1 and 2, the consumers, own keys [64 c, 64 c + 64) of the
 //     tile and all columns of their dK and dV (in registers, 232 a thread);
 //     they wait on the barriers only, and each thread hands each stage back
@@ -28,14 +32,15 @@
 //                                    both halves are in), wgmma with A = dS
 //                                    M-major, B = K N-major; the float32 tile
 //                                    to shared memory, and each warp's 16 rows
-//                                    (256 bytes each) added into dq_accum by
-//                                    the copy engine (cp.reduce.async.bulk:
-//                                    no atomics in the consumers' stream;
+//                                    added into dq_accum by the copy engine
+//                                    (use_tma: two swizzled boxes through
+//                                    dq_accum_map, else a row of 256 bytes a
+//                                    lane; no atomics in the consumers' stream;
 //                                    columns [64 c, + 64) of rows 128 wide,
 //                                    the columns past D padding, which the
 //                                    conversion skips).
 // The split 40 / 232 is the only one that fits the block's registers without
-// spills: the producer spills 20 bytes at 32 (and at 24 with 240 for the
+// spills: the producer spills 12 bytes at 32 (and 36 at 24 with 240 for the
 // consumers); at 232 the consumers of the 64 class's atomic dQ (BM = 128) and
 // of the score modifiers spill (8-56 bytes), so those calls stay with
 // attention_bwd_dkdv_wgmma.
@@ -107,15 +112,52 @@ __global__ void __launch_bounds__(384, 1)
 
     QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
 
+    // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu.py)
+    // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the
+    // arrays' and columns past D land as zeros) and warp 0 lse and Delta by cp.async: a
+    // stage is full after the 32 lanes' cp.async arrivals and thread 0's expect_tx one.
+    const bool tma = use_tma != 0;
     if (threadIdx.x == 0) {
-        ring->init();
-        mbarrier_init(kv_full, 128);
+        ring->init(tma ? 33 : 128);
+        mbarrier_init(kv_full, tma ? 1 : 128);
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<kBackwardProducerRegisters>();
         if (steps.count == 0) return;
+        if (tma) {
+            if (threadIdx.x >= 32) return;
+            constexpr unsigned KV_BYTES = 2 * BN * DT * sizeof(T),
+                               STEP_BYTES = 2 * BM * DT * sizeof(T);
+            if (threadIdx.x == 0) {
+                mbarrier_arrive_expect_tx(kv_full, KV_BYTES);
+                for (int c = 0; c < DT / 64; ++c) {
+                    tma_load_4d(Ks + c * BN * 64, &k_map, c * 64, n0, hk, b, kv_full);
+                    tma_load_4d(Vs + c * BN * 64, &v_map, c * 64, n0, hk, b, kv_full);
+                }
+            }
+            for (int step = 0; step < steps.count; ++step) {
+                const int stage = Ring::stage(step);
+                const int h = steps.head(step), m0 = steps.row0(step);
+                const int rows = min(BM, mask.q_len - m0);
+                const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
+                ring->wait_empty(step);
+                load_row_stats<BM, 32>(lse_s + stage * BM, delta_s + stage * BM,
+                                       lse + head_rows + m0, delta + head_rows + m0, rows);
+                if (threadIdx.x == 0) {
+                    unsigned long long* full = ring->expect(step, STEP_BYTES);
+                    for (int c = 0; c < DT / 64; ++c) {
+                        tma_load_4d(Qs + stage * BM * DT + c * BM * 64, &q_map, c * 64, m0, h, b,
+                                    full);
+                        tma_load_4d(dOs + stage * BM * DT + c * BM * 64, &dout_map, c * 64, m0, h,
+                                    b, full);
+                    }
+                }
+                ring->filled(step);  // the lanes' lse and Delta
+            }
+            return;
+        }
         const int keys = mask.kv_len - n0;
         cp_async_tile_sw128<BN, DK, 128, D, true>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
         cp_async_tile_sw128<BN, DK, 128, D, true>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
@@ -242,16 +284,37 @@ __global__ void __launch_bounds__(384, 1)
             // The warp's rows of the tile, free once its last additions have read them.
             if (lane < 16) bulk_wait_read<0>();
             __syncwarp();
+            // With the maps: the warp's 16 rows as two boxes of 32 columns (4 KB a warp,
+            // the 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), one bulk tensor
+            // reduction each; else rows DQ_PITCH apart, one bulk reduction a row.
+            float* const boxes = dq_s + (consumer * 4 + warp) * (2 * 16 * 32);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float* dst = dq_s + (warp_row + g + 8 * r) * DQ_PITCH + dq_col + 2 * t;
+                const int row = g + 8 * r;
+                float* dst = dq_s + (warp_row + row) * DQ_PITCH + dq_col + 2 * t;
 #pragma unroll
-                for (int j = 0; j < DQ_COLS / 8; ++j)
-                    *reinterpret_cast<float2*>(dst + j * 8) =
+                for (int j = 0; j < DQ_COLS / 8; ++j) {
+                    const float2 value =
                         make_float2(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
+                    if (tma)
+                        *reinterpret_cast<float2*>(boxes + (j >> 2) * (16 * 32) + row * 32 +
+                                                   (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 2) +
+                                                   2 * (t & 1)) = value;
+                    else
+                        *reinterpret_cast<float2*>(dst + j * 8) = value;
+                }
             }
             fence_proxy_async();  // this thread's writes, then read by the copy engine
             __syncwarp();
+            if (tma) {
+                if (lane == 0) {
+                    for (int i = 0; i < 2; ++i)
+                        bulk_tensor_reduce_add_4d(&dq_accum_map, dq_col + 32 * i, m0 + warp_row, h,
+                                                  b, boxes + i * (16 * 32));
+                    bulk_commit();
+                }
+                return;
+            }
             const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
             if (lane < 16) {
                 if (row < rows)

@@ -76,6 +76,17 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
         "r"(smem_addr(src)), "r"(bytes)
         : "memory");
 }
+// The box of `map` at coordinates (c0, c1, c2, c3) += the float32 box at `src` (the
+// map's swizzle applied; elements outside the tensor skipped) by the copy engine, in
+// this thread's open bulk group, as bulk_reduce_add_f32 (`src` 1024-byte aligned).
+__device__ __forceinline__ void bulk_tensor_reduce_add_4d(const TensorMap* map, int c0, int c1,
+                                                          int c2, int c3, const float* src) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+        " [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(reinterpret_cast<unsigned long long>(map)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(src))
+        : "memory");
+}
 // This thread's bulk operations since the last commit form a group.
 __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

@@ -141,7 +141,17 @@ struct ForwardParams {
     X(VAL, float, scale)      /* the softmax scale */                                     \
     X(VAL, float, scale_log2) /* and times log2 e */                                      \
     X(VAL, int, alibi_batch_stride)                                                       \
-    X(VAL, float, softcap)
+    X(VAL, float, softcap)                                                                \
+    X(VAL, int, use_tma) /* backward_wgmma_ws: q, k, v, dout by the maps (0: cp.async) */ \
+    /* q's, k's, v's and dout's maps (use_tma): as the forward's, boxes of 64 */          \
+    /* columns by the kernel's query or key tile. */                                      \
+    X(MAP, TensorMap, q_map)                                                              \
+    X(MAP, TensorMap, k_map)                                                              \
+    X(MAP, TensorMap, v_map)                                                              \
+    X(MAP, TensorMap, dout_map)                                                           \
+    /* dq_accum's (use_tma with ATOMIC_DQ): float32 [B, H, S_q, 128], boxes of 32 */      \
+    /* columns by 16 rows (a warp's), reduced into by the copy engine. */                 \
+    X(MAP, TensorMap, dq_accum_map)
 struct BackwardParams {
     CUFLASH_BACKWARD_PARAMS(CUFLASH_MEMBER, void, void)
 };

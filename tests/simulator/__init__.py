@@ -167,6 +167,7 @@ _INSTRUCTIONS = (
     ("st.shared.f32", "st_shared_f32"),
     ("cp.async.commit_group", "cp_async_commit_group"),
     ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "bulk_reduce_add_f32"),
+    ("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile", "bulk_tensor_reduce_add_4d"),
     ("cp.async.bulk.commit_group", "bulk_commit_group"),
     ("cp.async.bulk.wait_group", "bulk_wait_group"),  # .read too: both read the source
     ("cp.async.wait_group", "cp_async_wait_group"),

@@ -74,11 +74,15 @@ struct PendingCopy {
     int bytes, valid_bytes;
 };
 
-// A bulk reduction (cp.reduce.async.bulk ... add.f32): global dst += shared src.
+// A bulk reduction (cp.reduce.async.bulk ... add.f32): global dst += shared src, `bytes`
+// of contiguous floats; or (map != 0) the float32 box of a tensor map at `coords`.
 struct PendingReduce {
     float* dst;
     const float* src;
     int bytes;
+    unsigned long long map = 0;
+    int coords[4] = {0, 0, 0, 0};
+    unsigned src_address = 0;
 };
 
 struct Barrier {
@@ -368,11 +372,17 @@ inline void bulk_commit_group() {
     current->reduce_groups.push_back(std::move(current->reduces));
     current->reduces.clear();
 }
+inline void reduce_tensor_box(const PendingReduce& r);
 inline void bulk_wait_group(int pending) {
     auto& groups = current->reduce_groups;
     while (static_cast<int>(groups.size()) > pending) {
-        for (const PendingReduce& r : groups.front())
+        for (const PendingReduce& r : groups.front()) {
+            if (r.map) {
+                reduce_tensor_box(r);
+                continue;
+            }
             for (int i = 0; i < r.bytes / 4; ++i) r.dst[i] += r.src[i];
+        }
         groups.erase(groups.begin());
     }
     ++progress;
@@ -629,6 +639,57 @@ inline void tma_load_4d(unsigned dst, unsigned long long map_address, int c0, in
     ++progress;
     m->transactions -= static_cast<long long>(offset);
     mbarrier_complete_if_done(m);
+}
+// cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group: the float32 box
+// of the map at coordinates c += the box at `src` (rows of box[0] elements, each
+// 16-byte chunk moved by the 128-byte swizzle), elements outside the tensor skipped;
+// held in the thread's open bulk group and applied when the thread waits for it.
+inline void bulk_tensor_reduce_add_4d(unsigned long long map_address, int c0, int c1, int c2,
+                                      int c3, unsigned src) {
+    const SimTensorMap& map = *reinterpret_cast<const SimTensorMap*>(map_address);
+    if (map.magic != kTensorMapMagic) {
+        failure = "a bulk tensor reduction through a tensor map the host did not encode";
+        return;
+    }
+    if (map.strides[0] != 4 || src % 1024 || map.box[0] * 4 != 128) {
+        failure = "a bulk tensor reduction's box or source the simulator does not model";
+        return;
+    }
+    shared_pointer(src);
+    PendingReduce r{nullptr, nullptr, 0};
+    r.map = map_address;
+    r.coords[0] = c0;
+    r.coords[1] = c1;
+    r.coords[2] = c2;
+    r.coords[3] = c3;
+    r.src_address = src;
+    current->reduces.push_back(r);
+}
+inline void reduce_tensor_box(const PendingReduce& r) {
+    const SimTensorMap& map = *reinterpret_cast<const SimTensorMap*>(r.map);
+    unsigned long long offset = 0;
+    for (unsigned i3 = 0; i3 < map.box[3]; ++i3)
+        for (unsigned i2 = 0; i2 < map.box[2]; ++i2)
+            for (unsigned i1 = 0; i1 < map.box[1]; ++i1) {
+                const long long at[4] = {0, r.coords[1] + static_cast<long long>(i1),
+                                         r.coords[2] + static_cast<long long>(i2),
+                                         r.coords[3] + static_cast<long long>(i3)};
+                bool inside = true;
+                unsigned long long row = map.base;
+                for (int d = 1; d < 4; ++d) {
+                    inside = inside && at[d] >= 0 && at[d] < static_cast<long long>(map.dims[d]);
+                    row += at[d] * map.strides[d];
+                }
+                for (unsigned e = 0; e < map.box[0]; ++e, offset += 4) {
+                    const long long col = r.coords[0] + static_cast<long long>(e);
+                    unsigned address = r.src_address + static_cast<unsigned>(offset);
+                    address ^= ((address >> 7) & 7u) << 4;
+                    if (!inside || col < 0 || col >= static_cast<long long>(map.dims[0])) continue;
+                    float value;
+                    memcpy(&value, shared_pointer(address), 4);
+                    reinterpret_cast<float*>(row)[col] += value;
+                }
+            }
 }
 inline void land(const PendingCopy& c) {
     if (c.valid_bytes > 0) memcpy(c.dst, c.src, c.valid_bytes);

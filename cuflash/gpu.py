@@ -103,6 +103,8 @@ class Launch:
         """The launch of kernel ``role`` of a loaded variant (its registry traits), with
         the user's modifier functors (``kernel_build.UserFunctors``) if given."""
         traits = loaded.variant.traits(role)
+        if isinstance(fixed, kernel_params.Params):  # the kernel's parameter offsets
+            fixed = fixed.rebased(kernel_params.parameter_base(loaded.variant.sm))
         return cls(
             _compiled(loaded, role, functors).kernel,
             grid,

@@ -128,34 +128,50 @@ def _format_of(ctype):
     return _SCALARS.get(ctype) or _RECORDS[ctype]
 
 
+def parameter_base(sm):
+    """Where the parameters of a kernel compiled for tile generation ``sm`` (80: sm_80 to
+    sm_89, 90: sm_90 and newer) begin in its constant bank (the cubin's
+    ``EIATTR_PARAM_CBANK``). The compiler aligns each parameter by its address there, not
+    by its offset from the first: a 64-byte tensor map after 888 bytes of parameters sits
+    at offset 944 on sm_90 (0x210 + 944 = 23 x 64), 928 on sm_80, where a C struct has
+    it at 896. A launch's parameter buffer is laid out from this base
+    (:meth:`Params.rebased`); ``tests/test_kernel_params.py`` holds it against the
+    cubins' offsets."""
+    return 0x210 if sm >= 90 else 0x160
+
+
 @functools.cache
-def layout(name):
-    """The NumPy dtype of struct ``name`` of ``kernels/params.cuh``, laid out as C does."""
-    names, formats, offsets, offset, widest = [], [], [], 0, 1
+def layout(name, base=0):
+    """The NumPy dtype of struct ``name`` of ``kernels/params.cuh``, laid out as C does
+    (``base`` 0), or as the parameters of its list's kernels whose parameters begin at
+    ``base`` in the constant bank (:func:`parameter_base`): each member at a multiple of
+    its alignment counted from the bank's start, its offset from ``base``."""
+    names, formats, offsets, offset, widest = [], [], [], base, 1
     for member, ctype in members()[name]:
         fmt, align = _format_of(ctype)
         offset = -(-offset // align) * align
         names.append(member)
         formats.append(fmt)
-        offsets.append(offset)
+        offsets.append(offset - base)
         offset += np.dtype(fmt).itemsize
         widest = max(widest, align)
-    itemsize = -(-offset // widest) * widest
+    itemsize = -(-(offset - base) // widest) * widest
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
 
 
-def parameter_bytes(name):
-    """The bytes of the parameter buffer of list ``name``'s kernels: where its last
-    parameter ends (the struct's size less its tail padding)."""
-    dtype = layout(name)
+def parameter_bytes(name, base=0):
+    """The bytes of the parameter buffer of list ``name``'s kernels (their parameters
+    from ``base``, as :func:`layout`): where its last parameter ends."""
+    dtype = layout(name, base)
     return max(offset + fmt.itemsize for fmt, offset in dtype.fields.values())
 
 
-def _aligned_record(dtype, alignment=64):
-    """One zeroed record of ``dtype`` at an address that is a multiple of ``alignment``
-    (a tensor map's, for the driver that encodes it in place)."""
+def _aligned_record(dtype, alignment=64, remainder=0):
+    """One zeroed record of ``dtype`` at an address that is ``remainder`` past a multiple
+    of ``alignment`` (a record laid out from a parameter base keeps its tensor maps at
+    multiples of 64, for the driver that encodes them in place)."""
     raw = np.zeros(dtype.itemsize + alignment, dtype=np.uint8)
-    skip = -raw.ctypes.data % alignment
+    skip = (remainder - raw.ctypes.data) % alignment
     return raw[skip : skip + dtype.itemsize].view(dtype)
 
 
@@ -170,7 +186,11 @@ class Params:
     ``maps``: ``{member: (address member, map, encode)}``, tensor-map members that
     ``pack`` encodes from a per-call address, ``encode(map, destination, address)``
     (e.g. :meth:`cuflash.tensor_maps.TileMap.encode_into`), only when that address
-    differs from the last call's."""
+    differs from the last call's.
+
+    ``base``: the record laid out as :func:`layout`'s (0, the C struct's: the
+    simulator's launches); a GPU launch takes :meth:`rebased` to its kernel's
+    :func:`parameter_base`."""
 
     __slots__ = (
         "name",
@@ -183,12 +203,15 @@ class Params:
         "_pack_addresses",
         "_maps",
         "_last",
+        "base",
+        "_given",
     )
 
-    def __init__(self, name, per_call, keep=(), maps=None, **fields):
-        dtype = layout(name)
+    def __init__(self, name, per_call, keep=(), maps=None, base=0, **fields):
+        dtype = layout(name, base)
         self.name, self.per_call, self.keep = name, tuple(per_call), tuple(keep)
-        self.record = _aligned_record(dtype)
+        self.base, self._given = base, (maps, fields)
+        self.record = _aligned_record(dtype, 64, base)
         for member, value in fields.items():
             if member not in dtype.fields:
                 raise KeyError(f"{name} has no member {member!r}")
@@ -212,7 +235,7 @@ class Params:
             layout_text += f"{offset - at}xQ" if offset > at else "Q"
             at = offset + 8
         self.address = self.record.ctypes.data
-        self.size = parameter_bytes(name)
+        self.size = parameter_bytes(name, base)
         self._pack_addresses = functools.partial(
             struct.Struct(layout_text).pack_into, self.record, start
         )
@@ -228,6 +251,13 @@ class Params:
         if self._maps:
             self._last = [None] * len(self._maps)
             self.pack = self._pack_with_maps
+
+    def rebased(self, base):
+        """This record laid out from parameter base ``base`` (itself if it is)."""
+        if base == self.base:
+            return self
+        maps, fields = self._given
+        return Params(self.name, self.per_call, self.keep, maps, base, **fields)
 
     def _pack_with_maps(self, *addresses):
         self._pack_addresses(*addresses)

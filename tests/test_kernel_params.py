@@ -6,6 +6,9 @@ fall where the host's record puts them, so a member the two sides place differen
 fails here, without a GPU, instead of reading wrong values in a kernel."""
 
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,50 +98,96 @@ def _host_parameters(dtype):
     return found
 
 
-def _kernel_parameters(name):
-    """(offset, bytes) of each parameter of a kernel declared with ``name``'s list, from
-    its PTX: each at the next multiple of its alignment (a scalar's: its size; an
-    aggregate's: its ``.align``), as a parameter buffer lays them out."""
+def _probe_source(name):
+    """A kernel declared with ``name``'s list (every type parameter half_t)."""
     text = kernel_params.PARAMS_HEADER.read_text()
     macro, args = re.search(rf"struct {name} \{{\s*(\w+)\(CUFLASH_MEMBER, ([^)]*)\)", text).groups()
     types = ", ".join("half_t" for _ in args.split(","))
-    kernel = f'extern "C" __global__ void probe(CUFLASH_PARAMETERS({macro}, {types})) {{}}'
-    ptx = _compile(_source([kernel]), ptx=True)
-    assert ptx is not None and ".entry probe" in ptx, ptx
-    found, end = [], 0
-    for align, kind, count in re.findall(
-        r"\.param (?:\.align (\d+) )?\.(\w+) probe_param_\d+(?:\[(\d+)\])?", ptx
-    ):
-        size = int(count) if count else int(kind[1:]) // 8
-        align = int(align) if align else size
-        end = -(-end // align) * align
-        found.append((end, size))
-        end += size
-    return found, end
+    return _source([f'extern "C" __global__ void probe(CUFLASH_PARAMETERS({macro}, {types})) {{}}'])
 
 
+def _kernel_parameters(name, arch):
+    """(offset, bytes) of each parameter of a kernel declared with ``name``'s list,
+    compiled for ``arch``, and where its parameters begin in the constant bank and how
+    many bytes they take: the cubin's own record (``cuobjdump -elf``:
+    ``EIATTR_KPARAM_INFO``, ``EIATTR_PARAM_CBANK``), which the driver follows when it
+    copies a parameter buffer."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(_probe_source(name), "params_probe.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, kernel_build.COMPILE_OPTIONS + (f"-arch={arch}",))
+        cubin = kernel_build._complete_elf(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.cubin"
+        path.write_bytes(cubin)
+        elf = subprocess.run(
+            [kernel_build.find_cuobjdump(), "-elf", str(path)], capture_output=True, text=True
+        ).stdout
+    found = sorted(
+        (int(ordinal, 16), int(offset, 16), int(size, 16))
+        for ordinal, offset, size in re.findall(
+            r"Ordinal : (0x[0-9a-f]+)\s+Offset\s+: (0x[0-9a-f]+)\s+Size\s+: (0x[0-9a-f]+)", elf
+        )
+    )
+    bank = re.search(r"EIATTR_PARAM_CBANK\s+Format:\s+\S+\s+Value:\s+\S+\s+(0x[0-9a-f]+)", elf)
+    assert found and bank, elf[:2000]
+    word = int(bank.group(1), 16)
+    return [(offset, size) for _, offset, size in found], word & 0xFFFF, word >> 16
+
+
+needs_cuobjdump = pytest.mark.skipif(
+    kernel_build.find_cuobjdump() is None, reason="no cuobjdump to read the cubin"
+)
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("sm, arch", [(80, "sm_80"), (90, "sm_90a")])
 @pytest.mark.parametrize("name", STRUCTS)
-def test_kernel_parameters_are_where_the_host_writes_them(name):
-    """The parameters of a kernel of each list fall at the host record's offsets, and the
-    buffer a launch passes ends where they do."""
-    parameters, end = _kernel_parameters(name)
-    assert _host_parameters(kernel_params.layout(name)) == parameters
-    assert kernel_params.parameter_bytes(name) == end
+def test_kernel_parameters_are_where_the_host_writes_them(name, sm, arch):
+    """The parameters of a kernel of each list fall at the offsets of the host's record
+    laid out from the kernel's parameter base (64-byte tensor maps included, which the
+    compiler aligns by their constant-bank address), and the buffer a launch passes is
+    as long as the kernel's parameters."""
+    parameters, base, size = _kernel_parameters(name, arch)
+    assert base == kernel_params.parameter_base(sm)
+    assert _host_parameters(kernel_params.layout(name, base)) == parameters
+    assert kernel_params.parameter_bytes(name, base) == size
 
 
+@needs_cuobjdump
 def test_a_host_list_other_than_the_kernels_fails_the_check():
     """A record the host lays out otherwise than the kernel (here: BackwardParams without
-    its kv_capacity) does not match the kernel's parameters."""
+    its kv_capacity; and ForwardParams from 0, the C struct's offsets, where its tensor
+    maps are not) does not match the kernel's parameters."""
     fields = [f for f in kernel_params.members()["BackwardParams"] if f[0] != "kv_capacity"]
     wrong = kernel_params.layout.__wrapped__  # the layout of a list given here
     members = kernel_params.members
     try:
         kernel_params.members = lambda: {"BackwardParams": fields}
-        dtype = wrong("BackwardParams")
+        dtype = wrong("BackwardParams", 0x210)
     finally:
         kernel_params.members = members
-    parameters, _ = _kernel_parameters("BackwardParams")
+    parameters, _, _ = _kernel_parameters("BackwardParams", "sm_90a")
     assert _host_parameters(dtype) != parameters
+    parameters, _, _ = _kernel_parameters("ForwardParams", "sm_90a")
+    assert _host_parameters(kernel_params.layout("ForwardParams")) != parameters
+
+
+def test_a_rebased_record_keeps_its_values_and_maps_aligned():
+    """A record laid out from a parameter base holds the same members, its tensor maps at
+    64-byte host addresses (the driver encodes them in place)."""
+    p = kernel_params.Params(
+        "ForwardParams", kernel_params.FORWARD_ADDRESSES, num_heads=6, q_len=77, softcap=2.5
+    )
+    r = p.rebased(0x210)
+    assert r is not p and r.rebased(0x210) is r and p.rebased(0) is p
+    assert (r["num_heads"], r["q_len"], r["softcap"]) == (6, 77, 2.5)
+    offset = kernel_params.layout("ForwardParams", 0x210).fields["q_map"][1]
+    assert offset % 64 == 48 and (r.address + offset) % 64 == 0
+    assert r.size == kernel_params.parameter_bytes("ForwardParams", 0x210) > p.size
 
 
 def test_params_fix_members_and_pack_the_calls_addresses():

@@ -41,7 +41,7 @@ try:
 except ImportError:  # NumPy 1
     byte_bounds = np.byte_bounds
 
-from cuflash import kernel_build
+from cuflash import kernel_build, kernel_params
 
 KERNEL_DIR = kernel_build.KERNEL_DIR  # the kernels of the cuflash whose registry runs them
 RUNTIME = Path(__file__).resolve().parent / "runtime.h"
@@ -310,10 +310,10 @@ class Module:
         """Run kernel ``name`` on ``grid`` (up to 3 dims) of blocks of ``threads``.
 
         ``args``: a kernel parameter record with its call's arrays, ``(params, arrays)``
-        (a tuple: a ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays,
-        or None, in order), passed as the kernel's parameter buffer as
-        ``cuflash.gpu.Launch`` passes it (a buffer laid out for other parameters than the
-        kernel's is an error); or a list in the kernel's order: NumPy arrays (their
+        (a ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays, or None,
+        in order), passed as the kernel's parameter buffer as ``cuflash.gpu.Launch``
+        passes it (a buffer laid out for other parameters than the kernel's is an
+        error); or the arguments in the kernel's order: NumPy arrays (their
         address; the caller keeps them alive), None (a null pointer), NumPy scalars
         (their bytes, so their type must be the parameter's), one-element structured
         arrays (a record passed by value). With ``guard``, each array is copied into
@@ -341,7 +341,7 @@ class Module:
                 address = copy + (address - low)
             return address
 
-        if isinstance(args, tuple):  # a kernel_params.Params and its call's arrays
+        if len(args) == 2 and isinstance(args[0], kernel_params.Params):  # the call's buffer
             params, arrays = args
             if len(arrays) != len(params.per_call):
                 raise TypeError(f"{params.name}: {len(arrays)} arrays for {params.per_call}")

@@ -16,7 +16,6 @@ from .decode_tiles import (
     decode_shape,
     decode_tc_shape,
 )
-from .kernel_params import LOG2E
 
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
@@ -189,19 +188,3 @@ def _kernel(name, shared=0, functors=None):
             attributes["MultiProcessorCount"],
         )
     return found
-
-
-def _paging_args(problem, block_table):
-    table = np.uint64(0) if block_table is None else block_table
-    return table, (
-        np.int32(problem.capacity),
-        np.int32(problem.block_size),
-        np.int32(problem.max_blocks),
-        np.int32(max(problem.num_blocks, 1)),
-    )
-
-
-def _modifier_args(problem):
-    """The decode kernels' last scalars: the ALiBi slopes' batch stride and the soft-cap
-    in log2 units (the kernels' scores are ``scale log2(e) q . k``)."""
-    return (np.int32(max(problem.alibi_batch_stride, 0)), np.float32(problem.softcap * LOG2E))

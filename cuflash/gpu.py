@@ -66,7 +66,7 @@ class Launch:
     out by the parameters' alignment as the record is); or NumPy scalars of at most 8
     bytes and records passed by value (an object with an ``address`` of its host bytes,
     such as :class:`UserArguments`) after the addresses, passed by an array of
-    parameter pointers (``kernelParams``; the KV cache's kernels). Either is packed once,
+    parameter pointers (``kernelParams``). Either is packed once,
     so that a launch only writes the addresses into their slots. A lock keeps two
     threads from sharing the slots: the driver copies them before ``cuLaunchKernel``
     returns.

@@ -166,6 +166,52 @@ def parameter_bytes(name, base=0):
     return max(offset + fmt.itemsize for fmt, offset in dtype.fields.values())
 
 
+_CODES = {"<u8": "Q", "<i4": "i", "<f4": "f", "<i8": "q"}
+
+
+@functools.cache
+def _writers(name, base=0):
+    """``{member: (offset, struct.Struct or None)}`` of struct ``name`` laid out from
+    ``base``: how a fixed value is written into a record (a scalar, a pointer or
+    ``Strides`` by ``struct``; a record's bytes by copy: None), faster than NumPy's
+    field assignment, which a record built per call would pay for every member."""
+    dtype = layout(name, base)
+    found = {}
+    for member in dtype.names:
+        fmt, offset = dtype.fields[member][:2]
+        if fmt == STRIDES_DTYPE:
+            found[member] = (offset, struct.Struct("<3q"))
+        elif fmt.str in _CODES and fmt.shape == ():
+            found[member] = (offset, struct.Struct("<" + _CODES[fmt.str]))
+        else:
+            found[member] = (offset, None)
+    return found
+
+
+@functools.cache
+def _address_packer(name, per_call, base=0):
+    """``(start, struct.Struct, span)``: the per-call members ``per_call`` of struct
+    ``name`` (pointers, or an int such as a length) packed from byte ``start`` (the pad
+    bytes between them zeroed), the bytes they span; KeyError / ValueError for members
+    that are not the struct's pointers or ints in its order."""
+    dtype = layout(name, base)
+    codes = {np.dtype(_POINTER[0]): "Q", np.dtype("<i4"): "i"}
+    offsets, layout_text, at = [], "<", None
+    for member in per_call:
+        if member not in dtype.fields or dtype.fields[member][0] not in codes:
+            raise KeyError(f"{name} has no pointer or int member {member!r}")
+        fmt, offset = dtype.fields[member][:2]
+        if at is not None and offset < at:
+            raise ValueError(f"{name}: per-call members out of the struct's order: {per_call}")
+        layout_text += f"{offset - at}x" if at is not None and offset > at else ""
+        layout_text += codes[fmt]
+        offsets.append(offset)
+        at = offset + fmt.itemsize
+    start = offsets[0] if offsets else 0
+    span = range(start, at) if offsets else range(0)
+    return start, struct.Struct(layout_text), span
+
+
 def _aligned_record(dtype, alignment=64, remainder=0):
     """One zeroed record of ``dtype`` at an address that is ``remainder`` past a multiple
     of ``alignment`` (a record laid out from a parameter base keeps its tensor maps at
@@ -179,8 +225,9 @@ class Params:
     """One launch's record of struct ``name`` (its kernels' parameter buffer, of ``size``
     bytes: :func:`parameter_bytes`): the members in ``fields`` fixed now (a
     ``Strides`` member from a 3-tuple, ``user_args`` from a ``UserModifierArgs`` record,
-    pointers as ints), the pointers ``per_call`` (in the struct's order) written at each
-    launch by ``pack(*addresses)`` (0 for null); every other member zero (null). ``keep``: objects
+    pointers as ints), the pointers ``per_call`` (in the struct's order; an int member
+    too, such as a length) written at each launch by ``pack(*addresses)`` (0 for null);
+    every other member zero (null). ``keep``: objects
     whose memory the record points into.
 
     ``maps``: ``{member: (address member, map, encode)}``, tensor-map members that
@@ -212,33 +259,26 @@ class Params:
         self.name, self.per_call, self.keep = name, tuple(per_call), tuple(keep)
         self.base, self._given = base, (maps, fields)
         self.record = _aligned_record(dtype, 64, base)
+        start, packer, span = _address_packer(name, self.per_call, base)
+        writers = _writers(name, base)
+        raw = self.record.view(np.uint8)
         for member, value in fields.items():
-            if member not in dtype.fields:
+            if member not in writers:
                 raise KeyError(f"{name} has no member {member!r}")
-            self.record[member] = value
-        offsets = []
-        for member in self.per_call:
-            if member not in dtype.fields or dtype.fields[member][0] != np.dtype(_POINTER[0]):
-                raise KeyError(f"{name} has no pointer member {member!r}")
-            offsets.append(dtype.fields[member][1])
-        if offsets != sorted(set(offsets)):
-            raise ValueError(f"{name}: per-call members out of the struct's order: {per_call}")
-        start = offsets[0] if offsets else 0
-        # The span the addresses are packed into (the pad bytes between them zeroed)
-        # holds no member fixed here.
-        span = range(start, offsets[-1] + 8) if offsets else range(0)
-        for member in fields:
-            if dtype.fields[member][1] in span:
+            offset, writer = writers[member]
+            # The span the addresses are packed into (the pad bytes between them
+            # zeroed) holds no member fixed here.
+            if offset in span:
                 raise ValueError(f"{name}.{member} is fixed inside the per-call addresses")
-        layout_text, at = "<", start
-        for offset in offsets:
-            layout_text += f"{offset - at}xQ" if offset > at else "Q"
-            at = offset + 8
+            if writer is None:
+                self.record[member] = value
+            elif writer.size == 24:
+                writer.pack_into(raw, offset, *value)
+            else:
+                writer.pack_into(raw, offset, value)
         self.address = self.record.ctypes.data
         self.size = parameter_bytes(name, base)
-        self._pack_addresses = functools.partial(
-            struct.Struct(layout_text).pack_into, self.record, start
-        )
+        self._pack_addresses = functools.partial(packer.pack_into, self.record, start)
         self.pack = self._pack_addresses
         self._maps = []
         for member, (source, tile_map, encode) in (maps or {}).items():
@@ -492,6 +532,124 @@ def pieces_params(strides, valid_rows, heads, seq_len):
         rows=valid_rows,
     )
     return abs_max, split
+
+
+#: The members of ``DecodeParams`` (the KV cache's split-KV kernels) a launch writes at
+#: each call, in order.
+DECODE_ADDRESSES = (
+    "q",
+    "k_cache",
+    "v_cache",
+    "seqlens",
+    "block_table",
+    "out",
+    "lse",
+    "part_out",
+    "part_lse",
+    "alibi_slopes",
+    "sinks",
+    "seqlen_value",  # an int: the lengths' value where seqlens is null
+)
+
+
+def _paging(problem):
+    return dict(
+        capacity=problem.capacity,
+        block_size=problem.block_size,
+        max_blocks=problem.max_blocks,
+        num_blocks=max(problem.num_blocks, 1),
+    )
+
+
+def decode_params(problem, strides, splits, row_tiles, aligned, user):
+    """The ``DecodeParams`` of a KV-cache problem's split-KV launch: q's, k_cache's and
+    v_cache's element ``strides`` (``(batch, head, row)`` each), the split count, the row
+    tiles a KV head, whether the caches take 16-byte copies, the user's modifier
+    arguments (as :func:`forward_params`'); the call's addresses and lengths' value
+    written at each launch (:data:`DECODE_ADDRESSES`)."""
+    left, right = problem.window
+    q_strides, k_strides, v_strides = strides
+    return Params(
+        "DecodeParams",
+        DECODE_ADDRESSES,
+        keep=(user,),
+        user_args=getattr(user, "record", user),
+        q_st=tuple(q_strides),
+        k_st=tuple(k_strides),
+        v_st=tuple(v_strides),
+        num_heads=problem.num_heads,
+        group=problem.group_size,
+        q_len=problem.q_len,
+        new_len=problem.new_len,
+        win_left=left,
+        win_right=right,
+        num_splits=splits,
+        row_tiles=row_tiles,
+        aligned=int(aligned),
+        scale_log2=problem.softmax_scale * LOG2E,
+        alibi_batch_stride=max(problem.alibi_batch_stride, 0),
+        softcap_log2=problem.softcap * LOG2E,
+        **_paging(problem),
+    )
+
+
+#: The members of ``KvcacheAppendParams`` a launch writes at each call, in order.
+APPEND_ADDRESSES = (
+    "k_new",
+    "v_new",
+    "k_cache",
+    "v_cache",
+    "seqlens",
+    "block_table",
+    "key_counts",
+    "q",
+    "q_rotated",
+    "rotary_cos",
+    "rotary_sin",
+    "seqlen_value",
+)
+
+
+def append_params(problem, strides, rotary):
+    """The ``KvcacheAppendParams`` of a KV-cache problem's append: k_new's, v_new's (None:
+    no new rows), k_cache's, v_cache's and q's element ``strides``, the rotary scalars
+    (``cuflash.rotary.append_arguments``); the call's addresses and lengths' value
+    written at each launch (:data:`APPEND_ADDRESSES`)."""
+    kn, vn, k, v, q = (() if x is None else tuple(x) for x in strides)
+    rotary_dim, rotary_rows, interleaved, tables_in_t = rotary
+    return Params(
+        "KvcacheAppendParams",
+        APPEND_ADDRESSES,
+        kn_st=kn or (0, 0, 0),
+        vn_st=vn or (0, 0, 0),
+        k_st=k,
+        v_st=v,
+        q_st=q,
+        new_len=problem.new_len,
+        head_dim=problem.head_dim,
+        head_dim_v=problem.head_dim_v,
+        q_len=problem.q_len,
+        group=problem.group_size,
+        rotary_dim=rotary_dim,
+        rotary_rows=rotary_rows,
+        interleaved=interleaved,
+        tables_in_t=tables_in_t,
+        **_paging(problem),
+    )
+
+
+def combine_params(problem, rows, splits):
+    """The ``KvcacheCombineParams`` of the merge of ``splits`` partial rows of ``rows``
+    query rows; the call writes ``part_out``, ``part_lse``, ``out``, ``lse`` and
+    ``sinks``."""
+    return Params(
+        "KvcacheCombineParams",
+        ("part_out", "part_lse", "out", "lse", "sinks"),
+        rows=rows,
+        num_splits=splits,
+        num_heads=problem.num_heads,
+        q_len=problem.q_len,
+    )
 
 
 def forward_maps(problem, traits, shapes, strides, encode):

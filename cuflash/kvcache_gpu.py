@@ -11,10 +11,11 @@ import numpy as np
 
 from . import (
     decode_kernels,  # its functions are read at call time (tools replace some)
+    kernel_params,
     kvcache,
 )
 from . import rotary as rotary_embedding
-from .decode_kernels import DENSE_MIN_ROWS, LOG2E
+from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
 
 
@@ -48,9 +49,11 @@ def _verify_on_host(problem, cache_seqlens, block_table):
 
 
 def _length_args(cache_seqlens):
+    """``(lengths' device address, their value)``: an int length is a value for every
+    sequence (address 0), device-held ones an array (value 0)."""
     if isinstance(cache_seqlens, numbers.Integral):
-        return np.uint64(0), np.int32(int(cache_seqlens))
-    return cache_seqlens, np.int32(0)
+        return 0, int(cache_seqlens)
+    return cache_seqlens.data.ptr, 0
 
 
 def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes):
@@ -107,25 +110,77 @@ def _rotated_query(problem, q):
     return cupy.empty(problem.q_shape, dtype=problem.dtype)
 
 
-def _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging):
-    """``kvcache_append``'s arguments after its pointers."""
+def _append_params(problem, k_new, v_new, q, k_cache, v_cache):
+    """``kvcache_append``'s parameter record (``kernel_params.append_params``)."""
+    return kernel_params.append_params(
+        problem, _strides_of(k_new, v_new, k_cache, v_cache, q), _rotary(problem)
+    )
+
+
+def _strides_of(*arrays):
+    """The element strides (batch, head, row) of each array, None for None."""
     from .gpu import element_strides
 
-    no_rows = (np.int64(0),) * 3
+    return tuple(None if x is None else element_strides(x) for x in arrays)
+
+
+def _rotary(problem):
+    return tuple(int(x) for x in rotary_embedding.append_arguments(problem))
+
+
+# gpu_forward's launches (host-held lengths, user modifiers: no plan serves those calls),
+# kept by their kernel, grid and record's arguments: a repeated call packs only its
+# addresses into the record, as a plan's launch does; rebuilding the record each call
+# would cost more host time than CuPy's positional arguments did. At most _MAX_LAUNCHES.
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 256
+
+
+def _problem_key(problem):
+    """The problem's values that the KV cache's records hold."""
     return (
-        *(no_rows if k_new is None else element_strides(k_new)),
-        *(no_rows if v_new is None else element_strides(v_new)),
-        *element_strides(k_cache),
-        *element_strides(v_cache),
-        *element_strides(q),
-        np.int32(problem.new_len),
-        np.int32(problem.head_dim),
-        np.int32(problem.head_dim_v),
-        *paging,
-        np.int32(problem.q_len),
-        np.int32(problem.group_size),
-        *rotary_embedding.append_arguments(problem),
+        problem.num_heads,
+        problem.num_kv_heads,
+        problem.q_len,
+        problem.new_len,
+        problem.head_dim,
+        problem.head_dim_v,
+        problem.window,
+        problem.softmax_scale,
+        problem.alibi_batch_stride,
+        problem.softcap,
+        problem.capacity,
+        problem.block_size,
+        problem.max_blocks,
+        problem.num_blocks,
     )
+
+
+def _on_device(params):
+    """``params`` laid out from the current device's parameter base (``gpu.Launch.of_role``
+    does the same for the attention kernels)."""
+    from . import registry
+    from .gpu import device_capability
+
+    sm = registry.generation(device_capability()[1])
+    return params.rebased(kernel_params.parameter_base(sm))
+
+
+def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
+    """A ``gpu.Launch`` of ``function`` with the record ``build(problem, *arguments)``, the
+    one made for the same arguments before where ``reuse``."""
+    from .gpu import Launch
+
+    key = (function.ptr, grid, shared, build, _problem_key(problem), arguments)
+    found = _LAUNCHES.get(key) if reuse else None
+    if found is None:
+        params = _on_device(build(problem, *arguments))
+        found = Launch(function, grid, THREADS, shared, params)
+        if reuse:
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = found
+    return found
 
 
 def _user_modifiers(problem):
@@ -163,8 +218,7 @@ def gpu_forward(
     adds)."""
     import cupy
 
-    from .gpu import device_capability
-    from .gpu import element_strides as _strides
+    from .gpu import address, current_stream, device_capability
     from .gpu import rows_are_16_byte_aligned as _aligned
     from .problem import unit_last_stride
 
@@ -175,7 +229,8 @@ def gpu_forward(
     if not isinstance(cache_seqlens, numbers.Integral):
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     seqlen_ptr, seqlen_value = _length_args(cache_seqlens)
-    table_ptr, paging = decode_kernels._paging_args(problem, block_table)
+    table_ptr = address(block_table)
+    stream = current_stream()
     q = unit_last_stride(cupy, q)
     attended = _rotated_query(problem, q)  # the query rows the attention reads
     dense = None
@@ -189,27 +244,31 @@ def gpu_forward(
     if decode_kernels.append_blocks(problem) and problem.batch and problem.num_kv_heads:
         if problem.new_len:
             k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
-        tables = (np.uint64(0),) * 2
-        if problem.rotary is not None:
+        tables = (None, None)
+        if problem.rotary is not None:  # held until the launch is queued
             tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
         append = decode_kernels._kernel(decode_kernels.append_name(problem))[0]
-        append(
+        _launch(
+            append.kernel,
             (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
-            (THREADS,),
-            (
-                np.uint64(0) if k_new is None else k_new,
-                np.uint64(0) if v_new is None else v_new,
-                k_cache,
-                v_cache,
-                seqlen_ptr,
-                seqlen_value,
-                table_ptr,
-                key_counts if problem.new_len and key_counts is not None else np.uint64(0),
-                q,
-                attended,
-                *tables,
-                *_append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging),
-            ),
+            0,
+            kernel_params.append_params,
+            problem,
+            _strides_of(k_new, v_new, k_cache, v_cache, q),
+            _rotary(problem),
+        )(
+            stream,
+            address(k_new),
+            address(v_new),
+            k_cache.data.ptr,
+            v_cache.data.ptr,
+            seqlen_ptr,
+            table_ptr,
+            address(key_counts) if problem.new_len else 0,
+            q.data.ptr,
+            attended.data.ptr,
+            *map(address, tables),
+            seqlen_value,
         )
     q = attended
     if problem.batch * problem.num_heads == 0:
@@ -236,67 +295,48 @@ def gpu_forward(
     out = cupy.empty(problem.out_shape, dtype=problem.dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
+    part_out = part_lse = None
     if splits > 1:
         part_out = cupy.empty((part_rows * splits, problem.head_dim_v), dtype=np.float32)
         part_lse = cupy.empty(part_rows * splits, dtype=np.float32)
-    else:
-        part_out = part_lse = np.uint64(0)
-    left, right = problem.window
     slopes, sinks = (
-        np.uint64(0) if a is None else cupy.ascontiguousarray(a) for a in (alibi_slopes, sinks)
+        None if a is None else cupy.ascontiguousarray(a) for a in (alibi_slopes, sinks)
     )
-    decode(
+    _launch(
+        decode.kernel,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
-        (THREADS,),
-        (
-            q,
-            k_cache,
-            v_cache,
-            seqlen_ptr,
-            seqlen_value,
-            table_ptr,
-            out,
-            lse,
-            part_out,
-            part_lse,
-            slopes,
-            sinks,
-            user.pointer,
-            *_strides(q),
-            *_strides(k_cache),
-            *_strides(v_cache),
-            np.int32(problem.num_heads),
-            np.int32(problem.group_size),
-            np.int32(problem.q_len),
-            np.int32(problem.new_len),
-            *paging,
-            np.int32(left),
-            np.int32(right),
-            np.int32(splits),
-            np.int32(row_tiles),
-            np.int32(_aligned((k_cache, v_cache))),
-            np.float32(problem.softmax_scale * LOG2E),
-            *decode_kernels._modifier_args(problem),
-        ),
-        shared_mem=shared,
+        shared,
+        kernel_params.decode_params,
+        problem,
+        _strides_of(q, k_cache, v_cache),
+        splits,
+        row_tiles,
+        _aligned((k_cache, v_cache)),
+        user,
+        reuse=functors is None,  # a user's arguments are the call's
+    )(
+        stream,
+        q.data.ptr,
+        k_cache.data.ptr,
+        v_cache.data.ptr,
+        seqlen_ptr,
+        table_ptr,
+        out.data.ptr,
+        lse.data.ptr,
+        *map(address, (part_out, part_lse, slopes, sinks)),
+        seqlen_value,
     )
     if splits > 1:
         combine = decode_kernels._kernel(decode_kernels.combine_name(problem))[0]
-        combine(
+        _launch(
+            combine.kernel,
             (part_rows,),
-            (THREADS,),
-            (
-                part_out,
-                part_lse,
-                out,
-                lse,
-                sinks,
-                np.int64(part_rows),
-                np.int32(splits),
-                np.int32(problem.num_heads),
-                np.int32(problem.q_len),
-            ),
-        )
+            0,
+            kernel_params.combine_params,
+            problem,
+            part_rows,
+            splits,
+        )(stream, *map(address, (part_out, part_lse, out, lse, sinks)))
     return out, lse
 
 
@@ -326,7 +366,6 @@ class DecodePlan:
             NO_USER_ARGUMENTS,
             Launch,
             device_capability,
-            element_strides,
             rows_are_16_byte_aligned,
         )
         from .problem import unit_last_stride
@@ -338,7 +377,6 @@ class DecodePlan:
             or (block_table is not None and not block_table.flags.c_contiguous)
         )
         q = unit_last_stride(cupy, q)
-        _, paging = decode_kernels._paging_args(problem, block_table)
         self.append = None
         if decode_kernels.append_blocks(problem) and problem.num_kv_heads:
             if problem.new_len:
@@ -348,7 +386,7 @@ class DecodePlan:
                 (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
                 THREADS,
                 0,
-                _append_scalars(problem, k_new, v_new, q, k_cache, v_cache, paging),
+                _on_device(_append_params(problem, k_new, v_new, q, k_cache, v_cache)),
             )
         q = _rotated_query(problem, q)  # the layout the attention reads (rotated: its own)
         self.dense = _dense_plan(
@@ -365,29 +403,20 @@ class DecodePlan:
         self.splits = decode_kernels.num_splits(
             blocks, per_sm * sm_count, *decode_kernels.split_cap(problem.capacity, keys_per_tile)
         )
-        left, right = problem.window
         self.decode = Launch(
             decode.kernel,
             (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
             THREADS,
             shared,
-            (
-                NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
-                *element_strides(q),
-                *element_strides(k_cache),
-                *element_strides(v_cache),
-                np.int32(problem.num_heads),
-                np.int32(problem.group_size),
-                np.int32(problem.q_len),
-                np.int32(problem.new_len),
-                *paging,
-                np.int32(left),
-                np.int32(right),
-                np.int32(self.splits),
-                np.int32(row_tiles),
-                np.int32(rows_are_16_byte_aligned((k_cache, v_cache))),
-                np.float32(problem.softmax_scale * LOG2E),
-                *decode_kernels._modifier_args(problem),
+            _on_device(
+                kernel_params.decode_params(
+                    problem,
+                    _strides_of(q, k_cache, v_cache),
+                    self.splits,
+                    row_tiles,
+                    rows_are_16_byte_aligned((k_cache, v_cache)),
+                    NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
+                )
             ),
         )
         self.part_rows = problem.batch * problem.num_heads * problem.q_len
@@ -398,12 +427,7 @@ class DecodePlan:
                 (self.part_rows,),
                 THREADS,
                 0,
-                (
-                    np.int64(self.part_rows),
-                    np.int32(self.splits),
-                    np.int32(problem.num_heads),
-                    np.int32(problem.q_len),
-                ),
+                _on_device(kernel_params.combine_params(problem, self.part_rows, self.splits)),
             )
             # The splits' partial rows and their lse in one workspace (256-byte aligned).
             self.part_lse_offset = (
@@ -458,12 +482,12 @@ class DecodePlan:
                 k_cache.data.ptr,
                 v_cache.data.ptr,
                 lengths,
-                0,
                 table,
                 address(key_counts) if problem.new_len else 0,
                 q.data.ptr,
                 attended.data.ptr,
                 *map(address, tables),
+                0,  # the lengths are on the device
             )
         q = attended
         if self.dense is not None:
@@ -483,16 +507,15 @@ class DecodePlan:
             k_cache.data.ptr,
             v_cache.data.ptr,
             lengths,
-            0,
             table,
             out.data.ptr,
             lse.data.ptr,
         )
         if self.combine is None:
-            self.decode(stream, *inputs, 0, 0, slopes, sink_ptr)
+            self.decode(stream, *inputs, 0, 0, slopes, sink_ptr, 0)
         else:
             workspace = cupy.cuda.alloc(self.workspace_bytes)
             part_lse = workspace.ptr + self.part_lse_offset
-            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes, sink_ptr)
+            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes, sink_ptr, 0)
             self.combine(stream, workspace.ptr, part_lse, out.data.ptr, lse.data.ptr, sink_ptr)
         return (out, lse) if problem.return_lse else out

@@ -12,7 +12,7 @@ import numpy as np
 import simulated_attention
 import simulator
 
-from cuflash import decode_kernels, kvcache, registry, rotary
+from cuflash import decode_kernels, kernel_params, kvcache, registry, rotary
 from cuflash.problem import forward_problem
 
 #: What the split count is chosen for (cuflash.decode_kernels.num_splits): a small GPU, so that
@@ -87,11 +87,10 @@ def forward(
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
     if isinstance(lengths, numbers.Integral):
-        lengths_array, length_value = None, np.int32(int(lengths))
+        lengths_array, length_value = None, int(lengths)
     else:
-        lengths_array, length_value = np.ascontiguousarray(lengths, np.int32), np.int32(0)
+        lengths_array, length_value = np.ascontiguousarray(lengths, np.int32), 0
     table = None if table is None else np.ascontiguousarray(table, np.int32)
-    _, paging = decode_kernels._paging_args(problem, block_table)
     q = np.ascontiguousarray(q)
     attended = q  # the query rows the attention reads: the append's rotated copy, poisoned
     if problem.rotary is not None and problem.batch * problem.num_heads:
@@ -125,38 +124,31 @@ def forward(
         key_counts = np.full(problem.batch, -1, np.int32) if problem.new_len else lengths_array
     if decode_kernels.append_blocks(problem) and problem.batch and problem.num_kv_heads:
         name = decode_kernels.append_name(problem)
-        no_rows = (np.int64(0),) * 3
+        strides = [None if x is None else _strides(x) for x in (k_new, v_new)]
+        strides += [_strides(x) for x in (k_cache, v_cache, q)]
+        params = kernel_params.append_params(problem, strides, rotary.append_arguments(problem))
         _module(name, capability).launch(
             name,
             (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
             decode_kernels.THREADS,
             0,
-            [
-                k_new,
-                v_new,
-                k_cache,
-                v_cache,
-                lengths_array,
-                length_value,
-                table,
-                key_counts if problem.new_len else None,
-                q,
-                attended,
-                rotary_cos,
-                rotary_sin,
-                *(no_rows if k_new is None else _strides(k_new)),
-                *(no_rows if v_new is None else _strides(v_new)),
-                *_strides(k_cache),
-                *_strides(v_cache),
-                *_strides(q),
-                np.int32(problem.new_len),
-                np.int32(problem.head_dim),
-                np.int32(problem.head_dim_v),
-                *paging,
-                np.int32(problem.q_len),
-                np.int32(problem.group_size),
-                *rotary.append_arguments(problem),
-            ],
+            (
+                params,
+                (
+                    k_new,
+                    v_new,
+                    k_cache,
+                    v_cache,
+                    lengths_array,
+                    table,
+                    key_counts if problem.new_len else None,
+                    q,
+                    attended,
+                    rotary_cos,
+                    rotary_sin,
+                    length_value,
+                ),
+            ),
             guard,
         )
     if dense:  # the dense forward over the cache, its key counts per entry
@@ -188,47 +180,41 @@ def forward(
     if splits > 1:
         part_out = np.full((part_rows * splits, problem.head_dim_v), np.nan, np.float32)
         part_lse = np.full(part_rows * splits, np.nan, np.float32)
-    left, right = problem.window
     slopes = None if alibi_slopes is None else np.ascontiguousarray(alibi_slopes)
     aligned = all(
         a.ctypes.data % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
         for a in (k_cache, v_cache)
+    )
+    params = kernel_params.decode_params(
+        problem,
+        [_strides(x) for x in (attended, k_cache, v_cache)],
+        splits,
+        row_tiles,
+        aligned,
+        simulated_attention.NO_USER_ARGUMENTS,
     )
     _module(name, capability).launch(
         name,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
         decode_kernels.THREADS,
         shared,
-        [
-            attended,
-            k_cache,
-            v_cache,
-            lengths_array,
-            length_value,
-            table,
-            out,
-            lse,
-            part_out,
-            part_lse,
-            slopes,
-            sinks,
-            simulated_attention.NO_USER_ARGUMENTS,
-            *_strides(attended),
-            *_strides(k_cache),
-            *_strides(v_cache),
-            np.int32(problem.num_heads),
-            np.int32(problem.group_size),
-            np.int32(problem.q_len),
-            np.int32(problem.new_len),
-            *paging,
-            np.int32(left),
-            np.int32(right),
-            np.int32(splits),
-            np.int32(row_tiles),
-            np.int32(aligned),
-            np.float32(problem.softmax_scale * decode_kernels.LOG2E),
-            *decode_kernels._modifier_args(problem),
-        ],
+        (
+            params,
+            (
+                attended,
+                k_cache,
+                v_cache,
+                lengths_array,
+                table,
+                out,
+                lse,
+                part_out,
+                part_lse,
+                slopes,
+                sinks,
+                length_value,
+            ),
+        ),
         guard,
     )
     if splits > 1:
@@ -238,17 +224,10 @@ def forward(
             (part_rows,),
             decode_kernels.THREADS,
             0,
-            [
-                part_out,
-                part_lse,
-                out,
-                lse,
-                sinks,
-                np.int64(part_rows),
-                np.int32(splits),
-                np.int32(problem.num_heads),
-                np.int32(problem.q_len),
-            ],
+            (
+                kernel_params.combine_params(problem, part_rows, splits),
+                (part_out, part_lse, out, lse, sinks),
+            ),
             guard,
         )
     return (out, lse) if return_lse else out

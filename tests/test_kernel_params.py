@@ -58,8 +58,11 @@ def test_the_lists_are_the_kernels_kinds():
         "BackwardDeltaParams",
         "BackwardDqParams",
         "BackwardParams",
+        "DecodeParams",
         "DqConvertParams",
         "ForwardParams",
+        "KvcacheAppendParams",
+        "KvcacheCombineParams",
         "PiecesAbsMaxParams",
         "PiecesSplitParams",
         "ZeroOutsideParams",
@@ -213,11 +216,21 @@ def test_params_fix_members_and_pack_the_calls_addresses():
     assert p["user_args"]["outer_tiles"] == 7
 
 
+def test_a_length_goes_with_the_call_addresses():
+    """The KV cache's host-held length is an int the call writes with its addresses."""
+    p = kernel_params.Params("DecodeParams", kernel_params.DECODE_ADDRESSES, num_heads=8)
+    p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 4096)
+    assert p["sinks"] == len(kernel_params.DECODE_ADDRESSES) - 1
+    assert p["seqlen_value"] == 4096 and p["num_heads"] == 8
+    p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 0)
+    assert p["seqlen_value"] == 0
+
+
 def test_params_refuse_what_the_struct_does_not_hold():
     with pytest.raises(KeyError, match="no member 'heads'"):
         kernel_params.Params("ForwardParams", (), heads=1)
-    with pytest.raises(KeyError, match="no pointer member 'num_heads'"):
-        kernel_params.Params("ForwardParams", ("num_heads",))
+    with pytest.raises(KeyError, match="no pointer or int member 'scale_log2'"):
+        kernel_params.Params("ForwardParams", ("scale_log2",))
     with pytest.raises(ValueError, match="out of the struct's order"):
         kernel_params.Params("ForwardParams", ("k", "q"))
     with pytest.raises(ValueError, match="inside the per-call addresses"):

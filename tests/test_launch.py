@@ -139,3 +139,28 @@ def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
         assert seen["dq_accum"] == last and seen["num_heads"] == 3 and seen["accum_width"] == 64
     assert np.frombuffer(calls[0][3][:8], np.uint64)[0] == 0x10
     assert np.frombuffer(calls[1][3][:8], np.uint64)[0] == 0x11
+
+
+def test_kvcache_calls_without_a_plan_reuse_their_launches(monkeypatch):
+    """The KV cache's calls with host-held lengths take no plan; their launches are kept by
+    kernel, grid and record, so a repeated call packs only its addresses and length."""
+    from cuflash import kernel_params, kvcache_gpu
+
+    monkeypatch.setattr(gpu, "_launch_kernel", lambda *args: None)
+    monkeypatch.setattr(kvcache_gpu, "_LAUNCHES", {})
+    monkeypatch.setattr(kvcache_gpu, "_on_device", lambda params: params.rebased(0x210))
+
+    class Problem:
+        num_heads, num_kv_heads, q_len, new_len, head_dim, head_dim_v = 8, 2, 1, 0, 64, 64
+        window, softmax_scale, alibi_batch_stride, softcap = (-1, -1), 0.125, -1, 0.0
+        capacity, block_size, max_blocks, num_blocks = 256, 256, 1, 2
+
+    def launch(splits):
+        return kvcache_gpu._launch(
+            FakeFunction(), (4, 2, 1), 0, kernel_params.combine_params, Problem, 8, splits
+        )
+
+    first = launch(2)
+    assert launch(2) is first and launch(3) is not first
+    first(0, 1, 2, 3, 4, 0)
+    assert first.fixed["num_splits"] == 2 and first.fixed["num_heads"] == 8

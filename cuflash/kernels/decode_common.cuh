@@ -8,6 +8,7 @@
 // they hold.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 #include "mma.cuh"
 
 namespace cuflash {
@@ -322,20 +323,6 @@ __device__ __forceinline__ void load_kv_tile(uint4* k_dst, uint4* v_dst, const T
     }
     if constexpr (COMMIT) cp_async_commit();
 }
-
-// The split-KV kernels' arguments (kvcache_decode and kvcache_decode_tc take the
-// same; cuflash/kvcache_gpu.py passes them in this order).
-#define CUFLASH_DECODE_PARAMS(T)                                                                 \
-    const T *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,       \
-        const int *__restrict__ seqlens, int seqlen_value, const int *__restrict__ block_table,  \
-        T *__restrict__ out, float *__restrict__ lse, float *__restrict__ part_out,              \
-        float *__restrict__ part_lse, const float *__restrict__ alibi_slopes,                    \
-        const float *__restrict__ sinks, const UserModifierArgs user_args, long long q_sb,       \
-        long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,          \
-        long long v_sb, long long v_sh, long long v_ss, int num_heads, int group, int q_len,     \
-        int new_len, int capacity, int block_size, int max_blocks, int num_blocks, int win_left, \
-        int win_right, int num_splits, int row_tiles, int aligned, float scale_log2,             \
-        int alibi_batch_stride, float softcap_log2
 
 // The score modifiers (see the Semantics page) of packed row m (query row i = m / group of
 // query head h = hk group + m % group) in sequence b: the soft-cap and the

@@ -44,18 +44,7 @@ __device__ __forceinline__ float rotary_element(const T* __restrict__ x, int d, 
 // forward's per-sequence key counts for a chunk of queries).
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
-    kvcache_append(const T* __restrict__ k_new, const T* __restrict__ v_new,
-                   T* __restrict__ k_cache, T* __restrict__ v_cache,
-                   const int* __restrict__ seqlens, int seqlen_value,
-                   const int* __restrict__ block_table, int* __restrict__ key_counts,
-                   const T* __restrict__ q, T* __restrict__ q_rotated,
-                   const void* __restrict__ rotary_cos, const void* __restrict__ rotary_sin,
-                   long long kn_sb, long long kn_sh, long long kn_ss, long long vn_sb,
-                   long long vn_sh, long long vn_ss, long long k_sb, long long k_sh, long long k_ss,
-                   long long v_sb, long long v_sh, long long v_ss, long long q_sb, long long q_sh,
-                   long long q_ss, int new_len, int head_dim, int head_dim_v, int capacity,
-                   int block_size, int max_blocks, int num_blocks, int q_len, int group,
-                   int rotary_dim, int rotary_rows, int interleaved, int tables_in_t) {
+    kvcache_append(CUFLASH_PARAMETERS(CUFLASH_KVCACHE_APPEND_PARAMS, T)) {
     const int hk = blockIdx.y, b = blockIdx.z;
     const int width = max(head_dim, head_dim_v);
     const long long key_elements = static_cast<long long>(new_len) * width;

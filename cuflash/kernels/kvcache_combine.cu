@@ -13,9 +13,7 @@ constexpr int kMaxSplits = kDecodeThreads;  // cuflash/decode_kernels.py's MAX_S
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, 4)
-    kvcache_combine(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                    T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
-                    long long rows, int num_splits, int num_heads, int q_len) {
+    kvcache_combine(CUFLASH_PARAMETERS(CUFLASH_KVCACHE_COMBINE_PARAMS, T)) {
     __shared__ float weight_s[kMaxSplits];
     __shared__ float warp_max_s[kDecodeWarps], warp_sum_s[kDecodeWarps];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -51,7 +51,7 @@ struct DecodeTcShape {
 template <typename T, int D, int ROW_WARPS, int STAGES, int BN, bool PAGED, bool NARROW>
 __global__ void __launch_bounds__(kDecodeThreads,
                                   (D <= 128 && ROW_WARPS == 1) ? (STAGES == 2 ? 3 : 2) : 1)
-    kvcache_decode_tc(CUFLASH_DECODE_PARAMS(T)) {
+    kvcache_decode_tc(CUFLASH_PARAMETERS(CUFLASH_DECODE_PARAMS, T)) {
     using Shape = DecodeTcShape<T, D, ROW_WARPS, STAGES, BN>;
     static_assert(STAGES >= 2, "at least double buffering");
     static_assert(!NARROW || ROW_WARPS == 1, "a narrow block is one tile of 8 rows");

@@ -271,6 +271,101 @@ struct PiecesSplitParams {
     CUFLASH_PIECES_SPLIT_PARAMS(CUFLASH_MEMBER, void)
 };
 
+// The KV cache's split-KV decode kernels (kvcache_decode, kvcache_decode_tc and
+// kvcache_decode_mla; T: the arrays' type): the query rows over each sequence's
+// cached keys, the splits' partial rows and lse (num_splits > 1) or out and lse.
+#define CUFLASH_DECODE_PARAMS(X, T)                                             \
+    X(PTR, const T, q)                                                          \
+    X(PTR, const T, k_cache)                                                    \
+    X(PTR, const T, v_cache)                                                    \
+    X(PTR, const int, seqlens)     /* cached lengths, int32 [B] (or null) */    \
+    X(PTR, const int, block_table) /* a paged cache's, int32 [B, max_blocks] */ \
+    X(PTR, T, out)                                                              \
+    X(PTR, float, lse)                                                          \
+    X(PTR, float, part_out) /* the splits' rows, float32 */                     \
+    X(PTR, float, part_lse)                                                     \
+    X(PTR, const float, alibi_slopes)                                           \
+    X(PTR, const float, sinks)                                                  \
+    X(VAL, int, seqlen_value) /* the lengths without seqlens: one for all */    \
+    /* Fixed by the plan: */                                                    \
+    X(VAL, const UserModifierArgs, user_args)                                   \
+    X(STRIDES, Strides, q)                                                      \
+    X(STRIDES, Strides, k)                                                      \
+    X(STRIDES, Strides, v)                                                      \
+    X(VAL, int, num_heads)                                                      \
+    X(VAL, int, group)                                                          \
+    X(VAL, int, q_len)                                                          \
+    X(VAL, int, new_len)                                                        \
+    X(VAL, int, capacity)                                                       \
+    X(VAL, int, block_size)                                                     \
+    X(VAL, int, max_blocks)                                                     \
+    X(VAL, int, num_blocks)                                                     \
+    X(VAL, int, win_left)                                                       \
+    X(VAL, int, win_right)                                                      \
+    X(VAL, int, num_splits)                                                     \
+    X(VAL, int, row_tiles)                                                      \
+    X(VAL, int, aligned) /* k_cache and v_cache take 16-byte copies */          \
+    X(VAL, float, scale_log2)                                                   \
+    X(VAL, int, alibi_batch_stride)                                             \
+    X(VAL, float, softcap_log2)
+struct DecodeParams {
+    CUFLASH_DECODE_PARAMS(CUFLASH_MEMBER, void)
+};
+
+// The KV cache's append, kvcache_append (T: the arrays' type): k_new and v_new into
+// the cache, and the rotary embedding of them and of the query rows.
+#define CUFLASH_KVCACHE_APPEND_PARAMS(X, T)                             \
+    X(PTR, const T, k_new)                                              \
+    X(PTR, const T, v_new)                                              \
+    X(PTR, T, k_cache)                                                  \
+    X(PTR, T, v_cache)                                                  \
+    X(PTR, const int, seqlens)                                          \
+    X(PTR, const int, block_table)                                      \
+    X(PTR, int, key_counts) /* the lengths after the append, or null */ \
+    X(PTR, const T, q)                                                  \
+    X(PTR, T, q_rotated)                                                \
+    X(PTR, const void, rotary_cos) /* of T (tables_in_t) or float */    \
+    X(PTR, const void, rotary_sin)                                      \
+    X(VAL, int, seqlen_value)                                           \
+    /* Fixed by the plan: */                                            \
+    X(STRIDES, Strides, kn)                                             \
+    X(STRIDES, Strides, vn)                                             \
+    X(STRIDES, Strides, k)                                              \
+    X(STRIDES, Strides, v)                                              \
+    X(STRIDES, Strides, q)                                              \
+    X(VAL, int, new_len)                                                \
+    X(VAL, int, head_dim)                                               \
+    X(VAL, int, head_dim_v)                                             \
+    X(VAL, int, capacity)                                               \
+    X(VAL, int, block_size)                                             \
+    X(VAL, int, max_blocks)                                             \
+    X(VAL, int, num_blocks)                                             \
+    X(VAL, int, q_len)                                                  \
+    X(VAL, int, group)                                                  \
+    X(VAL, int, rotary_dim)                                             \
+    X(VAL, int, rotary_rows)                                            \
+    X(VAL, int, interleaved)                                            \
+    X(VAL, int, tables_in_t)
+struct KvcacheAppendParams {
+    CUFLASH_KVCACHE_APPEND_PARAMS(CUFLASH_MEMBER, void)
+};
+
+// The splits' merge, kvcache_combine (T: out's type).
+#define CUFLASH_KVCACHE_COMBINE_PARAMS(X, T) \
+    X(PTR, const float, part_out)            \
+    X(PTR, const float, part_lse)            \
+    X(PTR, T, out)                           \
+    X(PTR, float, lse)                       \
+    X(PTR, const float, sinks)               \
+    /* Fixed by the plan: */                 \
+    X(VAL, long long, rows)                  \
+    X(VAL, int, num_splits)                  \
+    X(VAL, int, num_heads)                   \
+    X(VAL, int, q_len)
+struct KvcacheCombineParams {
+    CUFLASH_KVCACHE_COMBINE_PARAMS(CUFLASH_MEMBER, void)
+};
+
 // The float32 pieces kernels' names of their inputs: q's high and low float16 pieces
 // qh and ql, ..., dout's doh and dol, and dout's scales do_scales.
 #define CUFLASH_FORWARD_PIECES \

@@ -311,17 +311,17 @@ class Module:
 
         ``args``: a kernel parameter record with its call's arrays, ``(params, arrays)``
         (a ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays, or None,
-        in order), passed as the kernel's parameter buffer as ``cuflash.gpu.Launch``
-        passes it (a buffer laid out for other parameters than the kernel's is an
-        error); or the arguments in the kernel's order: NumPy arrays (their
-        address; the caller keeps them alive), None (a null pointer), NumPy scalars
-        (their bytes, so their type must be the parameter's), one-element structured
-        arrays (a record passed by value). With ``guard``, each array is copied into
-        memory between inaccessible pages for the launch (and the bytes the launch
-        changed back after it, so that arguments that share memory, such as absorbed
-        MLA's ``v_cache`` view of ``k_cache``, keep each other's writes): a read or write
-        past its end, or far before its start, raises SimulationError naming the
-        argument.
+        or an int for an int member, in order), passed as the kernel's parameter
+        buffer as ``cuflash.gpu.Launch`` passes it (a buffer laid out for other
+        parameters than the kernel's is an error); or the arguments in the kernel's
+        order: NumPy arrays (their address; the caller keeps them alive), None (a null
+        pointer), NumPy scalars (their bytes, so their type must be the parameter's),
+        one-element structured arrays (a record passed by value). With ``guard``, each
+        array is copied into memory between inaccessible pages for the launch (and the
+        bytes the launch changed back after it, so that arguments that share memory,
+        such as absorbed MLA's ``v_cache`` view of ``k_cache``, keep each other's
+        writes): a read or write past its end, or far before its start, raises
+        SimulationError naming the argument.
         """
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
@@ -345,8 +345,11 @@ class Module:
             params, arrays = args
             if len(arrays) != len(params.per_call):
                 raise TypeError(f"{params.name}: {len(arrays)} arrays for {params.per_call}")
-            params.pack(
-                *(address_of(x, f"{params.name}.{m}") for x, m in zip(arrays, params.per_call))
+            params.pack(  # an int (a length) as it is
+                *(
+                    x if isinstance(x, int) else address_of(x, f"{params.name}.{m}")
+                    for x, m in zip(arrays, params.per_call)
+                )
             )
             buffer = params.record.copy()
             storage.append(buffer)

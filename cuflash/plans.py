@@ -3,10 +3,10 @@ and kernel choice.
 
 The signature holds everything validation and the kernel choice read: each
 array's type, dtype, shape, strides, device and 16-byte alignment, the
-scalar arguments with their types, the current device, and the kernel path
-and skipped kernels in force. Two calls with the same signature validate the
-same way and run the same kernels on different data, so the second reuses the
-first's :class:`cuflash.gpu.ForwardPlan` or :class:`cuflash.gpu.BackwardPlan`.
+scalar arguments with their types, the current device, and the kernel path,
+skipped kernels and tried opt-in kernels in force. Two calls with the same
+signature validate the same way and run the same kernels on different data, so
+the second reuses the first's :class:`cuflash.gpu.ForwardPlan` or :class:`cuflash.gpu.BackwardPlan`.
 Calls with NumPy arrays, or with an unhashable argument, are not cached.
 """
 
@@ -37,6 +37,7 @@ def signature(arrays, scalars):
         cupy.cuda.runtime.getDevice(),
         dispatch.current(),
         dispatch.excluded(),
+        dispatch.tried(),
         *map(type, scalars),
         *scalars,
     )

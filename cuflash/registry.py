@@ -313,11 +313,11 @@ KERNELS = (
         modifiers=True,
     ),
     # The warp-specialized backward of plain calls in the 128 class (a producer
-    # warpgroup feeds Q, dO, lse and Delta through a ring of stages); its register
-    # split leaves no room for the modifiers or the 64 class's atomic dQ. Opt-in: its
-    # first GPU run (D = 128, S = 4096) measured the deterministic backward 10 % above
-    # backward_wgmma's and the atomic one 12 % below, and racecheck found a stage handed
-    # back early, fixed since without a GPU (docs/kernels/backward-sm90-wgmma.md).
+    # warpgroup feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
+    # driver maps the arrays); its register split leaves no room for the modifiers or the
+    # 64 class's atomic dQ. Measured 6-13 % above backward_wgmma, atomic and
+    # deterministic (D = 128, S = 4096: 408.6 against 367.3 TFLOP/s;
+    # docs/kernels/backward-sm90-wgmma.md).
     KernelSpec(
         "backward_wgmma_ws",
         "backward",
@@ -331,7 +331,6 @@ KERNELS = (
         padded_dq=True,
         atomic_dq_head_dims=(72, 128),
         dq_kernel="backward_dq_wgmma",
-        opt_in=True,
     ),
     KernelSpec(
         "backward_wgmma",

@@ -8,7 +8,7 @@
 #          reasons, tensor pipe use), ncu-source (the same with stall samples per SASS
 #          instruction, to $OUT/ncu-source-sass.csv), forward-tma (the copy engine's
 #          forward: its GPU tests, forward timings with and without it, host time), backward-ws
-#          (the opt-in warp-specialized backward: its copy engine's GPU tests, timings
+#          (the warp-specialized backward: its copy engine's GPU tests, timings
 #          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
@@ -92,8 +92,8 @@ for step in $steps; do
              CUFLASH_TMA=0 python3 scripts/forward_host_time.py" ;;
     backward-ws) TAIL=30 run backward-ws 300 bash -c "python3 -m pytest -m gpu -q -rf \
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py && \
-             python3 scripts/quick_bench.py --rows=auto,ws,det,ws-det,cudnn ${QUICK_CASES:-} && \
-             CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=ws,ws-det ${QUICK_CASES:-}" ;;
+             python3 scripts/quick_bench.py --rows=auto,wgmma,det,wgmma-det,cudnn ${QUICK_CASES:-} && \
+             CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=auto,det ${QUICK_CASES:-}" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -21,7 +21,7 @@ import cupy
 
 import cuflash
 from cuflash.bench import time_calls
-from cuflash.dispatch import skip_kernels, try_kernels
+from cuflash.dispatch import skip_kernels
 from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
@@ -44,11 +44,10 @@ PATHS_16 = {
     "sync": ("auto", ("forward_wgmma_ws",), False, False),
     # the warp-specialized forward where the default takes forward_wgmma (D <= 64)
     "ws-fwd": ("auto", ("forward_wgmma",), False, False),
-    # without the warp-specialized kernels (the previous defaults), atomic and deterministic
-    # the opt-in warp-specialized backward (cuflash.dispatch.try_kernels), atomic and
-    # deterministic
-    "ws": ("auto", (), False, False),
-    "ws-det": ("auto", (), False, True),
+    # backward_wgmma where the default takes the warp-specialized backward (the 128
+    # class), atomic and deterministic
+    "wgmma": ("auto", ("backward_wgmma_ws",), False, False),
+    "wgmma-det": ("auto", ("backward_wgmma_ws",), False, True),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False, False),
 }
 PATHS_32 = {
@@ -82,8 +81,7 @@ def main(cases, float32=False, only=None, forward_only=False):
         for name, (path, skipped, tf32, det) in (PATHS_32 if float32 else PATHS_16).items():
             if only and name not in only:
                 continue
-            tried = ("backward_wgmma_ws",) if name.startswith("ws") else ()
-            with cuflash.kernel_path(path), skip_kernels(*skipped), try_kernels(*tried):
+            with cuflash.kernel_path(path), skip_kernels(*skipped):
                 fwd = median_ms(
                     lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal, allow_tf32=tf32)
                 )

@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash.dispatch import skip_kernels, try_kernels
+from cuflash.dispatch import skip_kernels
 from cuflash.problem import BFLOAT16
 
 # name -> (kernel path, kernels skipped, allow_tf32). "auto" runs the defaults (on
@@ -39,10 +39,10 @@ SETTINGS = {
     # the 16-bit forwards alone, dense and packed (the warp-specialized kernel
     # from head_dim 72 up and with modifiers): a short run for a kernel change
     "forward-16": ("auto", (), False),
-    # the 16-bit defaults, forward and backward, dense and packed; "ws-16" the same with
-    # the opt-in warp-specialized backward (cuflash.dispatch.try_kernels)
+    # the 16-bit defaults, forward and backward, dense and packed; "wgmma-16" the same
+    # with backward_wgmma where the default takes the warp-specialized backward
     "auto-16": ("auto", (), False),
-    "ws-16": ("auto", (), False),
+    "wgmma-16": ("auto", ("backward_wgmma_ws",), False),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False),
     "tf32": ("auto", (), True),
     # the absorbed-MLA decode kernel alone (kvcache_decode_mla), a short run
@@ -71,15 +71,14 @@ def main(settings):
         if setting == "mla":
             continue  # its own calls below
         float32 = dtype == np.float32
-        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16", "ws-16")
+        sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16", "wgmma-16")
         if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
             continue  # 16-bit kernels; float32 kernels
         path, skipped, tf32 = SETTINGS[setting]
         cfg = dict(cfg, allow_tf32=tf32)
         q = cupy.asarray(rng.standard_normal((1, 4, 70, d)).astype(dtype))
         k, v = (cupy.asarray(rng.standard_normal((1, 2, 90, d)).astype(dtype)) for _ in "kv")
-        tried = ("backward_wgmma_ws",) if setting == "ws-16" else ()
-        with cuflash.kernel_path(path), skip_kernels(*skipped), try_kernels(*tried):
+        with cuflash.kernel_path(path), skip_kernels(*skipped):
             out, lse = cuflash.flash_attention_fwd(q, k, v, 4, 2, d, **cfg)
             for det in () if setting == "forward-16" else (False, True):
                 grads = cuflash.flash_attention_bwd(
@@ -90,8 +89,7 @@ def main(settings):
         if bool(cupy.isnan(out).any()):
             failures += 1
         if cfg.get("kv_seq_len") is None:
-            with try_kernels(*tried):
-                failures += packed_calls(rng, dtype, d, path, skipped, cfg)
+            failures += packed_calls(rng, dtype, d, path, skipped, cfg)
     if "auto" in settings:
         failures += kvcache_and_ring_calls(rng, head_dims)
     if "auto" in settings or "mla" in settings:

@@ -193,10 +193,11 @@ def test_dq_passes():
     16-bit backwards add dQ by atomics and their deterministic calls take the mma.sync dQ
     pass; the variants hold exactly the roles those paths launch."""
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
-    spec = registry.choose("backward", bf16, 128, 90, tried={"backward_wgmma_ws"})
+    spec = registry.choose("backward", bf16, 128, 90)
     assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
-    assert spec.atomic_dq(72) and spec.atomic_dq(128) and spec.opt_in
-    assert registry.choose("backward", bf16, 128, 90).name == "backward_wgmma"  # opt-in
+    assert spec.atomic_dq(72) and spec.atomic_dq(128) and not spec.atomic_dq(64)
+    skipped = {"backward_wgmma_ws"}
+    assert registry.choose("backward", bf16, 128, 90, excluded=skipped).name == "backward_wgmma"
     # the calls the warp-specialized backward leaves: the 64 class, modified, past 128
     for head_dim, modified in ((64, False), (128, True), (136, False)):
         spec = registry.choose("backward", bf16, head_dim, 90, modified=modified)

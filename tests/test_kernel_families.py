@@ -8,7 +8,7 @@ import pytest
 from support import Case, cupy, grid_cases, oracle, random_inputs, rel_error, run_and_check
 
 import cuflash
-from cuflash import dispatch, gpu, problem, registry
+from cuflash import dispatch, gpu, plans, problem, registry
 
 pytestmark = pytest.mark.gpu
 FLOAT32_CASES = [c for c in grid_cases() if c.dtype == "float32"]
@@ -116,6 +116,35 @@ def test_dispatch_follows_the_registry(rng):
             pass
 
 
+def test_plans_are_kept_per_kernel_choice(rng):
+    """A launch plan cached outside a ``skip_kernels`` (or ``try_kernels``) block is not
+    taken inside it: the same call there runs the kernel the context chooses."""
+    if not _hopper():
+        pytest.skip("the 128 class's two wgmma backwards need compute capability 9.0")
+    case = Case(dtype="bfloat16", head_dim=128)
+    q, k, v, dout = random_inputs(case, rng, cupy)
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args)
+
+    def backward_kernels():
+        plans.clear()
+        cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args)
+        before = {p.spec.name for p in plans._PLANS.values() if isinstance(p, gpu.BackwardPlan)}
+        with dispatch.skip_kernels("backward_wgmma_ws"):
+            cuflash.flash_attention_bwd(dout, q, k, v, out, lse, *case.args)
+        return before, {
+            p.spec.name for p in plans._PLANS.values() if isinstance(p, gpu.BackwardPlan)
+        }
+
+    before, after = backward_kernels()
+    assert before == {"backward_wgmma_ws"} and after == {"backward_wgmma_ws", "backward_wgmma"}
+    key = plans.signature((q,), ())
+    token = dispatch._TRIED.set(frozenset({"an opt-in kernel"}))
+    try:
+        assert plans.signature((q,), ()) != key
+    finally:
+        dispatch._TRIED.reset(token)
+
+
 def _errors(case, arrays, refs, **kw):
     q, k, v, dout = arrays
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
@@ -165,13 +194,16 @@ WS_BACKWARD_CASES = [c for c in WIDE_CASES if 72 <= c.head_dim <= 128] + [
 
 @pytest.mark.parametrize("case", WS_BACKWARD_CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_opt_in_warp_specialized_backward_matches_oracle(case, deterministic, rng, poisoned):
-    """The opt-in backward_wgmma_ws (``cuflash.dispatch.try_kernels``): more query tiles
+@pytest.mark.parametrize("kernel", ["backward_wgmma_ws", "backward_wgmma"])
+def test_plain_128_class_backwards_match_oracle(case, deterministic, kernel, rng, poisoned):
+    """The 128 class's plain backward: backward_wgmma_ws by default (more query tiles
     than its ring's stages, GQA, cut key tiles, windows, D = 120 (its padded dQ rows), a
-    single query row; atomic and deterministic dQ."""
+    single query row) and backward_wgmma, the next in line, with it skipped; atomic and
+    deterministic dQ."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
-    with dispatch.try_kernels("backward_wgmma_ws"):
+    skipped = () if kernel == "backward_wgmma_ws" else ("backward_wgmma_ws",)
+    with dispatch.skip_kernels(*skipped):
         arrays = random_inputs(case, rng, cupy)
-        assert _chosen(case, arrays, "backward") == "backward_wgmma_ws"
+        assert _chosen(case, arrays, "backward") == kernel
         run_and_check(case, cupy, rng, deterministic=deterministic)

@@ -1,5 +1,5 @@
 """The warp-specialized Hopper backward's bulk tensor copies on the GPU
-(``backward_wgmma_ws``, opt-in, with ``use_tma``: q, k, v and dout by the copy engine
+(``backward_wgmma_ws`` with ``use_tma``: q, k, v and dout by the copy engine
 through tensor maps) against the float64 oracle and against the same kernel with
 cp.async, atomic dQ (the bulk additions) and deterministic."""
 
@@ -7,7 +7,7 @@ import pytest
 from support import HAS_GPU, Case, check_results, random_inputs
 
 import cuflash
-from cuflash import dispatch, gpu, plans, tensor_maps
+from cuflash import gpu, plans, tensor_maps
 
 pytestmark = pytest.mark.gpu
 
@@ -60,26 +60,25 @@ def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, r
     inputs = random_inputs(case, rng)
     q, k, v, dout = _arrays(case, inputs)
     kw = dict(kv_seq_len=case.kv_seq_len)
-    with dispatch.try_kernels("backward_wgmma_ws"):
-        out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
-        plans._PLANS.clear()
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
+    plans._PLANS.clear()
 
-        def backward():
-            return cuflash.flash_attention_bwd(
-                dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
-            )
+    def backward():
+        return cuflash.flash_attention_bwd(
+            dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic
+        )
 
-        grads = backward()
-        plan = _backward_plan()
-        assert plan.spec.name == "backward_wgmma_ws" and plan.dkdv_tma is not None
-        check_results(case, inputs, out, lse, grads)
-        # cp.async: dK and dV from the same tiles in the same order, so bitwise (dQ's
-        # bulk additions land in any order)
-        plan.dkdv_tma, keep = None, plan.dkdv_tma
-        try:
-            grads_cp = backward()
-        finally:
-            plan.dkdv_tma = keep
+    grads = backward()
+    plan = _backward_plan()
+    assert plan.spec.name == "backward_wgmma_ws" and plan.dkdv_tma is not None
+    check_results(case, inputs, out, lse, grads)
+    # cp.async: dK and dV from the same tiles in the same order, so bitwise (dQ's
+    # bulk additions land in any order)
+    plan.dkdv_tma, keep = None, plan.dkdv_tma
+    try:
+        grads_cp = backward()
+    finally:
+        plan.dkdv_tma = keep
     for got, cp in zip(grads[1:], grads_cp[1:]):
         assert cupy.array_equal(got, cp)
     if deterministic:

@@ -351,8 +351,6 @@ def forward_params(
     kernels' addresses with ``pieces``; the call's addresses written at each launch
     (:data:`FORWARD_ADDRESSES`, or :data:`FORWARD_PIECES_ADDRESSES`). ``maps``
     (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``)."""
-    left, right = problem.window
-    record = getattr(user, "record", user)
     return Params(
         "ForwardParams",
         FORWARD_PIECES_ADDRESSES if pieces else FORWARD_ADDRESSES,
@@ -363,6 +361,16 @@ def forward_params(
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),
         out_st=tuple(out_strides),
+        **_attention_fields(problem, user),
+    )
+
+
+def _attention_fields(problem, user):
+    """The members ``ForwardParams``, ``BackwardParams`` and ``BackwardDqParams`` share:
+    the heads and lengths, the window, the scale in base 2, the modifiers' scalars and
+    the user's modifier arguments (a ``UserModifierArgs`` record or :class:`UserArguments`)."""
+    left, right = problem.window
+    return dict(
         num_heads=problem.num_heads,
         group=problem.group_size,
         q_len=problem.q_len,
@@ -372,7 +380,7 @@ def forward_params(
         scale_log2=problem.softmax_scale * LOG2E,
         alibi_batch_stride=problem.alibi_batch_stride,
         softcap=problem.softcap,
-        user_args=record,
+        user_args=getattr(user, "record", user),
     )
 
 
@@ -436,7 +444,6 @@ def backward_params(
     :data:`BACKWARD_PIECES_ADDRESSES`, :data:`BACKWARD_DQ_ADDRESSES` or
     :data:`BACKWARD_DQ_PIECES_ADDRESSES`). ``maps`` (:func:`backward_maps`, dK/dV
     launches only): q, k, v and dout by the copy engine (``use_tma``)."""
-    left, right = problem.window
     q_strides, k_strides, v_strides, dout_strides = input_strides
     fields = {}
     if dq_pass:
@@ -456,17 +463,8 @@ def backward_params(
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),
         dout_st=tuple(dout_strides),
-        num_heads=problem.num_heads,
-        group=problem.group_size,
-        q_len=problem.q_len,
-        kv_len=problem.kv_len,
-        win_left=left,
-        win_right=right,
         scale=problem.softmax_scale,
-        scale_log2=problem.softmax_scale * LOG2E,
-        alibi_batch_stride=problem.alibi_batch_stride,
-        softcap=problem.softcap,
-        user_args=getattr(user, "record", user),
+        **_attention_fields(problem, user),
         **fields,
     )
 

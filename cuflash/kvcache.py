@@ -73,6 +73,7 @@ class KVCacheProblem:
     rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
     head_dim_v: int = 0  # of v_cache, v_new and the output (head_dim unless given)
     latent: bool = False  # v_cache is k_cache[..., :head_dim_v] (absorbed MLA)
+    allow_tf32: bool = False  # float32 products may run in TF32 (the dense forward's)
 
     @property
     def own_value_dims(self):
@@ -202,6 +203,7 @@ def kvcache_problem(
     rotary_interleaved=False,
     storage_dtype=None,
     head_dim_v=None,
+    allow_tf32=False,
 ):
     """Validate a call (every check runs on the host, before any kernel); ``storage_dtype``:
     the FP8 dtype of the cache, which :func:`cuflash.fp8.storage_dtype` has checked (with
@@ -331,6 +333,7 @@ def kvcache_problem(
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
     _check_flag("check", check)
+    _check_flag("allow_tf32", allow_tf32)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(
             "q",
@@ -367,6 +370,7 @@ def kvcache_problem(
         rotary=rotary,
         head_dim_v=head_dim_v,
         latent=latent,
+        allow_tf32=bool(allow_tf32),
     )
     if xp is not np and problem.own_value_dims:
         _check_mla_on_gpu(problem)
@@ -425,6 +429,7 @@ def flash_attention_with_kvcache(
     v_descale=None,
     out_dtype=None,
     head_dim_v=None,
+    allow_tf32=False,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -511,6 +516,11 @@ def flash_attention_with_kvcache(
         its own (or a ``head_dim`` above 256) takes float16/bfloat16, ``head_dim`` a
         multiple of 16 and ``head_dim_v`` a multiple of 64; the latent view is read
         once (the KV-cache page).
+    allow_tf32 : bool, default False, keyword-only
+        float32 only, as in :func:`cuflash.flash_attention_fwd`: the products may run
+        in TF32. Long query chunks on a contiguous cache (the dense forward's kernels)
+        then take the TF32 tensor cores; the split-KV kernels keep float32 products.
+        Ignored for float16/bfloat16 and on the CPU path.
     check : bool, default False
         GPU path: copy device-held ``cache_seqlens`` and ``block_table`` to
         the host once and verify them (lengths plus ``S_new`` within the
@@ -554,6 +564,7 @@ def flash_attention_with_kvcache(
     ):
         from .fp8_forward import kvcache_forward
 
+        _check_flag("allow_tf32", allow_tf32)  # checked and ignored, as the dense FP8 call's
         options = dict(softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
         options.update(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
         return kvcache_forward(
@@ -602,6 +613,7 @@ def flash_attention_with_kvcache(
                 softcap,
                 rotary_interleaved,
                 head_dim_v,
+                allow_tf32,
             ),
         )
         plan = plans.get(key)
@@ -632,6 +644,7 @@ def flash_attention_with_kvcache(
         rotary_sin,
         rotary_interleaved,
         head_dim_v=head_dim_v,
+        allow_tf32=allow_tf32,
     )
     tables = (rotary_cos, rotary_sin)
     if problem.xp is np:

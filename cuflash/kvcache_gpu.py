@@ -82,6 +82,7 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
         problem.window,
         int(cache_seqlens) + problem.new_len if host_length else None,
         problem.softmax_scale,
+        allow_tf32=problem.allow_tf32,
         softcap=problem.softcap,
         alibi_slopes=alibi_slopes,
         score_mod=problem.score_mod,

@@ -527,6 +527,7 @@ BAD_CALLS = [
     ("softmax_scale", "finite", lambda a: _with(a, softmax_scale=math.inf)),
     ("return_lse", "bool", lambda a: _with(a, return_lse=1)),
     ("check", "bool", lambda a: _with(a, check="yes")),
+    ("allow_tf32", "bool", lambda a: _with(a, allow_tf32=1)),
     ("causal", "bool", lambda a: _with(a, causal=None)),
     (
         "k_cache",
@@ -953,6 +954,48 @@ def test_gpu_query_chunks_through_plans(case, rng, poisoned):
     plans.clear()
     for _ in range(2):  # the second call of the signature takes the plan
         run_case(case, rng, xp=cupy)
+
+
+def _allow_tf32_errors(case, seed, xp):
+    """The output's relative error against the oracle without and with allow_tf32, on
+    the same inputs (drawn afresh from ``seed`` each time: the append writes the cache)."""
+    errors = []
+    for allow_tf32 in (False, True):
+        inputs = make_inputs(case, np.random.default_rng(seed), xp)
+        want_k, want_v = expected_caches(case, inputs)
+        args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads)
+        out = flash_attention_with_kvcache(
+            *args,
+            case.head_dim,
+            cache_seqlens=inputs["cache_seqlens"],
+            k_new=inputs["k_new"],
+            v_new=inputs["v_new"],
+            allow_tf32=allow_tf32,
+        )
+        errors.append(rel_error(out, oracle(case, inputs, want_k, want_v)[0]))
+    return errors
+
+
+TF32_CHUNK = KVCase(
+    dtype="float32", batch=2, heads=8, kv_heads=2, capacity=700, lengths="int", q_len=40,
+    new_len=40, head_dim=128,
+)  # fmt: skip
+
+
+def test_cpu_ignores_allow_tf32(rng):
+    """The CPU path is float32 throughout: allow_tf32 changes nothing there."""
+    plain, tf32 = _allow_tf32_errors(TF32_CHUNK, int(rng.integers(1 << 30)), np)
+    assert plain == tf32 and plain <= BOUND["float32"]
+
+
+@pytest.mark.gpu
+def test_gpu_allow_tf32_runs_long_chunks_in_tf32(rng, poisoned):
+    """A float32 query chunk on a contiguous cache takes the dense forward's TF32 kernel
+    with allow_tf32 (TF32's rounding, within its bound of the oracle) and keeps float32
+    accuracy without it."""
+    plain, tf32 = _allow_tf32_errors(TF32_CHUNK, int(rng.integers(1 << 30)), cupy)
+    assert plain <= BOUND["float32"], plain
+    assert 5 * plain < tf32 < 1e-2, (plain, tf32)
 
 
 @pytest.mark.gpu

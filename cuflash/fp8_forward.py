@@ -213,7 +213,7 @@ def kvcache_forward(
     """:func:`cuflash.flash_attention_with_kvcache` with an FP8 cache (``q`` FP8, float16
     or bfloat16; ``k_new``, ``v_new`` of the cache's dtype): the append into the FP8
     cache in place, then attention over the whole cache dequantized to float32.
-    ``options``: ``softmax_scale`` and the score modifiers; ``rotary_tables``:
+    ``options``: ``softmax_scale``, the score modifiers and the block mask; ``rotary_tables``:
     ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take."""
     from .kvcache import flash_attention_with_kvcache
 
@@ -250,6 +250,7 @@ def kvcache_forward(
         options["mask_mod"],
         options["sinks"],
         storage_dtype=storage,
+        block_mask=options["block_mask"],
     )
     xp = problem.xp
     q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, problem.batch, num_kv_heads)

@@ -27,6 +27,7 @@ from .problem import (
     _check_flag,
     _check_rank,
     check_alibi_slopes,
+    check_block_mask,
     check_dims,
     check_head_counts,
     check_head_dim_v,
@@ -69,6 +70,7 @@ class KVCacheProblem:
     alibi_batch_stride: int = -1  # ALiBi slopes: H for [B, H], 0 for [H], -1 for none
     score_mod: object = None  # a cuflash.modifiers.ScoreMod, or None
     mask_mod: object = None  # a cuflash.modifiers.MaskMod, or None
+    block_mask: object = None  # a cuflash.block_mask.BlockMask holding mask_mod, or None
     sinks: bool = False  # attention sinks (float32 [H]) given
     rotary: object = None  # a cuflash.rotary.Rotary (the tables given), or None
     head_dim_v: int = 0  # of v_cache, v_new and the output (head_dim unless given)
@@ -204,6 +206,7 @@ def kvcache_problem(
     storage_dtype=None,
     head_dim_v=None,
     allow_tf32=False,
+    block_mask=None,
 ):
     """Validate a call (every check runs on the host, before any kernel); ``storage_dtype``:
     the FP8 dtype of the cache, which :func:`cuflash.fp8.storage_dtype` has checked (with
@@ -330,6 +333,7 @@ def kvcache_problem(
     if rotary is not None and host_lengths is not None:
         rotary_embedding.check_positions(rotary, host_lengths, new_len, q_len)
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
+    mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, capacity)
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     _check_flag("return_lse", return_lse)
     _check_flag("check", check)
@@ -366,6 +370,7 @@ def kvcache_problem(
         else (num_heads if len(slopes_shape) == 2 else 0),
         score_mod=score_mod,
         mask_mod=mask_mod,
+        block_mask=block_mask,
         sinks=has_sinks,
         rotary=rotary,
         head_dim_v=head_dim_v,
@@ -430,6 +435,7 @@ def flash_attention_with_kvcache(
     out_dtype=None,
     head_dim_v=None,
     allow_tf32=False,
+    block_mask=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys first (inference).
 
@@ -485,6 +491,12 @@ def flash_attention_with_kvcache(
         the key ``j`` (``0 .. L_b - 1``). Their arrays' reads are bounded for
         ``q_idx < S_q`` and ``kv_idx <`` the capacity. Calls with them skip the
         cached launch plans of device-held lengths.
+    block_mask : cuflash.block_mask.BlockMask, optional, keyword-only
+        A mask function with its tile classification, instead of ``mask_mod``, as in
+        :func:`cuflash.flash_attention_fwd`, made for ``q_len = S_q`` and ``kv_len =``
+        the capacity (:func:`cuflash.block_mask.create_block_mask`). Long query
+        chunks on a contiguous cache (the dense forward's kernels) skip the tiles it
+        empties; the split-KV kernels evaluate its mask function.
     sinks : float32 array ``[num_heads]``, optional, keyword-only
         Attention sinks, as in :func:`cuflash.flash_attention_fwd`: ``exp(sinks[h])``
         joins each row's softmax with a zero value (once a row, also when the keys are
@@ -566,7 +578,8 @@ def flash_attention_with_kvcache(
 
         _check_flag("allow_tf32", allow_tf32)  # checked and ignored, as the dense FP8 call's
         options = dict(softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
-        options.update(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+        options.update(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+        options.update(sinks=sinks)
         return kvcache_forward(
             q,
             k_cache,
@@ -594,6 +607,7 @@ def flash_attention_with_kvcache(
         and not isinstance(cache_seqlens, numbers.Integral)
         and score_mod is None
         and mask_mod is None
+        and block_mask is None
     ):
         # Device-held lengths: the plan of this signature serves every step.
         given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks)
@@ -645,6 +659,7 @@ def flash_attention_with_kvcache(
         rotary_interleaved,
         head_dim_v=head_dim_v,
         allow_tf32=allow_tf32,
+        block_mask=block_mask,
     )
     tables = (rotary_cos, rotary_sin)
     if problem.xp is np:

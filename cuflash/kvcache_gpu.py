@@ -5,6 +5,7 @@ a contiguous cache, the dense forward's plan), one call at a time (:func:`gpu_fo
 or as a launch plan for device-held lengths (:class:`DecodePlan`). Which kernels, their
 tiles, the split count and the kernel lookup are :mod:`cuflash.decode_kernels`'s."""
 
+import dataclasses
 import numbers
 
 import numpy as np
@@ -88,6 +89,10 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
         score_mod=problem.score_mod,
         mask_mod=problem.mask_mod,
     )
+    if problem.block_mask is not None:
+        # made for the capacity (checked by kvcache_problem), which the dense problem's
+        # kv_seq_len may fall short of: the kernels read its tiles below that length
+        attention = dataclasses.replace(attention, block_mask=problem.block_mask)
     plan = ForwardPlan(attention, q, k_cache, v_cache)
     return plan if host_length or plan.spec.reads_key_counts else None
 

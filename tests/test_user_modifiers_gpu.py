@@ -481,13 +481,18 @@ def _kvcache_modifiers(rng, case, xp):
     return dict(score_mod=modifiers.ScoreMod(biased), mask_mod=modifiers.MaskMod(kept)), of_sequence
 
 
-def _check_kvcache(case, rng, xp):
+def _check_kvcache(case, rng, xp, block_mask=False):
     """flash_attention_with_kvcache with user modifiers against the per-sequence oracle,
-    and the cache written at the appended rows only."""
+    and the cache written at the appended rows only; ``block_mask``: the mask given as a
+    block mask made for the capacity."""
     from test_kvcache import expected_caches, host_lengths, key_location, make_inputs
 
     inputs = make_inputs(case, rng, xp)
     mods, of_sequence = _kvcache_modifiers(rng, case, xp)
+    if block_mask:
+        mods["block_mask"] = create_block_mask(
+            mods.pop("mask_mod"), case.batch, case.heads, case.q_len, case.capacity
+        )
     want_k, want_v = expected_caches(case, inputs)
     out, lse = cuflash.flash_attention_with_kvcache(
         inputs["q"],
@@ -545,15 +550,46 @@ def _check_kvcache(case, rng, xp):
     assert np.allclose(lse[~dead], ref_lse[~dead], atol=2e-3)
 
 
+@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
 @pytest.mark.parametrize("index", range(5))
-def test_kvcache_cpu_path_takes_user_modifiers(index, rng):
-    _check_kvcache(_kvcache_cases()[index], rng, np)
+def test_kvcache_cpu_path_takes_user_modifiers(index, block_mask, rng):
+    _check_kvcache(_kvcache_cases()[index], rng, np, block_mask)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
 @pytest.mark.parametrize("index", range(5))
-def test_gpu_kvcache_takes_user_modifiers(index, rng, poisoned):
-    _check_kvcache(_kvcache_cases()[index], rng, cupy)
+def test_gpu_kvcache_takes_user_modifiers(index, block_mask, rng, poisoned):
+    """Decoding, appends, paged caches and a long chunk (the dense kernels, which skip
+    the tiles a block mask empties), with the mask as a function and as a block mask."""
+    _check_kvcache(_kvcache_cases()[index], rng, cupy, block_mask)
+
+
+def test_kvcache_block_mask_is_checked(rng):
+    """A KV-cache call's block mask is made for the capacity, holds the call's mask
+    function, and is a BlockMask."""
+    from test_kvcache import KVCase, make_inputs
+
+    case = KVCase(dtype="float32", capacity=80)
+    inputs = make_inputs(case, rng)
+    mask = modifiers.MaskMod(lambda b, h, q_idx, kv_idx: kv_idx != 3)
+    args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads)
+
+    def call(**kw):
+        return cuflash.flash_attention_with_kvcache(
+            *args, case.head_dim, cache_seqlens=inputs["cache_seqlens"], **kw
+        )
+
+    for block_mask, mask_mod, reason in (
+        (create_block_mask(mask, None, None, 1, 64), None, "made for kv_len=64"),
+        (create_block_mask(mask, None, None, 1, 80), modifiers.MaskMod(
+            lambda b, h, q_idx, kv_idx: kv_idx != 4), "through block_mask only"),
+        (mask, None, "expected a cuflash.block_mask.BlockMask"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=reason):
+            call(block_mask=block_mask, mask_mod=mask_mod)
+    expected = call(mask_mod=mask)
+    assert np.array_equal(call(block_mask=create_block_mask(mask, None, None, 1, 80)), expected)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

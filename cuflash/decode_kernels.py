@@ -159,7 +159,7 @@ def split_cap(longest, keys_per_tile):
 _KERNELS: dict = {}
 
 
-def _kernel(name, shared=0, functors=None):
+def loaded_kernel(name, shared=0, functors=None):
     """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
     the registry's kernel ``name`` from :func:`cuflash.kernel_build.load_standalone` (with
     the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy

@@ -16,7 +16,7 @@ import numpy as np
 from . import fp8
 from .errors import InvalidArgumentError
 from .kvcache import kvcache_problem
-from .problem import _array_module, forward_problem
+from .problem import array_module, forward_problem
 from .varlen import varlen_problem, verified_offsets
 
 
@@ -42,7 +42,7 @@ def dense_forward(
     from .api import flash_attention_fwd
 
     named = [("q", q), ("k", k), ("v", v)]
-    _array_module(named)  # array kinds first, then their dtypes
+    array_module(named)  # array kinds first, then their dtypes
     storage = fp8.storage_dtype(named, fp8_format)
     problem = forward_problem(
         q,
@@ -115,7 +115,7 @@ def varlen_forward(
     from .varlen import flash_attention_varlen_fwd
 
     named = [("q", q), ("k", k), ("v", v)]
-    _array_module(named)
+    array_module(named)
     storage = fp8.storage_dtype(named, fp8_format)
     problem = varlen_problem(
         q,
@@ -220,7 +220,7 @@ def kvcache_forward(
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None and v_new is not None:
         named += [("k_new", k_new), ("v_new", v_new)]
-    _array_module(named)
+    array_module(named)
     storage = fp8.storage_dtype(named, fp8_format, sixteen_bit_first=True)
     if any(t is not None for t in rotary_tables):
         raise InvalidArgumentError(
@@ -256,9 +256,9 @@ def kvcache_forward(
     q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, problem.batch, num_kv_heads)
     dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
     if check and xp is not np:  # before the append writes the cache
-        from .kvcache_gpu import _verify_on_host
+        from .kvcache_gpu import verify_on_host
 
-        _verify_on_host(problem, cache_seqlens, block_table)
+        verify_on_host(problem, cache_seqlens, block_table)
     if isinstance(cache_seqlens, numbers.Integral):
         lengths = xp.full(problem.batch, int(cache_seqlens), dtype=np.int32)
         attended = int(cache_seqlens) + problem.new_len

@@ -22,16 +22,16 @@ from .kvcache_cpu import cpu_forward
 from .masking import normalize_window
 from .problem import (
     MAX_GRID_YZ,
-    _array_module,
-    _check_dtypes,
-    _check_flag,
-    _check_rank,
+    array_module,
     check_alibi_slopes,
     check_block_mask,
     check_dims,
+    check_dtypes,
+    check_flag,
     check_head_counts,
     check_head_dim_v,
     check_int32,
+    check_rank,
     check_sinks,
     check_softcap,
     check_user_modifiers,
@@ -121,7 +121,7 @@ def _sequence_blocks(length, block_size):
     return -(-length // block_size)
 
 
-def _check_block_ids(table, lengths, new_len, block_size, num_blocks):
+def check_block_ids(table, lengths, new_len, block_size, num_blocks):
     """Every block id a sequence uses (its first ``length + S_new`` keys) names a block."""
     for b, length in enumerate(lengths):
         used = table[b, : _sequence_blocks(int(length) + new_len, block_size)]
@@ -135,7 +135,7 @@ def _check_block_ids(table, lengths, new_len, block_size, num_blocks):
             )
 
 
-def _check_lengths(lengths, new_len, capacity):
+def check_lengths(lengths, new_len, capacity):
     """Host-held lengths: ``0 <= length`` and ``length + S_new <= capacity``."""
     for b, length in enumerate(lengths):
         length = int(length)
@@ -220,16 +220,16 @@ def kvcache_problem(
     extra = [("block_table", block_table)] if block_table is not None else []
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
         extra.append(("cache_seqlens", cache_seqlens))
-    xp = _array_module(named + extra)
-    _check_rank("q", q, 4, "[B, H, S_q, D]")
+    xp = array_module(named + extra)
+    check_rank("q", q, 4, "[B, H, S_q, D]")
     paged = block_table is not None
     cache_layout = "[num_blocks, H_kv, block_size, D]" if paged else "[B, H_kv, S_cap, D]"
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_rank(name, a, 4, cache_layout)
+        check_rank(name, a, 4, cache_layout)
     if k_new is not None:
         for name, a in (("k_new", k_new), ("v_new", v_new)):
-            _check_rank(name, a, 4, "[B, H_kv, S_new, D]")
-    dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
+            check_rank(name, a, 4, "[B, H_kv, S_new, D]")
+    dtype = check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(
         num_heads, num_kv_heads, head_dim, MAX_HEAD_DIM
     )
@@ -321,7 +321,7 @@ def kvcache_problem(
         host_lengths = None
         if xp is np:
             host_lengths = cache_seqlens.astype(np.int64)
-            _check_lengths(host_lengths, new_len, capacity)
+            check_lengths(host_lengths, new_len, capacity)
     window = normalize_window(window_size, causal, capacity, q_len)
     scale = _scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap)
@@ -335,9 +335,9 @@ def kvcache_problem(
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
     mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, capacity)
     check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
-    _check_flag("return_lse", return_lse)
-    _check_flag("check", check)
-    _check_flag("allow_tf32", allow_tf32)
+    check_flag("return_lse", return_lse)
+    check_flag("check", check)
+    check_flag("allow_tf32", allow_tf32)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(
             "q",
@@ -380,7 +380,7 @@ def kvcache_problem(
     if xp is not np and problem.own_value_dims:
         _check_mla_on_gpu(problem)
     if paged and xp is np:  # host-held block ids are validated like host-held lengths
-        _check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
+        check_block_ids(block_table, host_lengths, new_len, block_size, num_blocks)
     return problem
 
 
@@ -576,7 +576,7 @@ def flash_attention_with_kvcache(
     ):
         from .fp8_forward import kvcache_forward
 
-        _check_flag("allow_tf32", allow_tf32)  # checked and ignored, as the dense FP8 call's
+        check_flag("allow_tf32", allow_tf32)  # checked and ignored, as the dense FP8 call's
         options = dict(softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
         options.update(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
         options.update(sinks=sinks)

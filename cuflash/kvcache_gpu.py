@@ -20,7 +20,7 @@ from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
 
 
-def _verify_on_host(problem, cache_seqlens, block_table):
+def verify_on_host(problem, cache_seqlens, block_table):
     """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
     import cupy
 
@@ -37,14 +37,14 @@ def _verify_on_host(problem, cache_seqlens, block_table):
     else:
         lengths = host[: problem.batch].astype(np.int64)
         host = host[problem.batch :]
-        kvcache._check_lengths(lengths, problem.new_len, problem.capacity)
+        kvcache.check_lengths(lengths, problem.new_len, problem.capacity)
         if problem.rotary is not None:
             rotary_embedding.check_positions(
                 problem.rotary, lengths, problem.new_len, problem.q_len
             )
     if block_table is not None:
         table = host.reshape(problem.batch, problem.max_blocks)
-        kvcache._check_block_ids(
+        kvcache.check_block_ids(
             table, lengths, problem.new_len, problem.block_size, problem.num_blocks
         )
 
@@ -229,7 +229,7 @@ def gpu_forward(
     from .problem import unit_last_stride
 
     if check:
-        _verify_on_host(problem, cache_seqlens, block_table)
+        verify_on_host(problem, cache_seqlens, block_table)
     if block_table is not None:
         block_table = cupy.ascontiguousarray(block_table)
     if not isinstance(cache_seqlens, numbers.Integral):
@@ -253,7 +253,7 @@ def gpu_forward(
         tables = (None, None)
         if problem.rotary is not None:  # held until the launch is queued
             tables = tuple(cupy.ascontiguousarray(t) for t in (rotary_cos, rotary_sin))
-        append = decode_kernels._kernel(decode_kernels.append_name(problem))[0]
+        append = decode_kernels.loaded_kernel(decode_kernels.append_name(problem))[0]
         _launch(
             append.kernel,
             (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
@@ -291,7 +291,7 @@ def gpu_forward(
     )
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
-    decode, per_sm, sm_count = decode_kernels._kernel(name, shared, functors)
+    decode, per_sm, sm_count = decode_kernels.loaded_kernel(name, shared, functors)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
     splits = decode_kernels.num_splits(
         blocks,
@@ -333,7 +333,7 @@ def gpu_forward(
         seqlen_value,
     )
     if splits > 1:
-        combine = decode_kernels._kernel(decode_kernels.combine_name(problem))[0]
+        combine = decode_kernels.loaded_kernel(decode_kernels.combine_name(problem))[0]
         _launch(
             combine.kernel,
             (part_rows,),
@@ -388,7 +388,7 @@ class DecodePlan:
             if problem.new_len:
                 k_new, v_new = (unit_last_stride(cupy, a) for a in (k_new, v_new))
             self.append = Launch(
-                decode_kernels._kernel(decode_kernels.append_name(problem))[0].kernel,
+                decode_kernels.loaded_kernel(decode_kernels.append_name(problem))[0].kernel,
                 (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
                 THREADS,
                 0,
@@ -404,7 +404,7 @@ class DecodePlan:
             problem, device_capability()[1]
         )
         row_tiles = -(-problem.q_len * problem.group_size // rows)
-        decode, per_sm, sm_count = decode_kernels._kernel(name, shared)
+        decode, per_sm, sm_count = decode_kernels.loaded_kernel(name, shared)
         blocks = problem.batch * problem.num_kv_heads * row_tiles
         self.splits = decode_kernels.num_splits(
             blocks, per_sm * sm_count, *decode_kernels.split_cap(problem.capacity, keys_per_tile)
@@ -429,7 +429,7 @@ class DecodePlan:
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
-                decode_kernels._kernel(decode_kernels.combine_name(problem))[0].kernel,
+                decode_kernels.loaded_kernel(decode_kernels.combine_name(problem))[0].kernel,
                 (self.part_rows,),
                 THREADS,
                 0,

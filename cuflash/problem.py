@@ -114,7 +114,9 @@ class AttentionProblem:
         return (self.batch, self.num_heads, self.q_len)
 
 
-def _array_module(named_arrays):
+def array_module(named_arrays):
+    """NumPy or CuPy: the module of ``named_arrays`` (``(name, array)`` pairs), all of
+    one kind and (CuPy) on one device, else ``InvalidArgumentError``."""
     kinds = set()
     for name, a in named_arrays:
         if isinstance(a, np.ndarray):
@@ -139,7 +141,8 @@ def _array_module(named_arrays):
     return np
 
 
-def _check_dtypes(named_arrays):
+def check_dtypes(named_arrays):
+    """The one supported dtype of ``named_arrays`` (``(name, array)`` pairs)."""
     check_not_fp8(named_arrays)  # FP8 forwards are validated by cuflash.fp8_forward
     first_name, first = named_arrays[0]
     if first.dtype not in SUPPORTED_DTYPES:
@@ -154,7 +157,8 @@ def _check_dtypes(named_arrays):
     return first.dtype
 
 
-def _count(name, value, minimum):
+def check_count(name, value, minimum):
+    """``value`` as an int of at least ``minimum`` (a bool is not a count)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(name, f"expected an int, got {type(value).__name__}")
     if value < minimum:
@@ -162,12 +166,14 @@ def _count(name, value, minimum):
     return int(value)
 
 
-def _check_flag(name, flag):
+def check_flag(name, flag):
+    """``flag`` is a bool (Python's or NumPy's)."""
     if not isinstance(flag, (bool, np.bool_)):
         raise InvalidArgumentError(name, f"expected a bool, got {type(flag).__name__}")
 
 
-def _check_rank(name, a, ndim, layout):
+def check_rank(name, a, ndim, layout):
+    """``a`` has ``ndim`` dimensions (``layout`` names them in the message)."""
     if a.ndim != ndim:
         raise InvalidArgumentError(name, f"expected {ndim}-D {layout}, got {a.ndim}-D")
 
@@ -229,9 +235,9 @@ def _check_device_limits(problem, named_arrays, element_bytes=None):
 def check_head_counts(num_heads, num_kv_heads, head_dim, max_head_dim=MAX_HEAD_DIM):
     """``(num_heads, num_kv_heads, head_dim)`` as ints, validated: counts, GQA divisibility
     and a supported head_dim (a multiple of 8 up to ``max_head_dim``)."""
-    num_heads = _count("num_heads", num_heads, 0)
-    num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
-    head_dim = _count("head_dim", head_dim, 1)
+    num_heads = check_count("num_heads", num_heads, 0)
+    num_kv_heads = check_count("num_kv_heads", num_kv_heads, 1)
+    head_dim = check_count("head_dim", head_dim, 1)
     if num_heads % num_kv_heads:
         raise InvalidArgumentError(
             "num_kv_heads", f"must divide num_heads ({num_heads}), got {num_kv_heads}"
@@ -249,7 +255,7 @@ def check_head_dim_v(head_dim_v, head_dim, max_head_dim_v=MAX_HEAD_DIM):
     ``max_head_dim_v``."""
     if head_dim_v is None:
         return head_dim
-    head_dim_v = _count("head_dim_v", head_dim_v, 1)
+    head_dim_v = check_count("head_dim_v", head_dim_v, 1)
     if head_dim_v % 8 or head_dim_v > max_head_dim_v:
         raise InvalidArgumentError(
             "head_dim_v",
@@ -279,7 +285,7 @@ def check_alibi_slopes(alibi_slopes, q, num_heads, batch):
     ``q``'s array kind and device), or None when there are none."""
     if alibi_slopes is None:
         return None
-    _array_module([("q", q), ("alibi_slopes", alibi_slopes)])
+    array_module([("q", q), ("alibi_slopes", alibi_slopes)])
     if alibi_slopes.dtype != np.float32:
         raise InvalidArgumentError(
             "alibi_slopes", f"expected dtype float32, got {alibi_slopes.dtype}"
@@ -297,7 +303,7 @@ def check_sinks(sinks, q, num_heads):
     head), of ``q``'s array kind and device, or None."""
     if sinks is None:
         return False
-    _array_module([("q", q), ("sinks", sinks)])
+    array_module([("q", q), ("sinks", sinks)])
     if sinks.dtype != np.float32:
         raise InvalidArgumentError("sinks", f"expected dtype float32, got {sinks.dtype}")
     if tuple(sinks.shape) != (num_heads,):
@@ -370,10 +376,10 @@ def forward_problem(
     v's last dimension (None: ``head_dim``); ``storage_dtype``: the FP8 dtype of the
     arrays, which :func:`cuflash.fp8.storage_dtype` has checked (None: the usual dtypes)."""
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
-    xp = _array_module(named)
+    xp = array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
-        _check_rank(name, a, 4, "[B, H, S, D]")
-    dtype = _check_dtypes(named) if storage_dtype is None else storage_dtype
+        check_rank(name, a, 4, "[B, H, S, D]")
+    dtype = check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     value_label = value_dim_label(head_dim_v)
     head_dim_v = check_head_dim_v(head_dim_v, head_dim)
@@ -402,7 +408,7 @@ def forward_problem(
     if kv_seq_len is None:
         kv_len = kv_capacity
     else:
-        kv_len = _count("kv_seq_len", kv_seq_len, 0)
+        kv_len = check_count("kv_seq_len", kv_seq_len, 0)
         if kv_len > kv_capacity:
             raise InvalidArgumentError(
                 "kv_seq_len", f"must be <= S_k ({kv_capacity}), got {kv_len}"
@@ -420,7 +426,7 @@ def forward_problem(
         scale = float(softmax_scale)
         if not math.isfinite(scale):
             raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
-    _check_flag("allow_tf32", allow_tf32)
+    check_flag("allow_tf32", allow_tf32)
     softcap = check_softcap(softcap)
     slopes_shape = check_alibi_slopes(
         alibi_slopes, q, num_heads, batch if alibi_batch is None else alibi_batch
@@ -506,16 +512,16 @@ def backward_problem(
         head_dim_v=head_dim_v,
     )
     # lse is float32, so it joins the array-kind check but not the dtype one.
-    _array_module([("q", q), ("lse", lse)])
+    array_module([("q", q), ("lse", lse)])
     for name, a in extra:
-        _check_rank(name, a, 4, "[B, H, S, D]")
+        check_rank(name, a, 4, "[B, H, S, D]")
         _check_shape(name, a, problem.out_shape)
-    _check_rank("lse", lse, 3, "[B, H, S_q]")
+    check_rank("lse", lse, 3, "[B, H, S_q]")
     _check_shape("lse", lse, problem.lse_shape)
     if lse.dtype != np.float32:
         raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
-    _check_flag("deterministic", deterministic)
-    _check_flag("synchronize", synchronize)
+    check_flag("deterministic", deterministic)
+    check_flag("synchronize", synchronize)
     return problem
 
 

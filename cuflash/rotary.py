@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from .errors import InvalidArgumentError
-from .problem import _array_module, _check_flag, _check_rank
+from .problem import array_module, check_flag, check_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +38,16 @@ class Rotary:
 def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, head_dim, dtype):
     """A :class:`Rotary` for the call's tables (``[S_rot, rotary_dim / 2]``, float32 or
     ``dtype``, of ``q``'s array kind and device), or None without them."""
-    _check_flag("rotary_interleaved", rotary_interleaved)
+    check_flag("rotary_interleaved", rotary_interleaved)
     if rotary_cos is None and rotary_sin is None:
         return None
     if rotary_cos is None or rotary_sin is None:
         missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
         raise InvalidArgumentError(missing, "rotary_cos and rotary_sin must be given together")
     named = [("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)]
-    _array_module([("q", q), *named])
+    array_module([("q", q), *named])
     for name, table in named:
-        _check_rank(name, table, 2, "[S_rot, rotary_dim / 2]")
+        check_rank(name, table, 2, "[S_rot, rotary_dim / 2]")
         if table.dtype not in (np.dtype(np.float32), np.dtype(dtype)):
             raise InvalidArgumentError(
                 name, f"expected dtype float32 or q's {np.dtype(dtype)}, got {table.dtype}"

@@ -27,16 +27,16 @@ from .packed_plans import PackedBackward, PackedForward, heads_first
 from .problem import (
     MAX_GRID_YZ,
     PackedSequences,
-    _array_module,
-    _check_dtypes,
-    _check_flag,
-    _check_rank,
-    _count,
+    array_module,
     backward_problem,
+    check_count,
     check_dims,
+    check_dtypes,
+    check_flag,
     check_head_counts,
     check_head_dim_v,
     check_int32,
+    check_rank,
     forward_problem,
 )
 
@@ -128,13 +128,13 @@ def varlen_problem(
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
     ``check`` (:func:`verified_offsets`). ``storage_dtype``: as in ``forward_problem``."""
-    _check_flag("check", check)
+    check_flag("check", check)
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
-    xp = _array_module(named + [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
+    xp = array_module(named + [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
     for name, a in (("q", q), ("k", k), ("v", v), *extra_arrays):
-        _check_rank(name, a, 3, "[tokens, heads, head_dim]")
+        check_rank(name, a, 3, "[tokens, heads, head_dim]")
     if storage_dtype is None:
-        _check_dtypes(named)
+        check_dtypes(named)
     num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
     width_v = check_head_dim_v(head_dim_v, head_dim)
     labels = ("tokens", "heads", "head_dim")
@@ -144,7 +144,7 @@ def varlen_problem(
     for name, a in extra_arrays:  # dout and out: v's head dim
         check_dims(name, a, (q.shape[0], num_heads, width_v), labels)
     for name, offsets in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_rank(name, offsets, 1, "[B + 1]")
+        check_rank(name, offsets, 1, "[B + 1]")
     check_int32("cu_seqlens_q", cu_seqlens_q, (max(1, cu_seqlens_q.shape[0]),), "[B + 1]")
     check_int32("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape, "[B + 1]")
     count = cu_seqlens_q.shape[0] - 1
@@ -152,8 +152,8 @@ def varlen_problem(
         raise InvalidArgumentError(
             "cu_seqlens_q", f"too many sequences for the device: at most {MAX_GRID_YZ}, got {count}"
         )
-    max_seqlen_q = _count("max_seqlen_q", max_seqlen_q, 0)
-    max_seqlen_k = _count("max_seqlen_k", max_seqlen_k, 0)
+    max_seqlen_q = check_count("max_seqlen_q", max_seqlen_q, 0)
+    max_seqlen_k = check_count("max_seqlen_k", max_seqlen_k, 0)
     attention = forward_problem(
         heads_first(q),
         heads_first(k),
@@ -485,7 +485,7 @@ def flash_attention_varlen_bwd(
     plan = plans.get(key)
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
-            _check_flag(name, flag)
+            check_flag(name, flag)
         problem = varlen_problem(
             q,
             k,
@@ -510,8 +510,8 @@ def flash_attention_varlen_bwd(
             sinks=sinks,
             head_dim_v=head_dim_v,
         )
-        _array_module([("q", q), ("lse", lse)])
-        _check_rank("lse", lse, 2, "[num_heads, total_q]")
+        array_module([("q", q), ("lse", lse)])
+        check_rank("lse", lse, 2, "[num_heads, total_q]")
         check_dims("lse", lse, (problem.attention.num_heads, problem.total_q), ("heads", "tokens"))
         if lse.dtype != np.float32:
             raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")

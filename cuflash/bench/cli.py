@@ -94,7 +94,7 @@ from .measure import Measurement, run_grid
 from .memory import MEMORY_SEQLENS, QUICK_MEMORY_SEQLENS, memory_sweep
 from .mla_decode import mla_decode_report
 from .plots import plot_memory, plot_throughput
-from .progress import _status
+from .progress import print_status
 from .report import format_report
 from .small_calls import small_call_sweep
 from .timing import QUICK_TARGET_SECONDS, TARGET_SECONDS, Budget
@@ -274,17 +274,17 @@ def run(args):
     budget = Budget(args.time_budget, args.target_seconds)
     if not args.no_first_call:
         head_dim = 128 if 128 in args.head_dims else args.head_dims[0]
-        _status(f"first-call cost of the {args.dtypes[0]}, D={head_dim} variant")
+        print_status(f"first-call cost of the {args.dtypes[0]}, D={head_dim} variant")
         report["first_call"] = measure_first_call(args.dtypes[0], head_dim, budget)
     if not args.no_memory:
-        _status("peak memory against S")
+        print_status("peak memory against S")
         report["memory"] = memory_sweep(args.dtypes[0], args.memory_seqlens, budget)
     if args.small_calls:
-        _status("small calls")
+        print_status("small calls")
         report["small_calls"] = small_call_sweep(torch, budget, env["l2_bytes"])
     if args.decode:
         function, note = kvcache_function()
-        _status("decode table" if function else f"no decode table: {note}")
+        print_status("decode table" if function else f"no decode table: {note}")
         report["decode"] = {
             "note": note,
             "records": []
@@ -292,19 +292,19 @@ def run(args):
             else decode_table(function, torch, budget, env["l2_bytes"]),
         }
     if args.varlen:
-        _status("packed variable-length table")
+        print_status("packed variable-length table")
         report["varlen"] = varlen_report(torch, budget, env["l2_bytes"])
     if args.head_dim_v:
-        _status("head_dim_v: the MLA training shape")
+        print_status("head_dim_v: the MLA training shape")
         report["head_dim_v"] = value_dim_report(budget, env["l2_bytes"], torch=torch)
     if args.mla_decode:
-        _status("absorbed-MLA decoding")
+        print_status("absorbed-MLA decoding")
         report["mla_decode"] = mla_decode_report(budget)
     if args.fp8:
-        _status("FP8 forward")
+        print_status("FP8 forward")
         report["fp8"] = fp8_report(budget, env["l2_bytes"])
     if args.head_dim_sweep:
-        _status(f"head-dim sweep, {len(args.sweep_cases)} cases")
+        print_status(f"head-dim sweep, {len(args.sweep_cases)} cases")
         report["head_dim_sweep"] = [
             m.to_dict()
             for m in head_dim_sweep(
@@ -318,7 +318,7 @@ def run(args):
         measurements = run_grid(cases, lambda case: factories, budget, env["l2_bytes"], torch)
     report["measurements"] = [m.to_dict() for m in measurements]
     report["elapsed_s"] = args.time_budget - budget.remaining()
-    _status(f"measured for {report['elapsed_s']:.0f} s")
+    print_status(f"measured for {report['elapsed_s']:.0f} s")
     return report, measurements
 
 
@@ -338,9 +338,9 @@ def main(argv=None):
     if args.json and not args.from_json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-        _status(f"wrote {args.json}")
+        print_status(f"wrote {args.json}")
     if args.plots:
         written = plot_throughput(measurements, args.plots)
         written.append(plot_memory(report.get("memory"), args.plots))
-        _status("wrote " + ", ".join(str(p) for p in written if p is not None))
+        print_status("wrote " + ", ".join(str(p) for p in written if p is not None))
     return 0

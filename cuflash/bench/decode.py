@@ -10,9 +10,9 @@ import numpy as np
 
 from .cases import DTYPES, sets_spanning_l2
 from .environment import cupy
-from .formatting import _format_ratio, _format_us
+from .formatting import format_ratio, format_us
 from .implementations import TORCH_BACKENDS, forced_backend, sdpa_backends
-from .measure import _first_line, agreement, forward_output, free_memory, run_or_reason
+from .measure import agreement, first_line, forward_output, free_memory, run_or_reason
 from .progress import progress_bar
 from .timing import time_calls
 
@@ -103,7 +103,7 @@ def kvcache_function():
     except Exception as exc:  # noqa: BLE001 - absent or broken: the table is skipped
         return None, (
             f"cuflash.flash_attention_with_kvcache is not available "
-            f"({type(exc).__name__}: {_first_line(exc)})"
+            f"({type(exc).__name__}: {first_line(exc)})"
         )
     return flash_attention_with_kvcache, ""
 
@@ -359,7 +359,7 @@ def rotary_cost(records):
             continue
         extra = with_tables / without - 1
         parts.append(
-            f"{where}: {_format_us(without)} us without, {_format_us(with_tables)} us with "
+            f"{where}: {format_us(without)} us without, {format_us(with_tables)} us with "
             f"({extra:+.1%})"
         )
         if extra > DECODE_ROTARY_TARGET:
@@ -414,9 +414,9 @@ def format_decode(record):
         rate = None if mine is None else r["cache_bytes"] / mine / 1e12
         lines.append(
             f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {step_label(r)} | "
-            f"{_format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
-            + " | ".join(_format_us(t) for t in theirs)
-            + f" | {_format_ratio(ratio)} |"
+            f"{format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
+            + " | ".join(format_us(t) for t in theirs)
+            + f" | {format_ratio(ratio)} |"
         )
         misses = [f"{ratio:.2f}x"] if ratio is not None and ratio < 1 else []
         if (

@@ -1,7 +1,7 @@
 """The grid: ``B * S = 16384`` tokens and ``H = 2048 / D`` heads for every dtype, head dim,
 causal flag and S; its defaults and its TFLOP/s table (cuflash next to each peer)."""
 
-from .formatting import _format_tflops, format_agreement, format_notes
+from .formatting import format_agreement, format_notes, format_tflops
 from .implementations import CuflashAttention
 
 DEFAULT_DTYPES = ("bfloat16", "float16")
@@ -16,7 +16,7 @@ def _cell(measurement, baseline):
     """Table cell: TFLOP/s, and for a peer the ratio cuflash / peer."""
     if measurement is None or measurement.tflops is None:
         return "–"
-    text = _format_tflops(measurement.tflops)
+    text = format_tflops(measurement.tflops)
     if (
         measurement.impl != CuflashAttention.name
         and baseline is not None

@@ -1,7 +1,8 @@
 """Markdown pieces the tables share: number cells, agreement lines, not-measured notes."""
 
 
-def _format_tflops(value):
+def format_tflops(value):
+    """TFLOP/s for a table cell: one decimal below 100."""
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
@@ -34,9 +35,11 @@ def format_notes(rows):
     ]
 
 
-def _format_ratio(ratio):
+def format_ratio(ratio):
+    """A ratio for a table cell (``1.23x``), a dash for None."""
     return "–" if ratio is None else f"{ratio:.2f}x"
 
 
-def _format_us(seconds):
+def format_us(seconds):
+    """Seconds as microseconds for a table cell, a dash for None."""
     return "–" if seconds is None else f"{seconds * 1e6:.1f}"

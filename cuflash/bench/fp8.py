@@ -22,9 +22,9 @@ import cuflash
 
 from .cases import DTYPES, attention_flops, sets_spanning_l2, tflops
 from .environment import cupy
-from .formatting import _format_ratio, _format_tflops
+from .formatting import format_ratio, format_tflops
 from .measure import run_or_reason
-from .progress import _status
+from .progress import print_status
 from .timing import time_calls
 
 FP8_HEAD_DIMS = (64, 128)
@@ -127,7 +127,7 @@ def fp8_report(budget, l2_bytes, cases=None):
             _NO_CONTEXT, lambda case=case: _input_sets(case, sets_spanning_l2(set_bytes, l2_bytes))
         )
         for name in CALLS:
-            _status(f"fp8: {name} {case}")
+            print_status(f"fp8: {name} {case}")
             timing = None
             make = makers[name]
             call_note = note if make is not None else peer_note
@@ -181,9 +181,9 @@ def format_fp8(records):
                 f"| {shape[0]} | {shape[1]} | {shape[2]} | {call} | "
                 + ("–" if seconds is None else f"{seconds * 1e3:.3f}")
                 + " | "
-                + ("–" if seconds is None else _format_tflops(tflops(record["flops"], seconds)))
+                + ("–" if seconds is None else format_tflops(tflops(record["flops"], seconds)))
                 + " | "
-                + (_format_ratio(ratio) if call == CALLS[0] else "")
+                + (format_ratio(ratio) if call == CALLS[0] else "")
                 + " |"
             )
     notes = dict.fromkeys(

@@ -2,7 +2,7 @@
 not, on the grid's shapes, against torch flash and cuDNN (float32: efficient)."""
 
 from .cases import DIRECTIONS, build_grid
-from .formatting import _format_ratio, _format_tflops, format_agreement, format_notes
+from .formatting import format_agreement, format_notes, format_ratio, format_tflops
 from .implementations import CuflashAttention, implementation_factories
 from .measure import Measurement, run_grid
 
@@ -89,11 +89,11 @@ def format_head_dim_sweep_table(measurements, dtype, direction):
             f"| {case.head_dim} | {case.seqlen} | {case.causal} | {case.batch} | "
             f"{case.heads} | "
             + " | ".join(
-                "–" if m is None or m.tflops is None else _format_tflops(m.tflops)
+                "–" if m is None or m.tflops is None else format_tflops(m.tflops)
                 for m in throughput
             )
             + " | "
-            + " | ".join(_format_ratio(r) for r in ratios.values())
+            + " | ".join(format_ratio(r) for r in ratios.values())
             + " |"
         )
         ratio = ratios.get(target_peer)

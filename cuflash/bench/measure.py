@@ -9,7 +9,7 @@ import numpy as np
 from .cases import DIRECTIONS, Case, make_input_sets, rotation_count, tflops
 from .environment import cupy
 from .implementations import CuflashAttention
-from .progress import _status, progress_bar
+from .progress import print_status, progress_bar
 from .timing import Timing, time_calls
 
 MAX_NOTE_CHARS = 300
@@ -73,7 +73,8 @@ class Measurement:
         )
 
 
-def _first_line(text):
+def first_line(text):
+    """The first line of ``text`` (an exception's message, say), stripped."""
     return (str(text).strip().splitlines() or [""])[0]
 
 
@@ -81,8 +82,8 @@ def failure_reason(exc, caught_warnings):
     """A one-line reason for a failed run: "OOM", or the warnings and the error."""
     if "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower():
         return "OOM"
-    lines = [_first_line(w.message) for w in caught_warnings]
-    lines.append(f"{type(exc).__name__}: {_first_line(exc)}")
+    lines = [first_line(w.message) for w in caught_warnings]
+    lines.append(f"{type(exc).__name__}: {first_line(exc)}")
     return "; ".join(dict.fromkeys(lines))[:MAX_NOTE_CHARS]
 
 
@@ -127,7 +128,7 @@ def agreement(impl, x, reference):
     try:
         return relative_error(forward_output(impl, x), reference)
     except Exception as exc:  # noqa: BLE001 - the timing stands without the check
-        _status(f"{impl.name} {impl.case}: no agreement check: {failure_reason(exc, [])}")
+        print_status(f"{impl.name} {impl.case}: no agreement check: {failure_reason(exc, [])}")
         return None
 
 

@@ -17,9 +17,9 @@ import cuflash
 
 from .cases import DTYPES
 from .environment import cupy
-from .formatting import _format_tflops
+from .formatting import format_tflops
 from .measure import run_or_reason
-from .progress import _status
+from .progress import print_status
 from .timing import time_calls
 
 _NO_CONTEXT = types.SimpleNamespace(context=contextlib.nullcontext)
@@ -82,7 +82,7 @@ def mla_decode_report(budget, cases=MLA_DECODE_CASES):
     """Median GPU time of each case's decoding step."""
     records = []
     for index, case in enumerate(cases):
-        _status(f"MLA decode: B={case.batch} H={case.heads} L={case.seqlen}")
+        print_status(f"MLA decode: B={case.batch} H={case.heads} L={case.seqlen}")
         target = budget.target_for(len(cases) - index)
         timing, note = run_or_reason(_NO_CONTEXT, lambda: time_calls([_call(case)], target))
         records.append(
@@ -113,7 +113,7 @@ def format_mla_decode(records):
             cells = (
                 f"{seconds * 1e6:.1f}",
                 f"{r['cache_bytes'] / seconds / 1e12:.2f}",
-                _format_tflops(r["flops"] / seconds / 1e12),
+                format_tflops(r["flops"] / seconds / 1e12),
             )
         lines.append(f"| {r['batch']} | {r['heads']} | {r['seqlen']} | " + " | ".join(cells) + " |")
     failed = [f"- B={r['batch']} H={r['heads']} L={r['seqlen']}: {r['note']}" for r in records

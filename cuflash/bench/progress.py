@@ -38,5 +38,6 @@ def progress_bar(total, desc):
     return tqdm(total=total, desc=desc, file=sys.stderr, unit="case")
 
 
-def _status(text):
+def print_status(text):
+    """A status line on stderr."""
     print(f"cuflash.bench: {text}", file=sys.stderr, flush=True)

@@ -6,10 +6,10 @@ import time
 
 from .cases import DIRECTIONS, Case, make_input_sets
 from .environment import cupy
-from .formatting import _format_ratio, _format_us, format_notes
+from .formatting import format_notes, format_ratio, format_us
 from .implementations import CuflashAttention, implementation_factories
 from .measure import Measurement, run_grid, run_or_reason
-from .progress import _status
+from .progress import print_status
 
 # Small calls (issue 14): GPU time per call of small training shapes, and host time per call.
 SMALL_CALL_SHAPES = ((1, 8, 128, 64), (4, 12, 256, 64), (8, 16, 512, 128))  # B, H, S, D
@@ -76,7 +76,7 @@ def small_call_sweep(torch, budget, l2_bytes):
     """GPU time per call of the small cases, and host time per call of a tiny one."""
     factories = implementation_factories(torch, torch_backends=SMALL_CALL_PEERS, naive=False)
     measurements = run_grid(list(SMALL_CALL_CASES), lambda case: factories, budget, l2_bytes, torch)
-    _status(f"host time per call ({HOST_TIME_CALLS} calls)")
+    print_status(f"host time per call ({HOST_TIME_CALLS} calls)")
     return {
         "measurements": [m.to_dict() for m in measurements],
         "host_time": host_time_records(factories),
@@ -114,8 +114,8 @@ def format_small_calls(record):
             )
             lines.append(
                 f"| {case.dtype} | {case.batch} | {case.heads} | {case.seqlen} | "
-                f"{case.head_dim} | {impl} | {_format_us(fwd)} | {_format_us(bwd)} | "
-                f"{_format_us(theirs)} | {_format_ratio(ratio)} |"
+                f"{case.head_dim} | {impl} | {format_us(fwd)} | {format_us(bwd)} | "
+                f"{format_us(theirs)} | {format_ratio(ratio)} |"
             )
             if impl == SMALL_CALL_TARGET_PEER and ratio is not None and ratio < 1:
                 below.append(

@@ -23,10 +23,10 @@ import cuflash
 
 from .cases import DIRECTIONS, DTYPES, sets_spanning_l2, tflops
 from .environment import cupy
-from .formatting import _format_ratio, _format_tflops
+from .formatting import format_ratio, format_tflops
 from .implementations import TorchSDPA, sdpa_backends
 from .measure import run_or_reason
-from .progress import _status
+from .progress import print_status
 from .timing import time_calls
 
 CALLS = ("head_dim_v", "v padded")
@@ -149,7 +149,7 @@ def value_dim_report(budget, l2_bytes, case=MLA_TRAINING, torch=None):
     left = len(calls) * len(DIRECTIONS)
     for name, context, make in calls:
         for direction in DIRECTIONS:
-            _status(f"head_dim_v: {name} {direction}")
+            print_status(f"head_dim_v: {name} {direction}")
             timing = None
             if sets is not None:
                 target = budget.target_for(left)
@@ -197,9 +197,9 @@ def format_value_dims(records):
                 f"| {direction} | {call} | "
                 + ("–" if seconds is None else f"{seconds * 1e3:.3f}")
                 + " | "
-                + ("–" if seconds is None else _format_tflops(tflops(record["flops"], seconds)))
+                + ("–" if seconds is None else format_tflops(tflops(record["flops"], seconds)))
                 + " | "
-                + ("" if call == CALLS[0] else _format_ratio(ratio))
+                + ("" if call == CALLS[0] else format_ratio(ratio))
                 + " |"
             )
     failed = [

@@ -22,7 +22,7 @@ from .cases import (
     sets_spanning_l2,
 )
 from .environment import cupy
-from .formatting import _format_ratio, _format_tflops
+from .formatting import format_ratio, format_tflops
 from .implementations import (
     TORCH_BACKENDS,
     CuflashAttention,
@@ -498,9 +498,9 @@ def format_varlen_table(records, direction):
             f"| {first['label']} | {key[1]} | {first['heads']} | {key[2]} | "
             + ("–" if dense is None else f"{dense['batch']} x {dense['seqlen']}")
             + " | "
-            + " | ".join("–" if t is None else _format_tflops(t) for t in cells)
+            + " | ".join("–" if t is None else format_tflops(t) for t in cells)
             + " | "
-            + " | ".join(_format_ratio(ratio.get(peer)) for peer in peers)
+            + " | ".join(format_ratio(ratio.get(peer)) for peer in peers)
             + " |"
         )
         value = ratio.get(target_peer)

@@ -15,7 +15,9 @@ from .groups import start_exchange
 from .layout import array_module, chunk_count, segments, step_calls
 
 
-def _check_group(group):
+def check_group(group):
+    """``(rank, size)`` of a process group (rank, size and ``exchange()``), else
+    ``InvalidArgumentError``."""
     for attr in ("rank", "size", "exchange"):
         if not hasattr(group, attr):
             raise InvalidArgumentError(
@@ -26,7 +28,9 @@ def _check_group(group):
     return group.rank, group.size
 
 
-def _check_shards(q, k, v, layout, size):
+def check_shards(q, k, v, layout, size):
+    """Shards of one sequence: q, k and v of one length, a whole number of the chunks a
+    rank holds in ``layout`` (other rank errors are the dense functions')."""
     count = chunk_count(layout, size) // size
     length = q.shape[2] if getattr(q, "ndim", 0) == 4 else None
     if length is None or k.ndim != 4 or v.ndim != 4:
@@ -54,10 +58,10 @@ class _Schedule:
     """One rank's ring: the arguments checked, and the pairs it computes at each step."""
 
     def __init__(self, group, layout, q, k, v, causal, window_size):
-        self.rank, self.size = _check_group(group)
+        self.rank, self.size = check_group(group)
         check_not_fp8([("q", q), ("k", k), ("v", v)])  # before any rank exchanges
         chunk_count(layout, self.size)
-        _check_shards(q, k, v, layout, self.size)
+        check_shards(q, k, v, layout, self.size)
         self.layout, self.shard_length = layout, q.shape[2]
         self.window = _window(causal, window_size, q.shape[2] * self.size)
         self.q_segments = segments(layout, self.rank, self.size, q.shape[2])

@@ -19,7 +19,7 @@ from ..errors import InvalidArgumentError
 from ..problem import check_sinks
 from .groups import start_exchange
 from .layout import array_module, gather, shard
-from .ring import RingVJP, _check_group, _check_shards, with_vjp
+from .ring import RingVJP, check_group, check_shards, with_vjp
 
 
 def _check_heads(num_heads, num_kv_heads, size):
@@ -94,8 +94,8 @@ def ulysses_attention_fwd(
     """:func:`cuflash.distributed.ring_attention_fwd`'s arguments and results, by an
     all-to-all over heads: this rank's shard ``(out, lse)`` of the attention over the
     whole sequence."""
-    rank, size = _check_group(group)
-    _check_shards(q, k, v, layout, size)
+    rank, size = check_group(group)
+    check_shards(q, k, v, layout, size)
     _check_heads(num_heads, num_kv_heads, size)
     check_sinks(sinks, q, num_heads)
     q_all, k_all, v_all = _to_heads(group, layout, (q, k, v))
@@ -139,8 +139,8 @@ def ulysses_attention_bwd(
     """:func:`cuflash.distributed.ring_attention_bwd`'s arguments and results: the
     gradients of this rank's shards (and ``dsinks`` fourth with ``sinks``: every head's,
     the same on every rank)."""
-    rank, size = _check_group(group)
-    _check_shards(q, k, v, layout, size)
+    rank, size = check_group(group)
+    check_shards(q, k, v, layout, size)
     _check_heads(num_heads, num_kv_heads, size)
     check_sinks(sinks, q, num_heads)
     arrays = _to_heads(group, layout, (dout, q, k, v, out, lse))

@@ -8,22 +8,35 @@ tiles, the split count and the kernel lookup are :mod:`cuflash.decode_kernels`'s
 import dataclasses
 import numbers
 
+import cupy
 import numpy as np
 
 from . import (
     decode_kernels,  # its functions are read at call time (tools replace some)
     kernel_params,
     kvcache,
+    registry,
 )
 from . import rotary as rotary_embedding
 from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
+from .gpu import (
+    NO_USER_ARGUMENTS,
+    ForwardPlan,
+    Launch,
+    UserArguments,
+    address,
+    current_stream,
+    device_capability,
+    element_strides,
+    rows_are_16_byte_aligned,
+)
+from .kernel_build import UserFunctors
+from .problem import forward_problem, unit_last_stride
 
 
 def verify_on_host(problem, cache_seqlens, block_table):
     """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
-    import cupy
-
     parts = []
     if not isinstance(cache_seqlens, numbers.Integral):
         parts.append(cache_seqlens.ravel())
@@ -68,8 +81,6 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
         return None
     if problem.own_value_dims:  # kvcache_decode_mla's
         return None
-    from .gpu import ForwardPlan
-    from .problem import forward_problem
 
     host_length = isinstance(cache_seqlens, numbers.Integral)
     attention = forward_problem(
@@ -101,16 +112,12 @@ def _key_counts(problem, cache_seqlens):
     """Where the dense forward finds each sequence's keys for device-held lengths: the
     lengths themselves without an append (the kernels clamp them to the capacity), else a
     new int32 ``[B]`` that the append fills with ``clamped length + S_new``."""
-    import cupy
-
     return cupy.empty(problem.batch, np.int32) if problem.new_len else cache_seqlens
 
 
 def _rotated_query(problem, q):
     """Where the append writes the rotated query rows (the rotary embedding): a new
     contiguous ``[B, H, S_q, D]`` array that the attention then reads, or ``q`` itself."""
-    import cupy
-
     if problem.rotary is None or problem.batch * problem.num_heads == 0:
         return q
     return cupy.empty(problem.q_shape, dtype=problem.dtype)
@@ -125,8 +132,6 @@ def _append_params(problem, k_new, v_new, q, k_cache, v_cache):
 
 def _strides_of(*arrays):
     """The element strides (batch, head, row) of each array, None for None."""
-    from .gpu import element_strides
-
     return tuple(None if x is None else element_strides(x) for x in arrays)
 
 
@@ -165,9 +170,6 @@ def _problem_key(problem):
 def _on_device(params):
     """``params`` laid out from the current device's parameter base (``gpu.Launch.of_role``
     does the same for the attention kernels)."""
-    from . import registry
-    from .gpu import device_capability
-
     sm = registry.generation(device_capability()[1])
     return params.rebased(kernel_params.parameter_base(sm))
 
@@ -175,8 +177,6 @@ def _on_device(params):
 def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
     """A ``gpu.Launch`` of ``function`` with the record ``build(problem, *arguments)``, the
     one made for the same arguments before where ``reuse``."""
-    from .gpu import Launch
-
     key = (function.ptr, grid, shared, build, _problem_key(problem), arguments)
     found = _LAUNCHES.get(key) if reuse else None
     if found is None:
@@ -192,9 +192,6 @@ def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
 def _user_modifiers(problem):
     """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
     ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
-    from .gpu import NO_USER_ARGUMENTS, UserArguments
-    from .kernel_build import UserFunctors
-
     if problem.score_mod is None and problem.mask_mod is None:
         return None, NO_USER_ARGUMENTS
     functors = UserFunctors.of(
@@ -222,12 +219,6 @@ def gpu_forward(
     keys and a copy of the query rows with ``rotary_cos`` / ``rotary_sin``), attend,
     combine (``sinks``: the attention sinks, which the unsplit kernel or the combine
     adds)."""
-    import cupy
-
-    from .gpu import address, current_stream, device_capability
-    from .gpu import rows_are_16_byte_aligned as _aligned
-    from .problem import unit_last_stride
-
     if check:
         verify_on_host(problem, cache_seqlens, block_table)
     if block_table is not None:
@@ -317,7 +308,7 @@ def gpu_forward(
         _strides_of(q, k_cache, v_cache),
         splits,
         row_tiles,
-        _aligned((k_cache, v_cache)),
+        rows_are_16_byte_aligned((k_cache, v_cache)),
         user,
         reuse=functors is None,  # a user's arguments are the call's
     )(
@@ -366,16 +357,6 @@ class DecodePlan:
         block_table,
         alibi_slopes=None,
     ):
-        import cupy
-
-        from .gpu import (
-            NO_USER_ARGUMENTS,
-            Launch,
-            device_capability,
-            rows_are_16_byte_aligned,
-        )
-        from .problem import unit_last_stride
-
         self.problem = problem
         self.copies = (
             any(a is not None and a.strides[-1] != a.itemsize for a in (q, k_new, v_new))
@@ -455,10 +436,6 @@ class DecodePlan:
         rotary_cos=None,
         rotary_sin=None,
     ):
-        import cupy
-
-        from .problem import unit_last_stride
-
         problem = self.problem
         if self.copies:  # the signature fixes which
             q, k_new, v_new = (
@@ -467,7 +444,6 @@ class DecodePlan:
             cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
             if block_table is not None:
                 block_table = cupy.ascontiguousarray(block_table)
-        from .gpu import address, current_stream
 
         stream = current_stream()
         table = address(block_table)

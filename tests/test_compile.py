@@ -364,7 +364,7 @@ def test_standalone_kernels_are_their_templates():
         assert len(parameters) == len(kernel.parameters), (kernel.name, parameters)
         assert registry.standalone_of(kernel.name_expression(**_arguments(kernel))) is kernel
     with pytest.raises(LookupError):
-        registry.standalone_of("cuflash::attention_fwd_general<float, 64, 64, 32>")
+        registry.standalone_of("cuflash::forward_general<float, 64, 64, 32>")
     with pytest.raises(TypeError):
         registry.STANDALONE["ring_merge"].name_expression()
 

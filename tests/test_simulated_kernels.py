@@ -605,7 +605,7 @@ def test_a_parameter_record_of_other_parameters_fails_the_launch():
     kernel runs with its record, and fails with the dQ conversion's (laid out for other
     parameters, as a host whose lists went out of step with the kernels' would)."""
     problem = types.SimpleNamespace(num_heads=2, q_len=8)  # what the records read
-    name = "cuflash::attention_bwd_delta<float, 64>"
+    name = "cuflash::backward_delta<float, 64>"
     module = simulator.build([name], headers=("general_bwd.cuh",))
     dout, out = np.ones((1, 2, 8, 64), np.float32), np.full((1, 2, 8, 64), 2.0, np.float32)
     lse = np.zeros((1, 2, 8), np.float32)

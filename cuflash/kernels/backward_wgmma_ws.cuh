@@ -19,7 +19,7 @@
 //     tile and all columns of their dK and dV (in registers, 232 a thread);
 //     they wait on the barriers only, and each thread hands each stage back
 //     once its products and its own loads of lse and Delta have read it.
-// Per query tile, each consumer (M = 64 keys), as attention_bwd_dkdv_wgmma:
+// Per query tile, each consumer (M = 64 keys), as backward_wgmma:
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
 //   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
 //   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers;
@@ -43,10 +43,10 @@
 // spills: the producer spills 12 bytes at 32 (and 36 at 24 with 240 for the
 // consumers); at 232 the consumers of the 64 class's atomic dQ (BM = 128) and
 // of the score modifiers spill (8-56 bytes), so those calls stay with
-// attention_bwd_dkdv_wgmma.
+// backward_wgmma.
 // Without ATOMIC_DQ (the deterministic backward, and dQ's own pass) the two
 // consumers never wait for each other. The arguments are
-// attention_bwd_dkdv_wgmma's (the same launch).
+// backward_wgmma's (the same launch).
 #pragma once
 #include "mbarrier.cuh"
 #include "tc_bwd_wg.cuh"

@@ -16,10 +16,10 @@
 //     it; they take the producer's registers (240 a thread).
 // Each consumer overlaps within itself: S(j + 1) = Q K(j + 1)^T and
 // O += P(j) V(j) are issued together and the softmax of S(j + 1) runs while
-// P V does (as attention_fwd_wgmma's pipelined loop). The two consumers also
+// P V does (as forward_wgmma's pipelined loop). The two consumers also
 // take turns on the tensor cores (ping-pong): named barriers 8 and 9 order
 // their issues, so that one's products run while the other's softmax does.
-// The arguments are attention_fwd_wgmma's (every path that launches that
+// The arguments are forward_wgmma's (every path that launches that
 // kernel launches this one).
 // DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
 // V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);

@@ -1,18 +1,18 @@
 // General backward kernels (every dtype, every head_dim multiple of 8 to 256).
 //
-//   attention_bwd_delta    Delta = rowsum(dO * O) and lse in base 2 (lse
-//                          log2 e), float32 [B, H, S_q] each: the lse every
-//                          dK/dV and dQ kernel takes; and zeros in the
-//                          float32 dQ rows the atomic kernels add into.
-//   attention_bwd_dkdv     one block per (key tile, KV head, batch): loops over
-//                          the query heads sharing the KV head and over the
-//                          query tiles that can see the key tile, keeps dK and
-//                          dV in registers and writes them once (no atomics).
-//                          With ATOMIC_DQ it also adds dS K * scale into a
-//                          float32 dQ buffer with atomics.
-//   attention_bwd_dq       the deterministic dQ: one block per query tile,
-//                          loops over key tiles, accumulates dQ in registers.
-//   attention_bwd_dq_convert  the atomic dQ's float32 buffer into the dtype.
+//   backward_delta       Delta = rowsum(dO * O) and lse in base 2 (lse
+//                        log2 e), float32 [B, H, S_q] each: the lse every
+//                        dK/dV and dQ kernel takes; and zeros in the
+//                        float32 dQ rows the atomic kernels add into.
+//   backward_general     one block per (key tile, KV head, batch): loops over
+//                        the query heads sharing the KV head and over the
+//                        query tiles that can see the key tile, keeps dK and
+//                        dV in registers and writes them once (no atomics).
+//                        With ATOMIC_DQ it also adds dS K * scale into a
+//                        float32 dQ buffer with atomics.
+//   backward_dq_general  the deterministic dQ: one block per query tile,
+//                        loops over key tiles, accumulates dQ in registers.
+//   backward_dq_convert  the atomic dQ's float32 buffer into the dtype.
 //
 // Same 16 x 8 thread grid and shared-memory tiles as the forward kernel;
 // P = exp2(S * scale * log2(e) - lse * log2(e)), dS = P * (dP - Delta).
@@ -25,7 +25,7 @@ namespace cuflash {
 // DV: the head dim of dO and O (v's), D's unless v has its own.
 template <typename T, int D, int DV = D>
 __global__ void __launch_bounds__(128)
-    attention_bwd_delta(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DELTA_PARAMS, T)) {
+    backward_delta(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DELTA_PARAMS, T)) {
     CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(out);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(128)
 // or a tile width past D), dQ's at its strides.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    attention_bwd_dq_convert(CUFLASH_PARAMETERS(CUFLASH_DQ_CONVERT_PARAMS, T)) {
+    backward_dq_convert(CUFLASH_PARAMETERS(CUFLASH_DQ_CONVERT_PARAMS, T)) {
     CUFLASH_STRIDES_OF(dq);
     const long long i = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) * 2;
     if (i < count) {
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(256)
 // offsets that keep the rules there are none, and every block returns at once.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    attention_zero_outside(CUFLASH_PARAMETERS(CUFLASH_ZERO_OUTSIDE_PARAMS, T)) {
+    packed_zero_outside(CUFLASH_PARAMETERS(CUFLASH_ZERO_OUTSIDE_PARAMS, T)) {
     const int first = clamped(offsets[0], 0, total);
     const int last = max(first, clamped(offsets[count], 0, total));
     const long long before = first * row_elements, after = (total - last) * row_elements;
@@ -153,7 +153,7 @@ __device__ __forceinline__ void load_query_side(float* Qs, float* dOs, float* ls
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_bwd_dkdv(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
+    backward_general(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     constexpr int NT = 128, NA = BN / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 16 == 0 && D % 8 == 0, "tile shape");
     CUFLASH_STRIDES_OF(q);
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(128, 1)
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_bwd_dq(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
+    backward_dq_general(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
     constexpr int NT = 128, RM = BM / 16, NE = D / 8, LD = D + 4, LDP = BN + 4;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);

@@ -15,7 +15,7 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
-    attention_fwd_general(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
+    forward_general(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     constexpr int NT = 128, RM = BM / 16, RN = BN / 8, NE = D / 8;
     constexpr int LD = D + 4, LDP = BN + 4;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");

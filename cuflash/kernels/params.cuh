@@ -198,7 +198,7 @@ struct BackwardDqParams {
     CUFLASH_BACKWARD_DQ_PARAMS(CUFLASH_MEMBER, void, void)
 };
 
-// The backward's first kernel, attention_bwd_delta (T: dout's and out's type):
+// The backward's first kernel, backward_delta (T: dout's and out's type):
 // Delta and lse log2 e, and zeros in the atomic dQ's rows.
 #define CUFLASH_BACKWARD_DELTA_PARAMS(X, T)                                           \
     X(PTR, const T, dout)                                                             \
@@ -217,7 +217,7 @@ struct BackwardDeltaParams {
     CUFLASH_BACKWARD_DELTA_PARAMS(CUFLASH_MEMBER, void)
 };
 
-// The atomic dQ's conversion, attention_bwd_dq_convert (T: dq's type).
+// The atomic dQ's conversion, backward_dq_convert (T: dq's type).
 #define CUFLASH_DQ_CONVERT_PARAMS(X, T)          \
     X(PTR, const float, dq_accum)                \
     X(PTR, T, dq)                                \
@@ -232,7 +232,7 @@ struct DqConvertParams {
 };
 
 // Zeros in the rows of a packed output outside every sequence,
-// attention_zero_outside (T: x's type).
+// packed_zero_outside (T: x's type).
 #define CUFLASH_ZERO_OUTSIDE_PARAMS(X, T)                                 \
     X(PTR, T, x)               /* the output, [total, H, D] contiguous */ \
     X(PTR, const int, offsets) /* its cu_seqlens (int32 [count + 1]) */   \
@@ -245,7 +245,7 @@ struct ZeroOutsideParams {
 };
 
 // The float16 pieces of a float32 operand: each head's largest |x|,
-// attention_abs_max, then the pieces and their scales, attention_split_f16
+// float16_pieces_abs_max, then the pieces and their scales, float16_pieces_split
 // (T: float).
 #define CUFLASH_PIECES_ABS_MAX_PARAMS(X, T)                                  \
     X(PTR, const T, x)                                                       \
@@ -258,7 +258,7 @@ struct PiecesAbsMaxParams {
 };
 #define CUFLASH_PIECES_SPLIT_PARAMS(X, T)                            \
     X(PTR, const T, x)                                               \
-    X(PTR, const float, abs_max) /* attention_abs_max's */           \
+    X(PTR, const float, abs_max) /* float16_pieces_abs_max's */      \
     X(PTR, half_t, hi)           /* [B, H, seq_len, D] contiguous */ \
     X(PTR, half_t, lo)                                               \
     X(PTR, float, scale_out) /* [B, H] */                            \

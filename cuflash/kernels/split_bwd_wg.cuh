@@ -1,7 +1,7 @@
 // float32 attention backward (dK, dV and optionally the atomic dQ) on the
 // 16-bit wgmma (sm_90a) with float32 accuracy: the scheme of
 // split_fwd_wg.cuh. Q, K, V and dO arrive as two float16 pieces each, scaled
-// by powers of two (attention_split_f16); every product runs as three,
+// by powers of two (float16_pieces_split); every product runs as three,
 // hi*hi + hi*lo + lo*hi, and every sum the tensor cores round toward zero
 // runs in a fresh accumulator over at most 64 terms (halves of D for S^T and
 // dP^T), the cross products first, before a round-to-nearest FADD or atomic.
@@ -48,7 +48,7 @@ __host__ __device__ constexpr int split_bwd_blocks() {
 
 template <int D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, split_bwd_blocks<D>())
-    attention_bwd_split(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
+    backward_float32_pieces(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
     CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.

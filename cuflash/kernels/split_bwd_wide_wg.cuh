@@ -4,7 +4,7 @@
 // accumulator over at most 64 terms) on tiles that fit shared memory when
 // the pieces double every tile. Two kernels, both deterministic:
 //
-//   attention_bwd_split_wide     dK and dV: one block of two warpgroups per
+//   backward_float32_pieces_wide     dK and dV: one block of two warpgroups per
 //       (64-key tile, KV head, batch), K and V pieces resident, looping over
 //       the query heads of the group and their 32-row query tiles that see
 //       the keys (Q and dO pieces, lse and Delta loaded a tile at a time):
@@ -16,7 +16,7 @@
 //       fresh chunks of 4 k16 steps; dV and dK: m64n64k16 a 64-column chunk
 //       of the head dim at a time, A = the pieces of P^T or dS^T from
 //       registers, B N-major, in a fresh accumulator a query tile.
-//   attention_bwd_dq_split_wide  dQ: one block of two warpgroups per 64-row
+//   backward_dq_float32_pieces_wide  dQ: one block of two warpgroups per 64-row
 //       query tile, Q and dO pieces resident, looping over 32-key tiles:
 //         warpgroup 0: S = Q K^T, P handed to warpgroup 1
 //         warpgroup 1: dP = dO V^T, dS = P (dP - Delta) times 2^e_ds, handed
@@ -165,7 +165,7 @@ __device__ __forceinline__ int warpgroup_pow2_exponent(const float (&x)[4][4], f
 
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_split_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
+    backward_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
     CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     constexpr int DP = 256, BN = 64, BM = 32, NT = 256, QTILES = BM / 8;
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(256, 1)
 
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dq_split_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, half_t, float)) {
+    backward_dq_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, half_t, float)) {
     CUFLASH_BACKWARD_PIECES;
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 32, NT = 256, NTILES = BN / 8;

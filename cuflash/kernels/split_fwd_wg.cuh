@@ -11,21 +11,21 @@
 // only the hi*hi steps round at the scale of the sum.
 //
 // Three kernels a call (cuflash.gpu.forward):
-//   attention_abs_max      max |x| of each head of a float32 [B, H, S, D]
-//                          tensor over its first `rows` rows (the keys past
-//                          kv_seq_len are never read, whatever they hold;
-//                          atomicMax on the bits, into zeroed floats [B, H]).
-//                          Scales a head apiece: a non-finite value reaches
-//                          no other head's results
-//   attention_split_f16    x * scale -> hi, lo float16 [B, H, S, D]
-//                          (contiguous, the same first rows), scale =
-//                          2^(14 - e) for the head's max |x| in
-//                          [2^(e - 1), 2^e), so the pieces stay in float16's
-//                          normal range; the scales [B, H] are written for the
-//                          next kernel
-//   attention_fwd_split    the forward on the pieces: one block of two
-//                          warpgroups (64 query rows each) per query tile, 64-key
-//                          tiles, K and V pieces double-buffered, not pipelined
+//   float16_pieces_abs_max  max |x| of each head of a float32 [B, H, S, D]
+//                           tensor over its first `rows` rows (the keys past
+//                           kv_seq_len are never read, whatever they hold;
+//                           atomicMax on the bits, into zeroed floats [B, H]).
+//                           Scales a head apiece: a non-finite value reaches
+//                           no other head's results
+//   float16_pieces_split    x * scale -> hi, lo float16 [B, H, S, D]
+//                           (contiguous, the same first rows), scale =
+//                           2^(14 - e) for the head's max |x| in
+//                           [2^(e - 1), 2^e), so the pieces stay in float16's
+//                           normal range; the scales [B, H] are written for the
+//                           next kernel
+//   forward_float32_pieces  the forward on the pieces: one block of two
+//                           warpgroups (64 query rows each) per query tile, 64-key
+//                           tiles, K and V pieces double-buffered, not pipelined
 // The probabilities are computed times 2^14 (a gain folded into the exp2) so
 // that small ones keep a normal second piece; the row sums drop that gain
 // before lse is formed, and O drops it and s_v as it is stored.
@@ -95,7 +95,7 @@ __device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
 // 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_abs_max(CUFLASH_PARAMETERS(CUFLASH_PIECES_ABS_MAX_PARAMS, float)) {
+    float16_pieces_abs_max(CUFLASH_PARAMETERS(CUFLASH_PIECES_ABS_MAX_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = 0.f;
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(128)
 // rows [0, rows) of each head.
 template <int D>
 __global__ void __launch_bounds__(128)
-    attention_split_f16(CUFLASH_PARAMETERS(CUFLASH_PIECES_SPLIT_PARAMS, float)) {
+    float16_pieces_split(CUFLASH_PARAMETERS(CUFLASH_PIECES_SPLIT_PARAMS, float)) {
     CUFLASH_STRIDES_OF(x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(128)
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
 template <int D, int BN>
 __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
-    attention_fwd_split(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
+    forward_float32_pieces(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
     CUFLASH_FORWARD_PIECES;
     using T = half_t;
     // The tiles are DP = 64 or 128 columns wide (the head_dim's class), zeros past D.

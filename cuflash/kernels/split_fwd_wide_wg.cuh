@@ -25,7 +25,7 @@ namespace cuflash {
 
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    attention_fwd_split_wide(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
+    forward_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
     CUFLASH_FORWARD_PIECES;
     using T = half_t;
     constexpr int DP = 256, BM = 64, BN = 64, NT = 256;  // DP: the tiles' width

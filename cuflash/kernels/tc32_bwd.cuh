@@ -22,7 +22,7 @@ namespace cuflash {
 
 template <int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BN * 2, 1)
-    attention_bwd_dkdv_tc32(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, float, float)) {
+    backward_tf32(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, float, float)) {
     constexpr int NT = BN * 2, NW = BN / 16, P = D + 4, PQ = BM + 4;
     constexpr int KSTEPS = D / 8, QTILES = BM / 8, DTILES = D / 8;
     // dQ work split: warp w takes m16 tile w % QM and a slice of DQ_SLICE d-tiles.

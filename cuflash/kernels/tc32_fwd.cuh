@@ -16,7 +16,7 @@ namespace cuflash {
 
 template <int D, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1)
-    attention_fwd_tc32(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, float, float)) {
+    forward_tf32(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, float, float)) {
     constexpr int NT = BM * 2, P = D + 4, KSTEPS = D / 8, NTILES = BN / 8, DTILES = D / 8;
     static_assert(BM % 16 == 0 && BN % 8 == 0 && D % 8 == 0, "tile shape");
     using FragA = Tf32Frag<4>;

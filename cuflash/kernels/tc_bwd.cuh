@@ -24,7 +24,7 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(BN * 2)
-    attention_bwd_dkdv_tc(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
+    backward_mma_sync(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64 or 128 columns wide (the head_dim's class); products over
     // the head_dim and dK, dV on its exact width DK (padding columns zeros).

@@ -24,7 +24,7 @@ namespace cuflash {
 
 template <typename T, int D, int BN, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dq_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
+    backward_dq_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // The exact head_dim in k16 steps (DK columns, padding zeros) in tiles of the
     // head_dim's class (DL columns, in blocks of 64).

@@ -19,7 +19,7 @@
 //   own copy of the loop, its columns compiled in). Warpgroup w computes S^T
 //   and dP^T for query columns [32 w, 32 w + 32) only (EXCHANGE), both write
 //   their P^T and dS^T halves to shared memory, and dV, dK take A from there.
-//   dQ is attention_bwd_dq_wgmma's (tc_bwd_dq_wg.cuh), for every call: the
+//   dQ is backward_dq_wgmma's (tc_bwd_dq_wg.cuh), for every call: the
 //   atomics of 64-key tiles were slower than that second pass
 //   (docs/kernels/backward-sm90-wgmma.md).
 // Per query tile, for each warpgroup (M = 64 keys):
@@ -84,7 +84,7 @@ static_assert(best_split(192, 128).dv_first + best_split(192, 128).dk_first == 1
 
 template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dkdv_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
+    backward_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles are DT = 64, 128 or 256 columns wide (the head_dim's class); the
     // products over the head_dim take DK / 16 k16 steps (padding columns zeros).
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(256, 1)
     constexpr bool DQ_SPLIT_QUERIES = BM == 128;
     constexpr int DQ_KSTEPS = BN / 16;
     static_assert((DT == 64 && BM == 128) || ((DT == 128 || DT == 256) && BM == 64), "tile shape");
-    static_assert(!(SPLIT_D && ATOMIC_DQ), "past D = 128 dQ is attention_bwd_dq_wgmma's");
+    static_assert(!(SPLIT_D && ATOMIC_DQ), "past D = 128 dQ is backward_dq_wgmma's");
     // Query columns of S^T and dP^T a warpgroup computes: all, or with EXCHANGE
     // its half [SN w, SN w + SN) (P^T and dS^T then meet in shared memory).
     constexpr int SN = EXCHANGE ? BM / 2 : BM, STILES = SN / 8;

@@ -25,7 +25,7 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, 1)
-    attention_bwd_dkdv_tc_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
+    backward_mma_sync_split_d(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).

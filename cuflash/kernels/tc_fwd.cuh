@@ -20,7 +20,7 @@ namespace cuflash {
 
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2 / MT, 1)
-    attention_fwd_tc(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
+    forward_mma_sync(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // Tiles DT = 64, 128 or 256 columns wide (the head_dim's class); products
     // over the head_dim on its exact width DK (padding columns zeros).

@@ -100,7 +100,7 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
 // they hide each other's softmax where a key tile's products are short.
 template <typename T, int D, int BN, int WG>
 __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ? 2 : 1)
-    attention_fwd_wgmma(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
+    forward_wgmma(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     // The exact head_dim, in k16 steps (DK columns; the padding columns are zeros),
     // in shared memory tiles of the head_dim's class (DL columns, in blocks of 64).

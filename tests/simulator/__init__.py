@@ -11,7 +11,7 @@ the rest of the source compiles as it is. A launch takes the arguments as
 ``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.kernel_params.Params``
 record), or NumPy arrays and scalars one a parameter.
 
->>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
+>>> module = build(["cuflash::backward_delta<float, 64>"])   # doctest: +SKIP
 >>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP
 
 What it checks: indexing, fragment layouts, masking, the order of copies and

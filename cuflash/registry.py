@@ -44,8 +44,8 @@ class KernelSpec:
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
     of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
-    :class:`cuflash.tile_traits.Traits`; ``template``: the C++ function template. ``padded_dq``: the
-    atomic dQ accumulates in rows of the head-dim class's width.
+    :class:`cuflash.tile_traits.Traits`. ``padded_dq``: the atomic dQ accumulates in rows
+    of the head-dim class's width. ``name`` is also the C++ function template's.
     """
 
     name: str
@@ -54,7 +54,6 @@ class KernelSpec:
     precision: str
     archs: tuple
     head_dims: tuple
-    template: str
     traits: object
     needs_sm90a: bool = False
     exact_head_dims: bool = False
@@ -172,7 +171,7 @@ class KernelSpec:
             if not self.takes_value_dims(head_dim, head_dim_v):
                 raise ValueError(f"{self.name} does not take head_dim_v {head_dim_v}")
             args.append(str(head_dim_v))
-        return f"cuflash::{self.template}<{', '.join(args)}>"
+        return f"cuflash::{self.name}<{', '.join(args)}>"
 
 
 ATOMIC_DQ = "_atomic_dq"
@@ -227,7 +226,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "forward_wgmma_ws",
         tile_traits.forward_ws_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -247,7 +245,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         (8, 64),
-        "forward_wgmma",
         tile_traits.forward_wgmma_traits,
         needs_sm90a=True,
         reads_key_counts=True,
@@ -259,7 +256,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "forward_mma_sync",
         tile_traits.forward_mma_sync_traits,
         modifiers=True,
         block_tiles=_rows_and_keys,
@@ -271,7 +267,6 @@ KERNELS = (
         "tf32",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "forward_tf32",
         tile_traits.forward_tf32_traits,
         dtype_in_template=False,
     ),
@@ -282,7 +277,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (8, 128),
-        "forward_float32_pieces",
         tile_traits.forward_pieces_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -295,7 +289,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "forward_float32_pieces_wide",
         tile_traits.forward_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -308,7 +301,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "forward_general",
         tile_traits.forward_general_traits,
         modifiers=True,
     ),
@@ -325,7 +317,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         (72, 128),
-        "backward_wgmma_ws",
         tile_traits.backward_ws_traits,
         needs_sm90a=True,
         padded_dq=True,
@@ -340,7 +331,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "backward_wgmma",
         tile_traits.backward_wgmma_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -356,7 +346,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         (64, 128),
-        "backward_mma_sync",
         tile_traits.backward_mma_sync_traits,
         exact_head_dims=True,
         modifiers=True,
@@ -369,7 +358,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_mma_sync_split_d",
         tile_traits.backward_split_d_traits,
         padded_dq=True,
         dq_kernel="backward_dq_mma_sync",
@@ -381,7 +369,6 @@ KERNELS = (
         "tf32",
         AMPERE_AND_NEWER,
         (8, 128),
-        "backward_tf32",
         tile_traits.backward_tf32_traits,
         dtype_in_template=False,
     ),
@@ -392,7 +379,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (8, 128),
-        "backward_float32_pieces",
         tile_traits.backward_pieces_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -404,7 +390,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "backward_float32_pieces_wide",
         tile_traits.backward_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -418,7 +403,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_general",
         tile_traits.backward_general_traits,
         modifiers=True,
     ),
@@ -436,7 +420,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_delta",
         _fixed(4),
         value_dims=True,
     ),
@@ -447,7 +430,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_dq_general",
         tile_traits.dq_general_traits,
         modifiers=True,
     ),
@@ -458,7 +440,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "backward_dq_wgmma",
         tile_traits.dq_wgmma_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -472,7 +453,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_dq_mma_sync",
         tile_traits.dq_mma_sync_traits,
         modifiers=True,
         block_tiles=_rows_and_keys,
@@ -484,7 +464,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "backward_dq_float32_pieces_wide",
         tile_traits.dq_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -496,7 +475,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "backward_dq_convert",
         _fixed(512, threads=256),
     ),
     KernelSpec(
@@ -506,7 +484,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "packed_zero_outside",
         _fixed(256, threads=256),
     ),
     KernelSpec(
@@ -516,7 +493,6 @@ KERNELS = (
         "float32",
         HOPPER,
         ALL_HEAD_DIMS,
-        "float16_pieces_abs_max",
         _fixed(32),
         dtype_in_template=False,
     ),
@@ -527,7 +503,6 @@ KERNELS = (
         "float32",
         HOPPER,
         ALL_HEAD_DIMS,
-        "float16_pieces_split",
         _fixed(4),
         dtype_in_template=False,
     ),
@@ -540,56 +515,44 @@ BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
 class StandaloneKernel:
     """A kernel of its own ``.cu`` file (``source``, in ``kernels/``) outside the variants,
     built one instantiation at a time (``cuflash.kernel_build.load_standalone``).
-    ``template``: its C++ function template, instantiated with ``parameters`` in order
+    ``name``: also its C++ function template's, instantiated with ``parameters`` in order
     (none: not a template) by :meth:`name_expression`; ``modifiers``: compiled with the
     user's modifier functors where a call has them; ``arch``: a target of its own."""
 
     name: str
     source: str
-    template: str
     parameters: tuple = ()
     modifiers: bool = False
     arch: str | None = None
 
     def name_expression(self, **args):
-        """``cuflash::template<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
+        """``cuflash::name<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
         dtype, the others ints or bools."""
         if set(args) != set(self.parameters):
             raise TypeError(f"{self.name} takes {self.parameters}, got {tuple(args)}")
         cxx = [
             CXX_TYPES[np.dtype(args[p])] if p == "dtype" else _cxx(args[p]) for p in self.parameters
         ]
-        return f"cuflash::{self.template}" + (f"<{', '.join(cxx)}>" if cxx else "")
+        return f"cuflash::{self.name}" + (f"<{', '.join(cxx)}>" if cxx else "")
 
 
 # The kernels outside the variants, each once: registry name = C++ template = the
 # file's name, but for block_mask.cu, named by its use.
 _DECODE_TC = ("dtype", "head_dim", "row_warps", "stages", "keys", "paged", "narrow")
 STANDALONE_KERNELS = (
-    StandaloneKernel("kvcache_append", "kvcache_append.cu", "kvcache_append", ("dtype",)),
-    StandaloneKernel(
-        "kvcache_decode_tc", "kvcache_decode_tc.cu", "kvcache_decode_tc", _DECODE_TC, True
-    ),
+    StandaloneKernel("kvcache_append", "kvcache_append.cu", ("dtype",)),
+    StandaloneKernel("kvcache_decode_tc", "kvcache_decode_tc.cu", _DECODE_TC, True),
     StandaloneKernel(
         "kvcache_decode_mla",
         "kvcache_decode_mla.cu",
-        "kvcache_decode_mla",
         ("dtype", "head_dim", "head_dim_v", "keys", "stages", "paged", "latent"),
         True,
     ),
-    StandaloneKernel(
-        "kvcache_decode",
-        "kvcache_decode.cu",
-        "kvcache_decode",
-        ("dtype", "head_dim", "rows"),
-        True,
-    ),
-    StandaloneKernel(
-        "kvcache_combine", "kvcache_combine.cu", "kvcache_combine", ("dtype", "head_dim")
-    ),
-    StandaloneKernel("classify_mask_cells", "block_mask.cu", "classify_mask_cells", (), True),
-    StandaloneKernel("ring_merge", "ring_merge.cu", "ring_merge", ("dtype",)),
-    StandaloneKernel("sinks_gradient", "sinks_gradient.cu", "sinks_gradient"),
+    StandaloneKernel("kvcache_decode", "kvcache_decode.cu", ("dtype", "head_dim", "rows"), True),
+    StandaloneKernel("kvcache_combine", "kvcache_combine.cu", ("dtype", "head_dim")),
+    StandaloneKernel("classify_mask_cells", "block_mask.cu", (), True),
+    StandaloneKernel("ring_merge", "ring_merge.cu", ("dtype",)),
+    StandaloneKernel("sinks_gradient", "sinks_gradient.cu"),
 )
 STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
 
@@ -598,7 +561,7 @@ def standalone_of(name_expression):
     """The :class:`StandaloneKernel` ``name_expression`` instantiates (LookupError if none)."""
     template = name_expression.removeprefix("cuflash::").split("<", 1)[0]
     for kernel in STANDALONE_KERNELS:
-        if name_expression.startswith("cuflash::") and kernel.template == template:
+        if name_expression.startswith("cuflash::") and kernel.name == template:
             return kernel
     raise LookupError(f"{name_expression} is not a kernel of the registry")
 

@@ -354,11 +354,8 @@ def test_standalone_kernels_are_their_templates():
     assert len(names) == len(set(names)) == len(registry.STANDALONE)
     assert not set(names) & set(registry.BY_NAME)
     for kernel in registry.STANDALONE_KERNELS:
-        assert kernel.name == kernel.template, kernel
         source = kernel_build.module_source(kernel.source)
-        found = re.search(
-            rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.template}\(", source
-        )
+        found = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.name}\(", source)
         assert found is not None, kernel.name
         parameters = [p for p in (found.group(2) or "").split(",") if p.strip()]
         assert len(parameters) == len(kernel.parameters), (kernel.name, parameters)

@@ -64,7 +64,7 @@ class KernelSpec:
     plain_head_dims: tuple | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
-    # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
+    # CUFLASH_FORWARD_SEQUENCE of kernels/common/common.cuh).
     reads_key_counts: bool = False
     # The backward's dQ: by float32 atomics in the kernel for the calls that are not
     # deterministic at the head dims ``atomic_dq_head_dims`` (smallest, largest; None:
@@ -189,7 +189,7 @@ def _fixed(rows, threads=128):
 def _splits_the_narrower_v(head_dim, head_dim_v):
     """backward_wgmma's narrower v: any in the 64 and 128 classes; in the 256
     class one whose dV and dK columns split between its warpgroups at 32 to 144 columns
-    each (``best_split`` of kernels/tc_bwd_wg.cuh: the first warpgroup 64 or 128 of
+    each (``best_split`` of kernels/sm90/backward_wgmma.cuh: the first warpgroup 64 or 128 of
     each)."""
     if tile_traits.head_dim_class(head_dim) < 256:
         return True
@@ -537,22 +537,24 @@ class StandaloneKernel:
 
 
 # The kernels outside the variants, each once: registry name = C++ template = the
-# file's name, but for block_mask.cu, named by its use.
+# file's name (in decode/ the KV cache's, in simt/ the others).
 _DECODE_TC = ("dtype", "head_dim", "row_warps", "stages", "keys", "paged", "narrow")
 STANDALONE_KERNELS = (
-    StandaloneKernel("kvcache_append", "kvcache_append.cu", ("dtype",)),
-    StandaloneKernel("kvcache_decode_tc", "kvcache_decode_tc.cu", _DECODE_TC, True),
+    StandaloneKernel("kvcache_append", "decode/kvcache_append.cu", ("dtype",)),
+    StandaloneKernel("kvcache_decode_tc", "decode/kvcache_decode_tc.cu", _DECODE_TC, True),
     StandaloneKernel(
         "kvcache_decode_mla",
-        "kvcache_decode_mla.cu",
+        "decode/kvcache_decode_mla.cu",
         ("dtype", "head_dim", "head_dim_v", "keys", "stages", "paged", "latent"),
         True,
     ),
-    StandaloneKernel("kvcache_decode", "kvcache_decode.cu", ("dtype", "head_dim", "rows"), True),
-    StandaloneKernel("kvcache_combine", "kvcache_combine.cu", ("dtype", "head_dim")),
-    StandaloneKernel("classify_mask_cells", "block_mask.cu", (), True),
-    StandaloneKernel("ring_merge", "ring_merge.cu", ("dtype",)),
-    StandaloneKernel("sinks_gradient", "sinks_gradient.cu"),
+    StandaloneKernel(
+        "kvcache_decode", "decode/kvcache_decode.cu", ("dtype", "head_dim", "rows"), True
+    ),
+    StandaloneKernel("kvcache_combine", "decode/kvcache_combine.cu", ("dtype", "head_dim")),
+    StandaloneKernel("classify_mask_cells", "simt/classify_mask_cells.cu", (), True),
+    StandaloneKernel("ring_merge", "simt/ring_merge.cu", ("dtype",)),
+    StandaloneKernel("sinks_gradient", "simt/sinks_gradient.cu"),
 )
 STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
 

@@ -107,7 +107,7 @@ def test_source_is_self_contained():
     """Local includes are inlined, so CuPy's cache hash covers every kernel line."""
     src = kernel_build.module_source()
     assert '#include "' not in src
-    for name in ("common.cuh", "general_fwd.cuh", "general_bwd.cuh"):
+    for name in ("common/common.cuh", "simt/forward_general.cuh", "simt/backward_general.cuh"):
         first_code_line = next(
             line
             for line in (kernel_build.KERNEL_DIR / name).read_text().splitlines()
@@ -419,7 +419,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     assert registry.standalone_of(registry.STANDALONE["classify_mask_cells"].name_expression())
     for dtype in registry.CXX_TYPES:  # the ring merge of each dtype's output
         merge = registry.STANDALONE["ring_merge"].name_expression(dtype=dtype)
-        assert registry.standalone_of(merge).source == "ring_merge.cu"
+        assert registry.standalone_of(merge).source == "simt/ring_merge.cu"
     package = Path(kernel_build.__file__).parent
     owners = {"registry.py", "kernel_build.py"}
     for path in package.rglob("*.py"):

@@ -182,7 +182,7 @@ def backward_pieces_wide_traits(d):
 
 
 def dq_pieces_wide_traits(d):
-    """kernels/sm90/backward_float32_pieces_wide.cuh, dQ: 64 rows of Q and dO and a 32-key tile of K
+    """kernels/sm90/backward_dq_float32_pieces_wide.cuh: 64 rows of Q and dO and a 32-key tile of K
     and V as pieces 256 columns wide, P and dS handed over in float32, lse and Delta of the rows,
     four maxima and dS's exponent."""
     rows, keys, width = 64, 32, 256

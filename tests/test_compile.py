@@ -107,7 +107,7 @@ def test_source_is_self_contained():
     """Local includes are inlined, so CuPy's cache hash covers every kernel line."""
     src = kernel_build.module_source()
     assert '#include "' not in src
-    for name in ("common/common.cuh", "simt/forward_general.cuh", "simt/backward_general.cuh"):
+    for name in ("common/common.cuh", "simt/forward_general.cuh", "simt/backward_dq_general.cuh"):
         first_code_line = next(
             line
             for line in (kernel_build.KERNEL_DIR / name).read_text().splitlines()
@@ -342,6 +342,21 @@ def test_precompile_job_list():
 
 # ---------------------------------------------------------------------------------------
 # The kernels outside the variants: registry.STANDALONE_KERNELS
+
+
+def test_registry_kernels_are_their_headers():
+    """Each registry kernel is the ``__global__`` template of its name in the header of its
+    name, in the folder of its instruction (sm90/ wgmma, sm80/ mma.sync, simt/ the CUDA
+    cores), which the module includes."""
+    import re
+
+    folders = {"wgmma": "sm90", "mma.sync": "sm80", "cuda cores": "simt"}
+    module = (kernel_build.KERNEL_DIR / kernel_build.MODULE_FILE).read_text()
+    for spec in registry.KERNELS:
+        header = f"{folders[spec.instruction]}/{spec.name}.cuh"
+        source = (kernel_build.KERNEL_DIR / header).read_text()
+        assert re.search(rf"__global__[^;{{]*\b{spec.name}\(", source), spec.name
+        assert f'#include "{header}"' in module, spec.name
 
 
 def test_standalone_kernels_are_their_templates():

@@ -599,7 +599,7 @@ def test_a_parameter_record_of_other_parameters_fails_the_launch():
     parameters, as a host whose lists went out of step with the kernels' would)."""
     problem = types.SimpleNamespace(num_heads=2, q_len=8)  # what the records read
     name = "cuflash::backward_delta<float, 64>"
-    module = simulator.build([name], headers=("simt/backward_general.cuh",))
+    module = simulator.build([name], headers=("simt/backward_delta.cuh",))
     dout, out = np.ones((1, 2, 8, 64), np.float32), np.full((1, 2, 8, 64), 2.0, np.float32)
     lse = np.zeros((1, 2, 8), np.float32)
     delta, lse_log2 = np.zeros(16, np.float32), np.zeros(16, np.float32)

@@ -1,7 +1,12 @@
 // The module compiled for one (dtype, head_dim): every kernel of that
-// variant. The host instantiates the templates through name expressions.
+// variant, each registry kernel's header named after it. The host instantiates
+// the templates through name expressions.
 #include "simt/forward_general.cuh"
+#include "simt/backward_delta.cuh"
+#include "simt/backward_dq_convert.cuh"
+#include "simt/packed_zero_outside.cuh"
 #include "simt/backward_general.cuh"
+#include "simt/backward_dq_general.cuh"
 #include "sm80/forward_mma_sync.cuh"
 #include "sm90/forward_wgmma.cuh"
 #include "sm90/forward_wgmma_ws.cuh"
@@ -11,9 +16,12 @@
 #include "sm90/backward_wgmma.cuh"
 #include "sm90/backward_wgmma_ws.cuh"
 #include "sm90/backward_dq_wgmma.cuh"
+#include "simt/float16_pieces_abs_max.cuh"
+#include "simt/float16_pieces_split.cuh"
 #include "sm90/forward_float32_pieces.cuh"
 #include "sm90/forward_float32_pieces_wide.cuh"
 #include "sm90/backward_float32_pieces.cuh"
 #include "sm90/backward_float32_pieces_wide.cuh"
+#include "sm90/backward_dq_float32_pieces_wide.cuh"
 #include "sm80/forward_tf32.cuh"
 #include "sm80/backward_tf32.cuh"

@@ -466,7 +466,11 @@ def _built(names, headers, kernel_dir, arch, functors):
 
 HEADERS = (
     "simt/forward_general.cuh",
+    "simt/backward_delta.cuh",
+    "simt/backward_dq_convert.cuh",
+    "simt/packed_zero_outside.cuh",
     "simt/backward_general.cuh",
+    "simt/backward_dq_general.cuh",
     "sm80/forward_mma_sync.cuh",
     "sm80/backward_mma_sync.cuh",
     "sm80/backward_mma_sync_split_d.cuh",
@@ -476,10 +480,13 @@ HEADERS = (
     "sm90/backward_wgmma.cuh",
     "sm90/backward_wgmma_ws.cuh",
     "sm90/backward_dq_wgmma.cuh",
+    "simt/float16_pieces_abs_max.cuh",
+    "simt/float16_pieces_split.cuh",
     "sm90/forward_float32_pieces.cuh",
     "sm90/forward_float32_pieces_wide.cuh",
     "sm90/backward_float32_pieces.cuh",
     "sm90/backward_float32_pieces_wide.cuh",
+    "sm90/backward_dq_float32_pieces_wide.cuh",
 )
 
 

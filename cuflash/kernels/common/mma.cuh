@@ -351,12 +351,13 @@ __device__ __forceinline__ void probs_and_dscores(float (&st)[QTILES][4], float 
 }
 
 // The dQ passes (sm80/backward_dq_mma_sync.cuh, sm90/backward_dq_wgmma.cuh), on
-// a warp's S and dP accumulators in the m16n8 layout of mma.sync and wgmma alike
-// (rows row0 + g and row0 + g + 8, BN = 8 NTILES keys from n0): P = exp2(S
-// scale_log2 - lse) masked, then dS = P (dP - Delta) in place of dP. lse (base 2; +inf for a row
-// that sees nothing or is padding) and Delta per row. EDGE: keys outside a row's interval (and, on a
-// `partial` tile, where the user's mask hides them) get P = 0. MODIFIED: the
-// modifiers' scores and derivative (apply2) on every element.
+// a warp's S and dP accumulators in the m16n8 layout of mma.sync and wgmma
+// alike (rows row0 + g and row0 + g + 8, BN = 8 NTILES keys from n0): P =
+// exp2(S scale_log2 - lse) masked, then dS = P (dP - Delta) in place of dP. lse
+// (base 2; +inf for a row that sees nothing or is padding) and Delta per row.
+// EDGE: keys outside a row's interval (and, on a `partial` tile, where the
+// user's mask hides them) get P = 0. MODIFIED: the modifiers' scores and
+// derivative (apply2) on every element.
 template <bool EDGE, bool MODIFIED, int NTILES, typename Mods>
 __device__ __forceinline__ void query_dscores(float (&s)[NTILES][4], float (&dp)[NTILES][4],
                                               const Mask& mask, const Mods& mods, int row0, int n0,

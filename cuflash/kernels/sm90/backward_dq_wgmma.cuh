@@ -6,7 +6,7 @@
 // 256 class, where Q, dO and two buffers of K and V fill shared memory). Q and
 // dO stay in shared memory; K and V of the next tile load (cp.async, two
 // buffers) while this one is computed. The 128-byte-swizzled tiles of
-// sm90/forward_wgmma.cuh; per key tile, for each warpgroup (M = 64 query rows):
+// common/wgmma.cuh; per key tile, for each warpgroup (M = 64 query rows):
 //   S = Q K^T, dP = dO V^T           wgmma m64nBNk16, A and B K-major (smem)
 //   P = exp2(S scale log2 e - lse log2 e), dS = P (dP - Delta) (registers;
 //   lse and Delta of the thread's two rows are read once)
@@ -18,7 +18,8 @@
 // mma.sync kernel of the same pass is sm80/backward_dq_mma_sync.cuh.
 #pragma once
 #include "common/params.cuh"
-#include "sm90/forward_wgmma.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
 
 namespace cuflash {
 

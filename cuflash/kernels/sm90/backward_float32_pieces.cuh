@@ -34,7 +34,9 @@
 // beside the fresh ones.
 #pragma once
 #include "common/params.cuh"
-#include "sm90/forward_float32_pieces.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
+#include "common/float16_pieces.cuh"
 
 namespace cuflash {
 

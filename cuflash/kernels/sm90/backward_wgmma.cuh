@@ -8,7 +8,7 @@
 // registers. K and V stay in shared memory;
 // Q, dO, lse and Delta of the next query tile load (cp.async, two buffers)
 // while this one is computed. All 16-bit tiles use the 128-byte-swizzled
-// layout of sm90/forward_wgmma.cuh. Two shapes:
+// layout of common/wgmma.cuh. Two shapes:
 // - D = 64 and 128: BN = 128 keys, warpgroup w owns keys [64 w, 64 w + 64)
 //   and all D columns of their dK and dV.
 // - D = 136 to 256 (SPLIT_D): dK and dV of 64 keys by D columns do not fit
@@ -38,7 +38,8 @@
 // Only tiles that cross a mask boundary are masked element by element.
 #pragma once
 #include "common/params.cuh"
-#include "sm90/forward_wgmma.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
 
 namespace cuflash {
 

@@ -48,8 +48,10 @@
 // consumers never wait for each other. The arguments are
 // backward_wgmma's (the same launch).
 #pragma once
+#include "common/params.cuh"
 #include "common/mbarrier.cuh"
-#include "sm90/backward_wgmma.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
 
 namespace cuflash {
 

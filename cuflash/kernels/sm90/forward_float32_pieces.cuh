@@ -1,141 +1,28 @@
 // float32 attention forward on the 16-bit wgmma (sm_90a) with float32
-// accuracy: every float32 operand x is scaled by a power of two and split
-// into two float16 pieces, hi = fp16(x) and lo = fp16(x - hi) (22
-// significant bits), and each product runs as three: hi*hi + hi*lo + lo*hi.
-// The tensor cores round each accumulation toward zero at the scale of the
-// largest addend, the accumulator included, so sums run in short chunks in
-// fresh accumulators added with round-to-nearest FADDs (docs/kernels/tf32.md
-// and float32-pieces.md; scripts/tf32_split_model.py): S in two halves of D,
-// O one key tile (64 keys) at a time; and within a chunk the small cross
-// products (hi*lo, lo*hi) go first, while the accumulator is small, so that
-// only the hi*hi steps round at the scale of the sum.
+// accuracy, on the float16 pieces of its operands (common/float16_pieces.cuh:
+// each product runs as three, hi*hi + hi*lo + lo*hi). The tensor cores round
+// each accumulation toward zero at the scale of the largest addend, the
+// accumulator included, so sums run in short chunks in fresh accumulators
+// added with round-to-nearest FADDs (docs/kernels/tf32.md and
+// float32-pieces.md; scripts/tf32_split_model.py): S in two halves of D, O one
+// key tile (64 keys) at a time; and within a chunk the small cross products
+// (hi*lo, lo*hi) go first, while the accumulator is small, so that only the
+// hi*hi steps round at the scale of the sum.
 //
-// Three kernels a call (cuflash.gpu.forward):
-//   float16_pieces_abs_max  max |x| of each head of a float32 [B, H, S, D]
-//                           tensor over its first `rows` rows (the keys past
-//                           kv_seq_len are never read, whatever they hold;
-//                           atomicMax on the bits, into zeroed floats [B, H]).
-//                           Scales a head apiece: a non-finite value reaches
-//                           no other head's results
-//   float16_pieces_split    x * scale -> hi, lo float16 [B, H, S, D]
-//                           (contiguous, the same first rows), scale =
-//                           2^(14 - e) for the head's max |x| in
-//                           [2^(e - 1), 2^e), so the pieces stay in float16's
-//                           normal range; the scales [B, H] are written for the
-//                           next kernel
-//   forward_float32_pieces  the forward on the pieces: one block of two
-//                           warpgroups (64 query rows each) per query tile, 64-key
-//                           tiles, K and V pieces double-buffered, not pipelined
-// The probabilities are computed times 2^14 (a gain folded into the exp2) so
-// that small ones keep a normal second piece; the row sums drop that gain
-// before lse is formed, and O drops it and s_v as it is stored.
+// The third of a call's kernels (cuflash.gpu.forward), after
+// float16_pieces_abs_max and float16_pieces_split (simt/) on each operand: one
+// block of two warpgroups (64 query rows each) per query tile, 64-key tiles, K
+// and V pieces double-buffered, not pipelined. The probabilities are computed
+// times 2^14 (a gain folded into the exp2) so that small ones keep a normal
+// second piece; the row sums drop that gain before lse is formed, and O drops
+// it and s_v as it is stored.
 #pragma once
 #include "common/params.cuh"
-#include "sm90/forward_wgmma.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
+#include "common/float16_pieces.cuh"
 
 namespace cuflash {
-
-// k = 14 - e for amax in [2^(e - 1), 2^e), within +-100, so that amax 2^k
-// lies in [2^13, 2^14); 0 for zeros and infinities (their pieces are then
-// the values themselves, inf or NaN included).
-__device__ __forceinline__ int pow2_exponent(float amax) {
-    if (!(amax > 0.f) || isinf(amax)) return 0;
-    int e;
-    frexpf(amax, &e);
-    return max(-100, min(100, 14 - e));
-}
-__device__ __forceinline__ float pow2_scale(float amax) { return ldexpf(1.f, pow2_exponent(amax)); }
-
-// x ~ hi + lo as float16 pairs (x0 in the low half, the lower column).
-__device__ __forceinline__ void split_pack(float x0, float x1, unsigned& hi, unsigned& lo) {
-    hi = TensorOp<half_t>::pack(x0, x1);
-    float h0, h1;
-    asm("{\n.reg .f16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n"
-        : "=f"(h0), "=f"(h1)
-        : "r"(hi));
-    lo = TensorOp<half_t>::pack(x0 - h0, x1 - h1);
-}
-
-// A warpgroup's rows of dK or dV from its float32 accumulator (the m64 fragment
-// of COLS 8-column tiles), times out_scale: `dst` is the tile's first row (row
-// stride ss); rows at or past valid_rows are skipped, columns past D not written
-// (the pieces' padding).
-template <int D, int COLS>
-__device__ __forceinline__ void store_key_rows(float* dst, long long ss,
-                                               const float (&own)[COLS][4], int warp_row, int g,
-                                               int t, int valid_rows, float out_scale) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = warp_row + g + 8 * r;
-        if (key >= valid_rows) continue;
-        float2* row = reinterpret_cast<float2*>(dst + key * ss);
-#pragma unroll
-        for (int d = 0; d < COLS; ++d)
-            if (d * 8 < D)
-                row[d * 4 + t] =
-                    make_float2(own[d][2 * r] * out_scale, own[d][2 * r + 1] * out_scale);
-    }
-}
-
-// An m64 accumulator fragment of 2 KSTEPS 8-column tiles as the hi and lo
-// pieces of wgmma A fragments, one a k16 step (the columns become the k index).
-template <int KSTEPS>
-__device__ __forceinline__ void split_fragments(const float (&x)[2 * KSTEPS][4],
-                                                unsigned (&hi)[KSTEPS][4],
-                                                unsigned (&lo)[KSTEPS][4]) {
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            split_pack(x[2 * kk + j][0], x[2 * kk + j][1], hi[kk][2 * j], lo[kk][2 * j]);
-            split_pack(x[2 * kk + j][2], x[2 * kk + j][3], hi[kk][2 * j + 1], lo[kk][2 * j + 1]);
-        }
-}
-
-// 32 rows a block (8 a warp, their loads issued together), one atomic a warp.
-template <int D>
-__global__ void __launch_bounds__(128)
-    float16_pieces_abs_max(CUFLASH_PARAMETERS(CUFLASH_PIECES_ABS_MAX_PARAMS, float)) {
-    CUFLASH_STRIDES_OF(x);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float m = 0.f;
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-        const int row = blockIdx.x * 32 + warp * 8 + r;
-        if (row < rows) {
-            const float* src = x + offset_of(x_st, blockIdx.z, blockIdx.y, row);
-#pragma unroll
-            for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(src[d]));
-        }
-    }
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
-    if (lane == 0)  // m >= 0: bits order as values; one maximum a head
-        atomicMax(abs_max_bits + blockIdx.z * gridDim.y + blockIdx.y, __float_as_uint(m));
-}
-
-// One warp a row, 4 rows a block; pieces written [B, H, seq_len, D] contiguous
-// (the kernels that read them fill their tiles' padding columns with zeros),
-// rows [0, rows) of each head.
-template <int D>
-__global__ void __launch_bounds__(128)
-    float16_pieces_split(CUFLASH_PARAMETERS(CUFLASH_PIECES_SPLIT_PARAMS, float)) {
-    CUFLASH_STRIDES_OF(x);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
-    const float scale = pow2_scale(abs_max[b * num_heads + h]);  // a head's own
-    if (blockIdx.x == 0 && threadIdx.x == 0) scale_out[b * num_heads + h] = scale;
-    if (row >= rows) return;
-    const float* src = x + offset_of(x_st, b, h, row);
-    const long long at = ((static_cast<long long>(b) * num_heads + h) * seq_len + row) * D;
-#pragma unroll
-    for (int d = 2 * lane; d < D; d += 64) {
-        unsigned pair_hi, pair_lo;
-        split_pack(src[d] * scale, src[d + 1] * scale, pair_hi, pair_lo);
-        *reinterpret_cast<unsigned*>(hi + at + d) = pair_hi;
-        *reinterpret_cast<unsigned*>(lo + at + d) = pair_lo;
-    }
-}
 
 // The forward on the pieces. q_scales, k_scales, v_scales: each head's scale
 // from the split kernels ([B, H] and [B, H_kv]);

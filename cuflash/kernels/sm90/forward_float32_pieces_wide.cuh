@@ -19,7 +19,9 @@
 // P V(it) run, V(it + 1) while S(it + 1) does.
 #pragma once
 #include "common/params.cuh"
-#include "sm90/forward_float32_pieces.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
+#include "common/float16_pieces.cuh"
 
 namespace cuflash {
 

@@ -27,7 +27,8 @@
 #pragma once
 #include "common/params.cuh"
 #include "common/mbarrier.cuh"
-#include "sm90/forward_wgmma.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
 
 namespace cuflash {
 

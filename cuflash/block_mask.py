@@ -3,14 +3,15 @@ built once and reused, so that the kernels skip the tiles it empties and evaluat
 tiles it cuts.
 
 :func:`create_block_mask` takes a :class:`cuflash.modifiers.MaskMod` and the sizes of
-the calls it serves. On the GPU, one pass (``kernels/block_mask.cu``, the mask's functor
-compiled in) evaluates the mask on every (query, key) pair once and records, for each
-cell of 16 query rows x 16 keys, whether the mask is true on any of its elements and on
-all of them. Each kernel then reads the cells folded into its own tiles (a *view*, made
-once per tile shape and cached): a tile is *empty* (no element visible: skipped),
-*full* (every element visible: the mask is not evaluated) or *partial* (the mask is
-evaluated element by element); and for each tile a block owns, the range of tiles
-outside which every tile is empty, which the kernel's loop is narrowed to.
+the calls it serves. On the GPU, one pass (``kernels/simt/classify_mask_cells.cu``, the
+mask's functor compiled in) evaluates the mask on every (query, key) pair once and
+records, for each cell of 16 query rows x 16 keys, whether the mask is true on any of
+its elements and on all of them. Each kernel then reads the cells folded into its own
+tiles (a *view*, made once per tile shape and cached): a tile is *empty* (no element
+visible: skipped), *full* (every element visible: the mask is not evaluated) or
+*partial* (the mask is evaluated element by element); and for each tile a block owns,
+the range of tiles outside which every tile is empty, which the kernel's loop is
+narrowed to.
 
 The block mask holds the mask function: pass it as ``block_mask=`` to
 :func:`cuflash.flash_attention_fwd` (and the backward and vjp) instead of ``mask_mod=``.

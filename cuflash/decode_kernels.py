@@ -19,7 +19,7 @@ from .decode_tiles import (
 
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
-MAX_SPLITS = 128  # kMaxSplits of kvcache_combine.cu: the combine takes a thread a split
+MAX_SPLITS = 128  # kMaxSplits of kernels/decode/kvcache_combine.cu: a thread a split
 MIN_KEYS_PER_SPLIT = 256
 BLOCK_START = 2  # a block's start (Q, first tiles) and end, in tiles' worth of time
 # K/V tiles in the tensor-core kernel's pipeline: 2 (three blocks an SM up to head_dim

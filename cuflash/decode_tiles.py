@@ -8,8 +8,8 @@ TILE_BYTES = 16384  # kDecodeTileBytes
 
 
 def decode_shape(itemsize, head_dim, rows):
-    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of decode_common.cuh):
-    keys a tile and the dynamic shared memory in bytes."""
+    """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of
+    kernels/decode/decode_common.cuh): keys a tile and the dynamic shared memory in bytes."""
     elems = 16 // itemsize
     chunks = head_dim // elems
     fit = TILE_BYTES // (head_dim * itemsize)
@@ -24,8 +24,8 @@ def decode_shape(itemsize, head_dim, rows):
 
 def decode_tc_shape(head_dim, row_warps, stages, keys=None):
     """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys, paged>``
-    (``DecodeTcShape`` of kvcache_decode_tc.cu): keys a tile, packed query rows a block and the
-    dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
+    (``DecodeTcShape`` of kernels/decode/kvcache_decode_tc.cu): keys a tile, packed query rows a
+    block and the dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
     keys = decode_tc_keys(head_dim) if keys is None else keys
     chunks = head_dim // 8
     key_warps = min(4 // row_warps, keys // 16)
@@ -43,8 +43,8 @@ def decode_tc_keys(head_dim):
 
 
 def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):
-    """The dynamic shared memory in bytes of ``kvcache_decode_mla<T, head_dim, head_dim_v,
-    keys, stages, paged, latent>`` (``DecodeMlaShape`` of kvcache_decode_mla.cu): the K
+    """The dynamic shared memory in bytes of ``kvcache_decode_mla<T, head_dim, head_dim_v, keys,
+    stages, paged, latent>`` (``DecodeMlaShape`` of kernels/decode/kvcache_decode_mla.cu): the K
     (and, not latent, V) tiles, 16 query rows, P and the warps' row statistics."""
     rows, warps = 16, THREADS // 32
     k_pitch = head_dim // 8 + 1

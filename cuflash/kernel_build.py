@@ -3,7 +3,9 @@
 Every kernel of one (dtype, head_dim) variant (the registry's kernels that
 serve it, ``cuflash.registry``) is compiled through NVRTC on first use and
 kept for the process (per device and arch); CuPy's on-disk cache keeps the
-binary across processes. The local ``#include "..."`` files are inlined into the source
+binary across processes. The local ``#include "..."`` files (paths from ``kernels/``:
+``common/``, the shared pieces; ``sm80/``, ``sm90/``, ``simt/`` and ``decode/``, the
+kernels, each header named after the kernel it holds) are inlined into the source
 string, so CuPy's cache key (a hash of source and options) sees every line.
 
 :func:`compile_offline` compiles the same source for a named arch without a
@@ -35,17 +37,19 @@ CXX_TYPES = registry.CXX_TYPES
 COMPILE_OPTIONS = ("-std=c++17",)
 
 
-def inlined_source(path, seen):
+def inlined_source(path, seen, root=KERNEL_DIR):
     """The text of kernel source ``path`` with its local includes inlined, each file once
-    (``seen``: the file names inlined so far, updated)."""
-    if path.name in seen:
+    (``seen``: the files inlined so far, updated); an include names a file by its path
+    from the kernels' folder ``root``."""
+    path = Path(path).resolve()
+    if path in seen:
         return ""
-    seen.add(path.name)
+    seen.add(path)
     out = []
     for line in path.read_text().splitlines():
         m = re.match(r'\s*#include\s+"([^"]+)"', line)
         if m:
-            out.append(inlined_source(path.parent / m.group(1), seen))
+            out.append(inlined_source(root / m.group(1), seen, root))
         elif line.strip() != "#pragma once":
             out.append(line)
     return "\n".join(out)
@@ -91,7 +95,7 @@ generation = registry.generation
 class UserFunctors:
     """The user's modifier functors (``cuflash.modifiers``) a kernel is compiled with:
     their C++ goes before the module source and ``-D`` options name them in
-    ``kernels/common.cuh`` (``CUFLASH_USER_SCORE_MOD``, ``CUFLASH_USER_MASK_MOD``).
+    ``kernels/common/common.cuh`` (``CUFLASH_USER_SCORE_MOD``, ``CUFLASH_USER_MASK_MOD``).
     Equal when their code is equal (the modifiers' cache keys), whatever arrays they
     read: kernels are shared by every modifier of the same source."""
 

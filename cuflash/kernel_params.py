@@ -1,7 +1,7 @@
 """The kernels' parameter lists as host records.
 
 Each attention kernel kind takes one parameter list, defined once in
-``kernels/params.cuh`` as an X-macro (``CUFLASH_FORWARD_PARAMS``, ...) that makes both
+``kernels/common/params.cuh`` as an X-macro (``CUFLASH_FORWARD_PARAMS``, ...) that makes both
 the kernels' positional parameters and a C struct of the same members
 (``ForwardParams``, ...). This module reads those lists and lays out the matching
 NumPy records by the C rules (each member at a multiple of its alignment), which are
@@ -28,12 +28,12 @@ from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 #: log2(e): the kernels take the softmax scale times it (their exponentials are base 2).
 LOG2E = 1.4426950408889634
 
-PARAMS_HEADER = Path(__file__).resolve().parent / "kernels" / "params.cuh"
+PARAMS_HEADER = Path(__file__).resolve().parent / "kernels" / "common" / "params.cuh"
 
-#: ``Strides`` of ``kernels/common.cuh``: element strides of the batch, head and row axes.
+#: ``Strides`` of ``kernels/common/common.cuh``: element strides of the batch, head and row axes.
 STRIDES_DTYPE = np.dtype([("b", "<i8"), ("h", "<i8"), ("s", "<i8")])
 
-#: ``UserModifierArgs`` of ``kernels/common.cuh``: the arrays of the user's score and
+#: ``UserModifierArgs`` of ``kernels/common/common.cuh``: the arrays of the user's score and
 #: mask functions and a block mask's view (``BlockMaskView``'s members flattened).
 USER_ARGS_DTYPE = np.dtype(
     {
@@ -74,7 +74,7 @@ USER_ARGS_DTYPE = np.dtype(
 
 # member type -> (NumPy format, alignment)
 _SCALARS = {"int": ("<i4", 4), "float": ("<f4", 4), "long long": ("<i8", 8)}
-#: ``TensorMap`` of ``kernels/params.cuh``: a CUtensorMap's 128 bytes, 64-byte aligned.
+#: ``TensorMap`` of ``kernels/common/params.cuh``: a CUtensorMap's 128 bytes, 64-byte aligned.
 TENSOR_MAP_DTYPE = np.dtype(("<u8", (16,)))
 _RECORDS = {
     "Strides": (STRIDES_DTYPE, 8),
@@ -89,7 +89,7 @@ _ENTRY = re.compile(r"^X\((PTR|VAL|STRIDES|MAP), ((?:const )?(?:long long|\w+)),
 
 
 def members(text=None):
-    """``{struct: [(member, C type), ...]}`` of the member lists of ``kernels/params.cuh``
+    """``{struct: [(member, C type), ...]}`` of the member lists of ``kernels/common/params.cuh``
     (or ``text``): each struct ``S { CUFLASH_..._PARAMS(CUFLASH_MEMBER, ...) };`` with its
     list's entries, a pointer's type written ``T*``, a STRIDES entry ``x`` as member
     ``x_st`` of type ``Strides``; ValueError for an entry the layout cannot read."""
@@ -142,7 +142,7 @@ def parameter_base(sm):
 
 @functools.cache
 def layout(name, base=0):
-    """The NumPy dtype of struct ``name`` of ``kernels/params.cuh``, laid out as C does
+    """The NumPy dtype of struct ``name`` of ``kernels/common/params.cuh``, laid out as C does
     (``base`` 0), or as the parameters of its list's kernels whose parameters begin at
     ``base`` in the constant bank (:func:`parameter_base`): each member at a multiple of
     its alignment counted from the bank's start, its offset from ``base``."""
@@ -345,7 +345,7 @@ FORWARD_PIECES_ADDRESSES = (
 def forward_params(
     problem, q_strides, k_strides, v_strides, out_strides, user, pieces=False, maps=None
 ):
-    """The ``ForwardParams`` of ``problem``'s forward launches (``kernels/params.cuh``):
+    """The ``ForwardParams`` of ``problem``'s forward launches (``kernels/common/params.cuh``):
     the arrays' element strides (``(batch, head, row)`` each), the user's modifier
     arguments (:class:`UserArguments`, or a ``UserModifierArgs`` record), the pieces
     kernels' addresses with ``pieces``; the call's addresses written at each launch
@@ -436,7 +436,7 @@ def backward_params(
     problem, input_strides, output_strides, user, pieces=False, dq_pass=False, maps=None
 ):
     """The ``BackwardParams`` of ``problem``'s dK/dV launches, or with ``dq_pass`` the
-    ``BackwardDqParams`` of its dQ pass (``kernels/params.cuh``): ``input_strides`` the
+    ``BackwardDqParams`` of its dQ pass (``kernels/common/params.cuh``): ``input_strides`` the
     element strides of q, k, v and dout (``(batch, head, row)`` each), ``output_strides``
     dK's and dV's (``dkv_st``) or dQ's (``dq_st``), the user's modifier arguments (as
     :func:`forward_params`'), the pieces kernels' addresses with ``pieces``; the call's

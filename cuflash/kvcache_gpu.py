@@ -1,9 +1,9 @@
-"""The GPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): the
-append, the split-KV kernels (``kernels/kvcache_decode_tc.cu``, ``kvcache_decode.cu``,
-``kvcache_decode_mla.cu``) and the combine of their splits (or, for long query chunks on
-a contiguous cache, the dense forward's plan), one call at a time (:func:`gpu_forward`)
-or as a launch plan for device-held lengths (:class:`DecodePlan`). Which kernels, their
-tiles, the split count and the kernel lookup are :mod:`cuflash.decode_kernels`'s."""
+"""The GPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): the append, the
+split-KV kernels (``kernels/decode/kvcache_decode_tc.cu``, ``kernels/decode/kvcache_decode.cu``,
+``kernels/decode/kvcache_decode_mla.cu``) and the combine of their splits (or, for long query chunks
+on a contiguous cache, the dense forward's plan), one call at a time (:func:`gpu_forward`) or as a
+launch plan for device-held lengths (:class:`DecodePlan`). Which kernels, their tiles, the split
+count and the kernel lookup are :mod:`cuflash.decode_kernels`'s."""
 
 import dataclasses
 import numbers

@@ -44,8 +44,8 @@ class KernelSpec:
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
     of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
-    :class:`cuflash.tile_traits.Traits`; ``template``: the C++ function template. ``padded_dq``: the
-    atomic dQ accumulates in rows of the head-dim class's width.
+    :class:`cuflash.tile_traits.Traits`. ``padded_dq``: the atomic dQ accumulates in rows
+    of the head-dim class's width. ``name`` is also the C++ function template's.
     """
 
     name: str
@@ -54,7 +54,6 @@ class KernelSpec:
     precision: str
     archs: tuple
     head_dims: tuple
-    template: str
     traits: object
     needs_sm90a: bool = False
     exact_head_dims: bool = False
@@ -65,7 +64,7 @@ class KernelSpec:
     plain_head_dims: tuple | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
-    # CUFLASH_FORWARD_SEQUENCE of kernels/common.cuh).
+    # CUFLASH_FORWARD_SEQUENCE of kernels/common/common.cuh).
     reads_key_counts: bool = False
     # The backward's dQ: by float32 atomics in the kernel for the calls that are not
     # deterministic at the head dims ``atomic_dq_head_dims`` (smallest, largest; None:
@@ -172,7 +171,7 @@ class KernelSpec:
             if not self.takes_value_dims(head_dim, head_dim_v):
                 raise ValueError(f"{self.name} does not take head_dim_v {head_dim_v}")
             args.append(str(head_dim_v))
-        return f"cuflash::{self.template}<{', '.join(args)}>"
+        return f"cuflash::{self.name}<{', '.join(args)}>"
 
 
 ATOMIC_DQ = "_atomic_dq"
@@ -188,9 +187,9 @@ def _fixed(rows, threads=128):
 
 
 def _splits_the_narrower_v(head_dim, head_dim_v):
-    """attention_bwd_dkdv_wgmma's narrower v: any in the 64 and 128 classes; in the 256
+    """backward_wgmma's narrower v: any in the 64 and 128 classes; in the 256
     class one whose dV and dK columns split between its warpgroups at 32 to 144 columns
-    each (``best_split`` of kernels/tc_bwd_wg.cuh: the first warpgroup 64 or 128 of
+    each (``best_split`` of kernels/sm90/backward_wgmma.cuh: the first warpgroup 64 or 128 of
     each)."""
     if tile_traits.head_dim_class(head_dim) < 256:
         return True
@@ -227,7 +226,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "forward_wgmma_ws",
         tile_traits.forward_ws_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -237,7 +235,7 @@ KERNELS = (
         value_dims=True,
     ),
     # Calls without modifiers up to D = 64 take forward_wgmma, two blocks an SM there
-    # (attention_fwd_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
+    # (forward_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
     # products are too short to hide one block's softmax, and two blocks' hide each
     # other's.
     KernelSpec(
@@ -247,7 +245,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         (8, 64),
-        "attention_fwd_wgmma",
         tile_traits.forward_wgmma_traits,
         needs_sm90a=True,
         reads_key_counts=True,
@@ -259,7 +256,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_fwd_tc",
         tile_traits.forward_mma_sync_traits,
         modifiers=True,
         block_tiles=_rows_and_keys,
@@ -271,7 +267,6 @@ KERNELS = (
         "tf32",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_fwd_tc32",
         tile_traits.forward_tf32_traits,
         dtype_in_template=False,
     ),
@@ -282,7 +277,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (8, 128),
-        "attention_fwd_split",
         tile_traits.forward_pieces_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -295,7 +289,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "attention_fwd_split_wide",
         tile_traits.forward_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -308,7 +301,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_fwd_general",
         tile_traits.forward_general_traits,
         modifiers=True,
     ),
@@ -325,7 +317,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         (72, 128),
-        "backward_wgmma_ws",
         tile_traits.backward_ws_traits,
         needs_sm90a=True,
         padded_dq=True,
@@ -339,7 +330,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dkdv_wgmma",
         tile_traits.backward_wgmma_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -355,7 +345,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         (64, 128),
-        "attention_bwd_dkdv_tc",
         tile_traits.backward_mma_sync_traits,
         exact_head_dims=True,
         modifiers=True,
@@ -368,7 +357,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dkdv_tc_wide",
         tile_traits.backward_split_d_traits,
         padded_dq=True,
         dq_kernel="backward_dq_mma_sync",
@@ -380,7 +368,6 @@ KERNELS = (
         "tf32",
         AMPERE_AND_NEWER,
         (8, 128),
-        "attention_bwd_dkdv_tc32",
         tile_traits.backward_tf32_traits,
         dtype_in_template=False,
     ),
@@ -391,7 +378,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (8, 128),
-        "attention_bwd_split",
         tile_traits.backward_pieces_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -403,7 +389,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "attention_bwd_split_wide",
         tile_traits.backward_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -417,7 +402,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dkdv",
         tile_traits.backward_general_traits,
         modifiers=True,
     ),
@@ -435,7 +419,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_delta",
         _fixed(4),
         value_dims=True,
     ),
@@ -446,7 +429,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dq",
         tile_traits.dq_general_traits,
         modifiers=True,
     ),
@@ -457,7 +439,6 @@ KERNELS = (
         "16-bit",
         HOPPER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dq_wgmma",
         tile_traits.dq_wgmma_traits,
         needs_sm90a=True,
         modifiers=True,
@@ -471,7 +452,6 @@ KERNELS = (
         "16-bit",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dq_tc",
         tile_traits.dq_mma_sync_traits,
         modifiers=True,
         block_tiles=_rows_and_keys,
@@ -483,7 +463,6 @@ KERNELS = (
         "float32",
         HOPPER,
         (136, 256),
-        "attention_bwd_dq_split_wide",
         tile_traits.dq_pieces_wide_traits,
         needs_sm90a=True,
         dtype_in_template=False,
@@ -495,7 +474,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_bwd_dq_convert",
         _fixed(512, threads=256),
     ),
     KernelSpec(
@@ -505,7 +483,6 @@ KERNELS = (
         "any",
         AMPERE_AND_NEWER,
         ALL_HEAD_DIMS,
-        "attention_zero_outside",
         _fixed(256, threads=256),
     ),
     KernelSpec(
@@ -515,7 +492,6 @@ KERNELS = (
         "float32",
         HOPPER,
         ALL_HEAD_DIMS,
-        "attention_abs_max",
         _fixed(32),
         dtype_in_template=False,
     ),
@@ -526,7 +502,6 @@ KERNELS = (
         "float32",
         HOPPER,
         ALL_HEAD_DIMS,
-        "attention_split_f16",
         _fixed(4),
         dtype_in_template=False,
     ),
@@ -539,56 +514,46 @@ BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
 class StandaloneKernel:
     """A kernel of its own ``.cu`` file (``source``, in ``kernels/``) outside the variants,
     built one instantiation at a time (``cuflash.kernel_build.load_standalone``).
-    ``template``: its C++ function template, instantiated with ``parameters`` in order
+    ``name``: also its C++ function template's, instantiated with ``parameters`` in order
     (none: not a template) by :meth:`name_expression`; ``modifiers``: compiled with the
     user's modifier functors where a call has them; ``arch``: a target of its own."""
 
     name: str
     source: str
-    template: str
     parameters: tuple = ()
     modifiers: bool = False
     arch: str | None = None
 
     def name_expression(self, **args):
-        """``cuflash::template<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
+        """``cuflash::name<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
         dtype, the others ints or bools."""
         if set(args) != set(self.parameters):
             raise TypeError(f"{self.name} takes {self.parameters}, got {tuple(args)}")
         cxx = [
             CXX_TYPES[np.dtype(args[p])] if p == "dtype" else _cxx(args[p]) for p in self.parameters
         ]
-        return f"cuflash::{self.template}" + (f"<{', '.join(cxx)}>" if cxx else "")
+        return f"cuflash::{self.name}" + (f"<{', '.join(cxx)}>" if cxx else "")
 
 
 # The kernels outside the variants, each once: registry name = C++ template = the
-# file's name, but for block_mask.cu, named by its use.
+# file's name (in decode/ the KV cache's, in simt/ the others).
 _DECODE_TC = ("dtype", "head_dim", "row_warps", "stages", "keys", "paged", "narrow")
 STANDALONE_KERNELS = (
-    StandaloneKernel("kvcache_append", "kvcache_append.cu", "kvcache_append", ("dtype",)),
-    StandaloneKernel(
-        "kvcache_decode_tc", "kvcache_decode_tc.cu", "kvcache_decode_tc", _DECODE_TC, True
-    ),
+    StandaloneKernel("kvcache_append", "decode/kvcache_append.cu", ("dtype",)),
+    StandaloneKernel("kvcache_decode_tc", "decode/kvcache_decode_tc.cu", _DECODE_TC, True),
     StandaloneKernel(
         "kvcache_decode_mla",
-        "kvcache_decode_mla.cu",
-        "kvcache_decode_mla",
+        "decode/kvcache_decode_mla.cu",
         ("dtype", "head_dim", "head_dim_v", "keys", "stages", "paged", "latent"),
         True,
     ),
     StandaloneKernel(
-        "kvcache_decode",
-        "kvcache_decode.cu",
-        "kvcache_decode",
-        ("dtype", "head_dim", "rows"),
-        True,
+        "kvcache_decode", "decode/kvcache_decode.cu", ("dtype", "head_dim", "rows"), True
     ),
-    StandaloneKernel(
-        "kvcache_combine", "kvcache_combine.cu", "kvcache_combine", ("dtype", "head_dim")
-    ),
-    StandaloneKernel("classify_mask_cells", "block_mask.cu", "classify_mask_cells", (), True),
-    StandaloneKernel("ring_merge", "ring_merge.cu", "ring_merge", ("dtype",)),
-    StandaloneKernel("sinks_gradient", "sinks_gradient.cu", "sinks_gradient"),
+    StandaloneKernel("kvcache_combine", "decode/kvcache_combine.cu", ("dtype", "head_dim")),
+    StandaloneKernel("classify_mask_cells", "simt/classify_mask_cells.cu", (), True),
+    StandaloneKernel("ring_merge", "simt/ring_merge.cu", ("dtype",)),
+    StandaloneKernel("sinks_gradient", "simt/sinks_gradient.cu"),
 )
 STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
 
@@ -597,7 +562,7 @@ def standalone_of(name_expression):
     """The :class:`StandaloneKernel` ``name_expression`` instantiates (LookupError if none)."""
     template = name_expression.removeprefix("cuflash::").split("<", 1)[0]
     for kernel in STANDALONE_KERNELS:
-        if name_expression.startswith("cuflash::") and kernel.template == template:
+        if name_expression.startswith("cuflash::") and kernel.name == template:
             return kernel
     raise LookupError(f"{name_expression} is not a kernel of the registry")
 

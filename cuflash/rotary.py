@@ -14,7 +14,7 @@ the pair ``(x1, x2)`` at position ``p`` becomes::
 in float32 (each product rounded, then the sum: no fused multiply-add, on the CPU and in
 the append kernel alike), rounded to the arrays' dtype. This module validates the
 arguments, checks host-held positions and holds the CPU path's rotation;
-``kvcache_append`` (``kernels/kvcache_append.cu``) is the GPU's.
+``kvcache_append`` (``kernels/decode/kvcache_append.cu``) is the GPU's.
 """
 
 import dataclasses

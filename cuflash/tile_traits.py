@@ -7,7 +7,7 @@ header lays them out.
 Tile traits per head-dim class follow FlashAttention-2's kernel traits: every
 multiple of 8 from 8 to 256 runs on the tiles of its class (64, 128 or 256
 columns), with the exact head_dim compiled in (products over the head_dim take
-``round_up(D, 16) / 16`` k16 steps; see ``kernels/common.cuh``)."""
+``round_up(D, 16) / 16`` k16 steps; see ``kernels/common/common.cuh``)."""
 
 import dataclasses
 
@@ -58,7 +58,7 @@ def forward_wgmma_traits(d):
 
 
 def forward_ws_traits(d):
-    """kernels/forward_wgmma_ws.cuh: 128 query rows (a producer and two consumer
+    """kernels/sm90/forward_wgmma_ws.cuh: 128 query rows (a producer and two consumer
     warpgroups), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
     where the 128-column O leaves no registers for 128-key scores), the stage rings'
     barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
@@ -90,8 +90,8 @@ def forward_pieces_traits(d):
 
 
 def forward_pieces_wide_traits(d):
-    """kernels/split_fwd_wide_wg.cuh: 64 rows, one 64-key tile of K and of V, each as two
-    float16 pieces 256 columns wide, and each warpgroup's half of S in float32."""
+    """kernels/sm90/forward_float32_pieces_wide.cuh: 64 rows, one 64-key tile of K and of V, each as
+    two float16 pieces 256 columns wide, and each warpgroup's half of S in float32."""
     rows, keys, width = 64, 64, 256
     return Traits(
         rows, 256, 2 * 2 * width * (rows + 2 * keys) + FLOAT_BYTES * 2 * rows * keys + 1024
@@ -128,7 +128,7 @@ def backward_wgmma_traits(d):
 
 
 def backward_ws_traits(d):
-    """kernels/backward_wgmma_ws.cuh: 128 keys (a producer and two consumer warpgroups of
+    """kernels/sm90/backward_wgmma_ws.cuh: 128 keys (a producer and two consumer warpgroups of
     64 keys), K and V resident, STAGES stages of 64 query rows of Q and dO and their lse
     and Delta, two buffers of dS^T, the float32 dQ tile (rows 8 floats wider), the ring's
     barriers (16 bytes a stage) and K/V's."""
@@ -160,7 +160,7 @@ def backward_split_d_traits(d):
 
 def backward_pieces_traits(d):
     rows, keys, width = 64, 64, head_dim_class(d)
-    buffers = 1 if d == 64 else 2  # kernels/split_bwd_wg.cuh: split_bwd_blocks
+    buffers = 1 if d == 64 else 2  # kernels/sm90/backward_float32_pieces.cuh: split_bwd_blocks
     smem = (
         2 * (width * (4 * keys + 4 * buffers * rows) + 4 * keys * rows)
         + FLOAT_BYTES * (2 * buffers * rows + 8)
@@ -170,8 +170,8 @@ def backward_pieces_traits(d):
 
 
 def backward_pieces_wide_traits(d):
-    """kernels/split_bwd_wide_wg.cuh, dK and dV: 64 keys of K and V and a 32-row query
-    tile of Q and dO, each as two float16 pieces 256 columns wide, P^T handed between the
+    """kernels/sm90/backward_float32_pieces_wide.cuh, dK and dV: 64 keys of K and V and a 32-row
+    query tile of Q and dO, each as two float16 pieces 256 columns wide, P^T handed between the
     warpgroups in float32, lse and Delta of the tile, four maxima."""
     rows, keys, width = 32, 64, 256
     return Traits(
@@ -182,9 +182,9 @@ def backward_pieces_wide_traits(d):
 
 
 def dq_pieces_wide_traits(d):
-    """kernels/split_bwd_wide_wg.cuh, dQ: 64 rows of Q and dO and a 32-key tile of K and
-    V as pieces 256 columns wide, P and dS handed over in float32, lse and Delta of the
-    rows, four maxima and dS's exponent."""
+    """kernels/sm90/backward_dq_float32_pieces_wide.cuh: 64 rows of Q and dO and a 32-key tile of K
+    and V as pieces 256 columns wide, P and dS handed over in float32, lse and Delta of the rows,
+    four maxima and dS's exponent."""
     rows, keys, width = 64, 32, 256
     return Traits(
         rows,
@@ -221,7 +221,7 @@ def dq_general_traits(d):
 
 
 def dq_wgmma_traits(d):
-    """kernels/tc_bwd_dq_wg.cuh: 128 query rows (64 a warpgroup), Q and dO resident, two
+    """kernels/sm90/backward_dq_wgmma.cuh: 128 query rows (64 a warpgroup), Q and dO resident, two
     buffers of K and V of 64-key tiles (32 in the 256 class, where 64 would not fit)."""
     rows, width = 128, head_dim_class(d)
     keys = 32 if width == 256 else 64
@@ -229,8 +229,8 @@ def dq_wgmma_traits(d):
 
 
 def dq_mma_sync_traits(d):
-    """kernels/tc_bwd_dq.cuh: 64 query rows (16 a warp), Q and dO resident, two buffers of
-    K and V: 64-key tiles, 32 in the 128 class and 16 in the 256 class (96 KB of shared
+    """kernels/sm80/backward_dq_mma_sync.cuh: 64 query rows (16 a warp), Q and dO resident, two
+    buffers of K and V: 64-key tiles, 32 in the 128 class and 16 in the 256 class (96 KB of shared
     memory there, within the 99 KB of an sm_86 or sm_89 block)."""
     rows, width = 64, head_dim_class(d)
     keys = {64: 64, 128: 32, 256: 16}[width]

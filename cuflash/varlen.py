@@ -9,7 +9,7 @@ problem with the semantics of the dense functions.
 On the GPU one launch of the dense kernels serves the whole batch: the packed
 arrays are one batch entry (``[1, H, total, D]`` views, no copy) and each
 block reads its sequence's offsets on the device (``Sequence`` in
-``kernels/common.cuh``), so a call copies nothing to the host and can be
+``kernels/common/common.cuh``), so a call copies nothing to the host and can be
 captured in a CUDA graph. The offsets are not trusted there: the kernels
 clamp them into the arrays, and ``check=True`` copies them to the host once
 and verifies them. On the CPU the offsets are host values, always verified,

@@ -71,7 +71,7 @@ for step in $steps; do
     train) TAIL=15 run train 240 python3 examples/train_tiny_lm.py --device gpu --plot "$OUT/loss.png" \
            --require-target ;;
     sanitize) TAIL=30 run sanitize ${SANITIZE_LIMIT:-400} bash scripts/sanitize.sh ;;
-    ncu) TAIL=60 run ncu 240 ncu --kernel-name "regex:${NCU_KERNEL:-attention_fwd_wgmma}" \
+    ncu) TAIL=60 run ncu 240 ncu --kernel-name "regex:${NCU_KERNEL:-forward_wgmma}" \
            --launch-count 1 --section SpeedOfLight --section SchedulerStats \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
            python3 scripts/quick_bench.py ${NCU_CASE:-64,4096,0} ;;

@@ -1,4 +1,4 @@
-"""Write cuflash/kernels/wgmma_ops.cuh: the wgmma.mma_async wrappers.
+"""Write cuflash/kernels/common/wgmma_ops.cuh: the wgmma.mma_async wrappers.
 
 Each wrapper lists every accumulator register as an asm operand, which C++
 cannot generate; this script writes them out. Run it after changing the
@@ -13,8 +13,8 @@ N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = he
 # rounded up to 16 (every head_dim on its exact width)
 N_SS_MN = (64, 128)  # dQ = dS K in the backward: N = 64 or 128 columns of head_dim
 N_SS_NB = (32, 48, 64, 80, 96, 112, 128, 144)  # dV, dK from P^T, dS^T in shared memory:
-# N = a warpgroup's columns past head_dim 128 (tc_bwd_wg.cuh's best_split)
-OUT = Path(__file__).resolve().parent.parent / "cuflash" / "kernels" / "wgmma_ops.cuh"
+# N = a warpgroup's columns past head_dim 128 (sm90/backward_wgmma.cuh's best_split)
+OUT = Path(__file__).resolve().parent.parent / "cuflash" / "kernels" / "common" / "wgmma_ops.cuh"
 
 
 def operands(n):
@@ -100,7 +100,7 @@ def main():
 // row g + 8).
 // `accumulate` = 0 overwrites d.
 #pragma once
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace cuflash {
 

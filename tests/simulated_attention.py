@@ -23,7 +23,7 @@ from cuflash.packed_plans import heads_first
 from cuflash.problem import backward_problem, forward_problem
 from cuflash.varlen import varlen_problem
 
-#: ``UserModifierArgs`` of kernels/common.cuh without user modifiers: zeros.
+#: ``UserModifierArgs`` of kernels/common/common.cuh without user modifiers: zeros.
 NO_USER_ARGUMENTS = np.zeros(1, dtype=USER_ARGS_DTYPE)
 PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
 

@@ -107,7 +107,7 @@ def test_source_is_self_contained():
     """Local includes are inlined, so CuPy's cache hash covers every kernel line."""
     src = kernel_build.module_source()
     assert '#include "' not in src
-    for name in ("common.cuh", "general_fwd.cuh", "general_bwd.cuh"):
+    for name in ("common/common.cuh", "simt/forward_general.cuh", "simt/backward_dq_general.cuh"):
         first_code_line = next(
             line
             for line in (kernel_build.KERNEL_DIR / name).read_text().splitlines()
@@ -345,6 +345,21 @@ def test_precompile_job_list():
 # The kernels outside the variants: registry.STANDALONE_KERNELS
 
 
+def test_registry_kernels_are_their_headers():
+    """Each registry kernel is the ``__global__`` template of its name in the header of its
+    name, in the folder of its instruction (sm90/ wgmma, sm80/ mma.sync, simt/ the CUDA
+    cores), which the module includes."""
+    import re
+
+    folders = {"wgmma": "sm90", "mma.sync": "sm80", "cuda cores": "simt"}
+    module = (kernel_build.KERNEL_DIR / kernel_build.MODULE_FILE).read_text()
+    for spec in registry.KERNELS:
+        header = f"{folders[spec.instruction]}/{spec.name}.cuh"
+        source = (kernel_build.KERNEL_DIR / header).read_text()
+        assert re.search(rf"__global__[^;{{]*\b{spec.name}\(", source), spec.name
+        assert f'#include "{header}"' in module, spec.name
+
+
 def test_standalone_kernels_are_their_templates():
     """Each kernel outside the variants once, its registry name its C++ template's, which
     its source file defines as a ``__global__`` function with the registry's template
@@ -355,17 +370,14 @@ def test_standalone_kernels_are_their_templates():
     assert len(names) == len(set(names)) == len(registry.STANDALONE)
     assert not set(names) & set(registry.BY_NAME)
     for kernel in registry.STANDALONE_KERNELS:
-        assert kernel.name == kernel.template, kernel
         source = kernel_build.module_source(kernel.source)
-        found = re.search(
-            rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.template}\(", source
-        )
+        found = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.name}\(", source)
         assert found is not None, kernel.name
         parameters = [p for p in (found.group(2) or "").split(",") if p.strip()]
         assert len(parameters) == len(kernel.parameters), (kernel.name, parameters)
         assert registry.standalone_of(kernel.name_expression(**_arguments(kernel))) is kernel
     with pytest.raises(LookupError):
-        registry.standalone_of("cuflash::attention_fwd_general<float, 64, 64, 32>")
+        registry.standalone_of("cuflash::forward_general<float, 64, 64, 32>")
     with pytest.raises(TypeError):
         registry.STANDALONE["ring_merge"].name_expression()
 
@@ -423,7 +435,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     assert registry.standalone_of(registry.STANDALONE["classify_mask_cells"].name_expression())
     for dtype in registry.CXX_TYPES:  # the ring merge of each dtype's output
         merge = registry.STANDALONE["ring_merge"].name_expression(dtype=dtype)
-        assert registry.standalone_of(merge).source == "ring_merge.cu"
+        assert registry.standalone_of(merge).source == "simt/ring_merge.cu"
     package = Path(kernel_build.__file__).parent
     owners = {"registry.py", "kernel_build.py"}
     for path in package.rglob("*.py"):

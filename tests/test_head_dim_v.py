@@ -589,7 +589,7 @@ SIMULATED_BACKWARD = [
     ids=lambda x: str(x) if isinstance(x, int) else None,
 )
 def test_native_backward_in_the_simulator(case, d, dv, options, deterministic, rng):
-    """attention_bwd_dkdv_wgmma and attention_bwd_dq_wgmma instantiated with DV < D (the
+    """backward_wgmma and backward_dq_wgmma instantiated with DV < D (the
     registry's choice on an H100/H200), their Delta at DV columns, against the oracle by
     the GPU tests' rule, atomic and deterministic dQ (the forward's out and lse from the
     CPU path)."""

@@ -1,5 +1,5 @@
 """The host's records of the kernels' parameter lists (``cuflash.kernel_params``)
-against the C++ compiler's layout of ``kernels/params.cuh``: NVRTC compiles one
+against the C++ compiler's layout of ``kernels/common/params.cuh``: NVRTC compiles one
 ``static_assert`` an offset of each list's struct, and a kernel declared with each list
 to PTX, whose parameters (their sizes and alignments: the parameter buffer's rule) must
 fall where the host's record puts them, so a member the two sides place differently

@@ -786,8 +786,8 @@ def test_key_count_kernels_are_the_registrys():
     for spec in registry.KERNELS:
         if spec.direction != "forward":
             continue
-        start = re.search(rf"__global__[^;{{]*\b{spec.template}\(", source)
-        assert start is not None, spec.template
+        start = re.search(rf"__global__[^;{{]*\b{spec.name}\(", source)
+        assert start is not None, spec.name
         body = source[start.end() :]
         uses = re.search(r"CUFLASH_FORWARD_SEQUENCE|CUFLASH_SEQUENCE_OF", body).group(0)
         assert (uses == "CUFLASH_FORWARD_SEQUENCE") == spec.reads_key_counts, spec.name

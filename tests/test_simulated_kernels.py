@@ -244,14 +244,7 @@ def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, tma
 def _broken_backward(case, old, new, rng, tmp_path, monkeypatch):
     """The warp-specialized backward of ``case`` (dQ by its atomics) with ``old`` replaced
     by ``new`` in its header: the largest relative error of dq, dk, dv."""
-    header = "backward_wgmma_ws.cuh"
-    source = (simulator.KERNEL_DIR / header).read_text()
-    broken = source.replace(old, new, 1)
-    assert broken != source
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    kernels = simulator.kernels_with(tmp_path / "kernels", "sm90/backward_wgmma_ws.cuh", old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=90)
@@ -603,8 +596,8 @@ def test_a_parameter_record_of_other_parameters_fails_the_launch():
     kernel runs with its record, and fails with the dQ conversion's (laid out for other
     parameters, as a host whose lists went out of step with the kernels' would)."""
     problem = types.SimpleNamespace(num_heads=2, q_len=8)  # what the records read
-    name = "cuflash::attention_bwd_delta<float, 64>"
-    module = simulator.build([name], headers=("general_bwd.cuh",))
+    name = "cuflash::backward_delta<float, 64>"
+    module = simulator.build([name], headers=("simt/backward_delta.cuh",))
     dout, out = np.ones((1, 2, 8, 64), np.float32), np.full((1, 2, 8, 64), 2.0, np.float32)
     lse = np.zeros((1, 2, 8), np.float32)
     delta, lse_log2 = np.zeros(16, np.float32), np.zeros(16, np.float32)
@@ -621,15 +614,12 @@ def test_a_parameter_record_of_other_parameters_fails_the_launch():
 def test_guard_pages_catch_an_offset_left_unclamped(rng, tmp_path, monkeypatch):
     """The guard pages of the test above see an access outside an array: with the
     sequence's first query row taken from the offsets unclamped, the kernels fault."""
-    source = (simulator.KERNEL_DIR / "common.cuh").read_text()
-    broken = source.replace(
-        "const int q0 = clamped(offsets_q[b], 0, q_len)", "const int q0 = offsets_q[b]"
+    kernels = simulator.kernels_with(
+        tmp_path / "kernels",
+        "common/common.cuh",
+        "const int q0 = clamped(offsets_q[b], 0, q_len)",
+        "const int q0 = offsets_q[b]",
     )
-    assert broken != source
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == "common.cuh" else path.read_text())
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     with pytest.raises(simulator.SimulationError, match="faulted"):
         _garbage_offsets_run(rng, 80, "float16", [0, -50, 10**6, 20])
@@ -700,13 +690,7 @@ def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng
 def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):
     """The relative error of dQ of the deterministic backward of ``case`` with ``old``
     replaced by ``new`` in kernel header ``header``."""
-    source = (simulator.KERNEL_DIR / header).read_text()
-    broken = source.replace(old, new, 1)
-    assert broken != source
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    kernels = simulator.kernels_with(tmp_path / "kernels", header, old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=capability)
@@ -721,7 +705,14 @@ def test_simulator_finds_a_tile_read_before_its_copy_lands(rng, tmp_path, monkey
     the simulator poisons shared memory with, so such a bug fails these tests."""
     assert (
         _broken_dq(
-            CASES[0], "tc_bwd_dq.cuh", "cp_async_wait<1>();", "", 80, rng, tmp_path, monkeypatch
+            CASES[0],
+            "sm80/backward_dq_mma_sync.cuh",
+            "cp_async_wait<1>();",
+            "",
+            80,
+            rng,
+            tmp_path,
+            monkeypatch,
         )
         == math.inf
     )
@@ -734,7 +725,7 @@ def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
     assert (
         _broken_dq(
             CASES[1],
-            "tc_bwd_dq_wg.cuh",
+            "sm90/backward_dq_wgmma.cuh",
             "BN * 64 * sizeof(T), ATOM)",
             "BN * 32 * sizeof(T), ATOM)",
             90,
@@ -749,13 +740,7 @@ def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
 def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch):
     """Run the Hopper forward of ``case`` with ``old`` replaced by ``new`` in kernel header
     ``header``; the relative error of its output."""
-    source = (simulator.KERNEL_DIR / header).read_text()
-    broken = source.replace(old, new, 1)
-    assert broken != source
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    for path in simulator.KERNEL_DIR.glob("*.cuh"):
-        (kernels / path.name).write_text(broken if path.name == header else path.read_text())
+    kernels = simulator.kernels_with(tmp_path / "kernels", header, old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, _ = simulated_attention.forward(q, k, v, *case.args, capability=90)
@@ -776,7 +761,9 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
     """The warp-specialized forward with one side of its stage handshake left out: a
     deadlock, a fault or results far from the oracle's, never a pass."""
     try:
-        error = _broken_forward(RING_CASES[0], "mbarrier.cuh", old, new, rng, tmp_path, monkeypatch)
+        error = _broken_forward(
+            RING_CASES[0], "common/mbarrier.cuh", old, new, rng, tmp_path, monkeypatch
+        )
     except simulator.SimulationError:
         return
     assert not error < 0.05, error
@@ -802,7 +789,7 @@ def test_simulator_finds_broken_bulk_tensor_copies(old, new, rng, tmp_path, monk
     a box at the wrong rows: a deadlock, a fault or results far from the oracle's."""
     try:
         error = _broken_forward(
-            RING_CASES[0], "forward_wgmma_ws.cuh", old, new, rng, tmp_path, monkeypatch
+            RING_CASES[0], "sm90/forward_wgmma_ws.cuh", old, new, rng, tmp_path, monkeypatch
         )
     except simulator.SimulationError:
         return

@@ -269,7 +269,7 @@ def test_gpu_gradient_kernel_in_the_simulator(shape, head_axis, rng):
     nan_lse = lse.copy()
     np.moveaxis(nan_lse, head_axis, 0)[-1].flat[3] = np.nan
     name = cuflash.registry.STANDALONE["sinks_gradient"].name_expression()
-    module = simulator.build([name], headers=("sinks_gradient.cu",))
+    module = simulator.build([name], headers=("simt/sinks_gradient.cu",))
     outer, inner = int(np.prod(shape[:head_axis])), int(np.prod(shape[head_axis + 1 :]))
     for lse_in, check_nan in ((lse, False), (nan_lse, True)):
         dsinks = np.full(heads, np.nan, np.float32)

@@ -1,6 +1,6 @@
 """The tree follows its tools' rules (pyproject.toml, .clang-format): ruff's lint and
 format, mypy on the package, clang-format on the kernels (the generated
-``wgmma_ops.cuh`` aside). ``pre-commit`` runs the same before each commit."""
+``kernels/common/wgmma_ops.cuh`` aside). ``pre-commit`` runs the same before each commit."""
 
 import shutil
 import subprocess
@@ -45,7 +45,7 @@ def test_clang_format():
     sources = [
         p
         for d in ("cuflash/kernels", "tests/simulator")
-        for p in sorted((ROOT / d).iterdir())
+        for p in sorted((ROOT / d).rglob("*"))
         if p.suffix in (".cu", ".cuh", ".h") and p.name not in GENERATED
     ]
     assert sources

@@ -1,7 +1,7 @@
 """Block masks: the implementation of :mod:`cuflash.block_mask` (its docstring tells how
 to use them). A :class:`BlockMask` classifies a mask function's tiles once, on the GPU
-(``kernels/block_mask.cu``) or from the NumPy evaluator, and folds the 16 x 16 cells
-into each kernel's tile shape (``_View``, ``BlockMaskView`` in ``kernels/common.cuh``)."""
+(``kernels/simt/classify_mask_cells.cu``) or from the NumPy evaluator, and folds the 16 x 16 cells
+into each kernel's tile shape (``_View``, ``BlockMaskView`` in ``kernels/common/common.cuh``)."""
 
 import math
 
@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError
 from .api import MaskMod, index_grids
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
-CELL = 16  # rows and keys of a classification cell (kernels/block_mask.cu)
+CELL = 16  # rows and keys of a classification cell (kernels/simt/classify_mask_cells.cu)
 _CELLS_PER_BLOCK = 8
 
 
@@ -153,7 +153,7 @@ class BlockMask:
         return _fold(cupy, any_visible, all_visible, rows // CELL, keys // CELL)
 
     def view(self, direction, outer, inner, num_heads, num_kv_heads, host=False):
-        """The arrays and strides a kernel reads (``kernels/common.cuh``,
+        """The arrays and strides a kernel reads (``kernels/common/common.cuh``,
         ``BlockMaskView``), for a kernel whose blocks own ``outer`` rows ("forward") or
         keys ("backward") and visit tiles of ``inner`` keys (rows); cached. ``host``: in
         host memory from :meth:`cpu_classes`, for host builds of the kernels (the
@@ -192,7 +192,7 @@ def _ranges(xp, nonempty):
 
 class _View:
     """One kernel tile shape's classes and ranges (``BlockMaskView`` in
-    ``kernels/common.cuh``), on the device or (``host``) in host memory: ``fields()``
+    ``kernels/common/common.cuh``), on the device or (``host``) in host memory: ``fields()``
     gives its record's values."""
 
     def __init__(self, block_mask, direction, outer, inner, num_heads, num_kv_heads, host=False):

@@ -40,7 +40,9 @@ MODIFIER_ARRAYS_DTYPE = np.dtype(
 
 #: C++ that every functor needs before it: ``ModifierArrays``, the helpers the functors
 #: call, ``NoScoreMod`` and ``NoMaskMod``.
-MODIFIER_PRELUDE = (Path(__file__).parent.parent / "kernels" / "modifier_prelude.cuh").read_text()
+MODIFIER_PRELUDE = (
+    Path(__file__).parent.parent / "kernels" / "common" / "modifier_prelude.cuh"
+).read_text()
 
 
 def _float_literal(value):

@@ -11,7 +11,7 @@ the rest of the source compiles as it is. A launch takes the arguments as
 ``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.kernel_params.Params``
 record), or NumPy arrays and scalars one a parameter.
 
->>> module = build(["cuflash::attention_bwd_delta<float, 64>"])   # doctest: +SKIP
+>>> module = build(["cuflash::backward_delta<float, 64>"])   # doctest: +SKIP
 >>> module.launch(name, grid, threads, shared_bytes, args)         # doctest: +SKIP
 
 What it checks: indexing, fragment layouts, masking, the order of copies and
@@ -96,13 +96,24 @@ def compiler():
 
 
 def inlined(headers, kernel_dir=KERNEL_DIR):
-    """The kernel headers ``headers`` (names in ``kernel_dir``, by default
+    """The kernel headers ``headers`` (paths from ``kernel_dir``, by default
     ``cuflash/kernels``) with their local includes inlined once each, as the library's
     modules are (``cuflash.kernel_build.inlined_source``)."""
-    seen = set()
-    return (
-        "\n".join(kernel_build.inlined_source(Path(kernel_dir) / h, seen) for h in headers) + "\n"
-    )
+    root, seen = Path(kernel_dir), set()
+    return "\n".join(kernel_build.inlined_source(root / h, seen, root) for h in headers) + "\n"
+
+
+def kernels_with(directory, header, old, new):
+    """A copy of :data:`KERNEL_DIR` in ``directory`` with the first ``old`` of ``header``
+    (a path from it) replaced by ``new`` (for tests of what the simulator catches);
+    ``directory``, to put in :data:`KERNEL_DIR`'s place."""
+    source = (KERNEL_DIR / header).read_text()
+    broken = source.replace(old, new, 1)
+    if broken == source:
+        raise ValueError(f"{header} does not hold {old!r}")
+    shutil.copytree(KERNEL_DIR, directory)
+    (Path(directory) / header).write_text(broken)
+    return Path(directory)
 
 
 def _unquoted(text, start=0):
@@ -454,21 +465,28 @@ def _built(names, headers, kernel_dir, arch, functors):
 
 
 HEADERS = (
-    "general_fwd.cuh",
-    "general_bwd.cuh",
-    "tc_fwd.cuh",
-    "tc_bwd.cuh",
-    "tc_bwd_wide.cuh",
-    "tc_bwd_dq.cuh",
-    "tc_fwd_wg.cuh",
-    "forward_wgmma_ws.cuh",
-    "tc_bwd_wg.cuh",
-    "backward_wgmma_ws.cuh",
-    "tc_bwd_dq_wg.cuh",
-    "split_fwd_wg.cuh",
-    "split_fwd_wide_wg.cuh",
-    "split_bwd_wg.cuh",
-    "split_bwd_wide_wg.cuh",
+    "simt/forward_general.cuh",
+    "simt/backward_delta.cuh",
+    "simt/backward_dq_convert.cuh",
+    "simt/packed_zero_outside.cuh",
+    "simt/backward_general.cuh",
+    "simt/backward_dq_general.cuh",
+    "sm80/forward_mma_sync.cuh",
+    "sm80/backward_mma_sync.cuh",
+    "sm80/backward_mma_sync_split_d.cuh",
+    "sm80/backward_dq_mma_sync.cuh",
+    "sm90/forward_wgmma.cuh",
+    "sm90/forward_wgmma_ws.cuh",
+    "sm90/backward_wgmma.cuh",
+    "sm90/backward_wgmma_ws.cuh",
+    "sm90/backward_dq_wgmma.cuh",
+    "simt/float16_pieces_abs_max.cuh",
+    "simt/float16_pieces_split.cuh",
+    "sm90/forward_float32_pieces.cuh",
+    "sm90/forward_float32_pieces_wide.cuh",
+    "sm90/backward_float32_pieces.cuh",
+    "sm90/backward_float32_pieces_wide.cuh",
+    "sm90/backward_dq_float32_pieces_wide.cuh",
 )
 
 

@@ -1,0 +1,282 @@
+// Warp-specialized Hopper (sm_90a) forward kernel for float16/bfloat16.
+//
+// One block of three warpgroups per (query tile of 128 rows, head, batch):
+//   warpgroup 0, the producer, copies Q once and each key tile's K and V
+//     into rings of STAGES shared-memory stages (the 128-byte swizzled layout
+//     that wgmma reads); each stage's mbarrier completes when the copies land,
+//     so the producer never waits for them, only for a stage to come back. It
+//     keeps 24 registers a thread. With use_tma (dense calls whose
+//     arrays the copy engine can address: cuflash/gpu.py) one thread issues
+//     bulk tensor copies of 64-column boxes through the maps q_map, k_map and
+//     v_map (rows past the array's, columns past the head dim land as zeros),
+//     each stage's barrier awaiting their bytes; otherwise the 128 threads
+//     copy with cp.async (cp.async.mbarrier.arrive; the loop not unrolled).
+//   warpgroups 1 and 2, the consumers, own 64 query rows each, wait on the
+//     barriers only, and hand each stage back once their products have read
+//     it; they take the producer's registers (240 a thread).
+// Each consumer overlaps within itself: S(j + 1) = Q K(j + 1)^T and
+// O += P(j) V(j) are issued together and the softmax of S(j + 1) runs while
+// P V does (as forward_wgmma's pipelined loop). The two consumers also
+// take turns on the tensor cores (ping-pong): named barriers 8 and 9 order
+// their issues, so that one's products run while the other's softmax does.
+// The arguments are forward_wgmma's (every path that launches that
+// kernel launches this one).
+// DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
+// V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
+// the launch's shared memory is D's, which holds the narrower V stages.
+#pragma once
+#include "common/params.cuh"
+#include "common/mbarrier.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/wgmma.cuh"
+
+namespace cuflash {
+
+// setmaxnreg moves registers within the block's launch allocation only: 384
+// threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, and a
+// consumer's setmaxnreg.inc past what the producer gave up waits forever.
+// The producer's copy loops are not unrolled, so that it runs in 24 registers and
+// the consumers get 240 (at 224 they spill with a user's score or mask function
+// compiled in; at 232 bfloat16 D = 256 with modifiers spilled 44 bytes). A V
+// narrower than Q and K (DV < D) copies tiles of two widths, which spills at 24
+// (4 bytes at D = 96, DV = 40): there the split is 32 / 232.
+template <bool NARROW_V>
+struct WarpgroupRegisters {
+    static constexpr int producer = NARROW_V ? 32 : 24, consumer = NARROW_V ? 232 : 240;
+    static_assert(128 * producer + 256 * consumer <= 384 * 168,
+                  "the warpgroups' registers exceed the block's launch allocation");
+};
+
+// The consumers' turns on the tensor cores: consumer c waits at barrier 8 + c
+// before it issues a tile's products and, once they are issued, lets the
+// other one go (each barrier meets the 128 threads of each consumer).
+__device__ __forceinline__ void wait_turn(int consumer) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(8 + consumer) : "memory");
+}
+__device__ __forceinline__ void pass_turn(int consumer) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(9 - consumer) : "memory");
+}
+
+template <typename T, int D, int BN, int STAGES, bool MODIFIED, int DV = D>
+__global__ void __launch_bounds__(384, 1)
+    forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
+    using Op = TensorOp<T>;
+    constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
+    constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
+    constexpr int BM = 128, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
+    constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
+    static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
+    static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
+    using Ring = StageRing<STAGES, 2>;
+    CUFLASH_STRIDES_OF(q);
+    CUFLASH_STRIDES_OF(k);
+    CUFLASH_STRIDES_OF(v);
+    CUFLASH_STRIDES_OF(out);
+    CUFLASH_FORWARD_SEQUENCE;
+    extern __shared__ float4 smem4[];
+    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
+    T* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of BN x DVL
+    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DVL);
+    Ring* v_ring = k_ring + 1;
+    unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
+    float* order_slots = reinterpret_cast<float*>(q_full + 1);  // 256, see complete_before_wait
+
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
+    const int h = blockIdx.y, b = seq.batch, hk = h / group;
+    const int rows = min(BM, mask.q_len - m0);
+    if (rows <= 0) return;  // packed: past the sequence's rows
+    q += seq.q_start * q_st.s;
+    k += seq.kv_start * k_st.s;
+    v += seq.kv_start * v_st.s;
+    out += seq.q_start * out_st.s;
+    lse += seq.q_start;
+    const auto mods =
+        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
+    int n_start, tiles;
+    mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
+    mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
+
+    const bool tma = use_tma != 0;
+    if (threadIdx.x == 0) {
+        const unsigned producers = tma ? 1 : 128;  // one thread issues the bulk copies
+        k_ring->init(producers);
+        v_ring->init(producers);
+        mbarrier_init(q_full, producers);
+    }
+    __syncthreads();  // the barriers' initialization, seen by every thread
+
+    if (threadIdx.x < 128) {  // ---- the producer
+        registers_down<WarpgroupRegisters<(DV < D)>::producer>();
+        if (tma) {  // one thread, the copy engine: boxes of 64 columns (dense calls only)
+            if (threadIdx.x == 0) {
+                constexpr unsigned Q_BYTES = BM * DL * sizeof(T), K_BYTES = BN * DL * sizeof(T);
+                constexpr unsigned V_BYTES = BN * DVL * sizeof(T);
+                mbarrier_arrive_expect_tx(q_full, Q_BYTES);
+                for (int c = 0; c < DL / 64; ++c)
+                    tma_load_4d(Qs + c * BM * 64, &q_map, c * 64, m0, h, b, q_full);
+                for (int j = 0; j < tiles; ++j) {
+                    const int n0 = n_start + j * BN, st = Ring::stage(j);
+                    k_ring->wait_empty(j);
+                    unsigned long long* k_full = k_ring->expect(j, K_BYTES);
+                    for (int c = 0; c < DL / 64; ++c)
+                        tma_load_4d(Ks + (st * DL + c * 64) * BN, &k_map, c * 64, n0, hk, b,
+                                    k_full);
+                    v_ring->wait_empty(j);
+                    unsigned long long* v_full = v_ring->expect(j, V_BYTES);
+                    for (int c = 0; c < DVL / 64; ++c)
+                        tma_load_4d(Vs + (st * DVL + c * 64) * BN, &v_map, c * 64, n0, hk, b,
+                                    v_full);
+                }
+            }
+            return;
+        }
+        const T* k_head = k + offset_of(k_st, b, hk, 0);
+        const T* v_head = v + offset_of(v_st, b, hk, 0);
+        cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
+        cp_async_arrive(q_full);
+        // Every stage refilled as soon as both consumers have handed it back; the
+        // producer never waits for its own copies.
+        for (int j = 0; j < tiles; ++j) {
+            const int n0 = n_start + j * BN, keys = mask.kv_len - n0;
+            k_ring->wait_empty(j);
+            cp_async_tile_sw128<BN, DK, 128, D, true>(Ks + Ring::stage(j) * BN * DL,
+                                                      k_head + n0 * k_st.s, k_st.s, keys);
+            k_ring->filled(j);
+            v_ring->wait_empty(j);
+            cp_async_tile_sw128<BN, DVK, 128, DV, true>(Vs + Ring::stage(j) * BN * DVL,
+                                                        v_head + n0 * v_st.s, v_st.s, keys);
+            v_ring->filled(j);
+        }
+        return;
+    }
+
+    // ---- the consumers
+    registers_up<WarpgroupRegisters<(DV < D)>::consumer>();
+    const int consumer = (threadIdx.x >> 7) - 1, thread = threadIdx.x - 128;
+    const int warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 3;
+    const int warp_row = consumer * 64 + warp * 16;
+    const bool signalling = (threadIdx.x & 127) == 0;  // hands the stages back
+
+    float o[1][DVTILES][4], row_max[1][2], row_sum[1][2];
+    init_rows(o, row_max, row_sum);
+
+    // The operands' descriptors: each k16 step's and stage's a constant past these
+    // (wgmma_desc_plus: one add, not a descriptor built anew for each product).
+    const unsigned long long q_desc = wgmma_desc(Qs + consumer * (64 * 64), 16, ATOM);
+    const unsigned long long k_desc = wgmma_desc(Ks, 16, ATOM);
+    const unsigned long long v_desc = wgmma_desc(Vs, BN * 64 * sizeof(T), ATOM);
+    // S = Q K^T of key stage `stage` for this consumer's 64 rows, committed, not waited for.
+    auto issue_scores = [&](int stage, float(&s)[1][NTILES][4]) {
+        const unsigned long long kb = wgmma_desc_plus(k_desc, stage * BN * DL * sizeof(T));
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const unsigned qa = ((ks >> 2) * (BM * 64) + (ks & 3) * 16) * sizeof(T);
+            const unsigned ka = ((ks >> 2) * (BN * 64) + (ks & 3) * 16) * sizeof(T);
+            Wgmma<T, BN>::ss(s[0], wgmma_desc_plus(q_desc, qa), wgmma_desc_plus(kb, ka), ks > 0);
+        }
+        wgmma_commit();
+        pin_registers(s[0]);
+    };
+    auto pack_probs = [&](const float(&s)[1][NTILES][4], unsigned(&pa)[BN / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[kk][1] = Op::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[kk][2] = Op::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[kk][3] = Op::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        }
+    };
+    // O += P V of value stage `stage`, committed, not waited for.
+    auto issue_pv = [&](int stage, const unsigned(&pa)[BN / 16][4]) {
+        const unsigned long long vb = wgmma_desc_plus(v_desc, stage * BN * DVL * sizeof(T));
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            Wgmma<T, DVK>::rs(o[0], pa[kk], wgmma_desc_plus(vb, kk * 16 * 64 * sizeof(T)), 1);
+        wgmma_commit();
+        pin_registers(o[0]);
+    };
+    auto edge_tile = [&](int tile, bool& partial) {
+        const int n0 = n_start + tile * BN;
+        partial = mods.partial_tile(m0 / BM, n0 / BN);
+        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
+    };
+
+    if (consumer == 1) pass_turn(consumer);  // consumer 0 issues first
+    mbarrier_wait(q_full, 0);
+    // The producer's cp.async writes, read by wgmma (the async proxy); the copy
+    // engine's are the async proxy's already.
+    if (!tma) fence_proxy_async();
+    float s[1][NTILES][4];
+    unsigned pa[BN / 16][4];
+    const float bound = scores_bound<Op::wide_exponent>(mods);
+    if (tiles > 0) {
+        k_ring->wait_full(0);
+        if (!tma) fence_proxy_async();
+        wait_turn(consumer);
+        wgmma_fence();
+        issue_scores(Ring::stage(0), s);
+        pass_turn(consumer);
+        wgmma_wait_all();
+        pin_registers(s[0]);
+        k_ring->release(0, signalling);
+        bool partial;
+        const bool edge = edge_tile(0, partial);
+        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2, mods,
+                     partial);
+        pack_probs(s, pa);
+    }
+    // Every tile but the last: S(j + 1) and P V(j) in flight together.
+    for (int j = 0; j + 1 < tiles; ++j) {
+        bool partial;
+        const bool edge = edge_tile(j + 1, partial);
+        k_ring->wait_full(j + 1);
+        v_ring->wait_full(j);
+        if (!tma) fence_proxy_async();
+        wait_turn(consumer);
+        pin_registers(o[0]);
+        wgmma_fence();
+        issue_scores(Ring::stage(j + 1), s);
+        issue_pv(Ring::stage(j), pa);
+        pass_turn(consumer);
+        wgmma_wait<1>();  // S(j + 1) is done; P V(j) may still run
+        pin_registers(s[0]);
+        k_ring->release(j + 1, signalling);
+        const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
+                                              n_start + (j + 1) * BN, scale_log2, mods, partial);
+        float alpha[2];
+        exp_rows<1, NTILES, 0, true>(s, row_max, row_sum, 0, score_scale, bound, alpha);
+        complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
+        wgmma_wait_all();
+        pin_registers(o[0]);
+        v_ring->release(j, signalling);
+        if (alpha[0] != 1.f) rescale_row(o, 0, 0, alpha[0]);  // mostly 1 (exp_rows)
+        if (alpha[1] != 1.f) rescale_row(o, 0, 1, alpha[1]);
+        pack_probs(s, pa);
+    }
+    if (tiles > 0) {  // P V of the last tile
+        v_ring->wait_full(tiles - 1);
+        if (!tma) fence_proxy_async();
+        wait_turn(consumer);
+        pin_registers(o[0]);
+        wgmma_fence();
+        issue_pv(Ring::stage(tiles - 1), pa);
+        pass_turn(consumer);
+        wgmma_wait_all();
+        pin_registers(o[0]);
+        v_ring->release(tiles - 1, signalling);
+    }
+    if (consumer == 0) wait_turn(consumer);  // the other's last pass
+
+    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
+    finish_rows(
+        o, row_max, row_sum, warp_row, rows, lse + row_base,
+        [&](int row, int d, float x0, float x1) {
+            if (d * 8 < DV)  // the last n8 tile of a DV = 16 j + 8 is padding
+                reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
+                    Op::pack(x0, x1);
+        },
+        sinks, h);
+}
+
+}  // namespace cuflash

@@ -33,7 +33,7 @@ def first_call_probe(dtype, head_dim):
     initialized first, so the first forward's time is compilation (or a
     load from CuPy's kernel cache) plus one small launch.
     """
-    kernel_build._MODULES.clear()
+    kernel_build.forget_loaded()
     plans.clear()
     case = Case(dtype, head_dim, PROBE_SEQLEN, False, batch=1, heads=1)
     x = make_input_sets(case, 1)[0]

@@ -5,6 +5,7 @@ each kernel loaded once a device. :mod:`cuflash.kvcache_gpu` launches them; the 
 shapes mirror the kernels' own (:mod:`cuflash.decode_tiles`).
 """
 
+import cupy
 import numpy as np
 
 from . import registry
@@ -16,6 +17,8 @@ from .decode_tiles import (
     decode_shape,
     decode_tc_shape,
 )
+from .gpu import modifier_compile_errors
+from .kernel_build import load_standalone
 
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
@@ -164,14 +167,9 @@ def loaded_kernel(name, shared=0, functors=None):
     the registry's kernel ``name`` from :func:`cuflash.kernel_build.load_standalone` (with
     the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy
     from its registers and shared memory (128 threads a block)."""
-    import cupy
-
     device_id = cupy.cuda.runtime.getDevice()
     found = _KERNELS.get((device_id, name, functors))
     if found is None:
-        from .gpu import modifier_compile_errors
-        from .kernel_build import load_standalone
-
         with modifier_compile_errors(functors):
             kernel = load_standalone(name, shared_bytes=shared, functors=functors)
         attributes = cupy.cuda.Device(device_id).attributes

@@ -10,6 +10,7 @@ The choice is held in a context variable, so it is per thread and per task.
 import contextlib
 import contextvars
 
+from . import registry
 from .errors import InvalidArgumentError
 
 PATHS = ("auto", "general")
@@ -59,8 +60,6 @@ def skip_kernels(*names):
     >>> with cuflash.dispatch.skip_kernels("forward_wgmma_ws"):
     ...     pass
     """
-    from . import registry
-
     unknown = set(names) - set(registry.BY_NAME)
     if unknown:
         raise InvalidArgumentError("names", f"unknown kernels {sorted(unknown)}")
@@ -87,8 +86,6 @@ def try_kernels(*names):
     >>> sorted(spec.name for spec in cuflash.registry.KERNELS if spec.opt_in)
     []
     """
-    from . import registry
-
     unknown = set(names) - {spec.name for spec in registry.KERNELS if spec.opt_in}
     if unknown:
         raise InvalidArgumentError("names", f"not opt-in kernels: {sorted(unknown)}")

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import cpu, fp8, plans, value_dims
 from . import sinks as attention_sinks
+from .api import AttentionConfig
 from .errors import InvalidArgumentError
 from .packed_plans import PackedBackward, PackedForward, heads_first
 from .problem import (
@@ -677,8 +678,6 @@ def flash_attention_varlen_vjp(
     """:func:`flash_attention_varlen_fwd` plus a :class:`VarlenVJP` that runs the matching
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
     vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
-    from .api import AttentionConfig
-
     fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
     out, lse = flash_attention_varlen_fwd(
         q,

@@ -361,7 +361,9 @@ def _zero_outside(loaded, problem, layout, rows):
         loaded,
         "packed_zero_outside",
         (64,),
-        kernel_params.zero_outside_params(problem.packed.count, rows, layout.shape[1] * d),
+        kernel_params.zero_outside_params(
+            problem.packed.count, rows, layout.shape[1], layout.shape[1] * d
+        ),
     )
 
 
@@ -473,7 +475,7 @@ class ForwardPlan:
                 *tail[2:],
             )
         if self.zero_outside is not None:
-            self.zero_outside(stream, out.data.ptr, tail[2])
+            self.zero_outside(stream, out.data.ptr, tail[2], lse.data.ptr)
         return out, lse
 
 
@@ -703,9 +705,9 @@ class BackwardPlan:
             dq = self.dq_layout.empty()
             self.convert(stream, dq_target, dq.data.ptr)
         if self.zero_outside_q is not None:
-            self.zero_outside_q(stream, dq.data.ptr, tail[0])
-            self.zero_outside_k(stream, dk.data.ptr, tail[1])
-            self.zero_outside_k(stream, dv.data.ptr, tail[1])
+            self.zero_outside_q(stream, dq.data.ptr, tail[0], 0)
+            self.zero_outside_k(stream, dk.data.ptr, tail[1], 0)
+            self.zero_outside_k(stream, dv.data.ptr, tail[1], 0)
         dsinks = None
         if sinks is not None:  # queued last: the host builds its CuPy steps under the kernels
             rows = cupy.ndarray(problem.lse_shape, FLOAT32, memptr=workspace)  # Delta

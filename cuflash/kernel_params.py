@@ -502,15 +502,17 @@ def dq_convert_params(problem, dq_strides, count, accum_width):
     )
 
 
-def zero_outside_params(count, rows, row_elements):
+def zero_outside_params(count, rows, heads, row_elements):
     """The ``ZeroOutsideParams`` of a packed output's zeroing (``packed_zero_outside``):
-    ``count`` sequences, ``rows`` rows of ``row_elements`` elements; the call writes the
-    output ``x`` and its ``offsets``."""
+    ``count`` sequences, ``rows`` rows of ``heads`` heads, ``row_elements`` elements a
+    row; the call writes the output ``x``, its ``offsets`` and the forward's ``lse`` (0
+    for the gradients)."""
     return Params(
         "ZeroOutsideParams",
-        ("x", "offsets"),
+        ("x", "offsets", "lse"),
         count=count,
         total=rows,
+        heads=heads,
         row_elements=row_elements,
     )
 

@@ -146,15 +146,16 @@ def _helpers(*names):
     return [(registry.BY_NAME[name], False) for name in names]
 
 
-def _zero_outside(kernels, problem, output, offsets):
-    """Zeros in a packed output's rows outside every sequence (``packed_zero_outside``)."""
+def _zero_outside(kernels, problem, output, offsets, lse=None):
+    """Zeros in a packed output's rows outside every sequence, -inf in the forward's
+    ``lse`` there (``packed_zero_outside``)."""
     rows, heads, d = output.array.shape
     kernels.launch(
         "packed_zero_outside",
         (64,),
         (
-            kernel_params.zero_outside_params(problem.packed.count, rows, heads * d),
-            (output.array, offsets),
+            kernel_params.zero_outside_params(problem.packed.count, rows, heads, heads * d),
+            (output.array, offsets, lse),
         ),
     )
 
@@ -245,7 +246,7 @@ def run_forward(
         (params, (*inputs, out.array, lse, *scales, *offsets, alibi_slopes, sinks)),
     )
     if packed:
-        _zero_outside(kernels, problem, out, offsets[0])
+        _zero_outside(kernels, problem, out, offsets[0], lse)
     return out.array, lse
 
 

@@ -581,6 +581,33 @@ def _garbage_offsets_run(rng, capability, dtype, offsets, deterministic=False):
     )
 
 
+def test_rows_outside_every_sequence_read_as_seeing_no_key(rng):
+    """Device offsets whose first is past row 0 (garbage: the host's say otherwise) leave
+    rows that no sequence covers: zeros in the output, -inf in the log-sum-exp, which the
+    backward reads whatever the offsets say."""
+    lengths = [40, 60, 30]
+    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 2, 2, 64, "bfloat16")
+    garbage = np.array([100, 10, 130, 2**31 - 1], np.int32)
+    out, lse = simulated_attention.varlen_forward(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        60,
+        60,
+        2,
+        2,
+        64,
+        True,
+        device_offsets=(garbage, garbage),
+        capability=90,
+    )
+    assert lse.shape == (2, 130)
+    assert np.all(np.asarray(out[:100], np.float32) == 0)
+    assert np.all(lse[:, :100] == -np.inf)
+
+
 @pytest.mark.parametrize("capability, dtype", [(80, "float16"), (90, "bfloat16"), (90, "float32")])
 @pytest.mark.parametrize("offsets", GARBAGE_OFFSETS, ids=str)
 def test_garbage_device_offsets_stay_inside_the_arrays(offsets, capability, dtype, rng):

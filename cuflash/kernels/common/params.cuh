@@ -231,14 +231,16 @@ struct DqConvertParams {
     CUFLASH_DQ_CONVERT_PARAMS(CUFLASH_MEMBER, void)
 };
 
-// Zeros in the rows of a packed output outside every sequence,
-// packed_zero_outside (T: x's type).
-#define CUFLASH_ZERO_OUTSIDE_PARAMS(X, T)                                 \
-    X(PTR, T, x)               /* the output, [total, H, D] contiguous */ \
-    X(PTR, const int, offsets) /* its cu_seqlens (int32 [count + 1]) */   \
-    /* Fixed by the plan: */                                              \
-    X(VAL, int, count) /* sequences */                                    \
-    X(VAL, int, total) /* rows */                                         \
+// Zeros in the rows of a packed output outside every sequence (and -inf in its
+// log-sum-exp's), packed_zero_outside (T: x's type).
+#define CUFLASH_ZERO_OUTSIDE_PARAMS(X, T)                                          \
+    X(PTR, T, x)               /* the output, [total, H, D] contiguous */          \
+    X(PTR, const int, offsets) /* its cu_seqlens (int32 [count + 1]) */            \
+    X(PTR, float, lse)         /* the forward's [H, total] log-sum-exp, or null */ \
+    /* Fixed by the plan: */                                                       \
+    X(VAL, int, count) /* sequences */                                             \
+    X(VAL, int, total) /* rows */                                                  \
+    X(VAL, int, heads)                                                             \
     X(VAL, long long, row_elements)
 struct ZeroOutsideParams {
     CUFLASH_ZERO_OUTSIDE_PARAMS(CUFLASH_MEMBER, void)

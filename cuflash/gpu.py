@@ -205,6 +205,7 @@ def choose(problem, direction, aligned):
         modified=problem.modified,
         head_dim_v=problem.head_dim_v,
         tried=dispatch.tried(),
+        keys_a_row_sees=problem.keys_a_row_sees() if direction == "forward" else None,
     )
 
 

@@ -71,6 +71,16 @@ def visible_keys(rows, cols, q_len, kv_len, left, right):
     return mask
 
 
+def mean_visible_keys(q_len, kv_len, left, right):
+    """The keys a query row sees on average (0.0 without rows)."""
+    if q_len == 0:
+        return 0.0
+    last = np.arange(q_len, dtype=np.int64) + (kv_len - q_len)  # each row's aligned key
+    lo = np.zeros(q_len, np.int64) if left < 0 else np.maximum(last - left, 0)
+    hi = np.full(q_len, kv_len, np.int64) if right < 0 else np.minimum(last + right + 1, kv_len)
+    return float(np.maximum(hi - lo, 0).mean())
+
+
 def key_range(row_lo, row_hi, q_len, kv_len, left, right):
     """Keys ``[lo, hi)`` that any query row in ``[row_lo, row_hi)`` may see."""
     offset = kv_len - q_len

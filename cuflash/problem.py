@@ -16,7 +16,7 @@ import numpy as np
 from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
 from .errors import InvalidArgumentError
 from .fp8 import check_not_fp8
-from .masking import normalize_window
+from .masking import mean_visible_keys, normalize_window
 from .modifiers.api import MaskMod, ScoreMod
 from .modifiers.block_mask import BlockMask
 
@@ -112,6 +112,17 @@ class AttentionProblem:
     @property
     def lse_shape(self):
         return (self.batch, self.num_heads, self.q_len)
+
+    def keys_a_row_sees(self):
+        """The keys a query row sees on average under the window (rows aligned to the
+        last key), over a packed call's longest sequences: a row's work, for the
+        dispatch."""
+        q_len, kv_len = (
+            (self.q_len, self.kv_len)
+            if self.packed is None
+            else (self.packed.max_q_len, self.packed.max_kv_len)
+        )
+        return mean_visible_keys(q_len, kv_len, *self.window)
 
 
 def array_module(named_arrays):

@@ -59,9 +59,10 @@ class KernelSpec:
     exact_head_dims: bool = False
     dtype_in_template: bool = True
     padded_dq: bool = False  # the atomic dQ's float32 rows are the head-dim class's width
-    # (smallest, largest) head_dim served to calls without score modifiers where that
-    # differs from head_dims (their compiled roles keep head_dims), else None.
-    plain_head_dims: tuple | None = None
+    # (kernel, largest head_dim, keys): plain calls up to that head_dim whose query rows
+    # see fewer keys than that on average (``Problem.keys_a_row_sees``) go to ``kernel``
+    # where it is not excluded (too few key tiles a block to fill its pipeline).
+    short_rows_kernel: tuple | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
     # CUFLASH_FORWARD_SEQUENCE of kernels/common/common.cuh).
@@ -93,15 +94,20 @@ class KernelSpec:
             return False
         return self.value_dims is True or self.value_dims(head_dim, head_dim_v)
 
-    def serves_head_dim(self, head_dim, modified=True):
-        """Whether it serves ``head_dim``; ``modified`` False: for a call without score
-        modifiers (``plain_head_dims`` where given)."""
+    def serves_head_dim(self, head_dim):
+        """Whether it serves ``head_dim``."""
         if self.exact_head_dims:
             return head_dim in self.head_dims
-        low, high = (
-            self.head_dims if modified or self.plain_head_dims is None else self.plain_head_dims
-        )
+        low, high = self.head_dims
         return low <= head_dim <= high
+
+    def defers_short_rows(self, head_dim, keys_a_row_sees, excluded=frozenset()):
+        """Whether a plain call at ``head_dim`` whose rows see ``keys_a_row_sees`` keys on
+        average goes to ``short_rows_kernel`` (unless ``excluded`` names it)."""
+        if self.short_rows_kernel is None or keys_a_row_sees is None:
+            return False
+        kernel, largest, keys = self.short_rows_kernel
+        return head_dim <= largest and keys_a_row_sees < keys and kernel not in excluded
 
     def serves_dtype(self, dtype, allow_tf32=False):
         dtype = np.dtype(dtype)
@@ -216,9 +222,10 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # In order of preference within each direction: the dispatch takes the first
 # kernel that serves the call.
 KERNELS = (
-    # The warp-specialized forward serves every call with score modifiers and the calls
-    # without from D = 72 up; below that the two-blocks-an-SM forward_wgmma measured
-    # faster (D = 64, S = 1024: 318 against 299 TFLOP/s; docs/kernels/forward-sm90-wgmma.md).
+    # The warp-specialized forward serves every call; up to D = 64 (three consumers, 192
+    # query rows a block) plain calls whose rows see fewer than 768 keys on average take
+    # the two-blocks-an-SM forward_wgmma (D = 64, S = 1024 causal: 208 against 237
+    # TFLOP/s; S = 4096: 456 against 350; docs/kernels/forward-sm90-wgmma.md).
     KernelSpec(
         "forward_wgmma_ws",
         "forward",
@@ -231,13 +238,12 @@ KERNELS = (
         modifiers=True,
         block_tiles=_owned_and_visited,
         reads_key_counts=True,
-        plain_head_dims=(72, 256),
+        short_rows_kernel=("forward_wgmma", 64, 768),
         value_dims=True,
     ),
-    # Calls without modifiers up to D = 64 take forward_wgmma, two blocks an SM there
-    # (forward_wgmma's launch bounds; 64-key tiles past D = 32): a key tile's
-    # products are too short to hide one block's softmax, and two blocks' hide each
-    # other's.
+    # Short plain calls up to D = 64 take forward_wgmma, two blocks an SM
+    # (forward_wgmma's launch bounds; 64-key tiles past D = 32): their blocks' short
+    # loops hide each other's first loads and last stores.
     KernelSpec(
         "forward_wgmma",
         "forward",
@@ -569,8 +575,7 @@ def standalone_of(name_expression):
 
 def variant_roles(dtype, head_dim, sm, head_dim_v=None):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
-    generation ``sm``); a kernel's roles without score modifiers only where it serves such
-    calls (``plain_head_dims``). With a ``head_dim_v`` other than head_dim: the kernels
+    generation ``sm``). With a ``head_dim_v`` other than head_dim: the kernels
     that take it natively (``value_dims``), instantiated for it, and the helpers (a packed
     forward's zeroing), which take the row width as an argument."""
     narrow_v = head_dim_v is not None and head_dim_v != head_dim
@@ -584,7 +589,6 @@ def variant_roles(dtype, head_dim, sm, head_dim_v=None):
             or spec.takes_value_dims(head_dim, head_dim_v)
         )
         for role in spec.roles(head_dim)
-        if role.endswith(MODIFIED) or spec.serves_head_dim(head_dim, modified=False)
     }
 
 
@@ -604,6 +608,7 @@ def choose(
     modified=False,
     head_dim_v=None,
     tried=frozenset(),
+    keys_a_row_sees=None,
 ):
     """The first kernel of ``direction`` that serves the call.
 
@@ -614,7 +619,9 @@ def choose(
     Kernels for sm_90a serve compute capability 9.0 only. With a ``head_dim_v`` other
     than head_dim, the first that takes it natively (``takes_value_dims``), else the
     first that serves the call (``cuflash.value_dims`` then pads it). An ``opt_in``
-    kernel serves only when ``tried`` names it.
+    kernel serves only when ``tried`` names it. ``keys_a_row_sees`` (the call's
+    ``Problem.keys_a_row_sees``; None: many) sends short calls to a kernel's
+    ``short_rows_kernel``.
     """
     sm = generation(compute_capability)
     first = None
@@ -625,9 +632,10 @@ def choose(
             or (spec.opt_in and spec.name not in tried)
             or sm not in spec.archs
             or (spec.needs_sm90a and compute_capability != 90)
-            or not spec.serves_head_dim(head_dim, modified)
+            or not spec.serves_head_dim(head_dim)
             or not spec.serves_dtype(dtype, allow_tf32)
             or (modified and not spec.modifiers)
+            or (not modified and spec.defers_short_rows(head_dim, keys_a_row_sees, excluded))
         ):
             continue
         if spec.instruction != "cuda cores" and not tensor_cores:
@@ -655,9 +663,12 @@ def coverage_table():
             if spec.exact_head_dims
             else f"{spec.head_dims[0]}-{spec.head_dims[1]}"
         )
-        if spec.plain_head_dims is not None:
-            low, high = spec.plain_head_dims
-            dims += f" ({low}-{high} without modifiers)"
+        if spec.short_rows_kernel is not None:
+            kernel, largest, keys = spec.short_rows_kernel
+            dims += (
+                f" (plain calls up to {largest} whose rows see fewer than {keys} keys"
+                f" on average: `{kernel}`)"
+            )
         rows.append(
             f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
             f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |"

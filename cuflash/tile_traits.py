@@ -58,14 +58,23 @@ def forward_wgmma_traits(d):
 
 
 def forward_ws_traits(d):
-    """kernels/sm90/forward_wgmma_ws.cuh: 128 query rows (a producer and two consumer
-    warpgroups), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
+    """kernels/sm90/forward_wgmma_ws.cuh: a producer warpgroup and 2 consumers of 64 query
+    rows each (3 in the 64 class, whose short products hide a softmax only with more rows
+    in turn), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
     where the 128-column O leaves no registers for 128-key scores), the stage rings'
     barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
     width = head_dim_class(d)
     keys, stages = (64, 2) if width == 256 else (128, 3)
-    smem = 2 * width * (128 + 2 * stages * keys) + 2 * 16 * stages + 8 + FLOAT_BYTES * 256 + 1024
-    return Traits(128, 384, smem, (keys, stages))
+    consumers = 3 if width == 64 else 2
+    rows = 64 * consumers
+    smem = (
+        2 * width * (rows + 2 * stages * keys)
+        + 2 * 16 * stages
+        + 8
+        + FLOAT_BYTES * 128 * consumers
+        + 1024
+    )
+    return Traits(rows, 128 * (consumers + 1), smem, (keys, stages, consumers))
 
 
 def forward_mma_sync_traits(d):

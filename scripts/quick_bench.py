@@ -42,7 +42,7 @@ PATHS_16 = {
         True,
     ),
     "sync": ("auto", ("forward_wgmma_ws",), False, False),
-    # the warp-specialized forward where the default takes forward_wgmma (D <= 64)
+    # the warp-specialized forward where the default takes forward_wgmma (short D <= 64 calls)
     "ws-fwd": ("auto", ("forward_wgmma",), False, False),
     # backward_wgmma where the default takes the warp-specialized backward (the 128
     # class), atomic and deterministic

@@ -26,9 +26,13 @@ def _hopper():
     return int(cupy.cuda.Device().compute_capability) == 90
 
 
-def _chosen(case, arrays, direction, **kw):
+def _problem(case, arrays, **kw):
     q, k, v = arrays[:3]
-    p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None, **kw)
+    return problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None, **kw)
+
+
+def _chosen(case, arrays, direction, **kw):
+    p = _problem(case, arrays, **kw)
     return gpu.choose(p, direction, gpu.rows_are_16_byte_aligned(arrays)).name
 
 
@@ -66,12 +70,37 @@ def test_mma_sync_kernels_match_oracle(case, deterministic, rng, poisoned):
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)
 def test_forwards_without_warp_specialization_match_oracle(case, rng, poisoned):
-    """On an H100/H200 the warp-specialized forward serves head_dim >= 72 and every
-    modified call; this runs the next in line there (forward_wgmma up to D = 64, the
+    """On an H100/H200 the warp-specialized forward serves every call but short plain
+    ones up to D = 64; this runs the next in line (forward_wgmma up to D = 64, the
     mma.sync forward above)."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     with dispatch.skip_kernels("forward_wgmma_ws"):
+        run_and_check(case, cupy, rng)
+
+
+# Plain calls of the 64 class: short ones that the warp-specialized forward's three
+# consumers take only when forward_wgmma is skipped, and long ones it takes by default
+# (rows that see 768 keys or more on average).
+SHORT_AND_LONG_64 = [c for c in WIDE_CASES if c.head_dim == 64] + [
+    Case(dtype="bfloat16", head_dim=64, heads=4, kv_heads=2, q_len=400, kv_len=1000),
+    Case(dtype="float16", head_dim=40, q_len=1700, kv_len=1700, causal=True),
+    Case(dtype="bfloat16", head_dim=32, batch=1, q_len=200, kv_len=900, window=(800, 0)),
+]
+
+
+@pytest.mark.parametrize("case", SHORT_AND_LONG_64, ids=str)
+def test_three_consumer_forward_matches_oracle(case, rng, poisoned):
+    """forward_wgmma_ws with three consumers of 64 rows (the 64 class), plain calls."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    arrays = random_inputs(case, rng, cupy)
+    keys = _problem(case, arrays).keys_a_row_sees()
+    assert _chosen(case, arrays, "forward") == (
+        "forward_wgmma_ws" if keys >= 768 else "forward_wgmma"
+    )
+    with dispatch.skip_kernels("forward_wgmma"):
+        assert _chosen(case, arrays, "forward") == "forward_wgmma_ws"
         run_and_check(case, cupy, rng)
 
 
@@ -97,8 +126,15 @@ def test_dispatch_follows_the_registry(rng):
     ):
         case = Case(dtype=dtype, head_dim=head_dim)
         arrays = random_inputs(case, rng, cupy)
+        keys = _problem(case, arrays).keys_a_row_sees()
         for direction in ("forward", "backward"):
-            expected = registry.choose(direction, arrays[0].dtype, head_dim, capability)
+            expected = registry.choose(
+                direction,
+                arrays[0].dtype,
+                head_dim,
+                capability,
+                keys_a_row_sees=keys if direction == "forward" else None,
+            )
             assert _chosen(case, arrays, direction) == expected.name
             with cuflash.kernel_path("general"):
                 assert _chosen(case, arrays, direction) == f"{direction}_general"

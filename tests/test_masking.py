@@ -5,7 +5,13 @@ import itertools
 import numpy as np
 import pytest
 
-from cuflash.masking import key_range, normalize_window, query_range, visible_keys
+from cuflash.masking import (
+    key_range,
+    mean_visible_keys,
+    normalize_window,
+    query_range,
+    visible_keys,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,3 +58,13 @@ def test_ranges_cover_exactly_the_visible_keys(q_len, kv_len, window):
 )
 def test_normalize_window(window, causal, expected):
     assert normalize_window(window, causal, 100, 100) == expected
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, window",
+    [(1, 1, (-1, -1)), (37, 37, (-1, 0)), (50, 20, (-1, 0)), (20, 50, (5, 3)), (64, 300, (-1, -1))],
+)
+def test_mean_visible_keys_counts_the_mask(q_len, kv_len, window):
+    mask = visible_keys(np.arange(q_len), np.arange(kv_len), q_len, kv_len, *window)
+    assert mean_visible_keys(q_len, kv_len, *window) == pytest.approx(mask.sum(1).mean())
+    assert mean_visible_keys(0, kv_len, *window) == 0.0

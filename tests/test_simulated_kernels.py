@@ -179,6 +179,17 @@ RING_CASES = [
         window=(100, 0),
     ),
     Case(dtype="float16", head_dim=200, batch=1, heads=1, kv_heads=1, q_len=60, kv_len=300),
+    # the 64 class's three consumers: two query tiles of 192 rows, their turns in a ring
+    Case(
+        dtype="bfloat16",
+        head_dim=64,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=250,
+        kv_len=520,
+        causal=True,
+    ),
     # the first query tile of each head seeing no key (S_q > S_k, causal), GQA
     Case(
         dtype="bfloat16",
@@ -197,7 +208,7 @@ RING_CASES = [
 @pytest.mark.parametrize("case", RING_CASES, ids=str)
 def test_warp_specialized_forward_wraps_its_stage_rings(case, tma, rng):
     """forward_wgmma_ws over more key tiles than stages: the producer refills each stage
-    once both consumers hand it back, and the consumers wait for each phase (a missed
+    once every consumer hands it back, and the consumers wait for each phase (a missed
     wait reads the poison or an older tile: the simulator lands a stage's copies only
     when a consumer's wait sees them complete); with the copy engine's boxes (rows past
     kv_seq_len and columns past the head dim as zeros) and with cp.async."""

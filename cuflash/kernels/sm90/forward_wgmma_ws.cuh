@@ -1,6 +1,8 @@
 // Warp-specialized Hopper (sm_90a) forward kernel for float16/bfloat16.
 //
-// One block of three warpgroups per (query tile of 128 rows, head, batch):
+// One block of 1 + CONSUMERS warpgroups per (query tile of BM = 64 CONSUMERS
+// rows, head, batch): two consumers in the 128 and 256 classes, three in the 64
+// class (cuflash/tile_traits.py; short products need more rows to hide a softmax):
 //   warpgroup 0, the producer, copies Q once and each key tile's K and V
 //     into rings of STAGES shared-memory stages (the 128-byte swizzled layout
 //     that wgmma reads); each stage's mbarrier completes when the copies land,
@@ -11,14 +13,15 @@
 //     v_map (rows past the array's, columns past the head dim land as zeros),
 //     each stage's barrier awaiting their bytes; otherwise the 128 threads
 //     copy with cp.async (cp.async.mbarrier.arrive; the loop not unrolled).
-//   warpgroups 1 and 2, the consumers, own 64 query rows each, wait on the
-//     barriers only, and hand each stage back once their products have read
-//     it; they take the producer's registers (240 a thread).
+//   warpgroups 1 to CONSUMERS, the consumers, own 64 query rows each, wait on
+//     the barriers only, and hand each stage back once their products have
+//     read it; they take the producer's registers (WarpgroupRegisters).
 // Each consumer overlaps within itself: S(j + 1) = Q K(j + 1)^T and
 // O += P(j) V(j) are issued together and the softmax of S(j + 1) runs while
-// P V does (as forward_wgmma's pipelined loop). The two consumers also
-// take turns on the tensor cores (ping-pong): named barriers 8 and 9 order
-// their issues, so that one's products run while the other's softmax does.
+// P V does (as forward_wgmma's pipelined loop). The consumers also take
+// turns on the tensor cores (ping-pong, round robin with three): named
+// barriers 8 to 7 + CONSUMERS order their issues, so that one's products run
+// while the others' softmax does.
 // The arguments are forward_wgmma's (every path that launches that
 // kernel launches this one).
 // DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
@@ -33,41 +36,50 @@
 namespace cuflash {
 
 // setmaxnreg moves registers within the block's launch allocation only: 384
-// threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, and a
-// consumer's setmaxnreg.inc past what the producer gave up waits forever.
+// threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, 512
+// threads at 128 hold 65536, and a consumer's setmaxnreg.inc past what the
+// producer gave up waits forever.
 // The producer's copy loops are not unrolled, so that it runs in 24 registers and
-// the consumers get 240 (at 224 they spill with a user's score or mask function
+// two consumers get 240 (at 224 they spill with a user's score or mask function
 // compiled in; at 232 bfloat16 D = 256 with modifiers spilled 44 bytes). A V
 // narrower than Q and K (DV < D) copies tiles of two widths, which spills at 24
-// (4 bytes at D = 96, DV = 40): there the split is 32 / 232.
-template <bool NARROW_V>
+// (4 bytes at D = 96, DV = 40): there the split is 32 / 232. Three consumers (the
+// 64 class: 64-column O) take 160 each, the producer 32.
+template <bool NARROW_V, int CONSUMERS>
 struct WarpgroupRegisters {
-    static constexpr int producer = NARROW_V ? 32 : 24, consumer = NARROW_V ? 232 : 240;
-    static_assert(128 * producer + 256 * consumer <= 384 * 168,
+    static constexpr int threads = 128 * (CONSUMERS + 1);
+    static constexpr int producer = NARROW_V || CONSUMERS == 3 ? 32 : 24;
+    static constexpr int consumer = CONSUMERS == 3 ? 160 : NARROW_V ? 232 : 240;
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumers");
+    static_assert(128 * producer + 128 * CONSUMERS * consumer <=
+                      threads * (65536 / threads / 8 * 8),
                   "the warpgroups' registers exceed the block's launch allocation");
 };
 
 // The consumers' turns on the tensor cores: consumer c waits at barrier 8 + c
 // before it issues a tile's products and, once they are issued, lets the
-// other one go (each barrier meets the 128 threads of each consumer).
+// next one go (each barrier meets the 128 threads of two consumers).
 __device__ __forceinline__ void wait_turn(int consumer) {
     asm volatile("bar.sync %0, 256;\n" ::"r"(8 + consumer) : "memory");
 }
+template <int CONSUMERS>
 __device__ __forceinline__ void pass_turn(int consumer) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(9 - consumer) : "memory");
+    const int next = consumer + 1 == CONSUMERS ? 0 : consumer + 1;
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(8 + next) : "memory");
 }
 
-template <typename T, int D, int BN, int STAGES, bool MODIFIED, int DV = D>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED, int DV = D>
+__global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
     constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
     constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
-    constexpr int BM = 128, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
+    constexpr int BM = 64 * CONSUMERS, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
-    using Ring = StageRing<STAGES, 2>;
+    using Ring = StageRing<STAGES, CONSUMERS>;  // a consumer warpgroup an arrival
+    using Registers = WarpgroupRegisters<(DV < D), CONSUMERS>;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);
     CUFLASH_STRIDES_OF(v);
@@ -80,7 +92,7 @@ __global__ void __launch_bounds__(384, 1)
     Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DVL);
     Ring* v_ring = k_ring + 1;
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
-    float* order_slots = reinterpret_cast<float*>(q_full + 1);  // 256, see complete_before_wait
+    float* order_slots = reinterpret_cast<float*>(q_full + 1);  // BM * 2: complete_before_wait
 
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
     const int h = blockIdx.y, b = seq.batch, hk = h / group;
@@ -107,7 +119,7 @@ __global__ void __launch_bounds__(384, 1)
     __syncthreads();  // the barriers' initialization, seen by every thread
 
     if (threadIdx.x < 128) {  // ---- the producer
-        registers_down<WarpgroupRegisters<(DV < D)>::producer>();
+        registers_down<Registers::producer>();
         if (tma) {  // one thread, the copy engine: boxes of 64 columns (dense calls only)
             if (threadIdx.x == 0) {
                 constexpr unsigned Q_BYTES = BM * DL * sizeof(T), K_BYTES = BN * DL * sizeof(T);
@@ -135,7 +147,7 @@ __global__ void __launch_bounds__(384, 1)
         const T* v_head = v + offset_of(v_st, b, hk, 0);
         cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
         cp_async_arrive(q_full);
-        // Every stage refilled as soon as both consumers have handed it back; the
+        // Every stage refilled as soon as every consumer has handed it back; the
         // producer never waits for its own copies.
         for (int j = 0; j < tiles; ++j) {
             const int n0 = n_start + j * BN, keys = mask.kv_len - n0;
@@ -152,7 +164,7 @@ __global__ void __launch_bounds__(384, 1)
     }
 
     // ---- the consumers
-    registers_up<WarpgroupRegisters<(DV < D)>::consumer>();
+    registers_up<Registers::consumer>();
     const int consumer = (threadIdx.x >> 7) - 1, thread = threadIdx.x - 128;
     const int warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 3;
     const int warp_row = consumer * 64 + warp * 16;
@@ -202,7 +214,7 @@ __global__ void __launch_bounds__(384, 1)
         return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
     };
 
-    if (consumer == 1) pass_turn(consumer);  // consumer 0 issues first
+    if (consumer == CONSUMERS - 1) pass_turn<CONSUMERS>(consumer);  // consumer 0 issues first
     mbarrier_wait(q_full, 0);
     // The producer's cp.async writes, read by wgmma (the async proxy); the copy
     // engine's are the async proxy's already.
@@ -216,7 +228,7 @@ __global__ void __launch_bounds__(384, 1)
         wait_turn(consumer);
         wgmma_fence();
         issue_scores(Ring::stage(0), s);
-        pass_turn(consumer);
+        pass_turn<CONSUMERS>(consumer);
         wgmma_wait_all();
         pin_registers(s[0]);
         k_ring->release(0, signalling);
@@ -238,7 +250,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_fence();
         issue_scores(Ring::stage(j + 1), s);
         issue_pv(Ring::stage(j), pa);
-        pass_turn(consumer);
+        pass_turn<CONSUMERS>(consumer);
         wgmma_wait<1>();  // S(j + 1) is done; P V(j) may still run
         pin_registers(s[0]);
         k_ring->release(j + 1, signalling);
@@ -261,12 +273,12 @@ __global__ void __launch_bounds__(384, 1)
         pin_registers(o[0]);
         wgmma_fence();
         issue_pv(Ring::stage(tiles - 1), pa);
-        pass_turn(consumer);
+        pass_turn<CONSUMERS>(consumer);
         wgmma_wait_all();
         pin_registers(o[0]);
         v_ring->release(tiles - 1, signalling);
     }
-    if (consumer == 0) wait_turn(consumer);  // the other's last pass
+    if (consumer == 0) wait_turn(consumer);  // the last consumer's last pass
 
     const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
     finish_rows(

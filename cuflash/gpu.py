@@ -382,7 +382,8 @@ class ForwardPlan:
             raise ValueError(f"{self.spec.name} does not take head_dim_v (pad v instead)")
         loaded = _variant(problem)
         rows, batch = _query_grid(problem)
-        grid = (math.ceil(rows / self.spec.traits(problem.head_dim).tile), problem.num_heads, batch)
+        traits = self.spec.traits_of(problem.head_dim, problem.modified)
+        grid = (math.ceil(rows / traits.tile), problem.num_heads, batch)
         self.out = OutputLayout(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
@@ -408,7 +409,7 @@ class ForwardPlan:
         if self.spec.name == "forward_wgmma_ws" and tensor_maps.available():
             maps = kernel_params.forward_maps(
                 problem,
-                self.spec.traits(problem.head_dim),
+                traits,
                 [x.shape for x in (q, k, v)],
                 strides,
                 tensor_maps.TileMap.encode_into,

@@ -80,7 +80,7 @@ class Variant:
 
     def traits(self, role):
         """The ``cuflash.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
-        return registry.BY_ROLE[role].traits(self.head_dim)
+        return registry.BY_ROLE[role].traits_of(self.head_dim, role.endswith(registry.MODIFIED))
 
 
 def all_variants(sm=90):
@@ -167,7 +167,7 @@ class _LoadedVariant:
                     MODULE_FILE,
                     self.names[role],
                     options,
-                    spec.traits(self.variant.head_dim).shared_bytes,
+                    self.variant.traits(role).shared_bytes,
                     prefix,
                 )
             return found

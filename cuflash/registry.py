@@ -43,7 +43,7 @@ class KernelSpec:
     ``archs``: the compute-capability generations it runs on (80: sm_80 to sm_89,
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
-    of the exact ones when ``exact_head_dims``. ``traits(head_dim)`` gives
+    of the exact ones when ``exact_head_dims``. ``traits_of(head_dim, modified)`` gives
     :class:`cuflash.tile_traits.Traits`. ``padded_dq``: the atomic dQ accumulates in rows
     of the head-dim class's width. ``name`` is also the C++ function template's.
     """
@@ -55,6 +55,9 @@ class KernelSpec:
     archs: tuple
     head_dims: tuple
     traits: object
+    # The Traits function of its roles compiled with score modifiers where they differ
+    # (fewer threads where the modifiers need the registers), else None.
+    modified_traits: object = None
     needs_sm90a: bool = False
     exact_head_dims: bool = False
     dtype_in_template: bool = True
@@ -100,6 +103,13 @@ class KernelSpec:
             return head_dim in self.head_dims
         low, high = self.head_dims
         return low <= head_dim <= high
+
+    def traits_of(self, head_dim, modified=False):
+        """The :class:`cuflash.tile_traits.Traits` of its roles at ``head_dim``, those
+        compiled with score modifiers (``modified``) or those without."""
+        if modified and self.modified_traits is not None:
+            return self.modified_traits(head_dim)
+        return self.traits(head_dim)
 
     def defers_short_rows(self, head_dim, keys_a_row_sees, excluded=frozenset()):
         """Whether a plain call at ``head_dim`` whose rows see ``keys_a_row_sees`` keys on
@@ -157,7 +167,9 @@ class KernelSpec:
 
     def block_mask_tiles(self, head_dim):
         """``(outer, inner)`` tiles of a block mask's view for this kernel, or None."""
-        return None if self.block_tiles is None else self.block_tiles(self.traits(head_dim))
+        if self.block_tiles is None:
+            return None
+        return self.block_tiles(self.traits_of(head_dim, modified=True))
 
     def role(self, atomic_dq=False, modified=False):
         """The role of one instantiation."""
@@ -168,7 +180,8 @@ class KernelSpec:
         ``head_dim_v`` where given and other than head_dim (``value_dims`` kernels)."""
         args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
         args.append(str(head_dim))
-        args += [_cxx(a) for a in self.traits(head_dim).template_args]
+        traits = self.traits_of(head_dim, modified=role.endswith(MODIFIED))
+        args += [_cxx(a) for a in traits.template_args]
         if self.direction == "backward" and self.atomic_dq_head_dims is not None:
             args.append("true" if ATOMIC_DQ in role else "false")
         if self.modifiers:
@@ -222,10 +235,10 @@ HOPPER, AMPERE_AND_NEWER = (90,), (80, 90)
 # In order of preference within each direction: the dispatch takes the first
 # kernel that serves the call.
 KERNELS = (
-    # The warp-specialized forward serves every call; up to D = 64 (three consumers, 192
-    # query rows a block) plain calls whose rows see fewer than 768 keys on average take
-    # the two-blocks-an-SM forward_wgmma (D = 64, S = 1024 causal: 208 against 237
-    # TFLOP/s; S = 4096: 456 against 350; docs/kernels/forward-sm90-wgmma.md).
+    # The warp-specialized forward serves every call; up to D = 64 (its plain roles: three
+    # consumers, 192 query rows a block) plain calls whose rows see fewer than 768 keys
+    # on average take the two-blocks-an-SM forward_wgmma (D = 64, S = 1024 causal: 208
+    # against 237 TFLOP/s; S = 4096: 456 against 350; docs/kernels/forward-sm90-wgmma.md).
     KernelSpec(
         "forward_wgmma_ws",
         "forward",
@@ -234,6 +247,7 @@ KERNELS = (
         HOPPER,
         ALL_HEAD_DIMS,
         tile_traits.forward_ws_traits,
+        modified_traits=tile_traits.forward_ws_modified_traits,
         needs_sm90a=True,
         modifiers=True,
         block_tiles=_owned_and_visited,

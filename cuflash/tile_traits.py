@@ -57,7 +57,7 @@ def forward_wgmma_traits(d):
     return Traits(64 * warpgroups, 128 * warpgroups, smem, (keys, warpgroups))
 
 
-def forward_ws_traits(d):
+def forward_ws_traits(d, consumers=None):
     """kernels/sm90/forward_wgmma_ws.cuh: a producer warpgroup and 2 consumers of 64 query
     rows each (3 in the 64 class, whose short products hide a softmax only with more rows
     in turn), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
@@ -65,7 +65,8 @@ def forward_ws_traits(d):
     barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
     width = head_dim_class(d)
     keys, stages = (64, 2) if width == 256 else (128, 3)
-    consumers = 3 if width == 64 else 2
+    if consumers is None:
+        consumers = 3 if width == 64 else 2
     rows = 64 * consumers
     smem = (
         2 * width * (rows + 2 * stages * keys)
@@ -75,6 +76,12 @@ def forward_ws_traits(d):
         + 1024
     )
     return Traits(rows, 128 * (consumers + 1), smem, (keys, stages, consumers))
+
+
+def forward_ws_modified_traits(d):
+    """forward_wgmma_ws compiled with score modifiers: two consumers at every head_dim (at
+    three, 160 registers each, a user's score and mask functions spill)."""
+    return forward_ws_traits(d, consumers=2)
 
 
 def forward_mma_sync_traits(d):

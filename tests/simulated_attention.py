@@ -105,12 +105,13 @@ class Kernels:
         )
 
     def launch(self, spec_name, grid, args):
-        spec, _, name = self.roles[spec_name]
-        traits = spec.traits(self.problem.head_dim)
+        traits = self.traits(spec_name)
+        name = self.roles[spec_name][2]
         self.module.launch(name, grid, traits.threads, traits.shared_bytes, args, self.guard)
 
     def traits(self, spec_name):
-        return self.roles[spec_name][0].traits(self.problem.head_dim)
+        spec, role, _ = self.roles[spec_name]
+        return spec.traits_of(self.problem.head_dim, role.endswith(registry.MODIFIED))
 
     def tile(self, spec_name):
         return self.traits(spec_name).tile

@@ -66,7 +66,7 @@ def test_variant_compiles_without_spills(resource_reports, job):
             # count times the block's threads: 168 at 384, 128 at 512); the kernels'
             # static_asserts hold their splits to it, and asking for more waits
             # forever on a GPU.
-            threads = registry.BY_ROLE[role].traits(job[0].head_dim).threads
+            threads = job[0].traits(role).threads
             assert info["registers"] == 65536 // threads // 8 * 8, (role, info)
 
 
@@ -259,7 +259,7 @@ def expected_hgmma(role, head_dim):
     """The HGMMA instructions a wgmma kernel issues (each k16 step of each product once
     in the code; the warp-specialized forward issues S and P V in two places)."""
     spec = registry.BY_ROLE[role]
-    traits = spec.traits(head_dim)
+    traits = spec.traits_of(head_dim, role.endswith(registry.MODIFIED))
     steps = -(-head_dim // 16)  # k16 steps over the head_dim, its exact width
     width = tile_traits.head_dim_class(head_dim)
     if spec.name.startswith("forward_wgmma"):

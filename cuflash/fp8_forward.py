@@ -140,6 +140,7 @@ def varlen_forward(
         sinks=options["sinks"],
         head_dim_v=options["head_dim_v"],
         storage_dtype=storage,
+        block_mask=options["block_mask"],
     )
     xp = problem.xp
     count = problem.attention.packed.count

@@ -443,10 +443,9 @@ def forward_problem(
         alibi_slopes, q, num_heads, batch if alibi_batch is None else alibi_batch
     )
     has_sinks = check_sinks(sinks, q, num_heads)
-    mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, kv_len)
-    check_user_modifiers(
-        score_mod, mask_mod, xp, num_heads, *(modifier_sizes or (batch, q_len, kv_len))
-    )
+    entries, rows, keys = modifier_sizes or (batch, q_len, kv_len)
+    mask_mod = check_block_mask(block_mask, mask_mod, entries, num_heads, rows, keys)
+    check_user_modifiers(score_mod, mask_mod, xp, num_heads, entries, rows, keys)
     problem = AttentionProblem(
         xp=xp,
         dtype=dtype,

@@ -125,6 +125,7 @@ def varlen_problem(
     sinks=None,
     head_dim_v=None,
     storage_dtype=None,
+    block_mask=None,
 ):
     """Validate a packed call; host offsets (the CPU path) are read and verified too.
     Nothing runs on a device: device offsets are verified by the callers with
@@ -173,6 +174,7 @@ def varlen_problem(
         alibi_batch=count,
         score_mod=score_mod,
         mask_mod=mask_mod,
+        block_mask=block_mask,
         modifier_sizes=(count, max_seqlen_q, max_seqlen_k),
         sinks=sinks,
         head_dim_v=head_dim_v,
@@ -220,6 +222,7 @@ def flash_attention_varlen_fwd(
     alibi_slopes=None,
     score_mod=None,
     mask_mod=None,
+    block_mask=None,
     sinks=None,
     head_dim_v=None,
     fp8_format=None,
@@ -251,8 +254,12 @@ def flash_attention_varlen_fwd(
     score_mod, mask_mod : cuflash.modifiers objects, keyword-only
         As in :func:`cuflash.flash_attention_fwd`, with ``b`` the sequence and
         ``q_idx``, ``kv_idx`` positions within it (their reads are bounded for
-        ``max_seqlen_q``, ``max_seqlen_k``). The mask is evaluated on every tile (block
-        masks serve the dense functions).
+        ``max_seqlen_q``, ``max_seqlen_k``).
+    block_mask : cuflash.block_mask.BlockMask, optional, keyword-only
+        As in :func:`cuflash.flash_attention_fwd` (instead of ``mask_mod``), made for
+        the sequences' sizes: ``B`` the sequence count (or None), ``Q_LEN`` and
+        ``KV_LEN`` ``max_seqlen_q`` and ``max_seqlen_k``; its tiles are each
+        sequence's own, from its first row and key.
     sinks : float32 array ``[num_heads]``, optional, keyword-only
         Attention sinks, as in :func:`cuflash.flash_attention_fwd` (the same logits for
         every sequence; a row of a sequence with no key gives zeros and
@@ -289,6 +296,7 @@ def flash_attention_varlen_fwd(
         options = dict(softmax_scale=softmax_scale, allow_tf32=allow_tf32, check=check)
         options.update(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod)
         options.update(mask_mod=mask_mod, sinks=sinks, head_dim_v=head_dim_v)
+        options.update(block_mask=block_mask)
         arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
         sizes = (max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim)
         descales = (q_descale, k_descale, v_descale)
@@ -313,6 +321,7 @@ def flash_attention_varlen_fwd(
             softcap,
             score_mod,
             mask_mod,
+            block_mask,
             alibi_slopes is None,
             sinks is None,
             head_dim_v,
@@ -342,6 +351,7 @@ def flash_attention_varlen_fwd(
             mask_mod=mask_mod,
             sinks=sinks,
             head_dim_v=head_dim_v,
+            block_mask=block_mask,
         )
         if problem.xp is np:
             return _forward_per_sequence(
@@ -427,6 +437,7 @@ def flash_attention_varlen_bwd(
     alibi_slopes=None,
     score_mod=None,
     mask_mod=None,
+    block_mask=None,
     sinks=None,
     head_dim_v=None,
 ):
@@ -442,7 +453,7 @@ def flash_attention_varlen_bwd(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As passed to the forward.
     num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale, allow_tf32,
-    softcap, alibi_slopes, score_mod, mask_mod, sinks, head_dim_v
+    softcap, alibi_slopes, score_mod, mask_mod, block_mask, sinks, head_dim_v
         As passed to the forward.
     deterministic, synchronize : bool
         As in :func:`cuflash.flash_attention_bwd`.
@@ -478,6 +489,7 @@ def flash_attention_varlen_bwd(
             softcap,
             score_mod,
             mask_mod,
+            block_mask,
             alibi_slopes is None,
             sinks is None,
             head_dim_v,
@@ -510,6 +522,7 @@ def flash_attention_varlen_bwd(
             mask_mod=mask_mod,
             sinks=sinks,
             head_dim_v=head_dim_v,
+            block_mask=block_mask,
         )
         array_module([("q", q), ("lse", lse)])
         check_rank("lse", lse, 2, "[num_heads, total_q]")
@@ -646,6 +659,7 @@ class VarlenVJP:
             alibi_slopes=c.alibi_slopes,
             score_mod=c.score_mod,
             mask_mod=c.mask_mod,
+            block_mask=c.block_mask,
             sinks=c.sinks,
             head_dim_v=c.head_dim_v,
         )
@@ -672,6 +686,7 @@ def flash_attention_varlen_vjp(
     alibi_slopes=None,
     score_mod=None,
     mask_mod=None,
+    block_mask=None,
     sinks=None,
     head_dim_v=None,
 ):
@@ -699,6 +714,7 @@ def flash_attention_varlen_vjp(
         alibi_slopes=alibi_slopes,
         score_mod=score_mod,
         mask_mod=mask_mod,
+        block_mask=block_mask,
         sinks=sinks,
         head_dim_v=head_dim_v,
     )
@@ -717,6 +733,7 @@ def flash_attention_varlen_vjp(
         mask_mod,
         sinks=sinks,
         head_dim_v=head_dim_v,
+        block_mask=block_mask,
     )
     return out, VarlenVJP(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config

@@ -553,7 +553,10 @@ def _packed(
     window_size,
     extra_arrays=(),
     head_dim_v=None,
+    modifiers=None,
 ):
+    """The packed problem (``modifiers``: ``score_mod``, ``mask_mod``, ``block_mask``
+    keywords of the call)."""
     return varlen_problem(
         q,
         k,
@@ -572,6 +575,7 @@ def _packed(
         False,
         extra_arrays=extra_arrays,
         head_dim_v=head_dim_v,
+        **(modifiers or {}),
     ).attention
 
 
@@ -593,10 +597,12 @@ def varlen_forward(
     guard=False,
     sinks=None,
     head_dim_v=None,
+    modifiers=None,
 ):
     """``(out [total_q, H, D_v], lse [H, total_q])`` of a packed batch (validated with the
     host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
-    would be, else the same)."""
+    would be, else the same; ``modifiers``: the call's ``score_mod``, ``mask_mod``,
+    ``block_mask`` keywords)."""
     problem = _packed(
         q,
         k,
@@ -611,6 +617,7 @@ def varlen_forward(
         causal,
         window_size,
         head_dim_v=head_dim_v,
+        modifiers=modifiers,
     )
     out, lse = run_forward(
         problem,
@@ -643,6 +650,7 @@ def varlen_backward(
     device_offsets=None,
     capability=80,
     guard=False,
+    modifiers=None,
 ):
     """``(dq, dk, dv)`` of a packed batch (see :func:`varlen_forward`)."""
     problem = _packed(
@@ -659,6 +667,7 @@ def varlen_backward(
         causal,
         window_size,
         extra_arrays=[("dout", dout), ("output", out)],
+        modifiers=modifiers,
     )
     return run_backward(
         problem,

@@ -519,6 +519,44 @@ def test_user_modifier_kernels_match_oracle(name, capability, deterministic, blo
     assert np.all(out[np.isneginf(ref_lse)] == 0)
 
 
+def test_packed_block_mask_kernels_match_oracle(rng):
+    """A packed call's block mask (made for the sequences' count and longest lengths),
+    whose mask reads the sequence index: each block reads its sequence's classes and
+    ranges (blockIdx.z), tiles counted from the sequence's first row and key; the forward
+    skips the tiles it empties (a causal prefix-LM past the first 128 rows)."""
+    lengths_q, lengths_k = [300, 0, 45, 410], [300, 8, 60, 410]
+    heads, kv_heads, head_dim = 4, 2, 16
+    q, k, v, dout, cu_q, cu_k = packed_inputs(
+        rng, lengths_q, lengths_k, heads, kv_heads, head_dim, "bfloat16"
+    )
+    # the first sequence's tile of rows 0-127 and keys 256-383 empty, the last one's
+    # not: a block reading another sequence's classes skips visible keys
+    prefixes = np.array([5, 3, 20, 300], np.int32)
+    mask_mod = modifiers.prefix_lm_mask(prefixes)
+    rows, keys = max(lengths_q), max(lengths_k)
+    block_mask = create_block_mask(mask_mod, len(lengths_q), None, rows, keys)
+    args = (cu_q, cu_k, rows, keys, heads, kv_heads, head_dim)
+    kw = dict(capability=90, modifiers=dict(block_mask=block_mask))
+    out, lse = simulated_attention.varlen_forward(q, k, v, *args, **kw)
+    grads = simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args, **kw)
+    q_at, k_at = np.cumsum([0] + lengths_q), np.cumsum([0] + lengths_k)
+    for b in range(len(lengths_q)):
+        if lengths_q[b] == 0:
+            continue
+        rows_b, keys_b = slice(q_at[b], q_at[b + 1]), slice(k_at[b], k_at[b + 1])
+        q64, k64, v64, dout64 = (
+            x[s].transpose(1, 0, 2)[None].astype(np.float64)
+            for x, s in ((q, rows_b), (k, keys_b), (v, keys_b), (dout, rows_b))
+        )
+        ref = dict(mask_mod=modifiers.prefix_lm_mask(int(prefixes[b])))
+        want_out, _ = attention_reference(q64, k64, v64, False, 0, **ref)
+        want_grads = attention_reference_grad(dout64, q64, k64, v64, False, 0, **ref)
+        got = (out[rows_b], grads[0][rows_b], grads[1][keys_b], grads[2][keys_b])
+        for label, g, w in zip(("out", "dq", "dk", "dv"), got, (want_out, *want_grads)):
+            g = g.astype(np.float64).transpose(1, 0, 2)[None]
+            assert rel_error(g, w) <= 2e-2 + FLOOR["bfloat16"], (b, label)
+
+
 # Packed batches: sequences of no query row, of no key, GQA, windows (test_varlen's mix).
 PACKED_CASES = [
     dict(lengths_q=[5, 0, 17, 1, 9], lengths_k=[5, 3, 17, 1, 9], head_dim=64),

@@ -317,11 +317,14 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
 # ------------------------------------------------------------ packed batches (varlen)
 
 VARLEN_Q, VARLEN_K = [37, 0, 90, 12], [50, 8, 90, 30]
+# sequences past a kernel's tiles, so that a block mask empties some of each one's
+BLOCK_Q, BLOCK_K = [300, 0, 45, 410], [300, 8, 60, 410]
 
 
-def _varlen_case(rng, xp, dtype=np.float32, head_dim=16):
+def _varlen_case(rng, xp, dtype=np.float32, head_dim=16, lengths=(VARLEN_Q, VARLEN_K)):
     """Packed sequences with user modifiers that read the sequence index ``b``: a prefix
     length and a bias per (sequence, head); and the per-sequence oracle."""
+    VARLEN_Q, VARLEN_K = lengths  # noqa: N806 - the module's names, of this case
     heads, kv_heads = 4, 2
     prefixes = np.array([5, 3, 20, 0], np.int32)
     bias = rng.uniform(-1, 1, (len(VARLEN_Q), heads)).astype(np.float32)
@@ -377,8 +380,15 @@ def _varlen_case(rng, xp, dtype=np.float32, head_dim=16):
     return [xp.asarray(x) for x in tokens], args, mods, oracle
 
 
-def _check_varlen(rng, xp, dtype=np.float32, deterministic=False):
-    (q, k, v, dout), args, mods, oracle = _varlen_case(rng, xp, dtype)
+def _check_varlen(rng, xp, dtype=np.float32, deterministic=False, block=False):
+    """The packed case against its oracle; ``block``: longer sequences, the mask given
+    as a block mask made for the sequences' count and longest lengths."""
+    lengths = (BLOCK_Q, BLOCK_K) if block else (VARLEN_Q, VARLEN_K)
+    (q, k, v, dout), args, mods, oracle = _varlen_case(rng, xp, dtype, lengths=lengths)
+    if block:
+        rows, keys = max(lengths[0]), max(lengths[1])
+        mask_mod = mods.pop("mask_mod")
+        mods["block_mask"] = create_block_mask(mask_mod, len(lengths[0]), None, rows, keys)
     out, lse = cuflash.flash_attention_varlen_fwd(q, k, v, *args, **mods)
     grads = cuflash.flash_attention_varlen_bwd(
         dout, q, k, v, out, lse, *args, **mods, deterministic=deterministic
@@ -397,6 +407,31 @@ def test_varlen_cpu_path_sees_the_sequence_index(rng):
     _check_varlen(rng, np)
 
 
+def test_varlen_cpu_path_takes_a_block_mask(rng):
+    _check_varlen(rng, np, block=True)
+
+
+def test_varlen_block_mask_is_made_for_the_sequences(rng):
+    """A packed call's block mask is made for (sequences, heads, longest lengths), and
+    holds the call's mask function."""
+    (q, k, v, _), args, mods, _ = _varlen_case(rng, np)
+    count, rows, keys = len(VARLEN_Q), max(VARLEN_Q), max(VARLEN_K)
+    mask_mod = mods.pop("mask_mod")
+    for sizes, name in (
+        ((count - 1, None, rows, keys), "batch"),
+        ((count, None, rows + 1, keys), "q_len"),
+        ((count, None, rows, sum(VARLEN_K)), "kv_len"),
+    ):
+        wrong = create_block_mask(mask_mod, *sizes)
+        with pytest.raises(InvalidArgumentError, match=f"block_mask.*{name}"):
+            cuflash.flash_attention_varlen_fwd(q, k, v, *args, block_mask=wrong, **mods)
+    block_mask = create_block_mask(mask_mod, count, None, rows, keys)
+    with pytest.raises(InvalidArgumentError, match="mask_mod"):
+        cuflash.flash_attention_varlen_fwd(
+            q, k, v, *args, block_mask=block_mask, mask_mod=modifiers.causal_mask(), **mods
+        )
+
+
 @pytest.fixture(scope="module")
 def compiled_varlen():
     """The packed cases' kernels, compiled in parallel threads before the tests."""
@@ -413,6 +448,15 @@ def compiled_varlen():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_varlen_sees_the_sequence_index(dtype, deterministic, rng, poisoned, compiled_varlen):
     _check_varlen(rng, cupy, DTYPES[dtype], deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_varlen_takes_a_block_mask(dtype, deterministic, rng, poisoned, compiled_varlen):
+    """The kernels read the block mask's tiles of each sequence (blockIdx.z) from the
+    sequence's first row and key."""
+    _check_varlen(rng, cupy, DTYPES[dtype], deterministic, block=True)
 
 
 # ------------------------------------------------------------ KV cache

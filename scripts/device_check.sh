@@ -9,7 +9,9 @@
 #          instruction, to $OUT/ncu-source-sass.csv), forward-tma (the copy engine's
 #          forward: its GPU tests, forward timings with and without it, host time), backward-ws
 #          (the warp-specialized backward: its copy engine's GPU tests, timings
-#          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets)
+#          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets),
+#          forward-64 (the 64 class's forwards: their GPU tests, the default against
+#          forward_wgmma_ws and forward_wgmma one process a row, and cuDNN)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -94,6 +96,11 @@ for step in $steps; do
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py && \
              python3 scripts/quick_bench.py --rows=auto,wgmma,det,wgmma-det,cudnn ${QUICK_CASES:-} && \
              CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=auto,det ${QUICK_CASES:-}" ;;
+    forward-64) TAIL=30 run forward-64 300 bash -c "python3 -m pytest -m gpu -q -rf \
+             -p no:cacheprovider -n ${WORKERS:-8} tests/test_kernel_families.py \
+             -k 'three_consumer or dispatch_follows or without_warp' && \
+             for r in auto ws-fwd sync cudnn; do python3 scripts/quick_bench.py --forward \
+             --rows=\$r ${QUICK_CASES:-64,4096,0 64,1024,0 64,1024,1 64,2048,1 32,4096,0}; done" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from .modifiers import index_grids
+
 
 def _mask(q_len, kv_capacity, kv_len, causal, window):
     """``[S_q, S_k]`` booleans from the Semantics page's visible-key rule, written out again."""
@@ -58,8 +60,6 @@ def _modified_scores(scores, q_len, kv_len, softcap, alibi_slopes):
 def _user_modified(raw, derivative, visible, kv_len, score_mod, mask_mod):
     """User-defined modifiers (``cuflash.modifiers``) on the keys in use, in float64:
     the scores, the chained derivative and the visibility."""
-    from .modifiers import index_grids
-
     batch, heads, q_len = raw.shape[:3]
     grids = index_grids(batch, heads, q_len, kv_len)
     raw, derivative = raw.copy(), np.broadcast_to(derivative, raw.shape).copy()

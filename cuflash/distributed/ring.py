@@ -5,10 +5,12 @@ import dataclasses
 
 import numpy as np
 
+from .. import registry
 from .. import sinks as attention_sinks
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..errors import InvalidArgumentError
 from ..fp8 import check_not_fp8
+from ..kernel_build import load_standalone
 from ..masking import normalize_window
 from ..problem import check_sinks
 from .groups import start_exchange
@@ -95,9 +97,6 @@ def _merge(out_acc, lse_acc, out, lse, rows):
 def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
     """:func:`_merge` in one pass of the registry's ``ring_merge`` (a warp a row)."""
     import cupy
-
-    from .. import registry
-    from ..kernel_build import load_standalone
 
     out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
     batch, heads, shard_len, head_dim = out_acc.shape

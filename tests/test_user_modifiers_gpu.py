@@ -324,10 +324,10 @@ BLOCK_Q, BLOCK_K = [300, 0, 45, 410], [300, 8, 60, 410]
 def _varlen_case(rng, xp, dtype=np.float32, head_dim=16, lengths=(VARLEN_Q, VARLEN_K)):
     """Packed sequences with user modifiers that read the sequence index ``b``: a prefix
     length and a bias per (sequence, head); and the per-sequence oracle."""
-    VARLEN_Q, VARLEN_K = lengths  # noqa: N806 - the module's names, of this case
+    lengths_q, lengths_k = lengths
     heads, kv_heads = 4, 2
     prefixes = np.array([5, 3, 20, 0], np.int32)
-    bias = rng.uniform(-1, 1, (len(VARLEN_Q), heads)).astype(np.float32)
+    bias = rng.uniform(-1, 1, (len(lengths_q), heads)).astype(np.float32)
     device_bias = xp.asarray(bias)
 
     def per_sequence_bias(score, b, h, q_idx, kv_idx):
@@ -340,22 +340,22 @@ def _varlen_case(rng, xp, dtype=np.float32, head_dim=16, lengths=(VARLEN_Q, VARL
     tokens = [
         rng.standard_normal((sum(n), h, head_dim)).astype(dtype)
         for n, h in (
-            (VARLEN_Q, heads),
-            (VARLEN_K, kv_heads),
-            (VARLEN_K, kv_heads),
-            (VARLEN_Q, heads),
+            (lengths_q, heads),
+            (lengths_k, kv_heads),
+            (lengths_k, kv_heads),
+            (lengths_q, heads),
         )
     ]
     cu = [
         xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
-        for n in (VARLEN_Q, VARLEN_K)
+        for n in (lengths_q, lengths_k)
     ]
-    args = (*cu, max(VARLEN_Q), max(VARLEN_K), heads, kv_heads, head_dim)
+    args = (*cu, max(lengths_q), max(lengths_k), heads, kv_heads, head_dim)
 
     def oracle():
         outs, grads = [], [[], [], []]
-        q_at, k_at = np.cumsum([0] + VARLEN_Q), np.cumsum([0] + VARLEN_K)
-        for b in range(len(VARLEN_Q)):
+        q_at, k_at = np.cumsum([0] + lengths_q), np.cumsum([0] + lengths_k)
+        for b in range(len(lengths_q)):
 
             def bias_b(score, b_, h, q_idx, kv_idx):
                 return score + row[h]

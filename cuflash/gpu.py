@@ -10,6 +10,7 @@ outputs and launches; nothing else runs on the host.
 import contextlib
 import functools
 import math
+import os
 import struct
 import threading
 
@@ -37,6 +38,24 @@ def device_capability():
             int(cupy.cuda.Device(device_id).compute_capability),
         )
     return found
+
+
+@functools.cache
+def multiprocessors(device_id):
+    """The SM count of device ``device_id`` (a persistent kernel's blocks: one an SM)."""
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def persistent_launch(spec, problem):
+    """Whether ``problem``'s forward on ``spec`` runs its persistent role: the registry's
+    rule (``KernelSpec.persists``), or ``CUFLASH_PERSISTENT`` in the environment, ``1``
+    for every plain call of such a kernel and ``0`` for none (comparisons)."""
+    if spec.persistent_keys is None or problem.modified:
+        return False
+    forced = os.environ.get("CUFLASH_PERSISTENT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return spec.persists(problem.modified, problem.keys_a_row_sees())
 
 
 def rows_are_16_byte_aligned(arrays):
@@ -383,7 +402,11 @@ class ForwardPlan:
         loaded = _variant(problem)
         rows, batch = _query_grid(problem)
         traits = self.spec.traits_of(problem.head_dim, problem.modified)
-        grid = (math.ceil(rows / traits.tile), problem.num_heads, batch)
+        query_tiles = math.ceil(rows / traits.tile)
+        grid = (query_tiles, problem.num_heads, batch)
+        self.persistent = persistent = persistent_launch(self.spec, problem)
+        if persistent:  # a block an SM, walking every tile
+            grid = (min(math.prod(grid), multiprocessors(device_capability()[0])),)
         self.out = OutputLayout(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
         self.pieces = None
         if self.spec.precision == "float32":  # float16 pieces of q, k and v
@@ -401,8 +424,9 @@ class ForwardPlan:
             self.out.strides,
             self.user,
             pieces=self.pieces is not None,
+            query_tiles=query_tiles,
         )
-        role = self.spec.role(modified=problem.modified)
+        role = self.spec.role(modified=problem.modified, persistent=persistent)
         self.main = Launch.of_role(loaded, role, grid, params, _functors(problem))
         # The same kernel with q, k and v by the copy engine, where it can address them.
         self.main_tma = None
@@ -416,7 +440,12 @@ class ForwardPlan:
             )
             if maps is not None:
                 with_maps = kernel_params.forward_params(
-                    problem, *strides, self.out.strides, self.user, maps=maps
+                    problem,
+                    *strides,
+                    self.out.strides,
+                    self.user,
+                    maps=maps,
+                    query_tiles=query_tiles,
                 )
                 self.main_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.zero_outside = _zero_outside(loaded, problem, self.out, problem.q_len)

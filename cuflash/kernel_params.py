@@ -343,20 +343,33 @@ FORWARD_PIECES_ADDRESSES = (
 
 
 def forward_params(
-    problem, q_strides, k_strides, v_strides, out_strides, user, pieces=False, maps=None
+    problem,
+    q_strides,
+    k_strides,
+    v_strides,
+    out_strides,
+    user,
+    pieces=False,
+    maps=None,
+    query_tiles=0,
 ):
     """The ``ForwardParams`` of ``problem``'s forward launches (``kernels/common/params.cuh``):
     the arrays' element strides (``(batch, head, row)`` each), the user's modifier
     arguments (:class:`UserArguments`, or a ``UserModifierArgs`` record), the pieces
     kernels' addresses with ``pieces``; the call's addresses written at each launch
     (:data:`FORWARD_ADDRESSES`, or :data:`FORWARD_PIECES_ADDRESSES`). ``maps``
-    (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``)."""
+    (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``). ``query_tiles``:
+    the kernel's query tiles a (head, batch entry or sequence), which a persistent
+    kernel's blocks walk with the others of the launch (``work_tiles``)."""
+    entries = problem.batch if problem.packed is None else problem.packed.count
     return Params(
         "ForwardParams",
         FORWARD_PIECES_ADDRESSES if pieces else FORWARD_ADDRESSES,
         keep=(user,),
         maps=maps,
         use_tma=int(maps is not None),
+        query_tiles=query_tiles,
+        work_tiles=query_tiles * problem.num_heads * entries,
         q_st=tuple(q_strides),
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),

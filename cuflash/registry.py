@@ -66,6 +66,10 @@ class KernelSpec:
     # see fewer keys than that on average (``Problem.keys_a_row_sees``) go to ``kernel``
     # where it is not excluded (too few key tiles a block to fill its pipeline).
     short_rows_kernel: tuple | None = None
+    # A forward kernel with a persistent instantiation (its PERSISTENT template argument:
+    # a block an SM walks the launch's query tiles): plain calls whose rows see fewer
+    # keys than this on average run it (``persists``), the others a block a tile.
+    persistent_keys: int | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
     # CUFLASH_FORWARD_SEQUENCE of kernels/common/common.cuh).
@@ -119,6 +123,13 @@ class KernelSpec:
         kernel, largest, keys = self.short_rows_kernel
         return head_dim <= largest and keys_a_row_sees < keys and kernel not in excluded
 
+    def persists(self, modified, keys_a_row_sees):
+        """Whether a call (``modified``: with score modifiers) whose rows see
+        ``keys_a_row_sees`` keys on average runs the persistent role."""
+        if self.persistent_keys is None or modified or keys_a_row_sees is None:
+            return False
+        return keys_a_row_sees < self.persistent_keys
+
     def serves_dtype(self, dtype, allow_tf32=False):
         dtype = np.dtype(dtype)
         if self.precision == "16-bit":
@@ -158,7 +169,8 @@ class KernelSpec:
             and (head_dim is None or self.atomic_dq(head_dim))
         ):
             base += (self.name + ATOMIC_DQ,)
-        return base + tuple(name + MODIFIED for name in base) if self.modifiers else base
+        roles = base + tuple(name + MODIFIED for name in base) if self.modifiers else base
+        return roles + (self.name + PERSISTENT,) if self.persistent_keys is not None else roles
 
     def dq_pass(self):
         """The spec of the helper that computes a backward's dQ when its kernel does not
@@ -171,8 +183,10 @@ class KernelSpec:
             return None
         return self.block_tiles(self.traits_of(head_dim, modified=True))
 
-    def role(self, atomic_dq=False, modified=False):
-        """The role of one instantiation."""
+    def role(self, atomic_dq=False, modified=False, persistent=False):
+        """The role of one instantiation (``persistent``: of a plain call)."""
+        if persistent:
+            return self.name + PERSISTENT
         return self.name + (ATOMIC_DQ if atomic_dq else "") + (MODIFIED if modified else "")
 
     def name_expression(self, role, dtype, head_dim, head_dim_v=None):
@@ -186,6 +200,8 @@ class KernelSpec:
             args.append("true" if ATOMIC_DQ in role else "false")
         if self.modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
+        if self.persistent_keys is not None:
+            args.append("true" if role.endswith(PERSISTENT) else "false")
         if head_dim_v is not None and head_dim_v != head_dim:
             if not self.takes_value_dims(head_dim, head_dim_v):
                 raise ValueError(f"{self.name} does not take head_dim_v {head_dim_v}")
@@ -195,6 +211,7 @@ class KernelSpec:
 
 ATOMIC_DQ = "_atomic_dq"
 MODIFIED = "_modified"
+PERSISTENT = "_persistent"
 
 
 def _cxx(value):
@@ -239,6 +256,9 @@ KERNELS = (
     # consumers, 192 query rows a block) plain calls whose rows see fewer than 768 keys
     # on average take the two-blocks-an-SM forward_wgmma (D = 64, S = 1024 causal: 208
     # against 237 TFLOP/s; S = 4096: 456 against 350; docs/kernels/forward-sm90-wgmma.md).
+    # Its plain calls whose rows see fewer than 1536 keys run persistent, a block an SM
+    # (S = 1024: D = 128 causal 383 against 349, D = 64 389 against 363; longer calls
+    # lost: D = 128, S = 4096 591 against 628, S = 16384 causal 449 against 604).
     KernelSpec(
         "forward_wgmma_ws",
         "forward",
@@ -253,6 +273,7 @@ KERNELS = (
         block_tiles=_owned_and_visited,
         reads_key_counts=True,
         short_rows_kernel=("forward_wgmma", 64, 768),
+        persistent_keys=1536,
         value_dims=True,
     ),
     # Short plain calls up to D = 64 take forward_wgmma, two blocks an SM

@@ -62,7 +62,8 @@ def forward_ws_traits(d, consumers=None):
     rows each (3 in the 64 class, whose short products hide a softmax only with more rows
     in turn), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
     where the 128-column O leaves no registers for 128-key scores), the stage rings'
-    barriers (16 bytes a stage each), Q's barrier and the consumers' order slots."""
+    barriers (16 bytes a stage each), Q's two barriers (full, and empty: the persistent
+    roles') and the consumers' order slots."""
     width = head_dim_class(d)
     keys, stages = (64, 2) if width == 256 else (128, 3)
     if consumers is None:
@@ -71,7 +72,7 @@ def forward_ws_traits(d, consumers=None):
     smem = (
         2 * width * (rows + 2 * stages * keys)
         + 2 * 16 * stages
-        + 8
+        + 2 * 8
         + FLOAT_BYTES * 128 * consumers
         + 1024
     )

@@ -86,13 +86,17 @@ class Kernels:
     """The kernels one call launches, compiled into one simulated module; ``guard``: each
     launch's arrays between guard pages (``simulator.Module.launch``)."""
 
-    def __init__(self, problem, specs, capability, guard=False):
+    def __init__(self, problem, specs, capability, guard=False, persistent=False):
         self.problem, self.guard = problem, guard
         functors = _functors(problem)  # the user's, as the GPU path compiles them (or None)
         self._users = {}
         self.roles = {}
         for spec, atomic in specs:
-            role = spec.role(atomic_dq=atomic, modified=problem.modified and spec.modifiers)
+            role = spec.role(
+                atomic_dq=atomic,
+                modified=problem.modified and spec.modifiers,
+                persistent=persistent and spec.persistent_keys is not None,
+            )
             # v's head dim where the kernel takes one of its own (the forward's)
             head_dim_v = problem.head_dim_v if spec.value_dims else None
             self.roles[spec.name] = (
@@ -196,12 +200,14 @@ def run_forward(
     guard=False,
     sinks=None,
     tma=False,
+    persistent_blocks=None,
 ):
     """``(out, lse)`` of ``problem`` (validated; q, k, v as ``[B, H, S, D]`` views, a packed
     problem's as ``[1, H, total, D]`` with its ``offsets``) on the kernels the registry
     chooses for ``capability`` (``guard``: see :class:`Kernels`; ``sinks``: float32
     ``[H]`` attention sinks, or None; ``tma``: q, k and v by bulk tensor copies, where
-    the kernel and the call take them, as on a GPU)."""
+    the kernel and the call take them, as on a GPU; ``persistent_blocks``: the persistent
+    role of a kernel that has one, on that many blocks)."""
     spec = registry.choose(
         "forward",
         problem.dtype,
@@ -217,7 +223,10 @@ def run_forward(
     helpers = _helpers(
         *(PIECES_HELPERS if pieces else ()), *(("packed_zero_outside",) if packed else ())
     )
-    kernels = Kernels(problem, [(spec, False)] + helpers, capability, guard)
+    persistent = persistent_blocks is not None
+    if persistent:
+        assert spec.persistent_keys is not None and not problem.modified, spec.name
+    kernels = Kernels(problem, [(spec, False)] + helpers, capability, guard, persistent)
     out = _Output(problem, problem.num_heads, problem.q_len, problem.head_dim_v)
     lse = _poisoned(problem.lse_shape, np.float32)
     if pieces:
@@ -238,12 +247,19 @@ def run_forward(
             problem, traits, shapes, strides, simulator.encode_tensor_map
         )
         assert maps is not None, "the copy engine takes every dense test case"
+    grid = _query_grid(problem, kernels.tile(spec.name))
     params = kernel_params.forward_params(
-        problem, *strides, out.strides, kernels.user(spec.name, "forward"), pieces, maps
+        problem,
+        *strides,
+        out.strides,
+        kernels.user(spec.name, "forward"),
+        pieces,
+        maps,
+        query_tiles=grid[0],
     )
     kernels.launch(
         spec.name,
-        _query_grid(problem, kernels.tile(spec.name)),
+        (persistent_blocks,) if persistent else grid,
         (params, (*inputs, out.array, lse, *scales, *offsets, alibi_slopes, sinks)),
     )
     if packed:
@@ -434,11 +450,12 @@ def forward(
     sinks=None,
     head_dim_v=None,
     tma=True,
+    persistent_blocks=None,
 ):
     """``(out, lse)`` of the forward kernel the registry chooses for ``capability``
     (``excluded``: kernels to pass over; ``head_dim_v``: v's head dim, for a kernel that
     takes one of its own; ``tma``: bulk tensor copies where a GPU's plan takes them, or
-    cp.async everywhere)."""
+    cp.async everywhere; ``persistent_blocks``: see :func:`run_forward`)."""
     problem = forward_problem(
         q,
         k,
@@ -468,6 +485,7 @@ def forward(
         capability=capability,
         sinks=sinks,
         tma=tma,
+        persistent_blocks=persistent_blocks,
     )
 
 
@@ -598,11 +616,12 @@ def varlen_forward(
     sinks=None,
     head_dim_v=None,
     modifiers=None,
+    persistent_blocks=None,
 ):
     """``(out [total_q, H, D_v], lse [H, total_q])`` of a packed batch (validated with the
     host offsets; the kernels read ``device_offsets`` if given, as a GPU's garbage ones
     would be, else the same; ``modifiers``: the call's ``score_mod``, ``mask_mod``,
-    ``block_mask`` keywords)."""
+    ``block_mask`` keywords; ``persistent_blocks``: see :func:`run_forward`)."""
     problem = _packed(
         q,
         k,
@@ -626,6 +645,7 @@ def varlen_forward(
         capability=capability,
         guard=guard,
         sinks=sinks,
+        persistent_blocks=persistent_blocks,
     )
     return out, lse[0]
 

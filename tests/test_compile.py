@@ -199,6 +199,15 @@ def test_dispatch_order():
         assert (
             registry.choose("forward", bf16, head_dim, 90, modified=True).name == "forward_wgmma_ws"
         )
+    # its plain calls whose rows see fewer than 1536 keys on average run its persistent
+    # role (a block an SM), the others and every modified call a block a tile
+    ws = registry.BY_NAME["forward_wgmma_ws"]
+    assert ws.persists(False, 1535.5) and not ws.persists(False, 1536)
+    assert not ws.persists(True, 10) and not ws.persists(False, None)
+    assert not registry.BY_NAME["forward_wgmma"].persists(False, 10)
+    assert ws.role(persistent=True) == "forward_wgmma_ws_persistent" in ws.roles()
+    assert ws.name_expression("forward_wgmma_ws_persistent", bf16, 128).endswith(", false, true>")
+    assert ws.name_expression("forward_wgmma_ws", bf16, 128).endswith(", false, false>")
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -480,13 +489,13 @@ VALUE_DIM_VARIANTS = [
 @pytest.mark.parametrize("dtype, head_dim, head_dim_v", VALUE_DIM_VARIANTS, ids=lambda x: str(x))
 def test_value_dim_variants_compile_without_spills(dtype, head_dim, head_dim_v):
     """The variant of a call with v's own head dim holds the kernels that take it
-    (forward_wgmma_ws: its plain and modified roles; backward_wgmma
+    (forward_wgmma_ws: its plain, persistent and modified roles; backward_wgmma
     where its warpgroups split dV's columns, and the dQ pass), instantiated with DV, and
     the helpers (Delta at DV columns; a packed call's zeroing as it is); the DV kernels
     compile for sm_90a with no spill, stack frame or serialized wgmma."""
     variant = kernel_build.Variant(dtype, head_dim, 90, head_dim_v)
     names = variant.kernel_names()
-    forward = {"forward_wgmma_ws_modified", "forward_wgmma_ws"}
+    forward = {"forward_wgmma_ws_modified", "forward_wgmma_ws", "forward_wgmma_ws_persistent"}
     dq = {"backward_dq_wgmma", "backward_dq_wgmma_modified"}
     dkdv = set()
     if registry.BY_NAME["backward_wgmma"].takes_value_dims(head_dim, head_dim_v):

@@ -5,7 +5,19 @@ line serve): the mma.sync forward and backward where the wgmma ones serve by def
 backward, float32 on TF32 tensor cores (``allow_tf32``) and on float16 pieces."""
 
 import pytest
-from support import Case, cupy, grid_cases, oracle, random_inputs, rel_error, run_and_check
+from support import (
+    Case,
+    check_close,
+    check_lse,
+    cupy,
+    grid_cases,
+    naive_in_dtype,
+    oracle,
+    random_inputs,
+    rel_error,
+    run_and_check,
+    score_magnitude,
+)
 
 import cuflash
 from cuflash import dispatch, gpu, plans, problem, registry
@@ -102,6 +114,44 @@ def test_three_consumer_forward_matches_oracle(case, rng, poisoned):
     with dispatch.skip_kernels("forward_wgmma"):
         assert _chosen(case, arrays, "forward") == "forward_wgmma_ws"
         run_and_check(case, cupy, rng)
+
+
+# Short plain calls with more work tiles than an H200 has SMs, so that each persistent
+# block walks two or more: causal D = 128 with GQA, and D = 64 (three consumers).
+PERSISTENT_CASES = [
+    Case(dtype="bfloat16", head_dim=128, batch=4, heads=8, kv_heads=2, q_len=700, kv_len=900,
+         causal=True),
+    Case(dtype="float16", head_dim=64, batch=4, heads=8, kv_heads=8, q_len=1000, kv_len=1000),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+def test_short_calls_run_the_persistent_forward(case, rng, poisoned, monkeypatch):
+    """Plain calls whose rows see fewer than ``persistent_keys`` keys run forward_wgmma_ws's
+    persistent role, a block an SM: the oracle's values, and bit for bit those of a
+    block a tile (``CUFLASH_PERSISTENT=0``)."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    inputs = random_inputs(case, rng)
+    q, k, v = (cupy.asarray(x) for x in inputs[:3])
+    spec = registry.BY_NAME["forward_wgmma_ws"]
+    assert spec.persists(False, _problem(case, (q, k, v)).keys_a_row_sees())
+    monkeypatch.delenv("CUFLASH_PERSISTENT", raising=False)
+    plans.clear()
+    out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args)
+    (plan,) = [p for p in plans._PLANS.values() if isinstance(p, gpu.ForwardPlan)]
+    assert plan.spec is spec and plan.persistent
+    ref_out, ref_lse, _ = oracle(case, *inputs)
+    naive_out, _ = naive_in_dtype(case, *inputs)
+    score_max = score_magnitude(case, *inputs[:2])
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_max)
+    check_lse(lse, ref_lse)
+    monkeypatch.setenv("CUFLASH_PERSISTENT", "0")
+    plans.clear()
+    one_a_block = cuflash.flash_attention_fwd(q, k, v, *case.args)
+    (plan,) = [p for p in plans._PLANS.values() if isinstance(p, gpu.ForwardPlan)]
+    assert not plan.persistent
+    assert cupy.array_equal(out, one_a_block[0]) and cupy.array_equal(lse, one_a_block[1])
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)

@@ -21,13 +21,17 @@ from support import (
     FLOOR,
     Case,
     alibi_slopes,
+    check_close,
+    check_lse,
     check_modified_results,
     check_packed_results,
     check_results,
+    naive_in_dtype,
     oracle,
     packed_inputs,
     random_inputs,
     rel_error,
+    score_magnitude,
 )
 from test_kvcache import CASES as KV_CASES
 from test_kvcache import run_case
@@ -217,6 +221,55 @@ def test_warp_specialized_forward_wraps_its_stage_rings(case, tma, rng):
     )
     inputs, out, lse, grads = _run(case, rng, False, capability=90, tma=tma)
     check_results(case, inputs, out, lse, grads)
+
+
+# The persistent role (forward_wgmma_ws's plain calls of short rows): one block, or
+# three over four work tiles (the second round from the grid's end), so that a block
+# walks several tiles and Q's barriers, the stage rings and the consumers' turns run
+# on from one tile to the next.
+PERSISTENT_CASES = [RING_CASES[0], RING_CASES[2], RING_CASES[4]]
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp_async"])
+@pytest.mark.parametrize("blocks", [1, 3])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+def test_persistent_forward_walks_every_tile(case, blocks, tma, rng):
+    """Every tile's rows as the oracle's, and bit for bit those of a block a tile (the
+    same products and softmax in the same order)."""
+    spec = registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90)
+    assert spec.persistent_keys is not None
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, capability=90, tma=tma)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw, persistent_blocks=blocks)
+    one_a_block = simulated_attention.forward(q, k, v, *case.args, **kw)
+    ref_out, ref_lse, _ = oracle(case, q, k, v, dout)
+    check_lse(lse, ref_lse)
+    naive_out = naive_in_dtype(case, q, k, v, dout)[0]
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_magnitude(case, q, k))
+    assert np.array_equal(out, one_a_block[0]) and np.array_equal(lse, one_a_block[1])
+
+
+@pytest.mark.parametrize(
+    "garbage", [None, [-7, 500, -3, 130, 2**31 - 1, 40]], ids=["offsets", "garbage"]
+)
+def test_persistent_packed_forward_walks_every_sequence(garbage, rng):
+    """A packed batch on two persistent blocks: tiles past a sequence's rows skipped by
+    both warpgroups alike, sequences of no row or no key; with garbage device offsets no
+    access outside the arrays (guard pages)."""
+    lengths_q, lengths_k = [5, 0, 130, 1, 9], [5, 3, 200, 1, 0]
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 4, 2, 64, "bfloat16")
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), 4, 2, 64, True)
+    kw = dict(capability=90, guard=True)
+    if garbage is not None:
+        kw["device_offsets"] = (np.array(garbage, np.int32),) * 2
+    out, lse = simulated_attention.varlen_forward(q, k, v, *args, **kw, persistent_blocks=2)
+    one_a_block = simulated_attention.varlen_forward(q, k, v, *args, **kw)
+    assert np.array_equal(out, one_a_block[0]) and np.array_equal(lse, one_a_block[1])
+    if garbage is None:
+        grads = simulated_attention.varlen_backward(dout, q, k, v, out, lse, *args, capability=90)
+        check_packed_results(
+            (q, k, v, dout), out, lse, grads, lengths_q, lengths_k, "bfloat16", True, 0
+        )
 
 
 # More query tiles than the warp-specialized backward has stages (two of 64 rows), so

@@ -91,6 +91,10 @@ struct alignas(64) TensorMap {
     X(VAL, int, alibi_batch_stride)                                                      \
     X(VAL, float, softcap)                                                               \
     X(VAL, int, use_tma) /* forward_wgmma_ws: q, k and v by the maps (0: cp.async) */    \
+    /* forward_wgmma_ws's persistent roles: query tiles a (head, entry), and all the */  \
+    /* launch's (query tile, head, entry) tiles, which its blocks walk (WorkTile). */    \
+    X(VAL, int, query_tiles)                                                             \
+    X(VAL, int, work_tiles)                                                              \
     /* q's, k's and v's maps (use_tma): dims (head dim, rows, heads, batch), boxes */    \
     /* of 64 columns by the kernel's query or key tile, the 128-byte swizzle. */         \
     X(MAP, TensorMap, q_map)                                                             \

@@ -24,6 +24,12 @@
 // while the others' softmax does.
 // The arguments are forward_wgmma's (every path that launches that
 // kernel launches this one).
+// PERSISTENT (the plain roles of short calls: cuflash/registry.py): a block of
+// each SM walks the launch's work tiles (query tile, head, entry) in rounds of
+// gridDim.x, every other round in reverse (WorkTile), so that while its
+// consumers finish one tile's rows the producer already loads the next tile's Q
+// (once every consumer has issued its last S: the q_empty barrier) and K and V
+// (the rings run on across tiles), and the consumers' turns go on round robin.
 // DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
 // V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
 // the launch's shared memory is D's, which holds the narrower V stages.
@@ -43,13 +49,15 @@ namespace cuflash {
 // two consumers get 240 (at 224 they spill with a user's score or mask function
 // compiled in; at 232 bfloat16 D = 256 with modifiers spilled 44 bytes). A V
 // narrower than Q and K (DV < D) copies tiles of two widths, which spills at 24
-// (4 bytes at D = 96, DV = 40): there the split is 32 / 232. Three consumers (the
+// (4 bytes at D = 96, DV = 40), and the persistent producer's walk over the work
+// tiles spilled 8 bytes: there the split is 32 / 232. Three consumers (the
 // 64 class: 64-column O) take 160 each, the producer 32.
-template <bool NARROW_V, int CONSUMERS>
+template <bool NARROW_V, int CONSUMERS, bool PERSISTENT>
 struct WarpgroupRegisters {
     static constexpr int threads = 128 * (CONSUMERS + 1);
-    static constexpr int producer = NARROW_V || CONSUMERS == 3 ? 32 : 24;
-    static constexpr int consumer = CONSUMERS == 3 ? 160 : NARROW_V ? 232 : 240;
+    static constexpr bool wide_producer = NARROW_V || PERSISTENT || CONSUMERS == 3;
+    static constexpr int producer = wide_producer ? 32 : 24;
+    static constexpr int consumer = CONSUMERS == 3 ? 160 : wide_producer ? 232 : 240;
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumers");
     static_assert(128 * producer + 128 * CONSUMERS * consumer <=
                       threads * (65536 / threads / 8 * 8),
@@ -68,7 +76,35 @@ __device__ __forceinline__ void pass_turn(int consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(8 + next) : "memory");
 }
 
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED, int DV = D>
+// The block's work tile of round `round`: query tile m_block (within a head the
+// longest rows first), head h, batch entry or sequence z; false past the last.
+// One round a block (the grid's x, y and z), or PERSISTENT: round r's block i
+// takes tile r * gridDim.x + i of query_tiles * num_heads * entries, i counted
+// from the grid's end every other round (a causal head's long tiles and short
+// ones alternate on a block, and the blocks of a round read the same heads).
+struct WorkTile {
+    int m_block, h, z;
+};
+template <bool PERSISTENT>
+__device__ __forceinline__ bool work_tile(int round, int query_tiles, int work_tiles, int heads,
+                                          WorkTile& w) {
+    if constexpr (!PERSISTENT) {
+        w = {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
+             static_cast<int>(blockIdx.z)};
+        return round == 0;
+    } else {
+        const int slot = round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        const long long i = static_cast<long long>(round) * gridDim.x + slot;
+        if (i >= work_tiles) return false;
+        const int tile = static_cast<int>(i), head_entry = tile / query_tiles;
+        w = {query_tiles - 1 - (tile - head_entry * query_tiles), head_entry % heads,
+             head_entry / heads};
+        return true;
+    }
+}
+
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED,
+          bool PERSISTENT = false, int DV = D>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
@@ -79,12 +115,11 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     using Ring = StageRing<STAGES, CONSUMERS>;  // a consumer warpgroup an arrival
-    using Registers = WarpgroupRegisters<(DV < D), CONSUMERS>;
+    using Registers = WarpgroupRegisters<(DV < D), CONSUMERS, PERSISTENT>;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);
     CUFLASH_STRIDES_OF(v);
     CUFLASH_STRIDES_OF(out);
-    CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
     T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
@@ -92,22 +127,8 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DVL);
     Ring* v_ring = k_ring + 1;
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
-    float* order_slots = reinterpret_cast<float*>(q_full + 1);  // BM * 2: complete_before_wait
-
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first
-    const int h = blockIdx.y, b = seq.batch, hk = h / group;
-    const int rows = min(BM, mask.q_len - m0);
-    if (rows <= 0) return;  // packed: past the sequence's rows
-    q += seq.q_start * q_st.s;
-    k += seq.kv_start * k_st.s;
-    v += seq.kv_start * v_st.s;
-    out += seq.q_start * out_st.s;
-    lse += seq.q_start;
-    const auto mods =
-        score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
-    int n_start, tiles;
-    mask.key_tiles<BN>(m0, m0 + rows, n_start, tiles);
-    mods.template narrow<BN>(m0 / BM, h, n_start, tiles);  // the block mask's range
+    unsigned long long* q_empty = q_full + 1;  // PERSISTENT: Q read by every consumer
+    float* order_slots = reinterpret_cast<float*>(q_empty + 1);  // BM * 2: complete_before_wait
 
     const bool tma = use_tma != 0;
     if (threadIdx.x == 0) {
@@ -115,50 +136,86 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         k_ring->init(producers);
         v_ring->init(producers);
         mbarrier_init(q_full, producers);
+        mbarrier_init(q_empty, CONSUMERS);
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
+    // A work tile's rows and key tiles, as the producer and the consumers both see them
+    // (its sequence's from the device-held offsets, clamped: Sequence).
+    struct Tile {
+        int m0, h, b, rows, n_start, tiles;
+        Sequence seq;
+    };
+    auto tile_of = [&](const WorkTile& w, Tile& tile) {
+        tile.seq = sequence_of<true>(w.z, offsets_q, offsets_k, q_len, kv_len, kv_len, win_left,
+                                     win_right);
+        tile.m0 = w.m_block * BM;
+        tile.h = w.h;
+        tile.b = tile.seq.batch;
+        tile.rows = min(BM, tile.seq.mask.q_len - tile.m0);
+        if (tile.rows <= 0) return false;  // packed: past the sequence's rows
+        tile.seq.mask.template key_tiles<BN>(tile.m0, tile.m0 + tile.rows, tile.n_start,
+                                             tile.tiles);
+        return true;
+    };
+
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<Registers::producer>();
-        if (tma) {  // one thread, the copy engine: boxes of 64 columns (dense calls only)
-            if (threadIdx.x == 0) {
+        if (tma && threadIdx.x != 0) return;  // one thread issues the bulk copies
+        WorkTile w;
+        for (int round = 0, t = 0, uses = 0;
+             work_tile<PERSISTENT>(round, query_tiles, work_tiles, num_heads, w); ++round) {
+            Tile tile;
+            if (!tile_of(w, tile)) continue;
+            const Mask& mask = tile.seq.mask;
+            const int m0 = tile.m0, h = tile.h, b = tile.b, hk = h / group;
+            const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
+                                                        h, mask, user_args);
+            mods.template narrow<BN>(m0 / BM, h, tile.n_start, tile.tiles);
+            const int n_start = tile.n_start, tiles = tile.tiles;
+            if constexpr (PERSISTENT) mbarrier_wait(q_empty, (t & 1) ^ 1);
+            if (tma) {  // the copy engine: boxes of 64 columns (dense calls only)
                 constexpr unsigned Q_BYTES = BM * DL * sizeof(T), K_BYTES = BN * DL * sizeof(T);
                 constexpr unsigned V_BYTES = BN * DVL * sizeof(T);
                 mbarrier_arrive_expect_tx(q_full, Q_BYTES);
                 for (int c = 0; c < DL / 64; ++c)
                     tma_load_4d(Qs + c * BM * 64, &q_map, c * 64, m0, h, b, q_full);
                 for (int j = 0; j < tiles; ++j) {
-                    const int n0 = n_start + j * BN, st = Ring::stage(j);
-                    k_ring->wait_empty(j);
-                    unsigned long long* k_full = k_ring->expect(j, K_BYTES);
+                    const int n0 = n_start + j * BN, use = uses + j, st = Ring::stage(use);
+                    k_ring->wait_empty(use);
+                    unsigned long long* k_full = k_ring->expect(use, K_BYTES);
                     for (int c = 0; c < DL / 64; ++c)
                         tma_load_4d(Ks + (st * DL + c * 64) * BN, &k_map, c * 64, n0, hk, b,
                                     k_full);
-                    v_ring->wait_empty(j);
-                    unsigned long long* v_full = v_ring->expect(j, V_BYTES);
+                    v_ring->wait_empty(use);
+                    unsigned long long* v_full = v_ring->expect(use, V_BYTES);
                     for (int c = 0; c < DVL / 64; ++c)
                         tma_load_4d(Vs + (st * DVL + c * 64) * BN, &v_map, c * 64, n0, hk, b,
                                     v_full);
                 }
+            } else {
+                const Sequence& seq = tile.seq;
+                const T* k_head = k + seq.kv_start * k_st.s + offset_of(k_st, b, hk, 0);
+                const T* v_head = v + seq.kv_start * v_st.s + offset_of(v_st, b, hk, 0);
+                cp_async_tile_sw128<BM, DK, 128, D, true>(
+                    Qs, q + seq.q_start * q_st.s + offset_of(q_st, b, h, m0), q_st.s, tile.rows);
+                cp_async_arrive(q_full);
+                // Every stage refilled as soon as every consumer has handed it back; the
+                // producer never waits for its own copies.
+                for (int j = 0; j < tiles; ++j) {
+                    const int n0 = n_start + j * BN, keys = mask.kv_len - n0, use = uses + j;
+                    k_ring->wait_empty(use);
+                    cp_async_tile_sw128<BN, DK, 128, D, true>(Ks + Ring::stage(use) * BN * DL,
+                                                              k_head + n0 * k_st.s, k_st.s, keys);
+                    k_ring->filled(use);
+                    v_ring->wait_empty(use);
+                    cp_async_tile_sw128<BN, DVK, 128, DV, true>(Vs + Ring::stage(use) * BN * DVL,
+                                                                v_head + n0 * v_st.s, v_st.s, keys);
+                    v_ring->filled(use);
+                }
             }
-            return;
-        }
-        const T* k_head = k + offset_of(k_st, b, hk, 0);
-        const T* v_head = v + offset_of(v_st, b, hk, 0);
-        cp_async_tile_sw128<BM, DK, 128, D, true>(Qs, q + offset_of(q_st, b, h, m0), q_st.s, rows);
-        cp_async_arrive(q_full);
-        // Every stage refilled as soon as every consumer has handed it back; the
-        // producer never waits for its own copies.
-        for (int j = 0; j < tiles; ++j) {
-            const int n0 = n_start + j * BN, keys = mask.kv_len - n0;
-            k_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DK, 128, D, true>(Ks + Ring::stage(j) * BN * DL,
-                                                      k_head + n0 * k_st.s, k_st.s, keys);
-            k_ring->filled(j);
-            v_ring->wait_empty(j);
-            cp_async_tile_sw128<BN, DVK, 128, DV, true>(Vs + Ring::stage(j) * BN * DVL,
-                                                        v_head + n0 * v_st.s, v_st.s, keys);
-            v_ring->filled(j);
+            ++t;
+            uses += tiles;
         }
         return;
     }
@@ -171,7 +228,6 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     const bool signalling = (threadIdx.x & 127) == 0;  // hands the stages back
 
     float o[1][DVTILES][4], row_max[1][2], row_sum[1][2];
-    init_rows(o, row_max, row_sum);
 
     // The operands' descriptors: each k16 step's and stage's a constant past these
     // (wgmma_desc_plus: one add, not a descriptor built anew for each product).
@@ -208,87 +264,115 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         wgmma_commit();
         pin_registers(o[0]);
     };
-    auto edge_tile = [&](int tile, bool& partial) {
-        const int n0 = n_start + tile * BN;
-        partial = mods.partial_tile(m0 / BM, n0 / BN);
-        return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
+    // PERSISTENT: this consumer has read Q for the last time in this tile (its last S done).
+    auto release_q = [&]() {
+        if constexpr (PERSISTENT) {
+            if (signalling) mbarrier_arrive(q_empty);
+        }
     };
 
     if (consumer == CONSUMERS - 1) pass_turn<CONSUMERS>(consumer);  // consumer 0 issues first
-    mbarrier_wait(q_full, 0);
-    // The producer's cp.async writes, read by wgmma (the async proxy); the copy
-    // engine's are the async proxy's already.
-    if (!tma) fence_proxy_async();
-    float s[1][NTILES][4];
-    unsigned pa[BN / 16][4];
-    const float bound = scores_bound<Op::wide_exponent>(mods);
-    if (tiles > 0) {
-        k_ring->wait_full(0);
+    WorkTile w;
+    for (int round = 0, q_phase = 0, uses = 0;
+         work_tile<PERSISTENT>(round, query_tiles, work_tiles, num_heads, w); ++round) {
+        Tile tile;
+        if (!tile_of(w, tile)) continue;
+        const Mask& mask = tile.seq.mask;
+        const int m0 = tile.m0, h = tile.h, b = tile.b, rows = tile.rows;
+        const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h,
+                                                    mask, user_args);
+        mods.template narrow<BN>(m0 / BM, h, tile.n_start, tile.tiles);  // the block mask's range
+        const int n_start = tile.n_start, tiles = tile.tiles;
+        auto edge_tile = [&](int j, bool& partial) {
+            const int n0 = n_start + j * BN;
+            partial = mods.partial_tile(m0 / BM, n0 / BN);
+            return !mask.tile_all_visible(m0, m0 + rows, n0, n0 + BN) || partial;
+        };
+
+        init_rows(o, row_max, row_sum);
+        mbarrier_wait(q_full, q_phase);
+        q_phase ^= 1;
+        // The producer's cp.async writes, read by wgmma (the async proxy); the copy
+        // engine's are the async proxy's already.
         if (!tma) fence_proxy_async();
-        wait_turn(consumer);
-        wgmma_fence();
-        issue_scores(Ring::stage(0), s);
-        pass_turn<CONSUMERS>(consumer);
-        wgmma_wait_all();
-        pin_registers(s[0]);
-        k_ring->release(0, signalling);
-        bool partial;
-        const bool edge = edge_tile(0, partial);
-        softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2, mods,
-                     partial);
-        pack_probs(s, pa);
-    }
-    // Every tile but the last: S(j + 1) and P V(j) in flight together.
-    for (int j = 0; j + 1 < tiles; ++j) {
-        bool partial;
-        const bool edge = edge_tile(j + 1, partial);
-        k_ring->wait_full(j + 1);
-        v_ring->wait_full(j);
-        if (!tma) fence_proxy_async();
-        wait_turn(consumer);
-        pin_registers(o[0]);
-        wgmma_fence();
-        issue_scores(Ring::stage(j + 1), s);
-        issue_pv(Ring::stage(j), pa);
-        pass_turn<CONSUMERS>(consumer);
-        wgmma_wait<1>();  // S(j + 1) is done; P V(j) may still run
-        pin_registers(s[0]);
-        k_ring->release(j + 1, signalling);
-        const float score_scale = mask_scores(s, 0, mask, edge, m0 + warp_row,
-                                              n_start + (j + 1) * BN, scale_log2, mods, partial);
-        float alpha[2];
-        exp_rows<1, NTILES, 0, true>(s, row_max, row_sum, 0, score_scale, bound, alpha);
-        complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
-        wgmma_wait_all();
-        pin_registers(o[0]);
-        v_ring->release(j, signalling);
-        if (alpha[0] != 1.f) rescale_row(o, 0, 0, alpha[0]);  // mostly 1 (exp_rows)
-        if (alpha[1] != 1.f) rescale_row(o, 0, 1, alpha[1]);
-        pack_probs(s, pa);
-    }
-    if (tiles > 0) {  // P V of the last tile
-        v_ring->wait_full(tiles - 1);
-        if (!tma) fence_proxy_async();
-        wait_turn(consumer);
-        pin_registers(o[0]);
-        wgmma_fence();
-        issue_pv(Ring::stage(tiles - 1), pa);
-        pass_turn<CONSUMERS>(consumer);
-        wgmma_wait_all();
-        pin_registers(o[0]);
-        v_ring->release(tiles - 1, signalling);
+        float s[1][NTILES][4];
+        unsigned pa[BN / 16][4];
+        const float bound = scores_bound<Op::wide_exponent>(mods);
+        if (tiles == 0) release_q();
+        if (tiles > 0) {
+            k_ring->wait_full(uses);
+            if (!tma) fence_proxy_async();
+            wait_turn(consumer);
+            wgmma_fence();
+            issue_scores(Ring::stage(uses), s);
+            pass_turn<CONSUMERS>(consumer);
+            wgmma_wait_all();
+            pin_registers(s[0]);
+            if (tiles == 1) release_q();
+            k_ring->release(uses, signalling);
+            bool partial;
+            const bool edge = edge_tile(0, partial);
+            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2,
+                         mods, partial);
+            pack_probs(s, pa);
+        }
+        // Every tile but the last: S(j + 1) and P V(j) in flight together.
+        for (int j = 0; j + 1 < tiles; ++j) {
+            const int use = uses + j;
+            bool partial;
+            const bool edge = edge_tile(j + 1, partial);
+            k_ring->wait_full(use + 1);
+            v_ring->wait_full(use);
+            if (!tma) fence_proxy_async();
+            wait_turn(consumer);
+            pin_registers(o[0]);
+            wgmma_fence();
+            issue_scores(Ring::stage(use + 1), s);
+            issue_pv(Ring::stage(use), pa);
+            pass_turn<CONSUMERS>(consumer);
+            wgmma_wait<1>();  // S(j + 1) is done; P V(j) may still run
+            pin_registers(s[0]);
+            if (j + 2 == tiles) release_q();
+            k_ring->release(use + 1, signalling);
+            const float score_scale = mask_scores(
+                s, 0, mask, edge, m0 + warp_row, n_start + (j + 1) * BN, scale_log2, mods, partial);
+            float alpha[2];
+            exp_rows<1, NTILES, 0, true>(s, row_max, row_sum, 0, score_scale, bound, alpha);
+            complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
+            wgmma_wait_all();
+            pin_registers(o[0]);
+            v_ring->release(use, signalling);
+            if (alpha[0] != 1.f) rescale_row(o, 0, 0, alpha[0]);  // mostly 1 (exp_rows)
+            if (alpha[1] != 1.f) rescale_row(o, 0, 1, alpha[1]);
+            pack_probs(s, pa);
+        }
+        if (tiles > 0) {  // P V of the last tile
+            const int use = uses + tiles - 1;
+            v_ring->wait_full(use);
+            if (!tma) fence_proxy_async();
+            wait_turn(consumer);
+            pin_registers(o[0]);
+            wgmma_fence();
+            issue_pv(Ring::stage(use), pa);
+            pass_turn<CONSUMERS>(consumer);
+            wgmma_wait_all();
+            pin_registers(o[0]);
+            v_ring->release(use, signalling);
+        }
+        uses += tiles;
+
+        const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
+        T* const out_rows = out + tile.seq.q_start * out_st.s;
+        finish_rows(
+            o, row_max, row_sum, warp_row, rows, lse + tile.seq.q_start + row_base,
+            [&](int row, int d, float x0, float x1) {
+                if (d * 8 < DV)  // the last n8 tile of a DV = 16 j + 8 is padding
+                    reinterpret_cast<unsigned*>(
+                        out_rows + offset_of(out_st, b, h, m0 + row))[d * 4 + t] = Op::pack(x0, x1);
+            },
+            sinks, h);
     }
     if (consumer == 0) wait_turn(consumer);  // the last consumer's last pass
-
-    const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-    finish_rows(
-        o, row_max, row_sum, warp_row, rows, lse + row_base,
-        [&](int row, int d, float x0, float x1) {
-            if (d * 8 < DV)  // the last n8 tile of a DV = 16 j + 8 is padding
-                reinterpret_cast<unsigned*>(out + offset_of(out_st, b, h, m0 + row))[d * 4 + t] =
-                    Op::pack(x0, x1);
-        },
-        sinks, h);
 }
 
 }  // namespace cuflash

@@ -14,13 +14,28 @@ from . import registry
 from .errors import InvalidArgumentError
 
 PATHS = ("auto", "general")
-_CURRENT = contextvars.ContextVar("cuflash_kernel_path", default="auto")
-_EXCLUDED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "cuflash_excluded_kernels", default=frozenset()
+# (kernel path, skipped kernels, tried opt-in kernels): one variable, so that a call's
+# plan signature reads all three at once (``state``).
+_STATE: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "cuflash_dispatch", default=("auto", frozenset(), frozenset())
 )
-_TRIED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "cuflash_tried_kernels", default=frozenset()
-)
+
+
+@contextlib.contextmanager
+def _with(index, value):
+    """Inside: the state with entry ``index`` replaced by ``value``."""
+    state = list(_STATE.get())
+    state[index] = value
+    token = _STATE.set(tuple(state))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+def state():
+    """``(current(), excluded(), tried())`` in one read (a plan signature's part)."""
+    return _STATE.get()
 
 
 @contextlib.contextmanager
@@ -38,16 +53,13 @@ def kernel_path(name):
     """
     if name not in PATHS:
         raise InvalidArgumentError("kernel_path", f"expected one of {PATHS}, got {name!r}")
-    token = _CURRENT.set(name)
-    try:
+    with _with(0, name):
         yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def current():
     """The kernel path in force: ``"auto"`` or ``"general"``."""
-    return _CURRENT.get()
+    return _STATE.get()[0]
 
 
 @contextlib.contextmanager
@@ -63,16 +75,13 @@ def skip_kernels(*names):
     unknown = set(names) - set(registry.BY_NAME)
     if unknown:
         raise InvalidArgumentError("names", f"unknown kernels {sorted(unknown)}")
-    token = _EXCLUDED.set(_EXCLUDED.get() | frozenset(names))
-    try:
+    with _with(1, excluded() | frozenset(names)):
         yield
-    finally:
-        _EXCLUDED.reset(token)
 
 
 def excluded():
     """The kernels passed over in this context (see :func:`skip_kernels`)."""
-    return _EXCLUDED.get()
+    return _STATE.get()[1]
 
 
 @contextlib.contextmanager
@@ -89,13 +98,10 @@ def try_kernels(*names):
     unknown = set(names) - {spec.name for spec in registry.KERNELS if spec.opt_in}
     if unknown:
         raise InvalidArgumentError("names", f"not opt-in kernels: {sorted(unknown)}")
-    token = _TRIED.set(_TRIED.get() | frozenset(names))
-    try:
+    with _with(2, tried() | frozenset(names)):
         yield
-    finally:
-        _TRIED.reset(token)
 
 
 def tried():
     """The opt-in kernels the dispatch may take in this context (see :func:`try_kernels`)."""
-    return _TRIED.get()
+    return _STATE.get()[2]

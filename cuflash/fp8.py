@@ -50,11 +50,17 @@ def _is_float8(dtype):
 def requested(arrays, *keywords):
     """Does a call ask for the FP8 path: an 8-bit array among ``arrays``, or one of
     the FP8 keywords (``fp8_format``, the descales, ``out_dtype``) given?"""
-    if any(k is not None for k in keywords):
-        return True
+    for keyword in keywords:
+        if keyword is not None:
+            return True
     for a in arrays:
         dtype = getattr(a, "dtype", None)
-        if dtype is not None and (is_storage(dtype) or _is_float8(dtype)):
+        # FP8 storage is one byte an element: the itemsize first (a small call's host time)
+        if (
+            dtype is not None
+            and getattr(dtype, "itemsize", 1) == 1
+            and (is_storage(dtype) or _is_float8(dtype))
+        ):
             return True
     return False
 

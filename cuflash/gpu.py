@@ -486,7 +486,7 @@ class ForwardPlan:
             if (
                 self.main_tma is not None
                 and offsets[1] is None
-                and not any(a % 16 for a in addresses)
+                and not (addresses[0] | addresses[1] | addresses[2]) & 15
             ):
                 launch = self.main_tma
             try:
@@ -722,7 +722,10 @@ class BackwardPlan:
                 *kernel_scales,
                 *tail,
             )
-            if self.dkdv_tma is not None and not any(a % 16 for a in inputs):
+            if (
+                self.dkdv_tma is not None
+                and not (inputs[0] | inputs[1] | inputs[2] | inputs[3]) & 15
+            ):
                 try:
                     self.dkdv_tma(stream, *call)
                 except tensor_maps.TensorMapError:

@@ -35,9 +35,7 @@ def signature(arrays, scalars):
     return (
         *parts,
         cupy.cuda.runtime.getDevice(),
-        dispatch.current(),
-        dispatch.excluded(),
-        dispatch.tried(),
+        dispatch.state(),
         *map(type, scalars),
         *scalars,
     )

@@ -224,11 +224,8 @@ def test_plans_are_kept_per_kernel_choice(rng):
     before, after = backward_kernels()
     assert before == {"backward_wgmma_ws"} and after == {"backward_wgmma_ws", "backward_wgmma"}
     key = plans.signature((q,), ())
-    token = dispatch._TRIED.set(frozenset({"an opt-in kernel"}))
-    try:
+    with dispatch._with(2, frozenset({"an opt-in kernel"})):
         assert plans.signature((q,), ()) != key
-    finally:
-        dispatch._TRIED.reset(token)
 
 
 def _errors(case, arrays, refs, **kw):

@@ -47,9 +47,10 @@ def multiprocessors(device_id):
 
 
 def persistent_launch(spec, problem):
-    """Whether ``problem``'s forward on ``spec`` runs its persistent role: the registry's
-    rule (``KernelSpec.persists``), or ``CUFLASH_PERSISTENT`` in the environment, ``1``
-    for every plain call of such a kernel and ``0`` for none (comparisons)."""
+    """Whether ``problem`` on ``spec`` (its forward or its dK/dV kernel) runs its
+    persistent role: the registry's rule (``KernelSpec.persists``), or
+    ``CUFLASH_PERSISTENT`` in the environment, ``1`` for every plain call of such a
+    kernel and ``0`` for none (comparisons)."""
     if spec.persistent_keys is None or problem.modified:
         return False
     forced = os.environ.get("CUFLASH_PERSISTENT")
@@ -528,12 +529,18 @@ class BackwardPlan:
         loaded = _variant(problem)
         # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own.
         self.atomic = not deterministic and self.spec.atomic_dq(problem.head_dim)
-        role = self.spec.role(atomic_dq=self.atomic, modified=problem.modified)
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         keys = self.spec.traits(problem.head_dim).tile
         key_rows, batch = _key_grid(problem)
-        grid = (math.ceil(key_rows / keys), problem.num_kv_heads, batch)
+        key_tiles = math.ceil(key_rows / keys)
+        grid = (key_tiles, problem.num_kv_heads, batch)
+        self.persistent = persistent = persistent_launch(self.spec, problem)
+        if persistent:  # a block an SM, walking every tile
+            grid = (min(math.prod(grid), multiprocessors(device_capability()[0])),)
+        role = self.spec.role(
+            atomic_dq=self.atomic, modified=problem.modified, persistent=persistent
+        )
         self.pieces = None
         if self.spec.precision == "float32":
             self.pieces = [
@@ -559,6 +566,7 @@ class BackwardPlan:
                 self.dkv_layout.strides,
                 self.user,
                 pieces=self.pieces is not None,
+                key_tiles=key_tiles,
             ),
             _functors(problem),
         )
@@ -576,7 +584,12 @@ class BackwardPlan:
             )
             if maps is not None:
                 with_maps = kernel_params.backward_params(
-                    problem, strides, self.dkv_layout.strides, self.user, maps=maps
+                    problem,
+                    strides,
+                    self.dkv_layout.strides,
+                    self.user,
+                    maps=maps,
+                    key_tiles=key_tiles,
                 )
                 self.dkdv_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.dq = self.convert = None

@@ -361,7 +361,6 @@ def forward_params(
     (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``). ``query_tiles``:
     the kernel's query tiles a (head, batch entry or sequence), which a persistent
     kernel's blocks walk with the others of the launch (``work_tiles``)."""
-    entries = problem.batch if problem.packed is None else problem.packed.count
     return Params(
         "ForwardParams",
         FORWARD_PIECES_ADDRESSES if pieces else FORWARD_ADDRESSES,
@@ -369,13 +368,18 @@ def forward_params(
         maps=maps,
         use_tma=int(maps is not None),
         query_tiles=query_tiles,
-        work_tiles=query_tiles * problem.num_heads * entries,
+        work_tiles=query_tiles * problem.num_heads * _entries(problem),
         q_st=tuple(q_strides),
         k_st=tuple(k_strides),
         v_st=tuple(v_strides),
         out_st=tuple(out_strides),
         **_attention_fields(problem, user),
     )
+
+
+def _entries(problem):
+    """The batch entries of a dense problem, the sequences of a packed one (the grids' z)."""
+    return problem.batch if problem.packed is None else problem.packed.count
 
 
 def _attention_fields(problem, user):
@@ -446,7 +450,14 @@ BACKWARD_DQ_PIECES_ADDRESSES = (
 
 
 def backward_params(
-    problem, input_strides, output_strides, user, pieces=False, dq_pass=False, maps=None
+    problem,
+    input_strides,
+    output_strides,
+    user,
+    pieces=False,
+    dq_pass=False,
+    maps=None,
+    key_tiles=0,
 ):
     """The ``BackwardParams`` of ``problem``'s dK/dV launches, or with ``dq_pass`` the
     ``BackwardDqParams`` of its dQ pass (``kernels/common/params.cuh``): ``input_strides`` the
@@ -456,7 +467,9 @@ def backward_params(
     addresses written at each launch (:data:`BACKWARD_ADDRESSES`,
     :data:`BACKWARD_PIECES_ADDRESSES`, :data:`BACKWARD_DQ_ADDRESSES` or
     :data:`BACKWARD_DQ_PIECES_ADDRESSES`). ``maps`` (:func:`backward_maps`, dK/dV
-    launches only): q, k, v and dout by the copy engine (``use_tma``)."""
+    launches only): q, k, v and dout by the copy engine (``use_tma``). ``key_tiles``
+    (dK/dV launches): the kernel's key tiles a (KV head, batch entry or sequence), which
+    a persistent kernel's blocks walk with the others of the launch (``work_tiles``)."""
     q_strides, k_strides, v_strides, dout_strides = input_strides
     fields = {}
     if dq_pass:
@@ -466,6 +479,8 @@ def backward_params(
         name, fields["dkv_st"] = "BackwardParams", tuple(output_strides)
         fields["kv_capacity"] = problem.kv_capacity
         fields["use_tma"] = int(maps is not None)
+        fields["key_tiles"] = key_tiles
+        fields["work_tiles"] = key_tiles * problem.num_kv_heads * _entries(problem)
         addresses = BACKWARD_PIECES_ADDRESSES if pieces else BACKWARD_ADDRESSES
     return Params(
         name,

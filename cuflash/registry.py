@@ -66,9 +66,10 @@ class KernelSpec:
     # see fewer keys than that on average (``Problem.keys_a_row_sees``) go to ``kernel``
     # where it is not excluded (too few key tiles a block to fill its pipeline).
     short_rows_kernel: tuple | None = None
-    # A forward kernel with a persistent instantiation (its PERSISTENT template argument:
-    # a block an SM walks the launch's query tiles): plain calls whose rows see fewer
-    # keys than this on average run it (``persists``), the others a block a tile.
+    # A kernel with persistent instantiations (its PERSISTENT template argument: a block an
+    # SM walks the launch's tiles): plain calls whose rows see fewer keys than this on
+    # average run them (``persists``), the others a block a tile; 0: compiled, awaiting
+    # the GPU run that sets the line (``CUFLASH_PERSISTENT=1`` runs them).
     persistent_keys: int | None = None
     # A forward kernel that also takes per-entry key counts as its offsets_k with no
     # offsets_q (a chunk of queries over a KV cache with device-held lengths:
@@ -170,7 +171,9 @@ class KernelSpec:
         ):
             base += (self.name + ATOMIC_DQ,)
         roles = base + tuple(name + MODIFIED for name in base) if self.modifiers else base
-        return roles + (self.name + PERSISTENT,) if self.persistent_keys is not None else roles
+        if self.persistent_keys is not None:  # the plain roles, persistent
+            roles += tuple(name + PERSISTENT for name in base)
+        return roles
 
     def dq_pass(self):
         """The spec of the helper that computes a backward's dQ when its kernel does not
@@ -185,9 +188,12 @@ class KernelSpec:
 
     def role(self, atomic_dq=False, modified=False, persistent=False):
         """The role of one instantiation (``persistent``: of a plain call)."""
-        if persistent:
-            return self.name + PERSISTENT
-        return self.name + (ATOMIC_DQ if atomic_dq else "") + (MODIFIED if modified else "")
+        return (
+            self.name
+            + (ATOMIC_DQ if atomic_dq else "")
+            + (MODIFIED if modified else "")
+            + (PERSISTENT if persistent else "")
+        )
 
     def name_expression(self, role, dtype, head_dim, head_dim_v=None):
         """The C++ expression that instantiates ``role`` for (dtype, head_dim), with v's
@@ -363,6 +369,7 @@ KERNELS = (
         padded_dq=True,
         atomic_dq_head_dims=(72, 128),
         dq_kernel="backward_dq_wgmma",
+        persistent_keys=0,
     ),
     KernelSpec(
         "backward_wgmma",

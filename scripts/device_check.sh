@@ -12,9 +12,9 @@
 #          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets),
 #          forward-64 (the 64 class's forwards: their GPU tests, the default against
 #          forward_wgmma_ws and forward_wgmma one process a row, and cuDNN),
-#          persistent (forward_wgmma_ws's persistent role: its GPU tests, every plain
-#          forward persistent through the copy-engine tests, timings with it forced on
-#          and off around the dispatch's line, and cuDNN)
+#          persistent (the warp-specialized kernels' persistent roles: their GPU tests,
+#          every plain call persistent through the copy-engine tests, forward and
+#          backward timings with them forced on and off around the forward's line, cuDNN)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -107,10 +107,10 @@ for step in $steps; do
     persistent) TAIL=40 run persistent 360 bash -c "python3 -m pytest -m gpu -q -rf \
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_kernel_families.py -k persistent && \
              CUFLASH_PERSISTENT=1 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
-             -n ${WORKERS:-8} tests/test_tma_forward.py && \
-             for p in 1 0; do CUFLASH_PERSISTENT=\$p python3 scripts/quick_bench.py --forward \
+             -n ${WORKERS:-8} tests/test_tma_forward.py tests/test_tma_backward.py && \
+             for p in 1 0; do CUFLASH_PERSISTENT=\$p python3 scripts/quick_bench.py \
              --rows=ws-fwd ${QUICK_CASES:-64,2048,0 128,2048,0 128,2048,1 128,3072,1 128,4096,1 96,1024,1 256,1024,1}; \
-             done; python3 scripts/quick_bench.py --forward --rows=cudnn \
+             done; python3 scripts/quick_bench.py --rows=cudnn \
              ${QUICK_CASES:-64,2048,0 128,2048,0 128,2048,1 128,3072,1 128,4096,1 96,1024,1 256,1024,1}" ;;
     *) echo "unknown step $step" ;;
   esac

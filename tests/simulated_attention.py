@@ -282,11 +282,13 @@ def run_backward(
     capability=80,
     guard=False,
     tma=False,
+    persistent_blocks=None,
 ):
     """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
     Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
     conversion, or its dQ pass (deterministic calls, and the kernels without atomics);
-    ``tma``: q, k, v and dout by bulk tensor copies, where the kernel takes them."""
+    ``tma``: q, k, v and dout by bulk tensor copies, where the kernel takes them;
+    ``persistent_blocks``: the dK/dV kernel's persistent role on that many blocks."""
     head_dim, num_heads = problem.head_dim, problem.num_heads
     spec = registry.choose(
         "backward",
@@ -315,7 +317,10 @@ def run_backward(
     )
     if not atomic:
         helpers.append((dq_spec, False))
-    kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard)
+    persistent = persistent_blocks is not None
+    if persistent:
+        assert spec.persistent_keys is not None and not problem.modified, spec.name
+    kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard, persistent)
 
     accum_width = tile_traits.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
     rows = math.prod(problem.lse_shape)
@@ -364,12 +369,19 @@ def run_backward(
                 simulator.encode_tensor_map,
                 accum_width if atomic else 0,
             )
+        grid = _key_grid(problem, kernels.tile(spec.name))
         params = kernel_params.backward_params(
-            problem, strides, dk.strides, kernels.user(spec.name, "backward"), pieces, maps=maps
+            problem,
+            strides,
+            dk.strides,
+            kernels.user(spec.name, "backward"),
+            pieces,
+            maps=maps,
+            key_tiles=grid[0],
         )
         kernels.launch(
             spec.name,
-            _key_grid(problem, kernels.tile(spec.name)),
+            (persistent_blocks,) if persistent else grid,
             (
                 params,
                 (
@@ -513,10 +525,12 @@ def backward(
     capability=80,
     head_dim_v=None,
     tma=True,
+    persistent_blocks=None,
 ):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``
     (``head_dim_v``: v's head dim, for the kernels that take it natively; ``tma``: bulk
-    tensor copies where a GPU's plan takes them, or cp.async)."""
+    tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks``: see
+    :func:`run_backward`)."""
     problem = backward_problem(
         dout,
         q,
@@ -553,6 +567,7 @@ def backward(
         excluded=excluded,
         capability=capability,
         tma=tma,
+        persistent_blocks=persistent_blocks,
     )
 
 
@@ -671,6 +686,7 @@ def varlen_backward(
     capability=80,
     guard=False,
     modifiers=None,
+    persistent_blocks=None,
 ):
     """``(dq, dk, dv)`` of a packed batch (see :func:`varlen_forward`)."""
     problem = _packed(
@@ -697,4 +713,5 @@ def varlen_backward(
         offsets=device_offsets or (cu_seqlens_q, cu_seqlens_k),
         capability=capability,
         guard=guard,
+        persistent_blocks=persistent_blocks,
     )

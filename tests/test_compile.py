@@ -208,6 +208,14 @@ def test_dispatch_order():
     assert ws.role(persistent=True) == "forward_wgmma_ws_persistent" in ws.roles()
     assert ws.name_expression("forward_wgmma_ws_persistent", bf16, 128).endswith(", false, true>")
     assert ws.name_expression("forward_wgmma_ws", bf16, 128).endswith(", false, false>")
+    # the warp-specialized backward's persistent roles: compiled, chosen only by
+    # CUFLASH_PERSISTENT=1 until a GPU run sets their line
+    ws_bwd = registry.BY_NAME["backward_wgmma_ws"]
+    assert ws_bwd.persistent_keys == 0 and not ws_bwd.persists(False, 1)
+    persistent = ws_bwd.role(atomic_dq=True, persistent=True)
+    assert persistent == "backward_wgmma_ws_atomic_dq_persistent" in ws_bwd.roles(128)
+    assert ws_bwd.name_expression(persistent, bf16, 128).endswith(", true, true>")
+    assert ws_bwd.name_expression("backward_wgmma_ws", bf16, 128).endswith(", false, false>")
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}

@@ -9,6 +9,7 @@ from support import (
     Case,
     check_close,
     check_lse,
+    check_results,
     cupy,
     grid_cases,
     naive_in_dtype,
@@ -152,6 +153,36 @@ def test_short_calls_run_the_persistent_forward(case, rng, poisoned, monkeypatch
     (plan,) = [p for p in plans._PLANS.values() if isinstance(p, gpu.ForwardPlan)]
     assert not plan.persistent
     assert cupy.array_equal(out, one_a_block[0]) and cupy.array_equal(lse, one_a_block[1])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_persistent_backward_matches_oracle(deterministic, rng, poisoned, monkeypatch):
+    """backward_wgmma_ws's persistent role (``CUFLASH_PERSISTENT=1``; no call takes it by
+    default yet): the oracle's gradients, and bit for bit a block a tile's dK and dV."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    # 8 key tiles x 8 KV heads x 4 entries: two or more tiles a block on an H200
+    case = Case(dtype="bfloat16", head_dim=128, batch=4, heads=16, kv_heads=8, q_len=700,
+                kv_len=900, causal=True)  # fmt: skip
+    inputs = random_inputs(case, rng)
+    q, k, v, dout = (cupy.asarray(x) for x in inputs)
+    runs = []
+    for forced in ("1", "0"):
+        monkeypatch.setenv("CUFLASH_PERSISTENT", forced)
+        plans.clear()
+        out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args)
+        grads = cuflash.flash_attention_bwd(
+            dout, q, k, v, out, lse, *case.args, deterministic=deterministic
+        )
+        (plan,) = [p for p in plans._PLANS.values() if isinstance(p, gpu.BackwardPlan)]
+        assert plan.spec.name == "backward_wgmma_ws" and plan.persistent == (forced == "1")
+        runs.append((out, lse, grads))
+    (out, lse, grads), (_, _, one_a_block) = runs
+    check_results(case, inputs, out, lse, grads)
+    assert cupy.array_equal(grads[1], one_a_block[1])
+    assert cupy.array_equal(grads[2], one_a_block[2])
+    if deterministic:
+        assert cupy.array_equal(grads[0], one_a_block[0])
 
 
 @pytest.mark.parametrize("case", WIDE_CASES, ids=str)

@@ -92,7 +92,7 @@ struct alignas(64) TensorMap {
     X(VAL, float, softcap)                                                               \
     X(VAL, int, use_tma) /* forward_wgmma_ws: q, k and v by the maps (0: cp.async) */    \
     /* forward_wgmma_ws's persistent roles: query tiles a (head, entry), and all the */  \
-    /* launch's (query tile, head, entry) tiles, which its blocks walk (WorkTile). */    \
+    /* launch's (query tile, head, entry) tiles, which its blocks walk (work_tile). */   \
     X(VAL, int, query_tiles)                                                             \
     X(VAL, int, work_tiles)                                                              \
     /* q's, k's and v's maps (use_tma): dims (head dim, rows, heads, batch), boxes */    \
@@ -147,6 +147,10 @@ struct ForwardParams {
     X(VAL, int, alibi_batch_stride)                                                       \
     X(VAL, float, softcap)                                                                \
     X(VAL, int, use_tma) /* backward_wgmma_ws: q, k, v, dout by the maps (0: cp.async) */ \
+    /* backward_wgmma_ws's persistent roles: key tiles a (KV head, entry), and all */     \
+    /* the launch's (key tile, KV head, entry) tiles, which its blocks walk. */           \
+    X(VAL, int, key_tiles)                                                                \
+    X(VAL, int, work_tiles)                                                               \
     /* q's, k's, v's and dout's maps (use_tma): as the forward's, boxes of 64 */          \
     /* columns by the kernel's query or key tile. */                                      \
     X(MAP, TensorMap, q_map)                                                              \

@@ -52,6 +52,7 @@
 #include "common/mbarrier.cuh"
 #include "common/mma_softmax.cuh"
 #include "common/wgmma.cuh"
+#include "common/work_tiles.cuh"
 
 namespace cuflash {
 
@@ -66,7 +67,7 @@ __device__ __forceinline__ void consumers_meet() {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1) : "memory");
 }
 
-template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ>
+template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool PERSISTENT = false>
 __global__ void __launch_bounds__(384, 1)
     backward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
@@ -87,7 +88,6 @@ __global__ void __launch_bounds__(384, 1)
     CUFLASH_STRIDES_OF(v);
     CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
-    CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
     T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
     T* Vs = Ks + BN * DT;
@@ -99,20 +99,7 @@ __global__ void __launch_bounds__(384, 1)
     float* delta_s = lse_s + STAGES * BM;                       // STAGES buffers of BM
     Ring* ring = reinterpret_cast<Ring*>(delta_s + STAGES * BM);
     unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(ring + 1);
-
-    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;
-    if (n0 >= seq.key_rows) return;  // packed: past the sequence's keys
-    q += seq.q_start * q_st.s;
-    dout += seq.q_start * dout_st.s;
-    lse += seq.q_start;
-    delta += seq.q_start;
-    dq_accum += seq.q_start * DT;  // rows of the class's width (padded_dq)
-    k += seq.kv_start * k_st.s;
-    v += seq.kv_start * v_st.s;
-    dk += seq.kv_start * dkv_st.s;
-    dv += seq.kv_start * dkv_st.s;
-
-    QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+    unsigned long long* kv_empty = kv_full + 1;  // PERSISTENT: K and V read by every consumer
 
     // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu.py)
     // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the
@@ -122,60 +109,108 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 0) {
         ring->init(tma ? 33 : 128);
         mbarrier_init(kv_full, tma ? 1 : 128);
+        mbarrier_init(kv_empty, 256);
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
+    // A work tile's keys and query steps, as the producer and the consumers both see them.
+    struct Tile {
+        int n0, hk;
+        Sequence seq;
+    };
+    auto tile_of = [&](const WorkTile& w, Tile& tile) {
+        tile.seq = sequence_of<false>(w.z, offsets_q, offsets_k, q_len, kv_len, kv_capacity,
+                                      win_left, win_right);
+        tile.n0 = w.tile * BN;
+        tile.hk = w.h;
+        return tile.n0 < tile.seq.key_rows;  // packed: past the sequence's keys
+    };
+
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<kBackwardProducerRegisters>();
-        if (steps.count == 0) return;
-        if (tma) {
-            if (threadIdx.x >= 32) return;
-            constexpr unsigned KV_BYTES = 2 * BN * DT * sizeof(T),
-                               STEP_BYTES = 2 * BM * DT * sizeof(T);
-            if (threadIdx.x == 0) {
-                mbarrier_arrive_expect_tx(kv_full, KV_BYTES);
-                for (int c = 0; c < DT / 64; ++c) {
-                    tma_load_4d(Ks + c * BN * 64, &k_map, c * 64, n0, hk, b, kv_full);
-                    tma_load_4d(Vs + c * BN * 64, &v_map, c * 64, n0, hk, b, kv_full);
-                }
+        if (tma && threadIdx.x >= 32) return;
+        // Each work tile with query steps: its K and V, then each step's stage. The copy
+        // engine's loop and cp.async's are two loops of this walk (one loop holding both
+        // kept the state of both: 24 bytes spilled at the producer's 40 registers).
+        auto walk = [&](auto&& copy_tile) {
+            WorkTile w;
+            for (int round = 0, t = 0, uses = 0;
+                 work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w);
+                 ++round) {
+                Tile tile;
+                if (!tile_of(w, tile)) continue;
+                const QuerySteps<BM> steps(tile.seq.mask, tile.n0, tile.n0 + BN, tile.hk, group);
+                if (steps.count == 0) continue;
+                if constexpr (PERSISTENT) mbarrier_wait(kv_empty, (t & 1) ^ 1);
+                copy_tile(tile, steps, uses);
+                ++t;
+                uses += steps.count;
             }
-            for (int step = 0; step < steps.count; ++step) {
-                const int stage = Ring::stage(step);
-                const int h = steps.head(step), m0 = steps.row0(step);
-                const int rows = min(BM, mask.q_len - m0);
-                const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
-                ring->wait_empty(step);
-                load_row_stats<BM, 32>(lse_s + stage * BM, delta_s + stage * BM,
-                                       lse + head_rows + m0, delta + head_rows + m0, rows);
+        };
+        if (tma) {
+            walk([&](const Tile& tile, const QuerySteps<BM>& steps, int uses) {
+                const Mask& mask = tile.seq.mask;
+                const int n0 = tile.n0, hk = tile.hk, b = tile.seq.batch;
+                constexpr unsigned KV_BYTES = 2 * BN * DT * sizeof(T),
+                                   STEP_BYTES = 2 * BM * DT * sizeof(T);
                 if (threadIdx.x == 0) {
-                    unsigned long long* full = ring->expect(step, STEP_BYTES);
+                    mbarrier_arrive_expect_tx(kv_full, KV_BYTES);
                     for (int c = 0; c < DT / 64; ++c) {
-                        tma_load_4d(Qs + stage * BM * DT + c * BM * 64, &q_map, c * 64, m0, h, b,
-                                    full);
-                        tma_load_4d(dOs + stage * BM * DT + c * BM * 64, &dout_map, c * 64, m0, h,
-                                    b, full);
+                        tma_load_4d(Ks + c * BN * 64, &k_map, c * 64, n0, hk, b, kv_full);
+                        tma_load_4d(Vs + c * BN * 64, &v_map, c * 64, n0, hk, b, kv_full);
                     }
                 }
-                ring->filled(step);  // the lanes' lse and Delta
-            }
-            return;
-        }
-        const int keys = mask.kv_len - n0;
-        cp_async_tile_sw128<BN, DK, 128, D, true>(Ks, k + offset_of(k_st, b, hk, n0), k_st.s, keys);
-        cp_async_tile_sw128<BN, DK, 128, D, true>(Vs, v + offset_of(v_st, b, hk, n0), v_st.s, keys);
-        cp_async_arrive(kv_full);
-        for (int step = 0; step < steps.count; ++step) {
-            const int stage = Ring::stage(step);
-            const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
-            const long long head_rows = (static_cast<long long>(b) * num_heads + h) * q_len;
-            ring->wait_empty(step);
-            load_row_stats<BM, 128>(lse_s + stage * BM, delta_s + stage * BM, lse + head_rows + m0,
-                                    delta + head_rows + m0, rows);
-            cp_async_tile_sw128<BM, DK, 128, D, true>(Qs + stage * BM * DT,
-                                                      q + offset_of(q_st, b, h, m0), q_st.s, rows);
-            cp_async_tile_sw128<BM, DK, 128, D, true>(
-                dOs + stage * BM * DT, dout + offset_of(dout_st, b, h, m0), dout_st.s, rows);
-            ring->filled(step);
+                for (int step = 0; step < steps.count; ++step) {
+                    const int use = uses + step, stage = Ring::stage(use);
+                    const int h = steps.head(step), m0 = steps.row0(step);
+                    const int rows = min(BM, mask.q_len - m0);
+                    const long long head_rows =
+                        (static_cast<long long>(b) * num_heads + h) * q_len + tile.seq.q_start;
+                    ring->wait_empty(use);
+                    load_row_stats<BM, 32>(lse_s + stage * BM, delta_s + stage * BM,
+                                           lse + head_rows + m0, delta + head_rows + m0, rows);
+                    if (threadIdx.x == 0) {
+                        unsigned long long* full = ring->expect(use, STEP_BYTES);
+                        for (int c = 0; c < DT / 64; ++c) {
+                            tma_load_4d(Qs + stage * BM * DT + c * BM * 64, &q_map, c * 64, m0, h,
+                                        b, full);
+                            tma_load_4d(dOs + stage * BM * DT + c * BM * 64, &dout_map, c * 64, m0,
+                                        h, b, full);
+                        }
+                    }
+                    ring->filled(use);  // the lanes' lse and Delta
+                }
+            });
+        } else {
+            walk([&](const Tile& tile, const QuerySteps<BM>& steps, int uses) {
+                const Mask& mask = tile.seq.mask;
+                const int n0 = tile.n0, hk = tile.hk, b = tile.seq.batch;
+                const int q_start = tile.seq.q_start;
+                const int keys = mask.kv_len - n0;
+                const long long kv_rows = static_cast<long long>(tile.seq.kv_start) * k_st.s;
+                cp_async_tile_sw128<BN, DK, 128, D, true>(
+                    Ks, k + kv_rows + offset_of(k_st, b, hk, n0), k_st.s, keys);
+                cp_async_tile_sw128<BN, DK, 128, D, true>(
+                    Vs, v + tile.seq.kv_start * v_st.s + offset_of(v_st, b, hk, n0), v_st.s, keys);
+                cp_async_arrive(kv_full);
+                for (int step = 0; step < steps.count; ++step) {
+                    const int use = uses + step, stage = Ring::stage(use);
+                    const int h = steps.head(step), m0 = steps.row0(step),
+                              rows = min(BM, mask.q_len - m0);
+                    const long long head_rows =
+                        (static_cast<long long>(b) * num_heads + h) * q_len + q_start;
+                    ring->wait_empty(use);
+                    load_row_stats<BM, 128>(lse_s + stage * BM, delta_s + stage * BM,
+                                            lse + head_rows + m0, delta + head_rows + m0, rows);
+                    cp_async_tile_sw128<BM, DK, 128, D, true>(
+                        Qs + stage * BM * DT, q + q_start * q_st.s + offset_of(q_st, b, h, m0),
+                        q_st.s, rows);
+                    cp_async_tile_sw128<BM, DK, 128, D, true>(
+                        dOs + stage * BM * DT,
+                        dout + q_start * dout_st.s + offset_of(dout_st, b, h, m0), dout_st.s, rows);
+                    ring->filled(use);
+                }
+            });
         }
         return;
     }
@@ -187,184 +222,202 @@ __global__ void __launch_bounds__(384, 1)
     const int warp_row = warp * 16;
     const int wg_key0 = consumer * 64;       // the consumer's first key in the tile
     const int key_row = wg_key0 + warp_row;  // the warp's
+    const int dq_col = 64 * consumer;        // the consumer's columns of dQ
 
-    float dk_acc[DTILES][4], dv_acc[DTILES][4];
+    WorkTile w;
+    for (int round = 0, kv_phase = 0, uses = 0;
+         work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w); ++round) {
+        Tile tile;
+        if (!tile_of(w, tile)) continue;
+        const Mask& mask = tile.seq.mask;
+        const int n0 = tile.n0, hk = tile.hk, b = tile.seq.batch;
+        const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
+        float* const dq_seq = dq_accum + tile.seq.q_start * DT;  // rows of the class's width
+
+        float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
-    for (int d = 0; d < DTILES; ++d)
+        for (int d = 0; d < DTILES; ++d)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+            for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
-    const int dq_col = 64 * consumer;  // the consumer's columns of dQ
-
-    if (steps.count > 0) {
-        mbarrier_wait(kv_full, 0);
-        fence_proxy_async();  // the producer's cp.async writes, read by wgmma (async proxy)
-    }
-    for (int step = 0; step < steps.count; ++step) {
-        const int stage = Ring::stage(step);
-        const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
-        const T* Qb = Qs + stage * BM * DT;
-        const T* dOb = dOs + stage * BM * DT;
-        const float* lse_b = lse_s + stage * BM;
-        const float* delta_b = delta_s + stage * BM;
-        T* dSb = dSs + (step & 1) * BN * BM;
-        ring->wait_full(step);
-        fence_proxy_async();
-
-        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
-        float st[QTILES][4], dpt[QTILES][4];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
-            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
-            Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM), wgmma_desc(Qb + q_at, 16, ATOM),
-                             ks > 0);
+        if (steps.count > 0) {
+            mbarrier_wait(kv_full, kv_phase);
+            kv_phase ^= 1;
+            fence_proxy_async();  // the producer's cp.async writes, read by wgmma (async proxy)
         }
-        wgmma_commit();
-#pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
-            const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
-            Wgmma<T, BM>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
-                             wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
-        }
-        wgmma_commit();
-        const auto mods =
-            score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h, mask, user_args);
-        wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
-        pin_registers(st);
-        const int key_lo = n0 + wg_key0;
-        const bool edge = !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64);
-        probs<QTILES, 0, Modifiers<false>, false>(st, mask, edge, m0, n0 + key_row + g, t, lse_b,
-                                                  scale_log2, mods, false);
-        wgmma_wait<0>();
-        pin_registers(dpt);
-        dscores(st, dpt, t, delta_b);
+        for (int step = 0; step < steps.count; ++step) {
+            const int use = uses + step, stage = Ring::stage(use);
+            const int h = steps.head(step), m0 = steps.row0(step), rows = min(BM, mask.q_len - m0);
+            const T* Qb = Qs + stage * BM * DT;
+            const T* dOb = dOs + stage * BM * DT;
+            const float* lse_b = lse_s + stage * BM;
+            const float* delta_b = delta_s + stage * BM;
+            // dS^T's buffers alternate by the ring's use, also across work tiles
+            T* dSb = dSs + (use & 1) * BN * BM;
+            ring->wait_full(use);
+            fence_proxy_async();
 
-        // P^T and dS^T as A fragments (16 queries a step); with ATOMIC_DQ dS^T also to
-        // shared memory: element (key, query) of [BN keys][BM queries] in the swizzled
-        // layout (column blocks of 64 queries), chunk = query / 8.
-        unsigned pa[BM / 16][4], sa[BM / 16][4];
+            // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
+            float st[QTILES][4], dpt[QTILES][4];
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
+                const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
+                Wgmma<T, BM>::ss(st, wgmma_desc(Ks + kv_at, 16, ATOM),
+                                 wgmma_desc(Qb + q_at, 16, ATOM), ks > 0);
+            }
+            wgmma_commit();
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int j = 2 * kk + half;
-                pa[kk][2 * half] = Op::pack(st[j][0], st[j][1]);
-                pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
-                sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
-                sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
-                if (ATOMIC_DQ) {
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const int kv_at = (ks >> 2) * (BN * 64) + wg_key0 * 64 + (ks & 3) * 16;
+                const int q_at = (ks >> 2) * (BM * 64) + (ks & 3) * 16;
+                Wgmma<T, BM>::ss(dpt, wgmma_desc(Vs + kv_at, 16, ATOM),
+                                 wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
+            }
+            wgmma_commit();
+            const auto mods = score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h,
+                                                     mask, user_args);
+            wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
+            pin_registers(st);
+            const int key_lo = n0 + wg_key0;
+            const bool edge = !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64);
+            probs<QTILES, 0, Modifiers<false>, false>(st, mask, edge, m0, n0 + key_row + g, t,
+                                                      lse_b, scale_log2, mods, false);
+            wgmma_wait<0>();
+            pin_registers(dpt);
+            dscores(st, dpt, t, delta_b);
+
+            // P^T and dS^T as A fragments (16 queries a step); with ATOMIC_DQ dS^T also to
+            // shared memory: element (key, query) of [BN keys][BM queries] in the swizzled
+            // layout (column blocks of 64 queries), chunk = query / 8.
+            unsigned pa[BM / 16][4], sa[BM / 16][4];
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int key = key_row + g + 8 * r;
-                        *reinterpret_cast<unsigned*>(dSb + (j >> 3) * (BN * 64) + key * 64 +
-                                                     (((j & 7) ^ (key & 7)) << 3) + 2 * t) =
-                            sa[kk][2 * half + r];
+            for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int j = 2 * kk + half;
+                    pa[kk][2 * half] = Op::pack(st[j][0], st[j][1]);
+                    pa[kk][2 * half + 1] = Op::pack(st[j][2], st[j][3]);
+                    sa[kk][2 * half] = Op::pack(dpt[j][0], dpt[j][1]);
+                    sa[kk][2 * half + 1] = Op::pack(dpt[j][2], dpt[j][3]);
+                    if (ATOMIC_DQ) {
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int key = key_row + g + 8 * r;
+                            *reinterpret_cast<unsigned*>(dSb + (j >> 3) * (BN * 64) + key * 64 +
+                                                         (((j & 7) ^ (key & 7)) << 3) + 2 * t) =
+                                sa[kk][2 * half + r];
+                        }
                     }
                 }
             }
-        }
 
-        // dQ = dS K from dS^T in shared memory (both consumers' halves).
-        float dq[DQ_COLS / 8][4];
-        float* dq_rows = dq_accum + ((static_cast<long long>(b) * num_heads + h) * q_len + m0) * DT;
-        auto issue_dq = [&]() {
-            wgmma_fence();
+            // dQ = dS K from dS^T in shared memory (both consumers' halves).
+            float dq[DQ_COLS / 8][4];
+            float* dq_rows =
+                dq_seq + ((static_cast<long long>(b) * num_heads + h) * q_len + m0) * DT;
+            auto issue_dq = [&]() {
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < DQ_KSTEPS; ++kk)
-                Wgmma<T, DQ_COLS>::ss_mn(dq,
-                                         wgmma_desc(dSb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
-                                         wgmma_desc(Ks + (dq_col / 64) * (BN * 64) + kk * 16 * 64,
-                                                    BN * 64 * sizeof(T), ATOM),
-                                         kk > 0);
-            wgmma_commit();
-        };
-        auto add_dq = [&]() {  // once dQ's wgmma is done
-            pin_registers(dq);
-            // The warp's rows of the tile, free once its last additions have read them.
-            if (lane < 16) bulk_wait_read<0>();
-            __syncwarp();
-            // With the maps: the warp's 16 rows as two boxes of 32 columns (4 KB a warp,
-            // the 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), one bulk tensor
-            // reduction each; else rows DQ_PITCH apart, one bulk reduction a row.
-            float* const boxes = dq_s + (consumer * 4 + warp) * (2 * 16 * 32);
+                for (int kk = 0; kk < DQ_KSTEPS; ++kk)
+                    Wgmma<T, DQ_COLS>::ss_mn(
+                        dq, wgmma_desc(dSb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
+                        wgmma_desc(Ks + (dq_col / 64) * (BN * 64) + kk * 16 * 64,
+                                   BN * 64 * sizeof(T), ATOM),
+                        kk > 0);
+                wgmma_commit();
+            };
+            auto add_dq = [&]() {  // once dQ's wgmma is done
+                pin_registers(dq);
+                // The warp's rows of the tile, free once its last additions have read them.
+                if (lane < 16) bulk_wait_read<0>();
+                __syncwarp();
+                // With the maps: the warp's 16 rows as two boxes of 32 columns (4 KB a warp,
+                // the 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), one bulk
+                // tensor reduction each; else rows DQ_PITCH apart, one bulk reduction a row.
+                float* const boxes = dq_s + (consumer * 4 + warp) * (2 * 16 * 32);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = g + 8 * r;
-                float* dst = dq_s + (warp_row + row) * DQ_PITCH + dq_col + 2 * t;
+                for (int r = 0; r < 2; ++r) {
+                    const int row = g + 8 * r;
+                    float* dst = dq_s + (warp_row + row) * DQ_PITCH + dq_col + 2 * t;
 #pragma unroll
-                for (int j = 0; j < DQ_COLS / 8; ++j) {
-                    const float2 value =
-                        make_float2(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
-                    if (tma)
-                        *reinterpret_cast<float2*>(boxes + (j >> 2) * (16 * 32) + row * 32 +
-                                                   (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 2) +
-                                                   2 * (t & 1)) = value;
-                    else
-                        *reinterpret_cast<float2*>(dst + j * 8) = value;
+                    for (int j = 0; j < DQ_COLS / 8; ++j) {
+                        const float2 value =
+                            make_float2(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
+                        if (tma)
+                            *reinterpret_cast<float2*>(
+                                boxes + (j >> 2) * (16 * 32) + row * 32 +
+                                (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 2) + 2 * (t & 1)) =
+                                value;
+                        else
+                            *reinterpret_cast<float2*>(dst + j * 8) = value;
+                    }
                 }
-            }
-            fence_proxy_async();  // this thread's writes, then read by the copy engine
-            __syncwarp();
-            if (tma) {
-                if (lane == 0) {
-                    for (int i = 0; i < 2; ++i)
-                        bulk_tensor_reduce_add_4d(&dq_accum_map, dq_col + 32 * i, m0 + warp_row, h,
-                                                  b, boxes + i * (16 * 32));
+                fence_proxy_async();  // this thread's writes, then read by the copy engine
+                __syncwarp();
+                if (tma) {
+                    if (lane == 0) {
+                        for (int i = 0; i < 2; ++i)
+                            bulk_tensor_reduce_add_4d(&dq_accum_map, dq_col + 32 * i, m0 + warp_row,
+                                                      h, b, boxes + i * (16 * 32));
+                        bulk_commit();
+                    }
+                    return;
+                }
+                const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
+                if (lane < 16) {
+                    if (row < rows)
+                        bulk_reduce_add_f32(dq_rows + static_cast<long long>(row) * DT + dq_col,
+                                            dq_s + row * DQ_PITCH + dq_col,
+                                            DQ_COLS * sizeof(float));
                     bulk_commit();
                 }
-                return;
+            };
+            if (ATOMIC_DQ) {  // the other consumer's half of dS^T is read too
+                fence_proxy_async();
+                consumers_meet();
             }
-            const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
-            if (lane < 16) {
-                if (row < rows)
-                    bulk_reduce_add_f32(dq_rows + static_cast<long long>(row) * DT + dq_col,
-                                        dq_s + row * DQ_PITCH + dq_col, DQ_COLS * sizeof(float));
-                bulk_commit();
+            if (ATOMIC_DQ) issue_dq();
+
+            // dV += P^T dO and dK += dS^T Q (16 queries a step): A from the registers, or
+            // dK's from dS^T's buffer (ATOMIC_DQ).
+            wgmma_fence();
+            constexpr unsigned B_STRIDE = BM * 64 * sizeof(T);  // between 64-column blocks
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DK>::rs(dv_acc, pa[kk], wgmma_desc(dOb + kk * 16 * 64, B_STRIDE, ATOM), 1);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                const unsigned long long q_desc = wgmma_desc(Qb + kk * 16 * 64, B_STRIDE, ATOM);
+                if (ATOMIC_DQ)  // dS^T from its shared buffer (this consumer's 64 keys, K-major)
+                    Wgmma<T, DK>::ss_nb(dk_acc, wgmma_desc(dSb + wg_key0 * 64 + kk * 16, 16, ATOM),
+                                        q_desc, 1);
+                else
+                    Wgmma<T, DK>::rs(dk_acc, sa[kk], q_desc, 1);
             }
-        };
-        if (ATOMIC_DQ) {  // the other consumer's half of dS^T is read too
-            fence_proxy_async();
-            consumers_meet();
-        }
-        if (ATOMIC_DQ) issue_dq();
+            wgmma_commit();
 
-        // dV += P^T dO and dK += dS^T Q (16 queries a step): A from the registers, or
-        // dK's from dS^T's buffer (ATOMIC_DQ).
-        wgmma_fence();
-        constexpr unsigned B_STRIDE = BM * 64 * sizeof(T);  // between 64-column blocks
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DK>::rs(dv_acc, pa[kk], wgmma_desc(dOb + kk * 16 * 64, B_STRIDE, ATOM), 1);
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            const unsigned long long q_desc = wgmma_desc(Qb + kk * 16 * 64, B_STRIDE, ATOM);
-            if (ATOMIC_DQ)  // dS^T from its shared buffer (this consumer's 64 keys, K-major)
-                Wgmma<T, DK>::ss_nb(dk_acc, wgmma_desc(dSb + wg_key0 * 64 + kk * 16, 16, ATOM),
-                                    q_desc, 1);
-            else
-                Wgmma<T, DK>::rs(dk_acc, sa[kk], q_desc, 1);
+            if (ATOMIC_DQ) {  // dQ is done (dV, dK may still run): add it
+                wgmma_wait<1>();
+                add_dq();
+            }
+            wgmma_wait<0>();
+            pin_registers(dv_acc);
+            pin_registers(dk_acc);
+            ring->release(use, true);  // this thread's products and loads have read the stage
         }
-        wgmma_commit();
+        if (PERSISTENT && steps.count > 0)  // K and V read for the last time in this tile
+            mbarrier_arrive(kv_empty);
+        uses += steps.count;
 
-        if (ATOMIC_DQ) {  // dQ is done (dV, dK may still run): add it
-            wgmma_wait<1>();
-            add_dq();
-        }
-        wgmma_wait<0>();
-        pin_registers(dv_acc);
-        pin_registers(dk_acc);
-        ring->release(step, true);  // this thread's products and loads have read the stage
+        const long long tile_key = tile.seq.kv_start * dkv_st.s + offset_of(dkv_st, b, hk, n0);
+        store_fragment_rows<T, D, DTILES>(dk + tile_key, dkv_st.s, key_row, tile.seq.key_rows - n0,
+                                          0, dk_acc, scale);
+        store_fragment_rows<T, D, DTILES>(dv + tile_key, dkv_st.s, key_row, tile.seq.key_rows - n0,
+                                          0, dv_acc, 1.f);
     }
-
     if (ATOMIC_DQ && lane < 16) bulk_wait<0>();  // dQ's additions, before the block exits
-    const long long tile_key = offset_of(dkv_st, b, hk, n0);
-    store_fragment_rows<T, D, DTILES>(dk + tile_key, dkv_st.s, key_row, seq.key_rows - n0, 0,
-                                      dk_acc, scale);
-    store_fragment_rows<T, D, DTILES>(dv + tile_key, dkv_st.s, key_row, seq.key_rows - n0, 0,
-                                      dv_acc, 1.f);
 }
 
 }  // namespace cuflash

@@ -29,7 +29,8 @@
 // gridDim.x, every other round in reverse (WorkTile), so that while its
 // consumers finish one tile's rows the producer already loads the next tile's Q
 // (once every consumer has issued its last S: the q_empty barrier) and K and V
-// (the rings run on across tiles), and the consumers' turns go on round robin.
+// (the rings run on across tiles), and the consumers' turns go on round robin
+// (common/work_tiles.cuh).
 // DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
 // V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
 // the launch's shared memory is D's, which holds the narrower V stages.
@@ -38,6 +39,7 @@
 #include "common/mbarrier.cuh"
 #include "common/mma_softmax.cuh"
 #include "common/wgmma.cuh"
+#include "common/work_tiles.cuh"
 
 namespace cuflash {
 
@@ -76,33 +78,6 @@ __device__ __forceinline__ void pass_turn(int consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(8 + next) : "memory");
 }
 
-// The block's work tile of round `round`: query tile m_block (within a head the
-// longest rows first), head h, batch entry or sequence z; false past the last.
-// One round a block (the grid's x, y and z), or PERSISTENT: round r's block i
-// takes tile r * gridDim.x + i of query_tiles * num_heads * entries, i counted
-// from the grid's end every other round (a causal head's long tiles and short
-// ones alternate on a block, and the blocks of a round read the same heads).
-struct WorkTile {
-    int m_block, h, z;
-};
-template <bool PERSISTENT>
-__device__ __forceinline__ bool work_tile(int round, int query_tiles, int work_tiles, int heads,
-                                          WorkTile& w) {
-    if constexpr (!PERSISTENT) {
-        w = {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
-             static_cast<int>(blockIdx.z)};
-        return round == 0;
-    } else {
-        const int slot = round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-        const long long i = static_cast<long long>(round) * gridDim.x + slot;
-        if (i >= work_tiles) return false;
-        const int tile = static_cast<int>(i), head_entry = tile / query_tiles;
-        w = {query_tiles - 1 - (tile - head_entry * query_tiles), head_entry % heads,
-             head_entry / heads};
-        return true;
-    }
-}
-
 template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED,
           bool PERSISTENT = false, int DV = D>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
@@ -114,6 +89,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
+    static_assert(!(PERSISTENT && MODIFIED), "score_modifiers read the entry from blockIdx.z");
     using Ring = StageRing<STAGES, CONSUMERS>;  // a consumer warpgroup an arrival
     using Registers = WarpgroupRegisters<(DV < D), CONSUMERS, PERSISTENT>;
     CUFLASH_STRIDES_OF(q);
@@ -149,7 +125,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     auto tile_of = [&](const WorkTile& w, Tile& tile) {
         tile.seq = sequence_of<true>(w.z, offsets_q, offsets_k, q_len, kv_len, kv_len, win_left,
                                      win_right);
-        tile.m0 = w.m_block * BM;
+        tile.m0 = w.tile * BM;
         tile.h = w.h;
         tile.b = tile.seq.batch;
         tile.rows = min(BM, tile.seq.mask.q_len - tile.m0);
@@ -164,7 +140,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         if (tma && threadIdx.x != 0) return;  // one thread issues the bulk copies
         WorkTile w;
         for (int round = 0, t = 0, uses = 0;
-             work_tile<PERSISTENT>(round, query_tiles, work_tiles, num_heads, w); ++round) {
+             work_tile<PERSISTENT, false>(round, query_tiles, work_tiles, num_heads, w); ++round) {
             Tile tile;
             if (!tile_of(w, tile)) continue;
             const Mask& mask = tile.seq.mask;
@@ -274,7 +250,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     if (consumer == CONSUMERS - 1) pass_turn<CONSUMERS>(consumer);  // consumer 0 issues first
     WorkTile w;
     for (int round = 0, q_phase = 0, uses = 0;
-         work_tile<PERSISTENT>(round, query_tiles, work_tiles, num_heads, w); ++round) {
+         work_tile<PERSISTENT, false>(round, query_tiles, work_tiles, num_heads, w); ++round) {
         Tile tile;
         if (!tile_of(w, tile)) continue;
         const Mask& mask = tile.seq.mask;

@@ -707,7 +707,7 @@ def backward_maps(problem, traits, shapes, strides, encode, dq_width=0):
     ``maps``) of q, k, v and dout (``shapes`` and ``strides`` in that order, as
     :func:`forward_maps`'), in boxes of the kernel's query rows a step and its key
     tile; with ``dq_width`` (the atomic dQ's row width) also ``dq_accum_map``, the
-    float32 dQ rows its bulk reductions add into, in boxes of a warp's 16 rows. None
+    float32 dQ rows its bulk reductions add into, in boxes of a step's rows. None
     where the copy engine cannot take them. Arrays that are not 16-byte aligned must
     launch without them."""
     rows, keys = traits.template_args[0], traits.tile
@@ -725,7 +725,7 @@ def backward_maps(problem, traits, shapes, strides, encode, dq_width=0):
     shape = (problem.batch, problem.num_heads, problem.q_len, dq_width)
     row_elements = problem.q_len * dq_width
     accum = tensor_maps.TileMap(
-        shape, (problem.num_heads * row_elements, row_elements, dq_width), 16, itemsize=4
+        shape, (problem.num_heads * row_elements, row_elements, dq_width), rows, itemsize=4
     )
     if not accum.supported:
         return None

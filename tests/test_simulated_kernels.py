@@ -343,14 +343,17 @@ def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, tma
     check_results(case, inputs, out, lse, grads)
 
 
-def _broken_backward(case, old, new, rng, tmp_path, monkeypatch):
-    """The warp-specialized backward of ``case`` (dQ by its atomics) with ``old`` replaced
-    by ``new`` in its header: the largest relative error of dq, dk, dv."""
+def _broken_backward(case, old, new, rng, tmp_path, monkeypatch, tma=True):
+    """The warp-specialized backward of ``case`` (dQ by its atomics; its tiles by the copy
+    engine, or by cp.async) with ``old`` replaced by ``new`` in its header: the largest
+    relative error of dq, dk, dv."""
     kernels = simulator.kernels_with(tmp_path / "kernels", "sm90/backward_wgmma_ws.cuh", old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=90)
-    grads = simulated_attention.backward(dout, q, k, v, out, lse, *case.args, capability=90)
+    grads = simulated_attention.backward(
+        dout, q, k, v, out, lse, *case.args, capability=90, tma=tma
+    )
     expected = oracle(case, q, k, v, dout)[2]
     return max(rel_error(g, e) for g, e in zip(grads, expected))
 
@@ -381,29 +384,44 @@ def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    "old, new",
+    "old, new, tma",
     [
-        # the dQ tile overwritten before the copy engine has read the last additions
-        ("if (lane < 16) bulk_wait_read<0>();", "(void)0;"),
-        # the block exits with additions in flight
-        ("if (ATOMIC_DQ && lane < 16) bulk_wait<0>();", "(void)0;"),
-        # a warp's rows added before all its lanes have written them
+        # cp.async: the dQ tile overwritten before the copy engine has read the last rows
+        ("if (lane < 16) bulk_wait_read<0>();", "(void)0;", False),
+        # cp.async: the block exits with additions in flight
+        ("if (ATOMIC_DQ && !tma && lane < 16) bulk_wait<0>();", "(void)0;", False),
+        # cp.async: a warp's rows added before all its lanes have written them
         (
-            "fence_proxy_async();  // this thread's writes, then read by the copy engine\n"
-            "                __syncwarp();",
-            "(void)0;",
+            "                __syncwarp();\n                const int row = warp_row + lane;",
+            "                const int row = warp_row + lane;",
+            False,
         ),
+        # the writer grants the tile back before its additions have read it
+        ("            bulk_commit();\n            bulk_wait_read<0>();", "bulk_commit();", True),
+        # the writer adds the tile without waiting for the consumers to fill it
+        ("mbarrier_wait(full, phase);", "(void)phase;", True),
+        # the consumers fill the tile without waiting for its grant
+        ("mbarrier_wait(dq_empty, (use & 1) ^ 1);", "(void)0;", True),
     ],
-    ids=["no-read-wait", "no-final-wait", "no-warp-sync"],
+    ids=[
+        "no-read-wait",
+        "no-final-wait",
+        "no-warp-sync",
+        "writer-no-read-wait",
+        "writer-no-full-wait",
+        "consumers-no-grant",
+    ],
 )
-def test_simulator_finds_broken_bulk_dq_additions(old, new, rng, tmp_path, monkeypatch):
+def test_simulator_finds_broken_bulk_dq_additions(old, new, tma, rng, tmp_path, monkeypatch):
     """The warp-specialized backward's dQ tile handed to the copy engine without its
-    waits: a simulator failure or gradients far from the oracle's (about 2e-3 from it
-    when right), never a pass."""
+    waits, by the consumers' warps (cp.async) or by the dQ writer (the copy engine): a
+    simulator failure or gradients far from the oracle's (about 2e-3 from it when
+    right), never a pass."""
     try:
-        error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
-    except RuntimeError as exc:
-        assert "bulk reductions" in str(exc), exc
+        error = _broken_backward(
+            BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch, tma=tma
+        )
+    except simulator.SimulationError:
         return
     assert not error < 0.05, error
 
@@ -418,7 +436,10 @@ def test_simulator_finds_broken_bulk_dq_additions(old, new, rng, tmp_path, monke
         # V's boxes read through K's map
         ("&v_map, c * 64, n0, hk, b, kv_full", "&k_map, c * 64, n0, hk, b, kv_full"),
         # dQ's boxes added a row off
-        ("dq_col + 32 * i, m0 + warp_row,", "dq_col + 32 * i, m0 + warp_row + 1,"),
+        (
+            "bulk_tensor_reduce_add_4d(map, 32 * i, m0,",
+            "bulk_tensor_reduce_add_4d(map, 32 * i, m0 + 1,",
+        ),
         # dQ's boxes written without the swizzle the copy engine reads them by
         ("^ (row & 7)) << 2)", ") << 2)"),
     ],

@@ -34,6 +34,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static  // one block runs at a time: a function's static is its block's
 #define __align__(n) alignas(n)
@@ -375,6 +376,18 @@ inline void bulk_commit_group() {
 inline void reduce_tensor_box(const PendingReduce& r);
 inline void bulk_wait_group(int pending) {
     auto& groups = current->reduce_groups;
+    // The copy engine reads a tensor reduction's box while the other threads run on: the
+    // waiting thread lets them run until none can go further, so a thread that writes
+    // the box without waiting for it to come back (through an mbarrier, say) has
+    // overwritten it by then.
+    bool tensor = false;
+    for (size_t g = 0; g + pending < groups.size(); ++g)
+        for (const PendingReduce& r : groups[g]) tensor = tensor || r.map;
+    for (long long before = 0; tensor;) {
+        before = ++progress;  // the copy engine's turn: not a wait at a barrier
+        yield();
+        tensor = progress != before;  // another thread moved: a round more
+    }
     while (static_cast<int>(groups.size()) > pending) {
         for (const PendingReduce& r : groups.front()) {
             if (r.map) {

@@ -10,6 +10,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory from its first ALIGN-byte boundary (the 128-byte swizzle's
+// atoms need 1024). Pointer arithmetic on the shared array itself, not on an integer:
+// the compiler then knows every pointer derived from it is shared, and plain stores
+// compile to STS, not generic ST (whose proxy fences added a MEMBAR.ALL.CTA each).
+template <typename T, unsigned ALIGN = 1024>
+__device__ __forceinline__ T* shared_aligned(void* smem) {
+    char* base = static_cast<char*>(smem);
+    return reinterpret_cast<T*>(base + ((ALIGN - (smem_addr(base) & (ALIGN - 1))) & (ALIGN - 1)));
+}
+
 // 16 bytes global -> shared, asynchronously; zeros when !valid (src unread).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
@@ -328,7 +338,8 @@ __device__ __forceinline__ void modified_probs_and_dscores(float (&st)[QTILES][4
     }
 }
 // Then dS^T = P^T (dP^T - Delta) in place on the dP^T accumulators, Delta per
-// query column from delta_s (8-byte aligned).
+// query column from delta_s (8-byte aligned); times `scale` where given (dS^T's
+// products then come out scaled: the softmax scale folded in once, as an FFMA).
 template <int QTILES>
 __device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dpt)[QTILES][4],
                                         int t, const float* delta_s) {
@@ -338,6 +349,17 @@ __device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dp
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             dpt[n][e] = pt[n][e] * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
+    }
+}
+template <int QTILES>
+__device__ __forceinline__ void dscores(const float (&pt)[QTILES][4], float (&dpt)[QTILES][4],
+                                        int t, const float* delta_s, float scale) {
+#pragma unroll
+    for (int n = 0; n < QTILES; ++n) {
+        const float2 delta2 = load_shared_float2(delta_s + n * 8 + 2 * t);
+        const float scaled[2] = {delta2.x * scale, delta2.y * scale};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = pt[n][e] * fmaf(dpt[n][e], scale, -scaled[e & 1]);
     }
 }
 // Both steps.

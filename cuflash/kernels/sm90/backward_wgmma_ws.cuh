@@ -21,21 +21,22 @@
 //     once its products and its own loads of lse and Delta have read it.
 // Per query tile, each consumer (M = 64 keys), as backward_wgmma:
 //   S^T = K Q^T, dP^T = V dO^T      wgmma m64nBMk16, A and B K-major (smem)
-//   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta)
+//   P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - Delta) scale
 //   dV += P^T dO, dK += dS^T Q       wgmma m64nDk16, A from the registers;
 //                                    with ATOMIC_DQ dK's A is dS^T's shared
 //                                    buffer (both A's in registers left too
 //                                    few for the products in flight: ptxas
 //                                    serialized every wgmma at D = 128, C7512)
-//   dQ += dS K scale (ATOMIC_DQ)     dS^T to one of two shared buffers (the
+//   dQ += dS K (ATOMIC_DQ)           dS^T to one of two shared buffers (the
 //                                    consumers meet at named barrier 1 once
 //                                    both halves are in), wgmma with A = dS
 //                                    M-major, B = K N-major; the float32 tile
-//                                    to shared memory, and each warp's 16 rows
-//                                    added into dq_accum by the copy engine
-//                                    (use_tma: two swizzled boxes through
-//                                    dq_accum_map, else a row of 256 bytes a
-//                                    lane; no atomics in the consumers' stream;
+//                                    to shared memory, added into dq_accum by
+//                                    the copy engine (use_tma: the dQ writer
+//                                    warp adds the tile as four swizzled boxes
+//                                    through dq_accum_map, else each warp's 16
+//                                    rows a row of 256 bytes a lane; no atomics
+//                                    in the consumers' stream;
 //                                    columns [64 c, + 64) of rows 128 wide,
 //                                    the columns past D padding, which the
 //                                    conversion skips).
@@ -66,6 +67,37 @@ static_assert(128 * kBackwardProducerRegisters + 256 * kBackwardConsumerRegister
 __device__ __forceinline__ void consumers_meet() {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1) : "memory");
 }
+// The dQ writer warp (producer warp 1 with the maps): each step's dQ tile, once the
+// consumers have filled it and its coordinates (row, head, batch entry; row -1: no more
+// tiles), added into dq_accum by the copy engine as DT / 32 boxes of 32 columns by BM
+// rows (rows past S_q skipped); the tile is granted back once the additions have read it.
+// The hand-over both ways is by mbarriers: full takes every consumer thread's arrival
+// (each wrote part of the tile; racecheck holds a named barrier's bar.arrive to order
+// nothing), empty the writer's one, which each consumer thread waits for on its own (a
+// barrier all consumers waited at made every warp wait for the slowest: 8 % of the
+// stall samples at D = 128).
+template <int BM, int DT>
+__device__ __noinline__ void add_dq_tiles(const TensorMap* map, const float* tile, const int* at,
+                                          unsigned long long* full, unsigned long long* empty) {
+    for (unsigned phase = 0;; phase ^= 1) {
+        mbarrier_wait(full, phase);
+        // Lane 0 alone reads the coordinates: its arrival on empty hands them back too
+        // (racecheck: an arrival orders only the arriving thread's own reads).
+        int m0 = 0, h = 0, b = 0;
+        if (threadIdx.x % 32 == 0) m0 = at[0], h = at[1], b = at[2];
+        if (__shfl_sync(0xffffffffu, m0, 0) < 0) break;
+        if (threadIdx.x % 32 == 0) {
+#pragma unroll
+            for (int i = 0; i < DT / 32; ++i)
+                bulk_tensor_reduce_add_4d(map, 32 * i, m0, h, b, tile + i * (BM * 32));
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbarrier_arrive(empty);
+        }
+        __syncwarp();
+    }
+    if (threadIdx.x % 32 == 0) bulk_wait<0>();  // the additions, before the block exits
+}
 
 template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool PERSISTENT = false>
 __global__ void __launch_bounds__(384, 1)
@@ -89,7 +121,7 @@ __global__ void __launch_bounds__(384, 1)
     CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = shared_aligned<T>(smem4);
     T* Vs = Ks + BN * DT;
     T* Qs = Vs + BN * DT;             // STAGES buffers of BM x DT
     T* dOs = Qs + STAGES * BM * DT;   // STAGES buffers of BM x DT
@@ -100,6 +132,10 @@ __global__ void __launch_bounds__(384, 1)
     Ring* ring = reinterpret_cast<Ring*>(delta_s + STAGES * BM);
     unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(ring + 1);
     unsigned long long* kv_empty = kv_full + 1;  // PERSISTENT: K and V read by every consumer
+    unsigned long long* dq_full = kv_empty + 1;  // the dQ tile, written by the consumers
+    unsigned long long* dq_empty = dq_full + 1;  // the dQ tile, read by the writer's additions
+    // The dQ tile's coordinates for the writer: row, head, batch entry; row -1 ends.
+    int* dq_at = reinterpret_cast<int*>(dq_empty + 1);
 
     // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu.py)
     // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the
@@ -110,6 +146,8 @@ __global__ void __launch_bounds__(384, 1)
         ring->init(tma ? 33 : 128);
         mbarrier_init(kv_full, tma ? 1 : 128);
         mbarrier_init(kv_empty, 256);
+        mbarrier_init(dq_full, 256);
+        mbarrier_init(dq_empty, 1);
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
@@ -125,27 +163,42 @@ __global__ void __launch_bounds__(384, 1)
         tile.hk = w.h;
         return tile.n0 < tile.seq.key_rows;  // packed: past the sequence's keys
     };
+    // Every work tile of the block that holds keys, in order: fn(tile, steps, uses, t),
+    // with `uses` the stage ring's uses and `t` the tiles with query steps before it.
+    // The producer, the dQ writer and the consumers walk the same tiles by it.
+    auto for_each_tile = [&](auto&& fn) {
+        WorkTile w;
+        for (int round = 0, t = 0, uses = 0;
+             work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w);
+             ++round) {
+            Tile tile;
+            if (!tile_of(w, tile)) continue;
+            const QuerySteps<BM> steps(tile.seq.mask, tile.n0, tile.n0 + BN, tile.hk, group);
+            fn(tile, steps, uses, t);
+            if (steps.count == 0) continue;
+            ++t;
+            uses += steps.count;
+        }
+    };
 
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<kBackwardProducerRegisters>();
-        if (tma && threadIdx.x >= 32) return;
+        if (tma && threadIdx.x >= 32) {
+            // The dQ writer: its own function (inlined, it raised the copy walks' registers
+            // past the producer's 40: 120 bytes spilled).
+            if (ATOMIC_DQ && threadIdx.x < 64)
+                add_dq_tiles<BM, DT>(&dq_accum_map, dq_s, dq_at, dq_full, dq_empty);
+            return;
+        }
         // Each work tile with query steps: its K and V, then each step's stage. The copy
-        // engine's loop and cp.async's are two loops of this walk (one loop holding both
-        // kept the state of both: 24 bytes spilled at the producer's 40 registers).
+        // engine's loop and cp.async's are two walks (one loop holding both kept the
+        // state of both: 24 bytes spilled at the producer's 40 registers).
         auto walk = [&](auto&& copy_tile) {
-            WorkTile w;
-            for (int round = 0, t = 0, uses = 0;
-                 work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w);
-                 ++round) {
-                Tile tile;
-                if (!tile_of(w, tile)) continue;
-                const QuerySteps<BM> steps(tile.seq.mask, tile.n0, tile.n0 + BN, tile.hk, group);
-                if (steps.count == 0) continue;
+            for_each_tile([&](const Tile& tile, const QuerySteps<BM>& steps, int uses, int t) {
+                if (steps.count == 0) return;
                 if constexpr (PERSISTENT) mbarrier_wait(kv_empty, (t & 1) ^ 1);
                 copy_tile(tile, steps, uses);
-                ++t;
-                uses += steps.count;
-            }
+            });
         };
         if (tma) {
             walk([&](const Tile& tile, const QuerySteps<BM>& steps, int uses) {
@@ -224,14 +277,10 @@ __global__ void __launch_bounds__(384, 1)
     const int key_row = wg_key0 + warp_row;  // the warp's
     const int dq_col = 64 * consumer;        // the consumer's columns of dQ
 
-    WorkTile w;
-    for (int round = 0, kv_phase = 0, uses = 0;
-         work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w); ++round) {
-        Tile tile;
-        if (!tile_of(w, tile)) continue;
+    int all_uses = 0;  // the ring's uses of every tile so far: the dQ tiles handed over
+    for_each_tile([&](const Tile& tile, const QuerySteps<BM>& steps, int uses, int t_kv) {
         const Mask& mask = tile.seq.mask;
         const int n0 = tile.n0, hk = tile.hk, b = tile.seq.batch;
-        const QuerySteps<BM> steps(mask, n0, n0 + BN, hk, group);
         float* const dq_seq = dq_accum + tile.seq.q_start * DT;  // rows of the class's width
 
         float dk_acc[DTILES][4], dv_acc[DTILES][4];
@@ -241,8 +290,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
 
         if (steps.count > 0) {
-            mbarrier_wait(kv_full, kv_phase);
-            kv_phase ^= 1;
+            mbarrier_wait(kv_full, t_kv & 1);
             fence_proxy_async();  // the producer's cp.async writes, read by wgmma (async proxy)
         }
         for (int step = 0; step < steps.count; ++step) {
@@ -286,7 +334,7 @@ __global__ void __launch_bounds__(384, 1)
                                                       lse_b, scale_log2, mods, false);
             wgmma_wait<0>();
             pin_registers(dpt);
-            dscores(st, dpt, t, delta_b);
+            dscores(st, dpt, t, delta_b, scale);  // dS^T scale: dQ and dK come out scaled
 
             // P^T and dS^T as A fragments (16 queries a step); with ATOMIC_DQ dS^T also to
             // shared memory: element (key, query) of [BN keys][BM queries] in the swizzled
@@ -330,24 +378,28 @@ __global__ void __launch_bounds__(384, 1)
             };
             auto add_dq = [&]() {  // once dQ's wgmma is done
                 pin_registers(dq);
-                // The warp's rows of the tile, free once its last additions have read them.
-                if (lane < 16) bulk_wait_read<0>();
-                __syncwarp();
-                // With the maps: the warp's 16 rows as two boxes of 32 columns (4 KB a warp,
-                // the 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), one bulk
-                // tensor reduction each; else rows DQ_PITCH apart, one bulk reduction a row.
-                float* const boxes = dq_s + (consumer * 4 + warp) * (2 * 16 * 32);
+                // The tile is free once the last additions have read it: with the maps the
+                // writer grants it, else each warp waits for its own rows'.
+                if (tma) {
+                    mbarrier_wait(dq_empty, (use & 1) ^ 1);  // step use - 1's tile read
+                } else {
+                    if (lane < 16) bulk_wait_read<0>();
+                    __syncwarp();
+                }
+                // With the maps: four boxes of 32 columns by BM rows (8 KB each, the
+                // 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), which the dQ
+                // writer adds; else rows DQ_PITCH apart, one bulk reduction a row.
+                float* const boxes = dq_s + (dq_col / 32) * (BM * 32);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = g + 8 * r;
                     float* dst = dq_s + (warp_row + row) * DQ_PITCH + dq_col + 2 * t;
 #pragma unroll
                     for (int j = 0; j < DQ_COLS / 8; ++j) {
-                        const float2 value =
-                            make_float2(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
+                        const float2 value = make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
                         if (tma)
                             *reinterpret_cast<float2*>(
-                                boxes + (j >> 2) * (16 * 32) + row * 32 +
+                                boxes + (j >> 2) * (BM * 32) + (warp_row + row) * 32 +
                                 (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 2) + 2 * (t & 1)) =
                                 value;
                         else
@@ -355,16 +407,16 @@ __global__ void __launch_bounds__(384, 1)
                     }
                 }
                 fence_proxy_async();  // this thread's writes, then read by the copy engine
-                __syncwarp();
                 if (tma) {
-                    if (lane == 0) {
-                        for (int i = 0; i < 2; ++i)
-                            bulk_tensor_reduce_add_4d(&dq_accum_map, dq_col + 32 * i, m0 + warp_row,
-                                                      h, b, boxes + i * (16 * 32));
-                        bulk_commit();
+                    if (threadIdx.x == 128) {
+                        dq_at[0] = m0;
+                        dq_at[1] = h;
+                        dq_at[2] = b;
                     }
+                    mbarrier_arrive(dq_full);
                     return;
                 }
+                __syncwarp();
                 const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
                 if (lane < 16) {
                     if (row < rows)
@@ -409,15 +461,20 @@ __global__ void __launch_bounds__(384, 1)
         }
         if (PERSISTENT && steps.count > 0)  // K and V read for the last time in this tile
             mbarrier_arrive(kv_empty);
-        uses += steps.count;
+        all_uses = uses + steps.count;
 
         const long long tile_key = tile.seq.kv_start * dkv_st.s + offset_of(dkv_st, b, hk, n0);
         store_fragment_rows<T, D, DTILES>(dk + tile_key, dkv_st.s, key_row, tile.seq.key_rows - n0,
-                                          0, dk_acc, scale);
+                                          0, dk_acc, 1.f);
         store_fragment_rows<T, D, DTILES>(dv + tile_key, dkv_st.s, key_row, tile.seq.key_rows - n0,
                                           0, dv_acc, 1.f);
+    });
+    if (ATOMIC_DQ && tma) {  // the writer's last tile: none
+        mbarrier_wait(dq_empty, (all_uses & 1) ^ 1);
+        if (threadIdx.x == 128) dq_at[0] = -1;
+        mbarrier_arrive(dq_full);
     }
-    if (ATOMIC_DQ && lane < 16) bulk_wait<0>();  // dQ's additions, before the block exits
+    if (ATOMIC_DQ && !tma && lane < 16) bulk_wait<0>();  // dQ's additions, before the exit
 }
 
 }  // namespace cuflash

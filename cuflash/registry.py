@@ -262,9 +262,10 @@ KERNELS = (
     # consumers, 192 query rows a block) plain calls whose rows see fewer than 768 keys
     # on average take the two-blocks-an-SM forward_wgmma (D = 64, S = 1024 causal: 208
     # against 237 TFLOP/s; S = 4096: 456 against 350; docs/kernels/forward-sm90-wgmma.md).
-    # Its plain calls whose rows see fewer than 1536 keys run persistent, a block an SM
-    # (S = 1024: D = 128 causal 383 against 349, D = 64 389 against 363; longer calls
-    # lost: D = 128, S = 4096 591 against 628, S = 16384 causal 449 against 604).
+    # Its plain calls whose rows see fewer than 2560 keys run persistent, a block an SM
+    # (S = 1024: D = 128 causal 383 against 349, D = 64 389 against 363; 2048 keys level
+    # to +8 % on two machines; longer calls lost: D = 128, S = 4096 591 against 628,
+    # S = 16384 causal 449 against 604).
     KernelSpec(
         "forward_wgmma_ws",
         "forward",
@@ -279,7 +280,7 @@ KERNELS = (
         block_tiles=_owned_and_visited,
         reads_key_counts=True,
         short_rows_kernel=("forward_wgmma", 64, 768),
-        persistent_keys=1536,
+        persistent_keys=2560,
         value_dims=True,
     ),
     # Short plain calls up to D = 64 take forward_wgmma, two blocks an SM
@@ -369,6 +370,9 @@ KERNELS = (
         padded_dq=True,
         atomic_dq_head_dims=(72, 128),
         dq_kernel="backward_dq_wgmma",
+        # Its persistent roles lost to a block a tile once the dQ writer warp came
+        # (2026-12-04: 3-8 % at S = 1024-2048, 29 % at S = 16384 causal): compiled, never
+        # chosen; CUFLASH_PERSISTENT=1 runs them.
         persistent_keys=0,
     ),
     KernelSpec(

@@ -199,10 +199,10 @@ def test_dispatch_order():
         assert (
             registry.choose("forward", bf16, head_dim, 90, modified=True).name == "forward_wgmma_ws"
         )
-    # its plain calls whose rows see fewer than 1536 keys on average run its persistent
+    # its plain calls whose rows see fewer than 2560 keys on average run its persistent
     # role (a block an SM), the others and every modified call a block a tile
     ws = registry.BY_NAME["forward_wgmma_ws"]
-    assert ws.persists(False, 1535.5) and not ws.persists(False, 1536)
+    assert ws.persists(False, 2559.5) and not ws.persists(False, 2560)
     assert not ws.persists(True, 10) and not ws.persists(False, None)
     assert not registry.BY_NAME["forward_wgmma"].persists(False, 10)
     assert ws.role(persistent=True) == "forward_wgmma_ws_persistent" in ws.roles()

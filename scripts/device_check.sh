@@ -6,7 +6,7 @@
 #          bench-float32, bench-tf32, decode, first-call, train, sanitize, ncu (Nsight Compute on
 #          the first launch of NCU_KERNEL, a regex, in quick_bench's case NCU_CASE: stall
 #          reasons, tensor pipe use), ncu-source (the same with stall samples per SASS
-#          instruction, to $OUT/ncu-source-sass.csv), forward-tma (the copy engine's
+#          instruction, to $OUT/ncu-source-sass.csv; NCU_ARGS: quick_bench's options), forward-tma (the copy engine's
 #          forward: its GPU tests, forward timings with and without it, host time), backward-ws
 #          (the warp-specialized backward: its copy engine's GPU tests, timings
 #          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets),
@@ -83,7 +83,7 @@ for step in $steps; do
     ncu-source) run ncu-source 300 ncu --kernel-name "regex:${NCU_KERNEL:-forward_wgmma_ws}" \
            --launch-count 1 --clock-control none --section SpeedOfLight --section WarpStateStats \
            --section SourceCounters -f -o "$OUT/ncu-source" \
-           python3 scripts/quick_bench.py --forward --rows=auto ${NCU_CASE:-128,4096,0}
+           python3 scripts/quick_bench.py ${NCU_ARGS:---forward --rows=auto} ${NCU_CASE:-128,4096,0}
          # stall samples per SASS instruction, for reading here (NCU_KERNEL's first launch)
          ncu -i "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
            > "$OUT/ncu-source-sass.csv" 2>&1

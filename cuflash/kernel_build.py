@@ -239,7 +239,7 @@ class CompileReport:
         instructions are serialized due to ..." (C7519, e.g. for a wgmma in a branch that
         depends on the warpgroup; C7512, insufficient register resources: every wgmma
         then waits for the one before, which the register counts do not show)."""
-        info, current = {}, None
+        info, current, properties_of = {}, None, None
         serialized = set(
             re.findall(
                 r"wgmma\.mma_async instructions are serialized.*? function '(\w+)'", self.log
@@ -248,10 +248,15 @@ class CompileReport:
         for line in self.log.splitlines():
             m = re.search(r"Compiling entry function '(\w+)'", line)
             if m:
-                current = m.group(1)
+                current = properties_of = m.group(1)
                 info[current] = {}
                 continue
-            if current is None:
+            # A called function's properties follow its caller's: they are not the kernel's.
+            m = re.search(r"Function properties for (\w+)", line)
+            if m:
+                properties_of = m.group(1)
+                continue
+            if current is None or properties_of != current:
                 continue
             m = re.search(
                 r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line

@@ -99,6 +99,36 @@ def test_serialized_wgmma_advisories_are_read():
     assert marked == {"a": True, "b": True, "c": False}
 
 
+def test_called_functions_do_not_hide_the_kernels_spills():
+    """ptxas lists a called (``__noinline__``) function's properties after its kernel's:
+    the kernel keeps its own stack frame and spills, not the callee's."""
+    log = "\n".join(
+        [
+            "ptxas info    : Compiling entry function 'k_a' for 'sm_90a'",
+            "ptxas info    : Function properties for k_a",
+            "ptxas         .     96 bytes stack frame, 120 bytes spill stores,"
+            " 128 bytes spill loads",
+            "ptxas info    : Used 168 registers, used 2 barriers, 96 bytes cumulative stack size",
+            "ptxas info    : Function properties for callee_f",
+            "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Compiling entry function 'k_b' for 'sm_90a'",
+            "ptxas info    : Function properties for k_b",
+            "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Used 128 registers, used 1 barriers",
+        ]
+    )
+    variant = kernel_build.Variant(np.dtype(np.float16), 128, 90)
+    report = kernel_build.CompileReport(variant, "sm_90a", log, b"", {"a": "k_a", "b": "k_b"})
+    info = report.kernels()
+    assert (info["a"]["stack"], info["a"]["spill_stores"], info["a"]["spill_loads"]) == (
+        96,
+        120,
+        128,
+    )
+    assert info["a"]["registers"] == 168
+    assert (info["b"]["spill_stores"], info["b"]["registers"]) == (0, 128)
+
+
 def test_variants_cover_every_dtype_and_head_dim():
     variants = kernel_build.all_variants()
     assert len(variants) == 3 * 32

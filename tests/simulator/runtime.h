@@ -34,7 +34,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static  // one block runs at a time: a function's static is its block's
 #define __align__(n) alignas(n)

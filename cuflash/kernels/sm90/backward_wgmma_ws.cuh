@@ -77,8 +77,8 @@ __device__ __forceinline__ void consumers_meet() {
 // barrier all consumers waited at made every warp wait for the slowest: 8 % of the
 // stall samples at D = 128).
 template <int BM, int DT>
-__device__ __noinline__ void add_dq_tiles(const TensorMap* map, const float* tile, const int* at,
-                                          unsigned long long* full, unsigned long long* empty) {
+__device__ __forceinline__ void add_dq_tiles(const TensorMap* map, const float* tile, const int* at,
+                                             unsigned long long* full, unsigned long long* empty) {
     for (unsigned phase = 0;; phase ^= 1) {
         mbarrier_wait(full, phase);
         // Lane 0 alone reads the coordinates: its arrival on empty hands them back too
@@ -183,10 +183,12 @@ __global__ void __launch_bounds__(384, 1)
 
     if (threadIdx.x < 128) {  // ---- the producer
         registers_down<kBackwardProducerRegisters>();
-        if (tma && threadIdx.x >= 32) {
-            // The dQ writer: its own function (inlined, it raised the copy walks' registers
-            // past the producer's 40: 120 bytes spilled).
-            if (ATOMIC_DQ && threadIdx.x < 64)
+        // The warp's index as a value ptxas knows is the same in every lane: split on
+        // threadIdx.x it took the dQ writer for a divergent branch of the copy walks'
+        // warp and spilled 120 bytes of the walks at the producer's 40 registers.
+        const int producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+        if (tma && producer_warp != 0) {
+            if (ATOMIC_DQ && producer_warp == 1)  // the dQ writer
                 add_dq_tiles<BM, DT>(&dq_accum_map, dq_s, dq_at, dq_full, dq_empty);
             return;
         }

@@ -11,8 +11,9 @@ import time
 import numpy as np
 
 import cuflash
-from cuflash.problem import BFLOAT16
 from cuflash.reference import attention_reference, attention_reference_grad
+
+from .core.problem import BFLOAT16
 
 
 def _gpu_available():

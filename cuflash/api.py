@@ -4,8 +4,10 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, fp8, plans, value_dims
-from .problem import backward_problem, forward_problem
+from . import fp8
+from .core.problem import backward_problem, forward_problem
+from .cpu import dense as cpu
+from .gpu import plans, value_dims
 
 
 def _empty_forward(problem):
@@ -238,7 +240,7 @@ def flash_attention_fwd(
             return _empty_forward(problem)
         if problem.xp is np:
             return cpu.forward(problem, q, k, v, alibi_slopes, sinks)
-        from . import gpu  # imported on first GPU use only
+        from .gpu import launch as gpu  # imported on first GPU use only
 
         plan = value_dims.forward_plan(gpu.ForwardPlan, problem, q, k, v)
         plans.remember(key, plan)
@@ -372,7 +374,7 @@ def flash_attention_bwd(
             return _empty_backward(problem)
         if problem.xp is np:
             return cpu.backward(problem, dout, q, k, v, output, lse, alibi_slopes, sinks)
-        from . import gpu  # imported on first GPU use only
+        from .gpu import launch as gpu  # imported on first GPU use only
 
         plan = value_dims.backward_plan(
             gpu.BackwardPlan,

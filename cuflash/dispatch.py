@@ -10,8 +10,8 @@ The choice is held in a context variable, so it is per thread and per task.
 import contextlib
 import contextvars
 
-from . import registry
 from .errors import InvalidArgumentError
+from .gpu import registry
 
 PATHS = ("auto", "general")
 # (kernel path, skipped kernels, tried opt-in kernels): one variable, so that a call's
@@ -49,7 +49,7 @@ def kernel_path(name):
         apply and the general kernels elsewhere; ``"general"`` runs the
         general kernels for every call. Tensor-core kernels need compute
         capability 8.0 or newer and 16-byte aligned rows; which kernel serves
-        which call is the table of ``cuflash.registry``.
+        which call is the table of ``cuflash.gpu.registry``.
     """
     if name not in PATHS:
         raise InvalidArgumentError("kernel_path", f"expected one of {PATHS}, got {name!r}")
@@ -64,7 +64,7 @@ def current():
 
 @contextlib.contextmanager
 def skip_kernels(*names):
-    """Pass over the kernels ``names`` (of ``cuflash.registry.KERNELS``) inside the
+    """Pass over the kernels ``names`` (of ``cuflash.gpu.registry.KERNELS``) inside the
     ``with`` block, so that the next in line serves: for tests and benchmarks that
     compare kernels.
 
@@ -87,12 +87,12 @@ def excluded():
 @contextlib.contextmanager
 def try_kernels(*names):
     """Let the dispatch take the opt-in kernels ``names`` (``KernelSpec.opt_in`` of
-    ``cuflash.registry.KERNELS``: written and checked without a GPU, awaiting their GPU
+    ``cuflash.gpu.registry.KERNELS``: written and checked without a GPU, awaiting their GPU
     run) inside the ``with`` block, where they serve the call, for tests and benchmarks.
     No kernel of this release is opt-in.
 
     >>> import cuflash
-    >>> sorted(spec.name for spec in cuflash.registry.KERNELS if spec.opt_in)
+    >>> sorted(spec.name for spec in cuflash.gpu.registry.KERNELS if spec.opt_in)
     []
     """
     unknown = set(names) - {spec.name for spec in registry.KERNELS if spec.opt_in}

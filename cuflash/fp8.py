@@ -17,7 +17,7 @@ import numbers
 
 import numpy as np
 
-from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES
+from .core.dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES
 from .errors import InvalidArgumentError
 
 try:

@@ -14,9 +14,9 @@ import numbers
 import numpy as np
 
 from . import fp8
+from .core.problem import array_module, forward_problem
 from .errors import InvalidArgumentError
 from .kvcache import kvcache_problem
-from .problem import array_module, forward_problem
 from .varlen import varlen_problem, verified_offsets
 
 
@@ -257,7 +257,7 @@ def kvcache_forward(
     q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, problem.batch, num_kv_heads)
     dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
     if check and xp is not np:  # before the append writes the cache
-        from .kvcache_gpu import verify_on_host
+        from .gpu.kvcache import verify_on_host
 
         verify_on_host(problem, cache_seqlens, block_table)
     if isinstance(cache_seqlens, numbers.Integral):

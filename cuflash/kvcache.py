@@ -3,10 +3,10 @@
 :func:`flash_attention_with_kvcache` appends new keys and values to a cache
 in place and attends the query rows of each sequence to its cached keys, with
 per-sequence lengths, a contiguous or a paged cache, and the masking rules of
-the dense functions. NumPy arrays run the CPU path (:mod:`cuflash.kvcache_cpu`); CuPy
+the dense functions. NumPy arrays run the CPU path (:mod:`cuflash.cpu.kvcache`); CuPy
 arrays run the split-KV kernels of the registry's ``STANDALONE_KERNELS``
-(``kernels/kvcache_*.cu``), chosen by :mod:`cuflash.decode_kernels` and launched by
-:mod:`cuflash.kvcache_gpu`.
+(``kernels/kvcache_*.cu``), chosen by :mod:`cuflash.gpu.decode_kernels` and launched by
+:mod:`cuflash.gpu.kvcache`.
 """
 
 import dataclasses
@@ -15,12 +15,10 @@ import numbers
 
 import numpy as np
 
-from . import fp8, plans
+from . import fp8
 from . import rotary as rotary_embedding
-from .errors import InvalidArgumentError
-from .kvcache_cpu import cpu_forward
-from .masking import normalize_window
-from .problem import (
+from .core.masking import normalize_window
+from .core.problem import (
     MAX_GRID_YZ,
     array_module,
     check_alibi_slopes,
@@ -36,6 +34,9 @@ from .problem import (
     check_softcap,
     check_user_modifiers,
 )
+from .cpu.kvcache import cpu_forward
+from .errors import InvalidArgumentError
+from .gpu import plans
 
 # Head dims the KV-cache call takes (absorbed MLA decodes a 576-wide latent whose first
 # 512 columns are the values). On the GPU, one head dim up to GPU_MAX_HEAD_DIM takes the
@@ -677,7 +678,7 @@ def flash_attention_with_kvcache(
             *tables,
         )
         return (out, lse) if problem.return_lse else out
-    from .kvcache_gpu import DecodePlan, gpu_forward  # imported on first GPU use only
+    from .gpu.kvcache import DecodePlan, gpu_forward  # imported on first GPU use only
 
     if key is not None and problem.batch * problem.num_heads:
         plan = DecodePlan(

@@ -13,9 +13,9 @@ import multiprocessing
 import os
 import time
 
-from . import kernel_build, registry
+from .core.problem import DTYPES_BY_NAME
 from .errors import InvalidArgumentError
-from .problem import DTYPES_BY_NAME
+from .gpu import kernel_build, registry
 
 
 def jobs_for(dtypes, head_dims, sm):

@@ -3,7 +3,7 @@
 Slow and memory-hungry (it holds the ``S_q x S_k`` matrix) on purpose: it is
 the definition the kernels are tested against, written straight from the
 masking rule of the Semantics page, independent of the kernels' tiling and of
-:mod:`cuflash.masking`.
+:mod:`cuflash.core.masking`.
 NumPy arrays in, NumPy float64 arrays out.
 """
 

@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from .core.problem import array_module, check_flag, check_rank
 from .errors import InvalidArgumentError
-from .problem import array_module, check_flag, check_rank
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import kernel_build, registry
+from .gpu import kernel_build, registry
 
 
 def grouped(sinks, num_kv_heads, group_size):

@@ -20,12 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from . import cpu, fp8, plans, value_dims
+from . import fp8
 from . import sinks as attention_sinks
 from .api import AttentionConfig
-from .errors import InvalidArgumentError
-from .packed_plans import PackedBackward, PackedForward, heads_first
-from .problem import (
+from .core.problem import (
     MAX_GRID_YZ,
     PackedSequences,
     array_module,
@@ -40,6 +38,10 @@ from .problem import (
     check_rank,
     forward_problem,
 )
+from .cpu import dense as cpu
+from .errors import InvalidArgumentError
+from .gpu import plans, value_dims
+from .gpu.packed_plans import PackedBackward, PackedForward, heads_first
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ Build with::
 
 The visible-key pictures are drawn at every build by ``make_mask_figures.py``
 from the library's own masking rule, into ``docs/_static/masks/``; the table of
-kernels is written from ``cuflash.registry`` into ``docs/_generated/``.
+kernels is written from ``cuflash.gpu.registry`` into ``docs/_generated/``.
 """
 
 import sys
@@ -25,7 +25,7 @@ make_mask_figures.main(DOCS / "_static" / "masks")
 # The kernel registry's coverage table, for the performance page.
 (DOCS / "_generated").mkdir(exist_ok=True)
 (DOCS / "_generated" / "kernels.md").write_text(
-    __import__("cuflash.registry").registry.coverage_table() + "\n"
+    __import__("cuflash.gpu.registry").gpu.registry.coverage_table() + "\n"
 )
 
 project = "cuflash"

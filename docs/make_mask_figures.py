@@ -1,7 +1,7 @@
 """Draw the visible-key pictures of the Semantics page from the library's own rule.
 
-Every picture comes from :func:`cuflash.masking.visible_keys`, fed with the
-window bounds that :func:`cuflash.problem.forward_problem` derives from the
+Every picture comes from :func:`cuflash.core.masking.visible_keys`, fed with the
+window bounds that :func:`cuflash.core.problem.forward_problem` derives from the
 user-facing arguments (``causal``, ``window_size``, ``kv_seq_len``), so the
 pictures show exactly what the kernels compute. As a guard, each pattern is
 also read back from a real forward pass on the CPU path (uniform scores and
@@ -32,8 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import cuflash  # noqa: E402
-from cuflash.masking import visible_keys  # noqa: E402
-from cuflash.problem import forward_problem  # noqa: E402
+from cuflash.core.masking import visible_keys  # noqa: E402
+from cuflash.core.problem import forward_problem  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "_static" / "masks"
 HIDDEN, VISIBLE, NOT_READ = 0, 1, 2

@@ -32,14 +32,14 @@ def _variants(spec):
     """``spec``: "bfloat16:64:90,float32:128:80,..." or "" for the compile tests' set."""
     import numpy as np
 
-    from cuflash import kernel_build
+    from cuflash.gpu import kernel_build
 
     if not spec:
         sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
         from test_compile import JOBS
 
         return [(v, arch) for v, arch in JOBS]
-    from cuflash.dtypes import BFLOAT16
+    from cuflash.core.dtypes import BFLOAT16
 
     jobs = []
     for item in spec.split(","):
@@ -52,7 +52,7 @@ def _variants(spec):
 
 def _sass_digests(report):
     """Per role: a digest of its SASS, constant-bank operands and addresses blanked."""
-    from cuflash import kernel_build
+    from cuflash.gpu import kernel_build
 
     tool = kernel_build.find_cuobjdump()
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +79,7 @@ def _sass_digests(report):
 
 
 def _compile(job):
-    from cuflash import kernel_build
+    from cuflash.gpu import kernel_build
 
     variant, arch, roles = job
     report = kernel_build.compile_offline(variant, arch, roles=roles)

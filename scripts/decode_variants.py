@@ -17,9 +17,9 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cuflash import decode_kernels, plans, registry
-from cuflash.decode_kernels import decode_tc_name
-from cuflash.decode_tiles import decode_tc_shape
+from cuflash.gpu import decode_kernels, plans, registry
+from cuflash.gpu.decode_kernels import decode_tc_name
+from cuflash.gpu.decode_tiles import decode_tc_shape
 from cuflash.kvcache import flash_attention_with_kvcache
 
 CASES = [
@@ -95,7 +95,7 @@ def use_variant(original, keys, stages, smem_floor=0):
 
 
 def _compile(name):
-    from cuflash.kernel_build import load_standalone
+    from cuflash.gpu.kernel_build import load_standalone
 
     load_standalone(name)
     return name

@@ -17,7 +17,7 @@ import cupy
 import cuflash
 from cuflash.bench import time_calls
 from cuflash.bench.decode import DecodeCase, make_decode_sets, paged_input_set
-from cuflash.problem import BFLOAT16
+from cuflash.core.problem import BFLOAT16
 
 
 def median_us(fn):

@@ -17,7 +17,7 @@ import numpy as np
 
 import cuflash
 from cuflash import fp8
-from cuflash.problem import BFLOAT16
+from cuflash.core.problem import BFLOAT16
 from cuflash.reference import attention_reference
 
 sys.path.insert(0, "tests")

@@ -1,5 +1,5 @@
 """Absorbed-MLA decoding with each tile of keys of kvcache_decode_mla: the default
-(``cuflash.decode_tiles.decode_mla_keys``) and each forced size, on the cases of
+(``cuflash.gpu.decode_tiles.decode_mla_keys``) and each forced size, on the cases of
 ``python -m cuflash.bench --mla-decode``, in one process.
 
 Usage: python scripts/mla_variants.py [KEYS ...]   (default: 64 32 16)
@@ -8,9 +8,9 @@ The launch plans are dropped between sizes (a cached plan keeps its tile).
 
 import sys
 
-from cuflash import decode_kernels, plans
 from cuflash.bench.mla_decode import MLA_DECODE_CASES, format_mla_decode, mla_decode_report
 from cuflash.bench.timing import Budget
+from cuflash.gpu import decode_kernels, plans
 
 # Memory-bound and compute-bound, short and long: four of the eight.
 CASES = tuple(MLA_DECODE_CASES[i] for i in (1, 2, 5, 6))

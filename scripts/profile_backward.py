@@ -13,10 +13,11 @@ import sys
 import cupy
 
 import cuflash
-from cuflash import gpu, registry
 from cuflash.bench import time_calls
+from cuflash.core.problem import BFLOAT16, backward_problem
 from cuflash.dispatch import skip_kernels
-from cuflash.problem import BFLOAT16, backward_problem
+from cuflash.gpu import launch as gpu
+from cuflash.gpu import registry
 
 
 def main(d=128, s=4096, causal=False, ncu=False):

@@ -49,7 +49,8 @@ def host_times(calls, **kw):
 
 def primitive_costs(calls):
     """Microseconds per call of the host-side pieces a cached call is made of."""
-    from cuflash import gpu, plans
+    from cuflash.gpu import launch as gpu
+    from cuflash.gpu import plans
 
     q, k, v, _ = tiny_inputs()
     key_args = (1, 1, 64, True, 0, None, None, False, 0.0, None, None, None)

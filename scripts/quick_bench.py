@@ -21,8 +21,8 @@ import cupy
 
 import cuflash
 from cuflash.bench import time_calls
+from cuflash.core.problem import BFLOAT16
 from cuflash.dispatch import skip_kernels
-from cuflash.problem import BFLOAT16
 
 # row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
 PATHS_16 = {

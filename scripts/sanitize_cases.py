@@ -23,8 +23,8 @@ import cupy
 import numpy as np
 
 import cuflash
+from cuflash.core.problem import BFLOAT16
 from cuflash.dispatch import skip_kernels
-from cuflash.problem import BFLOAT16
 
 # name -> (kernel path, kernels skipped, allow_tf32). "auto" runs the defaults (on
 # Hopper the wgmma kernels for 16 bits and the float16 pieces for float32).

@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash.problem import BFLOAT16
+from cuflash.core.problem import BFLOAT16
 
 VARIANTS = [
     (np.float16, 64),

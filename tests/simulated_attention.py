@@ -4,7 +4,7 @@ cores) or for an H100/H200 (9.0: wgmma, float32 on its float16 pieces).
 
 :func:`forward` and :func:`backward` (dense) and :func:`varlen_forward` and
 :func:`varlen_backward` (packed batches) launch the kernels the registry chooses for
-``capability`` with the arguments ``cuflash.gpu``'s plans pass, in the same order, so
+``capability`` with the arguments ``cuflash.gpu.launch``'s plans pass, in the same order, so
 that a test can hold the results against the float64 oracle without a GPU. Score
 modifiers: the built-in ones (softcap, ALiBi) and the user's score and mask functions,
 compiled in as the library does, with their block mask's view in host memory (its
@@ -17,10 +17,11 @@ import math
 import numpy as np
 import simulator
 
-from cuflash import dispatch, kernel_params, registry, tile_traits
-from cuflash.gpu import USER_ARGS_DTYPE, _functors
-from cuflash.packed_plans import heads_first
-from cuflash.problem import backward_problem, forward_problem
+from cuflash import dispatch
+from cuflash.core.problem import backward_problem, forward_problem
+from cuflash.gpu import kernel_params, registry, tile_traits
+from cuflash.gpu.launch import USER_ARGS_DTYPE, _functors
+from cuflash.gpu.packed_plans import heads_first
 from cuflash.varlen import varlen_problem
 
 #: ``UserModifierArgs`` of kernels/common/common.cuh without user modifiers: zeros.
@@ -31,8 +32,8 @@ PIECES_HELPERS = ("float16_pieces_abs_max", "float16_pieces_split")
 def user_arguments(problem, spec, direction):
     """The ``UserModifierArgs`` record of ``spec``'s launches for ``problem``: its score
     and mask functions' NumPy arrays and, for a kernel that reads one, its block mask's
-    view in host memory (``direction`` as ``cuflash.gpu`` asks for it), as
-    ``cuflash.gpu.UserArguments`` makes them on the device; and the view, which the
+    view in host memory (``direction`` as ``cuflash.gpu.launch`` asks for it), as
+    ``cuflash.gpu.launch.UserArguments`` makes them on the device; and the view, which the
     record points into."""
     if problem.score_mod is None and problem.mask_mod is None:
         return NO_USER_ARGUMENTS, None
@@ -67,7 +68,7 @@ def _poisoned(shape, dtype):
 
 class _Output:
     """An output of ``heads`` heads and ``rows`` rows a head, NaN-poisoned, as
-    ``cuflash.gpu.OutputLayout`` lays it out: ``array`` (dense ``[B, heads, rows, D]``,
+    ``cuflash.gpu.launch.OutputLayout`` lays it out: ``array`` (dense ``[B, heads, rows, D]``,
     packed ``[rows, heads, D]``, D the head_dim or ``width``), ``view`` (``[B, heads,
     rows, D]`` either way) and the kernels' ``strides``."""
 
@@ -166,7 +167,7 @@ def _zero_outside(kernels, problem, output, offsets, lse=None):
 
 
 def _pieces(kernels, x, valid_rows):
-    """``(hi, lo, scales)``: the float16 pieces of float32 ``x`` (``cuflash.gpu``'s
+    """``(hi, lo, scales)``: the float16 pieces of float32 ``x`` (``cuflash.gpu.launch``'s
     Float16Pieces), rows past ``valid_rows`` of each head left poisoned."""
     batch, heads, seq_len, _ = x.shape
     abs_max = np.zeros((batch, heads), np.float32)

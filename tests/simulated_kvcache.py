@@ -12,10 +12,11 @@ import numpy as np
 import simulated_attention
 import simulator
 
-from cuflash import decode_kernels, kernel_params, kvcache, registry, rotary
-from cuflash.problem import forward_problem
+from cuflash import kvcache, rotary
+from cuflash.core.problem import forward_problem
+from cuflash.gpu import decode_kernels, kernel_params, registry
 
-#: What the split count is chosen for (cuflash.decode_kernels.num_splits): a small GPU, so that
+#: What the split count is chosen for (cuflash.gpu.decode_kernels.num_splits): a small GPU, so that
 #: the test shapes take several splits and the combine.
 RESIDENT_BLOCKS, SM_COUNT = 2, 4
 

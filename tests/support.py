@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 import cuflash
-from cuflash.problem import BFLOAT16
+from cuflash.core.problem import BFLOAT16
 from cuflash.reference import _mask, _modified_scores, attention_reference, attention_reference_grad
 
 try:
@@ -495,8 +495,8 @@ def compile_and_check(names, arch, functors=None, source_file=None):
     """Compile ``names`` for ``arch`` through NVRTC (no GPU; with the user's modifier
     functors if given): each kernel without spills or a stack frame, in at most 255
     registers. ``names``: registry kernels outside the variants (their source file from
-    ``cuflash.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
-    from cuflash import kernel_build, registry
+    ``cuflash.gpu.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
+    from cuflash.gpu import kernel_build, registry
 
     if source_file is None:  # each registry kernel's own file
         by_source = {}

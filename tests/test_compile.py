@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from cuflash import kernel_build, registry, tile_traits
+from cuflash.gpu import kernel_build, registry, tile_traits
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
 
@@ -460,7 +460,8 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     file, a C++ kernel or a RawModule besides the registry and the kernel build."""
     from pathlib import Path
 
-    from cuflash import decode_kernels, kvcache
+    from cuflash import kvcache
+    from cuflash.gpu import decode_kernels
 
     launched = set()
     for dtype in registry.CXX_TYPES:

@@ -11,7 +11,7 @@ from support import DTYPES, FLOOR, compile_and_check, rel_error, to_numpy
 
 import cuflash
 from cuflash import distributed as dist
-from cuflash.masking import visible_keys
+from cuflash.core.masking import visible_keys
 from cuflash.reference import attention_reference, attention_reference_grad
 
 BOUND = {"float32": 2e-5, "bfloat16": 1.5e-2}
@@ -413,7 +413,7 @@ def test_ring_demo_runs_on_every_gpu():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_merge_kernel_compiles_without_spills(arch):
-    from cuflash import registry
+    from cuflash.gpu import registry
 
     merge = registry.STANDALONE["ring_merge"]
     compile_and_check([merge.name_expression(dtype=dtype) for dtype in registry.CXX_TYPES], arch)

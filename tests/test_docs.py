@@ -269,7 +269,7 @@ MODULES = ["cuflash"] + sorted(
 def test_docstring_examples(name):
     try:
         module = importlib.import_module(name)
-    except ImportError as exc:  # cuflash.gpu without CuPy
+    except ImportError as exc:  # cuflash.gpu.launch without CuPy
         pytest.skip(f"{name} cannot be imported here: {exc}")
     report = []
     runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)

@@ -41,7 +41,8 @@ def test_gpu_deterministic_matches_oracle(case, rng, poisoned, path):
 )
 def test_fast_path_dispatch(rng, dtype, head_dim, expected):
     """Tensor cores where the registry has them (float32: the float16 pieces, on Hopper)."""
-    from cuflash import gpu, problem
+    from cuflash.core import problem
+    from cuflash.gpu import launch as gpu
 
     if expected == "hopper":
         expected = int(cupy.cuda.Device().compute_capability) == 90

@@ -5,7 +5,7 @@ import pytest
 from support import Case, cupy, random_inputs, rel_error, to_numpy
 
 import cuflash
-from cuflash import plans
+from cuflash.gpu import plans
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ wide, q and k ``head_dim`` wide, on the CPU path and (marked ``gpu``) the GPU pa
 Dense and packed calls, forward and backward, against the float64 oracle on fresh random
 inputs, with D > D_v and D < D_v, GQA, causal and windows, sinks, the score modifiers,
 user modifiers and block masks, the deterministic backward and the vjp objects; the
-zero padding of :mod:`cuflash.value_dims` (the GPU path's) run on the CPU; and one
+zero padding of :mod:`cuflash.gpu.value_dims` (the GPU path's) run on the CPU; and one
 bad-input test an argument."""
 
 import dataclasses
@@ -28,9 +28,11 @@ from support import (
 )
 
 import cuflash
-from cuflash import cpu, modifiers, value_dims
+from cuflash import modifiers
 from cuflash.block_mask import create_block_mask
-from cuflash.problem import backward_problem, forward_problem
+from cuflash.core.problem import backward_problem, forward_problem
+from cuflash.cpu import dense as cpu
+from cuflash.gpu import value_dims
 from cuflash.reference import attention_reference, attention_reference_grad
 
 ARRAYS = [pytest.param("numpy", id="cpu"), pytest.param("cupy", id="gpu", marks=pytest.mark.gpu)]
@@ -252,7 +254,7 @@ def test_packed_sinks_and_alibi(arrays, rng, request):
 
 
 class _HostArrays:
-    """NumPy under the names :mod:`cuflash.value_dims` calls on CuPy: its padding, run on
+    """NumPy under the names :mod:`cuflash.gpu.value_dims` calls on CuPy: its padding, run on
     the CPU."""
 
     empty = staticmethod(np.empty)
@@ -336,11 +338,13 @@ def test_a_kernel_that_takes_value_dims_is_not_padded(rng):
     build.takes_value_dims = lambda *arrays: True
     built, arrays = value_dims.forward_plan(build, problem, q, k, v)
     assert built is problem and all(a is b for a, b in zip(arrays, (q, k, v)))
-    takes = {spec.name for spec in cuflash.registry.KERNELS if spec.takes_value_dims(64, 32)}
+    takes = {spec.name for spec in cuflash.gpu.registry.KERNELS if spec.takes_value_dims(64, 32)}
     assert takes == {"forward_wgmma_ws", "backward_wgmma", "backward_dq_wgmma", "backward_delta"}
-    assert not cuflash.registry.BY_NAME["forward_wgmma_ws"].takes_value_dims(32, 64)
+    assert not cuflash.gpu.registry.BY_NAME["forward_wgmma_ws"].takes_value_dims(32, 64)
     with pytest.raises(ValueError, match="does not take head_dim_v"):
-        cuflash.registry.BY_NAME["forward_wgmma"].name_expression("forward_wgmma", q.dtype, 64, 32)
+        cuflash.gpu.registry.BY_NAME["forward_wgmma"].name_expression(
+            "forward_wgmma", q.dtype, 64, 32
+        )
 
 
 def _arrays(xp, d=64, dv=32):
@@ -469,7 +473,7 @@ def test_native_forward_in_the_simulator(case, d, dv, options, rng):
     against the oracle, NaN-poisoned outputs; the modified role with sinks and ALiBi."""
     simulated = _simulator()
     case = dataclasses.replace(case, head_dim=d, head_dim_v=dv)
-    spec = cuflash.registry.choose(
+    spec = cuflash.gpu.registry.choose(
         "forward", DTYPES[case.dtype], d, 90, modified="softcap" in options
     )
     assert spec.name == "forward_wgmma_ws" and spec.takes_value_dims(d, dv)
@@ -517,7 +521,8 @@ def test_native_packed_forward_in_the_simulator(rng):
 def test_gpu_native_forward_matches_the_padded_one(rng, poisoned):
     """On an H100/H200 the MLA shape's forward runs natively (no padding); skipping that
     kernel pads instead: both against the oracle, and the same lse."""
-    from cuflash import dispatch, gpu
+    from cuflash import dispatch
+    from cuflash.gpu import launch as gpu
 
     case = Case(
         dtype="bfloat16",
@@ -595,7 +600,7 @@ def test_native_backward_in_the_simulator(case, d, dv, options, deterministic, r
     CPU path)."""
     simulated = _simulator()
     case = dataclasses.replace(case, head_dim=d, head_dim_v=dv, **options)
-    spec = cuflash.registry.choose("backward", DTYPES[case.dtype], d, 90, head_dim_v=dv)
+    spec = cuflash.gpu.registry.choose("backward", DTYPES[case.dtype], d, 90, head_dim_v=dv)
     assert spec.name == "backward_wgmma" and spec.takes_value_dims(d, dv)
     q, k, v, dout = random_inputs(case, rng)
     kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, head_dim_v=dv)
@@ -612,10 +617,10 @@ def test_backward_takes_the_narrower_v_where_its_kernels_do():
     (and its dQ pass), but in the 256 class only where its warpgroups can split dV's and
     dK's columns (64 of v's or fewer cannot); a wider v is padded."""
     bf16 = DTYPES["bfloat16"]
-    spec = cuflash.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
+    spec = cuflash.gpu.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
     assert spec.name == "backward_wgmma" and spec.dq_pass().takes_value_dims(192, 128)
-    assert cuflash.registry.choose("backward", bf16, 128, 90).name == "backward_wgmma_ws"
-    assert cuflash.registry.choose("backward", bf16, 128, 90, head_dim_v=64).name == (
+    assert cuflash.gpu.registry.choose("backward", bf16, 128, 90).name == "backward_wgmma_ws"
+    assert cuflash.gpu.registry.choose("backward", bf16, 128, 90, head_dim_v=64).name == (
         "backward_wgmma"
     )
     assert not spec.takes_value_dims(192, 64) and not spec.takes_value_dims(128, 192)

@@ -5,7 +5,9 @@ mma.sync ones, and float32 on the float16 pieces, against the float64 oracle."""
 import pytest
 from support import Case, cupy, random_inputs, run_and_check
 
-from cuflash import dispatch, gpu, problem
+from cuflash import dispatch
+from cuflash.core import problem
+from cuflash.gpu import launch as gpu
 
 pytestmark = pytest.mark.gpu
 

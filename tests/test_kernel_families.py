@@ -21,7 +21,10 @@ from support import (
 )
 
 import cuflash
-from cuflash import dispatch, gpu, plans, problem, registry
+from cuflash import dispatch
+from cuflash.core import problem
+from cuflash.gpu import launch as gpu
+from cuflash.gpu import plans, registry
 
 pytestmark = pytest.mark.gpu
 FLOAT32_CASES = [c for c in grid_cases() if c.dtype == "float32"]

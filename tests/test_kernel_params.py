@@ -1,4 +1,4 @@
-"""The host's records of the kernels' parameter lists (``cuflash.kernel_params``)
+"""The host's records of the kernels' parameter lists (``cuflash.gpu.kernel_params``)
 against the C++ compiler's layout of ``kernels/common/params.cuh``: NVRTC compiles one
 ``static_assert`` an offset of each list's struct, and a kernel declared with each list
 to PTX, whose parameters (their sizes and alignments: the parameter buffer's rule) must
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash import kernel_build, kernel_params
+from cuflash.gpu import kernel_build, kernel_params
 
 
 def _layout_asserts(name):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
-from cuflash import InvalidArgumentError, decode_kernels, kernel_build, kvcache, plans, registry
-from cuflash.decode_kernels import ROW_TILES, num_splits
-from cuflash.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
+from cuflash import InvalidArgumentError, kvcache
+from cuflash.gpu import decode_kernels, kernel_build, plans, registry
+from cuflash.gpu.decode_kernels import ROW_TILES, num_splits
+from cuflash.gpu.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
 from cuflash.kvcache import flash_attention_with_kvcache
 from cuflash.reference import attention_reference
 
@@ -780,7 +781,7 @@ def test_key_count_kernels_are_the_registrys():
     registry's ``reads_key_counts`` ones: the dense path of device-held lengths trusts it."""
     import re
 
-    from cuflash import registry
+    from cuflash.gpu import registry
 
     source = kernel_build.module_source()
     for spec in registry.KERNELS:

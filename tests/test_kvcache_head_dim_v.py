@@ -334,8 +334,8 @@ def mla_problem(case, rng):
 def test_mla_cases_route_to_their_kernel():
     """Every case takes kvcache_decode_mla with the latent flag of its v_cache, its tile
     of keys fitting the block's shared memory of sm_80, sm_86 and sm_90."""
-    from cuflash import decode_kernels, registry
-    from cuflash.decode_tiles import block_shared_limit
+    from cuflash.gpu import decode_kernels, registry
+    from cuflash.gpu.decode_tiles import block_shared_limit
 
     rng = np.random.default_rng(0)
     for case in MLA_CASES:
@@ -356,7 +356,7 @@ def test_mla_cases_route_to_their_kernel():
 def test_mla_kernels_compile_without_spills(arch):
     """The kvcache_decode_mla instantiations the cases launch on that architecture, and the
     combine at their value head dims, compile through NVRTC with no spill or stack frame."""
-    from cuflash import decode_kernels
+    from cuflash.gpu import decode_kernels
 
     rng = np.random.default_rng(0)
     capability = int(arch[3:5])

@@ -1,4 +1,4 @@
-"""The GPU path's kernel launch (cuflash.gpu.Launch) on the host side: the parameter
+"""The GPU path's kernel launch (cuflash.gpu.launch.Launch) on the host side: the parameter
 array it hands cuLaunchKernel, checked without a GPU by catching the driver call."""
 
 import ctypes
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-gpu = pytest.importorskip("cuflash.gpu")  # needs CuPy installed, not a GPU
+gpu = pytest.importorskip("cuflash.gpu.launch")  # needs CuPy installed, not a GPU
 
 
 class FakeFunction:
@@ -113,7 +113,7 @@ def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
     (``extra``: CU_LAUNCH_PARAM_BUFFER_POINTER, the record, CU_LAUNCH_PARAM_BUFFER_SIZE,
     a size_t of the kernel's parameter bytes, CU_LAUNCH_PARAM_END), with no
     ``kernelParams``; each call writes its addresses into the record."""
-    from cuflash import kernel_params
+    from cuflash.gpu import kernel_params
 
     calls = []
 
@@ -144,7 +144,8 @@ def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
 def test_kvcache_calls_without_a_plan_reuse_their_launches(monkeypatch):
     """The KV cache's calls with host-held lengths take no plan; their launches are kept by
     kernel, grid and record, so a repeated call packs only its addresses and length."""
-    from cuflash import kernel_params, kvcache_gpu
+    from cuflash.gpu import kernel_params
+    from cuflash.gpu import kvcache as kvcache_gpu
 
     monkeypatch.setattr(gpu, "_launch_kernel", lambda *args: None)
     monkeypatch.setattr(kvcache_gpu, "_LAUNCHES", {})

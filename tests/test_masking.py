@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cuflash.masking import (
+from cuflash.core.masking import (
     key_range,
     mean_visible_keys,
     normalize_window,

@@ -20,7 +20,7 @@ from support import (
 )
 
 import cuflash
-from cuflash import registry
+from cuflash.gpu import registry
 from cuflash.reference import attention_reference, attention_reference_grad
 
 BOUND = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
@@ -183,7 +183,7 @@ def test_registry_has_modified_kernels_for_every_call():
     the modifiers, forward and backward (and their dQ pass), in the variant
     the GPU path loads; 16-bit calls keep the tensor cores (the backward before Hopper at
     the mma.sync kernel's head dims 64 and 128)."""
-    from cuflash import kernel_build
+    from cuflash.gpu import kernel_build
 
     for dtype in DTYPES.values():
         for head_dim in kernel_build.HEAD_DIMS:

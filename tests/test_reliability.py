@@ -9,7 +9,7 @@ import pytest
 from support import Case, check_close, cupy, naive_in_dtype, oracle, score_magnitude, to_numpy
 
 import cuflash
-from cuflash.problem import BFLOAT16
+from cuflash.core.problem import BFLOAT16
 
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -23,7 +23,8 @@ from test_kvcache import (
     oracle,
 )
 
-from cuflash import InvalidArgumentError, flash_attention_with_kvcache, plans, registry, rotary
+from cuflash import InvalidArgumentError, flash_attention_with_kvcache, rotary
+from cuflash.gpu import plans, registry
 
 if HAS_GPU:
     import cupy

@@ -37,8 +37,9 @@ from test_kvcache import CASES as KV_CASES
 from test_kvcache import run_case
 
 import cuflash
-from cuflash import kernel_params, modifiers, registry
+from cuflash import modifiers
 from cuflash.block_mask import create_block_mask
+from cuflash.gpu import kernel_params, registry
 from cuflash.reference import attention_reference, attention_reference_grad
 
 pytestmark = pytest.mark.skipif(

@@ -113,6 +113,125 @@ def _circles(graph):
 def test_no_import_circles():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _module_imports()
-    assert {"cuflash.problem", "cuflash.gpu", "cuflash.modifiers.block_mask"} <= set(graph)
-    assert "cuflash.modifiers.block_mask" in graph["cuflash.problem"]
+    assert {"cuflash.core.problem", "cuflash.gpu.launch", "cuflash.modifiers.block_mask"} <= set(
+        graph
+    )
+    assert "cuflash.modifiers.block_mask" in graph["cuflash.core.problem"]
     assert _circles(graph) == []
+
+
+def _package_modules():
+    """Module name -> path, for every module of the package."""
+    modules = {}
+    for path in (ROOT / "cuflash").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _top_level_names(tree):
+    """The names a module binds at its top level (inside top-level ``if`` and ``try``
+    blocks too)."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                todo.extend(getattr(node, field, []))
+        elif isinstance(node, ast.ExceptHandler):
+            todo.extend(node.body)
+    return names
+
+
+def _import_problems(path, module, modules, names_of):
+    """Imports of the package in ``path`` (function-local ones too: a CPU run may never
+    reach those) whose module, name or module attribute does not exist."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    problems, bound = [], {}  # bound: a name -> the package module it holds
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "cuflash":
+                continue
+            if target not in modules:
+                problems.append(f"{path.name}:{node.lineno}: no module {target}")
+                continue
+            for a in node.names:
+                if f"{target}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{target}.{a.name}"
+                elif a.name != "*" and a.name not in names_of(target):
+                    problems.append(f"{path.name}:{node.lineno}: {target} has no {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "cuflash" and a.name not in modules:
+                    problems.append(f"{path.name}:{node.lineno}: no module {a.name}")
+                elif a.name.split(".")[0] == "cuflash" and a.asname:
+                    bound[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+        ):
+            held = bound[node.value.id]
+            if node.attr.startswith("__") or f"{held}.{node.attr}" in modules:
+                continue
+            if node.attr not in names_of(held):
+                problems.append(f"{path.name}:{node.lineno}: {held} has no {node.attr}")
+    return problems
+
+
+def test_every_import_of_the_package_resolves():
+    """Every ``import`` and ``from ... import`` of the package's modules in the package,
+    the tests, scripts, benchmarks and examples names a module that exists and a name it
+    binds, and every attribute read off such a module is one it binds: function-local
+    imports (the GPU paths') included, which the CPU suite never runs."""
+    modules = _package_modules()
+    cache = {}
+
+    def names_of(module):
+        if module not in cache:
+            cache[module] = _top_level_names(ast.parse(modules[module].read_text()))
+        return cache[module]
+
+    problems = []
+    for tree in PYTHON_TREES:
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            if "_build" in path.parts:
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            problems += _import_problems(path, module, modules, names_of)
+    assert problems == []
+    # and the check finds what it looks for
+    fake = ROOT / "tests" / "_fake_module_for_the_import_check.py"
+    source = (
+        "from cuflash.gpu import registry\nfrom cuflash import no_such_module\n"
+        "def f():\n    from cuflash.gpu.launch import NoSuchPlan\n"
+        "    return registry.NO_SUCH_TABLE\n"
+    )
+    found = _import_problems_of_source(source, fake, modules, names_of)
+    assert len(found) == 3, found
+
+
+def _import_problems_of_source(source, path, modules, names_of):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fake = Path(tmp) / path.name
+        fake.write_text(source)
+        return _import_problems(fake, "tests._fake", modules, names_of)

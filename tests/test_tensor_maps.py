@@ -1,4 +1,4 @@
-"""Tensor maps on the host (``cuflash.tensor_maps``), without a GPU: which arrays the
+"""Tensor maps on the host (``cuflash.gpu.tensor_maps``), without a GPU: which arrays the
 copy engine takes, and the rewrite of a map's address word, checked against fake
 encoders of known formats."""
 
@@ -6,8 +6,8 @@ import ctypes
 
 import pytest
 
-from cuflash import tensor_maps
-from cuflash.tensor_maps import TileMap
+from cuflash.gpu import tensor_maps
+from cuflash.gpu.tensor_maps import TileMap
 
 
 def test_supported_arrays():

@@ -7,7 +7,8 @@ import pytest
 from support import HAS_GPU, Case, check_results, random_inputs
 
 import cuflash
-from cuflash import gpu, plans, tensor_maps
+from cuflash.gpu import launch as gpu
+from cuflash.gpu import plans, tensor_maps
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,8 @@ from support import (
 )
 
 import cuflash
-from cuflash import gpu, plans, tensor_maps
+from cuflash.gpu import launch as gpu
+from cuflash.gpu import plans, tensor_maps
 
 pytestmark = pytest.mark.gpu
 

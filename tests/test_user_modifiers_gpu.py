@@ -283,7 +283,8 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
     """The kernels a call with user modifiers launches, with a document mask and a
     relative bias compiled in (mask-only without the bias): NVRTC for the arch, no spills,
     and the wgmma kernels still issue HGMMA; the block mask's classification kernel."""
-    from cuflash import kernel_build, precompile, registry
+    from cuflash import precompile
+    from cuflash.gpu import kernel_build, registry
 
     score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
     functors = kernel_build.UserFunctors.of(score_mod if with_score else None, mask_mod)
@@ -298,7 +299,7 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
     )
     assert len(report) == len(roles)
     if arch == "sm_90a" and dtype != "float32":
-        from cuflash.kernel_build import compile_offline
+        from cuflash.gpu.kernel_build import compile_offline
 
         compiled = compile_offline(variant, arch, [r for r in roles if "wgmma" in r], functors)
         try:
@@ -640,7 +641,7 @@ def test_kvcache_block_mask_is_checked(rng):
 def test_decode_kernels_with_user_functors_compile(arch, rng):
     """The decode kernels (tensor-core and CUDA-core) with a relative bias and a document
     mask compiled in, and mask-only: NVRTC for the arch, no spills."""
-    from cuflash import kernel_build
+    from cuflash.gpu import kernel_build
 
     score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
     names = [

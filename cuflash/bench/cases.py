@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..problem import DTYPES_BY_NAME
+from ..core.problem import DTYPES_BY_NAME
 from .environment import cupy
 
 TOKENS = 16384

@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import kernel_build, plans
 from ..api import flash_attention_bwd, flash_attention_fwd
+from ..gpu import kernel_build, plans
 from .cases import Case, make_input_sets
 from .environment import cupy
 

@@ -4,7 +4,7 @@ dout and the output) padded by the caller to 192 columns, forward and backward.
 
 The padded call is the cost of doing without ``head_dim_v``. The forward on an H100/H200
 runs natively (``forward_wgmma_ws`` with DV = 128) and should beat it by the products it
-saves; the backward pads inside the library (:mod:`cuflash.value_dims`) and pays that
+saves; the backward pads inside the library (:mod:`cuflash.gpu.value_dims`) and pays that
 padding's copies on top.
 
 With torch present, its SDPA backends that take a value head dim of their own run the

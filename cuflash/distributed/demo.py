@@ -19,7 +19,7 @@ import numpy as np
 
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..bench import pool_growth_bytes
-from ..problem import DTYPES_BY_NAME
+from ..core.problem import DTYPES_BY_NAME
 from .groups import NcclGroup
 from .layout import shard
 from .ring import ring_attention_bwd, ring_attention_fwd

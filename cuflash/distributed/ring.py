@@ -5,14 +5,14 @@ import dataclasses
 
 import numpy as np
 
-from .. import registry
 from .. import sinks as attention_sinks
 from ..api import flash_attention_bwd, flash_attention_fwd
+from ..core.masking import normalize_window
+from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
 from ..fp8 import check_not_fp8
-from ..kernel_build import load_standalone
-from ..masking import normalize_window
-from ..problem import check_sinks
+from ..gpu import registry
+from ..gpu.kernel_build import load_standalone
 from .groups import start_exchange
 from .layout import array_module, chunk_count, segments, step_calls
 

@@ -15,8 +15,8 @@ all-to-all's bytes on average: a group with its own all-to-all is the next step)
 """
 
 from ..api import flash_attention_bwd, flash_attention_fwd
+from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
-from ..problem import check_sinks
 from .groups import start_exchange
 from .layout import array_module, gather, shard
 from .ring import RingVJP, check_group, check_shards, with_vjp

@@ -135,7 +135,7 @@ cuflash.errors.InvalidArgumentError: mask_mod: same_document reads doc[kv_idx] w
 #   cxx.py         the C++ functor, MODIFIER_PRELUDE, MODIFIER_ARRAYS_DTYPE
 #   numpy_eval.py  the NumPy evaluator's source
 # The compiler modules import each other and functions.py only, never the user layer.
-# block_mask.py is not imported here: it imports cuflash.kernel_build, which imports
+# block_mask.py is not imported here: it imports cuflash.gpu.kernel_build, which imports
 # this package (for MODIFIER_PRELUDE).
 
 from . import cxx

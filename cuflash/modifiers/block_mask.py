@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from .. import kernel_build, registry
 from ..errors import InvalidArgumentError
+from ..gpu import kernel_build, registry
 from .api import MaskMod, index_grids
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

@@ -8,7 +8,7 @@ definitions lane by lane: shuffles, ``ldmatrix``, ``movmatrix``, ``mma.sync``, a
 ``mbarrier`` phases of the warp-specialized kernels. Each ``asm``
 statement is rewritten into a call of the simulator's version of its instruction;
 the rest of the source compiles as it is. A launch takes the arguments as
-``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.kernel_params.Params``
+``cuLaunchKernel`` does: one parameter buffer (a ``cuflash.gpu.kernel_params.Params``
 record), or NumPy arrays and scalars one a parameter.
 
 >>> module = build(["cuflash::backward_delta<float, 64>"])   # doctest: +SKIP
@@ -41,7 +41,7 @@ try:
 except ImportError:  # NumPy 1
     byte_bounds = np.byte_bounds
 
-from cuflash import kernel_build, kernel_params
+from cuflash.gpu import kernel_build, kernel_params
 
 KERNEL_DIR = kernel_build.KERNEL_DIR  # the kernels of the cuflash whose registry runs them
 RUNTIME = Path(__file__).resolve().parent / "runtime.h"
@@ -69,9 +69,9 @@ _TENSOR_MAP = np.dtype(
 
 def encode_tensor_map(tile_map, destination, address):
     """The simulator's encoding (runtime.h's ``SimTensorMap``) of a
-    :class:`cuflash.tensor_maps.TileMap` for the array at ``address``, written into
+    :class:`cuflash.gpu.tensor_maps.TileMap` for the array at ``address``, written into
     the 128 bytes at ``destination``: what the driver's encoding is on a GPU (the
-    ``encode`` of :func:`cuflash.kernel_params.forward_maps`)."""
+    ``encode`` of :func:`cuflash.gpu.kernel_params.forward_maps`)."""
     record = np.zeros(1, _TENSOR_MAP)
     record["base"] = address
     record["dims"] = tile_map.dims
@@ -98,7 +98,7 @@ def compiler():
 def inlined(headers, kernel_dir=KERNEL_DIR):
     """The kernel headers ``headers`` (paths from ``kernel_dir``, by default
     ``cuflash/kernels``) with their local includes inlined once each, as the library's
-    modules are (``cuflash.kernel_build.inlined_source``)."""
+    modules are (``cuflash.gpu.kernel_build.inlined_source``)."""
     root, seen = Path(kernel_dir), set()
     return "\n".join(kernel_build.inlined_source(root / h, seen, root) for h in headers) + "\n"
 
@@ -321,9 +321,9 @@ class Module:
         """Run kernel ``name`` on ``grid`` (up to 3 dims) of blocks of ``threads``.
 
         ``args``: a kernel parameter record with its call's arrays, ``(params, arrays)``
-        (a ``cuflash.kernel_params.Params`` and its ``per_call`` members' arrays, or None,
+        (a ``cuflash.gpu.kernel_params.Params`` and its ``per_call`` members' arrays, or None,
         or an int for an int member, in order), passed as the kernel's parameter
-        buffer as ``cuflash.gpu.Launch`` passes it (a buffer laid out for other
+        buffer as ``cuflash.gpu.launch.Launch`` passes it (a buffer laid out for other
         parameters than the kernel's is an error); or the arguments in the kernel's
         order: NumPy arrays (their address; the caller keeps them alive), None (a null
         pointer), NumPy scalars (their bytes, so their type must be the parameter's),
@@ -494,6 +494,6 @@ def build(names, headers=HEADERS, arch=80, functors=None):
     """The simulated kernels ``names`` (C++ name expressions, as the registry writes
     them) of ``headers`` in :data:`KERNEL_DIR`, with ``__CUDA_ARCH__`` of compute
     capability ``arch`` (80 or 90) and the user's modifier ``functors``
-    (``cuflash.kernel_build.UserFunctors``, or None), compiled once per process and cached
+    (``cuflash.gpu.kernel_build.UserFunctors``, or None), compiled once per process and cached
     on disk by their source."""
     return _built(tuple(names), tuple(headers), KERNEL_DIR, int(arch), functors)

@@ -216,7 +216,7 @@ struct BlockMaskView {
 constexpr unsigned char kFullTile = 2;
 // The arguments of a user's modifiers: the arrays of the score function and
 // of the mask function, and a block mask; one kernel argument passed by value
-// (cuflash.gpu packs it; zeros without).
+// (cuflash.gpu.launch packs it; zeros without).
 struct UserModifierArgs {
     ModifierArrays score_arrays, mask_arrays;
     BlockMaskView blocks;

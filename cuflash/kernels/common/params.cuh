@@ -6,7 +6,7 @@
 // launch's parameter buffer (cuLaunchKernel's `extra`,
 // CU_LAUNCH_PARAM_BUFFER_POINTER: "This buffer needs to honor all
 // alignment/padding requirements of the individual parameters", CUDA driver API).
-// cuflash/kernel_params.py reads the lists from this file, and a test holds its
+// cuflash/gpu/kernel_params.py reads the lists from this file, and a test holds its
 // layout against the C++ compiler's offsetof and the PTX parameter lists. The
 // docs' API and semantics pages say what each option means.
 //
@@ -32,7 +32,7 @@
 namespace cuflash {
 
 // A TMA tensor map (CUDA's CUtensorMap): 128 opaque bytes the host encodes
-// (cuflash/tensor_maps.py); the bulk tensor copies read it from the kernel's
+// (cuflash/gpu/tensor_maps.py); the bulk tensor copies read it from the kernel's
 // parameter space.
 struct alignas(64) TensorMap {
     unsigned long long opaque[16];

@@ -17,7 +17,7 @@ constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding aside
 
-// The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/decode_tiles.py's
+// The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/gpu/decode_tiles.py's
 // decode_shape; the kernel traps if it is launched with less shared memory).
 template <typename T, int D, int RM>
 struct DecodeShape {

@@ -9,7 +9,7 @@ namespace cuflash {
 // thread a split's weight, then a thread a column, its partials' loads in flight
 // together. Grid (rows). Attention sinks (`sinks` not null; row = (b H + h) S_q
 // + i) join as one more partial whose output is zero.
-constexpr int kMaxSplits = kDecodeThreads;  // cuflash/decode_kernels.py's MAX_SPLITS
+constexpr int kMaxSplits = kDecodeThreads;  // cuflash/gpu/decode_kernels.py's MAX_SPLITS
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, 4)

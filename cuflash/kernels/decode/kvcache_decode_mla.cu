@@ -15,7 +15,7 @@
 namespace cuflash {
 
 // The tiles of kvcache_decode_mla<T, DK, DV, BN, STAGES, PAGED, LATENT> (mirrored by
-// cuflash/decode_tiles.py's decode_mla_shape; the kernel traps if it is launched with
+// cuflash/gpu/decode_tiles.py's decode_mla_shape; the kernel traps if it is launched with
 // less shared memory).
 template <int DK, int DV, int BN, int STAGES, bool LATENT>
 struct DecodeMlaShape {

@@ -18,7 +18,7 @@ __device__ __forceinline__ void slice_sync(int slice) {
 }
 
 // The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES, BN> (mirrored by
-// cuflash/decode_tiles.py's decode_tc_shape): ROW_WARPS m16 row tiles a block, BN keys
+// cuflash/gpu/decode_tiles.py's decode_tc_shape): ROW_WARPS m16 row tiles a block, BN keys
 // a K/V tile, STAGES tiles in the pipeline, KEY_WARPS warps sharing each tile by
 // keys (each with its own online softmax, merged at the end).
 template <typename T, int D, int ROW_WARPS, int STAGES, int BN>

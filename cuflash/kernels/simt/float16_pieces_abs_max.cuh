@@ -1,7 +1,7 @@
 // max |x| of each head of a float32 [B, H, S, D] tensor over its first `rows`
 // rows (the keys past kv_seq_len are never read, whatever they hold; atomicMax
 // on the bits, into zeroed floats [B, H]): the first of a float32-pieces call's
-// kernels (cuflash.gpu.forward, common/float16_pieces.cuh). Scales a head
+// kernels (cuflash.gpu.launch.forward, common/float16_pieces.cuh). Scales a head
 // apiece: a non-finite value reaches no other head's results.
 #pragma once
 #include "common/params.cuh"

@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(384, 1)
     // The dQ tile's coordinates for the writer: row, head, batch entry; row -1 ends.
     int* dq_at = reinterpret_cast<int*>(dq_empty + 1);
 
-    // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu.py)
+    // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu/launch.py)
     // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the
     // arrays' and columns past D land as zeros) and warp 0 lse and Delta by cp.async: a
     // stage is full after the 32 lanes' cp.async arrivals and thread 0's expect_tx one.

@@ -9,7 +9,7 @@
 // (hi*lo, lo*hi) go first, while the accumulator is small, so that only the
 // hi*hi steps round at the scale of the sum.
 //
-// The third of a call's kernels (cuflash.gpu.forward), after
+// The third of a call's kernels (cuflash.gpu.launch.forward), after
 // float16_pieces_abs_max and float16_pieces_split (simt/) on each operand: one
 // block of two warpgroups (64 query rows each) per query tile, 64-key tiles, K
 // and V pieces double-buffered, not pipelined. The probabilities are computed

@@ -2,13 +2,13 @@
 //
 // One block of 1 + CONSUMERS warpgroups per (query tile of BM = 64 CONSUMERS
 // rows, head, batch): two consumers in the 128 and 256 classes, three in the 64
-// class (cuflash/tile_traits.py; short products need more rows to hide a softmax):
+// class (cuflash/gpu/tile_traits.py; short products need more rows to hide a softmax):
 //   warpgroup 0, the producer, copies Q once and each key tile's K and V
 //     into rings of STAGES shared-memory stages (the 128-byte swizzled layout
 //     that wgmma reads); each stage's mbarrier completes when the copies land,
 //     so the producer never waits for them, only for a stage to come back. It
 //     keeps 24 registers a thread. With use_tma (dense calls whose
-//     arrays the copy engine can address: cuflash/gpu.py) one thread issues
+//     arrays the copy engine can address: cuflash/gpu/launch.py) one thread issues
 //     bulk tensor copies of 64-column boxes through the maps q_map, k_map and
 //     v_map (rows past the array's, columns past the head dim land as zeros),
 //     each stage's barrier awaiting their bytes; otherwise the 128 threads
@@ -24,7 +24,7 @@
 // while the others' softmax does.
 // The arguments are forward_wgmma's (every path that launches that
 // kernel launches this one).
-// PERSISTENT (the plain roles of short calls: cuflash/registry.py): a block of
+// PERSISTENT (the plain roles of short calls: cuflash/gpu/registry.py): a block of
 // each SM walks the launch's work tiles (query tile, head, entry) in rounds of
 // gridDim.x, every other round in reverse (WorkTile), so that while its
 // consumers finish one tile's rows the producer already loads the next tile's Q

@@ -1,7 +1,7 @@
 """The dtypes the library computes in: float32, float16 and bfloat16 (``ml_dtypes``).
 
-Their own module, below ``cuflash.problem`` (which validates arrays against them) and
-``cuflash.registry`` (which maps them to the kernels' C++ types), so that the registry
+Their own module, below ``cuflash.core.problem`` (which validates arrays against them) and
+``cuflash.gpu.registry`` (which maps them to the kernels' C++ types), so that the registry
 does not import the validation.
 """
 

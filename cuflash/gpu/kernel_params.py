@@ -10,7 +10,7 @@ a member the kernels do not declare is an error when a plan is built, not a wron
 result on a GPU. ``tests/test_kernel_params.py`` holds the layout against the C++
 compiler's ``offsetof`` and against the parameters of the kernels' PTX.
 
-A launch (``cuflash.gpu.Launch``) passes the record whole as the kernel's parameter
+A launch (``cuflash.gpu.launch.Launch``) passes the record whole as the kernel's parameter
 buffer (``cuLaunchKernel``'s ``extra``); :class:`Params` fixes its members once a plan
 and writes only the call's device addresses at each launch.
 """
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 from . import tensor_maps
-from .modifiers.cxx import MODIFIER_ARRAYS_DTYPE
 
 #: log2(e): the kernels take the softmax scale times it (their exponentials are base 2).
 LOG2E = 1.4426950408889634
 
-PARAMS_HEADER = Path(__file__).resolve().parent / "kernels" / "common" / "params.cuh"
+PARAMS_HEADER = Path(__file__).resolve().parent.parent / "kernels" / "common" / "params.cuh"
 
 #: ``Strides`` of ``kernels/common/common.cuh``: element strides of the batch, head and row axes.
 STRIDES_DTYPE = np.dtype([("b", "<i8"), ("h", "<i8"), ("s", "<i8")])
@@ -232,7 +232,7 @@ class Params:
 
     ``maps``: ``{member: (address member, map, encode)}``, tensor-map members that
     ``pack`` encodes from a per-call address, ``encode(map, destination, address)``
-    (e.g. :meth:`cuflash.tensor_maps.TileMap.encode_into`), only when that address
+    (e.g. :meth:`cuflash.gpu.tensor_maps.TileMap.encode_into`), only when that address
     differs from the last call's.
 
     ``base``: the record laid out as :func:`layout`'s (0, the C struct's: the

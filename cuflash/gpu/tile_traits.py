@@ -1,6 +1,6 @@
 """The tile traits of the GPU kernels: per kernel and head_dim, the tile a block
 owns, its threads, its dynamic shared memory and the template arguments after the
-dtype and head_dim (:class:`Traits`). ``cuflash.registry`` pairs each kernel with its
+dtype and head_dim (:class:`Traits`). ``cuflash.gpu.registry`` pairs each kernel with its
 function here; the shared-memory sums spell out each kernel's buffers, as its
 header lays them out.
 

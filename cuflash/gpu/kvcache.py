@@ -3,7 +3,7 @@ split-KV kernels (``kernels/decode/kvcache_decode_tc.cu``, ``kernels/decode/kvca
 ``kernels/decode/kvcache_decode_mla.cu``) and the combine of their splits (or, for long query chunks
 on a contiguous cache, the dense forward's plan), one call at a time (:func:`gpu_forward`) or as a
 launch plan for device-held lengths (:class:`DecodePlan`). Which kernels, their tiles, the split
-count and the kernel lookup are :mod:`cuflash.decode_kernels`'s."""
+count and the kernel lookup are :mod:`cuflash.gpu.decode_kernels`'s."""
 
 import dataclasses
 import numbers
@@ -11,16 +11,14 @@ import numbers
 import cupy
 import numpy as np
 
-from . import (
-    decode_kernels,  # its functions are read at call time (tools replace some)
-    kernel_params,
-    kvcache,
-    registry,
-)
-from . import rotary as rotary_embedding
+from .. import kvcache
+from .. import rotary as rotary_embedding
+from ..core.problem import forward_problem, unit_last_stride
+from . import decode_kernels, kernel_params, registry
 from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
-from .gpu import (
+from .kernel_build import UserFunctors
+from .launch import (
     NO_USER_ARGUMENTS,
     ForwardPlan,
     Launch,
@@ -31,8 +29,6 @@ from .gpu import (
     element_strides,
     rows_are_16_byte_aligned,
 )
-from .kernel_build import UserFunctors
-from .problem import forward_problem, unit_last_stride
 
 
 def verify_on_host(problem, cache_seqlens, block_table):
@@ -71,7 +67,7 @@ def _length_args(cache_seqlens):
 
 
 def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes):
-    """The dense forward's plan (:class:`cuflash.gpu.ForwardPlan`) for a long query chunk
+    """The dense forward's plan (:class:`cuflash.gpu.launch.ForwardPlan`) for a long query chunk
     on a contiguous cache, or None (the split-KV kernels serve the call). Its tensor-core
     kernels read each key once for a tile of many query rows of one head. With an int
     length the plan reads ``kv_seq_len`` keys; with the lengths on the device its call takes

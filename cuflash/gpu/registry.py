@@ -5,15 +5,15 @@ direction, the instruction family, the compute capabilities, the precision
 and the head dims) and its tile traits for a head_dim: the tile of query rows
 (forward) or keys (backward) a block owns, the threads of a block, the shared
 memory, and the C++ expression that instantiates it. The dispatch
-(:func:`choose`), the kernel build and its cache (``cuflash.kernel_build``),
+(:func:`choose`), the kernel build and its cache (``cuflash.gpu.kernel_build``),
 ``python -m cuflash.precompile``, the compile tests, the sanitizer settings and
 the docs' coverage table all read this table. ``STANDALONE_KERNELS`` names the
 kernels of the other ``.cu`` files (the KV cache's, the block-mask classification and
 the ring merge): nothing loads a kernel the registry does not hold.
 
-The traits themselves are ``cuflash.tile_traits``'s.
+The traits themselves are ``cuflash.gpu.tile_traits``'s.
 
->>> from cuflash import registry
+>>> from cuflash.gpu import registry
 >>> [spec.name for spec in registry.KERNELS if spec.direction == "forward"][:2]
 ['forward_wgmma_ws', 'forward_wgmma']
 """
@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from ..core.dtypes import BFLOAT16
 from . import tile_traits
-from .dtypes import BFLOAT16
 from .tile_traits import Traits
 
 SIXTEEN_BIT_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
@@ -44,7 +44,7 @@ class KernelSpec:
     90: sm_90); ``needs_sm90a``: compiled for the arch-specific sm_90a target
     (wgmma). ``head_dims``: (smallest, largest) multiple of 8 served, or a tuple
     of the exact ones when ``exact_head_dims``. ``traits_of(head_dim, modified)`` gives
-    :class:`cuflash.tile_traits.Traits`. ``padded_dq``: the atomic dQ accumulates in rows
+    :class:`cuflash.gpu.tile_traits.Traits`. ``padded_dq``: the atomic dQ accumulates in rows
     of the head-dim class's width. ``name`` is also the C++ function template's.
     """
 
@@ -87,7 +87,7 @@ class KernelSpec:
     # backward; None: a user's mask is evaluated on every tile.
     block_tiles: object = None
     # A kernel whose v (and output, dout, dv) may be narrower than q and k: a last
-    # template argument DV, v's head dim (cuflash.value_dims pads the calls of the
+    # template argument DV, v's head dim (cuflash.gpu.value_dims pads the calls of the
     # others); True, or a rule (head_dim, head_dim_v) -> bool for the narrower v it takes.
     value_dims: object = False
     # Taken by the dispatch only inside ``cuflash.dispatch.try_kernels`` (its ``tried``):
@@ -110,7 +110,7 @@ class KernelSpec:
         return low <= head_dim <= high
 
     def traits_of(self, head_dim, modified=False):
-        """The :class:`cuflash.tile_traits.Traits` of its roles at ``head_dim``, those
+        """The :class:`cuflash.gpu.tile_traits.Traits` of its roles at ``head_dim``, those
         compiled with score modifiers (``modified``) or those without."""
         if modified and self.modified_traits is not None:
             return self.modified_traits(head_dim)
@@ -565,7 +565,7 @@ BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
 @dataclasses.dataclass(frozen=True)
 class StandaloneKernel:
     """A kernel of its own ``.cu`` file (``source``, in ``kernels/``) outside the variants,
-    built one instantiation at a time (``cuflash.kernel_build.load_standalone``).
+    built one instantiation at a time (``cuflash.gpu.kernel_build.load_standalone``).
     ``name``: also its C++ function template's, instantiated with ``parameters`` in order
     (none: not a template) by :meth:`name_expression`; ``modifiers``: compiled with the
     user's modifier functors where a call has them; ``arch``: a target of its own."""
@@ -664,7 +664,7 @@ def choose(
     ``modified`` (score modifiers) leaves the kernels compiled with them.
     Kernels for sm_90a serve compute capability 9.0 only. With a ``head_dim_v`` other
     than head_dim, the first that takes it natively (``takes_value_dims``), else the
-    first that serves the call (``cuflash.value_dims`` then pads it). An ``opt_in``
+    first that serves the call (``cuflash.gpu.value_dims`` then pads it). An ``opt_in``
     kernel serves only when ``tried`` names it. ``keys_a_row_sees`` (the call's
     ``Problem.keys_a_row_sees``; None: many) sends short calls to a kernel's
     ``short_rows_kernel``.

@@ -6,11 +6,12 @@ array's type, dtype, shape, strides, device and 16-byte alignment, the
 scalar arguments with their types, the current device, and the kernel path,
 skipped kernels and tried opt-in kernels in force. Two calls with the same
 signature validate the same way and run the same kernels on different data, so
-the second reuses the first's :class:`cuflash.gpu.ForwardPlan` or :class:`cuflash.gpu.BackwardPlan`.
+the second reuses the first's :class:`cuflash.gpu.launch.ForwardPlan` or
+:class:`cuflash.gpu.launch.BackwardPlan`.
 Calls with NumPy arrays, or with an unhashable argument, are not cached.
 """
 
-from . import dispatch
+from .. import dispatch
 
 try:
     import cupy

@@ -7,8 +7,8 @@ skips key blocks that no query row of the block can see.
 
 import numpy as np
 
-from . import sinks as attention_sinks
-from .masking import key_range, query_range, visible_keys
+from .. import sinks as attention_sinks
+from ..core.masking import key_range, query_range, visible_keys
 
 ROWS = 128  # query rows per block
 COLS = 512  # keys per block

@@ -1,7 +1,7 @@
 """Kernel source, compilation and the per-device module cache.
 
 Every kernel of one (dtype, head_dim) variant (the registry's kernels that
-serve it, ``cuflash.registry``) is compiled through NVRTC on first use and
+serve it, ``cuflash.gpu.registry``) is compiled through NVRTC on first use and
 kept for the process (per device and arch); CuPy's on-disk cache keeps the
 binary across processes. The local ``#include "..."`` files (paths from ``kernels/``:
 ``common/``, the shared pieces; ``sm80/``, ``sm90/``, ``simt/`` and ``decode/``, the
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..modifiers.cxx import MODIFIER_PRELUDE
 from . import registry
-from .modifiers.cxx import MODIFIER_PRELUDE
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_DIR = Path(__file__).parent.parent / "kernels"
 MODULE_FILE = "attention.cu"
 HEAD_DIMS = tuple(range(8, 257, 8))
 CXX_TYPES = registry.CXX_TYPES
@@ -64,7 +64,7 @@ def module_source(name=MODULE_FILE):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One (storage dtype, head_dim, tile generation) and the kernels it holds: every
-    kernel of ``cuflash.registry.KERNELS`` that serves it on that generation. With a
+    kernel of ``cuflash.gpu.registry.KERNELS`` that serves it on that generation. With a
     ``head_dim_v`` (v's head dim, other than head_dim): the kernels that take it natively,
     instantiated for it (``registry.variant_roles``)."""
 
@@ -79,7 +79,7 @@ class Variant:
         return registry.variant_roles(self.dtype, self.head_dim, self.sm, self.head_dim_v)
 
     def traits(self, role):
-        """The ``cuflash.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
+        """The ``cuflash.gpu.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
         return registry.BY_ROLE[role].traits_of(self.head_dim, role.endswith(registry.MODIFIED))
 
 
@@ -341,7 +341,7 @@ _SINGLE_KERNELS: dict = {}
 
 
 def load_standalone(name_expression, shared_bytes=0, functors=None):
-    """A kernel of ``cuflash.registry.STANDALONE_KERNELS`` (outside the per-(dtype,
+    """A kernel of ``cuflash.gpu.registry.STANDALONE_KERNELS`` (outside the per-(dtype,
     head_dim) variants): ``name_expression`` (from its ``name_expression``) of its source
     file (local includes inlined), compiled through NVRTC once per (device, source, name,
     arch, functors) and cached; LookupError for a kernel the registry does not hold.
@@ -370,7 +370,7 @@ def load_standalone(name_expression, shared_bytes=0, functors=None):
 
 def compile_standalone_offline(name_expressions, arch, functors=None):
     """:func:`compile_source_offline` of registry kernels outside the variants, all of one
-    source file (``cuflash.registry.STANDALONE_KERNELS``)."""
+    source file (``cuflash.gpu.registry.STANDALONE_KERNELS``)."""
     sources = {registry.standalone_of(name).source for name in name_expressions}
     if len(sources) != 1:
         raise ValueError(f"expected the kernels of one source file, got {sorted(sources)}")

@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 UNBOUNDED = -1
 

@@ -1,8 +1,8 @@
 """The GPU kernels of a KV-cache call (the KV-cache page): which split-KV kernel serves it
 (``kvcache_decode_tc``, ``kvcache_decode`` or ``kvcache_decode_mla``, with its tiles and
 shared memory), the append's and the combine's instantiations, the split count, and
-each kernel loaded once a device. :mod:`cuflash.kvcache_gpu` launches them; the tile
-shapes mirror the kernels' own (:mod:`cuflash.decode_tiles`).
+each kernel loaded once a device. :mod:`cuflash.gpu.kvcache` launches them; the tile
+shapes mirror the kernels' own (:mod:`cuflash.gpu.decode_tiles`).
 """
 
 import cupy
@@ -17,8 +17,8 @@ from .decode_tiles import (
     decode_shape,
     decode_tc_shape,
 )
-from .gpu import modifier_compile_errors
 from .kernel_build import load_standalone
+from .launch import modifier_compile_errors
 
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes
@@ -164,7 +164,7 @@ _KERNELS: dict = {}
 
 def loaded_kernel(name, shared=0, functors=None):
     """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
-    the registry's kernel ``name`` from :func:`cuflash.kernel_build.load_standalone` (with
+    the registry's kernel ``name`` from :func:`cuflash.gpu.kernel_build.load_standalone` (with
     the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy
     from its registers and shared memory (128 threads a block)."""
     device_id = cupy.cuda.runtime.getDevice()

@@ -1,5 +1,5 @@
 """The GPU launch plans of the packed (varlen) calls: the dense plans of
-``cuflash.gpu`` over ``[1, H, total, D]`` views of the packed ``[tokens, H, D]``
+``cuflash.gpu.launch`` over ``[1, H, total, D]`` views of the packed ``[tokens, H, D]``
 arrays (:func:`heads_first`), a block per (query tile, head, sequence), the outputs
 written in the packed layout (the packed-batches page)."""
 
@@ -18,7 +18,7 @@ class PackedForward:
     outputs in the packed layout."""
 
     def __init__(self, problem, q, k, v):
-        from . import gpu  # imported on first GPU use only
+        from . import launch as gpu  # imported on first GPU use only
 
         self.problem = problem
         self.dense = None
@@ -27,8 +27,8 @@ class PackedForward:
 
     @staticmethod
     def takes_value_dims(problem, q, k, v):
-        """``gpu.ForwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
-        from . import gpu
+        """``ForwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.gpu.value_dims``)."""
+        from . import launch as gpu
 
         views = map(heads_first, (q, k, v))
         return not problem.has_rows or gpu.ForwardPlan.takes_value_dims(problem.attention, *views)
@@ -54,7 +54,7 @@ class PackedBackward:
     """The launches of one packed backward signature (see :class:`PackedForward`)."""
 
     def __init__(self, problem, dout, q, k, v, out, lse, deterministic):
-        from . import gpu  # imported on first GPU use only
+        from . import launch as gpu  # imported on first GPU use only
 
         self.problem = problem
         self.dense = None
@@ -68,8 +68,8 @@ class PackedBackward:
 
     @staticmethod
     def takes_value_dims(problem, dout, q, k, v, out, *rest, deterministic=False):
-        """``gpu.BackwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.value_dims``)."""
-        from . import gpu
+        """``BackwardPlan.takes_value_dims`` of the dense plan (see ``cuflash.gpu.value_dims``)."""
+        from . import launch as gpu
 
         views = map(heads_first, (dout, q, k, v, out))
         return not problem.has_rows or gpu.BackwardPlan.takes_value_dims(

@@ -19,10 +19,11 @@ import numpy as np
 from cupy.cuda import function as _function
 from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
-from . import dispatch, kernel_build, kernel_params, registry, tensor_maps, tile_traits
-from . import sinks as attention_sinks
-from .errors import InvalidArgumentError
-from .problem import unit_last_stride
+from .. import dispatch
+from .. import sinks as attention_sinks
+from ..core.problem import unit_last_stride
+from ..errors import InvalidArgumentError
+from . import kernel_build, kernel_params, registry, tensor_maps, tile_traits
 
 FLOAT32 = np.dtype(np.float32)
 _DEVICES: dict = {}
@@ -80,7 +81,7 @@ class Launch:
     and the fixed arguments straight to ``cuLaunchKernel``.
 
     The fixed arguments are the record of a kernel's parameter list (a
-    :class:`cuflash.kernel_params.Params`: the call's addresses are written into its
+    :class:`cuflash.gpu.kernel_params.Params`: the call's addresses are written into its
     per-call members), passed whole as the kernel's parameter buffer (``extra``:
     CU_LAUNCH_PARAM_BUFFER_POINTER, "a buffer containing all kernel parameters", laid
     out by the parameters' alignment as the record is); or NumPy scalars of at most 8
@@ -454,7 +455,7 @@ class ForwardPlan:
     @staticmethod
     def takes_value_dims(problem, q, k, v):
         """Does the kernel a plan of ``problem`` runs take its v's head dim as it is
-        (``cuflash.value_dims`` pads the calls of those that do not)?"""
+        (``cuflash.gpu.value_dims`` pads the calls of those that do not)?"""
         arrays = [unit_last_stride(cupy, a) for a in (q, k, v)]
         spec = choose(problem, "forward", rows_are_16_byte_aligned(arrays))
         return spec.takes_value_dims(problem.head_dim, problem.head_dim_v)
@@ -656,7 +657,7 @@ class BackwardPlan:
     @staticmethod
     def takes_value_dims(problem, dout, q, k, v, output, *rest, deterministic=False):
         """Do the kernels a plan of ``problem`` runs (dK/dV, and the dQ pass where dQ is
-        not added by atomics) take its v's head dim as it is (``cuflash.value_dims`` pads
+        not added by atomics) take its v's head dim as it is (``cuflash.gpu.value_dims`` pads
         the calls of those that do not)?"""
         if problem.head_dim_v == problem.head_dim:
             return True

@@ -5,10 +5,10 @@ float32 one sequence at a time."""
 
 import numpy as np
 
-from . import rotary as rotary_embedding
-from . import sinks as attention_sinks
-from .cpu import modify_scores, user_modified
-from .masking import key_range, visible_keys
+from .. import rotary as rotary_embedding
+from .. import sinks as attention_sinks
+from ..core.masking import key_range, visible_keys
+from .dense import modify_scores, user_modified
 
 CPU_KEY_BLOCK = 512
 CPU_ROW_BLOCK = 256

@@ -12,13 +12,14 @@ import numbers
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
+from ..fp8 import check_not_fp8
+from ..modifiers.api import MaskMod, ScoreMod
+from ..modifiers.block_mask import BlockMask
+
 # BFLOAT16 and DTYPES_BY_NAME are imported from here by the scripts, tests and benchmarks.
 from .dtypes import BFLOAT16, DTYPES_BY_NAME, SUPPORTED_DTYPES  # noqa: F401
-from .errors import InvalidArgumentError
-from .fp8 import check_not_fp8
 from .masking import mean_visible_keys, normalize_window
-from .modifiers.api import MaskMod, ScoreMod
-from .modifiers.block_mask import BlockMask
 
 try:  # CuPy is optional: the CPU path needs only NumPy.
     import cupy

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised only without CuPy
 
 
 def _attention(problem):
-    """The :class:`cuflash.problem.AttentionProblem` of a dense problem, or of a packed
+    """The :class:`cuflash.core.problem.AttentionProblem` of a dense problem, or of a packed
     call's ``cuflash.varlen.VarlenProblem`` (which holds it as ``attention``)."""
     return getattr(problem, "attention", problem)
 

@@ -1,7 +1,8 @@
 """The tree follows its tools' rules (pyproject.toml, .clang-format): ruff's lint and
 format, mypy on the package, clang-format on the kernels (the generated
 ``kernels/common/wgmma_ops.cuh`` aside). ``pre-commit`` runs the same before each commit.
-And the package's modules import each other without a circle."""
+And the package's modules import each other without a circle, every import of them
+resolves and every call of their functions fits the signature."""
 
 import ast
 import shutil
@@ -158,6 +159,7 @@ def _import_problems(path, module, modules, names_of):
     package = module if is_package else module.rpartition(".")[0]
     tree = ast.parse(path.read_text())
     problems, bound = [], {}  # bound: a name -> the package module it holds
+    functions = {}  # a name -> the package function it holds
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -175,6 +177,8 @@ def _import_problems(path, module, modules, names_of):
                     bound[a.asname or a.name] = f"{target}.{a.name}"
                 elif a.name != "*" and a.name not in names_of(target):
                     problems.append(f"{path.name}:{node.lineno}: {target} has no {a.name}")
+                elif a.name in _functions(modules[target]):
+                    functions[a.asname or a.name] = _functions(modules[target])[a.name]
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] == "cuflash" and a.name not in modules:
@@ -192,14 +196,79 @@ def _import_problems(path, module, modules, names_of):
                 continue
             if node.attr not in names_of(held):
                 problems.append(f"{path.name}:{node.lineno}: {held} has no {node.attr}")
+    # Calls of the package's functions: the arguments fit the signature.
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        definition = None
+        if isinstance(f, ast.Name) and f.id in functions:
+            definition = functions[f.id]
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+            held = bound.get(f.value.id)
+            if held is not None:
+                definition = _functions(modules[held]).get(f.attr)
+        if definition is not None:
+            wrong = _call_mismatch(node, definition)
+            if wrong:
+                problems.append(f"{path.name}:{node.lineno}: {definition.name}: {wrong}")
     return problems
+
+
+_FUNCTIONS: dict = {}
+
+
+def _functions(path):
+    """The plain functions a module defines at its top level (a name also bound some
+    other way there is left out: which one a call meets is not known here)."""
+    if path not in _FUNCTIONS:
+        tree = ast.parse(path.read_text())
+        defs, other = {}, set()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                if node.name in defs:
+                    other.add(node.name)
+                defs[node.name] = node
+        other |= _top_level_names(tree) - {
+            n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+        }
+        _FUNCTIONS[path] = {n: d for n, d in defs.items() if n not in other}
+    return _FUNCTIONS[path]
+
+
+def _call_mismatch(call, definition):
+    """Why ``call`` cannot bind to ``definition``'s parameters, or None."""
+    a = definition.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    by_name = {p.arg for p in a.args} | {p.arg for p in a.kwonlyargs}
+    unpacked = any(isinstance(x, ast.Starred) for x in call.args) or any(
+        k.arg is None for k in call.keywords
+    )
+    named = [k.arg for k in call.keywords if k.arg is not None]
+    if a.kwarg is None:
+        unknown = sorted(set(named) - by_name)
+        if unknown:
+            return f"no parameter {unknown}"
+    if unpacked:
+        return None
+    if a.vararg is None and len(call.args) > len(positional):
+        return f"{len(call.args)} positional arguments, at most {len(positional)}"
+    filled = set(positional[: len(call.args)])
+    twice = sorted(filled & set(named))
+    if twice:
+        return f"{twice} given twice"
+    required = positional[: len(positional) - len(a.defaults)]
+    required += [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    missing = sorted(set(required) - filled - set(named))
+    return f"missing {missing}" if missing else None
 
 
 def test_every_import_of_the_package_resolves():
     """Every ``import`` and ``from ... import`` of the package's modules in the package,
     the tests, scripts, benchmarks and examples names a module that exists and a name it
-    binds, and every attribute read off such a module is one it binds: function-local
-    imports (the GPU paths') included, which the CPU suite never runs."""
+    binds, every attribute read off such a module is one it binds, and every call of a
+    package function so imported binds to its parameters: function-local imports and
+    GPU-only calls (the GPU paths') included, which the CPU suite never runs."""
     modules = _package_modules()
     cache = {}
 
@@ -223,9 +292,13 @@ def test_every_import_of_the_package_resolves():
         "from cuflash.gpu import registry\nfrom cuflash import no_such_module\n"
         "def f():\n    from cuflash.gpu.launch import NoSuchPlan\n"
         "    return registry.NO_SUCH_TABLE\n"
+        "from cuflash.core.problem import forward_problem\n"
+        "forward_problem(1, 2, 3, 4, 5, 6, True, 0, None, None, no_such_option=1)\n"
+        "forward_problem(1, 2, 3)\n"
+        "registry.choose('forward', 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)\n"
     )
     found = _import_problems_of_source(source, fake, modules, names_of)
-    assert len(found) == 3, found
+    assert len(found) == 6, found
 
 
 def _import_problems_of_source(source, path, modules, names_of):

@@ -355,8 +355,8 @@ KERNELS = (
     # The warp-specialized backward of plain calls in the 128 class (a producer
     # warpgroup feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
     # driver maps the arrays); its register split leaves no room for the modifiers or the
-    # 64 class's atomic dQ. Measured 6-13 % above backward_wgmma, atomic and
-    # deterministic (D = 128, S = 4096: 408.6 against 367.3 TFLOP/s;
+    # 64 class's atomic dQ. Measured above backward_wgmma, atomic and deterministic
+    # (D = 128, S = 4096: 454.6 with its dQ writer against 367.3 TFLOP/s;
     # docs/kernels/backward-sm90-wgmma.md).
     KernelSpec(
         "backward_wgmma_ws",

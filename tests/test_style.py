@@ -5,6 +5,7 @@ And the package's modules import each other without a circle, every import of th
 resolves and every call of their functions fits the signature."""
 
 import ast
+import functools
 import shutil
 import subprocess
 import sys
@@ -61,10 +62,7 @@ def test_clang_format():
 def _module_imports():
     """Module -> the package's modules its top-level statements import (a package's
     ``__init__`` that a submodule's import runs first is no edge of the submodule's)."""
-    paths = {}
-    for path in (ROOT / "cuflash").rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    paths = _package_modules()
     graph = {}
     for module, path in paths.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -121,13 +119,22 @@ def test_no_import_circles():
     assert _circles(graph) == []
 
 
+def _module_name(path):
+    """The dotted name of the module at ``path`` (a package's: its folder's)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
 def _package_modules():
     """Module name -> path, for every module of the package."""
-    modules = {}
-    for path in (ROOT / "cuflash").rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
+    return {_module_name(path): path for path in (ROOT / "cuflash").rglob("*.py")}
+
+
+@functools.cache
+def _names_of(module):
+    """The top-level names of the package's ``module``."""
+    return _top_level_names(ast.parse(_package_modules()[module].read_text()))
 
 
 def _top_level_names(tree):
@@ -152,11 +159,12 @@ def _top_level_names(tree):
     return names
 
 
-def _import_problems(path, module, modules, names_of):
+def _import_problems(path, module):
     """Imports of the package in ``path`` (function-local ones too: a CPU run may never
     reach those) whose module, name or module attribute does not exist."""
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
+    modules, names_of = _package_modules(), _names_of
     tree = ast.parse(path.read_text())
     problems, bound = [], {}  # bound: a name -> the package module it holds
     functions = {}  # a name -> the package function it holds
@@ -215,25 +223,19 @@ def _import_problems(path, module, modules, names_of):
     return problems
 
 
-_FUNCTIONS: dict = {}
-
-
+@functools.cache
 def _functions(path):
     """The plain functions a module defines at its top level (a name also bound some
     other way there is left out: which one a call meets is not known here)."""
-    if path not in _FUNCTIONS:
-        tree = ast.parse(path.read_text())
-        defs, other = {}, set()
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef):
-                if node.name in defs:
-                    other.add(node.name)
-                defs[node.name] = node
-        other |= _top_level_names(tree) - {
-            n.name for n in tree.body if isinstance(n, ast.FunctionDef)
-        }
-        _FUNCTIONS[path] = {n: d for n, d in defs.items() if n not in other}
-    return _FUNCTIONS[path]
+    tree = ast.parse(path.read_text())
+    defs, other = {}, set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            if node.name in defs:
+                other.add(node.name)
+            defs[node.name] = node
+    other |= _top_level_names(tree) - {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    return {n: d for n, d in defs.items() if n not in other}
 
 
 def _call_mismatch(call, definition):
@@ -263,32 +265,21 @@ def _call_mismatch(call, definition):
     return f"missing {missing}" if missing else None
 
 
-def test_every_import_of_the_package_resolves():
+def test_every_import_of_the_package_resolves(tmp_path):
     """Every ``import`` and ``from ... import`` of the package's modules in the package,
     the tests, scripts, benchmarks and examples names a module that exists and a name it
     binds, every attribute read off such a module is one it binds, and every call of a
     package function so imported binds to its parameters: function-local imports and
     GPU-only calls (the GPU paths') included, which the CPU suite never runs."""
-    modules = _package_modules()
-    cache = {}
-
-    def names_of(module):
-        if module not in cache:
-            cache[module] = _top_level_names(ast.parse(modules[module].read_text()))
-        return cache[module]
-
     problems = []
     for tree in PYTHON_TREES:
         for path in sorted((ROOT / tree).rglob("*.py")):
-            if "_build" in path.parts:
-                continue
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            problems += _import_problems(path, module, modules, names_of)
+            if "_build" not in path.parts:
+                problems += _import_problems(path, _module_name(path))
     assert problems == []
     # and the check finds what it looks for
-    fake = ROOT / "tests" / "_fake_module_for_the_import_check.py"
-    source = (
+    fake = tmp_path / "_fake_module_for_the_import_check.py"
+    fake.write_text(
         "from cuflash.gpu import registry\nfrom cuflash import no_such_module\n"
         "def f():\n    from cuflash.gpu.launch import NoSuchPlan\n"
         "    return registry.NO_SUCH_TABLE\n"
@@ -297,14 +288,5 @@ def test_every_import_of_the_package_resolves():
         "forward_problem(1, 2, 3)\n"
         "registry.choose('forward', 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)\n"
     )
-    found = _import_problems_of_source(source, fake, modules, names_of)
+    found = _import_problems(fake, "tests._fake")
     assert len(found) == 6, found
-
-
-def _import_problems_of_source(source, path, modules, names_of):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        fake = Path(tmp) / path.name
-        fake.write_text(source)
-        return _import_problems(fake, "tests._fake", modules, names_of)

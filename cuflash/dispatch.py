@@ -66,13 +66,15 @@ def current():
 def skip_kernels(*names):
     """Pass over the kernels ``names`` (of ``cuflash.gpu.registry.KERNELS``) inside the
     ``with`` block, so that the next in line serves: for tests and benchmarks that
-    compare kernels.
+    compare kernels. An ordered-dQ role (``backward_wgmma_ws_ordered_dq``) may be named
+    too: deterministic calls then run the kernel's dQ pass instead.
 
     >>> import cuflash
     >>> with cuflash.dispatch.skip_kernels("forward_wgmma_ws"):
     ...     pass
     """
-    unknown = set(names) - set(registry.BY_NAME)
+    roles = {role for role in registry.BY_ROLE if role.endswith(registry.ORDERED_DQ)}
+    unknown = set(names) - set(registry.BY_NAME) - roles
     if unknown:
         raise InvalidArgumentError("names", f"unknown kernels {sorted(unknown)}")
     with _with(1, excluded() | frozenset(names)):

@@ -28,6 +28,8 @@ from cuflash.dispatch import skip_kernels
 PATHS_16 = {
     "auto": ("auto", (), False, False),
     "det": ("auto", (), False, True),
+    # the deterministic backward with its dQ pass where the default adds dQ in launch order
+    "det-pass": ("auto", ("backward_wgmma_ws_ordered_dq",), False, True),
     "general": ("general", (), False, False),
     "mma": (
         "auto",

@@ -87,7 +87,7 @@ class Kernels:
     """The kernels one call launches, compiled into one simulated module; ``guard``: each
     launch's arrays between guard pages (``simulator.Module.launch``)."""
 
-    def __init__(self, problem, specs, capability, guard=False, persistent=False):
+    def __init__(self, problem, specs, capability, guard=False, persistent=False, ordered=False):
         self.problem, self.guard = problem, guard
         functors = _functors(problem)  # the user's, as the GPU path compiles them (or None)
         self._users = {}
@@ -97,6 +97,7 @@ class Kernels:
                 atomic_dq=atomic,
                 modified=problem.modified and spec.modifiers,
                 persistent=persistent and spec.persistent_keys is not None,
+                ordered_dq=ordered and atomic and spec.ordered_dq,
             )
             # v's head dim where the kernel takes one of its own (the forward's)
             head_dim_v = problem.head_dim_v if spec.value_dims else None
@@ -284,12 +285,15 @@ def run_backward(
     guard=False,
     tma=False,
     persistent_blocks=None,
+    ordered=None,
 ):
     """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
     Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
     conversion, or its dQ pass (deterministic calls, and the kernels without atomics);
     ``tma``: q, k, v and dout by bulk tensor copies, where the kernel takes them;
-    ``persistent_blocks``: the dK/dV kernel's persistent role on that many blocks."""
+    ``persistent_blocks``: the dK/dV kernel's persistent role on that many blocks;
+    ``ordered``: a deterministic call's dQ added in launch order where the kernel can
+    (None: where the GPU's plan does, False: never)."""
     head_dim, num_heads = problem.head_dim, problem.num_heads
     spec = registry.choose(
         "backward",
@@ -301,7 +305,18 @@ def run_backward(
         modified=problem.modified,
         head_dim_v=problem.head_dim_v,
     )
-    atomic = not deterministic and spec.atomic_dq(head_dim)
+    ordered = (
+        ordered is not False
+        and deterministic
+        and tma
+        and persistent_blocks is None
+        and problem.packed is None
+        and problem.kv_capacity > 0
+        and spec.ordered_dq
+        and spec.atomic_dq(head_dim)
+    )
+    # the ordered dQ adds as the atomic one does, into a buffer with counters after it
+    atomic = ordered or (not deterministic and spec.atomic_dq(head_dim))
     dq_spec = None if atomic else spec.dq_pass()
     # v narrower than q and k: the kernels that take it natively (as gpu.BackwardPlan)
     assert spec.takes_value_dims(head_dim, problem.head_dim_v), spec.name
@@ -321,7 +336,7 @@ def run_backward(
     persistent = persistent_blocks is not None
     if persistent:
         assert spec.persistent_keys is not None and not problem.modified, spec.name
-    kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard, persistent)
+    kernels = Kernels(problem, [(spec, atomic)] + helpers, capability, guard, persistent, ordered)
 
     accum_width = tile_traits.head_dim_class(head_dim) if atomic and spec.padded_dq else head_dim
     rows = math.prod(problem.lse_shape)
@@ -330,13 +345,15 @@ def run_backward(
     dq = _Output(problem, num_heads, problem.q_len)
     dq_accum = None
     if atomic:
-        dq_accum = _poisoned(rows * accum_width, np.float32) if convert else dq.array
+        # the ordered dQ's counters (int32, one a 64-row query tile) after its rows
+        counters = problem.batch * num_heads * -(-problem.q_len // 64) if ordered else 0
+        dq_accum = _poisoned(rows * accum_width + counters, np.float32) if convert else dq.array
     kernels.launch(
         "backward_delta",
         (math.ceil(problem.q_len / 4), num_heads, problem.batch),
         (
             kernel_params.delta_params(
-                problem, _strides(dout), _strides(out), accum_width if atomic else 0
+                problem, _strides(dout), _strides(out), accum_width if atomic else 0, ordered
             ),
             (dout, out, lse, delta, lse_log2, dq_accum),
         ),
@@ -527,11 +544,12 @@ def backward(
     head_dim_v=None,
     tma=True,
     persistent_blocks=None,
+    ordered=None,
 ):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``
     (``head_dim_v``: v's head dim, for the kernels that take it natively; ``tma``: bulk
-    tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks``: see
-    :func:`run_backward`)."""
+    tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks`` and
+    ``ordered``: see :func:`run_backward`)."""
     problem = backward_problem(
         dout,
         q,
@@ -569,6 +587,7 @@ def backward(
         capability=capability,
         tma=tma,
         persistent_blocks=persistent_blocks,
+        ordered=ordered,
     )
 
 

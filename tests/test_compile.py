@@ -244,8 +244,14 @@ def test_dispatch_order():
     assert ws_bwd.persistent_keys == 0 and not ws_bwd.persists(False, 1)
     persistent = ws_bwd.role(atomic_dq=True, persistent=True)
     assert persistent == "backward_wgmma_ws_atomic_dq_persistent" in ws_bwd.roles(128)
-    assert ws_bwd.name_expression(persistent, bf16, 128).endswith(", true, true>")
-    assert ws_bwd.name_expression("backward_wgmma_ws", bf16, 128).endswith(", false, false>")
+    assert ws_bwd.name_expression(persistent, bf16, 128).endswith(", true, true, false>")
+    assert ws_bwd.name_expression("backward_wgmma_ws", bf16, 128).endswith(", false, false, false>")
+    # and its ordered dQ (deterministic calls through the maps): dQ added as the atomic
+    # role adds it, a block a tile
+    ordered = ws_bwd.role(ordered_dq=True)
+    assert ordered == "backward_wgmma_ws_ordered_dq" in ws_bwd.roles(128)
+    assert ws_bwd.name_expression(ordered, bf16, 128).endswith(", true, false, true>")
+    assert registry.adds_dq(ordered) and not registry.adds_dq("backward_wgmma_ws")
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -330,7 +336,7 @@ def expected_hgmma(role, head_dim):
     # dQ (atomic, up to D = 128) in 8 16-key steps; in the 256 class below 256 columns
     # a copy of the loop a warpgroup
     rows = traits.template_args[0]
-    dq = 8 if registry.ATOMIC_DQ in role else 0
+    dq = 8 if registry.adds_dq(role) else 0
     copies = 2 if width == 256 and 16 * steps < 256 else 1
     return copies * (2 * steps + 2 * rows // 16) + dq
 

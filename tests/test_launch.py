@@ -134,7 +134,7 @@ def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
     for (params, words, size, raw), last in zip(calls, (0, 0x61)):
         assert params == 0
         assert words[0] == 1 and words[1] == record.address and words[2] == 2 and words[4] == 0
-        assert size == kernel_params.parameter_bytes("BackwardDeltaParams") == 108
+        assert size == kernel_params.parameter_bytes("BackwardDeltaParams") == 112
         seen = np.frombuffer(raw + bytes(dtype.itemsize - size), dtype=dtype)[0]
         assert seen["dq_accum"] == last and seen["num_heads"] == 3 and seen["accum_width"] == 64
     assert np.frombuffer(calls[0][3][:8], np.uint64)[0] == 0x10

@@ -309,7 +309,9 @@ def test_persistent_backward_walks_every_key_tile(case, blocks, deterministic, t
         *args, **kw, deterministic=deterministic, persistent_blocks=blocks
     )
     check_results(case, (q, k, v, dout), out, lse, grads)
-    one_a_block = simulated_attention.backward(*args, **kw, deterministic=deterministic)
+    one_a_block = simulated_attention.backward(
+        *args, **kw, deterministic=deterministic, ordered=False
+    )
     assert np.array_equal(grads[1], one_a_block[1]) and np.array_equal(grads[2], one_a_block[2])
     if deterministic:
         assert np.array_equal(grads[0], one_a_block[0])
@@ -344,16 +346,82 @@ def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, tma
     check_results(case, inputs, out, lse, grads)
 
 
-def _broken_backward(case, old, new, rng, tmp_path, monkeypatch, tma=True):
-    """The warp-specialized backward of ``case`` (dQ by its atomics; its tiles by the copy
-    engine, or by cp.async) with ``old`` replaced by ``new`` in its header: the largest
-    relative error of dq, dk, dv."""
+# Key tiles that add into a query tile in different counts: causal with more keys than
+# queries (every block's first steps on the diagonal), and not causal (every key tile
+# adds into every query tile, a chain of waits from the first step).
+ORDERED_CASES = [
+    BACKWARD_RING_CASES[2],
+    Case(
+        dtype="float16",
+        head_dim=96,
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=150,
+        kv_len=400,
+        causal=True,
+    ),
+    Case(dtype="bfloat16", head_dim=128, batch=1, heads=1, kv_heads=1, q_len=70, kv_len=300),
+]
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=str)
+def test_ordered_dq_adds_in_launch_order(case, rng, monkeypatch):
+    """The deterministic backward_wgmma_ws through the maps adds dQ itself, in the blocks'
+    launch order (key tiles descending): each writer waits until its query tile's counter
+    has counted the key tiles launched before it that add there, and the kernel traps on
+    a count past that (the simulator fails a wait no earlier block meets). The oracle's
+    gradients; dK and dV bit for bit those of the dQ pass's run."""
+    launched = []
+    launch = simulated_attention.Kernels.launch
+
+    def recording(self, spec_name, grid, args):
+        launched.append(self.roles[spec_name][1])
+        return launch(self, spec_name, grid, args)
+
+    monkeypatch.setattr(simulated_attention.Kernels, "launch", recording)
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, capability=90)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
+    args = (dout, q, k, v, out, lse, *case.args)
+    launched.clear()
+    grads = simulated_attention.backward(*args, **kw, deterministic=True)
+    assert "backward_wgmma_ws" + registry.ORDERED_DQ in launched, launched
+    check_results(case, (q, k, v, dout), out, lse, grads)
+    with_pass = simulated_attention.backward(*args, **kw, deterministic=True, ordered=False)
+    assert "backward_dq_wgmma" in launched
+    assert np.array_equal(grads[1], with_pass[1]) and np.array_equal(grads[2], with_pass[2])
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # a key tile left out of the count: the writer sees one addition more than it
+        # waited for, and traps (on the GPU the order would vary from run to run)
+        ("w.tile + 1 + threadIdx.x % 32", "w.tile + 2 + threadIdx.x % 32"),
+        # the block's own key tile counted: a wait no block meets (a hang on the GPU)
+        ("w.tile + 1 + threadIdx.x % 32", "w.tile + threadIdx.x % 32"),
+        # the counter never raised
+        ("                increment_counter(counter);\n", ""),
+    ],
+    ids=["count-short", "count-long", "no-increment"],
+)
+def test_simulator_finds_a_broken_dq_order(old, new, rng, tmp_path, monkeypatch):
+    """The ordered dQ's counts and counters broken: a simulator failure, never a pass."""
+    with pytest.raises(simulator.SimulationError):
+        _broken_backward(ORDERED_CASES[1], old, new, rng, tmp_path, monkeypatch, deterministic=True)
+
+
+def _broken_backward(case, old, new, rng, tmp_path, monkeypatch, tma=True, deterministic=False):
+    """The warp-specialized backward of ``case`` (dQ by its atomics, or deterministic in
+    launch order; its tiles by the copy engine, or by cp.async) with ``old`` replaced by
+    ``new`` in its header: the largest relative error of dq, dk, dv."""
     kernels = simulator.kernels_with(tmp_path / "kernels", "sm90/backward_wgmma_ws.cuh", old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=90)
     grads = simulated_attention.backward(
-        dout, q, k, v, out, lse, *case.args, capability=90, tma=tma
+        dout, q, k, v, out, lse, *case.args, capability=90, tma=tma, deterministic=deterministic
     )
     expected = oracle(case, q, k, v, dout)[2]
     return max(rel_error(g, e) for g, e in zip(grads, expected))
@@ -400,9 +468,9 @@ def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, mo
         # the writer grants the tile back before its additions have read it
         ("            bulk_commit();\n            bulk_wait_read<0>();", "bulk_commit();", True),
         # the writer adds the tile without waiting for the consumers to fill it
-        ("mbarrier_wait(full, phase);", "(void)phase;", True),
-        # the consumers fill the tile without waiting for its grant
-        ("mbarrier_wait(dq_empty, (use & 1) ^ 1);", "(void)0;", True),
+        ("mbarrier_wait(full + buffer, (i >> 1) & 1);", "(void)buffer;", True),
+        # the consumers fill a tile without waiting for its grant
+        ("mbarrier_wait(dq_empty + buffer, ((use >> 1) & 1) ^ 1);", "(void)0;", True),
     ],
     ids=[
         "no-read-wait",
@@ -438,8 +506,8 @@ def test_simulator_finds_broken_bulk_dq_additions(old, new, tma, rng, tmp_path, 
         ("&v_map, c * 64, n0, hk, b, kv_full", "&k_map, c * 64, n0, hk, b, kv_full"),
         # dQ's boxes added a row off
         (
-            "bulk_tensor_reduce_add_4d(map, 32 * i, m0,",
-            "bulk_tensor_reduce_add_4d(map, 32 * i, m0 + 1,",
+            "bulk_tensor_reduce_add_4d(map, 32 * box, m0,",
+            "bulk_tensor_reduce_add_4d(map, 32 * box, m0 + 1,",
         ),
         # dQ's boxes written without the swizzle the copy engine reads them by
         ("^ (row & 7)) << 2)", ") << 2)"),
@@ -877,14 +945,23 @@ def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng
 
 
 def _broken_dq(case, header, old, new, capability, rng, tmp_path, monkeypatch):
-    """The relative error of dQ of the deterministic backward of ``case`` with ``old``
-    replaced by ``new`` in kernel header ``header``."""
+    """The relative error of dQ of the deterministic backward of ``case`` (its dQ pass)
+    with ``old`` replaced by ``new`` in kernel header ``header``."""
     kernels = simulator.kernels_with(tmp_path / "kernels", header, old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=capability)
     dq, _, _ = simulated_attention.backward(
-        dout, q, k, v, out, lse, *case.args, deterministic=True, capability=capability
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *case.args,
+        deterministic=True,
+        capability=capability,
+        ordered=False,
     )
     return rel_error(dq, oracle(case, q, k, v, dout)[2][0])
 

@@ -501,9 +501,10 @@ def backward_params(
 DELTA_ADDRESSES = ("dout", "out", "lse", "delta", "lse_log2", "dq_accum")
 
 
-def delta_params(problem, dout_strides, out_strides, accum_width):
+def delta_params(problem, dout_strides, out_strides, accum_width, counters=False):
     """The ``BackwardDeltaParams`` of ``problem``'s ``backward_delta`` launches: dout's
-    and out's element strides, and the atomic dQ's row width (0: no atomic dQ)."""
+    and out's element strides, the atomic dQ's row width (0: no atomic dQ), and with
+    ``counters`` the ordered dQ's counters after its rows to zero."""
     return Params(
         "BackwardDeltaParams",
         DELTA_ADDRESSES,
@@ -512,6 +513,7 @@ def delta_params(problem, dout_strides, out_strides, accum_width):
         num_heads=problem.num_heads,
         q_len=problem.q_len,
         accum_width=accum_width,
+        dq_counters=int(counters),
     )
 
 

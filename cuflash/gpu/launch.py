@@ -516,7 +516,9 @@ class BackwardPlan:
     """The launches of one backward signature (atomic or deterministic; v narrower than q
     and k where its kernels take it: :meth:`takes_value_dims`)."""
 
-    def __init__(self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic):
+    def __init__(
+        self, problem, dout, q, k, v, output, lse_is_contiguous, deterministic, order_dq=True
+    ):
         if not self.takes_value_dims(problem, dout, q, k, v, output, deterministic=deterministic):
             raise ValueError("this backward takes one head dim (pad v instead)")
         self.problem = problem
@@ -528,19 +530,49 @@ class BackwardPlan:
         )
         self.spec = choose(problem, "backward", rows_are_16_byte_aligned((q, k, v, dout)))
         loaded = _variant(problem)
-        # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own.
+        # dQ by float32 atomics in the dK/dV kernel, or by a pass of its own; a
+        # deterministic call whose arrays the copy engine maps adds it in the blocks'
+        # launch order where the kernel can (ordered_dq: the same additions, in one order).
         self.atomic = not deterministic and self.spec.atomic_dq(problem.head_dim)
+        # CUFLASH_PERSISTENT=1 (comparisons) sends deterministic calls to the persistent
+        # role and its dQ pass: the ordered dQ runs a block a tile.
+        self.persistent = persistent = persistent_launch(self.spec, problem)
+        dq_width = tile_traits.head_dim_class(problem.head_dim)
+        maps, self.ordered = None, False
+        if self.spec.name == "backward_wgmma_ws" and tensor_maps.available():
+            self.ordered = (
+                order_dq
+                and deterministic
+                and not persistent
+                and self.spec.ordered_dq
+                and self.spec.atomic_dq(problem.head_dim)
+                and self.spec.name + registry.ORDERED_DQ not in dispatch.excluded()
+                and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
+            )
+            maps = kernel_params.backward_maps(
+                problem,
+                self.spec.traits(problem.head_dim),
+                [x.shape for x in (q, k, v, dout)],
+                [element_strides(x) for x in (q, k, v, dout)],
+                tensor_maps.TileMap.encode_into,
+                dq_width if self.atomic or self.ordered else 0,
+            )
+            self.ordered = self.ordered and maps is not None
+        self._dq_pass_plan = None  # the dQ pass's, where the ordered dQ cannot run
+        self.adds_dq = adds_dq = self.atomic or self.ordered
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
         self.dkv_layout = OutputLayout(problem, problem.num_kv_heads, problem.kv_capacity)
         keys = self.spec.traits(problem.head_dim).tile
         key_rows, batch = _key_grid(problem)
         key_tiles = math.ceil(key_rows / keys)
         grid = (key_tiles, problem.num_kv_heads, batch)
-        self.persistent = persistent = persistent_launch(self.spec, problem)
         if persistent:  # a block an SM, walking every tile
             grid = (min(math.prod(grid), multiprocessors(device_capability()[0])),)
         role = self.spec.role(
-            atomic_dq=self.atomic, modified=problem.modified, persistent=persistent
+            atomic_dq=self.atomic,
+            modified=problem.modified,
+            persistent=persistent,
+            ordered_dq=self.ordered,
         )
         self.pieces = None
         if self.spec.precision == "float32":
@@ -557,47 +589,41 @@ class BackwardPlan:
         else:
             strides = [element_strides(x) for x in (q, k, v, dout)]
         self.user = _user_arguments(problem, self.spec, "backward")
-        self.dkdv = Launch.of_role(
-            loaded,
-            role,
-            grid,
-            kernel_params.backward_params(
-                problem,
-                strides,
-                self.dkv_layout.strides,
-                self.user,
-                pieces=self.pieces is not None,
-                key_tiles=key_tiles,
-            ),
-            _functors(problem),
-        )
-        # The same kernel with q, k, v and dout by the copy engine, where it can
-        # address them.
-        self.dkdv_tma = None
-        if self.spec.name == "backward_wgmma_ws" and tensor_maps.available():
-            maps = kernel_params.backward_maps(
-                problem,
-                self.spec.traits(problem.head_dim),
-                [x.shape for x in (q, k, v, dout)],
-                strides,
-                tensor_maps.TileMap.encode_into,
-                tile_traits.head_dim_class(problem.head_dim) if self.atomic else 0,
-            )
-            if maps is not None:
-                with_maps = kernel_params.backward_params(
+        # The ordered dQ's kernel runs with the maps only (no cp.async launch).
+        self.dkdv = None
+        if not self.ordered:
+            self.dkdv = Launch.of_role(
+                loaded,
+                role,
+                grid,
+                kernel_params.backward_params(
                     problem,
                     strides,
                     self.dkv_layout.strides,
                     self.user,
-                    maps=maps,
+                    pieces=self.pieces is not None,
                     key_tiles=key_tiles,
-                )
-                self.dkdv_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
+                ),
+                _functors(problem),
+            )
+        # The same kernel with q, k, v and dout by the copy engine, where it can
+        # address them.
+        self.dkdv_tma = None
+        if maps is not None:
+            with_maps = kernel_params.backward_params(
+                problem,
+                strides,
+                self.dkv_layout.strides,
+                self.user,
+                maps=maps,
+                key_tiles=key_tiles,
+            )
+            self.dkdv_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.dq = self.convert = None
         self.dq_reads_pieces = False
         accum_width = problem.head_dim
         rows, batch = _query_grid(problem)
-        if not self.atomic:  # dQ by a pass of its own over the keys
+        if not adds_dq:  # dQ by a pass of its own over the keys
             dq_spec = self.spec.dq_pass()
             # The float32 pieces' own dQ kernel reads the pieces; the others the inputs.
             self.dq_reads_pieces = dq_spec.precision == "float32"
@@ -624,7 +650,7 @@ class BackwardPlan:
             # dQ is that buffer itself).
             count = math.prod(problem.q_shape)
             if self.spec.padded_dq:
-                accum_width = tile_traits.head_dim_class(problem.head_dim)
+                accum_width = dq_width
             self.convert = Launch.of_role(
                 loaded,
                 "backward_dq_convert",
@@ -637,6 +663,8 @@ class BackwardPlan:
         self.dq_bytes = 0
         if self.convert is not None:
             self.dq_bytes = 4 * math.prod(problem.q_shape) // problem.head_dim * accum_width
+        if self.ordered:  # an int counter a 64-row query tile (ordered_dq_counter, common.cuh)
+            self.dq_bytes += 4 * problem.batch * problem.num_heads * -(-problem.q_len // 64)
         self.workspace_bytes = 2 * self.row_bytes + self.dq_bytes
         # Delta, lse log2 e, and zeros in the float32 dQ the atomics add into (its own
         # array for a dense float32 problem, else the workspace's), a row a warp.
@@ -648,11 +676,21 @@ class BackwardPlan:
                 problem,
                 element_strides(dout),
                 element_strides(output),
-                accum_width if self.atomic else 0,
+                accum_width if adds_dq else 0,
+                counters=self.ordered,
             ),
         )
         self.zero_outside_q = _zero_outside(loaded, problem, self.dq_layout, problem.q_len)
         self.zero_outside_k = _zero_outside(loaded, problem, self.dkv_layout, problem.kv_capacity)
+
+    def _dq_pass(self, dout, q, k, v, output):
+        """The plan of this signature with dQ by its own pass (built on first need: the
+        ordered dQ's maps refused, or arrays off the 16-byte grid)."""
+        if self._dq_pass_plan is None:
+            self._dq_pass_plan = BackwardPlan(
+                self.problem, dout, q, k, v, output, True, True, order_dq=False
+            )
+        return self._dq_pass_plan
 
     @staticmethod
     def takes_value_dims(problem, dout, q, k, v, output, *rest, deterministic=False):
@@ -689,13 +727,19 @@ class BackwardPlan:
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
+        if self.ordered and (
+            self.dkdv_tma is None or (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
+        ):
+            return self._dq_pass(dout, q, k, v, output)(
+                dout, q, k, v, output, lse, synchronize, offsets, alibi_slopes, sinks
+            )
         alibi_slopes = _contiguous_slopes(alibi_slopes)
         stream = current_stream()
         # One workspace: Delta and lse * log2(e) (float32 rows), and the float32 dQ of
         # the atomic backward when it needs converting, at 256-byte boundaries.
         workspace = cupy.cuda.alloc(self.workspace_bytes)
         delta, lse_log2 = workspace.ptr, workspace.ptr + self.row_bytes
-        if not self.atomic:
+        if not self.adds_dq:
             dq = self.dq_layout.empty()
             dq_target = dq.data.ptr
         elif self.convert is None:  # dense float32: the atomics' buffer is dQ
@@ -710,7 +754,7 @@ class BackwardPlan:
             lse.data.ptr,
             delta,
             lse_log2,
-            dq_target if self.atomic else 0,
+            dq_target if self.adds_dq else 0,
         )
         # dK and dV take one set of strides in the kernels: a narrower dV is written into
         # rows of head_dim columns and its first head_dim_v are copied out at the end.
@@ -744,6 +788,10 @@ class BackwardPlan:
                     self.dkdv_tma(stream, *call)
                 except tensor_maps.TensorMapError:
                     self.dkdv_tma = None  # the driver refuses these arrays: cp.async
+                    if self.ordered:  # or the dQ pass
+                        return self._dq_pass(dout, q, k, v, output)(
+                            dout, q, k, v, output, lse, synchronize, offsets, alibi_slopes, sinks
+                        )
                     self.dkdv(stream, *call)
             else:
                 self.dkdv(stream, *call)

@@ -81,6 +81,10 @@ class KernelSpec:
     # after it (None: backward_dq_general).
     atomic_dq_head_dims: tuple | None = (8, 256)
     dq_kernel: str | None = None
+    # A backward kernel with an ordered-dQ instantiation (its ORDERED_DQ template argument):
+    # the deterministic calls its tensor maps serve add dQ in the blocks' launch order
+    # instead of running the dQ pass (:meth:`role`'s ``ordered_dq``).
+    ordered_dq: bool = False
     modifiers: bool = False  # also compiled with the score modifiers
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
@@ -173,6 +177,8 @@ class KernelSpec:
         roles = base + tuple(name + MODIFIED for name in base) if self.modifiers else base
         if self.persistent_keys is not None:  # the plain roles, persistent
             roles += tuple(name + PERSISTENT for name in base)
+        if self.ordered_dq and ATOMIC_DQ in "".join(base):  # dense, a block a tile
+            roles += (self.name + ORDERED_DQ,)
         return roles
 
     def dq_pass(self):
@@ -186,8 +192,11 @@ class KernelSpec:
             return None
         return self.block_tiles(self.traits_of(head_dim, modified=True))
 
-    def role(self, atomic_dq=False, modified=False, persistent=False):
-        """The role of one instantiation (``persistent``: of a plain call)."""
+    def role(self, atomic_dq=False, modified=False, persistent=False, ordered_dq=False):
+        """The role of one instantiation (``persistent``: of a plain call; ``ordered_dq``:
+        the deterministic dQ added in launch order, neither atomic nor persistent)."""
+        if ordered_dq:
+            return self.name + ORDERED_DQ
         return (
             self.name
             + (ATOMIC_DQ if atomic_dq else "")
@@ -203,11 +212,13 @@ class KernelSpec:
         traits = self.traits_of(head_dim, modified=role.endswith(MODIFIED))
         args += [_cxx(a) for a in traits.template_args]
         if self.direction == "backward" and self.atomic_dq_head_dims is not None:
-            args.append("true" if ATOMIC_DQ in role else "false")
+            args.append("true" if adds_dq(role) else "false")
         if self.modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
         if self.persistent_keys is not None:
             args.append("true" if role.endswith(PERSISTENT) else "false")
+        if self.ordered_dq:
+            args.append("true" if role.endswith(ORDERED_DQ) else "false")
         if head_dim_v is not None and head_dim_v != head_dim:
             if not self.takes_value_dims(head_dim, head_dim_v):
                 raise ValueError(f"{self.name} does not take head_dim_v {head_dim_v}")
@@ -216,8 +227,14 @@ class KernelSpec:
 
 
 ATOMIC_DQ = "_atomic_dq"
+ORDERED_DQ = "_ordered_dq"
 MODIFIED = "_modified"
 PERSISTENT = "_persistent"
+
+
+def adds_dq(role):
+    """Whether the backward role adds dQ itself (by atomics, or in launch order)."""
+    return ATOMIC_DQ in role or role.endswith(ORDERED_DQ)
 
 
 def _cxx(value):
@@ -356,7 +373,8 @@ KERNELS = (
     # warpgroup feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
     # driver maps the arrays); its register split leaves no room for the modifiers or the
     # 64 class's atomic dQ. Measured above backward_wgmma, atomic and deterministic
-    # (D = 128, S = 4096: 454.6 with its dQ writer against 367.3 TFLOP/s;
+    # (D = 128, S = 4096: 450.5 with its dQ writer against 367.3 TFLOP/s; deterministic
+    # calls through its maps add dQ in launch order, 413.0 against the dQ pass's 366.7;
     # docs/kernels/backward-sm90-wgmma.md).
     KernelSpec(
         "backward_wgmma_ws",
@@ -370,6 +388,7 @@ KERNELS = (
         padded_dq=True,
         atomic_dq_head_dims=(72, 128),
         dq_kernel="backward_dq_wgmma",
+        ordered_dq=True,
         # Its persistent roles lost to a block a tile once the dQ writer warp came
         # (2026-12-04: 3-8 % at S = 1024-2048, 29 % at S = 16384 causal): compiled, never
         # chosen; CUFLASH_PERSISTENT=1 runs them.

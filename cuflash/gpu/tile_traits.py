@@ -147,16 +147,17 @@ def backward_wgmma_traits(d):
 def backward_ws_traits(d):
     """kernels/sm90/backward_wgmma_ws.cuh: 128 keys (a producer and two consumer warpgroups of
     64 keys), K and V resident, STAGES stages of 64 query rows of Q and dO and their lse
-    and Delta, two buffers of dS^T, the float32 dQ tile (rows 8 floats wider), the ring's
-    barriers (16 bytes a stage), K/V's two (full, and empty: the persistent roles'), the dQ
-    tile's two (full, empty) and its coordinates for the writer warp (16 bytes)."""
+    and Delta, two buffers of dS^T, the float32 dQ tiles (one of rows 8 floats wider, or two
+    for the dQ writer, whichever is larger), the ring's barriers (16 bytes a stage), K/V's
+    two (full, and empty: the persistent roles'), each dQ tile's two (full, empty) and its
+    coordinates for the writer warp (16 bytes a tile)."""
     rows, keys, stages, width = 64, 128, 2, 128
     smem = (
         2 * (2 * keys * width + 2 * stages * rows * width + 2 * keys * rows)
-        + FLOAT_BYTES * (rows * (width + 8) + 2 * stages * rows)
+        + FLOAT_BYTES * (max(rows * (width + 8), 2 * rows * width) + 2 * stages * rows)
         + 16 * stages
-        + 4 * 8
-        + 16
+        + 2 * 8
+        + 2 * (2 * 8 + 16)
         + 1024
     )
     return Traits(keys, 384, smem, (rows, stages))

@@ -175,6 +175,8 @@ _INSTRUCTIONS = (
     ("ex2.approx.ftz.f32", "ex2_approx_ftz_f32"),
     ("tanh.approx.f32", "tanh_approx_f32"),
     ("ld.shared.v2.f32", "ld_shared_v2_f32"),
+    ("ld.acquire.gpu.global.b32", "ld_acquire_gpu_b32"),
+    ("red.release.gpu.global.add.s32", "red_release_add_one"),
     ("st.shared.f32", "st_shared_f32"),
     ("cp.async.commit_group", "cp_async_commit_group"),
     ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "bulk_reduce_add_f32"),

@@ -101,6 +101,7 @@ struct Fiber {
     // bulk reductions: the open group, then the committed ones (oldest first)
     std::vector<PendingReduce> reduces;
     std::vector<std::vector<PendingReduce>> reduce_groups;
+    int idle_acquires = 0;  // ld_acquire_gpu_b32's reads in a row that nothing moved
 };
 
 // The threads of a warp (32) or a warpgroup (128) and the slots of their offers
@@ -397,6 +398,26 @@ inline void bulk_wait_group(int pending) {
         }
         groups.erase(groups.begin());
     }
+    ++progress;
+}
+
+// ld.acquire.gpu in a wait for a counter that earlier blocks raise (wait_counter_at_least
+// of kernels/common/mbarrier.cuh): blocks run one at a time in launch order here, so
+// what an earlier block raises is already there; the waiting thread lets the block's
+// other threads run, and a wait none of them moves fails (on the GPU it would hang).
+inline void ld_acquire_gpu_b32(int& value, const int* counter) {
+    value = *counter;
+    const long long before = progress;
+    yield();
+    if (progress == before && *counter == value)
+        ++current->idle_acquires;
+    else
+        current->idle_acquires = 0;
+    if (current->idle_acquires > 64) failure = "a wait for a counter that no earlier block raised";
+}
+// red.release.gpu.global.add.s32 [counter], 1.
+inline void red_release_add_one(int* counter) {
+    ++*counter;
     ++progress;
 }
 

@@ -18,6 +18,18 @@ __host__ __device__ constexpr int round_up(int x, int multiple) {
 __host__ __device__ constexpr int head_dim_class(int d) {
     return d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
+// The ordered dQ's counters (the deterministic backward of sm90/backward_wgmma_ws.cuh):
+// one int a 64-row query tile of each (batch entry, head), after the float32 dQ
+// accumulator's rows ([batch, heads, q_len, width]) in the same workspace; the counter
+// of (b, h, query row m) counts the key tiles whose dQ additions into that tile have
+// completed. backward_delta zeroes them.
+__device__ __forceinline__ int* ordered_dq_counter(float* dq_accum, int batch, int heads, int q_len,
+                                                   int width, int b, int h, int m) {
+    int* const counters =
+        reinterpret_cast<int*>(dq_accum + static_cast<long long>(batch) * heads * q_len * width);
+    return counters + (static_cast<long long>(b) * heads + h) * ((q_len + 63) / 64) + m / 64;
+}
+
 // The smallest power of two >= x: tile loads move this many 16-byte chunks a
 // row (the columns past the head_dim as zeros), so that the threads of a
 // block cover whole rows a pass (the unrolled copy loop of cp_async_rows).

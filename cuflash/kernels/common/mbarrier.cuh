@@ -103,6 +103,29 @@ __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
+// Counters in global memory that order work across blocks (the ordered dQ of
+// sm90/backward_wgmma_ws.cuh): a wait until *counter >= count (acquire, then a proxy
+// fence so that this thread's bulk operations after it see what the copy engine of the
+// blocks it waited for wrote; it returns the value seen), and an increment (release)
+// after a proxy fence that orders this thread's completed bulk operations before it. A
+// wait only ever waits for blocks launched earlier, which the hardware has made
+// resident or finished.
+__device__ __forceinline__ int wait_counter_at_least(const int* counter, int count) {
+    int value;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
+                     : "=r"(value)
+                     : "l"(counter)
+                     : "memory");
+    } while (value < count);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    return value;
+}
+__device__ __forceinline__ void increment_counter(int* counter) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
 // Registers move from the producer warpgroup to the consumers (sm_90a; each
 // role one branch, the kernel capped at entry by __launch_bounds__(n, 1)).
 template <int REGISTERS>

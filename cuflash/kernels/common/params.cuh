@@ -220,7 +220,8 @@ struct BackwardDqParams {
     X(STRIDES, Strides, out)                                                          \
     X(VAL, int, num_heads)                                                            \
     X(VAL, int, q_len)                                                                \
-    X(VAL, int, accum_width) /* 0: no atomic dQ */
+    X(VAL, int, accum_width) /* 0: no atomic dQ */                                    \
+    X(VAL, int, dq_counters) /* the ordered dQ's counters, zeroed (backward_wgmma_ws) */
 struct BackwardDeltaParams {
     CUFLASH_BACKWARD_DELTA_PARAMS(CUFLASH_MEMBER, void)
 };

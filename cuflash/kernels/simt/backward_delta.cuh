@@ -22,6 +22,8 @@ __global__ void __launch_bounds__(128)
     // aligned; none when accum_width is 0 (the deterministic backward).
     float4* dq_row = reinterpret_cast<float4*>(dq_accum + at * accum_width);
     for (int c = lane; c < accum_width / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq_counters && lane == 0 && row % 64 == 0)  // the ordered dQ's (common.cuh)
+        *ordered_dq_counter(dq_accum, gridDim.z, num_heads, q_len, accum_width, b, h, row) = 0;
     const T* dO = dout + offset_of(dout_st, b, h, row);
     const T* O = out + offset_of(out_st, b, h, row);
     float sum = 0.f;

@@ -48,6 +48,10 @@
 // Without ATOMIC_DQ (the deterministic backward, and dQ's own pass) the two
 // consumers never wait for each other. The arguments are
 // backward_wgmma's (the same launch).
+// ORDERED_DQ (the deterministic backward of dense calls through the maps): the atomic
+// dQ's additions, each (entry, head, query tile)'s in the blocks' launch order, key
+// tiles descending (add_dq_tiles: a counter a query tile after dQ's float32 rows,
+// zeroed by backward_delta), so that every run adds the same values in the same order.
 #pragma once
 #include "common/params.cuh"
 #include "common/mbarrier.cuh"
@@ -67,39 +71,63 @@ static_assert(128 * kBackwardProducerRegisters + 256 * kBackwardConsumerRegister
 __device__ __forceinline__ void consumers_meet() {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1) : "memory");
 }
-// The dQ writer warp (producer warp 1 with the maps): each step's dQ tile, once the
-// consumers have filled it and its coordinates (row, head, batch entry; row -1: no more
-// tiles), added into dq_accum by the copy engine as DT / 32 boxes of 32 columns by BM
-// rows (rows past S_q skipped); the tile is granted back once the additions have read it.
+// The dQ writer warp (producer warp 1 with the maps): each step's dQ tile (two buffers
+// of BM x DT floats, step s in buffer s % 2, each with its barriers and coordinates), once
+// the consumers have filled it and its coordinates (row, head, batch entry; row -1: no
+// more tiles), added into dq_accum by the copy engine as DT / 32 boxes of 32 columns by
+// BM rows (rows past S_q skipped); the buffer is granted back once the additions have
+// read it, so that the consumers wait for the writer only a step behind them.
 // The hand-over both ways is by mbarriers: full takes every consumer thread's arrival
 // (each wrote part of the tile; racecheck holds a named barrier's bar.arrive to order
 // nothing), empty the writer's one, which each consumer thread waits for on its own (a
 // barrier all consumers waited at made every warp wait for the slowest: 8 % of the
 // stall samples at D = 128).
-template <int BM, int DT>
+// ORDERED (the deterministic backward): the additions into each (entry, head, query
+// tile) come in the blocks' launch order. Before its additions the writer waits until
+// the tile's counter (counter_of(m0, h, b)) has counted the preceding(m0) key tiles
+// launched before this block's that add into it (every lane takes part in the count);
+// once they have completed, it raises the counter.
+template <int BM, int DT, bool ORDERED, typename Preceding, typename CounterOf>
 __device__ __forceinline__ void add_dq_tiles(const TensorMap* map, const float* tile, const int* at,
-                                             unsigned long long* full, unsigned long long* empty) {
-    for (unsigned phase = 0;; phase ^= 1) {
-        mbarrier_wait(full, phase);
+                                             unsigned long long* full, unsigned long long* empty,
+                                             Preceding&& preceding, CounterOf&& counter_of) {
+    for (int i = 0;; ++i) {
+        const int buffer = i & 1;
+        mbarrier_wait(full + buffer, (i >> 1) & 1);
+        const int* const at_i = at + 4 * buffer;
         // Lane 0 alone reads the coordinates: its arrival on empty hands them back too
         // (racecheck: an arrival orders only the arriving thread's own reads).
         int m0 = 0, h = 0, b = 0;
-        if (threadIdx.x % 32 == 0) m0 = at[0], h = at[1], b = at[2];
-        if (__shfl_sync(0xffffffffu, m0, 0) < 0) break;
+        if (threadIdx.x % 32 == 0) m0 = at_i[0], h = at_i[1], b = at_i[2];
+        const int row = __shfl_sync(0xffffffffu, m0, 0);
+        if (row < 0) break;
+        int count = 0;
+        if constexpr (ORDERED) count = preceding(row);
         if (threadIdx.x % 32 == 0) {
+            int* const counter = ORDERED ? counter_of(m0, h, b) : nullptr;
+            // More than the count: a key tile after this one's added first (a miscount
+            // that would break the order): stop rather than differ from run to run.
+            if constexpr (ORDERED)
+                if (wait_counter_at_least(counter, count) != count) __trap();
 #pragma unroll
-            for (int i = 0; i < DT / 32; ++i)
-                bulk_tensor_reduce_add_4d(map, 32 * i, m0, h, b, tile + i * (BM * 32));
+            for (int box = 0; box < DT / 32; ++box)
+                bulk_tensor_reduce_add_4d(map, 32 * box, m0, h, b,
+                                          tile + buffer * (BM * DT) + box * (BM * 32));
             bulk_commit();
             bulk_wait_read<0>();
-            mbarrier_arrive(empty);
+            mbarrier_arrive(empty + buffer);
+            if constexpr (ORDERED) {
+                bulk_wait<0>();  // the additions done in global memory, then the next may go
+                increment_counter(counter);
+            }
         }
         __syncwarp();
     }
     if (threadIdx.x % 32 == 0) bulk_wait<0>();  // the additions, before the block exits
 }
 
-template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool PERSISTENT = false>
+template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool PERSISTENT = false,
+          bool ORDERED_DQ = false>
 __global__ void __launch_bounds__(384, 1)
     backward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
@@ -107,10 +135,15 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int BN = 128, QTILES = BM / 8, KSTEPS = DK / 16, DTILES = DK / 8;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(DT == 128 && BM == 64, "tile shape");
+    // The ordered dQ: dense calls through the maps, a block a tile, launched with key
+    // tiles descending (the host launches it only with use_tma).
+    static_assert(!ORDERED_DQ || (ATOMIC_DQ && !PERSISTENT), "the ordered dQ's instantiation");
     // The atomic dQ: consumer c adds columns [64 c, + 64) over all 128 keys, through
     // a float32 tile of BM rows DQ_PITCH apart (8 floats of padding: the fragments'
-    // 8-byte stores of a half-warp meet 32 different banks).
+    // 8-byte stores of a half-warp meet 32 different banks), or with the maps two tiles
+    // of swizzled boxes that the dQ writer adds (DQ_FLOATS: the larger).
     constexpr int DQ_COLS = 64, DQ_KSTEPS = BN / 16, DQ_PITCH = DT + 8;
+    constexpr int DQ_FLOATS = 2 * BM * DT > BM * DQ_PITCH ? 2 * BM * DT : BM * DQ_PITCH;
     // A stage's empty barrier takes an arrival from every consumer thread: each reads the
     // stage's lse and Delta with its own loads (racecheck found one thread a warpgroup
     // handing the stage back while other warps still read them).
@@ -126,16 +159,17 @@ __global__ void __launch_bounds__(384, 1)
     T* Qs = Vs + BN * DT;             // STAGES buffers of BM x DT
     T* dOs = Qs + STAGES * BM * DT;   // STAGES buffers of BM x DT
     T* dSs = dOs + STAGES * BM * DT;  // two buffers of dS^T, [BN keys][BM queries]
-    float* dq_s = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // BM rows of DQ_PITCH
-    float* lse_s = dq_s + BM * DQ_PITCH;                        // STAGES buffers of BM
+    float* dq_s = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // DQ_FLOATS (above)
+    float* lse_s = dq_s + DQ_FLOATS;                            // STAGES buffers of BM
     float* delta_s = lse_s + STAGES * BM;                       // STAGES buffers of BM
     Ring* ring = reinterpret_cast<Ring*>(delta_s + STAGES * BM);
     unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(ring + 1);
     unsigned long long* kv_empty = kv_full + 1;  // PERSISTENT: K and V read by every consumer
-    unsigned long long* dq_full = kv_empty + 1;  // the dQ tile, written by the consumers
-    unsigned long long* dq_empty = dq_full + 1;  // the dQ tile, read by the writer's additions
-    // The dQ tile's coordinates for the writer: row, head, batch entry; row -1 ends.
-    int* dq_at = reinterpret_cast<int*>(dq_empty + 1);
+    unsigned long long* dq_full = kv_empty + 1;  // two: the dQ tiles, written by the consumers
+    unsigned long long* dq_empty = dq_full + 2;  // two: read by the writer's additions
+    // Each dQ tile's coordinates for the writer (four ints a tile): row, head, batch
+    // entry; row -1 ends.
+    int* dq_at = reinterpret_cast<int*>(dq_empty + 2);
 
     // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu/launch.py)
     // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the
@@ -146,8 +180,10 @@ __global__ void __launch_bounds__(384, 1)
         ring->init(tma ? 33 : 128);
         mbarrier_init(kv_full, tma ? 1 : 128);
         mbarrier_init(kv_empty, 256);
-        mbarrier_init(dq_full, 256);
-        mbarrier_init(dq_empty, 1);
+        for (int buffer = 0; buffer < 2; ++buffer) {
+            mbarrier_init(dq_full + buffer, 256);
+            mbarrier_init(dq_empty + buffer, 1);
+        }
     }
     __syncthreads();  // the barriers' initialization, seen by every thread
 
@@ -169,7 +205,7 @@ __global__ void __launch_bounds__(384, 1)
     auto for_each_tile = [&](auto&& fn) {
         WorkTile w;
         for (int round = 0, t = 0, uses = 0;
-             work_tile<PERSISTENT, true>(round, key_tiles, work_tiles, num_heads / group, w);
+             work_tile<PERSISTENT, !ORDERED_DQ>(round, key_tiles, work_tiles, num_heads / group, w);
              ++round) {
             Tile tile;
             if (!tile_of(w, tile)) continue;
@@ -188,8 +224,32 @@ __global__ void __launch_bounds__(384, 1)
         // warp and spilled 120 bytes of the walks at the producer's 40 registers.
         const int producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
         if (tma && producer_warp != 0) {
-            if (ATOMIC_DQ && producer_warp == 1)  // the dQ writer
-                add_dq_tiles<BM, DT>(&dq_accum_map, dq_s, dq_at, dq_full, dq_empty);
+            if (ATOMIC_DQ && producer_warp == 1) {  // the dQ writer
+                // ORDERED_DQ: the key tiles launched before this block's (those after it)
+                // that add into query tile m0, by the walk's own test of their steps.
+                auto preceding = [&](int m0) {
+                    WorkTile w;
+                    work_tile<false, false>(0, key_tiles, work_tiles, num_heads / group, w);
+                    int count = 0;
+                    for (int k = w.tile + 1 + threadIdx.x % 32; k < gridDim.x; k += 32) {
+                        Tile other;
+                        if (!tile_of(WorkTile{k, w.h, w.z}, other)) continue;
+                        const QuerySteps<BM> steps(other.seq.mask, other.n0, other.n0 + BN,
+                                                   other.hk, group);
+                        count += steps.count > 0 && m0 >= steps.m_first &&
+                                 m0 < steps.m_first + steps.per_head * BM;
+                    }
+#pragma unroll
+                    for (int lanes = 16; lanes > 0; lanes >>= 1)
+                        count += __shfl_xor_sync(0xffffffffu, count, lanes);
+                    return count;
+                };
+                auto counter_of = [&](int m0, int h, int b) {
+                    return ordered_dq_counter(dq_accum, gridDim.z, num_heads, q_len, DT, b, h, m0);
+                };
+                add_dq_tiles<BM, DT, ORDERED_DQ>(&dq_accum_map, dq_s, dq_at, dq_full, dq_empty,
+                                                 preceding, counter_of);
+            }
             return;
         }
         // Each work tile with query steps: its K and V, then each step's stage. The copy
@@ -382,8 +442,9 @@ __global__ void __launch_bounds__(384, 1)
                 pin_registers(dq);
                 // The tile is free once the last additions have read it: with the maps the
                 // writer grants it, else each warp waits for its own rows'.
+                const int buffer = use & 1;
                 if (tma) {
-                    mbarrier_wait(dq_empty, (use & 1) ^ 1);  // step use - 1's tile read
+                    mbarrier_wait(dq_empty + buffer, ((use >> 1) & 1) ^ 1);  // step use - 2's
                 } else {
                     if (lane < 16) bulk_wait_read<0>();
                     __syncwarp();
@@ -391,7 +452,7 @@ __global__ void __launch_bounds__(384, 1)
                 // With the maps: four boxes of 32 columns by BM rows (8 KB each, the
                 // 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), which the dQ
                 // writer adds; else rows DQ_PITCH apart, one bulk reduction a row.
-                float* const boxes = dq_s + (dq_col / 32) * (BM * 32);
+                float* const boxes = dq_s + buffer * (BM * DT) + (dq_col / 32) * (BM * 32);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = g + 8 * r;
@@ -411,11 +472,11 @@ __global__ void __launch_bounds__(384, 1)
                 fence_proxy_async();  // this thread's writes, then read by the copy engine
                 if (tma) {
                     if (threadIdx.x == 128) {
-                        dq_at[0] = m0;
-                        dq_at[1] = h;
-                        dq_at[2] = b;
+                        dq_at[4 * buffer] = m0;
+                        dq_at[4 * buffer + 1] = h;
+                        dq_at[4 * buffer + 2] = b;
                     }
-                    mbarrier_arrive(dq_full);
+                    mbarrier_arrive(dq_full + buffer);
                     return;
                 }
                 __syncwarp();
@@ -472,9 +533,10 @@ __global__ void __launch_bounds__(384, 1)
                                           0, dv_acc, 1.f);
     });
     if (ATOMIC_DQ && tma) {  // the writer's last tile: none
-        mbarrier_wait(dq_empty, (all_uses & 1) ^ 1);
-        if (threadIdx.x == 128) dq_at[0] = -1;
-        mbarrier_arrive(dq_full);
+        const int buffer = all_uses & 1;
+        mbarrier_wait(dq_empty + buffer, ((all_uses >> 1) & 1) ^ 1);
+        if (threadIdx.x == 128) dq_at[4 * buffer] = -1;
+        mbarrier_arrive(dq_full + buffer);
     }
     if (ATOMIC_DQ && !tma && lane < 16) bulk_wait<0>();  // dQ's additions, before the exit
 }

@@ -19,7 +19,7 @@ import simulator
 
 from cuflash import dispatch
 from cuflash.core.problem import backward_problem, forward_problem
-from cuflash.gpu import kernel_params, registry, tile_traits
+from cuflash.gpu import kernel_params, registry, schedules, tile_traits
 from cuflash.gpu.launch import USER_ARGS_DTYPE, _functors
 from cuflash.gpu.packed_plans import heads_first
 from cuflash.varlen import varlen_problem
@@ -286,6 +286,7 @@ def run_backward(
     tma=False,
     persistent_blocks=None,
     ordered=None,
+    scheduled=None,
 ):
     """``(dq, dk, dv)`` of ``problem`` (as :func:`run_forward`; ``lse`` ``[B, H, S]``): the
     Delta kernel, the dK/dV kernel and either its float32 atomics for dQ and their
@@ -293,7 +294,8 @@ def run_backward(
     ``tma``: q, k, v and dout by bulk tensor copies, where the kernel takes them;
     ``persistent_blocks``: the dK/dV kernel's persistent role on that many blocks;
     ``ordered``: a deterministic call's dQ added in launch order where the kernel can
-    (None: where the GPU's plan does, False: never)."""
+    (None: where the GPU's plan does, False: never); ``scheduled`` False: the persistent
+    blocks' static walk where the GPU's plan gives a dense call its schedule."""
     head_dim, num_heads = problem.head_dim, problem.num_heads
     spec = registry.choose(
         "backward",
@@ -388,6 +390,13 @@ def run_backward(
                 accum_width if atomic else 0,
             )
         grid = _key_grid(problem, kernels.tile(spec.name))
+        # the persistent blocks' schedule, as the GPU's plan builds it (kept alive here)
+        table = None
+        if persistent and scheduled is not False:
+            traits = kernels.traits(spec.name)
+            table = schedules.backward_schedule(
+                problem, traits.tile, traits.template_args[0], persistent_blocks
+            )
         params = kernel_params.backward_params(
             problem,
             strides,
@@ -396,6 +405,7 @@ def run_backward(
             pieces,
             maps=maps,
             key_tiles=grid[0],
+            schedule=0 if table is None else table.ctypes.data,
         )
         kernels.launch(
             spec.name,
@@ -545,11 +555,12 @@ def backward(
     tma=True,
     persistent_blocks=None,
     ordered=None,
+    scheduled=None,
 ):
     """``(dq, dk, dv)`` of the backward the registry chooses for ``capability``
     (``head_dim_v``: v's head dim, for the kernels that take it natively; ``tma``: bulk
-    tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks`` and
-    ``ordered``: see :func:`run_backward`)."""
+    tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks``,
+    ``ordered`` and ``scheduled``: see :func:`run_backward`)."""
     problem = backward_problem(
         dout,
         q,
@@ -588,6 +599,7 @@ def backward(
         tma=tma,
         persistent_blocks=persistent_blocks,
         ordered=ordered,
+        scheduled=scheduled,
     )
 
 

@@ -39,7 +39,7 @@ from test_kvcache import run_case
 import cuflash
 from cuflash import modifiers
 from cuflash.block_mask import create_block_mask
-from cuflash.gpu import kernel_params, registry
+from cuflash.gpu import kernel_params, registry, schedules
 from cuflash.reference import attention_reference, attention_reference_grad
 
 pytestmark = pytest.mark.skipif(
@@ -315,6 +315,39 @@ def test_persistent_backward_walks_every_key_tile(case, blocks, deterministic, t
     assert np.array_equal(grads[1], one_a_block[1]) and np.array_equal(grads[2], one_a_block[2])
     if deterministic:
         assert np.array_equal(grads[0], one_a_block[0])
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_persistent_backward_schedule(blocks, rng):
+    """The persistent backward of a dense call walks the plan's schedule (each block's key
+    tiles longest first, dealt to the least loaded block): every key tile once, the
+    oracle's gradients, dK and dV bit for bit those of the static walk; and the schedule
+    itself deals every tile once, its blocks' work within the longest tile's of each
+    other."""
+    case = BACKWARD_RING_CASES[2]
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, capability=90)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
+    args = (dout, q, k, v, out, lse, *case.args)
+    grads = simulated_attention.backward(*args, **kw, persistent_blocks=blocks)
+    check_results(case, (q, k, v, dout), out, lse, grads)
+    walked = simulated_attention.backward(*args, **kw, persistent_blocks=blocks, scheduled=False)
+    assert np.array_equal(grads[1], walked[1]) and np.array_equal(grads[2], walked[2])
+
+    problem = types.SimpleNamespace(
+        window=(-1, 0), kv_capacity=1000, kv_len=1000, q_len=700, group_size=2, packed=None,
+        batch=3, num_kv_heads=2,
+    )  # fmt: skip
+    table = schedules.backward_schedule(problem, 128, 64, 5)
+    offsets, tiles = table[:6], table[6:]
+    assert offsets[0] == 0 and offsets[-1] == len(tiles) == 8 * 2 * 3
+    assert sorted(tiles) == list(range(len(tiles)))
+    steps = schedules.backward_tile_steps(problem, 128, 64)
+    cost = np.tile(np.where(steps > 0, steps + schedules.TILE_OVERHEAD_STEPS, 0), 6)
+    loads = [cost[tiles[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:])]
+    assert max(loads) - min(loads) <= cost.max()
+    for a, b in zip(offsets[:-1], offsets[1:]):  # each block's longest first
+        assert list(cost[tiles[a:b]]) == sorted(cost[tiles[a:b]], reverse=True)
 
 
 def test_persistent_packed_backward_walks_every_sequence(rng):

@@ -458,6 +458,7 @@ def backward_params(
     dq_pass=False,
     maps=None,
     key_tiles=0,
+    schedule=0,
 ):
     """The ``BackwardParams`` of ``problem``'s dK/dV launches, or with ``dq_pass`` the
     ``BackwardDqParams`` of its dQ pass (``kernels/common/params.cuh``): ``input_strides`` the
@@ -469,7 +470,9 @@ def backward_params(
     :data:`BACKWARD_DQ_PIECES_ADDRESSES`). ``maps`` (:func:`backward_maps`, dK/dV
     launches only): q, k, v and dout by the copy engine (``use_tma``). ``key_tiles``
     (dK/dV launches): the kernel's key tiles a (KV head, batch entry or sequence), which
-    a persistent kernel's blocks walk with the others of the launch (``work_tiles``)."""
+    a persistent kernel's blocks walk with the others of the launch (``work_tiles``), and
+    ``schedule`` the device address of their tiles' schedule (``cuflash.gpu.schedules``;
+    0: the static walk)."""
     q_strides, k_strides, v_strides, dout_strides = input_strides
     fields = {}
     if dq_pass:
@@ -481,6 +484,7 @@ def backward_params(
         fields["use_tma"] = int(maps is not None)
         fields["key_tiles"] = key_tiles
         fields["work_tiles"] = key_tiles * problem.num_kv_heads * _entries(problem)
+        fields["schedule"] = schedule
         addresses = BACKWARD_PIECES_ADDRESSES if pieces else BACKWARD_ADDRESSES
     return Params(
         name,

@@ -23,7 +23,7 @@ from .. import dispatch
 from .. import sinks as attention_sinks
 from ..core.problem import unit_last_stride
 from ..errors import InvalidArgumentError
-from . import kernel_build, kernel_params, registry, tensor_maps, tile_traits
+from . import kernel_build, kernel_params, registry, schedules, tensor_maps, tile_traits
 
 FLOAT32 = np.dtype(np.float32)
 _DEVICES: dict = {}
@@ -566,8 +566,18 @@ class BackwardPlan:
         key_rows, batch = _key_grid(problem)
         key_tiles = math.ceil(key_rows / keys)
         grid = (key_tiles, problem.num_kv_heads, batch)
-        if persistent:  # a block an SM, walking every tile
+        # Persistent: a block an SM, walking every tile, by the plan's schedule where it
+        # knows the tiles' work (dense calls), kept on the device with the plan.
+        self.schedule, schedule = None, 0
+        if persistent:
             grid = (min(math.prod(grid), multiprocessors(device_capability()[0])),)
+            traits = self.spec.traits(problem.head_dim)
+            table = schedules.backward_schedule(
+                problem, traits.tile, traits.template_args[0], grid[0]
+            )
+            if table is not None:
+                self.schedule = cupy.asarray(table)
+                schedule = self.schedule.data.ptr
         role = self.spec.role(
             atomic_dq=self.atomic,
             modified=problem.modified,
@@ -603,6 +613,7 @@ class BackwardPlan:
                     self.user,
                     pieces=self.pieces is not None,
                     key_tiles=key_tiles,
+                    schedule=schedule,
                 ),
                 _functors(problem),
             )
@@ -617,6 +628,7 @@ class BackwardPlan:
                 self.user,
                 maps=maps,
                 key_tiles=key_tiles,
+                schedule=schedule,
             )
             self.dkdv_tma = Launch.of_role(loaded, role, grid, with_maps, _functors(problem))
         self.dq = self.convert = None

@@ -390,8 +390,9 @@ KERNELS = (
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
         # Its persistent roles lost to a block a tile once the dQ writer warp came
-        # (2026-12-04: 3-8 % at S = 1024-2048, 29 % at S = 16384 causal): compiled, never
-        # chosen; CUFLASH_PERSISTENT=1 runs them.
+        # (2026-12-04: 3-8 % at S = 1024-2048, 29 % at S = 16384 causal, the blocks'
+        # static walk): compiled, never chosen; CUFLASH_PERSISTENT=1 runs them, dense
+        # calls now by the plan's balanced schedule (cuflash.gpu.schedules), untimed.
         persistent_keys=0,
     ),
     KernelSpec(

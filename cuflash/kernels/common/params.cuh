@@ -151,6 +151,9 @@ struct ForwardParams {
     /* the launch's (key tile, KV head, entry) tiles, which its blocks walk. */           \
     X(VAL, int, key_tiles)                                                                \
     X(VAL, int, work_tiles)                                                               \
+    /* and where the plan balanced them (cuflash/gpu/schedules.py), its device array */   \
+    /* of each block's tiles (work_tile's schedule; 0: every block's static walk) */      \
+    X(VAL, long long, schedule)                                                           \
     /* q's, k's, v's and dout's maps (use_tma): as the forward's, boxes of 64 */          \
     /* columns by the kernel's query or key tile. */                                      \
     X(MAP, TensorMap, q_map)                                                              \

@@ -18,9 +18,23 @@ struct WorkTile {
 // blocks of a round read the same heads). Within a head the longest tiles first under
 // a causal mask: the last query tiles (forward), the first key tiles (ASCENDING,
 // backward).
+// PERSISTENT with a `schedule` (the plan's, cuflash/gpu/schedules.py; null: the walk
+// above): block i takes tiles schedule[gridDim.x + 1 + schedule[i] + round] while
+// schedule[i] + round < schedule[i + 1], each the linear index (entry * heads + h) *
+// tiles_per_head + tile, the tile itself (the plan has put each block's longest
+// first). An index or offset outside the launch's tiles ends the block's walk.
 template <bool PERSISTENT, bool ASCENDING>
 __device__ __forceinline__ bool work_tile(int round, int tiles_per_head, int work_tiles, int heads,
-                                          WorkTile& w) {
+                                          WorkTile& w, const int* schedule = nullptr) {
+    if (PERSISTENT && schedule != nullptr) {
+        const int first = schedule[blockIdx.x], last = schedule[blockIdx.x + 1];
+        if (first < 0 || last > work_tiles || first + round >= last) return false;
+        const int index = schedule[gridDim.x + 1 + first + round];
+        if (index < 0 || index >= work_tiles) return false;
+        const int head_entry = index / tiles_per_head;
+        w = {index - head_entry * tiles_per_head, head_entry % heads, head_entry / heads};
+        return true;
+    }
     if constexpr (!PERSISTENT) {
         w = {static_cast<int>(ASCENDING ? blockIdx.x : gridDim.x - 1 - blockIdx.x),
              static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};

@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(384, 1)
     auto for_each_tile = [&](auto&& fn) {
         WorkTile w;
         for (int round = 0, t = 0, uses = 0;
-             work_tile<PERSISTENT, !ORDERED_DQ>(round, key_tiles, work_tiles, num_heads / group, w);
+             work_tile<PERSISTENT, !ORDERED_DQ>(round, key_tiles, work_tiles, num_heads / group, w,
+                                                reinterpret_cast<const int*>(schedule));
              ++round) {
             Tile tile;
             if (!tile_of(w, tile)) continue;

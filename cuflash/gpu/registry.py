@@ -168,16 +168,17 @@ class KernelSpec:
         :meth:`atomic_dq` holds), and with ``modifiers`` each of those again with the
         score modifiers (``role(...)`` names them)."""
         base = (self.name,)
-        if (
+        adds_dq = (
             self.direction == "backward"
             and self.atomic_dq_head_dims is not None
             and (head_dim is None or self.atomic_dq(head_dim))
-        ):
+        )
+        if adds_dq:
             base += (self.name + ATOMIC_DQ,)
         roles = base + tuple(name + MODIFIED for name in base) if self.modifiers else base
         if self.persistent_keys is not None:  # the plain roles, persistent
             roles += tuple(name + PERSISTENT for name in base)
-        if self.ordered_dq and ATOMIC_DQ in "".join(base):  # dense, a block a tile
+        if self.ordered_dq and adds_dq:  # dense, a block a tile
             roles += (self.name + ORDERED_DQ,)
         return roles
 

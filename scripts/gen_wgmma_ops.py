@@ -12,8 +12,9 @@ N_SS = (32, 64, 128)  # S = Q K^T: N = keys per tile (32: half a backward query 
 N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = head_dim
 # rounded up to 16 (every head_dim on its exact width)
 N_SS_MN = (64, 128)  # dQ = dS K in the backward: N = 64 or 128 columns of head_dim
-N_SS_NB = (32, 48, 64, 80, 96, 112, 128, 144)  # dV, dK from P^T, dS^T in shared memory:
-# N = a warpgroup's columns past head_dim 128 (sm90/backward_wgmma.cuh's best_split)
+N_SS_NB = (16, 32, 48, 64, 80, 96, 112, 128, 144)  # dV, dK from P^T, dS^T in shared memory:
+# N = a warpgroup's columns past head_dim 128 (sm90/backward_wgmma.cuh's best_split), or
+# dK's head dim in backward_wgmma_ws (16: D <= 16)
 OUT = Path(__file__).resolve().parent.parent / "cuflash" / "kernels" / "common" / "wgmma_ops.cuh"
 
 

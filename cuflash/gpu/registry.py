@@ -370,12 +370,14 @@ KERNELS = (
         tile_traits.forward_general_traits,
         modifiers=True,
     ),
-    # The warp-specialized backward of plain calls in the 128 class (a producer
-    # warpgroup feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
-    # driver maps the arrays); its register split leaves no room for the modifiers or the
-    # 64 class's atomic dQ. Measured above backward_wgmma, atomic and deterministic
-    # (D = 128, S = 4096: 450.5 with its dQ writer against 367.3 TFLOP/s; deterministic
-    # calls through its maps add dQ in launch order, 413.0 against the dQ pass's 366.7;
+    # The warp-specialized backward of plain calls up to D = 128 (a producer warpgroup
+    # feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
+    # driver maps the arrays; 64 query rows a step in the 128 class, 128 in the 64 class);
+    # its register split leaves no room for the modifiers. Measured above backward_wgmma
+    # in the 128 class, atomic and deterministic (D = 128, S = 4096: 450.5 with its dQ
+    # writer against 367.3 TFLOP/s; deterministic calls through its maps add dQ in launch
+    # order, 413.0 against the dQ pass's 366.7) and in the 64 class (H100, 2026-12-05:
+    # D = 64, S = 4096: 384.6 against 297.3; D = 32-64 at 0.86-1.0x cuDNN;
     # docs/kernels/backward-sm90-wgmma.md).
     KernelSpec(
         "backward_wgmma_ws",
@@ -383,11 +385,11 @@ KERNELS = (
         "wgmma",
         "16-bit",
         HOPPER,
-        (72, 128),
+        (8, 128),
         tile_traits.backward_ws_traits,
         needs_sm90a=True,
         padded_dq=True,
-        atomic_dq_head_dims=(72, 128),
+        atomic_dq_head_dims=(8, 128),
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
         # Its persistent roles lost to a block a tile once the dQ writer warp came

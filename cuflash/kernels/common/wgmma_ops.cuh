@@ -16,6 +16,17 @@ namespace cuflash {
 template <typename T, int N> struct Wgmma;
 
 template <> struct Wgmma<bf16_t, 16> {
+    // D (64 x 16) += A (64 x 16, shared memory, K-major) B (16 x 16, shared memory,
+    // N-major).
+    static __device__ __forceinline__ void ss_nb(float (&d)[2][4], unsigned long long a,
+                                                 unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 1;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
     // D (64 x 16) += A (64 x 16, registers) B (16 x 16, shared memory, N-major).
     static __device__ __forceinline__ void rs(float (&d)[2][4], const unsigned (&a)[4],
                                               unsigned long long b, int accumulate) {
@@ -364,6 +375,17 @@ template <> struct Wgmma<bf16_t, 256> {
 };
 
 template <> struct Wgmma<half_t, 16> {
+    // D (64 x 16) += A (64 x 16, shared memory, K-major) B (16 x 16, shared memory,
+    // N-major).
+    static __device__ __forceinline__ void ss_nb(float (&d)[2][4], unsigned long long a,
+                                                 unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 1;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
     // D (64 x 16) += A (64 x 16, registers) B (16 x 16, shared memory, N-major).
     static __device__ __forceinline__ void rs(float (&d)[2][4], const unsigned (&a)[4],
                                               unsigned long long b, int accumulate) {

@@ -1,10 +1,12 @@
 // Warp-specialized Hopper (sm_90a) backward kernel (dK, dV and optionally the
-// atomic dQ) for float16/bfloat16 calls without score modifiers, head dims 72
-// to 128 (the 128 class).
+// atomic dQ) for float16/bfloat16 calls without score modifiers, head dims up
+// to 128 (the 64 and 128 classes).
 //
 // One block of three warpgroups per (key tile of BN = 128 keys, KV head,
 // batch), looping over the query heads of the group and the query tiles of
-// BM = 64 rows that see the key tile:
+// BM rows that see the key tile (BM = 64 in the 128 class; 128 in the 64 class,
+// whose 64-row steps left S^T's products too narrow, N = 64, to keep the tensor
+// cores fed from shared memory):
 //   warpgroup 0, the producer, copies K and V of the tile once, then each
 //     query tile's Q, dO, lse and Delta into a ring of STAGES shared-memory
 //     stages (cp.async, the 128-byte swizzled layout that wgmma reads); a
@@ -16,7 +18,8 @@
 //     warp 0 lse and Delta by cp.async; the other producer warps exit. The
 //     consumers then add dQ through dq_accum_map (below).
 //   warpgroups 1 and 2, the consumers, own keys [64 c, 64 c + 64) of the
-//     tile and all columns of their dK and dV (in registers, 232 a thread);
+//     tile and all columns of their dK and dV (in registers, 232 or 224 a
+//     thread: BackwardRegisters);
 //     they wait on the barriers only, and each thread hands each stage back
 //     once its products and its own loads of lse and Delta have read it.
 // Per query tile, each consumer (M = 64 keys), as backward_wgmma:
@@ -30,21 +33,22 @@
 //   dQ += dS K (ATOMIC_DQ)           dS^T to one of two shared buffers (the
 //                                    consumers meet at named barrier 1 once
 //                                    both halves are in), wgmma with A = dS
-//                                    M-major, B = K N-major; the float32 tile
+//                                    M-major, B = K N-major (each consumer 64
+//                                    columns of 64 rows over all 128 keys: in
+//                                    the 128 class its columns, in the 64
+//                                    class its rows); the float32 tile
 //                                    to shared memory, added into dq_accum by
 //                                    the copy engine (use_tma: the dQ writer
-//                                    warp adds the tile as four swizzled boxes
-//                                    through dq_accum_map, else each warp's 16
-//                                    rows a row of 256 bytes a lane; no atomics
-//                                    in the consumers' stream;
-//                                    columns [64 c, + 64) of rows 128 wide,
-//                                    the columns past D padding, which the
-//                                    conversion skips).
-// The split 40 / 232 is the only one that fits the block's registers without
-// spills: the producer spills 12 bytes at 32 (and 36 at 24 with 240 for the
-// consumers); at 232 the consumers of the 64 class's atomic dQ (BM = 128) and
-// of the score modifiers spill (8-56 bytes), so those calls stay with
-// backward_wgmma.
+//                                    warp adds the tile as DT / 32 swizzled
+//                                    boxes through dq_accum_map, else each
+//                                    warp's 16 rows a row of 256 bytes a lane;
+//                                    no atomics in the consumers' stream; rows
+//                                    of the class's width, the columns past D
+//                                    padding, which the conversion skips).
+// In the 128 class the split 40 / 232 is the only one that fits the block's
+// registers without spills: the producer spills 12 bytes at 32 (and 36 at 24
+// with 240 for the consumers); at 232 the consumers of the score modifiers
+// spill (8-56 bytes), so those calls stay with backward_wgmma.
 // Without ATOMIC_DQ (the deterministic backward, and dQ's own pass) the two
 // consumers never wait for each other. The arguments are
 // backward_wgmma's (the same launch).
@@ -62,10 +66,15 @@
 namespace cuflash {
 
 // setmaxnreg within the block's launch allocation (384 threads at 168 registers):
-// see sm90/forward_wgmma_ws.cuh.
-constexpr int kBackwardProducerRegisters = 40, kBackwardConsumerRegisters = 232;
-static_assert(128 * kBackwardProducerRegisters + 256 * kBackwardConsumerRegisters <= 384 * 168,
-              "the warpgroups' registers exceed the block's launch allocation");
+// see sm90/forward_wgmma_ws.cuh. The 64 class's producer copies 128-row tiles of Q and
+// dO: at 40 its persistent walks spilled 16-24 bytes, at 48 none, and its consumers
+// (64 columns of dK and dV) fit 224.
+template <int DT>
+struct BackwardRegisters {
+    static constexpr int producer = DT == 64 ? 48 : 40, consumer = DT == 64 ? 224 : 232;
+    static_assert(128 * producer + 256 * consumer <= 384 * 168,
+                  "the warpgroups' registers exceed the block's launch allocation");
+};
 
 // The two consumers (256 threads) meet: both halves of dS^T are in shared memory.
 __device__ __forceinline__ void consumers_meet() {
@@ -134,14 +143,17 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int DT = head_dim_class(D), DK = round_up(D, 16);
     constexpr int BN = 128, QTILES = BM / 8, KSTEPS = DK / 16, DTILES = DK / 8;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    static_assert(DT == 128 && BM == 64, "tile shape");
+    static_assert((DT == 128 && BM == 64) || (DT == 64 && BM == 128), "tile shape");
     // The ordered dQ: dense calls through the maps, a block a tile, launched with key
     // tiles descending (the host launches it only with use_tma).
     static_assert(!ORDERED_DQ || (ATOMIC_DQ && !PERSISTENT), "the ordered dQ's instantiation");
-    // The atomic dQ: consumer c adds columns [64 c, + 64) over all 128 keys, through
-    // a float32 tile of BM rows DQ_PITCH apart (8 floats of padding: the fragments'
-    // 8-byte stores of a half-warp meet 32 different banks), or with the maps two tiles
-    // of swizzled boxes that the dQ writer adds (DQ_FLOATS: the larger).
+    // The atomic dQ: consumer c adds 64 columns of 64 rows over all 128 keys (at D = 128
+    // columns [64 c, + 64) of the BM = 64 rows; at D = 64 rows [64 c, + 64) of the
+    // BM = 128, all columns), through a float32 tile of BM rows DQ_PITCH apart (8
+    // floats of padding: the fragments' 8-byte stores of a half-warp meet 32 different
+    // banks), or with the maps two tiles of swizzled boxes that the dQ writer adds
+    // (DQ_FLOATS: the larger).
+    constexpr bool DQ_SPLIT_QUERIES = BM == 128;
     constexpr int DQ_COLS = 64, DQ_KSTEPS = BN / 16, DQ_PITCH = DT + 8;
     constexpr int DQ_FLOATS = 2 * BM * DT > BM * DQ_PITCH ? 2 * BM * DT : BM * DQ_PITCH;
     // A stage's empty barrier takes an arrival from every consumer thread: each reads the
@@ -153,8 +165,12 @@ __global__ void __launch_bounds__(384, 1)
     CUFLASH_STRIDES_OF(v);
     CUFLASH_STRIDES_OF(dout);
     CUFLASH_STRIDES_OF(dkv);
-    extern __shared__ float4 smem4[];
-    T* Ks = shared_aligned<T>(smem4);
+    // 1024-byte aligned (the swizzled tiles' atoms): the 64 class's tiles fill the
+    // block's 227 KB but for 112 bytes, no room to align them here, so its launch
+    // counts on the declared alignment and stops where the array lacks it.
+    extern __shared__ __align__(1024) float4 smem_ws[];
+    if (DT == 64 && (smem_addr(smem_ws) & 1023) != 0) __trap();
+    T* Ks = shared_aligned<T>(smem_ws);
     T* Vs = Ks + BN * DT;
     T* Qs = Vs + BN * DT;             // STAGES buffers of BM x DT
     T* dOs = Qs + STAGES * BM * DT;   // STAGES buffers of BM x DT
@@ -219,7 +235,7 @@ __global__ void __launch_bounds__(384, 1)
     };
 
     if (threadIdx.x < 128) {  // ---- the producer
-        registers_down<kBackwardProducerRegisters>();
+        registers_down<BackwardRegisters<DT>::producer>();
         // The warp's index as a value ptxas knows is the same in every lane: split on
         // threadIdx.x it took the dQ writer for a divergent branch of the copy walks'
         // warp and spilled 120 bytes of the walks at the producer's 40 registers.
@@ -332,13 +348,14 @@ __global__ void __launch_bounds__(384, 1)
     }
 
     // ---- the consumers
-    registers_up<kBackwardConsumerRegisters>();
+    registers_up<BackwardRegisters<DT>::consumer>();
     const int consumer = (threadIdx.x >> 7) - 1;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp_row = warp * 16;
     const int wg_key0 = consumer * 64;       // the consumer's first key in the tile
     const int key_row = wg_key0 + warp_row;  // the warp's
-    const int dq_col = 64 * consumer;        // the consumer's columns of dQ
+    const int dq_col = DQ_SPLIT_QUERIES ? 0 : 64 * consumer;   // the consumer's dQ columns
+    const int dq_row0 = DQ_SPLIT_QUERIES ? 64 * consumer : 0;  // and first dQ row of the tile
 
     int all_uses = 0;  // the ring's uses of every tile so far: the dQ tiles handed over
     for_each_tile([&](const Tile& tile, const QuerySteps<BM>& steps, int uses, int t_kv) {
@@ -433,7 +450,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int kk = 0; kk < DQ_KSTEPS; ++kk)
                     Wgmma<T, DQ_COLS>::ss_mn(
-                        dq, wgmma_desc(dSb + kk * 16 * 64, BN * 64 * sizeof(T), ATOM),
+                        dq,
+                        wgmma_desc(dSb + (dq_row0 / 64) * (BN * 64) + kk * 16 * 64,
+                                   BN * 64 * sizeof(T), ATOM),
                         wgmma_desc(Ks + (dq_col / 64) * (BN * 64) + kk * 16 * 64,
                                    BN * 64 * sizeof(T), ATOM),
                         kk > 0);
@@ -456,14 +475,14 @@ __global__ void __launch_bounds__(384, 1)
                 float* const boxes = dq_s + buffer * (BM * DT) + (dq_col / 32) * (BM * 32);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int row = g + 8 * r;
-                    float* dst = dq_s + (warp_row + row) * DQ_PITCH + dq_col + 2 * t;
+                    const int row = g + 8 * r, tile_row = dq_row0 + warp_row + row;
+                    float* dst = dq_s + tile_row * DQ_PITCH + dq_col + 2 * t;
 #pragma unroll
                     for (int j = 0; j < DQ_COLS / 8; ++j) {
                         const float2 value = make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
                         if (tma)
                             *reinterpret_cast<float2*>(
-                                boxes + (j >> 2) * (BM * 32) + (warp_row + row) * 32 +
+                                boxes + (j >> 2) * (BM * 32) + tile_row * 32 +
                                 (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 2) + 2 * (t & 1)) =
                                 value;
                         else
@@ -481,7 +500,7 @@ __global__ void __launch_bounds__(384, 1)
                     return;
                 }
                 __syncwarp();
-                const int row = warp_row + lane;  // lane < 16 adds row `row` of the tile
+                const int row = dq_row0 + warp_row + lane;  // lane < 16 adds row `row`
                 if (lane < 16) {
                     if (row < rows)
                         bulk_reduce_add_f32(dq_rows + static_cast<long long>(row) * DT + dq_col,
@@ -507,8 +526,11 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < BM / 16; ++kk) {
                 const unsigned long long q_desc = wgmma_desc(Qb + kk * 16 * 64, B_STRIDE, ATOM);
                 if (ATOMIC_DQ)  // dS^T from its shared buffer (this consumer's 64 keys, K-major)
-                    Wgmma<T, DK>::ss_nb(dk_acc, wgmma_desc(dSb + wg_key0 * 64 + kk * 16, 16, ATOM),
-                                        q_desc, 1);
+                    Wgmma<T, DK>::ss_nb(
+                        dk_acc,
+                        wgmma_desc(dSb + (kk >> 2) * (BN * 64) + wg_key0 * 64 + (kk & 3) * 16, 16,
+                                   ATOM),
+                        q_desc, 1);
                 else
                     Wgmma<T, DK>::rs(dk_acc, sa[kk], q_desc, 1);
             }

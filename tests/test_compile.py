@@ -266,11 +266,12 @@ def test_dq_passes():
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     spec = registry.choose("backward", bf16, 128, 90)
     assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
-    assert spec.atomic_dq(72) and spec.atomic_dq(128) and not spec.atomic_dq(64)
+    assert spec.atomic_dq(64) and spec.atomic_dq(128) and not spec.atomic_dq(136)
+    assert registry.choose("backward", bf16, 8, 90).name == "backward_wgmma_ws"
     skipped = {"backward_wgmma_ws"}
     assert registry.choose("backward", bf16, 128, 90, excluded=skipped).name == "backward_wgmma"
-    # the calls the warp-specialized backward leaves: the 64 class, modified, past 128
-    for head_dim, modified in ((64, False), (128, True), (136, False)):
+    # the calls the warp-specialized backward leaves: modified, past 128
+    for head_dim, modified in ((64, True), (128, True), (136, False)):
         spec = registry.choose("backward", bf16, head_dim, 90, modified=modified)
         assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
     assert spec.atomic_dq(128) and not spec.atomic_dq(136) and not spec.atomic_dq(256)

@@ -379,6 +379,56 @@ def test_warp_specialized_backward_wraps_its_stage_ring(case, deterministic, tma
     check_results(case, inputs, out, lse, grads)
 
 
+# The 64 class's warp-specialized backward (128 query rows a step, each consumer adding
+# its 64 rows of dQ): every head dim of the class (8, 40, 64), GQA, causal rows that
+# see no key, windows, several query tiles of 128 rows and more than two ring uses.
+BACKWARD_64_CASES = [
+    CASES[0],
+    CASES[2],
+    CASES[6],
+    Case(
+        dtype="float16",
+        head_dim=64,
+        batch=2,
+        heads=2,
+        kv_heads=1,
+        q_len=300,
+        kv_len=260,
+        window=(150, 40),
+    ),
+]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", BACKWARD_64_CASES, ids=str)
+def test_warp_specialized_backward_64_class(case, deterministic, tma, rng):
+    """backward_wgmma_ws in the 64 class (128 query rows a step), with dQ by its bulk
+    additions (through its maps in launch order when deterministic) or by
+    backward_dq_wgmma (cp.async, deterministic): the oracle's gradients."""
+    spec = registry.choose("backward", DTYPES[case.dtype], case.head_dim, 90)
+    assert spec.name == "backward_wgmma_ws"
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
+    check_results(case, inputs, out, lse, grads)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_persistent_backward_64_class(deterministic, rng):
+    """The 64 class's persistent role on two blocks: every key tile, the oracle's
+    gradients, dK and dV bit for bit a block a tile's."""
+    case = BACKWARD_64_CASES[3]
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, capability=90)
+    out, lse = simulated_attention.forward(q, k, v, *case.args, **kw)
+    args = (dout, q, k, v, out, lse, *case.args)
+    grads = simulated_attention.backward(
+        *args, **kw, deterministic=deterministic, persistent_blocks=2
+    )
+    one_a_block = simulated_attention.backward(*args, **kw, deterministic=deterministic)
+    check_results(case, (q, k, v, dout), out, lse, grads)
+    assert np.array_equal(grads[1], one_a_block[1]) and np.array_equal(grads[2], one_a_block[2])
+
+
 # Key tiles that add into a query tile in different counts: causal with more keys than
 # queries (every block's first steps on the diagonal), and not causal (every key tile
 # adds into every query tile, a chain of waits from the first step).
@@ -494,8 +544,8 @@ def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, mo
         ("if (ATOMIC_DQ && !tma && lane < 16) bulk_wait<0>();", "(void)0;", False),
         # cp.async: a warp's rows added before all its lanes have written them
         (
-            "                __syncwarp();\n                const int row = warp_row + lane;",
-            "                const int row = warp_row + lane;",
+            "__syncwarp();\n                const int row = dq_row0 + warp_row + lane;",
+            "const int row = dq_row0 + warp_row + lane;",
             False,
         ),
         # the writer grants the tile back before its additions have read it

@@ -39,6 +39,20 @@ CASES = [
         dtype="float16", head_dim=120, batch=2, heads=2, kv_heads=1, q_len=129, kv_len=257,
         window=(64, 0),
     ),
+    # the 64 class (128 query rows a step): GQA and causal, a head dim short of its box
+    # with a key tile cut by kv_seq_len, [B, S, H, D] buffers
+    Case(
+        dtype="bfloat16", head_dim=64, batch=2, heads=4, kv_heads=2, q_len=300, kv_len=700,
+        causal=True,
+    ),
+    Case(
+        dtype="float16", head_dim=40, batch=1, heads=2, kv_heads=2, q_len=200, kv_len=530,
+        kv_seq_len=517,
+    ),
+    Case(
+        dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=4, q_len=513, kv_len=1000,
+        bshd=True, window=(200, 30),
+    ),
 ]  # fmt: skip
 
 
@@ -115,16 +129,17 @@ def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, r
 
 
 @pytest.mark.parametrize(
-    "causal, heads, kv_heads, seq_len", [(False, 8, 8, 2048), (True, 8, 2, 4096)]
+    "head_dim, causal, heads, kv_heads, seq_len",
+    [(128, False, 8, 8, 2048), (128, True, 8, 2, 4096), (64, True, 16, 4, 4096)],
 )
-def test_ordered_dq_repeats_bit_for_bit_at_scale(causal, heads, kv_heads, seq_len, rng):
+def test_ordered_dq_repeats_bit_for_bit_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng):
     """Many blocks at once, each waiting on the key tiles launched before it: the
     deterministic backward's gradients are the same bits call after call, and its dQ
     that of the dQ pass within rounding."""
     if cupy.cuda.Device().compute_capability < "90":
         pytest.skip("the copy engine's kernels need an H100/H200")
     case = Case(
-        dtype="bfloat16", head_dim=128, batch=2, heads=heads, kv_heads=kv_heads,
+        dtype="bfloat16", head_dim=head_dim, batch=2, heads=heads, kv_heads=kv_heads,
         q_len=seq_len, kv_len=seq_len, causal=causal,
     )  # fmt: skip
     q, k, v, dout = _arrays(case, random_inputs(case, rng))

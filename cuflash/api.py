@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 
 from . import fp8
+from .core.config import AttentionConfig
 from .core.problem import backward_problem, forward_problem
 from .cpu import dense as cpu
 from .gpu import plans, value_dims
@@ -168,20 +169,7 @@ def flash_attention_fwd(
     if fp8.requested((q, k, v), fp8_format, q_descale, k_descale, v_descale, out_dtype):
         from .fp8_forward import dense_forward
 
-        options = dict(
-            allow_tf32=allow_tf32,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            block_mask=block_mask,
-            sinks=sinks,
-            head_dim_v=head_dim_v,
-        )
-        return dense_forward(
-            q,
-            k,
-            v,
+        config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
@@ -189,11 +177,17 @@ def flash_attention_fwd(
             window_size,
             kv_seq_len,
             softmax_scale,
-            options,
-            fp8_format,
-            (q_descale, k_descale, v_descale),
-            out_dtype,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
         )
+        descales = (q_descale, k_descale, v_descale)
+        return dense_forward(q, k, v, config, fp8_format, descales, out_dtype)
     key = plans.signature(
         _arrays_and_slopes((q, k, v), alibi_slopes, sinks),
         (
@@ -216,10 +210,7 @@ def flash_attention_fwd(
     )
     plan = plans.get(key)
     if plan is None:
-        problem = forward_problem(
-            q,
-            k,
-            v,
+        config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
@@ -227,15 +218,16 @@ def flash_attention_fwd(
             window_size,
             kv_seq_len,
             softmax_scale,
-            allow_tf32=allow_tf32,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            block_mask=block_mask,
-            sinks=sinks,
-            head_dim_v=head_dim_v,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
         )
+        problem = forward_problem(q, k, v, config)
         if problem.is_empty:
             return _empty_forward(problem)
         if problem.xp is np:
@@ -345,13 +337,7 @@ def flash_attention_bwd(
     )
     plan = plans.get(key)
     if plan is None:
-        problem = backward_problem(
-            dout,
-            q,
-            k,
-            v,
-            output,
-            lse,
+        config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
@@ -359,17 +345,16 @@ def flash_attention_bwd(
             window_size,
             kv_seq_len,
             softmax_scale,
-            deterministic,
-            synchronize,
-            allow_tf32=allow_tf32,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            block_mask=block_mask,
-            sinks=sinks,
-            head_dim_v=head_dim_v,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
         )
+        problem = backward_problem(dout, q, k, v, output, lse, config, deterministic, synchronize)
         if problem.is_empty:
             return _empty_backward(problem)
         if problem.xp is np:
@@ -399,43 +384,6 @@ def flash_attention_bwd(
         alibi_slopes=alibi_slopes,
         sinks=sinks,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """The non-array arguments of one attention call.
-
-    Attributes
-    ----------
-    num_heads, num_kv_heads, head_dim : int
-    causal : bool
-    window_size : int or (int, int)
-    kv_seq_len : int or None
-    softmax_scale : float or None
-    allow_tf32 : bool
-    softcap : float
-    alibi_slopes : array or None
-    score_mod, mask_mod, block_mask : cuflash.modifiers, cuflash.block_mask objects or None
-    sinks : array or None
-    head_dim_v : int or None
-        As passed to :func:`flash_attention_vjp`.
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    causal: bool = False
-    window_size: object = 0
-    kv_seq_len: object = None
-    softmax_scale: object = None
-    allow_tf32: bool = False
-    softcap: float = 0.0
-    alibi_slopes: object = None
-    score_mod: object = None
-    mask_mod: object = None
-    block_mask: object = None
-    sinks: object = None
-    head_dim_v: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,17 +437,9 @@ class AttentionVJP:
             c.causal,
             c.window_size,
             kv_seq_len=c.kv_seq_len,
-            softmax_scale=c.softmax_scale,
             deterministic=deterministic,
             synchronize=synchronize,
-            allow_tf32=c.allow_tf32,
-            softcap=c.softcap,
-            alibi_slopes=c.alibi_slopes,
-            score_mod=c.score_mod,
-            mask_mod=c.mask_mod,
-            block_mask=c.block_mask,
-            sinks=c.sinks,
-            head_dim_v=c.head_dim_v,
+            **c.keywords(),
         )
 
 
@@ -574,14 +514,6 @@ def flash_attention_vjp(
         causal,
         window_size,
         kv_seq_len,
-        softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        sinks=sinks,
-        head_dim_v=head_dim_v,
+        **config.keywords(),
     )
     return out, AttentionVJP(q, k, v, out, lse, config)

@@ -20,44 +20,16 @@ from .kvcache import kvcache_problem
 from .varlen import varlen_problem, verified_offsets
 
 
-def dense_forward(
-    q,
-    k,
-    v,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
-    kv_seq_len,
-    softmax_scale,
-    options,
-    fp8_format,
-    descales,
-    out_dtype,
-):
-    """:func:`cuflash.flash_attention_fwd` on FP8 ``q``, ``k``, ``v``; ``options`` are its
-    other keywords (``allow_tf32`` checked, then ignored: the float32 forward runs in
+def dense_forward(q, k, v, config, fp8_format, descales, out_dtype):
+    """:func:`cuflash.flash_attention_fwd` on FP8 ``q``, ``k``, ``v`` with the options
+    ``config`` (``allow_tf32`` checked, then ignored: the float32 forward runs in
     float32), ``descales`` ``(q_descale, k_descale, v_descale)``."""
     from .api import flash_attention_fwd
 
     named = [("q", q), ("k", k), ("v", v)]
     array_module(named)  # array kinds first, then their dtypes
     storage = fp8.storage_dtype(named, fp8_format)
-    problem = forward_problem(
-        q,
-        k,
-        v,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        kv_seq_len,
-        softmax_scale,
-        storage_dtype=storage,
-        **options,
-    )
+    problem = forward_problem(q, k, v, config, storage_dtype=storage)
     xp = problem.xp
     q_descale, k_descale, v_descale = fp8.check_descales(
         descales, xp, problem.batch, problem.num_kv_heads
@@ -67,18 +39,18 @@ def dense_forward(
         return xp.empty(problem.out_shape, dtype=dtype), xp.empty(problem.lse_shape, np.float32)
     group = problem.group_size
     query_scale = fp8.per_head(xp, fp8.query_scale(xp, q_descale, k_descale), group)
+    c = config
     out, lse = flash_attention_fwd(
         fp8.decode(q, query_scale),
         fp8.decode(k),
         fp8.decode(v),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        kv_seq_len,
-        softmax_scale=softmax_scale,
-        **dict(options, allow_tf32=False),
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.causal,
+        c.window_size,
+        c.kv_seq_len,
+        **dict(c.keywords(), allow_tf32=False),
     )
     return fp8.scaled_output(out, fp8.per_head(xp, v_descale, group), dtype), lse
 
@@ -99,54 +71,29 @@ def varlen_forward(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
-    options,
+    config,
+    check,
     fp8_format,
     descales,
     out_dtype,
 ):
-    """:func:`cuflash.flash_attention_varlen_fwd` on FP8 ``q``, ``k``, ``v``: the descales
-    are ``[B, num_kv_heads]`` with ``B`` the sequences (``options``: its other keywords,
-    ``softmax_scale``, ``allow_tf32`` and ``check`` among them)."""
+    """:func:`cuflash.flash_attention_varlen_fwd` on FP8 ``q``, ``k``, ``v`` with the
+    options ``config``: the descales are ``[B, num_kv_heads]`` with ``B`` the sequences."""
     from .varlen import flash_attention_varlen_fwd
 
     named = [("q", q), ("k", k), ("v", v)]
     array_module(named)
     storage = fp8.storage_dtype(named, fp8_format)
-    problem = varlen_problem(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        options["softmax_scale"],
-        options["allow_tf32"],
-        options["check"],
-        softcap=options["softcap"],
-        alibi_slopes=options["alibi_slopes"],
-        score_mod=options["score_mod"],
-        mask_mod=options["mask_mod"],
-        sinks=options["sinks"],
-        head_dim_v=options["head_dim_v"],
-        storage_dtype=storage,
-        block_mask=options["block_mask"],
-    )
+    offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    problem = varlen_problem(q, k, v, *offsets, config, check, storage_dtype=storage)
     xp = problem.xp
     count = problem.attention.packed.count
-    q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, count, num_kv_heads)
+    group = problem.attention.group_size
+    q_descale, k_descale, v_descale = fp8.check_descales(
+        descales, xp, count, problem.attention.num_kv_heads
+    )
     dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
-    if options["check"] and xp is not np:  # before any kernel (the dequantization) runs
+    if check and xp is not np:  # before any kernel (the dequantization) runs
         verified_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     query_scale = fp8.query_scale(xp, q_descale, k_descale)
     rows = None
@@ -154,21 +101,19 @@ def varlen_forward(
         query_scale = v_descale = None
     elif any(hasattr(s, "dtype") for s in (query_scale, v_descale)):
         rows = _token_sequences(xp, cu_seqlens_q, q.shape[0], count)
-    group = problem.attention.group_size
+    c = config
     out, lse = flash_attention_varlen_fwd(
         fp8.decode(q, fp8.per_head(xp, query_scale, group, rows)),
         fp8.decode(k),
         fp8.decode(v),
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        **dict(options, allow_tf32=False, check=False),
+        *offsets,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.causal,
+        c.window_size,
+        **dict(c.keywords(), allow_tf32=False),
+        check=False,
     )
     return fp8.scaled_output(out, fp8.per_head(xp, v_descale, group, rows), dtype), lse
 
@@ -194,27 +139,22 @@ def kvcache_forward(
     q,
     k_cache,
     v_cache,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
+    config,
     cache_seqlens,
     k_new,
     v_new,
     block_table,
     return_lse,
     check,
-    options,
     rotary_tables,
     fp8_format,
     descales,
     out_dtype,
 ):
     """:func:`cuflash.flash_attention_with_kvcache` with an FP8 cache (``q`` FP8, float16
-    or bfloat16; ``k_new``, ``v_new`` of the cache's dtype): the append into the FP8
-    cache in place, then attention over the whole cache dequantized to float32.
-    ``options``: ``softmax_scale``, the score modifiers and the block mask; ``rotary_tables``:
+    or bfloat16; ``k_new``, ``v_new`` of the cache's dtype) and the options ``config``
+    (``allow_tf32`` checked, then ignored): the append into the FP8 cache in place, then
+    attention over the whole cache dequantized to float32. ``rotary_tables``:
     ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take."""
     from .kvcache import flash_attention_with_kvcache
 
@@ -229,32 +169,12 @@ def kvcache_forward(
             "not with an FP8 cache: the rotated keys would be rounded to e4m3; rotate "
             "k before quantizing it",
         )
-    problem = kvcache_problem(
-        q,
-        k_cache,
-        v_cache,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        cache_seqlens,
-        k_new,
-        v_new,
-        block_table,
-        options["softmax_scale"],
-        return_lse,
-        check,
-        options["softcap"],
-        options["alibi_slopes"],
-        options["score_mod"],
-        options["mask_mod"],
-        options["sinks"],
-        storage_dtype=storage,
-        block_mask=options["block_mask"],
-    )
+    cache = (cache_seqlens, k_new, v_new, block_table, return_lse, check)
+    problem = kvcache_problem(q, k_cache, v_cache, config, *cache, storage_dtype=storage)
     xp = problem.xp
-    q_descale, k_descale, v_descale = fp8.check_descales(descales, xp, problem.batch, num_kv_heads)
+    q_descale, k_descale, v_descale = fp8.check_descales(
+        descales, xp, problem.batch, problem.num_kv_heads
+    )
     dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
     if check and xp is not np:  # before the append writes the cache
         from .gpu.kvcache import verify_on_host
@@ -277,19 +197,20 @@ def kvcache_forward(
         queries = q.astype(np.float32)
         if query_scale is not None:
             queries *= query_scale if hasattr(query_scale, "dtype") else np.float32(query_scale)
+    c = config
     out, lse = flash_attention_with_kvcache(
         queries,
         fp8.decode(k_cache),
         fp8.decode(v_cache),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.causal,
+        c.window_size,
         cache_seqlens=attended,
         block_table=block_table,
         return_lse=True,
-        **options,
+        **dict(c.keywords(), allow_tf32=False),
     )
     out = fp8.scaled_output(out, fp8.per_head(xp, v_descale, group), dtype)
     return (out, lse) if return_lse else out

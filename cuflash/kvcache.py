@@ -17,6 +17,7 @@ import numpy as np
 
 from . import fp8
 from . import rotary as rotary_embedding
+from .core.config import AttentionConfig
 from .core.masking import normalize_window
 from .core.problem import (
     MAX_GRID_YZ,
@@ -184,34 +185,24 @@ def kvcache_problem(
     q,
     k_cache,
     v_cache,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
+    config,
     cache_seqlens,
-    k_new,
-    v_new,
-    block_table,
-    softmax_scale,
-    return_lse,
-    check,
-    softcap=0.0,
-    alibi_slopes=None,
-    score_mod=None,
-    mask_mod=None,
-    sinks=None,
+    k_new=None,
+    v_new=None,
+    block_table=None,
+    return_lse=False,
+    check=False,
     rotary_cos=None,
     rotary_sin=None,
     rotary_interleaved=False,
     storage_dtype=None,
-    head_dim_v=None,
-    allow_tf32=False,
-    block_mask=None,
 ):
-    """Validate a call (every check runs on the host, before any kernel); ``storage_dtype``:
+    """Validate a call of the options ``config`` (an ``AttentionConfig``; its
+    ``kv_seq_len`` unused: ``cache_seqlens`` and ``k_new`` give the keys) and the cache's
+    own arguments (every check runs on the host, before any kernel); ``storage_dtype``:
     the FP8 dtype of the cache, which :func:`cuflash.fp8.storage_dtype` has checked (with
     ``q``'s, which may be 16-bit), or None (the usual dtypes)."""
+    c = config
     if (k_new is None) != (v_new is None):
         missing = "v_new" if v_new is None else "k_new"
         raise InvalidArgumentError(missing, "k_new and v_new must be given together")
@@ -232,9 +223,9 @@ def kvcache_problem(
             check_rank(name, a, 4, "[B, H_kv, S_new, D]")
     dtype = check_dtypes(named) if storage_dtype is None else storage_dtype
     num_heads, num_kv_heads, head_dim = check_head_counts(
-        num_heads, num_kv_heads, head_dim, MAX_HEAD_DIM
+        c.num_heads, c.num_kv_heads, c.head_dim, MAX_HEAD_DIM
     )
-    head_dim_v = check_head_dim_v(head_dim_v, head_dim, MAX_HEAD_DIM_V)
+    head_dim_v = check_head_dim_v(c.head_dim_v, head_dim, MAX_HEAD_DIM_V)
     if head_dim_v > MAX_HEAD_DIM_V:  # head_dim_v not given: v's head dim is head_dim's
         raise InvalidArgumentError(
             "head_dim_v",
@@ -323,22 +314,22 @@ def kvcache_problem(
         if xp is np:
             host_lengths = cache_seqlens.astype(np.int64)
             check_lengths(host_lengths, new_len, capacity)
-    window = normalize_window(window_size, causal, capacity, q_len)
-    scale = _scale(softmax_scale, head_dim)
-    softcap = check_softcap(softcap)
-    slopes_shape = check_alibi_slopes(alibi_slopes, q, num_heads, batch)
-    has_sinks = check_sinks(sinks, q, num_heads)
+    window = normalize_window(c.window_size, c.causal, capacity, q_len)
+    scale = _scale(c.softmax_scale, head_dim)
+    softcap = check_softcap(c.softcap)
+    slopes_shape = check_alibi_slopes(c.alibi_slopes, q, num_heads, batch)
+    has_sinks = check_sinks(c.sinks, q, num_heads)
     rotary = rotary_embedding.check_rotary(
         rotary_cos, rotary_sin, rotary_interleaved, q, head_dim, dtype
     )
     if rotary is not None and host_lengths is not None:
         rotary_embedding.check_positions(rotary, host_lengths, new_len, q_len)
     # the user's functions see b < B, h < H, q_idx < S_q and kv_idx < the capacity
-    mask_mod = check_block_mask(block_mask, mask_mod, batch, num_heads, q_len, capacity)
-    check_user_modifiers(score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
+    mask_mod = check_block_mask(c.block_mask, c.mask_mod, batch, num_heads, q_len, capacity)
+    check_user_modifiers(c.score_mod, mask_mod, xp, num_heads, batch, q_len, capacity)
     check_flag("return_lse", return_lse)
     check_flag("check", check)
-    check_flag("allow_tf32", allow_tf32)
+    check_flag("allow_tf32", c.allow_tf32)
     if batch > MAX_GRID_YZ or num_kv_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(
             "q",
@@ -369,14 +360,14 @@ def kvcache_problem(
         alibi_batch_stride=-1
         if slopes_shape is None
         else (num_heads if len(slopes_shape) == 2 else 0),
-        score_mod=score_mod,
+        score_mod=c.score_mod,
         mask_mod=mask_mod,
-        block_mask=block_mask,
+        block_mask=c.block_mask,
         sinks=has_sinks,
         rotary=rotary,
         head_dim_v=head_dim_v,
         latent=latent,
-        allow_tf32=bool(allow_tf32),
+        allow_tf32=bool(c.allow_tf32),
     )
     if xp is not np and problem.own_value_dims:
         _check_mla_on_gpu(problem)
@@ -577,30 +568,28 @@ def flash_attention_with_kvcache(
     ):
         from .fp8_forward import kvcache_forward
 
-        check_flag("allow_tf32", allow_tf32)  # checked and ignored, as the dense FP8 call's
-        options = dict(softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
-        options.update(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-        options.update(sinks=sinks)
-        return kvcache_forward(
-            q,
-            k_cache,
-            v_cache,
+        config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
             causal,
             window_size,
-            cache_seqlens,
-            k_new,
-            v_new,
-            block_table,
-            return_lse,
-            check,
-            options,
-            (rotary_cos, rotary_sin),
-            fp8_format,
-            (q_descale, k_descale, v_descale),
-            out_dtype,
+            None,
+            softmax_scale,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
+        )
+        cache = (cache_seqlens, k_new, v_new, block_table, return_lse, check)
+        rotary = (rotary_cos, rotary_sin)
+        descales = (q_descale, k_descale, v_descale)
+        return kvcache_forward(
+            q, k_cache, v_cache, config, *cache, rotary, fp8_format, descales, out_dtype
         )
     key = None
     if (
@@ -634,33 +623,37 @@ def flash_attention_with_kvcache(
         plan = plans.get(key)
         if plan is not None:
             return plan(*given)
-    problem = kvcache_problem(
-        q,
-        k_cache,
-        v_cache,
+    config = AttentionConfig(
         num_heads,
         num_kv_heads,
         head_dim,
         causal,
         window_size,
-        cache_seqlens,
-        k_new,
-        v_new,
-        block_table,
+        None,
         softmax_scale,
-        return_lse,
-        check,
+        allow_tf32,
         softcap,
         alibi_slopes,
         score_mod,
         mask_mod,
+        block_mask,
         sinks,
+        head_dim_v,
+    )
+    problem = kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        config,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        return_lse,
+        check,
         rotary_cos,
         rotary_sin,
         rotary_interleaved,
-        head_dim_v=head_dim_v,
-        allow_tf32=allow_tf32,
-        block_mask=block_mask,
     )
     tables = (rotary_cos, rotary_sin)
     if problem.xp is np:

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import fp8
 from . import sinks as attention_sinks
-from .api import AttentionConfig
+from .core.config import AttentionConfig
 from .core.problem import (
     MAX_GRID_YZ,
     PackedSequences,
@@ -111,27 +111,15 @@ def varlen_problem(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
-    softmax_scale,
-    allow_tf32,
+    config,
     check,
     extra_arrays=(),
-    softcap=0.0,
-    alibi_slopes=None,
-    score_mod=None,
-    mask_mod=None,
-    sinks=None,
-    head_dim_v=None,
     storage_dtype=None,
-    block_mask=None,
 ):
-    """Validate a packed call; host offsets (the CPU path) are read and verified too.
-    Nothing runs on a device: device offsets are verified by the callers with
-    ``check`` (:func:`verified_offsets`). ``storage_dtype``: as in ``forward_problem``."""
+    """Validate a packed call of the options ``config`` (an ``AttentionConfig`` without
+    ``kv_seq_len``); host offsets (the CPU path) are read and verified too. Nothing runs
+    on a device: device offsets are verified by the callers with ``check``
+    (:func:`verified_offsets`). ``storage_dtype``: as in ``forward_problem``."""
     check_flag("check", check)
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = array_module(named + [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
@@ -139,8 +127,10 @@ def varlen_problem(
         check_rank(name, a, 3, "[tokens, heads, head_dim]")
     if storage_dtype is None:
         check_dtypes(named)
-    num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
-    width_v = check_head_dim_v(head_dim_v, head_dim)
+    num_heads, num_kv_heads, head_dim = check_head_counts(
+        config.num_heads, config.num_kv_heads, config.head_dim
+    )
+    width_v = check_head_dim_v(config.head_dim_v, head_dim)
     labels = ("tokens", "heads", "head_dim")
     check_dims("q", q, (None, num_heads, head_dim), labels)
     check_dims("k", k, (k.shape[0], num_kv_heads, head_dim), labels)
@@ -162,24 +152,10 @@ def varlen_problem(
         heads_first(q),
         heads_first(k),
         heads_first(v),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        None,
-        softmax_scale,
-        allow_tf32=allow_tf32,
+        config,
         extra_arrays=[(name, heads_first(a)) for name, a in extra_arrays],
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
         alibi_batch=count,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
         modifier_sizes=(count, max_seqlen_q, max_seqlen_k),
-        sinks=sinks,
-        head_dim_v=head_dim_v,
         storage_dtype=storage_dtype,
     )
     attention = dataclasses.replace(
@@ -295,16 +271,26 @@ def flash_attention_varlen_fwd(
     if fp8.requested((q, k, v), fp8_format, q_descale, k_descale, v_descale, out_dtype):
         from .fp8_forward import varlen_forward
 
-        options = dict(softmax_scale=softmax_scale, allow_tf32=allow_tf32, check=check)
-        options.update(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod)
-        options.update(mask_mod=mask_mod, sinks=sinks, head_dim_v=head_dim_v)
-        options.update(block_mask=block_mask)
-        arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-        sizes = (max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim)
-        descales = (q_descale, k_descale, v_descale)
-        return varlen_forward(
-            *arrays, *sizes, causal, window_size, options, fp8_format, descales, out_dtype
+        config = AttentionConfig(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            None,
+            softmax_scale,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
         )
+        offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        descales = (q_descale, k_descale, v_descale)
+        return varlen_forward(q, k, v, *offsets, config, check, fp8_format, descales, out_dtype)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     key = plans.signature(
         (*arrays, *(a for a in (alibi_slopes, sinks) if a is not None)),
@@ -331,34 +317,28 @@ def flash_attention_varlen_fwd(
     )
     plan = plans.get(key)
     if plan is None:
-        problem = varlen_problem(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+        config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
             causal,
             window_size,
+            None,
             softmax_scale,
             allow_tf32,
-            check,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            sinks=sinks,
-            head_dim_v=head_dim_v,
-            block_mask=block_mask,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
+        )
+        problem = varlen_problem(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config, check
         )
         if problem.xp is np:
-            return _forward_per_sequence(
-                problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes, sinks
-            )
+            return _forward_per_sequence(problem, config, q, k, v)
         plan = value_dims.forward_plan(PackedForward, problem, q, k, v)
         plans.remember(key, plan)
     if check:  # every call: the offsets' values are not part of the signature
@@ -378,36 +358,27 @@ def _sequence_problem(problem, b):
     return dataclasses.replace(problem, first_batch=b)
 
 
-def _forward_per_sequence(
-    problem, q, k, v, causal, window_size, softmax_scale, alibi_slopes, sinks=None
-):
+def _sequence_config(config, attention, b):
+    """Sequence ``b``'s dense options: its ALiBi slopes, and the packed call's mask (a
+    block mask's classification covers the packed call's sizes, not a sequence's)."""
+    return dataclasses.replace(
+        config,
+        alibi_slopes=_sequence_slopes(config.alibi_slopes, b),
+        mask_mod=attention.mask_mod,
+        block_mask=None,
+    )
+
+
+def _forward_per_sequence(problem, config, q, k, v):
     """The CPU path: one dense call a sequence, on views."""
     attention = problem.attention
     out = np.zeros((*q.shape[:2], attention.head_dim_v), dtype=attention.dtype)
     lse = np.full((attention.num_heads, problem.total_q), -np.inf, dtype=np.float32)
     for b, q0, q1, k0, k1 in problem.sequences():
         views = (heads_first(q, q0, q1), heads_first(k, k0, k1), heads_first(v, k0, k1))
-        slopes = _sequence_slopes(alibi_slopes, b)
-        sequence = _sequence_problem(
-            forward_problem(
-                *views,
-                attention.num_heads,
-                attention.num_kv_heads,
-                attention.head_dim,
-                causal,
-                window_size,
-                None,
-                softmax_scale,
-                softcap=attention.softcap,
-                alibi_slopes=slopes,
-                score_mod=attention.score_mod,
-                mask_mod=attention.mask_mod,
-                sinks=sinks,
-                head_dim_v=attention.head_dim_v,
-            ),
-            b,
-        )
-        out_b, lse_b = cpu.forward(sequence, *views, slopes, sinks)
+        sequence_config = _sequence_config(config, attention, b)
+        sequence = _sequence_problem(forward_problem(*views, sequence_config), b)
+        out_b, lse_b = cpu.forward(sequence, *views, sequence_config.alibi_slopes, config.sinks)
         out[q0:q1] = out_b[0].transpose(1, 0, 2)
         lse[:, q0:q1] = lse_b[0]
     return out, lse
@@ -501,6 +472,23 @@ def flash_attention_varlen_bwd(
     if plan is None:
         for name, flag in (("deterministic", deterministic), ("synchronize", synchronize)):
             check_flag(name, flag)
+        config = AttentionConfig(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            None,
+            softmax_scale,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
+        )
         problem = varlen_problem(
             q,
             k,
@@ -509,22 +497,9 @@ def flash_attention_varlen_bwd(
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            causal,
-            window_size,
-            softmax_scale,
-            allow_tf32,
+            config,
             check,
             extra_arrays=(("dout", dout), ("out", out)),
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            sinks=sinks,
-            head_dim_v=head_dim_v,
-            block_mask=block_mask,
         )
         array_module([("q", q), ("lse", lse)])
         check_rank("lse", lse, 2, "[num_heads, total_q]")
@@ -532,20 +507,7 @@ def flash_attention_varlen_bwd(
         if lse.dtype != np.float32:
             raise InvalidArgumentError("lse", f"expected dtype float32, got {lse.dtype}")
         if problem.xp is np:
-            return _backward_per_sequence(
-                problem,
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                causal,
-                window_size,
-                softmax_scale,
-                alibi_slopes,
-                sinks,
-            )
+            return _backward_per_sequence(problem, config, dout, q, k, v, out, lse)
         plan = value_dims.backward_plan(
             PackedBackward, problem, dout, q, k, v, out, lse, bool(deterministic)
         )
@@ -567,9 +529,7 @@ def flash_attention_varlen_bwd(
     )
 
 
-def _backward_per_sequence(
-    problem, dout, q, k, v, out, lse, causal, window_size, softmax_scale, alibi_slopes, sinks=None
-):
+def _backward_per_sequence(problem, config, dout, q, k, v, out, lse):
     """The CPU path: one dense backward a sequence, on views (and the sinks' gradient over
     every sequence's rows)."""
     attention = problem.attention
@@ -585,31 +545,14 @@ def _backward_per_sequence(
             heads_first(out, q0, q1),
             np.ascontiguousarray(lse[:, q0:q1])[None],
         )
-        slopes = _sequence_slopes(alibi_slopes, b)
-        sequence = _sequence_problem(
-            backward_problem(
-                *views,
-                attention.num_heads,
-                attention.num_kv_heads,
-                attention.head_dim,
-                causal,
-                window_size,
-                None,
-                softmax_scale,
-                False,
-                True,
-                softcap=attention.softcap,
-                alibi_slopes=slopes,
-                score_mod=attention.score_mod,
-                mask_mod=attention.mask_mod,
-                head_dim_v=attention.head_dim_v,
-            ),
-            b,
-        )
-        grads = cpu.backward(sequence, *views, slopes)
+        # the sinks' gradient over every sequence's rows comes after the loop
+        sequence_config = dataclasses.replace(_sequence_config(config, attention, b), sinks=None)
+        sequence = _sequence_problem(backward_problem(*views, sequence_config, False, True), b)
+        grads = cpu.backward(sequence, *views, sequence_config.alibi_slopes)
         dq[q0:q1] = grads[0][0].transpose(1, 0, 2)
         dk[k0:k1] = grads[1][0].transpose(1, 0, 2)
         dv[k0:k1] = grads[2][0].transpose(1, 0, 2)
+    sinks = config.sinks
     if sinks is None:
         return dq, dk, dv
     rows = np.zeros(problem.total_q, dtype=bool)  # the tokens of some sequence
@@ -653,17 +596,9 @@ class VarlenVJP:
             c.head_dim,
             c.causal,
             c.window_size,
-            softmax_scale=c.softmax_scale,
             deterministic=deterministic,
             synchronize=synchronize,
-            allow_tf32=c.allow_tf32,
-            softcap=c.softcap,
-            alibi_slopes=c.alibi_slopes,
-            score_mod=c.score_mod,
-            mask_mod=c.mask_mod,
-            block_mask=c.block_mask,
-            sinks=c.sinks,
-            head_dim_v=c.head_dim_v,
+            **c.keywords(),
         )
 
 
@@ -696,30 +631,6 @@ def flash_attention_varlen_vjp(
     backward pass: ``out, vjp = flash_attention_varlen_vjp(...)``; ``dq, dk, dv =
     vjp(dout)`` (with ``sinks``, ``dq, dk, dv, dsinks``)."""
     fp8.check_not_fp8([("q", q), ("k", k), ("v", v)])  # FP8 is forward only
-    out, lse = flash_attention_varlen_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32,
-        check=check,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        sinks=sinks,
-        head_dim_v=head_dim_v,
-    )
     config = AttentionConfig(
         num_heads,
         num_kv_heads,
@@ -733,9 +644,23 @@ def flash_attention_varlen_vjp(
         alibi_slopes,
         score_mod,
         mask_mod,
-        sinks=sinks,
-        head_dim_v=head_dim_v,
-        block_mask=block_mask,
+        block_mask,
+        sinks,
+        head_dim_v,
+    )
+    offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = flash_attention_varlen_fwd(
+        q,
+        k,
+        v,
+        *offsets,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        check=check,
+        **config.keywords(),
     )
     return out, VarlenVJP(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config

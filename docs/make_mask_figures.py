@@ -57,9 +57,10 @@ def _problem(
     """Validate the arguments the way a real call does; return the problem."""
     q = np.zeros((1, num_heads, q_len, head_dim), np.float32)
     kv = np.zeros((1, num_kv_heads, kv_capacity, head_dim), np.float32)
-    return forward_problem(
-        q, kv, kv, num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len, None
+    config = cuflash.AttentionConfig(
+        num_heads, num_kv_heads, head_dim, causal, window_size, kv_seq_len
     )
+    return forward_problem(q, kv, kv, config)
 
 
 def pattern(q_len, kv_capacity, causal=False, window_size=0, kv_seq_len=None):

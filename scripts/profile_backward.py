@@ -27,7 +27,8 @@ def main(d=128, s=4096, causal=False, ncu=False):
         rng.standard_normal((b, h, s, d), dtype=cupy.float32).astype(BFLOAT16) for _ in range(4)
     )
     out, lse = cuflash.flash_attention_fwd(q, k, v, h, h, d, causal)
-    problem = backward_problem(do, q, k, v, out, lse, h, h, d, causal, 0, None, None, False, False)
+    config = cuflash.AttentionConfig(h, h, d, causal)
+    problem = backward_problem(do, q, k, v, out, lse, config, False, False)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)  # one product pass
     print(f"D={d} S={s} causal={int(causal)} B={b} H={h}")
     tried = []

@@ -18,6 +18,7 @@ import numpy as np
 import simulator
 
 from cuflash import dispatch
+from cuflash.core.config import AttentionConfig
 from cuflash.core.problem import backward_problem, forward_problem
 from cuflash.gpu import kernel_params, registry, schedules, tile_traits
 from cuflash.gpu.launch import USER_ARGS_DTYPE, _functors
@@ -496,10 +497,7 @@ def forward(
     (``excluded``: kernels to pass over; ``head_dim_v``: v's head dim, for a kernel that
     takes one of its own; ``tma``: bulk tensor copies where a GPU's plan takes them, or
     cp.async everywhere; ``persistent_blocks``: see :func:`run_forward`)."""
-    problem = forward_problem(
-        q,
-        k,
-        v,
+    config = AttentionConfig(
         num_heads,
         num_kv_heads,
         head_dim,
@@ -515,6 +513,7 @@ def forward(
         sinks=sinks,
         head_dim_v=head_dim_v,
     )
+    problem = forward_problem(q, k, v, config)
     return run_forward(
         problem,
         q,
@@ -561,13 +560,7 @@ def backward(
     (``head_dim_v``: v's head dim, for the kernels that take it natively; ``tma``: bulk
     tensor copies where a GPU's plan takes them, or cp.async; ``persistent_blocks``,
     ``ordered`` and ``scheduled``: see :func:`run_backward`)."""
-    problem = backward_problem(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
+    config = AttentionConfig(
         num_heads,
         num_kv_heads,
         head_dim,
@@ -575,8 +568,6 @@ def backward(
         window_size,
         kv_seq_len,
         softmax_scale,
-        deterministic,
-        True,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         score_mod=score_mod,
@@ -584,6 +575,7 @@ def backward(
         block_mask=block_mask,
         head_dim_v=head_dim_v,
     )
+    problem = backward_problem(dout, q, k, v, out, lse, config, deterministic, True)
     return run_backward(
         problem,
         dout,
@@ -622,6 +614,15 @@ def _packed(
 ):
     """The packed problem (``modifiers``: ``score_mod``, ``mask_mod``, ``block_mask``
     keywords of the call)."""
+    config = AttentionConfig(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        window_size,
+        head_dim_v=head_dim_v,
+        **(modifiers or {}),
+    )
     return varlen_problem(
         q,
         k,
@@ -630,17 +631,9 @@ def _packed(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        None,
-        False,
+        config,
         False,
         extra_arrays=extra_arrays,
-        head_dim_v=head_dim_v,
-        **(modifiers or {}),
     ).attention
 
 

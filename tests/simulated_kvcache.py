@@ -13,6 +13,7 @@ import simulated_attention
 import simulator
 
 from cuflash import kvcache, rotary
+from cuflash.core.config import AttentionConfig
 from cuflash.core.problem import forward_problem
 from cuflash.gpu import decode_kernels, kernel_params, registry
 
@@ -61,29 +62,32 @@ def forward(
 ):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
     ``capability`` (no user modifiers)."""
-    problem = kvcache.kvcache_problem(
-        q,
-        k_cache,
-        v_cache,
+    config = AttentionConfig(
         num_heads,
         num_kv_heads,
         head_dim,
         causal,
         window_size,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        head_dim_v=head_dim_v,
+    )
+    problem = kvcache.kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        config,
         cache_seqlens,
         k_new,
         v_new,
         block_table,
-        softmax_scale,
         return_lse,
         check,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved,
-        head_dim_v=head_dim_v,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
     )
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
@@ -100,10 +104,7 @@ def forward(
     attention = None  # the dense forward's problem, for a long query chunk
     long_chunk = problem.q_len * problem.group_size >= decode_kernels.DENSE_MIN_ROWS
     if block_table is None and long_chunk and not problem.own_value_dims:
-        attention = forward_problem(
-            attended,
-            k_cache,
-            v_cache,
+        dense_config = AttentionConfig(
             num_heads,
             num_kv_heads,
             head_dim,
@@ -114,6 +115,7 @@ def forward(
             softcap=problem.softcap,
             alibi_slopes=alibi_slopes,
         )
+        attention = forward_problem(attended, k_cache, v_cache, dense_config)
         spec = registry.choose(
             "forward", attention.dtype, head_dim, capability, modified=attention.modified
         )

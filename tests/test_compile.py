@@ -8,6 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
+from cuflash import AttentionConfig
 from cuflash.gpu import kernel_build, registry, tile_traits
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
@@ -485,10 +486,10 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
                         cache = np.zeros(shape, dtype)
                         table = np.arange(16, dtype=np.int32).reshape(2, 8) if paged else None
                         new = np.zeros((2, kv_heads, 1, head_dim), dtype)
+                        config = AttentionConfig(heads, kv_heads, head_dim, True)
                         problem = kvcache.kvcache_problem(
-                            q, cache, cache, heads, kv_heads, head_dim, True, 0, lengths,
-                            new, new, table, None, False, False,
-                        )  # fmt: skip
+                            q, cache, cache, config, lengths, new, new, table
+                        )
                         launched.add(decode_kernels.decode_kernel(problem)[0])
                         launched |= {
                             decode_kernels.append_name(problem),

@@ -523,6 +523,27 @@ def test_kvcache_int_length_and_scalar_descales(arrays, rng):
     check_output(out, np.concatenate(want), np.float16)
 
 
+def test_kvcache_value_head_dim():
+    """An FP8 cache whose v is narrower than k (head_dim_v, MLA's shape) takes the option
+    as a 16-bit cache does: the output has v's head dim, the scale stays q's."""
+    rng = np.random.default_rng(7)
+    b, h, hk, d, dv, s_q, length = 2, 4, 1, 64, 32, 2, 37
+    k_cache = fresh(rng, (b, hk, 48, d)).astype(E4M3)
+    v_cache = fresh(rng, (b, hk, 48, dv)).astype(E4M3)
+    q = fresh(rng, (b, h, s_q, d)).astype(E4M3)
+    out = cuflash.flash_attention_with_kvcache(
+        q, k_cache, v_cache, h, hk, d, cache_seqlens=length, head_dim_v=dv, q_descale=0.5
+    )
+    want, _ = attention_reference(
+        true_values(q, 0.5),
+        true_values(k_cache[:, :, :length], None),
+        true_values(v_cache[:, :, :length], None),
+        True,
+    )
+    assert out.shape == (b, h, s_q, dv)
+    check_output(out, want, BFLOAT16)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -48,7 +48,7 @@ def test_fast_path_dispatch(rng, dtype, head_dim, expected):
         expected = int(cupy.cuda.Device().compute_capability) == 90
     case = Case(dtype=dtype, head_dim=head_dim)
     q, k, v, _ = random_inputs(case, rng, cupy)
-    prob = problem.forward_problem(q, k, v, *case.args, None, None)
+    prob = problem.forward_problem(q, k, v, cuflash.AttentionConfig(*case.args))
     for direction in ("forward", "backward"):
         spec = gpu.choose(prob, direction, gpu.rows_are_16_byte_aligned((q, k, v)))
         assert (spec.instruction != "cuda cores") is expected

@@ -269,8 +269,8 @@ def test_padding_is_exact_on_the_cpu(widths, rng, monkeypatch):
     d, dv = widths
     case = Case(heads=4, kv_heads=2, q_len=40, kv_len=52, head_dim=d, head_dim_v=dv)
     q, k, v, dout = random_inputs(case, rng)
-    args = (*case.args, None, None)
-    problem = forward_problem(q, k, v, *args, head_dim_v=dv)
+    config = cuflash.AttentionConfig(*case.args, head_dim_v=dv)
+    problem = forward_problem(q, k, v, config)
     seen = []
 
     def build_forward(wide, *arrays):
@@ -296,7 +296,7 @@ def test_padding_is_exact_on_the_cpu(widths, rng, monkeypatch):
     assert rel_error(out, want_out.astype(np.float64)) <= 1e-6
     assert np.max(np.abs(lse - want_lse)) <= 1e-5
 
-    bwd = backward_problem(dout, q, k, v, out, lse, *args, False, True, head_dim_v=dv)
+    bwd = backward_problem(dout, q, k, v, out, lse, config, False, True)
 
     def build_backward(wide, *arrays):
         def plan(dout, q, k, v, out, lse, synchronize):
@@ -318,7 +318,8 @@ def test_equal_widths_take_the_plain_plan(rng):
     case = Case(head_dim=32)
     q, k, v, _ = random_inputs(case, rng)
     for head_dim_v in (None, 32):
-        problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=head_dim_v)
+        config = cuflash.AttentionConfig(*case.args, head_dim_v=head_dim_v)
+        problem = forward_problem(q, k, v, config)
         assert problem.head_dim_v == 32 and not value_dims.pads_values(problem)
         plan = object()
         assert value_dims.forward_plan(lambda *a: plan, problem, q, k, v) is plan
@@ -330,7 +331,7 @@ def test_a_kernel_that_takes_value_dims_is_not_padded(rng):
     narrower than q and k)."""
     case = Case(head_dim=64, head_dim_v=32)
     q, k, v, _ = random_inputs(case, rng)
-    problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=32)
+    problem = forward_problem(q, k, v, cuflash.AttentionConfig(*case.args, head_dim_v=32))
 
     def build(problem, *arrays):
         return problem, arrays
@@ -535,7 +536,7 @@ def test_gpu_native_forward_matches_the_padded_one(rng, poisoned):
         causal=True,
     )
     q, k, v, _ = random_inputs(case, rng, cupy)
-    problem = forward_problem(q, k, v, *case.args, None, None, head_dim_v=128)
+    problem = forward_problem(q, k, v, cuflash.AttentionConfig(*case.args, head_dim_v=128))
     hopper = gpu.device_capability()[1] == 90
     assert gpu.ForwardPlan.takes_value_dims(problem, q, k, v) == hopper
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, head_dim_v=128)

@@ -5,7 +5,7 @@ mma.sync ones, and float32 on the float16 pieces, against the float64 oracle."""
 import pytest
 from support import Case, cupy, random_inputs, run_and_check
 
-from cuflash import dispatch
+from cuflash import AttentionConfig, dispatch
 from cuflash.core import problem
 from cuflash.gpu import launch as gpu
 
@@ -66,7 +66,7 @@ def _hopper():
 @pytest.mark.parametrize("case", SIXTEEN_BIT, ids=str)
 def test_every_head_dim_on_tensor_cores(case, rng, poisoned):
     q, k, v, dout = random_inputs(case, rng, cupy)
-    p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
+    p = problem.forward_problem(q, k, v, AttentionConfig(*case.args, case.kv_seq_len))
     for direction in ("forward", "backward"):
         assert gpu.choose(p, direction, True).instruction in ("wgmma", "mma.sync")
     run_and_check(case, cupy, rng)
@@ -102,7 +102,7 @@ def test_float32_every_head_dim_on_pieces(case, deterministic, rng, poisoned):
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     q, k, v, _ = random_inputs(case, rng, cupy)
-    p = problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None)
+    p = problem.forward_problem(q, k, v, AttentionConfig(*case.args, case.kv_seq_len))
     wide = "_wide" if case.head_dim > 128 else ""
     assert gpu.choose(p, "forward", True).name == "forward_float32_pieces" + wide
     assert gpu.choose(p, "backward", True).name == "backward_float32_pieces" + wide

@@ -44,7 +44,8 @@ def _hopper():
 
 def _problem(case, arrays, **kw):
     q, k, v = arrays[:3]
-    return problem.forward_problem(q, k, v, *case.args, case.kv_seq_len, None, **kw)
+    config = cuflash.AttentionConfig(*case.args, case.kv_seq_len, **kw)
+    return problem.forward_problem(q, k, v, config)
 
 
 def _chosen(case, arrays, direction, **kw):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
-from cuflash import InvalidArgumentError, kvcache
+from cuflash import AttentionConfig, InvalidArgumentError, kvcache
 from cuflash.gpu import decode_kernels, kernel_build, plans, registry
 from cuflash.gpu.decode_kernels import ROW_TILES, num_splits
 from cuflash.gpu.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
@@ -726,9 +726,8 @@ def test_pipeline_depth_follows_the_longest_sequence():
         q = np.zeros((2, 8, 1, head_dim), dtype)
         cache = np.zeros((2, 2, capacity, head_dim), dtype)
         new = np.zeros((2, 2, new_len, head_dim), dtype) if new_len else None
-        problem = kvcache.kvcache_problem(
-            q, cache, cache, 8, 2, head_dim, True, 0, lengths, new, new, None, None, False, False
-        )
+        config = AttentionConfig(8, 2, head_dim, True)
+        problem = kvcache.kvcache_problem(q, cache, cache, config, lengths, new, new)
         name = decode_kernels.decode_kernel(problem)[0]
         return int(name.split(",")[3])
 
@@ -750,23 +749,8 @@ def test_decode_kernel_instantiation_follows_the_call():
         shape = (4, kv_heads, 16, 128) if paged else (2, kv_heads, 64, 128)
         cache = np.zeros(shape, dtype)
         table = np.arange(4, dtype=np.int32).reshape(2, 2) if paged else None
-        problem = kvcache.kvcache_problem(
-            q,
-            cache,
-            cache,
-            heads,
-            kv_heads,
-            128,
-            True,
-            0,
-            10,
-            None,
-            None,
-            table,
-            None,
-            False,
-            False,
-        )
+        config = AttentionConfig(heads, kv_heads, 128, True)
+        problem = kvcache.kvcache_problem(q, cache, cache, config, 10, block_table=table)
         return decode_kernels.decode_kernel(problem)[0]
 
     assert name(1, 32, 8, False).endswith(", false, true>")

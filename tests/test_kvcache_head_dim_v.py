@@ -14,6 +14,7 @@ import simulator
 from support import DTYPES, FLOOR, PACKED_BOUND, compile_and_check, cupy, rel_error, to_numpy
 
 import cuflash
+from cuflash import AttentionConfig
 from cuflash.reference import attention_reference
 
 
@@ -324,10 +325,12 @@ def mla_problem(case, rng):
     from cuflash import kvcache
 
     inputs = mla_inputs(case, rng)
+    config = AttentionConfig(
+        case.heads, case.kv_heads, case.head_dim, True, case.window, head_dim_v=case.head_dim_v
+    )
     return kvcache.kvcache_problem(
-        inputs["q"], inputs["k_cache"], inputs["v_cache"], case.heads, case.kv_heads,
-        case.head_dim, True, case.window, inputs["cache_seqlens"], inputs["k_new"],
-        inputs["v_new"], inputs["block_table"], None, True, False, head_dim_v=case.head_dim_v,
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], config, inputs["cache_seqlens"],
+        inputs["k_new"], inputs["v_new"], inputs["block_table"], return_lse=True,
     )  # fmt: skip
 
 
@@ -454,12 +457,12 @@ def test_gpu_requirements_hold_on_the_host():
     from cuflash import kvcache
 
     q, k_cache, v_cache = _arrays()
-    problem = kvcache.kvcache_problem(q, k_cache, v_cache, 2, 1, 64, True, 0, 3, None, None,
-                                      None, None, False, False, head_dim_v=32)  # fmt: skip
+    config = AttentionConfig(2, 1, 64, True, head_dim_v=32)
+    problem = kvcache.kvcache_problem(q, k_cache, v_cache, config, 3)
     with pytest.raises(cuflash.InvalidArgumentError, match="GPU path takes float16 or bfloat16"):
         kvcache._check_mla_on_gpu(problem)
-    half = kvcache.kvcache_problem(*(x.astype(np.float16) for x in (q, k_cache, v_cache)), 2, 1,
-                                   64, True, 0, 3, None, None, None, None, False, False,
-                                   head_dim_v=32)  # fmt: skip
+    half = kvcache.kvcache_problem(
+        *(x.astype(np.float16) for x in (q, k_cache, v_cache)), config, 3
+    )
     with pytest.raises(cuflash.InvalidArgumentError, match="head_dim_v of 64s"):
         kvcache._check_mla_on_gpu(half)

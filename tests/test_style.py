@@ -284,7 +284,7 @@ def test_every_import_of_the_package_resolves(tmp_path):
         "def f():\n    from cuflash.gpu.launch import NoSuchPlan\n"
         "    return registry.NO_SUCH_TABLE\n"
         "from cuflash.core.problem import forward_problem\n"
-        "forward_problem(1, 2, 3, 4, 5, 6, True, 0, None, None, no_such_option=1)\n"
+        "forward_problem(1, 2, 3, 4, no_such_option=1)\n"
         "forward_problem(1, 2, 3)\n"
         "registry.choose('forward', 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)\n"
     )

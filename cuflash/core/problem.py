@@ -361,40 +361,28 @@ def forward_problem(
     q,
     k,
     v,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
-    kv_seq_len,
-    softmax_scale,
+    config,
     extra_arrays=(),
-    allow_tf32=False,
-    softcap=0.0,
-    alibi_slopes=None,
     alibi_batch=None,
-    score_mod=None,
-    mask_mod=None,
-    block_mask=None,
     modifier_sizes=None,
-    sinks=None,
-    head_dim_v=None,
     storage_dtype=None,
 ):
-    """Validate a forward call (also the shared part of a backward call). ``alibi_batch``:
-    the batch entries per-entry slopes cover (the sequences of a packed call; default
-    the batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see
-    (a packed call's sequences and longest lengths; default the arrays'); ``head_dim_v``:
-    v's last dimension (None: ``head_dim``); ``storage_dtype``: the FP8 dtype of the
-    arrays, which :func:`cuflash.fp8.storage_dtype` has checked (None: the usual dtypes)."""
+    """Validate a forward call (also the shared part of a backward call) of the options
+    ``config`` (an :class:`~cuflash.core.config.AttentionConfig`). ``alibi_batch``: the
+    batch entries per-entry slopes cover (the sequences of a packed call; default the
+    batch); ``modifier_sizes``: the ``(batch, q_len, kv_len)`` the user modifiers see (a
+    packed call's sequences and longest lengths; default the arrays'); ``storage_dtype``:
+    the FP8 dtype of the arrays, which :func:`cuflash.fp8.storage_dtype` has checked
+    (None: the usual dtypes)."""
+    c = config
     named = [("q", q), ("k", k), ("v", v), *extra_arrays]
     xp = array_module(named)
     for name, a in (("q", q), ("k", k), ("v", v)):
         check_rank(name, a, 4, "[B, H, S, D]")
     dtype = check_dtypes(named) if storage_dtype is None else storage_dtype
-    num_heads, num_kv_heads, head_dim = check_head_counts(num_heads, num_kv_heads, head_dim)
-    value_label = value_dim_label(head_dim_v)
-    head_dim_v = check_head_dim_v(head_dim_v, head_dim)
+    num_heads, num_kv_heads, head_dim = check_head_counts(c.num_heads, c.num_kv_heads, c.head_dim)
+    value_label = value_dim_label(c.head_dim_v)
+    head_dim_v = check_head_dim_v(c.head_dim_v, head_dim)
     batch, _, q_len, _ = q.shape
     if q.shape[1] != num_heads:
         raise InvalidArgumentError("q", f"has {q.shape[1]} heads, num_heads is {num_heads}")
@@ -417,15 +405,16 @@ def forward_problem(
             "v", f"sequence length {v.shape[2]} differs from k's {k.shape[2]}"
         )
     kv_capacity = k.shape[2]
-    if kv_seq_len is None:
+    if c.kv_seq_len is None:
         kv_len = kv_capacity
     else:
-        kv_len = check_count("kv_seq_len", kv_seq_len, 0)
+        kv_len = check_count("kv_seq_len", c.kv_seq_len, 0)
         if kv_len > kv_capacity:
             raise InvalidArgumentError(
                 "kv_seq_len", f"must be <= S_k ({kv_capacity}), got {kv_len}"
             )
-    window = normalize_window(window_size, causal, kv_capacity, q_len)
+    window = normalize_window(c.window_size, c.causal, kv_capacity, q_len)
+    softmax_scale = c.softmax_scale
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
@@ -438,15 +427,15 @@ def forward_problem(
         scale = float(softmax_scale)
         if not math.isfinite(scale):
             raise InvalidArgumentError("softmax_scale", f"must be finite, got {scale}")
-    check_flag("allow_tf32", allow_tf32)
-    softcap = check_softcap(softcap)
+    check_flag("allow_tf32", c.allow_tf32)
+    softcap = check_softcap(c.softcap)
     slopes_shape = check_alibi_slopes(
-        alibi_slopes, q, num_heads, batch if alibi_batch is None else alibi_batch
+        c.alibi_slopes, q, num_heads, batch if alibi_batch is None else alibi_batch
     )
-    has_sinks = check_sinks(sinks, q, num_heads)
+    has_sinks = check_sinks(c.sinks, q, num_heads)
     entries, rows, keys = modifier_sizes or (batch, q_len, kv_len)
-    mask_mod = check_block_mask(block_mask, mask_mod, entries, num_heads, rows, keys)
-    check_user_modifiers(score_mod, mask_mod, xp, num_heads, entries, rows, keys)
+    mask_mod = check_block_mask(c.block_mask, c.mask_mod, entries, num_heads, rows, keys)
+    check_user_modifiers(c.score_mod, mask_mod, xp, num_heads, entries, rows, keys)
     problem = AttentionProblem(
         xp=xp,
         dtype=dtype,
@@ -459,69 +448,25 @@ def forward_problem(
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         softmax_scale=scale,
-        causal=bool(causal),
+        causal=bool(c.causal),
         window=window,
-        allow_tf32=bool(allow_tf32),
+        allow_tf32=bool(c.allow_tf32),
         softcap=softcap,
         alibi_slopes_shape=slopes_shape,
-        score_mod=score_mod,
+        score_mod=c.score_mod,
         mask_mod=mask_mod,
-        block_mask=block_mask,
+        block_mask=c.block_mask,
         sinks=has_sinks,
     )
     _check_device_limits(problem, named, element_bytes=None if storage_dtype is None else 4)
     return problem
 
 
-def backward_problem(
-    dout,
-    q,
-    k,
-    v,
-    output,
-    lse,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    causal,
-    window_size,
-    kv_seq_len,
-    softmax_scale,
-    deterministic,
-    synchronize,
-    allow_tf32=False,
-    softcap=0.0,
-    alibi_slopes=None,
-    score_mod=None,
-    mask_mod=None,
-    block_mask=None,
-    sinks=None,
-    head_dim_v=None,
-):
-    """Validate a backward call: the forward's checks plus dout, output and lse (both
-    ``[B, H, S_q, head_dim_v]``)."""
+def backward_problem(dout, q, k, v, output, lse, config, deterministic, synchronize):
+    """Validate a backward call of the options ``config``: the forward's checks plus dout,
+    output and lse (both ``[B, H, S_q, head_dim_v]``)."""
     extra = [("dout", dout), ("output", output)]
-    problem = forward_problem(
-        q,
-        k,
-        v,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        window_size,
-        kv_seq_len,
-        softmax_scale,
-        extra_arrays=extra,
-        allow_tf32=allow_tf32,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        sinks=sinks,
-        head_dim_v=head_dim_v,
-    )
+    problem = forward_problem(q, k, v, config, extra_arrays=extra)
     # lse is float32, so it joins the array-kind check but not the dtype one.
     array_module([("q", q), ("lse", lse)])
     for name, a in extra:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import kvcache
 from .. import rotary as rotary_embedding
+from ..core.config import AttentionConfig
 from ..core.problem import forward_problem, unit_last_stride
 from . import decode_kernels, kernel_params, registry
 from .decode_kernels import DENSE_MIN_ROWS
@@ -79,10 +80,7 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
         return None
 
     host_length = isinstance(cache_seqlens, numbers.Integral)
-    attention = forward_problem(
-        q,
-        k_cache,
-        v_cache,
+    config = AttentionConfig(
         problem.num_heads,
         problem.num_kv_heads,
         problem.head_dim,
@@ -90,12 +88,13 @@ def _dense_plan(problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_
         problem.window,
         int(cache_seqlens) + problem.new_len if host_length else None,
         problem.softmax_scale,
-        allow_tf32=problem.allow_tf32,
-        softcap=problem.softcap,
-        alibi_slopes=alibi_slopes,
-        score_mod=problem.score_mod,
-        mask_mod=problem.mask_mod,
+        problem.allow_tf32,
+        problem.softcap,
+        alibi_slopes,
+        problem.score_mod,
+        problem.mask_mod,
     )
+    attention = forward_problem(q, k_cache, v_cache, config)
     if problem.block_mask is not None:
         # made for the capacity (checked by kvcache_problem), which the dense problem's
         # kv_seq_len may fall short of: the kernels read its tiles below that length

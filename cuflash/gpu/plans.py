@@ -3,8 +3,11 @@ and kernel choice.
 
 The signature holds everything validation and the kernel choice read: each
 array's type, dtype, shape, strides, device and 16-byte alignment, the
-scalar arguments with their types, the current device, and the kernel path,
-skipped kernels and tried opt-in kernels in force. Two calls with the same
+scalar arguments with their types (the values of the call's
+:class:`~cuflash.core.config.AttentionConfig`, as a flat tuple: a front end builds
+that object, a few microseconds of host time, only when its plan is missed), the
+current device, and the kernel path, skipped kernels and tried opt-in kernels in
+force. Two calls with the same
 signature validate the same way and run the same kernels on different data, so
 the second reuses the first's :class:`cuflash.gpu.launch.ForwardPlan` or
 :class:`cuflash.gpu.launch.BackwardPlan`.

@@ -75,18 +75,27 @@ def precompile(dtypes=tuple(DTYPES_BY_NAME), head_dims=kernel_build.HEAD_DIMS, p
     return len(jobs), sum(times)
 
 
-def modifier_jobs(dtypes, head_dims, sm, compute_capability, directions=("forward", "backward")):
+def modifier_jobs(
+    dtypes,
+    head_dims,
+    sm,
+    compute_capability,
+    directions=("forward", "backward"),
+    mask_only=False,
+):
     """The (variant, role) pairs that calls with user modifiers of ``dtypes`` x
     ``head_dims`` launch on a GPU of ``compute_capability``: the dispatch's modified
     forward, its modified backward (atomic, where it adds dQ so, and not) and its dQ
-    pass."""
+    pass; ``mask_only``: for a user's mask alone."""
     jobs = []
     for name in dtypes:
         dtype = DTYPES_BY_NAME[name]
         for d in head_dims:
             variant = kernel_build.Variant(dtype, d, sm)
             for direction in directions:
-                spec = registry.choose(direction, dtype, d, compute_capability, modified=True)
+                spec = registry.choose(
+                    direction, dtype, d, compute_capability, modified=True, mask_only=mask_only
+                )
                 if direction == "forward":
                     jobs.append((variant, spec.role(modified=True)))
                 else:
@@ -121,7 +130,12 @@ def precompile_modifiers(
         return 0
     capability = int(cupy.cuda.Device().compute_capability)
     jobs = modifier_jobs(
-        dtypes, head_dims, kernel_build.generation(capability), capability, directions
+        dtypes,
+        head_dims,
+        kernel_build.generation(capability),
+        capability,
+        directions,
+        mask_only=functors.key[-1],
     )
     device = cupy.cuda.Device().id
 

@@ -96,7 +96,7 @@ class Kernels:
         for spec, atomic in specs:
             role = spec.role(
                 atomic_dq=atomic,
-                modified=problem.modified and spec.modifiers,
+                modified=problem.modified and spec.serves_modifiers(problem.mask_only),
                 persistent=persistent and spec.persistent_keys is not None,
                 ordered_dq=ordered and atomic and spec.ordered_dq,
             )
@@ -306,11 +306,13 @@ def run_backward(
         excluded=frozenset(excluded),
         tried=dispatch.tried(),
         modified=problem.modified,
+        mask_only=problem.mask_only,
         head_dim_v=problem.head_dim_v,
     )
     ordered = (
         ordered is not False
         and deterministic
+        and not problem.modified
         and tma
         and persistent_blocks is None
         and problem.packed is None

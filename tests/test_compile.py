@@ -245,14 +245,24 @@ def test_dispatch_order():
     assert ws_bwd.persistent_keys == 0 and not ws_bwd.persists(False, 1)
     persistent = ws_bwd.role(atomic_dq=True, persistent=True)
     assert persistent == "backward_wgmma_ws_atomic_dq_persistent" in ws_bwd.roles(128)
-    assert ws_bwd.name_expression(persistent, bf16, 128).endswith(", true, true, false>")
-    assert ws_bwd.name_expression("backward_wgmma_ws", bf16, 128).endswith(", false, false, false>")
+    # (ATOMIC_DQ, MODIFIED, PERSISTENT, ORDERED_DQ)
+    assert ws_bwd.name_expression(persistent, bf16, 128).endswith(", true, false, true, false>")
+    plain = ws_bwd.name_expression("backward_wgmma_ws", bf16, 128)
+    assert plain.endswith(", false, false, false, false>")
     # and its ordered dQ (deterministic calls through the maps): dQ added as the atomic
     # role adds it, a block a tile
     ordered = ws_bwd.role(ordered_dq=True)
     assert ordered == "backward_wgmma_ws_ordered_dq" in ws_bwd.roles(128)
-    assert ws_bwd.name_expression(ordered, bf16, 128).endswith(", true, false, true>")
+    assert ws_bwd.name_expression(ordered, bf16, 128).endswith(", true, false, false, true>")
     assert registry.adds_dq(ordered) and not registry.adds_dq("backward_wgmma_ws")
+    # and its roles for a user's mask alone: in modules compiled mask-only, a block a tile
+    masked = ws_bwd.role(atomic_dq=True, modified=True)
+    assert masked in ws_bwd.roles(128, with_masks=True) and masked not in ws_bwd.roles(128)
+    assert ws_bwd.name_expression(masked, bf16, 128).endswith(", true, true, false, false>")
+    for head_dim in (8, 64, 128):
+        chosen = registry.choose("backward", bf16, head_dim, 90, modified=True, mask_only=True)
+        assert chosen is ws_bwd
+    assert registry.choose("backward", bf16, 136, 90, modified=True, mask_only=True) is not ws_bwd
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}

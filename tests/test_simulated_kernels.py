@@ -757,14 +757,39 @@ def test_user_modifier_kernels_match_oracle(name, capability, deterministic, blo
     with a mask), their arrays read through the modifier record, forward and backward;
     with ``block``, through a block mask (each kernel's view of its classes and ranges:
     empty tiles skipped, the mask evaluated only on the tiles it cuts)."""
-    batch, heads, kv_heads, length, head_dim = 1, 4, 2, 160, 64
+    _check_user_modifiers(name, capability, deterministic, block, rng)
+
+
+# (head_dim, case, deterministic, q/k/v/dout by the copy engine): a user's mask alone
+MASKED_WS_RUNS = [
+    (96, "documents", False, True),
+    (128, "random", True, True),
+    (128, "chunked", False, False),
+    (40, "prefix_lm", True, False),
+]
+
+
+@pytest.mark.parametrize("head_dim, name, deterministic, tma", MASKED_WS_RUNS, ids=str)
+def test_warp_specialized_backward_takes_a_users_mask(head_dim, name, deterministic, tma, rng):
+    """A user's mask alone, through a block mask, on the warp-specialized backward of
+    both classes: each key tile's query steps narrowed to the block mask's range, the mask
+    on the tiles it marks partial, dQ by the writer warp or by its pass."""
+    spec = registry.choose(
+        "backward", DTYPES["bfloat16"], head_dim, 90, modified=True, mask_only=True
+    )
+    assert spec.name == "backward_wgmma_ws"
+    _check_user_modifiers(name, 90, deterministic, True, rng, head_dim=head_dim, tma=tma)
+
+
+def _check_user_modifiers(name, capability, deterministic, block, rng, head_dim=64, tma=False):
+    batch, heads, kv_heads, length = 1, 4, 2, 160
     score_mod, mask_mod, mask_heads = _user_modifier_cases(rng, heads, length)[name]
     host = [
         rng.standard_normal((batch, h, length, head_dim)).astype(DTYPES["bfloat16"])
         for h in (heads, kv_heads, kv_heads, heads)
     ]
     q, k, v, dout = host
-    kw = dict(score_mod=score_mod, capability=capability)
+    kw = dict(score_mod=score_mod, capability=capability, tma=tma)
     if block:
         kw["block_mask"] = create_block_mask(mask_mod, None, mask_heads, length, length)
     else:

@@ -274,6 +274,7 @@ def test_call_errors_with_block_masks(rng):
     [
         ("bfloat16", 128, "sm_90a", True),
         ("float16", 64, "sm_90a", False),
+        ("bfloat16", 96, "sm_90a", False),
         ("bfloat16", 128, "sm_80", False),
         ("float32", 64, "sm_90a", True),
         ("bfloat16", 192, "sm_90a", True),
@@ -281,8 +282,9 @@ def test_call_errors_with_block_masks(rng):
 )
 def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, rng):
     """The kernels a call with user modifiers launches, with a document mask and a
-    relative bias compiled in (mask-only without the bias): NVRTC for the arch, no spills,
-    and the wgmma kernels still issue HGMMA; the block mask's classification kernel."""
+    relative bias compiled in (mask-only without the bias: the warp-specialized backward's
+    mask roles): NVRTC for the arch, no spills, and the wgmma kernels still issue HGMMA;
+    the block mask's classification kernel."""
     from cuflash import precompile
     from cuflash.gpu import kernel_build, registry
 
@@ -290,10 +292,11 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
     functors = kernel_build.UserFunctors.of(score_mod if with_score else None, mask_mod)
     capability = 90 if arch == "sm_90a" else 80
     variant = kernel_build.Variant(DTYPES[dtype], head_dim, capability)
-    roles = sorted(
-        {role for _, role in precompile.modifier_jobs([dtype], [head_dim], capability, capability)}
+    jobs = precompile.modifier_jobs(
+        [dtype], [head_dim], capability, capability, mask_only=not with_score
     )
-    names = variant.kernel_names()
+    roles = sorted({role for _, role in jobs})
+    names = variant.kernel_names(with_masks=True)
     report = compile_and_check(
         [names[r] for r in roles], arch, functors, source_file=kernel_build.MODULE_FILE
     )

@@ -5,6 +5,7 @@ on the same documents.
 Usage::
 
     python -m cuflash.bench_masks [--heads 16 --head-dim 128] [--no-torch] [--json FILE]
+                                  [--skip-kernels backward_wgmma_ws,...]
 
 Three masks (bfloat16, the Performance page's targets for score modifiers):
 
@@ -294,14 +295,25 @@ def main(argv=None):
     )
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--skip-kernels",
+        default="",
+        help="comma-separated registry kernels cuflash passes over (cuflash.dispatch."
+        "skip_kernels), to time the next in line",
+    )
     add_peer_options(parser)
     args = parser.parse_args(argv)
     if no_gpu_to_measure():
         return 0
+    from ..dispatch import skip_kernels
+
+    skipped = [name for name in args.skip_kernels.split(",") if name]
     torch = flex_peer_torch(not args.no_torch)
-    records = measure(args.heads, args.head_dim, torch, args.time)
+    with skip_kernels(*skipped):
+        records = measure(args.heads, args.head_dim, torch, args.time)
+    passed_over = f"; kernels passed over: {', '.join(skipped)}" if skipped else ""
     print_report(
-        f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; medians",
+        f"Mask functions, bfloat16, H = {args.heads}, D = {args.head_dim}; medians{passed_over}",
         table(records),
         records,
         args.json,

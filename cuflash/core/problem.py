@@ -80,6 +80,16 @@ class AttentionProblem:
         )
 
     @property
+    def mask_only(self):
+        """Is a user's mask the only score modifier (no soft-cap, ALiBi or score function)?"""
+        return (
+            self.mask_mod is not None
+            and self.score_mod is None
+            and self.softcap == 0
+            and self.alibi_slopes_shape is None
+        )
+
+    @property
     def alibi_batch_stride(self):
         """Slopes between batch entries (sequences): 0 for ``[H]`` slopes, H for ``[B, H]``."""
         shape = self.alibi_slopes_shape

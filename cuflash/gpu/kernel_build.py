@@ -74,9 +74,12 @@ class Variant:
     head_dim_v: int | None = None
 
     @functools.cache  # noqa: B019 - a few dozen variants per process
-    def kernel_names(self):
-        """Kernel role -> C++ name expression to instantiate (one shared dict: do not modify)."""
-        return registry.variant_roles(self.dtype, self.head_dim, self.sm, self.head_dim_v)
+    def kernel_names(self, with_masks=False):
+        """Kernel role -> C++ name expression to instantiate (one shared dict: do not
+        modify); ``with_masks``: also the roles compiled only for a user's mask alone."""
+        return registry.variant_roles(
+            self.dtype, self.head_dim, self.sm, self.head_dim_v, with_masks
+        )
 
     def traits(self, role):
         """The ``cuflash.gpu.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
@@ -138,7 +141,7 @@ class _LoadedVariant:
 
     def __init__(self, variant):
         self.variant = variant
-        self.names = variant.kernel_names()
+        self.names = variant.kernel_names(with_masks=True)  # each compiled on first use
         self._kernels = {}
         self._locks = {}
         self._lock = threading.Lock()
@@ -305,8 +308,9 @@ def _complete_elf(image):
 
 def compile_offline(variant, arch, roles=None, functors=None):
     """Compile ``variant`` for ``arch`` (e.g. ``"sm_90a"``) without a GPU: every kernel,
-    or the named ``roles``, with :class:`UserFunctors` if given."""
-    names = variant.kernel_names()
+    or the named ``roles``, with :class:`UserFunctors` if given (and with a user's mask
+    alone, the roles compiled only for it)."""
+    names = variant.kernel_names(with_masks=functors is not None and functors.key[-1])
     if roles is not None:
         names = {role: names[role] for role in roles}
     try:

@@ -224,6 +224,7 @@ def choose(problem, direction, aligned):
         tensor_cores=aligned and dispatch.current() == "auto",
         excluded=dispatch.excluded(),
         modified=problem.modified,
+        mask_only=problem.mask_only,
         head_dim_v=problem.head_dim_v,
         tried=dispatch.tried(),
         keys_a_row_sees=problem.keys_a_row_sees() if direction == "forward" else None,
@@ -544,6 +545,7 @@ class BackwardPlan:
                 order_dq
                 and deterministic
                 and not persistent
+                and not problem.modified  # a user's mask alone: a block a tile, dQ's pass
                 and self.spec.ordered_dq
                 and self.spec.atomic_dq(problem.head_dim)
                 and self.spec.name + registry.ORDERED_DQ not in dispatch.excluded()

@@ -86,6 +86,10 @@ class KernelSpec:
     # instead of running the dQ pass (:meth:`role`'s ``ordered_dq``).
     ordered_dq: bool = False
     modifiers: bool = False  # also compiled with the score modifiers
+    # Also compiled with a user's mask alone (a module built mask-only: the plain code, the
+    # mask on the tiles it cuts), where ``modifiers`` is False: its modified roles exist
+    # only in such a module (``roles(with_masks=True)``).
+    mask_modifiers: bool = False
     # The tiles a block owns and visits, (outer, inner), when its modified roles read a
     # block mask (cuflash.block_mask): query rows and keys forward, keys and query rows
     # backward; None: a user's mask is evaluated on every tile.
@@ -162,11 +166,16 @@ class KernelSpec:
         low, high = self.atomic_dq_head_dims
         return low <= head_dim <= high
 
-    def roles(self, head_dim=None):
+    def serves_modifiers(self, mask_only=False):
+        """Whether it serves calls with score modifiers (``mask_only``: a user's mask alone)."""
+        return self.modifiers or (mask_only and self.mask_modifiers)
+
+    def roles(self, head_dim=None, with_masks=False):
         """The compiled roles: the name, for the backward its deterministic and
         atomic-dQ instantiations (at ``head_dim`` where given: the atomic one where
-        :meth:`atomic_dq` holds), and with ``modifiers`` each of those again with the
-        score modifiers (``role(...)`` names them)."""
+        :meth:`atomic_dq` holds), and with ``modifiers`` (or ``mask_modifiers`` and
+        ``with_masks``: a module compiled for a user's mask alone) each of those again
+        with the score modifiers (``role(...)`` names them)."""
         base = (self.name,)
         adds_dq = (
             self.direction == "backward"
@@ -175,7 +184,8 @@ class KernelSpec:
         )
         if adds_dq:
             base += (self.name + ATOMIC_DQ,)
-        roles = base + tuple(name + MODIFIED for name in base) if self.modifiers else base
+        modified = self.modifiers or (with_masks and self.mask_modifiers)
+        roles = base + tuple(name + MODIFIED for name in base) if modified else base
         if self.persistent_keys is not None:  # the plain roles, persistent
             roles += tuple(name + PERSISTENT for name in base)
         if self.ordered_dq and adds_dq:  # dense, a block a tile
@@ -214,7 +224,7 @@ class KernelSpec:
         args += [_cxx(a) for a in traits.template_args]
         if self.direction == "backward" and self.atomic_dq_head_dims is not None:
             args.append("true" if adds_dq(role) else "false")
-        if self.modifiers:
+        if self.modifiers or self.mask_modifiers:
             args.append("true" if role.endswith(MODIFIED) else "false")
         if self.persistent_keys is not None:
             args.append("true" if role.endswith(PERSISTENT) else "false")
@@ -373,7 +383,8 @@ KERNELS = (
     # The warp-specialized backward of plain calls up to D = 128 (a producer warpgroup
     # feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
     # driver maps the arrays; 64 query rows a step in the 128 class, 128 in the 64 class);
-    # its register split leaves no room for the modifiers. Measured above backward_wgmma
+    # its register split leaves no room for the score modifiers, only a user's mask alone
+    # (which keeps the plain code). Measured above backward_wgmma
     # in the 128 class, atomic and deterministic (D = 128, S = 4096: 450.5 with its dQ
     # writer against 367.3 TFLOP/s; deterministic calls through its maps add dQ in launch
     # order, 413.0 against the dQ pass's 366.7) and in the 64 class (H100, 2026-12-05:
@@ -392,6 +403,10 @@ KERNELS = (
         atomic_dq_head_dims=(8, 128),
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
+        # A user's mask alone (flex_attention's block masks): its plain code, the query
+        # steps of each key tile narrowed to the block mask's, the mask on partial tiles.
+        mask_modifiers=True,
+        block_tiles=_owned_and_visited,
         # Its persistent roles lost to a block a tile once the dQ writer warp came
         # (2026-12-04: 3-8 % at S = 1024-2048, 29 % at S = 16384 causal, the blocks'
         # static walk): compiled, never chosen; CUFLASH_PERSISTENT=1 runs them, dense
@@ -582,7 +597,7 @@ KERNELS = (
     ),
 )
 BY_NAME = {spec.name: spec for spec in KERNELS}
-BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles()}
+BY_ROLE = {role: spec for spec in KERNELS for role in spec.roles(with_masks=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,11 +657,12 @@ def standalone_of(name_expression):
     raise LookupError(f"{name_expression} is not a kernel of the registry")
 
 
-def variant_roles(dtype, head_dim, sm, head_dim_v=None):
+def variant_roles(dtype, head_dim, sm, head_dim_v=None, with_masks=False):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
     generation ``sm``). With a ``head_dim_v`` other than head_dim: the kernels
     that take it natively (``value_dims``), instantiated for it, and the helpers (a packed
-    forward's zeroing), which take the row width as an argument."""
+    forward's zeroing), which take the row width as an argument. ``with_masks``: also the
+    roles compiled only for a user's mask alone (``KernelSpec.mask_modifiers``)."""
     narrow_v = head_dim_v is not None and head_dim_v != head_dim
     return {
         role: spec.name_expression(role, dtype, head_dim, head_dim_v if spec.value_dims else None)
@@ -657,7 +673,7 @@ def variant_roles(dtype, head_dim, sm, head_dim_v=None):
             or spec.direction == "helper"
             or spec.takes_value_dims(head_dim, head_dim_v)
         )
-        for role in spec.roles(head_dim)
+        for role in spec.roles(head_dim, with_masks)
     }
 
 
@@ -678,13 +694,15 @@ def choose(
     head_dim_v=None,
     tried=frozenset(),
     keys_a_row_sees=None,
+    mask_only=False,
 ):
     """The first kernel of ``direction`` that serves the call.
 
     ``tensor_cores`` False (the general kernel path, or rows off the 16-byte
     grid that cp.async needs) leaves the CUDA-core kernels only; ``excluded``
     names kernels to pass over (tests and benchmarks compare the next in line);
-    ``modified`` (score modifiers) leaves the kernels compiled with them.
+    ``modified`` (score modifiers) leaves the kernels compiled with them (``mask_only``:
+    a user's mask is the only one, which ``mask_modifiers`` kernels also take).
     Kernels for sm_90a serve compute capability 9.0 only. With a ``head_dim_v`` other
     than head_dim, the first that takes it natively (``takes_value_dims``), else the
     first that serves the call (``cuflash.gpu.value_dims`` then pads it). An ``opt_in``
@@ -703,7 +721,7 @@ def choose(
             or (spec.needs_sm90a and compute_capability != 90)
             or not spec.serves_head_dim(head_dim)
             or not spec.serves_dtype(dtype, allow_tf32)
-            or (modified and not spec.modifiers)
+            or (modified and not spec.serves_modifiers(mask_only))
             or (not modified and spec.defers_short_rows(head_dim, keys_a_row_sees, excluded))
         ):
             continue
@@ -740,6 +758,12 @@ def coverage_table():
             )
         rows.append(
             f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
-            f"{spec.precision} | {gpus} | {dims} | {'yes' if spec.modifiers else 'no'} |"
+            f"{spec.precision} | {gpus} | {dims} | {_modifiers_served(spec)} |"
         )
     return "\n".join(rows)
+
+
+def _modifiers_served(spec):
+    if spec.modifiers:
+        return "yes"
+    return "a user's mask alone" if spec.mask_modifiers else "no"

@@ -1,6 +1,7 @@
 // Warp-specialized Hopper (sm_90a) backward kernel (dK, dV and optionally the
-// atomic dQ) for float16/bfloat16 calls without score modifiers, head dims up
-// to 128 (the 64 and 128 classes).
+// atomic dQ) for float16/bfloat16 calls without score modifiers or with a user's
+// mask alone (MODIFIED: a module compiled mask-only), head dims up to 128 (the 64
+// and 128 classes).
 //
 // One block of three warpgroups per (key tile of BN = 128 keys, KV head,
 // batch), looping over the query heads of the group and the query tiles of
@@ -48,7 +49,9 @@
 // In the 128 class the split 40 / 232 is the only one that fits the block's
 // registers without spills: the producer spills 12 bytes at 32 (and 36 at 24
 // with 240 for the consumers); at 232 the consumers of the score modifiers
-// spill (8-56 bytes), so those calls stay with backward_wgmma.
+// spill (8-56 bytes), so those calls stay with backward_wgmma. A user's mask alone
+// keeps the plain code: its roles narrow each key tile's query steps to the block
+// mask's range and apply the mask on the tiles the block mask marks partial.
 // Without ATOMIC_DQ (the deterministic backward, and dQ's own pass) the two
 // consumers never wait for each other. The arguments are
 // backward_wgmma's (the same launch).
@@ -135,8 +138,8 @@ __device__ __forceinline__ void add_dq_tiles(const TensorMap* map, const float* 
     if (threadIdx.x % 32 == 0) bulk_wait<0>();  // the additions, before the block exits
 }
 
-template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool PERSISTENT = false,
-          bool ORDERED_DQ = false>
+template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool MODIFIED = false,
+          bool PERSISTENT = false, bool ORDERED_DQ = false>
 __global__ void __launch_bounds__(384, 1)
     backward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
     using Op = TensorOp<T>;
@@ -147,6 +150,10 @@ __global__ void __launch_bounds__(384, 1)
     // The ordered dQ: dense calls through the maps, a block a tile, launched with key
     // tiles descending (the host launches it only with use_tma).
     static_assert(!ORDERED_DQ || (ATOMIC_DQ && !PERSISTENT), "the ordered dQ's instantiation");
+    // MODIFIED: a user's mask alone (a module compiled mask-only), a block a tile; the
+    // scores keep the plain code and the mask cuts the tiles the block mask names.
+    static_assert(!MODIFIED || (Modifiers<MODIFIED>::mask_only && !PERSISTENT && !ORDERED_DQ),
+                  "the modified roles: a user's mask alone, a block a tile");
     // The atomic dQ: consumer c adds 64 columns of 64 rows over all 128 keys (at D = 128
     // columns [64 c, + 64) of the BM = 64 rows; at D = 64 rows [64 c, + 64) of the
     // BM = 128, all columns), through a float32 tile of BM rows DQ_PITCH apart (8
@@ -226,7 +233,11 @@ __global__ void __launch_bounds__(384, 1)
              ++round) {
             Tile tile;
             if (!tile_of(w, tile)) continue;
-            const QuerySteps<BM> steps(tile.seq.mask, tile.n0, tile.n0 + BN, tile.hk, group);
+            QuerySteps<BM> steps(tile.seq.mask, tile.n0, tile.n0 + BN, tile.hk, group);
+            if constexpr (MODIFIED)  // the block mask's range of query tiles for this key tile
+                steps.narrow(score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
+                                                       tile.hk * group, tile.seq.mask, user_args),
+                             tile.n0 / BN, tile.hk, group);
             fn(tile, steps, uses, t);
             if (steps.count == 0) continue;
             ++t;
@@ -404,14 +415,16 @@ __global__ void __launch_bounds__(384, 1)
                                  wgmma_desc(dOb + q_at, 16, ATOM), ks > 0);
             }
             wgmma_commit();
-            const auto mods = score_modifiers<false>(alibi_slopes, alibi_batch_stride, softcap, h,
-                                                     mask, user_args);
+            // With a user's mask, the tiles the block mask marks partial take it too.
+            const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap,
+                                                        h, mask, user_args);
+            const bool partial = mods.partial_tile(n0 / BN, m0 / BM);
             wgmma_wait<1>();  // S^T is done: P^T while dP^T runs
             pin_registers(st);
             const int key_lo = n0 + wg_key0;
-            const bool edge = !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64);
-            probs<QTILES, 0, Modifiers<false>, false>(st, mask, edge, m0, n0 + key_row + g, t,
-                                                      lse_b, scale_log2, mods, false);
+            const bool edge = !mask.tile_all_visible(m0, m0 + rows, key_lo, key_lo + 64) || partial;
+            probs<QTILES, 0, Modifiers<MODIFIED>, false>(st, mask, edge, m0, n0 + key_row + g, t,
+                                                         lse_b, scale_log2, mods, partial);
             wgmma_wait<0>();
             pin_registers(dpt);
             dscores(st, dpt, t, delta_b, scale);  // dS^T scale: dQ and dK come out scaled

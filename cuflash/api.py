@@ -8,6 +8,7 @@ from . import fp8
 from .core.config import AttentionConfig
 from .core.problem import backward_problem, forward_problem
 from .cpu import dense as cpu
+from .fp8_forward import dense_forward
 from .gpu import plans, value_dims
 
 
@@ -167,8 +168,6 @@ def flash_attention_fwd(
     CPU path with the same semantics. Accumulation is always float32.
     """
     if fp8.requested((q, k, v), fp8_format, q_descale, k_descale, v_descale, out_dtype):
-        from .fp8_forward import dense_forward
-
         config = AttentionConfig(
             num_heads,
             num_kv_heads,
@@ -187,7 +186,7 @@ def flash_attention_fwd(
             head_dim_v,
         )
         descales = (q_descale, k_descale, v_descale)
-        return dense_forward(q, k, v, config, fp8_format, descales, out_dtype)
+        return dense_forward(flash_attention_fwd, q, k, v, config, fp8_format, descales, out_dtype)
     key = plans.signature(
         _arrays_and_slopes((q, k, v), alibi_slopes, sinks),
         (

@@ -14,17 +14,17 @@ import numbers
 import numpy as np
 
 from . import fp8
+from .core.kvcache_problem import kvcache_problem
 from .core.problem import array_module, forward_problem
+from .core.varlen_problem import varlen_problem, verified_offsets
 from .errors import InvalidArgumentError
-from .kvcache import kvcache_problem
-from .varlen import varlen_problem, verified_offsets
 
 
-def dense_forward(q, k, v, config, fp8_format, descales, out_dtype):
+def dense_forward(flash_attention_fwd, q, k, v, config, fp8_format, descales, out_dtype):
     """:func:`cuflash.flash_attention_fwd` on FP8 ``q``, ``k``, ``v`` with the options
     ``config`` (``allow_tf32`` checked, then ignored: the float32 forward runs in
-    float32), ``descales`` ``(q_descale, k_descale, v_descale)``."""
-    from .api import flash_attention_fwd
+    float32), ``descales`` ``(q_descale, k_descale, v_descale)``; the public function
+    passes itself as ``flash_attention_fwd``, which runs on the dequantized arrays."""
 
     named = [("q", q), ("k", k), ("v", v)]
     array_module(named)  # array kinds first, then their dtypes
@@ -64,6 +64,7 @@ def _token_sequences(xp, cu_seqlens_q, total_q, count):
 
 
 def varlen_forward(
+    flash_attention_varlen_fwd,
     q,
     k,
     v,
@@ -78,8 +79,8 @@ def varlen_forward(
     out_dtype,
 ):
     """:func:`cuflash.flash_attention_varlen_fwd` on FP8 ``q``, ``k``, ``v`` with the
-    options ``config``: the descales are ``[B, num_kv_heads]`` with ``B`` the sequences."""
-    from .varlen import flash_attention_varlen_fwd
+    options ``config``: the descales are ``[B, num_kv_heads]`` with ``B`` the sequences;
+    ``flash_attention_varlen_fwd``: the public function, which passes itself."""
 
     named = [("q", q), ("k", k), ("v", v)]
     array_module(named)
@@ -136,6 +137,7 @@ def _append(xp, problem, cache, new, block_table, lengths):
 
 
 def kvcache_forward(
+    flash_attention_with_kvcache,
     q,
     k_cache,
     v_cache,
@@ -155,8 +157,8 @@ def kvcache_forward(
     or bfloat16; ``k_new``, ``v_new`` of the cache's dtype) and the options ``config``
     (``allow_tf32`` checked, then ignored): the append into the FP8 cache in place, then
     attention over the whole cache dequantized to float32. ``rotary_tables``:
-    ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take."""
-    from .kvcache import flash_attention_with_kvcache
+    ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take;
+    ``flash_attention_with_kvcache``: the public function, which passes itself."""
 
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None and v_new is not None:

@@ -12,8 +12,9 @@ import numpy as np
 import simulated_attention
 import simulator
 
-from cuflash import kvcache, rotary
+from cuflash import rotary
 from cuflash.core.config import AttentionConfig
+from cuflash.core.kvcache_problem import kvcache_problem
 from cuflash.core.problem import forward_problem
 from cuflash.gpu import decode_kernels, kernel_params, registry
 
@@ -74,7 +75,7 @@ def forward(
         sinks=sinks,
         head_dim_v=head_dim_v,
     )
-    problem = kvcache.kvcache_problem(
+    problem = kvcache_problem(
         q,
         k_cache,
         v_cache,

@@ -478,7 +478,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     file, a C++ kernel or a RawModule besides the registry and the kernel build."""
     from pathlib import Path
 
-    from cuflash import kvcache
+    from cuflash.core.kvcache_problem import kvcache_problem
     from cuflash.gpu import decode_kernels
 
     launched = set()
@@ -497,9 +497,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
                         table = np.arange(16, dtype=np.int32).reshape(2, 8) if paged else None
                         new = np.zeros((2, kv_heads, 1, head_dim), dtype)
                         config = AttentionConfig(heads, kv_heads, head_dim, True)
-                        problem = kvcache.kvcache_problem(
-                            q, cache, cache, config, lengths, new, new, table
-                        )
+                        problem = kvcache_problem(q, cache, cache, config, lengths, new, new, table)
                         launched.add(decode_kernels.decode_kernel(problem)[0])
                         launched |= {
                             decode_kernels.append_name(problem),

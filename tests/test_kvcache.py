@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to_numpy
 
-from cuflash import AttentionConfig, InvalidArgumentError, kvcache
+from cuflash import AttentionConfig, InvalidArgumentError
+from cuflash.core.kvcache_problem import kvcache_problem
 from cuflash.gpu import decode_kernels, kernel_build, plans, registry
 from cuflash.gpu.decode_kernels import ROW_TILES, num_splits
 from cuflash.gpu.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
@@ -727,7 +728,7 @@ def test_pipeline_depth_follows_the_longest_sequence():
         cache = np.zeros((2, 2, capacity, head_dim), dtype)
         new = np.zeros((2, 2, new_len, head_dim), dtype) if new_len else None
         config = AttentionConfig(8, 2, head_dim, True)
-        problem = kvcache.kvcache_problem(q, cache, cache, config, lengths, new, new)
+        problem = kvcache_problem(q, cache, cache, config, lengths, new, new)
         name = decode_kernels.decode_kernel(problem)[0]
         return int(name.split(",")[3])
 
@@ -750,7 +751,7 @@ def test_decode_kernel_instantiation_follows_the_call():
         cache = np.zeros(shape, dtype)
         table = np.arange(4, dtype=np.int32).reshape(2, 2) if paged else None
         config = AttentionConfig(heads, kv_heads, 128, True)
-        problem = kvcache.kvcache_problem(q, cache, cache, config, 10, block_table=table)
+        problem = kvcache_problem(q, cache, cache, config, 10, block_table=table)
         return decode_kernels.decode_kernel(problem)[0]
 
     assert name(1, 32, 8, False).endswith(", false, true>")

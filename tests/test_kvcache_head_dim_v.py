@@ -321,8 +321,8 @@ def check_mla(case, out, lse, want_out, want_lse):
 
 
 def mla_problem(case, rng):
-    """The validated call (``kvcache.kvcache_problem``) of ``case`` on fresh inputs."""
-    from cuflash import kvcache
+    """The validated call (``kvcache_problem``) of ``case`` on fresh inputs."""
+    from cuflash.core import kvcache_problem as kvcache
 
     inputs = mla_inputs(case, rng)
     config = AttentionConfig(
@@ -454,7 +454,7 @@ def test_gpu_refuses_what_its_kernels_do_not_take():
 def test_gpu_requirements_hold_on_the_host():
     """The GPU's refusals come from the problem's checks, which need no GPU: assert them
     through kvcache_problem on NumPy arrays standing for device ones."""
-    from cuflash import kvcache
+    from cuflash.core import kvcache_problem as kvcache
 
     q, k_cache, v_cache = _arrays()
     config = AttentionConfig(2, 1, 64, True, head_dim_v=32)

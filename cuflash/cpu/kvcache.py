@@ -1,5 +1,5 @@
 """The CPU path of :func:`cuflash.flash_attention_with_kvcache` (the KV-cache page): NumPy
-arrays, host-held lengths already validated by :func:`cuflash.kvcache.kvcache_problem`;
+arrays, host-held lengths already validated by :func:`cuflash.core.kvcache_problem.kvcache_problem`;
 the append (rotating the new keys with rotary tables), then a blocked online softmax in
 float32 one sequence at a time."""
 

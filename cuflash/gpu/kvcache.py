@@ -11,9 +11,9 @@ import numbers
 import cupy
 import numpy as np
 
-from .. import kvcache
 from .. import rotary as rotary_embedding
 from ..core.config import AttentionConfig
+from ..core.kvcache_problem import check_block_ids, check_lengths
 from ..core.problem import forward_problem, unit_last_stride
 from . import decode_kernels, kernel_params, registry
 from .decode_kernels import DENSE_MIN_ROWS
@@ -47,16 +47,14 @@ def verify_on_host(problem, cache_seqlens, block_table):
     else:
         lengths = host[: problem.batch].astype(np.int64)
         host = host[problem.batch :]
-        kvcache.check_lengths(lengths, problem.new_len, problem.capacity)
+        check_lengths(lengths, problem.new_len, problem.capacity)
         if problem.rotary is not None:
             rotary_embedding.check_positions(
                 problem.rotary, lengths, problem.new_len, problem.q_len
             )
     if block_table is not None:
         table = host.reshape(problem.batch, problem.max_blocks)
-        kvcache.check_block_ids(
-            table, lengths, problem.new_len, problem.block_size, problem.num_blocks
-        )
+        check_block_ids(table, lengths, problem.new_len, problem.block_size, problem.num_blocks)
 
 
 def _length_args(cache_seqlens):

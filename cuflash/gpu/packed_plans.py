@@ -5,11 +5,7 @@ written in the packed layout (the packed-batches page)."""
 
 import numpy as np
 
-
-def heads_first(x, start=None, stop=None):
-    """Tokens ``[start, stop)`` of a packed ``[tokens, heads, D]`` array as a
-    ``[1, heads, n, D]`` view (unit last stride: the dense functions take it as it is)."""
-    return x[start:stop][None].transpose(0, 2, 1, 3)
+from ..core.varlen_problem import heads_first
 
 
 class PackedForward:

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only without CuPy
 
 def _attention(problem):
     """The :class:`cuflash.core.problem.AttentionProblem` of a dense problem, or of a packed
-    call's ``cuflash.varlen.VarlenProblem`` (which holds it as ``attention``)."""
+    call's ``cuflash.core.varlen_problem.VarlenProblem`` (which holds it as ``attention``)."""
     return getattr(problem, "attention", problem)
 
 

@@ -18,6 +18,7 @@ from cuflash.core.problem import BFLOAT16, backward_problem
 from cuflash.dispatch import skip_kernels
 from cuflash.gpu import launch as gpu
 from cuflash.gpu import registry
+from cuflash.gpu.kernel_launch import current_stream
 
 
 def main(d=128, s=4096, causal=False, ncu=False):
@@ -48,7 +49,7 @@ def main(d=128, s=4096, causal=False, ncu=False):
                 lse_log2 = cupy.empty(problem.lse_shape, dtype=cupy.float32)
                 dk, dv = cupy.empty_like(k), cupy.empty_like(v)
                 dq = cupy.cuda.alloc(max(plan.dq_bytes, 4 * q.size))  # zeroed by delta
-                stream = gpu.current_stream()
+                stream = current_stream()
                 plan.delta(
                     stream,
                     do.data.ptr,

@@ -1,6 +1,7 @@
 """Host time per call on a tiny problem, and where it goes (cProfile).
 
 Usage: python scripts/profile_host.py [--calls 1000] [--profile] [--parts] [--import-torch]
+       python scripts/profile_host.py --against TREE [--rounds 6] [--calls 3000]
 
 Times ``flash_attention_fwd`` and ``flash_attention_bwd(..., synchronize=False)`` on
 the host: calls run in batches of ``BATCH``, the clock stops before the stream is
@@ -9,12 +10,21 @@ takes longer (a full launch queue would otherwise make every launch wait for the
 The back-to-back time per call (the host's or the GPU's, whichever is longer) is
 printed next to it. ``--profile`` prints the functions that take the most time under
 cProfile, the forward's and the backward's apart; ``--parts`` times the pieces of a
-cached call.
+cached call. ``--against TREE`` compares this tree's host time with another tree's
+(a directory holding an older ``cuflash`` package, e.g. from ``git archive REV
+cuflash``): each round runs the timing once in a fresh process of each tree, in turn,
+so that both see the machine in the same state; the medians over the rounds are
+printed.
 """
 
 import argparse
 import cProfile
+import os
 import pstats
+import re
+import statistics
+import subprocess
+import sys
 import time
 
 import cupy
@@ -22,7 +32,6 @@ import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash.gpu import plans
 
 BATCH = 50  # calls between synchronizations: their launches fit the launch queue
 
@@ -68,6 +77,8 @@ def timed(fn, calls):
 
 def primitive_costs(calls):
     """Microseconds per call of the host-side pieces a cached call is made of."""
+    from cuflash.gpu import plans  # this tree's layout only (--against runs older ones)
+
     q, k, v, _ = tiny_inputs()
     seen = []
     signature = plans.signature
@@ -104,6 +115,42 @@ def primitive_costs(calls):
     return costs
 
 
+LINE = re.compile(r"forward ([0-9.]+) us, backward ([0-9.]+) us")
+
+
+def host_times(tree, calls):
+    """``(forward, backward)`` host microseconds of one fresh process importing the
+    cuflash package under ``tree``."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--calls", str(calls)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.abspath(tree),
+    )
+    found = LINE.search(result.stdout)
+    if found is None:
+        raise RuntimeError(f"no timing from {tree}: {result.stdout}{result.stderr}")
+    return float(found.group(1)), float(found.group(2))
+
+
+def compare_trees(other, rounds, calls):
+    """Host time of this tree and ``other``, alternating fresh processes, with medians."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    times = {here: [], other: []}
+    for i in range(rounds):
+        for tree in (here, other) if i % 2 == 0 else (other, here):
+            times[tree].append(host_times(tree, calls))
+            f, b = times[tree][-1]
+            print(f"round {i + 1} {tree}: forward {f:.1f} us, backward {b:.1f} us", flush=True)
+    for tree, pairs in times.items():
+        f = statistics.median(p[0] for p in pairs)
+        b = statistics.median(p[1] for p in pairs)
+        print(f"median {tree}: forward {f:.1f} us, backward {b:.1f} us ({rounds} processes)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
@@ -119,7 +166,16 @@ def main():
         help="import torch and touch its CUDA first, as the benchmark's process "
         "does (its host times run higher than this script's)",
     )
+    parser.add_argument(
+        "--against",
+        metavar="TREE",
+        help="compare with the cuflash package under TREE, a fresh process each in turn",
+    )
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --against")
     args = parser.parse_args()
+    if args.against:
+        compare_trees(args.against, args.rounds, args.calls)
+        return
     if args.import_torch:
         import torch
 

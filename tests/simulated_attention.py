@@ -22,7 +22,8 @@ from cuflash.core.config import AttentionConfig
 from cuflash.core.problem import backward_problem, forward_problem
 from cuflash.core.varlen_problem import heads_first, varlen_problem
 from cuflash.gpu import kernel_params, registry, schedules, tile_traits
-from cuflash.gpu.launch import USER_ARGS_DTYPE, _functors
+from cuflash.gpu.kernel_launch import USER_ARGS_DTYPE
+from cuflash.gpu.launch import _functors
 
 #: ``UserModifierArgs`` of kernels/common/common.cuh without user modifiers: zeros.
 NO_USER_ARGUMENTS = np.zeros(1, dtype=USER_ARGS_DTYPE)

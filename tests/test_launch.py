@@ -1,4 +1,4 @@
-"""The GPU path's kernel launch (cuflash.gpu.launch.Launch) on the host side: the parameter
+"""The GPU path's kernel launch (cuflash.gpu.kernel_launch.Launch) on the host side: the parameter
 array it hands cuLaunchKernel, checked without a GPU by catching the driver call."""
 
 import ctypes
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-gpu = pytest.importorskip("cuflash.gpu.launch")  # needs CuPy installed, not a GPU
+gpu = pytest.importorskip("cuflash.gpu.kernel_launch")  # needs CuPy installed, not a GPU
 
 
 class FakeFunction:

@@ -18,7 +18,7 @@ from .decode_tiles import (
     decode_tc_shape,
 )
 from .kernel_build import load_standalone
-from .launch import modifier_compile_errors
+from .kernel_launch import modifier_compile_errors
 
 ROW_TILES = (1, 2, 4, 8)  # packed query rows a decode block may hold (RM)
 NARROW_ROWS = 8  # packed query rows the narrow tensor-core decode kernel takes

@@ -10,7 +10,7 @@ a member the kernels do not declare is an error when a plan is built, not a wron
 result on a GPU. ``tests/test_kernel_params.py`` holds the layout against the C++
 compiler's ``offsetof`` and against the parameters of the kernels' PTX.
 
-A launch (``cuflash.gpu.launch.Launch``) passes the record whole as the kernel's parameter
+A launch (``cuflash.gpu.kernel_launch.Launch``) passes the record whole as the kernel's parameter
 buffer (``cuLaunchKernel``'s ``extra``); :class:`Params` fixes its members once a plan
 and writes only the call's device addresses at each launch.
 """

@@ -19,9 +19,8 @@ from . import decode_kernels, kernel_params, registry
 from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
 from .kernel_build import UserFunctors
-from .launch import (
+from .kernel_launch import (
     NO_USER_ARGUMENTS,
-    ForwardPlan,
     Launch,
     UserArguments,
     address,
@@ -30,6 +29,7 @@ from .launch import (
     element_strides,
     rows_are_16_byte_aligned,
 )
+from .launch import ForwardPlan
 
 
 def verify_on_host(problem, cache_seqlens, block_table):
@@ -161,15 +161,16 @@ def _problem_key(problem):
 
 
 def _on_device(params):
-    """``params`` laid out from the current device's parameter base (``gpu.Launch.of_role``
-    does the same for the attention kernels)."""
+    """``params`` laid out from the current device's parameter base
+    (``kernel_launch.Launch.of_role`` does the same for the attention kernels)."""
     sm = registry.generation(device_capability()[1])
     return params.rebased(kernel_params.parameter_base(sm))
 
 
 def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
-    """A ``gpu.Launch`` of ``function`` with the record ``build(problem, *arguments)``, the
-    one made for the same arguments before where ``reuse``."""
+    """A ``kernel_launch.Launch`` of ``function`` with the record
+    ``build(problem, *arguments)``, the one made for the same arguments before where
+    ``reuse``."""
     key = (function.ptr, grid, shared, build, _problem_key(problem), arguments)
     found = _LAUNCHES.get(key) if reuse else None
     if found is None:
@@ -184,7 +185,7 @@ def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
 
 def _user_modifiers(problem):
     """The user's functors (``kernel_build.UserFunctors``, or None) and the decode kernels'
-    ``UserModifierArgs`` argument (``gpu.UserArguments``: their arrays, or zeros)."""
+    ``UserModifierArgs`` argument (``kernel_launch.UserArguments``: their arrays, or zeros)."""
     if problem.score_mod is None and problem.mask_mod is None:
         return None, NO_USER_ARGUMENTS
     functors = UserFunctors.of(

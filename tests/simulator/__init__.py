@@ -325,7 +325,7 @@ class Module:
         ``args``: a kernel parameter record with its call's arrays, ``(params, arrays)``
         (a ``cuflash.gpu.kernel_params.Params`` and its ``per_call`` members' arrays, or None,
         or an int for an int member, in order), passed as the kernel's parameter
-        buffer as ``cuflash.gpu.launch.Launch`` passes it (a buffer laid out for other
+        buffer as ``cuflash.gpu.kernel_launch.Launch`` passes it (a buffer laid out for other
         parameters than the kernel's is an error); or the arguments in the kernel's
         order: NumPy arrays (their address; the caller keeps them alive), None (a null
         pointer), NumPy scalars (their bytes, so their type must be the parameter's),

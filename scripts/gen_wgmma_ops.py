@@ -8,7 +8,8 @@ shapes below: python scripts/gen_wgmma_ops.py
 from pathlib import Path
 
 TYPES = {"bf16_t": "bf16", "half_t": "f16"}
-N_SS = (32, 64, 128)  # S = Q K^T: N = keys per tile (32: half a backward query tile)
+N_SS = (32, 64, 128, 176)  # S = Q K^T: N = keys per tile (32: half a backward query tile;
+# 176: the forward's plain 128 class, sm90/forward_wgmma_ws.cuh)
 N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = head_dim
 # rounded up to 16 (every head_dim on its exact width)
 N_SS_MN = (64, 128)  # dQ = dS K in the backward: N = 64 or 128 columns of head_dim

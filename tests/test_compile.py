@@ -71,6 +71,29 @@ def test_variant_compiles_without_spills(resource_reports, job):
             assert info["registers"] == 65536 // threads // 8 * 8, (role, info)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 96)])
+def test_176_key_forward_tiles_compile_without_spills(dtype, head_dim, monkeypatch):
+    """forward_wgmma_ws's plain roles on 176-key tiles (``CUFLASH_FORWARD_KEYS=176``):
+    no spills, its wgmma not serialized, the producer's wider split (32 / 232)."""
+    from support import DTYPES
+
+    monkeypatch.setenv("CUFLASH_FORWARD_KEYS", "176")
+    variant = kernel_build.Variant(DTYPES[dtype], head_dim, 90)
+    roles = ["forward_wgmma_ws", "forward_wgmma_ws_persistent"]
+    assert all(variant.traits(r).template_args[:2] == (176, 2) for r in roles)
+    # the variants' names are cached for the process: none of these may outlive the test
+    kernel_build.Variant.kernel_names.cache_clear()
+    try:
+        assert ", 176, 2, 2, " in variant.kernel_names()["forward_wgmma_ws"]
+        report = kernel_build.compile_offline(variant, "sm_90a", roles)
+    finally:
+        kernel_build.Variant.kernel_names.cache_clear()
+    for role, info in report.kernels().items():
+        assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, (role, info)
+        assert not info["wgmma_serialized"], (role, info)
+
+
 def test_serialized_wgmma_advisories_are_read():
     """Both of ptxas's advisories that it serialized a kernel's wgmma (C7519, C7512: every
     wgmma then waits for the one before, which the register counts do not show) mark the

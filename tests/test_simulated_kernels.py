@@ -224,6 +224,25 @@ def test_warp_specialized_forward_wraps_its_stage_rings(case, tma, rng):
     check_results(case, inputs, out, lse, grads)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["block_a_tile", "persistent"])
+@pytest.mark.parametrize("case", RING_CASES[:2], ids=str)
+def test_warp_specialized_forward_176_key_tiles(case, persistent, rng, monkeypatch):
+    """The plain 128 class on two stages of 176 keys (``CUFLASH_FORWARD_KEYS=176``):
+    tiles that are no power of two, rings that wrap, the diagonal inside a tile."""
+    monkeypatch.setenv("CUFLASH_FORWARD_KEYS", "176")
+    spec = registry.choose("forward", DTYPES[case.dtype], case.head_dim, 90)
+    assert spec.traits_of(case.head_dim).template_args[:2] == (176, 2)
+    q, k, v, dout = random_inputs(case, rng)
+    kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, capability=90, tma=True)
+    out, lse = simulated_attention.forward(
+        q, k, v, *case.args, **kw, persistent_blocks=2 if persistent else None
+    )
+    ref_out, ref_lse, _ = oracle(case, q, k, v, dout)
+    check_lse(lse, ref_lse)
+    naive_out = naive_in_dtype(case, q, k, v, dout)[0]
+    check_close("out", out, ref_out, naive_out, case.dtype, score_max=score_magnitude(case, q, k))
+
+
 # The persistent role (forward_wgmma_ws's plain calls of short rows): one block, or
 # three over four work tiles (the second round from the grid's end), so that a block
 # walks several tiles and Q's barriers, the stage rings and the consumers' turns run

@@ -10,6 +10,7 @@ columns), with the exact head_dim compiled in (products over the head_dim take
 ``round_up(D, 16) / 16`` k16 steps; see ``kernels/common/common.cuh``)."""
 
 import dataclasses
+import os
 
 FLOAT_BYTES = 4
 
@@ -57,15 +58,24 @@ def forward_wgmma_traits(d):
     return Traits(64 * warpgroups, 128 * warpgroups, smem, (keys, warpgroups))
 
 
-def forward_ws_traits(d, consumers=None):
+def forward_ws_traits(d, consumers=None, modified=False):
     """kernels/sm90/forward_wgmma_ws.cuh: a producer warpgroup and 2 consumers of 64 query
     rows each (3 in the 64 class, whose short products hide a softmax only with more rows
-    in turn), Q resident, STAGES stages of K and of V (64-key tiles in the 256 class,
-    where the 128-column O leaves no registers for 128-key scores), the stage rings'
-    barriers (16 bytes a stage each), Q's two barriers (full, and empty: the persistent
-    roles') and the consumers' order slots."""
+    in turn), Q resident, STAGES stages of K and of V, the stage rings' barriers (16 bytes
+    a stage each), Q's two barriers (full, and empty: the persistent roles') and the
+    consumers' order slots. Key tiles: 64 in the 256 class (the 128-column O leaves no
+    registers for 128-key scores); in the 128 class two stages of 176 for the plain
+    roles with ``CUFLASH_FORWARD_KEYS=176`` in the environment (comparisons: a tile's fixed
+    softmax work, the rows' maxima across the quad, the rescales, the barriers, spread
+    over 1.4x the keys), else three stages of 128 as in the modified roles (a block
+    mask's tiles are 128 keys; a user's functions need the registers)."""
     width = head_dim_class(d)
-    keys, stages = (64, 2) if width == 256 else (128, 3)
+    if width == 256:
+        keys, stages = 64, 2
+    elif width == 128 and not modified and os.environ.get("CUFLASH_FORWARD_KEYS") == "176":
+        keys, stages = 176, 2
+    else:
+        keys, stages = 128, 3
     if consumers is None:
         consumers = 3 if width == 64 else 2
     rows = 64 * consumers
@@ -81,8 +91,8 @@ def forward_ws_traits(d, consumers=None):
 
 def forward_ws_modified_traits(d):
     """forward_wgmma_ws compiled with score modifiers: two consumers at every head_dim (at
-    three, 160 registers each, a user's score and mask functions spill)."""
-    return forward_ws_traits(d, consumers=2)
+    three, 160 registers each, a user's score and mask functions spill), 128-key tiles."""
+    return forward_ws_traits(d, consumers=2, modified=True)
 
 
 def forward_mma_sync_traits(d):

@@ -52,12 +52,13 @@ namespace cuflash {
 // compiled in; at 232 bfloat16 D = 256 with modifiers spilled 44 bytes). A V
 // narrower than Q and K (DV < D) copies tiles of two widths, which spills at 24
 // (4 bytes at D = 96, DV = 40), and the persistent producer's walk over the work
-// tiles spilled 8 bytes: there the split is 32 / 232. Three consumers (the
-// 64 class: 64-column O) take 160 each, the producer 32.
-template <bool NARROW_V, int CONSUMERS, bool PERSISTENT>
+// tiles spilled 8 bytes, and so did 176-key tiles' copies (4 bytes): there the
+// split is 32 / 232. Three consumers (the 64 class: 64-column O) take 160 each,
+// the producer 32.
+template <bool NARROW_V, int CONSUMERS, bool PERSISTENT, int BN>
 struct WarpgroupRegisters {
     static constexpr int threads = 128 * (CONSUMERS + 1);
-    static constexpr bool wide_producer = NARROW_V || PERSISTENT || CONSUMERS == 3;
+    static constexpr bool wide_producer = NARROW_V || PERSISTENT || CONSUMERS == 3 || BN > 128;
     static constexpr int producer = wide_producer ? 32 : 24;
     static constexpr int consumer = CONSUMERS == 3 ? 160 : wide_producer ? 232 : 240;
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumers");
@@ -87,11 +88,11 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
     constexpr int BM = 64 * CONSUMERS, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
-    static_assert(D % 8 == 0 && D <= 256 && BN % 64 == 0, "tile shape");
+    static_assert(D % 8 == 0 && D <= 256 && BN % 16 == 0, "tile shape");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     static_assert(!(PERSISTENT && MODIFIED), "score_modifiers read the entry from blockIdx.z");
     using Ring = StageRing<STAGES, CONSUMERS>;  // a consumer warpgroup an arrival
-    using Registers = WarpgroupRegisters<(DV < D), CONSUMERS, PERSISTENT>;
+    using Registers = WarpgroupRegisters<(DV < D), CONSUMERS, PERSISTENT, BN>;
     CUFLASH_STRIDES_OF(q);
     CUFLASH_STRIDES_OF(k);
     CUFLASH_STRIDES_OF(v);

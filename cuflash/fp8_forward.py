@@ -1,12 +1,13 @@
 """The FP8 (e4m3) forward of the dense, packed and KV-cache functions (the FP8 page).
 
 Each call validates every argument first (the usual checks, with the FP8 dtypes
-checked by :mod:`cuflash.fp8`, then the descales and ``out_dtype``), then dequantizes
-its FP8 arrays to float32 (exactly; ``q`` times ``q_descale * k_descale``) and runs the
-float32 forward of its function, whose output it multiplies by ``v_descale`` and rounds
-to ``out_dtype``. The same steps run on NumPy and CuPy arrays, so the CPU path and the
-GPU path compute the same thing; on the GPU the dequantized copies are float32 arrays
-of the inputs' shapes (a native FP8 kernel is to replace this path).
+checked by :mod:`cuflash.fp8`, then the descales and ``out_dtype``). A dense call that
+the native FP8 kernel serves on the GPU (an H100/H200, 16-bit output, no score
+modifiers: :func:`cuflash.gpu.fp8_plan.serves`) runs it: e4m3 products on the tensor
+cores, P rounded to e4m3. Every other call dequantizes its FP8 arrays to float32
+(exactly; ``q`` times ``q_descale * k_descale``) and runs the float32 forward of its
+function, whose output it multiplies by ``v_descale`` and rounds to ``out_dtype``; the
+CPU path does the same on NumPy arrays.
 """
 
 import numbers
@@ -37,6 +38,12 @@ def dense_forward(flash_attention_fwd, q, k, v, config, fp8_format, descales, ou
     dtype = fp8.check_out_dtype(out_dtype, fp8.default_out_dtype(q))
     if problem.is_empty:
         return xp.empty(problem.out_shape, dtype=dtype), xp.empty(problem.lse_shape, np.float32)
+    if xp is not np:
+        from .gpu import fp8_plan  # imported on first GPU use only
+
+        if fp8_plan.serves(problem, (q, k, v), dtype):
+            scores = fp8.query_scale(xp, q_descale, k_descale)
+            return fp8_plan.forward(problem, q, k, v, config, dtype, scores, v_descale)
     group = problem.group_size
     query_scale = fp8.per_head(xp, fp8.query_scale(xp, q_descale, k_descale), group)
     c = config

@@ -26,6 +26,7 @@ def class_ends(variants):
         key = (str(v.dtype), v.head_dim_v) + tuple(
             (role, t.tile, t.threads, t.template_args)
             for role, t in ((r, v.traits(r)) for r in v.kernel_names())
+            if not role.endswith(registry.FP8)  # every other head dim: FP8_JOBS
         )
         runs.setdefault(key, []).append(v)
     ends = {id(v) for run in runs.values() for v in (run[0], run[-1])}
@@ -33,6 +34,9 @@ def class_ends(variants):
 
 
 JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in class_ends(kernel_build.all_variants(sm))]
+# The FP8 roles (multiples of 16 only) at their tiles' ends: the smallest of the 64
+# class, the 128 class's (three stages) and the 256 class's (two), in both output types.
+FP8_JOBS = [("bfloat16", 16), ("bfloat16", 128), ("float16", 144), ("bfloat16", 256)]
 
 
 def _compile(job):
@@ -92,6 +96,21 @@ def test_176_key_forward_tiles_compile_without_spills(dtype, head_dim, monkeypat
     for role, info in report.kernels().items():
         assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, (role, info)
         assert not info["wgmma_serialized"], (role, info)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, head_dim", FP8_JOBS, ids=str)
+def test_fp8_roles_compile_without_spills(dtype, head_dim):
+    """forward_wgmma_ws's FP8 role: no spills, stack frame or serialized wgmma, the
+    warpgroups' register split as the 16-bit roles' (class_ends leaves it out)."""
+    from support import DTYPES
+
+    variant = kernel_build.Variant(DTYPES[dtype], head_dim, 90)
+    role = "forward_wgmma_ws" + registry.FP8
+    info = kernel_build.compile_offline(variant, "sm_90a", [role]).kernels()[role]
+    assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
+    assert not info["wgmma_serialized"], info
+    assert info["registers"] == 65536 // variant.traits(role).threads // 8 * 8, info
 
 
 def test_serialized_wgmma_advisories_are_read():
@@ -347,7 +366,10 @@ def expected_hgmma(role, head_dim):
     """The HGMMA instructions a wgmma kernel issues (each k16 step of each product once
     in the code; the warp-specialized forward issues S and P V in two places)."""
     spec = registry.BY_ROLE[role]
-    traits = spec.traits_of(head_dim, role.endswith(registry.MODIFIED))
+    fp8 = role.endswith(registry.FP8)
+    traits = spec.traits_of(head_dim, role.endswith(registry.MODIFIED), fp8)
+    if fp8:  # QGMMA: k32 steps over the head_dim and the keys, S and P V in two places
+        return 2 * (-(-head_dim // 32) + traits.template_args[0] // 32)
     steps = -(-head_dim // 16)  # k16 steps over the head_dim, its exact width
     width = tile_traits.head_dim_class(head_dim)
     if spec.name.startswith("forward_wgmma"):
@@ -399,9 +421,13 @@ def test_sass_has_the_matrix_instructions(dtype, head_dim, arch):
             assert matrix == 0, (role, matrix)
             continue
         assert ops["LDL"] == ops["STL"] == 0, (role, ops["LDL"], ops["STL"])
+        if role.endswith(registry.FP8):  # e4m3: QGMMA only, its copies by the copy engine
+            assert ops["QGMMA"] == expected_hgmma(role, head_dim), (role, ops["QGMMA"])
+            assert matrix == ops["LDGSTS"] == 0 and ops["UTMALDG"] > 0, (role, ops)
+            continue
         if spec.instruction == "wgmma":
             assert ops["HGMMA"] == expected_hgmma(role, head_dim), (role, ops["HGMMA"])
-            assert ops["HMMA"] == 0, (role, ops)
+            assert ops["HMMA"] == 0 and ops["QGMMA"] == 0, (role, ops)
         else:
             assert ops["HMMA"] > 0 and ops["HGMMA"] == 0, (role, ops)
         if spec.name in ("forward_wgmma_ws", "backward_wgmma_ws"):
@@ -567,13 +593,15 @@ VALUE_DIM_VARIANTS = [
 @pytest.mark.parametrize("dtype, head_dim, head_dim_v", VALUE_DIM_VARIANTS, ids=lambda x: str(x))
 def test_value_dim_variants_compile_without_spills(dtype, head_dim, head_dim_v):
     """The variant of a call with v's own head dim holds the kernels that take it
-    (forward_wgmma_ws: its plain, persistent and modified roles; backward_wgmma
+    (forward_wgmma_ws: its plain, persistent, modified and FP8 roles; backward_wgmma
     where its warpgroups split dV's columns, and the dQ pass), instantiated with DV, and
     the helpers (Delta at DV columns; a packed call's zeroing as it is); the DV kernels
     compile for sm_90a with no spill, stack frame or serialized wgmma."""
     variant = kernel_build.Variant(dtype, head_dim, 90, head_dim_v)
     names = variant.kernel_names()
     forward = {"forward_wgmma_ws_modified", "forward_wgmma_ws", "forward_wgmma_ws_persistent"}
+    if head_dim % 16 == 0 and head_dim_v % 16 == 0:  # e4m3 V^T in rows of 16
+        forward.add("forward_wgmma_ws_fp8")
     dq = {"backward_dq_wgmma", "backward_dq_wgmma_modified"}
     dkdv = set()
     if registry.BY_NAME["backward_wgmma"].takes_value_dims(head_dim, head_dim_v):

@@ -61,6 +61,7 @@ def test_the_lists_are_the_kernels_kinds():
         "DecodeParams",
         "DqConvertParams",
         "ForwardParams",
+        "Fp8TransposeVParams",
         "KvcacheAppendParams",
         "KvcacheCombineParams",
         "PiecesAbsMaxParams",

@@ -1171,7 +1171,7 @@ def test_simulator_finds_a_broken_stage_ring(old, new, rng, tmp_path, monkeypatc
             "mbarrier_arrive_expect_tx(q_full, Q_BYTES / 2);",
         ),
         # K's boxes one row off
-        ("&k_map, c * 64, n0, hk, b,", "&k_map, c * 64, n0 + 1, hk, b,"),
+        ("&k_map, c * CHUNK, n0, hk, b,", "&k_map, c * CHUNK, n0 + 1, hk, b,"),
         # V's stage barrier told of no bytes: it completes before its copies land
         ("v_ring->expect(use, V_BYTES)", "v_ring->expect(use, 0)"),
     ],

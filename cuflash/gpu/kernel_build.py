@@ -83,7 +83,9 @@ class Variant:
 
     def traits(self, role):
         """The ``cuflash.gpu.tile_traits.Traits`` of kernel ``role`` at this head_dim."""
-        return registry.BY_ROLE[role].traits_of(self.head_dim, role.endswith(registry.MODIFIED))
+        return registry.BY_ROLE[role].traits_of(
+            self.head_dim, role.endswith(registry.MODIFIED), role.endswith(registry.FP8)
+        )
 
 
 def all_variants(sm=90):

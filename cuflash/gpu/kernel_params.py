@@ -324,6 +324,9 @@ FORWARD_ADDRESSES = (
     "alibi_slopes",
     "sinks",
 )
+#: And those of the FP8 roles (``v``: its transpose, ``vt``): the scores' and the output's
+#: descales a (batch entry, head) in ``q_scales`` and ``v_scales``; dense calls only.
+FORWARD_FP8_ADDRESSES = ("q", "k", "v", "out", "lse", "q_scales", "v_scales", "sinks")
 #: And those of the float32 pieces kernels: each input's high and low pieces, out, lse,
 #: the pieces' scales, then as :data:`FORWARD_ADDRESSES`.
 FORWARD_PIECES_ADDRESSES = (
@@ -352,6 +355,7 @@ def forward_params(
     pieces=False,
     maps=None,
     query_tiles=0,
+    fp8=False,
 ):
     """The ``ForwardParams`` of ``problem``'s forward launches (``kernels/common/params.cuh``):
     the arrays' element strides (``(batch, head, row)`` each), the user's modifier
@@ -360,10 +364,14 @@ def forward_params(
     (:data:`FORWARD_ADDRESSES`, or :data:`FORWARD_PIECES_ADDRESSES`). ``maps``
     (:func:`forward_maps`): q, k and v by the copy engine (``use_tma``). ``query_tiles``:
     the kernel's query tiles a (head, batch entry or sequence), which a persistent
-    kernel's blocks walk with the others of the launch (``work_tiles``)."""
+    kernel's blocks walk with the others of the launch (``work_tiles``). ``fp8``: the FP8
+    roles' addresses (:data:`FORWARD_FP8_ADDRESSES`)."""
+    addresses = (
+        FORWARD_PIECES_ADDRESSES if pieces else FORWARD_FP8_ADDRESSES if fp8 else FORWARD_ADDRESSES
+    )
     return Params(
         "ForwardParams",
-        FORWARD_PIECES_ADDRESSES if pieces else FORWARD_ADDRESSES,
+        addresses,
         keep=(user,),
         maps=maps,
         use_tma=int(maps is not None),
@@ -707,6 +715,40 @@ def forward_maps(problem, traits, shapes, strides, encode):
     )
 
 
+def fp8_forward_maps(problem, traits, shapes, strides, encode):
+    """The tensor maps of ``forward_wgmma_ws``'s FP8 role: q and k as :func:`forward_maps`'
+    (one byte an element, boxes of 128 columns), and v's transpose ``vt`` (the ``v`` of
+    the call, ``[B, H_kv, rows, keys]`` from :func:`fp8_transpose_params`) in boxes of 128
+    keys by all its rows; ``shapes`` and ``strides`` of q, k and vt. None where the copy
+    engine cannot take them (the FP8 role has no other copy)."""
+    rows = shapes[2][2]
+    return _tile_maps(
+        problem,
+        ("q_map", "k_map", "v_map"),
+        shapes,
+        strides,
+        (traits.tile, traits.template_args[0], rows),
+        (problem.q_len, problem.kv_len, rows),
+        encode,
+    )
+
+
+def fp8_transpose_params(problem, v_strides, rows, keys):
+    """The ``Fp8TransposeVParams`` of ``fp8_transpose_v``: v's element strides, v^T's
+    ``rows`` (v's head dim rounded up to 16) and ``keys`` (kv_len rounded up to 16) a head;
+    the call's v and vt written at each launch."""
+    return Params(
+        "Fp8TransposeVParams",
+        ("v", "vt"),
+        v_st=tuple(v_strides),
+        kv_heads=problem.num_kv_heads,
+        kv_len=problem.kv_len,
+        head_dim_v=problem.head_dim_v,
+        rows=rows,
+        keys=keys,
+    )
+
+
 def backward_maps(problem, traits, shapes, strides, encode, dq_width=0):
     """The tensor maps of ``backward_wgmma_ws``'s bulk copies (``BackwardParams``'
     ``q_map``, ``k_map``, ``v_map`` and ``dout_map``, for :func:`backward_params`'
@@ -742,13 +784,14 @@ def backward_maps(problem, traits, shapes, strides, encode, dq_width=0):
 def _tile_maps(problem, members, shapes, strides, boxes, rows, encode):
     """``{member: (address member, TileMap, encode)}`` of each ``member`` (``x_map``
     maps the call's address ``x``), or None for a packed call (its sequences' rows end
-    where the arrays' do not), a dtype other than 16 bits, or strides that are not
+    where the arrays' do not), a dtype other than 16 bits or FP8, or strides that are not
     16-byte multiples."""
-    if problem.packed is not None or problem.dtype.itemsize != 2:
+    itemsize = problem.dtype.itemsize
+    if problem.packed is not None or itemsize not in (1, 2):
         return None
     maps = {}
     for member, shape, stride, box, valid_rows in zip(members, shapes, strides, boxes, rows):
-        tile_map = tensor_maps.TileMap(shape, stride, box, valid_rows)
+        tile_map = tensor_maps.TileMap(shape, stride, box, valid_rows, itemsize=itemsize)
         if not tile_map.supported:
             return None
         maps[member] = (member.removesuffix("_map"), tile_map, encode)

@@ -98,6 +98,11 @@ class KernelSpec:
     # template argument DV, v's head dim (cuflash.gpu.value_dims pads the calls of the
     # others); True, or a rule (head_dim, head_dim_v) -> bool for the narrower v it takes.
     value_dims: object = False
+    # FP8 roles (e4m3 q, k and v, the variant's dtype the output: cuflash.gpu.fp8_plan) at
+    # the head dims ``(smallest, largest)`` that are multiples of 16, with their Traits
+    # function; None: none.
+    fp8_head_dims: tuple | None = None
+    fp8_traits: object = None
     # Taken by the dispatch only inside ``cuflash.dispatch.try_kernels`` (its ``tried``):
     # written and checked without a GPU (compiler, simulator), awaiting a GPU run.
     opt_in: bool = False
@@ -117,9 +122,12 @@ class KernelSpec:
         low, high = self.head_dims
         return low <= head_dim <= high
 
-    def traits_of(self, head_dim, modified=False):
+    def traits_of(self, head_dim, modified=False, fp8=False):
         """The :class:`cuflash.gpu.tile_traits.Traits` of its roles at ``head_dim``, those
-        compiled with score modifiers (``modified``) or those without."""
+        compiled with score modifiers (``modified``), its FP8 role's (``fp8``) or those of
+        the plain roles."""
+        if fp8:
+            return self.fp8_traits(head_dim)
         if modified and self.modified_traits is not None:
             return self.modified_traits(head_dim)
         return self.traits(head_dim)
@@ -138,6 +146,13 @@ class KernelSpec:
         if self.persistent_keys is None or modified or keys_a_row_sees is None:
             return False
         return keys_a_row_sees < self.persistent_keys
+
+    def serves_fp8(self, head_dim):
+        """Whether it has an FP8 role at ``head_dim``."""
+        if self.fp8_head_dims is None:
+            return False
+        low, high = self.fp8_head_dims
+        return low <= head_dim <= high and head_dim % 16 == 0
 
     def serves_dtype(self, dtype, allow_tf32=False):
         dtype = np.dtype(dtype)
@@ -190,6 +205,8 @@ class KernelSpec:
             roles += tuple(name + PERSISTENT for name in base)
         if self.ordered_dq and adds_dq:  # dense, a block a tile
             roles += (self.name + ORDERED_DQ,)
+        if self.fp8_head_dims is not None and (head_dim is None or self.serves_fp8(head_dim)):
+            roles += (self.name + FP8,)
         return roles
 
     def dq_pass(self):
@@ -218,9 +235,11 @@ class KernelSpec:
     def name_expression(self, role, dtype, head_dim, head_dim_v=None):
         """The C++ expression that instantiates ``role`` for (dtype, head_dim), with v's
         ``head_dim_v`` where given and other than head_dim (``value_dims`` kernels)."""
-        args = [CXX_TYPES[np.dtype(dtype)]] if self.dtype_in_template else []
+        fp8 = role.endswith(FP8)
+        cxx = CXX_TYPES[np.dtype(dtype)]
+        args = [f"cuflash::E4m3<{cxx}>" if fp8 else cxx] if self.dtype_in_template else []
         args.append(str(head_dim))
-        traits = self.traits_of(head_dim, modified=role.endswith(MODIFIED))
+        traits = self.traits_of(head_dim, modified=role.endswith(MODIFIED), fp8=fp8)
         args += [_cxx(a) for a in traits.template_args]
         if self.direction == "backward" and self.atomic_dq_head_dims is not None:
             args.append("true" if adds_dq(role) else "false")
@@ -241,6 +260,7 @@ ATOMIC_DQ = "_atomic_dq"
 ORDERED_DQ = "_ordered_dq"
 MODIFIED = "_modified"
 PERSISTENT = "_persistent"
+FP8 = "_fp8"  # e4m3 inputs, the variant's dtype the output
 
 
 def adds_dq(role):
@@ -310,6 +330,8 @@ KERNELS = (
         short_rows_kernel=("forward_wgmma", 64, 768),
         persistent_keys=2560,
         value_dims=True,
+        fp8_head_dims=(16, 256),
+        fp8_traits=tile_traits.forward_ws_fp8_traits,
     ),
     # Short plain calls up to D = 64 take forward_wgmma, two blocks an SM
     # (forward_wgmma's launch bounds; 64-key tiles past D = 32): their blocks' short
@@ -644,6 +666,7 @@ STANDALONE_KERNELS = (
     StandaloneKernel("classify_mask_cells", "simt/classify_mask_cells.cu", (), True),
     StandaloneKernel("ring_merge", "simt/ring_merge.cu", ("dtype",)),
     StandaloneKernel("sinks_gradient", "simt/sinks_gradient.cu"),
+    StandaloneKernel("fp8_transpose_v", "simt/fp8_transpose_v.cu"),
 )
 STANDALONE = {kernel.name: kernel for kernel in STANDALONE_KERNELS}
 
@@ -661,8 +684,9 @@ def variant_roles(dtype, head_dim, sm, head_dim_v=None, with_masks=False):
     """Role -> C++ name expression of every kernel of the variant (dtype, head_dim, tile
     generation ``sm``). With a ``head_dim_v`` other than head_dim: the kernels
     that take it natively (``value_dims``), instantiated for it, and the helpers (a packed
-    forward's zeroing), which take the row width as an argument. ``with_masks``: also the
-    roles compiled only for a user's mask alone (``KernelSpec.mask_modifiers``)."""
+    forward's zeroing), which take the row width as an argument; the FP8 roles where v's
+    head dim is a multiple of 16 too. ``with_masks``: also the roles compiled only for a
+    user's mask alone (``KernelSpec.mask_modifiers``)."""
     narrow_v = head_dim_v is not None and head_dim_v != head_dim
     return {
         role: spec.name_expression(role, dtype, head_dim, head_dim_v if spec.value_dims else None)
@@ -674,6 +698,7 @@ def variant_roles(dtype, head_dim, sm, head_dim_v=None, with_masks=False):
             or spec.takes_value_dims(head_dim, head_dim_v)
         )
         for role in spec.roles(head_dim, with_masks)
+        if not (narrow_v and role.endswith(FP8) and head_dim_v % 16)
     }
 
 
@@ -733,37 +758,3 @@ def choose(
     if first is not None:
         return first
     raise LookupError(f"no {direction} kernel serves {np.dtype(dtype)} head_dim {head_dim}")
-
-
-def coverage_table():
-    """Markdown: each forward and backward kernel and what it serves (for the docs)."""
-    rows = [
-        "| kernel | direction | instruction | precision | GPUs | head_dim | score modifiers |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for spec in KERNELS:
-        if spec.direction == "helper":
-            continue
-        gpus = "sm_90 (H100/H200)" if spec.archs == HOPPER else "sm_80 and newer"
-        dims = (
-            ", ".join(map(str, spec.head_dims))
-            if spec.exact_head_dims
-            else f"{spec.head_dims[0]}-{spec.head_dims[1]}"
-        )
-        if spec.short_rows_kernel is not None:
-            kernel, largest, keys = spec.short_rows_kernel
-            dims += (
-                f" (plain calls up to {largest} whose rows see fewer than {keys} keys"
-                f" on average: `{kernel}`)"
-            )
-        rows.append(
-            f"| `{spec.name}` | {spec.direction} | {spec.instruction} | "
-            f"{spec.precision} | {gpus} | {dims} | {_modifiers_served(spec)} |"
-        )
-    return "\n".join(rows)
-
-
-def _modifiers_served(spec):
-    if spec.modifiers:
-        return "yes"
-    return "a user's mask alone" if spec.mask_modifiers else "no"

@@ -24,11 +24,14 @@ import functools
 import os
 
 MAP_BYTES = 128
-BOX_BYTES = 128  # a box's row: one 128-byte swizzle row (64 16-bit or 32 float32 elements)
+BOX_BYTES = 128  # a box's row: one 128-byte swizzle row (128 FP8, 64 16-bit or 32 float32)
 
-# CUtensorMapDataType UINT16 (the copies move bits), the 128-byte swizzle, L2 promotion
-# of 256 bytes, and zeros outside the tensor (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
-_UINT16, _FLOAT32, _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _OOB_ZEROS = 1, 7, 0, 3, 3, 0
+# CUtensorMapDataType UINT8 and UINT16 (the copies move bits), FLOAT32 (the reductions
+# add), the 128-byte swizzle, L2 promotion of 256 bytes, and zeros outside the tensor
+# (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+_UINT8, _UINT16, _FLOAT32 = 0, 1, 7
+_NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _OOB_ZEROS = 0, 3, 3, 0
+_DATA_TYPES = {1: _UINT8, 2: _UINT16, 4: _FLOAT32}  # by element size
 
 
 class TensorMapError(RuntimeError):
@@ -70,7 +73,7 @@ def available():
 
 
 class TileMap:
-    """The map of a 16-bit (``itemsize`` 2) or float32 (4) ``[B, H, S, D]`` array
+    """The map of an FP8 (``itemsize`` 1), 16-bit (2) or float32 (4) ``[B, H, S, D]`` array
     (``shape``, element ``strides`` of the batch, head and row axes) read or reduced
     into in boxes of 128 bytes by ``box_rows`` rows, of which the first ``rows`` (at
     most S) exist.
@@ -131,7 +134,7 @@ class TileMap:
         dims, strides, box, steps = self._args
         status = _encoder()(
             destination,
-            _UINT16 if self.strides[0] == 2 else _FLOAT32,
+            _DATA_TYPES[self.strides[0]],
             4,
             address,
             dims,

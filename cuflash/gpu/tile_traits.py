@@ -95,6 +95,26 @@ def forward_ws_modified_traits(d):
     return forward_ws_traits(d, consumers=2, modified=True)
 
 
+def forward_ws_fp8_traits(d):
+    """forward_wgmma_ws's FP8 roles (e4m3: one byte an element, 128 a swizzled row): two
+    consumers of 64 query rows, three stages of 128 keys; Q and the K stages in rows of
+    the head-dim class rounded up to 128 (the copy engine fills the columns past the head
+    dim with zeros), the V^T stages in rows of 128 keys, one for each of the head dim
+    rounded up to 16 (an upper bound of v's); then the barriers and order slots as the
+    16-bit roles'."""
+    keys, stages, consumers = 128, 3 if d <= 128 else 2, 2
+    rows, width = 64 * consumers, round_up(head_dim_class(d), 128)
+    smem = (
+        width * (rows + stages * keys)
+        + stages * round_up(d, 16) * keys
+        + 2 * 16 * stages
+        + 2 * 8
+        + FLOAT_BYTES * 128 * consumers
+        + 1024
+    )
+    return Traits(rows, 128 * (consumers + 1), smem, (keys, stages, consumers))
+
+
 def forward_mma_sync_traits(d):
     width = head_dim_class(d)
     if width == 256:  # Q in registers up to D = 192 (ptxas spills at 192 with Q in smem)

@@ -169,6 +169,7 @@ _INSTRUCTIONS = (
     ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma_bf16"),
     ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "mma_f16"),
     ("cvt.rn.bf16x2.f32", "cvt_rn_bf16x2_f32"),
+    ("cvt.rn.satfinite.e4m3x2.f32", "cvt_rn_satfinite_e4m3x2_f32"),
     ("cvt.rn.f16x2.f32", "cvt_rn_f16x2_f32"),
     ("cvt.rn.f16.f32", "cvt_rn_f16_f32"),
     ("cvt.f32.f16", "cvt_f32_f16"),
@@ -204,19 +205,27 @@ _NO_OPS = (
 
 
 def _wgmma(template, outputs, inputs):
-    """The simulator call of one ``wgmma.mma_async`` (see ``sim::wgmma``)."""
-    m = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", template)
-    n, bf16 = int(m.group(1)), m.group(2) == "bf16"
+    """The simulator call of one ``wgmma.mma_async`` (see ``sim::wgmma``, and
+    ``sim::wgmma_e4m3`` for FP8)."""
     a_registers = len(inputs) == 6  # four A registers, B's descriptor, the flag
-    flags = re.search(r"p,\s*1,\s*1((?:,\s*\d)*);", template).group(1)
-    transposes = [int(x) for x in re.findall(r"\d", flags)]
-    trans_a, trans_b = (0, transposes[0]) if a_registers else transposes
     accumulators = ", ".join(f"&({e})" for _, e in outputs)
     if a_registers:
         a_regs, a_desc = "{" + ", ".join(e for _, e in inputs[:4]) + "}", "0ull"
     else:
         a_regs, a_desc = "{0u, 0u, 0u, 0u}", inputs[0][1]
     b_desc, accumulate = inputs[-2][1], inputs[-1][1]
+    fp8 = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", template)
+    if fp8:
+        return (
+            f"{{ float* const sim_d[] = {{{accumulators}}}; const unsigned sim_a[4] = {a_regs}; "
+            f"::sim::wgmma_e4m3<{fp8.group(1)}, {str(a_registers).lower()}>"
+            f"(sim_d, sim_a, {a_desc}, {b_desc}, ({accumulate}) != 0); }}"
+        )
+    m = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", template)
+    n, bf16 = int(m.group(1)), m.group(2) == "bf16"
+    flags = re.search(r"p,\s*1,\s*1((?:,\s*\d)*);", template).group(1)
+    transposes = [int(x) for x in re.findall(r"\d", flags)]
+    trans_a, trans_b = (0, transposes[0]) if a_registers else transposes
     return (
         f"{{ float* const sim_d[] = {{{accumulators}}}; const unsigned sim_a[4] = {a_regs}; "
         f"::sim::wgmma<{n}, {str(bf16).lower()}, {str(a_registers).lower()}, "

@@ -22,8 +22,10 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <map>
 #include <tuple>
 #include <type_traits>
@@ -329,6 +331,32 @@ inline void cvt_rn_f16x2_f32(unsigned& out, float a, float b) {
 }
 inline void cvt_rn_bf16x2_f32(unsigned& out, float a, float b) {
     out = (static_cast<unsigned>(float_to_bf16(a)) << 16) | float_to_bf16(b);
+}
+// e4m3 (FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7f / 0xff NaN, no inf.
+inline float e4m3_to_float(unsigned char bits) {
+    const int e = (bits >> 3) & 15, m = bits & 7;
+    if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+    const float magnitude =
+        e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+    return bits & 0x80 ? -magnitude : magnitude;
+}
+// Round to nearest even, saturated to +-448 (cvt's .satfinite), NaN to 0x7f.
+inline unsigned char float_to_e4m3(float x) {
+    if (std::isnan(x)) return 0x7f;
+    const unsigned char sign = std::signbit(x) ? 0x80 : 0;
+    const double a = std::min(std::fabs(static_cast<double>(x)), 448.0);
+    // the spacing of the values near a: 2^-9 below 2^-6 (subnormals), else 2^(e - 3)
+    const int e = a < std::ldexp(1.0, -6) ? -6 : std::ilogb(a);
+    const double quantum = std::ldexp(1.0, e - 3);
+    const double r = std::nearbyint(a / quantum) * quantum;  // ties to even (the default)
+    if (r < std::ldexp(1.0, -6)) return sign | static_cast<unsigned char>(r / std::ldexp(1.0, -9));
+    const int re = std::ilogb(r);
+    const int mantissa = static_cast<int>(r / std::ldexp(1.0, re - 3)) - 8;
+    return sign | static_cast<unsigned char>(((re + 7) << 3) | mantissa);
+}
+// d = {upper byte: a, lower byte: b}
+inline void cvt_rn_satfinite_e4m3x2_f32(unsigned short& out, float a, float b) {
+    out = static_cast<unsigned short>((float_to_e4m3(a) << 8) | float_to_e4m3(b));
 }
 inline void ex2_approx_ftz_f32(float& out, float in) {
     out = flush_denormal(exp2f(flush_denormal(in)));
@@ -771,8 +799,8 @@ struct Descriptor {
         if (!swizzle128) failure = "a wgmma descriptor without the 128-byte swizzle";
     }
     static unsigned swizzled(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
-    unsigned k_major(int row, int k) const {
-        return swizzled(start + (row / 8) * stride + (row % 8) * 128 + 2 * k);
+    unsigned k_major(int row, int k, int element_bytes = 2) const {
+        return swizzled(start + (row / 8) * stride + (row % 8) * 128 + element_bytes * k);
     }
     unsigned mn_major(int k, int mn) const {
         return swizzled(start + (mn / 64) * lead + (k / 8) * stride + (k % 8) * 128 +
@@ -825,6 +853,50 @@ inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long lo
                     sum += static_cast<double>(a[row][k]) *
                            shared_element<BF16>(TRANS_B ? b_layout.mn_major(k, col)
                                                         : b_layout.k_major(col, k));
+                float* out = d[4 * j + e];
+                *out = static_cast<float>(accumulate ? *out + sum : sum);
+            }
+        return 0;
+    });
+}
+
+// wgmma.mma_async m64nNk32 .e4m3.e4m3 with float32 accumulators: as wgmma above with
+// k32 steps of one-byte elements, both operands K-major; A from registers in the 8-bit
+// layout (each warp its 16 rows: register (r >= 8) + 2 (k >= 16) of lane 4 (r % 8) +
+// (k % 16) / 4, byte k % 4).
+template <int N, bool A_REGISTERS>
+inline void wgmma_e4m3(float* const* d, const unsigned (&a_regs)[4], unsigned long long a_desc,
+                       unsigned long long b_desc, bool accumulate) {
+    struct Offer {
+        unsigned a[4];
+    };
+    Offer mine;
+    memcpy(mine.a, a_regs, sizeof(mine.a));
+    warpgroup_collective(mine, [&](int rank, auto offer) {
+        const Descriptor a_layout(A_REGISTERS ? b_desc : a_desc), b_layout(b_desc);
+        float a[64][32];
+        for (int r = 0; r < 64; ++r)
+            for (int k = 0; k < 32; ++k) {
+                unsigned char bits;
+                if (A_REGISTERS) {
+                    const unsigned x = offer(32 * (r / 16) + 4 * (r % 8) + (k % 16) / 4)
+                                           .a[((r % 16) >= 8) + 2 * (k >= 16)];
+                    bits = static_cast<unsigned char>(x >> (8 * (k % 4)));
+                } else {
+                    memcpy(&bits, shared_pointer(a_layout.k_major(r, k, 1)), 1);
+                }
+                a[r][k] = e4m3_to_float(bits);
+            }
+        const int warp = rank / 32, g = (rank % 32) / 4, t = rank % 4;
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+                double sum = 0;
+                for (int k = 0; k < 32; ++k) {
+                    unsigned char bits;
+                    memcpy(&bits, shared_pointer(b_layout.k_major(col, k, 1)), 1);
+                    sum += static_cast<double>(a[row][k]) * e4m3_to_float(bits);
+                }
                 float* out = d[4 * j + e];
                 *out = static_cast<float>(accumulate ? *out + sum : sum);
             }

@@ -45,6 +45,13 @@ struct half_t {
 struct bf16_t {
     unsigned short bits;
 };
+// FP8 (e4m3) storage, one byte; E4m3<OUT> names the roles that read it and write
+// OUT (sm90/forward_wgmma_ws.cuh's ForwardElements).
+struct e4m3_t {
+    unsigned char bits;
+};
+template <typename OUT>
+struct E4m3 {};
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(half_t x) {

@@ -103,6 +103,15 @@ struct TensorOp<half_t> {
     }
 };
 
+// Four floats as e4m3 in one register, a in the lowest byte (round to nearest even,
+// saturated to +-448; sm_89 and newer).
+__device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+    return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][D] tile
 // whose chunks are XOR-swizzled by the row, so that the 8 rows an ldmatrix
 // reads (and the rows cp.async writes) hit 8 different bank groups.

@@ -380,6 +380,22 @@ struct KvcacheCombineParams {
     CUFLASH_KVCACHE_COMBINE_PARAMS(CUFLASH_MEMBER, void)
 };
 
+// The FP8 forward's V^T (fp8_transpose_v): v's rows as the columns of vt, each 16
+// keys permuted for P's registers (sm90/forward_wgmma_ws.cuh's FP8 roles).
+#define CUFLASH_FP8_TRANSPOSE_V_PARAMS(X, T)                                    \
+    X(PTR, const T, v) /* e4m3 [B, H_kv, kv_len, head_dim_v] */                 \
+    X(PTR, T, vt)      /* [B, H_kv, rows, keys], contiguous */                  \
+    /* Fixed by the plan: */                                                    \
+    X(STRIDES, Strides, v)                                                      \
+    X(VAL, int, kv_heads)                                                       \
+    X(VAL, int, kv_len)                                                         \
+    X(VAL, int, head_dim_v) /* a multiple of 16: v's rows in 16-byte pieces */  \
+    X(VAL, int, rows)       /* vt's rows a head: head_dim_v rounded up to 16 */ \
+    X(VAL, int, keys)       /* vt's columns: kv_len rounded up to 16, zeros past it */
+struct Fp8TransposeVParams {
+    CUFLASH_FP8_TRANSPOSE_V_PARAMS(CUFLASH_MEMBER, void)
+};
+
 // The float32 pieces kernels' names of their inputs: q's high and low float16 pieces
 // qh and ql, ..., dout's doh and dol, and dout's scales do_scales.
 #define CUFLASH_FORWARD_PIECES \

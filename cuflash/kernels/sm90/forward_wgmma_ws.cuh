@@ -34,6 +34,13 @@
 // DV, v's head dim (the output's), may be below D (MLA: D = 192, DV = 128): the
 // V stages, P V and the O accumulators are DV wide, on the tiles of D (BN, STAGES);
 // the launch's shared memory is D's, which holds the narrower V stages.
+// FP8 roles (T = E4m3<OUT>: cuflash/gpu/fp8_plan.py): q and k e4m3 [B, H, S, D],
+// v e4m3 and transposed by fp8_transpose_v ([B, H_kv, DV rounded up to 16, keys],
+// each 16 keys permuted so that P's registers are the A operand as the S
+// accumulators leave them), copied by the copy engine only; both products
+// k32 steps with K-major operands, P in e4m3 (at most 2^kMaxSlack = 256, the lazy
+// max), the scale times q_scales[b, h] (q's descale times k's) and out times
+// v_scales[b, h], written as OUT. Dense calls, plain roles, block a tile.
 #pragma once
 #include "common/params.cuh"
 #include "common/mbarrier.cuh"
@@ -42,6 +49,21 @@
 #include "common/work_tiles.cuh"
 
 namespace cuflash {
+
+// What an instantiation reads and writes: T (16 bits) both, or for E4m3<OUT> e4m3
+// inputs and an OUT output.
+template <typename T>
+struct ForwardElements {
+    using in = T;
+    using out = T;
+    static constexpr bool fp8 = false;
+};
+template <typename OUT>
+struct ForwardElements<E4m3<OUT>> {
+    using in = e4m3_t;
+    using out = OUT;
+    static constexpr bool fp8 = true;
+};
 
 // setmaxnreg moves registers within the block's launch allocation only: 384
 // threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, 512
@@ -82,13 +104,24 @@ __device__ __forceinline__ void pass_turn(int consumer) {
 template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED,
           bool PERSISTENT = false, int DV = D>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
-    forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
-    using Op = TensorOp<T>;
-    constexpr int DK = round_up(D, 16), DL = head_dim_class(D);
+    forward_wgmma_ws(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, typename ForwardElements<T>::in,
+                                        typename ForwardElements<T>::out)) {
+    using E = ForwardElements<T>;
+    using In = typename E::in;
+    using Op = TensorOp<typename E::out>;
+    // A 128-byte swizzle row holds CHUNK elements, a wgmma k step 32 bytes of KSTEP.
+    constexpr int EB = sizeof(In), CHUNK = 128 / EB, KSTEP = 32 / EB;
+    constexpr int DK = round_up(D, KSTEP), DL = round_up(head_dim_class(D), CHUNK);
     constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
-    constexpr int BM = 64 * CONSUMERS, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / 16;
+    constexpr int BM = 64 * CONSUMERS, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / KSTEP;
+    constexpr int PSTEPS = BN / KSTEP;  // k steps of P V
+    // A V stage: BN rows of DVL (16 bits, N-major for P V), or V^T's DVK rows of BN keys
+    // (FP8, K-major).
+    constexpr int V_STAGE = E::fp8 ? DVK * BN : BN * DVL;
     constexpr unsigned ATOM = 1024;  // bytes of 8 swizzled rows: the stride between row groups
     static_assert(D % 8 == 0 && D <= 256 && BN % 16 == 0, "tile shape");
+    static_assert(!E::fp8 || (BN % CHUNK == 0 && !MODIFIED && !PERSISTENT),
+                  "FP8 roles: plain, block a tile, keys in whole 128-byte rows of V^T");
     static_assert(DV % 8 == 0 && DV <= D, "v's head dim: a multiple of 8, at most D");
     static_assert(!(PERSISTENT && MODIFIED), "score_modifiers read the entry from blockIdx.z");
     using Ring = StageRing<STAGES, CONSUMERS>;  // a consumer warpgroup an arrival
@@ -98,16 +131,19 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     CUFLASH_STRIDES_OF(v);
     CUFLASH_STRIDES_OF(out);
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
-    T* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of BN x DVL
-    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * BN * DVL);
+    In* Qs = reinterpret_cast<In*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    In* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
+    In* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of V_STAGE
+    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * V_STAGE);
     Ring* v_ring = k_ring + 1;
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
     unsigned long long* q_empty = q_full + 1;  // PERSISTENT: Q read by every consumer
     float* order_slots = reinterpret_cast<float*>(q_empty + 1);  // BM * 2: complete_before_wait
 
     const bool tma = use_tma != 0;
+    if constexpr (E::fp8) {
+        if (!tma) __trap();  // FP8 launches have their maps (cuflash/gpu/fp8_plan.py)
+    }
     if (threadIdx.x == 0) {
         const unsigned producers = tma ? 1 : 128;  // one thread issues the bulk copies
         k_ring->init(producers);
@@ -152,28 +188,34 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             const int n_start = tile.n_start, tiles = tile.tiles;
             if constexpr (PERSISTENT) mbarrier_wait(q_empty, (t & 1) ^ 1);
             if (tma) {  // the copy engine: boxes of 64 columns (dense calls only)
-                constexpr unsigned Q_BYTES = BM * DL * sizeof(T), K_BYTES = BN * DL * sizeof(T);
-                constexpr unsigned V_BYTES = BN * DVL * sizeof(T);
+                constexpr unsigned Q_BYTES = BM * DL * EB, K_BYTES = BN * DL * EB;
+                constexpr unsigned V_BYTES = V_STAGE * EB;
                 mbarrier_arrive_expect_tx(q_full, Q_BYTES);
-                for (int c = 0; c < DL / 64; ++c)
-                    tma_load_4d(Qs + c * BM * 64, &q_map, c * 64, m0, h, b, q_full);
+                for (int c = 0; c < DL / CHUNK; ++c)
+                    tma_load_4d(Qs + c * BM * CHUNK, &q_map, c * CHUNK, m0, h, b, q_full);
                 for (int j = 0; j < tiles; ++j) {
                     const int n0 = n_start + j * BN, use = uses + j, st = Ring::stage(use);
                     k_ring->wait_empty(use);
                     unsigned long long* k_full = k_ring->expect(use, K_BYTES);
-                    for (int c = 0; c < DL / 64; ++c)
-                        tma_load_4d(Ks + (st * DL + c * 64) * BN, &k_map, c * 64, n0, hk, b,
+                    for (int c = 0; c < DL / CHUNK; ++c)
+                        tma_load_4d(Ks + (st * DL + c * CHUNK) * BN, &k_map, c * CHUNK, n0, hk, b,
                                     k_full);
                     v_ring->wait_empty(use);
                     unsigned long long* v_full = v_ring->expect(use, V_BYTES);
-                    for (int c = 0; c < DVL / 64; ++c)
-                        tma_load_4d(Vs + (st * DVL + c * 64) * BN, &v_map, c * 64, n0, hk, b,
-                                    v_full);
+                    if constexpr (E::fp8) {  // V^T: boxes of 128 keys by DVK rows
+                        for (int c = 0; c < BN / CHUNK; ++c)
+                            tma_load_4d(Vs + st * V_STAGE + c * DVK * CHUNK, &v_map, n0 + c * CHUNK,
+                                        0, hk, b, v_full);
+                    } else {
+                        for (int c = 0; c < DVL / CHUNK; ++c)
+                            tma_load_4d(Vs + (st * DVL + c * CHUNK) * BN, &v_map, c * CHUNK, n0, hk,
+                                        b, v_full);
+                    }
                 }
-            } else {
+            } else if constexpr (!E::fp8) {
                 const Sequence& seq = tile.seq;
-                const T* k_head = k + seq.kv_start * k_st.s + offset_of(k_st, b, hk, 0);
-                const T* v_head = v + seq.kv_start * v_st.s + offset_of(v_st, b, hk, 0);
+                const In* k_head = k + seq.kv_start * k_st.s + offset_of(k_st, b, hk, 0);
+                const In* v_head = v + seq.kv_start * v_st.s + offset_of(v_st, b, hk, 0);
                 cp_async_tile_sw128<BM, DK, 128, D, true>(
                     Qs, q + seq.q_start * q_st.s + offset_of(q_st, b, h, m0), q_st.s, tile.rows);
                 cp_async_arrive(q_full);
@@ -208,36 +250,50 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 
     // The operands' descriptors: each k16 step's and stage's a constant past these
     // (wgmma_desc_plus: one add, not a descriptor built anew for each product).
-    const unsigned long long q_desc = wgmma_desc(Qs + consumer * (64 * 64), 16, ATOM);
+    const unsigned long long q_desc = wgmma_desc(Qs + consumer * (64 * CHUNK), 16, ATOM);
     const unsigned long long k_desc = wgmma_desc(Ks, 16, ATOM);
-    const unsigned long long v_desc = wgmma_desc(Vs, BN * 64 * sizeof(T), ATOM);
+    const unsigned long long v_desc = wgmma_desc(Vs, E::fp8 ? 16 : BN * 128, ATOM);
     // S = Q K^T of key stage `stage` for this consumer's 64 rows, committed, not waited for.
     auto issue_scores = [&](int stage, float(&s)[1][NTILES][4]) {
-        const unsigned long long kb = wgmma_desc_plus(k_desc, stage * BN * DL * sizeof(T));
+        const unsigned long long kb = wgmma_desc_plus(k_desc, stage * BN * DL * EB);
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            const unsigned qa = ((ks >> 2) * (BM * 64) + (ks & 3) * 16) * sizeof(T);
-            const unsigned ka = ((ks >> 2) * (BN * 64) + (ks & 3) * 16) * sizeof(T);
-            Wgmma<T, BN>::ss(s[0], wgmma_desc_plus(q_desc, qa), wgmma_desc_plus(kb, ka), ks > 0);
+        for (int ks = 0; ks < KSTEPS; ++ks) {  // four 32-byte steps a 128-byte row
+            const unsigned qa = (ks >> 2) * (BM * 128) + (ks & 3) * 32;
+            const unsigned ka = (ks >> 2) * (BN * 128) + (ks & 3) * 32;
+            Wgmma<In, BN>::ss(s[0], wgmma_desc_plus(q_desc, qa), wgmma_desc_plus(kb, ka), ks > 0);
         }
         wgmma_commit();
         pin_registers(s[0]);
     };
-    auto pack_probs = [&](const float(&s)[1][NTILES][4], unsigned(&pa)[BN / 16][4]) {
+    // P as the A operand of P V. FP8: a k32 step's registers hold this thread's columns
+    // 2t, 2t + 1, 8 + 2t, 9 + 2t of each 16 keys (rows g, g + 8), which fp8_transpose_v's
+    // permutation of V^T's keys makes the operand's k = 4t .. 4t + 3.
+    auto pack_probs = [&](const float(&s)[1][NTILES][4], unsigned(&pa)[PSTEPS][4]) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[kk][1] = Op::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[kk][2] = Op::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[kk][3] = Op::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        for (int kk = 0; kk < PSTEPS; ++kk) {
+            if constexpr (E::fp8) {
+                const float(&a)[4] = s[0][4 * kk], (&b)[4] = s[0][4 * kk + 1];
+                const float(&c)[4] = s[0][4 * kk + 2], (&d)[4] = s[0][4 * kk + 3];
+                pa[kk][0] = pack_e4m3x4(a[0], a[1], b[0], b[1]);
+                pa[kk][1] = pack_e4m3x4(a[2], a[3], b[2], b[3]);
+                pa[kk][2] = pack_e4m3x4(c[0], c[1], d[0], d[1]);
+                pa[kk][3] = pack_e4m3x4(c[2], c[3], d[2], d[3]);
+            } else {
+                pa[kk][0] = Op::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+                pa[kk][1] = Op::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+                pa[kk][2] = Op::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+                pa[kk][3] = Op::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+            }
         }
     };
     // O += P V of value stage `stage`, committed, not waited for.
-    auto issue_pv = [&](int stage, const unsigned(&pa)[BN / 16][4]) {
-        const unsigned long long vb = wgmma_desc_plus(v_desc, stage * BN * DVL * sizeof(T));
+    auto issue_pv = [&](int stage, const unsigned(&pa)[PSTEPS][4]) {
+        const unsigned long long vb = wgmma_desc_plus(v_desc, stage * V_STAGE * EB);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T, DVK>::rs(o[0], pa[kk], wgmma_desc_plus(vb, kk * 16 * 64 * sizeof(T)), 1);
+        for (int kk = 0; kk < PSTEPS; ++kk) {  // 16 key rows of V, or 32 keys of V^T's rows
+            const unsigned va = E::fp8 ? (kk >> 2) * (DVK * 128) + (kk & 3) * 32 : kk * 16 * 128;
+            Wgmma<In, DVK>::rs(o[0], pa[kk], wgmma_desc_plus(vb, va), 1);
+        }
         wgmma_commit();
         pin_registers(o[0]);
     };
@@ -258,6 +314,13 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         const int m0 = tile.m0, h = tile.h, b = tile.b, rows = tile.rows;
         const auto mods = score_modifiers<MODIFIED>(alibi_slopes, alibi_batch_stride, softcap, h,
                                                     mask, user_args);
+        // FP8: the scores' descale (q's times k's) and the output's (v's) of (b, h).
+        float head_scale_log2 = scale_log2, out_scale = 1.f;
+        if constexpr (E::fp8) {
+            const long long head = static_cast<long long>(b) * num_heads + h;
+            head_scale_log2 *= q_scales[head];
+            out_scale = v_scales[head];
+        }
         mods.template narrow<BN>(m0 / BM, h, tile.n_start, tile.tiles);  // the block mask's range
         const int n_start = tile.n_start, tiles = tile.tiles;
         auto edge_tile = [&](int j, bool& partial) {
@@ -273,7 +336,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         // engine's are the async proxy's already.
         if (!tma) fence_proxy_async();
         float s[1][NTILES][4];
-        unsigned pa[BN / 16][4];
+        unsigned pa[PSTEPS][4];
         const float bound = scores_bound<Op::wide_exponent>(mods);
         if (tiles == 0) release_q();
         if (tiles > 0) {
@@ -289,8 +352,8 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             k_ring->release(uses, signalling);
             bool partial;
             const bool edge = edge_tile(0, partial);
-            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start, scale_log2,
-                         mods, partial);
+            softmax_tile(s, o, row_max, row_sum, mask, edge, m0 + warp_row, n_start,
+                         head_scale_log2, mods, partial);
             pack_probs(s, pa);
         }
         // Every tile but the last: S(j + 1) and P V(j) in flight together.
@@ -311,8 +374,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             pin_registers(s[0]);
             if (j + 2 == tiles) release_q();
             k_ring->release(use + 1, signalling);
-            const float score_scale = mask_scores(
-                s, 0, mask, edge, m0 + warp_row, n_start + (j + 1) * BN, scale_log2, mods, partial);
+            const float score_scale =
+                mask_scores(s, 0, mask, edge, m0 + warp_row, n_start + (j + 1) * BN,
+                            head_scale_log2, mods, partial);
             float alpha[2];
             exp_rows<1, NTILES, 0, true>(s, row_max, row_sum, 0, score_scale, bound, alpha);
             complete_before_wait(order_slots + thread, row_sum[0][0] + row_sum[0][1]);
@@ -339,10 +403,14 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         uses += tiles;
 
         const long long row_base = (static_cast<long long>(b) * num_heads + h) * q_len + m0;
-        T* const out_rows = out + tile.seq.q_start * out_st.s;
+        auto* const out_rows = out + tile.seq.q_start * out_st.s;
         finish_rows(
             o, row_max, row_sum, warp_row, rows, lse + tile.seq.q_start + row_base,
             [&](int row, int d, float x0, float x1) {
+                if constexpr (E::fp8) {
+                    x0 *= out_scale;
+                    x1 *= out_scale;
+                }
                 if (d * 8 < DV)  // the last n8 tile of a DV = 16 j + 8 is padding
                     reinterpret_cast<unsigned*>(
                         out_rows + offset_of(out_st, b, h, m0 + row))[d * 4 + t] = Op::pack(x0, x1);

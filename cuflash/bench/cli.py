@@ -55,9 +55,9 @@ the same inputs in the same run, and the ratios):
   and 16384, B = 32 and 128): the latent cache's TB/s and the products' TFLOP/s
   (cuflash only: no torch backend takes the shape).
 - ``--fp8``: the FP8 (e4m3) forward (the FP8 page) on the grid's shapes, D 64 and
-  128, S 1024 and 4096, causal and not, bfloat16 out, against the bfloat16 forward on
-  the same shapes and cuDNN's FP8 attention when ``nvidia-cudnn-frontend`` provides
-  it (``cuflash.bench.fp8.cudnn_fp8_peer``).
+  128, S 1024 and 4096 (or ``--head-dims``, ``--seqlens``), causal and not, bfloat16
+  out, against the bfloat16 forward on the same shapes and cuDNN's FP8 attention when
+  ``nvidia-cudnn-frontend`` provides it (``cuflash.bench.fp8.cudnn_fp8_peer``).
 
 Also measured: the first-call cost of one kernel variant (compile with an
 empty CuPy kernel cache, then with a warm one, each in a fresh process) and
@@ -87,7 +87,7 @@ from .dense import (
 )
 from .environment import environment, gpu_unavailable_reason, import_torch
 from .first_call import measure_first_call
-from .fp8 import fp8_report
+from .fp8 import FP8_HEAD_DIMS, FP8_SEQLENS, fp8_cases, fp8_report
 from .head_dims import SWEEP_DTYPES, head_dim_sweep, head_dim_sweep_cases
 from .implementations import implementation_factories
 from .measure import Measurement, run_grid
@@ -243,6 +243,9 @@ def parse_args(argv=None):
         if args.head_dim_sweep
         else []
     )
+    args.fp8_cases = (
+        fp8_cases(args.head_dims or FP8_HEAD_DIMS, args.seqlens or FP8_SEQLENS) if args.fp8 else []
+    )
     args.dtypes = args.dtypes or (QUICK_DTYPES if quick else DEFAULT_DTYPES)
     args.head_dims = args.head_dims or (QUICK_HEAD_DIMS if quick else DEFAULT_HEAD_DIMS)
     args.seqlens = args.seqlens or (QUICK_SEQLENS if quick else DEFAULT_SEQLENS)
@@ -262,7 +265,7 @@ def run(args):
     settings = {
         key: value
         for key, value in vars(args).items()
-        if key not in ("json", "plots", "from_json", "sweep_cases")
+        if key not in ("json", "plots", "from_json", "sweep_cases", "fp8_cases")
     }
     settings.update(
         torch=torch_note,
@@ -302,7 +305,7 @@ def run(args):
         report["mla_decode"] = mla_decode_report(budget)
     if args.fp8:
         print_status("FP8 forward")
-        report["fp8"] = fp8_report(budget, env["l2_bytes"])
+        report["fp8"] = fp8_report(budget, env["l2_bytes"], args.fp8_cases)
     if args.head_dim_sweep:
         print_status(f"head-dim sweep, {len(args.sweep_cases)} cases")
         report["head_dim_sweep"] = [

@@ -4,8 +4,9 @@ on the same shapes, and against cuDNN's FP8 attention where a peer is available.
 Cases: the grid's shapes (``B * S = 16384`` tokens, ``H = 2048 / D``) for D 64 and 128,
 S 1024 and 4096, causal and not; q, k and v as uint8 CuPy arrays of e4m3 bits with
 per-(batch, KV head) descales, the output in bfloat16. TFLOP/s follow the Performance
-page's forward convention. Until the native FP8 kernel lands the FP8 call is the
-dequantizing path, so its row measures that path's cost.
+page's forward convention. On an H100/H200 these calls run the FP8 kernel
+(``cuflash.gpu.fp8_plan``: v's transpose, then e4m3 products); its row includes the
+transpose.
 
 The cuDNN peer comes from ``nvidia-cudnn-frontend`` (the ``cudnn`` module), an optional
 dependency: :func:`cudnn_fp8_peer` is the hook that builds it, and reports why not when
@@ -101,15 +102,84 @@ def _bf16_call(case, x):
 
 def cudnn_fp8_peer():
     """``(make_call, note)``: ``make_call(case, x)`` returns a no-argument callable running
-    cuDNN's FP8 forward on input set ``x``, or None with the reason it cannot. The hook
-    for ``nvidia-cudnn-frontend``: absent, it says so; present, the FP8 graph is still to
-    be written (it needs a GPU to check against)."""
+    cuDNN's FP8 forward (``nvidia-cudnn-frontend``'s ``sdpa_fp8`` graph, one a case) on
+    input set ``x``; or None with the reason it cannot. cuDNN takes one descale a tensor
+    (ones here: the timing does not depend on them) and, on Hopper, writes its output in
+    e4m3 (half the bytes of cuflash's bfloat16 output)."""
     try:
         import cudnn
     except ImportError:
         return None, "nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend)"
-    version = getattr(cudnn, "__version__", "unknown")
-    return None, f"cudnn frontend {version} found; its FP8 SDPA graph is not wired up yet"
+    except (OSError, AssertionError) as exc:  # the module found no cuDNN library
+        return None, f"nvidia-cudnn-frontend could not load cuDNN: {exc}"
+    graphs = {}
+
+    def make_call(case, x):
+        if case not in graphs:
+            graphs[case] = _CudnnFp8Graph(cudnn, case)
+        return graphs[case].call(x)
+
+    return make_call, f"cudnn frontend {getattr(cudnn, '__version__', 'unknown')}"
+
+
+class _CudnnFp8Graph:
+    """cuDNN's FP8 SDPA forward of one case, built once: q, k, v and the output e4m3
+    ``[B, H, S, D]`` (contiguous), six float32 scalars (the descales of q, k, v and S, the
+    scales of S and O), the maxima of S and O."""
+
+    def __init__(self, cudnn, case):
+        e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        self.handle = cudnn.create_handle()
+        cudnn.set_stream(handle=self.handle, stream=cupy.cuda.get_current_stream().ptr)
+        graph = cudnn.pygraph(
+            io_data_type=e4m3,
+            intermediate_data_type=fp32,
+            compute_data_type=fp32,
+            handle=self.handle,
+        )
+        b, h, s, d = case.batch, case.heads, case.seqlen, case.head_dim
+        shape, stride = (b, h, s, d), (h * s * d, s * d, d, 1)
+        self.q, self.k, self.v = (
+            graph.tensor(name=n, dim=shape, stride=stride, data_type=e4m3) for n in "qkv"
+        )
+        scalar = dict(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=fp32)
+        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        self.scalars = [graph.tensor(name=n, **scalar) for n in names]
+        self.o, _, amax_s, amax_o = graph.sdpa_fp8(
+            self.q,
+            self.k,
+            self.v,
+            *self.scalars,
+            generate_stats=False,
+            attn_scale=1.0 / np.sqrt(d),
+            use_causal_mask=case.causal,
+            name="sdpa_fp8",
+        )
+        self.o.set_output(True).set_dim(shape).set_stride(stride).set_data_type(e4m3)
+        self.maxima = (amax_s, amax_o)
+        for amax in self.maxima:
+            amax.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1))
+            amax.set_data_type(fp32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph = graph
+        self.workspace = cupy.empty(max(1, graph.get_workspace_size()), np.uint8)
+        self.out = cupy.empty(shape, np.uint8)
+        self.ones = cupy.ones(len(names), np.float32)
+        self.amax = cupy.zeros(2, np.float32)
+
+    def call(self, x):
+        pack = {self.q: x["q"].data.ptr, self.k: x["k"].data.ptr, self.v: x["v"].data.ptr}
+        pack[self.o] = self.out.data.ptr
+        for i, t in enumerate(self.scalars):
+            pack[t] = self.ones.data.ptr + 4 * i
+        for i, t in enumerate(self.maxima):
+            pack[t] = self.amax.data.ptr + 4 * i
+        workspace = self.workspace.data.ptr
+        return lambda: self.graph.execute(pack, workspace, handle=self.handle)
 
 
 def fp8_report(budget, l2_bytes, cases=None):

@@ -4,7 +4,9 @@ Each call validates every argument first (the usual checks, with the FP8 dtypes
 checked by :mod:`cuflash.fp8`, then the descales and ``out_dtype``). A dense call that
 the native FP8 kernel serves on the GPU (an H100/H200, 16-bit output, no score
 modifiers: :func:`cuflash.gpu.fp8_plan.serves`) runs it: e4m3 products on the tensor
-cores, P rounded to e4m3. Every other call dequantizes its FP8 arrays to float32
+cores, P rounded to e4m3. A KV-cache call from sm_89 (head dims multiples of 16 up to
+256) runs the tensor-core decode kernel on the e4m3 cache as it is, widened exactly to
+16 bits in registers. Every other call dequantizes its FP8 arrays to float32
 (exactly; ``q`` times ``q_descale * k_descale``) and runs the float32 forward of its
 function, whose output it multiplies by ``v_descale`` and rounds to ``out_dtype``; the
 CPU path does the same on NumPy arrays.
@@ -126,6 +128,50 @@ def varlen_forward(
     return fp8.scaled_output(out, fp8.per_head(xp, v_descale, group, rows), dtype), lse
 
 
+def fp8_decode_key(given, descales, options, fp8_options):
+    """The plan signature of a KV-cache call on an FP8 cache with device-held lengths
+    (``given``: q, the caches, the lengths, the new rows, the block table, ALiBi's slopes,
+    the sinks and the rotary tables, None where absent), or None where no plan may serve
+    it (an int length, NumPy arrays). The descales enter by kind: a float's value (it is
+    fixed in the plan's record), an array's signature (its values are the call's)."""
+    if isinstance(given[3], numbers.Integral) or given[9] is not None or given[10] is not None:
+        return None
+    from .gpu import plans  # imported on first GPU use only
+
+    kinds = tuple(
+        None if d is None else float(d) if isinstance(d, numbers.Real) else "array"
+        for d in descales
+    )
+    arrays = [a for a in given if a is not None]
+    arrays += [d for d in descales if d is not None and not isinstance(d, numbers.Real)]
+    scalars = ("kvcache-fp8", tuple(a is None for a in given), kinds, *options, *fp8_options)
+    return plans.signature(arrays, scalars)
+
+
+class Fp8DecodeStep:
+    """A decoding step on an FP8 cache through its plan (``cuflash.gpu.kvcache.DecodePlan``
+    made with the call's ``Fp8Cache``): each call's descale arrays (q's times k's, v's)
+    as the kernel reads them."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, given, descales):
+        """``given``: q, the caches, the lengths, the new rows, the block table, ALiBi's
+        slopes and the sinks; ``descales``: q's, k's and v's (floats fixed by the plan)."""
+        import cupy
+
+        q_descale, k_descale, v_descale = (
+            float(d) if isinstance(d, numbers.Real) else d for d in descales
+        )
+        scales = (fp8.query_scale(cupy, q_descale, k_descale), v_descale)
+        arrays = tuple(
+            None if x is None or isinstance(x, float) else cupy.ascontiguousarray(x, np.float32)
+            for x in scales
+        )
+        return self.plan(*given, fp8_descales=arrays)
+
+
 def _append(xp, problem, cache, new, block_table, lengths):
     """Write ``new`` ``[B, H_kv, S_new, D]`` into the FP8 ``cache`` at each sequence's
     ``lengths`` (an int array ``[B]``, already clamped to ``0 .. capacity - S_new``); a
@@ -159,13 +205,19 @@ def kvcache_forward(
     fp8_format,
     descales,
     out_dtype,
+    plan_key=None,
 ):
     """:func:`cuflash.flash_attention_with_kvcache` with an FP8 cache (``q`` FP8, float16
     or bfloat16; ``k_new``, ``v_new`` of the cache's dtype) and the options ``config``
     (``allow_tf32`` checked, then ignored): the append into the FP8 cache in place, then
-    attention over the whole cache dequantized to float32. ``rotary_tables``:
+    attention over it. From sm_89 the tensor-core decode kernel reads the cache as it is
+    (head dims multiples of 16 up to 256, v's the same:
+    ``cuflash.gpu.decode_kernels.reads_fp8``); elsewhere, and on the CPU path, attention
+    runs over the whole cache dequantized to float32. ``rotary_tables``:
     ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take;
-    ``flash_attention_with_kvcache``: the public function, which passes itself."""
+    ``flash_attention_with_kvcache``: the public function, which passes itself;
+    ``plan_key``: the signature (:func:`fp8_decode_key`) under which a call with
+    device-held lengths that the kernel reads natively keeps its plan."""
 
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None and v_new is not None:
@@ -189,6 +241,28 @@ def kvcache_forward(
         from .gpu.kvcache import verify_on_host
 
         verify_on_host(problem, cache_seqlens, block_table)
+    if xp is not np:
+        from .gpu import decode_kernels, plans, registry
+        from .gpu import kvcache as gpu_kvcache
+        from .gpu.kernel_launch import device_capability
+
+        if decode_kernels.reads_fp8(problem, device_capability()[1]):
+            call = gpu_kvcache.Fp8Cache(
+                registry.E4m3Cache(q.dtype, dtype),
+                fp8.query_scale(xp, q_descale, k_descale),
+                v_descale,
+            )
+            given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            if plan_key is not None and problem.batch * problem.num_heads:
+                plan = Fp8DecodeStep(
+                    gpu_kvcache.DecodePlan(problem, *given, config.alibi_slopes, fp8=call)
+                )
+                plans.remember(plan_key, plan)
+                return plan((*given, config.alibi_slopes, config.sinks), descales)
+            out, lse = gpu_kvcache.gpu_forward(
+                problem, *given, False, config.alibi_slopes, config.sinks, fp8=call
+            )  # the lengths and block ids were verified above
+            return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, numbers.Integral):
         lengths = xp.full(problem.batch, int(cache_seqlens), dtype=np.int32)
         attended = int(cache_seqlens) + problem.new_len

@@ -17,7 +17,7 @@ from . import fp8
 from .core.config import AttentionConfig
 from .core.kvcache_problem import kvcache_problem
 from .cpu.kvcache import cpu_forward
-from .fp8_forward import kvcache_forward
+from .fp8_forward import fp8_decode_key, kvcache_forward
 from .gpu import plans
 
 
@@ -212,6 +212,20 @@ def flash_attention_with_kvcache(
         cache = (cache_seqlens, k_new, v_new, block_table, return_lse, check)
         rotary = (rotary_cos, rotary_sin)
         descales = (q_descale, k_descale, v_descale)
+        key = None
+        if check is False and score_mod is None and mask_mod is None and block_mask is None:
+            # Device-held lengths: the plan of this signature serves every step.
+            given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            given += (alibi_slopes, sinks, rotary_cos, rotary_sin)
+            key = fp8_decode_key(
+                given,
+                descales,
+                (num_heads, num_kv_heads, head_dim, causal, window_size, softmax_scale),
+                (return_lse, softcap, head_dim_v, allow_tf32, fp8_format, out_dtype),
+            )
+            plan = plans.get(key)
+            if plan is not None:
+                return plan(given[:9], descales)
         return kvcache_forward(
             flash_attention_with_kvcache,
             q,
@@ -223,6 +237,7 @@ def flash_attention_with_kvcache(
             fp8_format,
             descales,
             out_dtype,
+            plan_key=key,
         )
     key = None
     if (

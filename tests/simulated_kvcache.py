@@ -60,9 +60,11 @@ def forward(
     rotary_sin=None,
     rotary_interleaved=False,
     head_dim_v=None,
+    fp8=None,
 ):
     """As ``cuflash.flash_attention_with_kvcache`` on the simulated kernels of
-    ``capability`` (no user modifiers)."""
+    ``capability`` (no user modifiers). ``fp8``: an FP8 cache's call as the library makes
+    it on a GPU from sm_89, ``cuflash.gpu.kvcache.Fp8Cache`` with NumPy descale arrays."""
     config = AttentionConfig(
         num_heads,
         num_kv_heads,
@@ -89,6 +91,7 @@ def forward(
         rotary_cos,
         rotary_sin,
         rotary_interleaved,
+        storage_dtype=None if fp8 is None else k_cache.dtype,
     )
     lengths = cache_seqlens if device_lengths is None else device_lengths
     table = block_table if device_table is None else device_table
@@ -104,7 +107,7 @@ def forward(
 
     attention = None  # the dense forward's problem, for a long query chunk
     long_chunk = problem.q_len * problem.group_size >= decode_kernels.DENSE_MIN_ROWS
-    if block_table is None and long_chunk and not problem.own_value_dims:
+    if block_table is None and long_chunk and not problem.own_value_dims and fp8 is None:
         dense_config = AttentionConfig(
             num_heads,
             num_kv_heads,
@@ -169,7 +172,8 @@ def forward(
         )
         return (out, lse) if return_lse else out
 
-    name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(problem, capability)
+    types = None if fp8 is None else fp8.types
+    name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(problem, capability, types)
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     blocks = problem.batch * problem.num_kv_heads * row_tiles
     splits = decode_kernels.num_splits(
@@ -177,7 +181,8 @@ def forward(
         RESIDENT_BLOCKS * SM_COUNT,
         *decode_kernels.split_cap(decode_kernels.longest_sequence(problem), keys_per_tile),
     )
-    out = np.full(problem.out_shape, np.nan, problem.dtype)
+    out_dtype = problem.dtype if fp8 is None else fp8.types.out
+    out = np.full(problem.out_shape, np.nan, out_dtype)
     lse = np.full(problem.lse_shape, np.nan, np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
     part_out = part_lse = None
@@ -196,7 +201,14 @@ def forward(
         row_tiles,
         aligned,
         simulated_attention.NO_USER_ARGUMENTS,
+        *((1.0, 1.0) if fp8 is None else fp8.factors()),
     )
+    descales = [None, None]
+    if fp8 is not None:
+        descales = [
+            None if x is None or isinstance(x, float) else np.ascontiguousarray(x, np.float32)
+            for x in (fp8.qk, fp8.v)
+        ]
     _module(name, capability).launch(
         name,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
@@ -216,13 +228,14 @@ def forward(
                 part_lse,
                 slopes,
                 sinks,
+                *descales,
                 length_value,
             ),
         ),
         guard,
     )
     if splits > 1:
-        combine = decode_kernels.combine_name(problem)
+        combine = decode_kernels.combine_name(problem, out_dtype)
         _module(combine, capability).launch(
             combine,
             (part_rows,),

@@ -272,12 +272,14 @@ def test_head_dim_sweep_cases():
 
 def test_decode_cases_and_cache_bytes():
     cases = bench.decode_cases()
-    assert len(cases) == 4 * 3 + 2 + 4
+    assert len(cases) == 6 * 3 + 2 + 4
     assert {(c.batch, c.cache_len) for c in cases if c.q_len == 1 and not c.new_len} == {
+        (1, 8192),
         (1, 32768),
+        (4, 8192),
         (16, 8192),
-        (64, 2048),
-        (256, 512),
+        (64, 4096),
+        (128, 2048),
     }
     assert [(c.batch, c.cache_len, c.q_len) for c in cases if c.q_len > 1] == [
         (16, 8192, 4),
@@ -362,13 +364,17 @@ def synthetic_report():
     host.append({**host[-1], "direction": "bwd", "us_per_call": None, "note": "OOM"})
     decode = []
     # B=1, cache 32768: contiguous, paged 16, paged 256; B=16, cache 8192: contiguous.
-    for case in bench.decode_cases()[:4]:
+    steps = [c for c in bench.decode_cases() if (c.batch, c.cache_len, c.q_len) == (1, 32768, 1)]
+    for case in steps + [bench.DecodeCase(16, 8192)]:
         seconds = case.cache_bytes / (3.5e12 if case.batch == 1 else 3.0e12)
         decode.append(
             bench.decode_record(
                 case, bench.CuflashDecode(case, None), bench.Timing((seconds,)), "", 1e-3
             )
         )
+        if case.batch == 16:  # the e4m3 cache: 0.6 of the bfloat16 step's time
+            fp8_impl = types.SimpleNamespace(name="cuflash e4m3")
+            decode.append(bench.decode_record(case, fp8_impl, bench.Timing((0.6 * seconds,)), ""))
         if case.block_size == 0:
             for impl, factor in (("torch-flash", 1.2), ("torch-cudnn", 0.9)):
                 torch_impl = types.SimpleNamespace(name=impl, gqa="enable_gqa=True")
@@ -423,13 +429,19 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     assert "- torch-flash bwd: OOM" in printed
     # Decoding: time, TB/s, torch's times (shared by the paged rows), faster torch / cuflash.
     assert "| 1 | 32768 | 1 | contiguous | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
-    assert "| 1 | 32768 | 1 | paged 256 | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x |" in printed
-    assert "| 16 | 8192 | 1 | contiguous | 179.0 | 3.00 | 214.7 | 161.1 | 0.90x |" in printed
+    assert (
+        "| 1 | 32768 | 1 | paged 256 | 38.3 | 3.50 | 46.0 | 34.5 | 0.90x | – | – | – |" in printed
+    )
+    assert (
+        "| 16 | 8192 | 1 | contiguous | 179.0 | 3.00 | 214.7 | 161.1 | 0.90x | "
+        "107.4 | 2.50 | 0.60 |"
+    ) in printed
     assert (
         "Below target: B=1 cache 32768 S_q=1 contiguous (0.90x), "
         "B=1 cache 32768 S_q=1 paged 16 (0.90x)"
     ) in printed
-    assert "B=16 cache 8192 S_q=1 contiguous (0.90x, 3.00 TB/s)." in printed  # 512 MiB cache
+    # a 512 MiB cache, its e4m3 step 0.6 of the bfloat16 one's time
+    assert "B=16 cache 8192 S_q=1 contiguous (0.90x, e4m3 0.60 of bfloat16, 3.00 TB/s)." in printed
     assert "torch-flash enable_gqa=True (2 cases)" in printed
     assert "| 64 | 4096 | 1 | paged 16, append 1, rotary | 280.8 | 3.82 | – | – | – |" in printed
     assert (

@@ -221,7 +221,7 @@ def test_a_length_goes_with_the_call_addresses():
     """The KV cache's host-held length is an int the call writes with its addresses."""
     p = kernel_params.Params("DecodeParams", kernel_params.DECODE_ADDRESSES, num_heads=8)
     p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 4096)
-    assert p["sinks"] == len(kernel_params.DECODE_ADDRESSES) - 1
+    assert p["v_scales"] == len(kernel_params.DECODE_ADDRESSES) - 1  # the last address
     assert p["seqlen_value"] == 4096 and p["num_heads"] == 8
     p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 0)
     assert p["seqlen_value"] == 0

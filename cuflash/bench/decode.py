@@ -1,6 +1,7 @@
 """Decoding from a KV cache (``--decode``, the KV-cache page): ``flash_attention_with_kvcache``
 on contiguous and paged caches, next to torch SDPA on a contiguous cache of the same keys and
-values."""
+values, and (one token a step, no append) on the same cache rounded to FP8 (e4m3, the FP8
+page) with the bfloat16 query."""
 
 import contextlib
 import dataclasses
@@ -17,13 +18,17 @@ from .progress import progress_bar
 from .timing import time_calls
 
 # Decoding from a KV cache (issue 15, the KV-cache page): bfloat16, D=128, H=32, H_kv=8.
-DECODE_BATCH_CACHE = ((1, 32768), (16, 8192), (64, 2048), (256, 512))  # S_q = 1
+DECODE_BATCH_CACHE = ((1, 8192), (1, 32768), (4, 8192), (16, 8192), (64, 4096), (128, 2048))
 DECODE_BLOCK_SIZES = (0, 16, 256)  # 0: contiguous
 DECODE_LONG_QUERY_CACHE = (16, 8192)  # B, cache length of the longer query blocks
 DECODE_LONG_QUERY_LENS = (4, 512)  # speculative decoding, chunked prefill
 DECODE_PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 DECODE_TARGET_TB_PER_S = 3.4  # 80% of the H200's copy rate, where the cache is >= 256 MB
 DECODE_TARGET_MIN_BYTES = 256e6
+# An FP8 cache's step (the FP8 page): at most this fraction of the bfloat16 step's time (half
+# the bytes) from this batch size on.
+DECODE_FP8_TARGET, DECODE_FP8_MIN_BATCH = 0.55, 16
+FP8_NAME = "cuflash e4m3"
 # Rotary embedding at the append (the KV-cache page): one new token appended a step, with
 # and without the tables, on these layouts; the tables may cost at most this fraction.
 DECODE_ROTARY_BATCH_CACHE = (64, 4096)
@@ -159,6 +164,23 @@ def make_decode_sets(case, count, seed=0):
     return sets
 
 
+def e4m3_bits(x):
+    """CuPy ``x`` rounded to the nearest e4m3 value (saturated at +-448) as uint8 bits, on
+    the GPU: the magnitude's place among the midpoints of the positive e4m3 values."""
+    from ..fp8 import DECODE_TABLE
+
+    positive = cupy.asarray(DECODE_TABLE[:0x7F].astype(np.float32))  # 0 .. 448, increasing
+    midpoints = (positive[1:] + positive[:-1]) / 2
+    magnitude = cupy.abs(x.astype(np.float32))
+    bits = cupy.searchsorted(midpoints, magnitude).astype(np.uint8)
+    return bits | (cupy.signbit(x).astype(np.uint8) << 7)
+
+
+def e4m3_input_set(x):
+    """``x`` with its cache (contiguous or paged) rounded to e4m3 bits."""
+    return dataclasses.replace(x, k_cache=e4m3_bits(x.k_cache), v_cache=e4m3_bits(x.v_cache))
+
+
 def paged_input_set(x, block_size, seed=0):
     """``x`` with its cache copied into shuffled blocks of ``block_size`` keys.
 
@@ -215,6 +237,15 @@ class CuflashDecode:
                 if getattr(x, name) is not None
             },
         )
+
+
+class CuflashFp8Decode(CuflashDecode):
+    """The same step on the cache rounded to e4m3 (uint8 bits), the query bfloat16."""
+
+    name = FP8_NAME
+
+    def forward_call(self, x):
+        return functools.partial(super().forward_call(x), fp8_format="e4m3")
 
 
 class TorchDecode:
@@ -301,7 +332,20 @@ def decode_table(function, torch, budget, l2_bytes):
                 if case.block_size == 0
                 else [paged_input_set(x, case.block_size) for x in contiguous_sets]
             )
+            fp8_step = case.q_len == 1 and not case.new_len
+            if fp8_step:
+                impls.append(CuflashFp8Decode(case, function))
             for impl in impls:
+                if impl.name == FP8_NAME:
+                    del inputs
+                    free_memory(torch)
+                    base = (
+                        contiguous_sets
+                        if case.block_size == 0
+                        else [paged_input_set(x, case.block_size) for x in contiguous_sets]
+                    )
+                    inputs = [e4m3_input_set(x) for x in base]
+                    del base
                 timing, note = None, "time budget exhausted"
                 if budget.remaining() > 0:
                     timing, note = run_or_reason(
@@ -383,10 +427,14 @@ def format_decode(record):
     if not record.get("records"):
         return f"{title}\n\nNot measured: {record.get('note') or 'no cases'}."
     records = record["records"]
-    peers = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "cuflash"))
+    ours = ("cuflash", FP8_NAME)
+    peers = list(dict.fromkeys(r["impl"] for r in records if r["impl"] not in ours))
     torch_by_group = {}
+    fp8_by_step = {}
     for r in records:
-        if r["impl"] != "cuflash":
+        if r["impl"] == FP8_NAME:
+            fp8_by_step[(r["batch"], r["cache_len"], r["layout"])] = r
+        elif r["impl"] != "cuflash":
             torch_by_group[(r["batch"], r["cache_len"], r["q_len"], r["impl"])] = r
     first = records[0]
     lines = [
@@ -399,8 +447,8 @@ def format_decode(record):
         "",
         "| B | cache | S_q | layout | cuflash | TB/s | "
         + " | ".join(peers)
-        + " | faster torch / cuflash |",
-        "|---|---|---|---|---|---|" + "---|" * len(peers) + "---|",
+        + " | faster torch / cuflash | e4m3 cache | TB/s | e4m3 / bfloat16 |",
+        "|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|",
     ]
     below = []
     for r in (r for r in records if r["impl"] == "cuflash"):
@@ -412,13 +460,26 @@ def format_decode(record):
         measured = [t for t in theirs if t is not None]
         ratio = min(measured) / mine if measured and mine is not None else None
         rate = None if mine is None else r["cache_bytes"] / mine / 1e12
+        fp8 = None
+        if r["q_len"] == 1 and not r.get("new_len"):
+            fp8 = fp8_by_step.get((r["batch"], r["cache_len"], r["layout"]), {}).get("median_s")
+        fp8_rate = None if fp8 is None else r["cache_bytes"] / 2 / fp8 / 1e12
+        fp8_ratio = None if fp8 is None or mine is None else fp8 / mine
         lines.append(
             f"| {r['batch']} | {r['cache_len']} | {r['q_len']} | {step_label(r)} | "
             f"{format_us(mine)} | {'–' if rate is None else f'{rate:.2f}'} | "
             + " | ".join(format_us(t) for t in theirs)
-            + f" | {format_ratio(ratio)} |"
+            + f" | {format_ratio(ratio)} | {format_us(fp8)} | "
+            + f"{'–' if fp8_rate is None else f'{fp8_rate:.2f}'} | "
+            + f"{'–' if fp8_ratio is None else f'{fp8_ratio:.2f}'} |"
         )
         misses = [f"{ratio:.2f}x"] if ratio is not None and ratio < 1 else []
+        if (
+            fp8_ratio is not None
+            and r["batch"] >= DECODE_FP8_MIN_BATCH
+            and fp8_ratio > DECODE_FP8_TARGET
+        ):
+            misses.append(f"e4m3 {fp8_ratio:.2f} of bfloat16")
         if (
             rate is not None
             and r["q_len"] == 1
@@ -435,7 +496,9 @@ def format_decode(record):
         "",
         "Targets: cuflash time <= the faster torch backend's (ratio >= 1); "
         f">= {DECODE_TARGET_TB_PER_S:g} TB/s where the cache is >= "
-        f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB. Below target: "
+        f"{DECODE_TARGET_MIN_BYTES / 1e6:.0f} MB; from an e4m3 cache (the same values rounded, "
+        f"TB/s of its bytes) at most {DECODE_FP8_TARGET:g}x the bfloat16 step's time from "
+        f"B = {DECODE_FP8_MIN_BATCH}. Below target: "
         + (", ".join(below) if below else "none")
         + ".",
     ]

@@ -52,14 +52,14 @@ def longest_sequence(problem):
     return problem.capacity
 
 
-def decode_tc_name(problem, row_warps, stages, keys):
+def decode_tc_name(problem, row_warps, stages, keys, fp8=None):
     """The name expression of ``kvcache_decode_tc`` with these tiles for ``problem``: its
     own instantiation for a paged cache, and the narrow one (the query rows as the MMA's
     8-wide N, K and V as its A operand: half the products) where a block's packed query
-    rows fit 8."""
+    rows fit 8; ``fp8``: an FP8 cache's element types (``registry.E4m3Cache``)."""
     narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
     return registry.STANDALONE["kvcache_decode_tc"].name_expression(
-        dtype=problem.dtype,
+        dtype=problem.dtype if fp8 is None else fp8,
         head_dim=problem.head_dim,
         row_warps=row_warps,
         stages=stages,
@@ -83,10 +83,11 @@ def append_blocks(problem):
     return blocks
 
 
-def combine_name(problem):
-    """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``."""
+def combine_name(problem, out_dtype=None):
+    """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``, its
+    output in ``out_dtype`` (default: the problem's dtype)."""
     return registry.STANDALONE["kvcache_combine"].name_expression(
-        dtype=problem.dtype, head_dim=problem.head_dim_v
+        dtype=problem.dtype if out_dtype is None else out_dtype, head_dim=problem.head_dim_v
     )
 
 
@@ -95,13 +96,27 @@ def uses_tensor_cores(problem):
     return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
 
 
-def decode_kernel(problem, capability=80):
+def reads_fp8(problem, capability):
+    """Whether the tensor-core kernel reads ``problem``'s FP8 (e4m3) cache as it is, on a GPU
+    of compute ``capability`` (86: sm_86): from sm_89 (its e4m3 conversions), for a head_dim
+    a multiple of 16 up to 256 that v shares. Other FP8 calls dequantize the cache."""
+    return (
+        capability >= 89
+        and problem.head_dim % 16 == 0
+        and problem.head_dim <= 256
+        and not problem.own_value_dims
+    )
+
+
+def decode_kernel(problem, capability=80, fp8=None):
     """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
     split-KV kernel that serves ``problem`` on a GPU of compute ``capability``: for a
     value head dim of its own or keys wider than GPU_MAX_HEAD_DIM the MLA one (16 packed
     rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
-    or 64 packed rows a block) or the CUDA-core one."""
-    if problem.own_value_dims:
+    or 64 packed rows a block) or the CUDA-core one. ``fp8``: the element types
+    (``registry.E4m3Cache``) of an FP8 cache that the tensor-core kernel reads (see
+    :func:`reads_fp8`)."""
+    if fp8 is None and problem.own_value_dims:
         keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
         name = registry.STANDALONE["kvcache_decode_mla"].name_expression(
             dtype=problem.dtype,
@@ -117,11 +132,13 @@ def decode_kernel(problem, capability=80):
         )
         return name, keys, 16, shared
     packed_rows = problem.q_len * problem.group_size
-    if uses_tensor_cores(problem):
+    if fp8 is not None or uses_tensor_cores(problem):
         row_warps = 1 if packed_rows <= 16 else 2 if packed_rows <= 32 else 4
         stages = decode_tc_stages(problem.head_dim, longest_sequence(problem))
-        keys_per_tile, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages)
-        name = decode_tc_name(problem, row_warps, stages, keys_per_tile)
+        keys_per_tile, rows, shared = decode_tc_shape(
+            problem.head_dim, row_warps, stages, fp8=fp8 is not None
+        )
+        name = decode_tc_name(problem, row_warps, stages, keys_per_tile, fp8)
         return name, keys_per_tile, rows, shared
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim, rows)

@@ -22,24 +22,29 @@ def decode_shape(itemsize, head_dim, rows):
     return keys, shared
 
 
-def decode_tc_shape(head_dim, row_warps, stages, keys=None):
+def decode_tc_shape(head_dim, row_warps, stages, keys=None, fp8=False):
     """The tiles of ``kvcache_decode_tc<T, head_dim, row_warps, stages, keys, paged>``
     (``DecodeTcShape`` of kernels/decode/kvcache_decode_tc.cu): keys a tile, packed query rows a
-    block and the dynamic shared memory. ``keys`` defaults to :func:`decode_tc_keys`."""
-    keys = decode_tc_keys(head_dim) if keys is None else keys
+    block and the dynamic shared memory; ``fp8``: over an e4m3 cache (whose rows of one byte
+    an element are padded to whole 32 columns). ``keys`` defaults to
+    :func:`decode_tc_keys`."""
+    keys = decode_tc_keys(head_dim, fp8) if keys is None else keys
     chunks = head_dim // 8
     key_warps = min(4 // row_warps, keys // 16)
     rows = 16 * row_warps
     pitch = chunks + 1
-    kv_bytes = 2 * stages * keys * pitch * 16
+    kv_pitch = -(-head_dim // 32) * 2 + 1 if fp8 else pitch
+    kv_bytes = 2 * stages * keys * kv_pitch * 16
     reduce_bytes = key_warps * rows * head_dim * 4
     shared = max(kv_bytes, reduce_bytes) + rows * pitch * 16 + 2 * key_warps * rows * 4
     return keys, rows, shared
 
 
-def decode_tc_keys(head_dim):
-    """Keys a tile of the tensor-core decode kernel: 16 KB of K up to head_dim 128."""
-    return 64 if head_dim <= 128 else 32
+def decode_tc_keys(head_dim, fp8=False):
+    """Keys a tile of the tensor-core decode kernel: 16 KB of K up to head_dim 128 (an e4m3
+    cache's tiles twice the keys of a 16-bit one's, in the same bytes)."""
+    keys = 64 if head_dim <= 128 else 32
+    return 2 * keys if fp8 else keys
 
 
 def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):

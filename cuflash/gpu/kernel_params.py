@@ -590,6 +590,8 @@ DECODE_ADDRESSES = (
     "part_lse",
     "alibi_slopes",
     "sinks",
+    "qk_scales",  # an FP8 cache's descale arrays (q's times k's, v's), or 0
+    "v_scales",
     "seqlen_value",  # an int: the lengths' value where seqlens is null
 )
 
@@ -603,12 +605,15 @@ def _paging(problem):
     )
 
 
-def decode_params(problem, strides, splits, row_tiles, aligned, user):
+def decode_params(
+    problem, strides, splits, row_tiles, aligned, user, score_factor=1.0, out_scale=1.0
+):
     """The ``DecodeParams`` of a KV-cache problem's split-KV launch: q's, k_cache's and
     v_cache's element ``strides`` (``(batch, head, row)`` each), the split count, the row
     tiles a KV head, whether the caches take 16-byte copies, the user's modifier
-    arguments (as :func:`forward_params`'); the call's addresses and lengths' value
-    written at each launch (:data:`DECODE_ADDRESSES`)."""
+    arguments (as :func:`forward_params`'), an FP8 cache's scalar descales (q's times
+    k's, ``score_factor``, joins the softmax scale; v's is ``out_scale``); the call's
+    addresses and lengths' value written at each launch (:data:`DECODE_ADDRESSES`)."""
     left, right = problem.window
     q_strides, k_strides, v_strides = strides
     return Params(
@@ -628,9 +633,10 @@ def decode_params(problem, strides, splits, row_tiles, aligned, user):
         num_splits=splits,
         row_tiles=row_tiles,
         aligned=int(aligned),
-        scale_log2=problem.softmax_scale * LOG2E,
+        scale_log2=problem.softmax_scale * LOG2E * score_factor,
         alibi_batch_stride=max(problem.alibi_batch_stride, 0),
         softcap_log2=problem.softcap * LOG2E,
+        out_scale=out_scale,
         **_paging(problem),
     )
 

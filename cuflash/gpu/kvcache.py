@@ -32,6 +32,29 @@ from .kernel_launch import (
 from .launch import ForwardPlan
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Cache:
+    """What an FP8 (e4m3) cache's call adds (the FP8 page): the decode kernel's element
+    types (``registry.E4m3Cache``: q's dtype and the output's) and the descales, q's
+    times k's (``qk``) and v's: None (1), a float, or a float32 ``[B, H_kv]`` CuPy
+    array."""
+
+    types: registry.E4m3Cache
+    qk: object = None
+    v: object = None
+
+    def factors(self):
+        """The scalar descales ``(q's times k's, v's)`` (1 for an array or None)."""
+        return tuple(float(x) if isinstance(x, float) else 1.0 for x in (self.qk, self.v))
+
+    def arrays(self):
+        """The descale arrays, contiguous float32, or None."""
+        return tuple(
+            None if x is None or isinstance(x, float) else cupy.ascontiguousarray(x, np.float32)
+            for x in (self.qk, self.v)
+        )
+
+
 def verify_on_host(problem, cache_seqlens, block_table):
     """``check=True``: one device-to-host copy of the device-held lengths and block ids."""
     parts = []
@@ -208,11 +231,13 @@ def gpu_forward(
     sinks=None,
     rotary_cos=None,
     rotary_sin=None,
+    fp8=None,
 ):
     """Return ``(out, lse)`` on the current device and stream: append (rotating the new
     keys and a copy of the query rows with ``rotary_cos`` / ``rotary_sin``), attend,
     combine (``sinks``: the attention sinks, which the unsplit kernel or the combine
-    adds)."""
+    adds). ``fp8``: an FP8 cache's :class:`Fp8Cache` (the tensor-core kernel reads it:
+    ``decode_kernels.reads_fp8``)."""
     if check:
         verify_on_host(problem, cache_seqlens, block_table)
     if block_table is not None:
@@ -225,7 +250,7 @@ def gpu_forward(
     q = unit_last_stride(cupy, q)
     attended = _rotated_query(problem, q)  # the query rows the attention reads
     dense = None
-    if problem.batch * problem.num_heads:
+    if problem.batch * problem.num_heads and fp8 is None:
         dense = _dense_plan(
             problem, attended, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
         )
@@ -262,9 +287,10 @@ def gpu_forward(
             seqlen_value,
         )
     q = attended
+    out_dtype = problem.dtype if fp8 is None else fp8.types.out
     if problem.batch * problem.num_heads == 0:
         return (
-            cupy.empty(problem.out_shape, dtype=problem.dtype),
+            cupy.empty(problem.out_shape, dtype=out_dtype),
             cupy.empty(problem.lse_shape, dtype=np.float32),
         )
     if dense is not None:  # key_counts None: an int length
@@ -272,7 +298,7 @@ def gpu_forward(
             q, k_cache, v_cache, offsets=(None, key_counts), alibi_slopes=alibi_slopes, sinks=sinks
         )
     name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(
-        problem, device_capability()[1]
+        problem, device_capability()[1], None if fp8 is None else fp8.types
     )
     row_tiles = -(-problem.q_len * problem.group_size // rows)
     functors, user = _user_modifiers(problem)
@@ -283,7 +309,7 @@ def gpu_forward(
         per_sm * sm_count,
         *decode_kernels.split_cap(decode_kernels.longest_sequence(problem), keys_per_tile),
     )
-    out = cupy.empty(problem.out_shape, dtype=problem.dtype)
+    out = cupy.empty(problem.out_shape, dtype=out_dtype)
     lse = cupy.empty(problem.lse_shape, dtype=np.float32)
     part_rows = problem.batch * problem.num_heads * problem.q_len
     part_out = part_lse = None
@@ -293,6 +319,7 @@ def gpu_forward(
     slopes, sinks = (
         None if a is None else cupy.ascontiguousarray(a) for a in (alibi_slopes, sinks)
     )
+    factors, descales = ((1.0, 1.0), (None, None)) if fp8 is None else (fp8.factors(), fp8.arrays())
     _launch(
         decode.kernel,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
@@ -304,6 +331,7 @@ def gpu_forward(
         row_tiles,
         rows_are_16_byte_aligned((k_cache, v_cache)),
         user,
+        *factors,
         reuse=functors is None,  # a user's arguments are the call's
     )(
         stream,
@@ -314,11 +342,11 @@ def gpu_forward(
         table_ptr,
         out.data.ptr,
         lse.data.ptr,
-        *map(address, (part_out, part_lse, slopes, sinks)),
+        *map(address, (part_out, part_lse, slopes, sinks, *descales)),
         seqlen_value,
     )
     if splits > 1:
-        combine = decode_kernels.loaded_kernel(decode_kernels.combine_name(problem))[0]
+        combine = decode_kernels.loaded_kernel(decode_kernels.combine_name(problem, out_dtype))[0]
         _launch(
             combine.kernel,
             (part_rows,),
@@ -337,7 +365,8 @@ class DecodePlan:
     fixed (or, for long query chunks on a contiguous cache, the dense forward's plan), so
     that a decoding step only allocates its outputs and launches. (Host-held lengths
     change every step and size the split count, so those calls take
-    :func:`gpu_forward`.)"""
+    :func:`gpu_forward`.) ``fp8``: an FP8 cache's :class:`Fp8Cache` (its descales'
+    floats fixed, its arrays the call's: ``plan(..., fp8_descales=(qk, v))``)."""
 
     def __init__(
         self,
@@ -350,8 +379,10 @@ class DecodePlan:
         v_new,
         block_table,
         alibi_slopes=None,
+        fp8=None,
     ):
         self.problem = problem
+        self.out_dtype = problem.dtype if fp8 is None else fp8.types.out
         self.copies = (
             any(a is not None and a.strides[-1] != a.itemsize for a in (q, k_new, v_new))
             or not cache_seqlens.flags.c_contiguous
@@ -370,13 +401,15 @@ class DecodePlan:
                 _on_device(_append_params(problem, k_new, v_new, q, k_cache, v_cache)),
             )
         q = _rotated_query(problem, q)  # the layout the attention reads (rotated: its own)
-        self.dense = _dense_plan(
-            problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
-        )
+        self.dense = None
+        if fp8 is None:
+            self.dense = _dense_plan(
+                problem, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes
+            )
         if self.dense is not None:
             return
         name, keys_per_tile, rows, shared = decode_kernels.decode_kernel(
-            problem, device_capability()[1]
+            problem, device_capability()[1], None if fp8 is None else fp8.types
         )
         row_tiles = -(-problem.q_len * problem.group_size // rows)
         decode, per_sm, sm_count = decode_kernels.loaded_kernel(name, shared)
@@ -397,6 +430,7 @@ class DecodePlan:
                     row_tiles,
                     rows_are_16_byte_aligned((k_cache, v_cache)),
                     NO_USER_ARGUMENTS,  # plans serve calls without user modifiers
+                    *((1.0, 1.0) if fp8 is None else fp8.factors()),
                 )
             ),
         )
@@ -404,7 +438,9 @@ class DecodePlan:
         self.combine = None
         if self.splits > 1:
             self.combine = Launch(
-                decode_kernels.loaded_kernel(decode_kernels.combine_name(problem))[0].kernel,
+                decode_kernels.loaded_kernel(decode_kernels.combine_name(problem, self.out_dtype))[
+                    0
+                ].kernel,
                 (self.part_rows,),
                 THREADS,
                 0,
@@ -429,6 +465,7 @@ class DecodePlan:
         sinks=None,
         rotary_cos=None,
         rotary_sin=None,
+        fp8_descales=(None, None),
     ):
         problem = self.problem
         if self.copies:  # the signature fixes which
@@ -476,8 +513,9 @@ class DecodePlan:
                 sinks=sinks,
             )
             return (out, lse) if problem.return_lse else out
-        out = cupy.empty(problem.out_shape, dtype=problem.dtype)
+        out = cupy.empty(problem.out_shape, dtype=self.out_dtype)
         lse = cupy.empty(problem.lse_shape, dtype=np.float32)
+        descales = tuple(address(d) for d in fp8_descales)  # contiguous float32 or None
         inputs = (
             q.data.ptr,
             k_cache.data.ptr,
@@ -488,10 +526,10 @@ class DecodePlan:
             lse.data.ptr,
         )
         if self.combine is None:
-            self.decode(stream, *inputs, 0, 0, slopes, sink_ptr, 0)
+            self.decode(stream, *inputs, 0, 0, slopes, sink_ptr, *descales, 0)
         else:
             workspace = cupy.cuda.alloc(self.workspace_bytes)
             part_lse = workspace.ptr + self.part_lse_offset
-            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes, sink_ptr, 0)
+            self.decode(stream, *inputs, workspace.ptr, part_lse, slopes, sink_ptr, *descales, 0)
             self.combine(stream, workspace.ptr, part_lse, out.data.ptr, lse.data.ptr, sink_ptr)
         return (out, lse) if problem.return_lse else out

@@ -638,13 +638,40 @@ class StandaloneKernel:
 
     def name_expression(self, **args):
         """``cuflash::name<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
-        dtype, the others ints or bools."""
+        dtype (a one-byte one: FP8 storage) or an :class:`E4m3Cache`, the others ints or
+        bools."""
         if set(args) != set(self.parameters):
             raise TypeError(f"{self.name} takes {self.parameters}, got {tuple(args)}")
-        cxx = [
-            CXX_TYPES[np.dtype(args[p])] if p == "dtype" else _cxx(args[p]) for p in self.parameters
-        ]
+        cxx = [_type_cxx(args[p]) if p == "dtype" else _cxx(args[p]) for p in self.parameters]
         return f"cuflash::{self.name}" + (f"<{', '.join(cxx)}>" if cxx else "")
+
+
+#: The kernels' C++ type of FP8 (e4m3) storage: uint8 bits (CuPy's FP8 arrays) or
+#: float8_e4m3fn, whichever the call validated.
+E4M3_CXX = "cuflash::e4m3_t"
+
+
+def _storage_cxx(dtype):
+    dtype = np.dtype(dtype)
+    return E4M3_CXX if dtype.itemsize == 1 else CXX_TYPES[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class E4m3Cache:
+    """The element types of ``kvcache_decode_tc`` over an FP8 (e4m3) cache, its ``dtype``
+    parameter: ``query`` q's dtype (FP8 storage, float16 or bfloat16) and ``out`` the
+    output's (float32, float16 or bfloat16)."""
+
+    query: np.dtype
+    out: np.dtype
+
+    @property
+    def cxx(self):
+        return f"cuflash::E4m3Cache<{_storage_cxx(self.query)}, {CXX_TYPES[np.dtype(self.out)]}>"
+
+
+def _type_cxx(value):
+    return value.cxx if isinstance(value, E4m3Cache) else _storage_cxx(value)
 
 
 # The kernels outside the variants, each once: registry name = C++ template = the

@@ -176,6 +176,7 @@ _INSTRUCTIONS = (
     ("ex2.approx.ftz.f32", "ex2_approx_ftz_f32"),
     ("tanh.approx.f32", "tanh_approx_f32"),
     ("ld.shared.v2.f32", "ld_shared_v2_f32"),
+    ("prmt.b32", "prmt_b32"),
     ("ld.acquire.gpu.global.b32", "ld_acquire_gpu_b32"),
     ("red.release.gpu.global.add.s32", "red_release_add_one"),
     ("st.shared.f32", "st_shared_f32"),
@@ -245,6 +246,8 @@ def _translate(body):
         return "(void)0"  # a register pin, or what runs in order here anyway
     if "wgmma.mma_async" in template:
         return _wgmma(template, outputs, inputs)
+    if "cvt.rn.f16x2.e4m3x2" in template:  # mov.b32 {l, h}, x; two cvt (e4m3x4_to_f16x2)
+        return f"::sim::e4m3x4_to_f16x2({', '.join(args)})"
     if re.search(r"mov\.b32\s*\{\s*\w+,\s*\w+\s*\}", template) and "cvt.f32.f16" in template:
         return f"::sim::unpack_f16x2_f32({', '.join(args)})"
     if "%%dynamic_smem_size" in template:

@@ -354,6 +354,23 @@ inline unsigned char float_to_e4m3(float x) {
     const int mantissa = static_cast<int>(r / std::ldexp(1.0, re - 3)) - 8;
     return sign | static_cast<unsigned char>(((re + 7) << 3) | mantissa);
 }
+// mov.b32 {l, h}, x; cvt.rn.f16x2.e4m3x2 lo, l; cvt.rn.f16x2.e4m3x2 hi, h: each byte of
+// x as float16 (exact; a NaN byte a NaN), byte 0 the low half of lo.
+inline void e4m3x4_to_f16x2(unsigned& lo, unsigned& hi, unsigned x) {
+    unsigned short h[4];
+    for (int i = 0; i < 4; ++i) h[i] = float_to_half(e4m3_to_float((x >> (8 * i)) & 0xffu));
+    lo = h[0] | (static_cast<unsigned>(h[1]) << 16);
+    hi = h[2] | (static_cast<unsigned>(h[3]) << 16);
+}
+// prmt.b32 d, a, b, c (the default mode): byte i of d is byte (c >> 4 i) & 7 of {b, a}.
+inline void prmt_b32(unsigned& out, unsigned a, unsigned b, unsigned selector) {
+    const unsigned long long bytes = (static_cast<unsigned long long>(b) << 32) | a;
+    out = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned pick = (selector >> (4 * i)) & 7u;
+        out |= static_cast<unsigned>((bytes >> (8 * pick)) & 0xffu) << (8 * i);
+    }
+}
 // d = {upper byte: a, lower byte: b}
 inline void cvt_rn_satfinite_e4m3x2_f32(unsigned short& out, float a, float b) {
     out = static_cast<unsigned short>((float_to_e4m3(a) << 8) | float_to_e4m3(b));

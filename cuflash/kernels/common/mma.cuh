@@ -112,6 +112,24 @@ __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float
     return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
 }
 
+// Bytes of a and b picked by `selector` (prmt.b32: nibble i names result byte i, 0-3
+// a's bytes, 4-7 b's).
+template <unsigned SELECTOR>
+__device__ __forceinline__ unsigned byte_perm(unsigned a, unsigned b) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "n"(SELECTOR));
+    return r;
+}
+
+// Four e4m3 values (bytes 0-3 of x) as float16 pairs, exactly: bytes 0, 1 in lo (byte 0
+// the low half), bytes 2, 3 in hi; NaN stays NaN (sm_89 and newer).
+__device__ __forceinline__ void e4m3x4_to_f16x2(unsigned x, unsigned& lo, unsigned& hi) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(x));
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][D] tile
 // whose chunks are XOR-swizzled by the row, so that the 8 rows an ldmatrix
 // reads (and the rows cp.async writes) hit 8 different bank groups.

@@ -286,20 +286,25 @@ struct PiecesSplitParams {
 };
 
 // The KV cache's split-KV decode kernels (kvcache_decode, kvcache_decode_tc and
-// kvcache_decode_mla; T: the arrays' type): the query rows over each sequence's
-// cached keys, the splits' partial rows and lse (num_splits > 1) or out and lse.
-#define CUFLASH_DECODE_PARAMS(X, T)                                             \
-    X(PTR, const T, q)                                                          \
-    X(PTR, const T, k_cache)                                                    \
-    X(PTR, const T, v_cache)                                                    \
+// kvcache_decode_mla; Q: q's type, KV: the caches', OUT: out's, all one type but in
+// kvcache_decode_tc's FP8 instantiations): the query rows over each sequence's cached
+// keys, the splits' partial rows and lse (num_splits > 1) or out and lse.
+#define CUFLASH_DECODE_PARAMS(X, Q, KV, OUT)                                    \
+    X(PTR, const Q, q)                                                          \
+    X(PTR, const KV, k_cache)                                                   \
+    X(PTR, const KV, v_cache)                                                   \
     X(PTR, const int, seqlens)     /* cached lengths, int32 [B] (or null) */    \
     X(PTR, const int, block_table) /* a paged cache's, int32 [B, max_blocks] */ \
-    X(PTR, T, out)                                                              \
+    X(PTR, OUT, out)                                                            \
     X(PTR, float, lse)                                                          \
     X(PTR, float, part_out) /* the splits' rows, float32 */                     \
     X(PTR, float, part_lse)                                                     \
     X(PTR, const float, alibi_slopes)                                           \
     X(PTR, const float, sinks)                                                  \
+    /* An FP8 cache's descales as float32 [B, H_kv] arrays, or null (the FP8 */ \
+    /* page): q's times k's multiply the scores, v's the output. */             \
+    X(PTR, const float, qk_scales)                                              \
+    X(PTR, const float, v_scales)                                               \
     X(VAL, int, seqlen_value) /* the lengths without seqlens: one for all */    \
     /* Fixed by the plan: */                                                    \
     X(VAL, const UserModifierArgs, user_args)                                   \
@@ -321,9 +326,10 @@ struct PiecesSplitParams {
     X(VAL, int, aligned) /* k_cache and v_cache take 16-byte copies */          \
     X(VAL, float, scale_log2)                                                   \
     X(VAL, int, alibi_batch_stride)                                             \
-    X(VAL, float, softcap_log2)
+    X(VAL, float, softcap_log2)                                                 \
+    X(VAL, float, out_scale) /* an FP8 cache's scalar v descale (1 otherwise) */
 struct DecodeParams {
-    CUFLASH_DECODE_PARAMS(CUFLASH_MEMBER, void)
+    CUFLASH_DECODE_PARAMS(CUFLASH_MEMBER, void, void, void)
 };
 
 // The KV cache's append, kvcache_append (T: the arrays' type): k_new and v_new into

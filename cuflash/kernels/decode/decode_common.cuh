@@ -13,6 +13,11 @@
 
 namespace cuflash {
 
+// kvcache_decode_tc's element types for an FP8 (e4m3) cache: q in Q (e4m3, float16 or
+// bfloat16), the output in OUT (float32, float16 or bfloat16).
+template <typename Q, typename OUT>
+struct E4m3Cache {};
+
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding aside
@@ -102,6 +107,30 @@ __device__ __forceinline__ void unpack_pair(unsigned w, half_t, float& lo, float
     asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
         : "=f"(lo), "=f"(hi)
         : "r"(w));
+}
+// Four e4m3 values (bytes 0-3 of x) as pairs of T (float16 or bfloat16, each of which
+// holds every e4m3 value exactly): bytes 0, 1 in lo (byte 0 the low half), 2, 3 in hi.
+template <typename T>
+__device__ __forceinline__ void e4m3x4_widen(unsigned x, unsigned& lo, unsigned& hi) {
+    e4m3x4_to_f16x2(x, lo, hi);
+    if constexpr (TensorOp<T>::wide_exponent) {  // bfloat16: through float32
+        float a, b, c, d;
+        unpack_pair(lo, half_t{}, a, b);
+        unpack_pair(hi, half_t{}, c, d);
+        lo = TensorOp<T>::pack(a, b);
+        hi = TensorOp<T>::pack(c, d);
+    }
+}
+// One e4m3 value as T, exactly (q rows of an FP8 call); T itself passes through.
+template <typename T>
+__device__ __forceinline__ T widen_element(T x) {
+    return x;
+}
+template <typename T>
+__device__ __forceinline__ T widen_element(e4m3_t x) {
+    unsigned lo, hi;
+    e4m3x4_widen<T>(x.bits, lo, hi);
+    return T{static_cast<unsigned short>(lo & 0xffffu)};
 }
 template <typename T>
 __device__ __forceinline__ void unpack_chunk(const uint4& c, float (&x)[8]) {

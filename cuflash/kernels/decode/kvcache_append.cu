@@ -50,8 +50,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const long long key_elements = static_cast<long long>(new_len) * width;
     const int key_blocks = static_cast<int>((key_elements + kDecodeThreads - 1) / kDecodeThreads);
     const int length = cached_length(seqlens, seqlen_value, b, new_len, capacity);
+    // An FP8 (e4m3) cache takes no rotary embedding (refused on the host): a copy.
+    constexpr bool ROTATES = sizeof(T) > 1;
     if (static_cast<int>(blockIdx.x) >= key_blocks) {  // the query rows' rotation
-        if (rotary_dim == 0) return;
+        if (!ROTATES || rotary_dim == 0) return;
         const long long idx =
             static_cast<long long>(blockIdx.x - key_blocks) * kDecodeThreads + threadIdx.x;
         if (idx >= static_cast<long long>(group) * q_len * head_dim) return;
@@ -62,8 +64,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const int p = min(max(length + new_len - q_len + i, 0), rotary_rows - 1);
         const T* x = q + b * q_sb + h * q_sh + i * q_ss;
         const long long out = ((static_cast<long long>(b) * gridDim.y * group + h) * q_len + i);
-        q_rotated[out * head_dim + d] = from_float<T>(rotary_element(
-            x, d, rotary_dim, interleaved != 0, rotary_cos, rotary_sin, tables_in_t != 0, p));
+        if constexpr (ROTATES)
+            q_rotated[out * head_dim + d] = from_float<T>(rotary_element(
+                x, d, rotary_dim, interleaved != 0, rotary_cos, rotary_sin, tables_in_t != 0, p));
         return;
     }
     const long long idx = static_cast<long long>(blockIdx.x) * kDecodeThreads + threadIdx.x;
@@ -75,12 +78,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
     long long k_off, v_off;
     rows.offsets(pos, k_sb, k_ss, v_sb, v_ss, k_off, v_off);
     const T* k_row = k_new + b * kn_sb + hk * kn_sh + t * kn_ss;
-    if (d < head_dim)
-        k_cache[k_off + hk * k_sh + d] =
-            rotary_dim > 0 ? from_float<T>(rotary_element(k_row, d, rotary_dim, interleaved != 0,
-                                                          rotary_cos, rotary_sin, tables_in_t != 0,
-                                                          min(pos, rotary_rows - 1)))
-                           : k_row[d];
+    if (d < head_dim) {
+        T x = k_row[d];
+        if constexpr (ROTATES) {
+            if (rotary_dim > 0)
+                x = from_float<T>(rotary_element(k_row, d, rotary_dim, interleaved != 0, rotary_cos,
+                                                 rotary_sin, tables_in_t != 0,
+                                                 min(pos, rotary_rows - 1)));
+        }
+        k_cache[k_off + hk * k_sh + d] = x;
+    }
     if (d < head_dim_v)
         v_cache[v_off + hk * v_sh + d] = v_new[b * vn_sb + hk * vn_sh + t * vn_ss + d];
 }

@@ -14,7 +14,7 @@ namespace cuflash {
 // hk * group + m % group; a tile holds RM packed rows.
 template <typename T, int D, int RM>
 __global__ void __launch_bounds__(kDecodeThreads, 1)
-    kvcache_decode(CUFLASH_PARAMETERS(CUFLASH_DECODE_PARAMS, T)) {
+    kvcache_decode(CUFLASH_PARAMETERS(CUFLASH_DECODE_PARAMS, T, T, T)) {
     using Shape = DecodeShape<T, D, RM>;
     constexpr int ELEMS = Shape::ELEMS, CH = Shape::CH, BN = Shape::BN, DSUB = Shape::DSUB;
     constexpr int PITCH = Shape::PITCH, KSUB = Shape::KSUB;

@@ -41,7 +41,7 @@ struct DecodeMlaShape {
 
 template <typename T, int DK, int DV, int BN, int STAGES, bool PAGED, bool LATENT>
 __global__ void __launch_bounds__(kDecodeThreads, 1)
-    kvcache_decode_mla(CUFLASH_PARAMETERS(CUFLASH_DECODE_PARAMS, T)) {
+    kvcache_decode_mla(CUFLASH_PARAMETERS(CUFLASH_DECODE_PARAMS, T, T, T)) {
     using Shape = DecodeMlaShape<DK, DV, BN, STAGES, LATENT>;
     static_assert(STAGES >= 2, "at least double buffering");
     using Op = TensorOp<T>;

@@ -192,23 +192,6 @@ def flash_attention_with_kvcache(
     if fp8.requested(
         (q, k_cache, v_cache, k_new, v_new), fp8_format, q_descale, k_descale, v_descale, out_dtype
     ):
-        config = AttentionConfig(
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            causal,
-            window_size,
-            None,
-            softmax_scale,
-            allow_tf32,
-            softcap,
-            alibi_slopes,
-            score_mod,
-            mask_mod,
-            block_mask,
-            sinks,
-            head_dim_v,
-        )
         cache = (cache_seqlens, k_new, v_new, block_table, return_lse, check)
         rotary = (rotary_cos, rotary_sin)
         descales = (q_descale, k_descale, v_descale)
@@ -226,6 +209,23 @@ def flash_attention_with_kvcache(
             plan = plans.get(key)
             if plan is not None:
                 return plan(given[:9], descales)
+        config = AttentionConfig(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            window_size,
+            None,
+            softmax_scale,
+            allow_tf32,
+            softcap,
+            alibi_slopes,
+            score_mod,
+            mask_mod,
+            block_mask,
+            sinks,
+            head_dim_v,
+        )
         return kvcache_forward(
             flash_attention_with_kvcache,
             q,

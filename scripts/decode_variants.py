@@ -1,14 +1,15 @@
 """Time the tensor-core decode kernel's tile variants on the decode benchmark's cases.
 
 Usage: python scripts/decode_variants.py [--variants 64x2,64x3,32x4] [--splits N]
-       [--smem-floor BYTES] [--cases 0,1] [--warm]
+       [--smem-floor BYTES] [--cases 0,1] [--warm] [--fp8 bfloat16|float16|e4m3]
 
 Each variant is ``keys x stages`` of ``kvcache_decode_tc`` (keys a K/V tile, tiles in
 the pipeline); ``--splits`` forces the split count, ``--smem-floor`` asks for more shared
 memory a block (fewer blocks an SM), ``--warm`` only compiles the kernels (in parallel;
 CuPy keeps them on disk). bfloat16, D = 128, 32 query heads on 8 KV heads, one new row
 appended a step, lengths on the device (the cache full after the append); GPU time a
-call of back-to-back calls.
+call of back-to-back calls. ``--fp8 Q``: the cache (and the appended rows) rounded to
+e4m3 (the FP8 page), q in Q; TB/s of the e4m3 bytes.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
+from cuflash.bench.decode import e4m3_bits
 from cuflash.gpu import decode_kernels, plans, registry
 from cuflash.gpu.decode_kernels import decode_tc_name
 from cuflash.gpu.decode_tiles import decode_tc_shape
@@ -37,11 +39,12 @@ CASES = [
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def inputs(batch, keys, block_size, q_len, rng):
+def inputs(batch, keys, block_size, q_len, rng, fp8=None):
     device_rng = cupy.random.default_rng(int(rng.integers(2**31)))
 
     def normal(shape):
-        return device_rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        x = device_rng.standard_normal(shape, dtype=np.float32)
+        return e4m3_bits(x) if fp8 else x.astype(ml_dtypes.bfloat16)
 
     table = None
     if block_size:
@@ -54,10 +57,14 @@ def inputs(batch, keys, block_size, q_len, rng):
         shape = (batch, KV_HEADS, keys, HEAD_DIM)
     k_cache, v_cache = normal(shape), normal(shape)
     q = normal((batch, HEADS, q_len, HEAD_DIM))
+    if fp8 not in (None, "e4m3"):
+        dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[fp8]
+        q = device_rng.standard_normal(q.shape, dtype=np.float32).astype(dtype)
     k_new, v_new = (normal((batch, KV_HEADS, q_len, HEAD_DIM)) for _ in "kv")
     lengths = cupy.full(batch, keys - q_len, dtype=np.int32)
+    options = {"fp8_format": "e4m3"} if fp8 else {}
     return (q, k_cache, v_cache), dict(
-        cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table
+        cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table, **options
     )
 
 
@@ -83,13 +90,16 @@ def use_variant(original, keys, stages, smem_floor=0):
     """A ``decode_kernel`` that takes ``kvcache_decode_tc`` with these tiles where
     ``original`` takes the tensor-core kernel."""
 
-    def chosen(problem):
-        name, k, rows, shared = original(problem)
+    def chosen(problem, capability=80, fp8=None):
+        name, k, rows, shared = original(problem, capability, fp8)
         if registry.standalone_of(name).name != "kvcache_decode_tc":
             return name, k, rows, shared
         row_warps = rows // 16
-        k, rows, shared = decode_tc_shape(problem.head_dim, row_warps, stages, keys)
-        return (decode_tc_name(problem, row_warps, stages, keys), k, rows, max(shared, smem_floor))
+        k, rows, shared = decode_tc_shape(
+            problem.head_dim, row_warps, stages, keys, fp8=fp8 is not None
+        )
+        name = decode_tc_name(problem, row_warps, stages, keys, fp8)
+        return (name, k, rows, max(shared, smem_floor))
 
     return chosen
 
@@ -134,6 +144,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="64x2,64x3,32x4")
     parser.add_argument("--warm", action="store_true", help="only compile the kernels")
+    parser.add_argument("--fp8", default=None, help="an e4m3 cache, q of this dtype")
     parser.add_argument(
         "--cases", default=None, help="comma-separated indices into CASES (default: every case)"
     )
@@ -161,7 +172,7 @@ def main():
     print("case (B, keys, block size, S_q) | " + " | ".join(v[0] for v in variants))
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     for case in cases:
-        arrays, kwargs = inputs(*case, rng)
+        arrays, kwargs = inputs(*case, rng, args.fp8)
         cache_bytes = 2 * arrays[1].nbytes
         row = []
         for _, keys, stages in variants:

@@ -4,7 +4,8 @@ exactly in registers, run in the CPU simulator and, marked ``gpu``, through
 ``cuflash.flash_attention_with_kvcache`` on an sm_89+ GPU, against the float64 oracle on
 the dequantized inputs. The cases reach each of the kernel's shapes: the narrow one (up
 to 8 packed query rows) and the wide one with one, two and four row tiles; head dims
-whose rows end in half a 32-column group (48, 80); contiguous and paged caches, several
+whose rows end in half a 32-column group (48, 80); contiguous and paged caches (blocks
+of 16 keys, which take 64-key tiles, and of 64, which take the FP8 tile), several
 splits and their combine, appends, descales as scalars and per-(B, H_kv) arrays, every
 q kind and out_dtype, sinks, a window and a soft-cap."""
 
@@ -42,6 +43,7 @@ class DecodeCase:
     window: int = 0
     softcap: float = 0.0
     sinks: bool = False
+    block_size: int = 16  # keys a block of a paged cache
 
     def __str__(self):
         paged = "paged" if self.paged else "contiguous"
@@ -53,12 +55,13 @@ CASES = [
     DecodeCase(128, 8, 2, 1, "bfloat16", "bfloat16", False, "per_head"),  # narrow, 4 rows
     DecodeCase(64, 8, 2, 3, "e4m3", "float32", True, "scalar", sinks=True),  # wide, 12 rows
     DecodeCase(48, 2, 2, 1, "float16", "float16", False, "per_head", window=20),  # narrow, D % 32
-    DecodeCase(80, 16, 1, 3, "bfloat16", "bfloat16", True, "none", softcap=5.0),  # 48 rows
+    # 48 rows; blocks of 64 keys: the FP8 tile of 128 keys (blocks of 16 take 64-key tiles)
+    DecodeCase(80, 16, 1, 3, "bfloat16", "bfloat16", True, "none", softcap=5.0, block_size=64),
     DecodeCase(256, 4, 1, 1, "e4m3", "bfloat16", False, "per_head"),  # narrow, the widest
     DecodeCase(32, 8, 1, 3, "float16", "float32", False, "scalar"),  # 24 rows: two row tiles
 ]
 # 422 keys at most: two splits where few blocks share the simulator's small GPU
-LENGTHS, CAPACITY, BLOCK_SIZE, BLOCKS, NEW = (0, 150, 420), 448, 16, 96, 2
+LENGTHS, CAPACITY, BLOCKS, NEW = (0, 150, 420), 448, 96, 2
 
 
 def _inputs(case, rng):
@@ -67,9 +70,9 @@ def _inputs(case, rng):
     b, d, hk = 3, case.head_dim, case.num_kv_heads
     lengths = np.array(LENGTHS, np.int32)
     if case.paged:
-        slots = CAPACITY // BLOCK_SIZE
+        slots = CAPACITY // case.block_size
         table = rng.permutation(BLOCKS)[: b * slots].reshape(b, slots).astype(np.int32)
-        shape = (BLOCKS, hk, BLOCK_SIZE, d)
+        shape = (BLOCKS, hk, case.block_size, d)
     else:
         table, shape = None, (b, hk, CAPACITY, d)
     k_cache, v_cache = (rng.standard_normal(shape).astype(E4M3) for _ in "kv")
@@ -93,7 +96,8 @@ def _appended(cache, new, lengths, table):
             if table is None:
                 cache[i, :, pos] = new[i, :, t]
             else:
-                cache[table[i, pos // BLOCK_SIZE], :, pos % BLOCK_SIZE] = new[i, :, t]
+                size = cache.shape[2]  # keys a block
+                cache[table[i, pos // size], :, pos % size] = new[i, :, t]
     return cache
 
 
@@ -115,7 +119,8 @@ def oracle(case, q, k_cache, v_cache, lengths, table, descales, sinks):
         if table is None:
             keys, values = k_cache[b][:, positions], v_cache[b][:, positions]
         else:
-            blocks, rows = table[b, positions // BLOCK_SIZE], positions % BLOCK_SIZE
+            size = k_cache.shape[2]  # keys a block
+            blocks, rows = table[b, positions // size], positions % size
             keys = k_cache[blocks, :, rows].transpose(1, 0, 2)
             values = v_cache[blocks, :, rows].transpose(1, 0, 2)
         hk = case.num_kv_heads
@@ -239,7 +244,8 @@ def test_gpu_fp8_cache_matches_oracle(case, rng, poisoned):
 
 def _compiled_names():
     """The FP8 cache's decode instantiations the cases above launch on an H100/H200 (every
-    q kind, output dtype and kernel shape), the long-sequence stages and paged caches."""
+    q kind, output dtype and kernel shape): the FP8 tile, and (three stages, paged) the
+    16-bit tile's keys that caches in blocks of 16 keys take."""
     kernel = registry.STANDALONE["kvcache_decode_tc"]
     names = []
     for q_kind, out, d, row_warps, narrow in (
@@ -253,14 +259,15 @@ def _compiled_names():
     ):
         query = np.dtype(np.uint8) if q_kind == "e4m3" else Q_KINDS[q_kind]
         types = registry.E4m3Cache(query, OUT_DTYPES[out])
-        for stages, paged in ((2, False), (3, True)):
+        fp8_keys, small_block_keys = decode_tc_keys(d, fp8=True), decode_tc_keys(d)
+        for stages, paged, keys in ((2, False, fp8_keys), (3, True, small_block_keys)):
             names.append(
                 kernel.name_expression(
                     dtype=types,
                     head_dim=d,
                     row_warps=row_warps,
                     stages=stages,
-                    keys=decode_tc_keys(d, fp8=True),
+                    keys=keys,
                     paged=paged,
                     narrow=narrow,
                 )
@@ -328,3 +335,46 @@ def test_gpu_fp8_decode_steps_reuse_their_plan(rng, poisoned):
         hosts = [_appended(c, n, steps, table) for c, n in zip(hosts, (k_step, v_step))]
         ref = oracle(case, q, *hosts, steps, table, descales, None)
         check(case, out, lse, *ref)
+
+
+@pytest.mark.parametrize("block_size", [0, 16, 64], ids=["contiguous", "paged16", "paged64"])
+def test_simulated_fp8_cache_garbage_lengths_and_block_ids_stay_inside(block_size, rng):
+    """Device-held lengths and block ids are never trusted (the KV-cache page): negative,
+    past the capacity, block ids out of range, under guard pages; the e4m3 append and the
+    decode (both tiles: 64 keys for blocks of 16, 128 otherwise) stay inside every buffer
+    and every row is finite."""
+    if simulator.compiler() is None:
+        pytest.skip("no C++ compiler for the simulator")
+    b, h, hk, d, max_blocks, num_blocks = 4, 8, 2, 128, 8, 20
+    size = block_size or 16
+    shape = (num_blocks, hk, size, d) if block_size else (b, hk, max_blocks * size, d)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(E4M3).view(np.uint8) for _ in "kv")
+    q = rng.standard_normal((b, h, 1, d)).astype(BFLOAT16)
+    k_new, v_new = (rng.standard_normal((b, hk, 1, d)).astype(E4M3).view(np.uint8) for _ in "kv")
+    garbage_lengths = np.array([5, -70000, 2**31 - 1, 10**6], np.int32)
+    table = garbage_table = None
+    if block_size:
+        table = np.arange(b * max_blocks, dtype=np.int32).reshape(b, max_blocks) % num_blocks
+        garbage_table = np.array(
+            [[3, -1, 2**30, -(2**31)] * 2, [19, 20, 7, 0] * 2, [1000, 5, 6, 7] * 2, [-5] * 8],
+            np.int32,
+        )
+    out, lse = simulated_kvcache.forward(
+        q,
+        k_cache,
+        v_cache,
+        h,
+        hk,
+        d,
+        cache_seqlens=np.zeros(b, np.int32),
+        k_new=k_new,
+        v_new=v_new,
+        block_table=table,
+        return_lse=True,
+        capability=90,
+        device_lengths=garbage_lengths,
+        device_table=garbage_table,
+        guard=True,
+        fp8=Fp8Cache(registry.E4m3Cache(BFLOAT16, BFLOAT16), 0.5, 2.0),
+    )
+    assert np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()

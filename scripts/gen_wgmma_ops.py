@@ -30,97 +30,89 @@ def regs(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
 
 
-def ss(ptx_type, n):
+def _instruction(ptx_type, n):
+    """The wgmma of ``ptx_type`` operands (bf16, f16: k16 steps; e4m3: k32) and N = n."""
+    k = 32 if ptx_type == "e4m3" else 16
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type}"
+
+
+def from_shared(name, ptx_type, n, transposes, comment):
+    """Wrapper ``name``: A and B from shared memory through their descriptors, with the
+    instruction's transpose flags ``transposes`` (none for e4m3)."""
     acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 16, shared memory) B (16 x {n}, shared memory), both K-major.
-    static __device__ __forceinline__ void ss(float (&d)[{n // 8}][4], unsigned long long a,
-                                              unsigned long long b, int accumulate) {{
+    flags = "".join(f", {t}" for t in transposes)
+    indent = " " * (len(f"    static __device__ __forceinline__ void {name}("))
+    return f"""    // {comment}
+    static __device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], unsigned long long a,
+{indent}unsigned long long b, int accumulate) {{
         asm volatile(
             "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+            "{_instruction(ptx_type, n)} "
+            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1{flags};\\n}}\\n"
             : {operands(n)}
             : "l"(a), "l"(b), "r"(accumulate));
     }}
 """
+
+
+def from_registers(ptx_type, n, transposes, comment):
+    """``rs``: A from registers, B from shared memory, B's transpose flag if any."""
+    acc = n // 2
+    flags = "".join(f", {t}" for t in transposes)
+    return f"""    // {comment}
+    static __device__ __forceinline__ void rs(float (&d)[{n // 8}][4], const unsigned (&a)[4],
+                                              unsigned long long b, int accumulate) {{
+        asm volatile(
+            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"
+            "{_instruction(ptx_type, n)} "
+            "{{{regs(0, acc)}}}, {{{regs(acc, 4)}}}, %{acc + 4}, p, 1, 1{flags};\\n}}\\n"
+            : {operands(n)}
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    }}
+"""
+
+
+def ss(ptx_type, n):
+    comment = (
+        f"D (64 x {n}) += A (64 x 16, shared memory) B (16 x {n}, shared memory), both K-major."
+    )
+    return from_shared("ss", ptx_type, n, (0, 0), comment)
 
 
 def ss_mn(ptx_type, n):
-    acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 16, shared memory, M-major) B (16 x {n}, shared memory,
-    // N-major): both operands transposed against ::ss.
-    static __device__ __forceinline__ void ss_mn(float (&d)[{n // 8}][4], unsigned long long a,
-                                                 unsigned long long b, int accumulate) {{
-        asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 1, 1;\\n}}\\n"
-            : {operands(n)}
-            : "l"(a), "l"(b), "r"(accumulate));
-    }}
-"""
+    comment = (
+        f"D (64 x {n}) += A (64 x 16, shared memory, M-major) B (16 x {n}, shared memory,\n"
+        "    // N-major): both operands transposed against ::ss."
+    )
+    return from_shared("ss_mn", ptx_type, n, (1, 1), comment)
 
 
 def ss_nb(ptx_type, n):
-    acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 16, shared memory, K-major) B (16 x {n}, shared memory,
-    // N-major).
-    static __device__ __forceinline__ void ss_nb(float (&d)[{n // 8}][4], unsigned long long a,
-                                                 unsigned long long b, int accumulate) {{
-        asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 1;\\n}}\\n"
-            : {operands(n)}
-            : "l"(a), "l"(b), "r"(accumulate));
-    }}
-"""
+    comment = (
+        f"D (64 x {n}) += A (64 x 16, shared memory, K-major) B (16 x {n}, shared memory,\n"
+        "    // N-major)."
+    )
+    return from_shared("ss_nb", ptx_type, n, (0, 1), comment)
 
 
 def rs(ptx_type, n):
-    acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 16, registers) B (16 x {n}, shared memory, N-major).
-    static __device__ __forceinline__ void rs(float (&d)[{n // 8}][4], const unsigned (&a)[4],
-                                              unsigned long long b, int accumulate) {{
-        asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            "{{{regs(0, acc)}}}, {{{regs(acc, 4)}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"
-            : {operands(n)}
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-    }}
-"""
+    comment = f"D (64 x {n}) += A (64 x 16, registers) B (16 x {n}, shared memory, N-major)."
+    return from_registers(ptx_type, n, (1,), comment)
 
 
 def fp8_ss(n):
-    acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 32, shared memory) B (32 x {n}, shared memory), both K-major.
-    static __device__ __forceinline__ void ss(float (&d)[{n // 8}][4], unsigned long long a,
-                                              unsigned long long b, int accumulate) {{
-        asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-            "{{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1;\\n}}\\n"
-            : {operands(n)}
-            : "l"(a), "l"(b), "r"(accumulate));
-    }}
-"""
+    comment = (
+        f"D (64 x {n}) += A (64 x 32, shared memory) B (32 x {n}, shared memory), both K-major."
+    )
+    return from_shared("ss", "e4m3", n, (), comment)
 
 
 def fp8_rs(n):
-    acc = n // 2
-    return f"""    // D (64 x {n}) += A (64 x 32, registers: four e4m3 a register) B (32 x {n}, shared
-    // memory, K-major).
-    static __device__ __forceinline__ void rs(float (&d)[{n // 8}][4], const unsigned (&a)[4],
-                                              unsigned long long b, int accumulate) {{
-        asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-            "{{{regs(0, acc)}}}, {{{regs(acc, 4)}}}, %{acc + 4}, p, 1, 1;\\n}}\\n"
-            : {operands(n)}
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-    }}
-"""
+    comment = (
+        f"D (64 x {n}) += A (64 x 32, registers: four e4m3 a register) B (32 x {n}, shared\n"
+        "    // memory, K-major)."
+    )
+    return from_registers("e4m3", n, (), comment)
 
 
 def main():

@@ -97,7 +97,7 @@ from .plots import plot_memory, plot_throughput
 from .progress import print_status
 from .report import format_report
 from .small_calls import small_call_sweep
-from .timing import QUICK_TARGET_SECONDS, TARGET_SECONDS, Budget
+from .timing import QUICK_TARGET_SECONDS, TARGET_SECONDS, Budget, warm_up_gpu
 from .value_dims import value_dim_report
 from .varlen import varlen_report
 
@@ -275,6 +275,7 @@ def run(args):
     )
     report = {"environment": env, "settings": settings}
     budget = Budget(args.time_budget, args.target_seconds)
+    warm_up_gpu()
     if not args.no_first_call:
         head_dim = 128 if 128 in args.head_dims else args.head_dims[0]
         print_status(f"first-call cost of the {args.dtypes[0]}, D={head_dim} variant")

@@ -60,6 +60,25 @@ def event_times(calls, count):
     return [cupy.cuda.get_elapsed_time(start, end) / 1e3 for start, end in events]
 
 
+WARM_UP_SECONDS = 2.0  # of steady GPU work before a run's first measurement
+
+
+def warm_up_gpu(seconds=WARM_UP_SECONDS):
+    """Keep the GPU busy for ``seconds`` (float32 matrix products) before the first
+    measurement: on a machine just started, the first decode cases of a run timed 2-3x
+    slow for every implementation, torch's included, and a second run in the same call
+    did not (an H100 and an H200, 2026-12-06)."""
+    a = cupy.ones((4096, 4096), dtype=np.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = a @ a
+            a *= np.float32(1.0 / 4096)
+        cupy.cuda.get_current_stream().synchronize()
+    del a
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 def time_calls(calls, target_seconds):
     """Time ``calls`` (one per input set) in rotation on CuPy's current stream.
 

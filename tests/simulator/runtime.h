@@ -831,6 +831,24 @@ inline float shared_element(unsigned address) {
     return BF16 ? bf16_to_float(bits) : half_to_float(bits);
 }
 
+// This thread's accumulators (`rank` in the warpgroup; n8 tile j, element e: row 16
+// warp + g + 8 (e >> 1), column 8 j + 2 t + (e & 1)) of D (64 x N) (+)= A (64 x K, the
+// warpgroup's, gathered) B, element (k, column) of B from `b_of`; the products summed
+// in float64.
+template <int N, int K, typename BOf>
+inline void wgmma_accumulate(float* const* d, int rank, const float (&a)[64][K], BOf b_of,
+                             bool accumulate) {
+    const int warp = rank / 32, g = (rank % 32) / 4, t = rank % 4;
+    for (int j = 0; j < N / 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+            const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+            double sum = 0;
+            for (int k = 0; k < K; ++k) sum += static_cast<double>(a[row][k]) * b_of(k, col);
+            float* out = d[4 * j + e];
+            *out = static_cast<float>(accumulate ? *out + sum : sum);
+        }
+}
+
 // wgmma.mma_async m64nNk16 with float32 accumulators on the warpgroup: D (64 x N)
 // (+)= A (64 x 16) B (16 x N). `d`: this thread's N / 2 accumulators in the
 // operand order (n8 tile j, element e: row 16 warp + g + 8 (e >> 1), column 8 j +
@@ -861,18 +879,13 @@ inline void wgmma(float* const* d, const unsigned (&a_regs)[4], unsigned long lo
                                                            : a_layout.k_major(r, k));
                 }
             }
-        const int warp = rank / 32, g = (rank % 32) / 4, t = rank % 4;
-        for (int j = 0; j < N / 8; ++j)
-            for (int e = 0; e < 4; ++e) {
-                const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
-                double sum = 0;
-                for (int k = 0; k < 16; ++k)
-                    sum += static_cast<double>(a[row][k]) *
-                           shared_element<BF16>(TRANS_B ? b_layout.mn_major(k, col)
-                                                        : b_layout.k_major(col, k));
-                float* out = d[4 * j + e];
-                *out = static_cast<float>(accumulate ? *out + sum : sum);
-            }
+        wgmma_accumulate<N>(
+            d, rank, a,
+            [&](int k, int col) {
+                return shared_element<BF16>(TRANS_B ? b_layout.mn_major(k, col)
+                                                    : b_layout.k_major(col, k));
+            },
+            accumulate);
         return 0;
     });
 }
@@ -904,19 +917,14 @@ inline void wgmma_e4m3(float* const* d, const unsigned (&a_regs)[4], unsigned lo
                 }
                 a[r][k] = e4m3_to_float(bits);
             }
-        const int warp = rank / 32, g = (rank % 32) / 4, t = rank % 4;
-        for (int j = 0; j < N / 8; ++j)
-            for (int e = 0; e < 4; ++e) {
-                const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
-                double sum = 0;
-                for (int k = 0; k < 32; ++k) {
-                    unsigned char bits;
-                    memcpy(&bits, shared_pointer(b_layout.k_major(col, k, 1)), 1);
-                    sum += static_cast<double>(a[row][k]) * e4m3_to_float(bits);
-                }
-                float* out = d[4 * j + e];
-                *out = static_cast<float>(accumulate ? *out + sum : sum);
-            }
+        wgmma_accumulate<N>(
+            d, rank, a,
+            [&](int k, int col) {
+                unsigned char bits;
+                memcpy(&bits, shared_pointer(b_layout.k_major(col, k, 1)), 1);
+                return e4m3_to_float(bits);
+            },
+            accumulate);
         return 0;
     });
 }

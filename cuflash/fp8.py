@@ -3,8 +3,9 @@
 An FP8 array is either a NumPy array of ``ml_dtypes.float8_e4m3fn`` or, since CuPy
 has no float8 dtype, a ``uint8`` array (NumPy or CuPy) holding the e4m3 bits with
 ``fp8_format="e4m3"`` naming them. Nothing here runs attention: the forward calls
-(:mod:`cuflash.fp8_forward`) validate with these checks, dequantize with
-:func:`decode` and call the float32 path.
+(:mod:`cuflash.fp8_forward`) validate with these checks, then run a native kernel
+where one serves the call, else dequantize with :func:`decode` and call the float32
+path.
 
 Dequantizing is exact: every e4m3 value is a float32 (and a bfloat16 and a float16)
 value, looked up in a 256-entry table that ``ml_dtypes`` itself decodes. The descales

@@ -39,7 +39,7 @@ class DecodeCase:
     q_kind: str
     out: str
     paged: bool
-    descales: str  # "none", "scalar" or "per_head"
+    descales: str  # "none", "scalar", "per_head", or "mixed" (q's and v's arrays, k's a float)
     window: int = 0
     softcap: float = 0.0
     sinks: bool = False
@@ -54,7 +54,7 @@ class DecodeCase:
 CASES = [
     DecodeCase(128, 8, 2, 1, "bfloat16", "bfloat16", False, "per_head"),  # narrow, 4 rows
     DecodeCase(64, 8, 2, 3, "e4m3", "float32", True, "scalar", sinks=True),  # wide, 12 rows
-    DecodeCase(48, 2, 2, 1, "float16", "float16", False, "per_head", window=20),  # narrow, D % 32
+    DecodeCase(48, 2, 2, 1, "float16", "float16", False, "mixed", window=20),  # narrow, D % 32
     # 48 rows; blocks of 64 keys: the FP8 tile of 128 keys (blocks of 16 take 64-key tiles)
     DecodeCase(80, 16, 1, 3, "bfloat16", "bfloat16", True, "none", softcap=5.0, block_size=64),
     DecodeCase(256, 4, 1, 1, "e4m3", "bfloat16", False, "per_head"),  # narrow, the widest
@@ -84,6 +84,8 @@ def _inputs(case, rng):
         descales = (0.75, 1.5, 2.5)
     else:
         descales = tuple(rng.uniform(0.5, 2, (b, hk)).astype(np.float32) for _ in range(3))
+        if case.descales == "mixed":
+            descales = (descales[0], 1.5, descales[2])
     return q, k_cache, v_cache, k_new, v_new, lengths, table, descales
 
 

@@ -5,8 +5,8 @@ checked by :mod:`cuflash.fp8`, then the descales and ``out_dtype``). A dense cal
 the native FP8 kernel serves on the GPU (an H100/H200, 16-bit output, no score
 modifiers: :func:`cuflash.gpu.fp8_plan.serves`) runs it: e4m3 products on the tensor
 cores, P rounded to e4m3. A KV-cache call from sm_89 (head dims multiples of 16 up to
-256) runs the tensor-core decode kernel on the e4m3 cache as it is, widened exactly to
-16 bits in registers. Every other call dequantizes its FP8 arrays to float32
+256, a 16-bit output) runs the tensor-core decode kernel on the e4m3 cache as it is,
+widened exactly to 16 bits in registers. Every other call dequantizes its FP8 arrays to float32
 (exactly; ``q`` times ``q_descale * k_descale``) and runs the float32 forward of its
 function, whose output it multiplies by ``v_descale`` and rounds to ``out_dtype``; the
 CPU path does the same on NumPy arrays.
@@ -211,7 +211,7 @@ def kvcache_forward(
     or bfloat16; ``k_new``, ``v_new`` of the cache's dtype) and the options ``config``
     (``allow_tf32`` checked, then ignored): the append into the FP8 cache in place, then
     attention over it. From sm_89 the tensor-core decode kernel reads the cache as it is
-    (head dims multiples of 16 up to 256, v's the same:
+    (head dims multiples of 16 up to 256, v's the same, a 16-bit output:
     ``cuflash.gpu.decode_kernels.reads_fp8``); elsewhere, and on the CPU path, attention
     runs over the whole cache dequantized to float32. ``rotary_tables``:
     ``(rotary_cos, rotary_sin)``, which an FP8 cache does not take;
@@ -246,7 +246,7 @@ def kvcache_forward(
         from .gpu import kvcache as gpu_kvcache
         from .gpu.kernel_launch import device_capability
 
-        if decode_kernels.reads_fp8(problem, device_capability()[1]):
+        if decode_kernels.reads_fp8(problem, device_capability()[1], dtype):
             call = gpu_kvcache.Fp8Cache(
                 registry.E4m3Cache(q.dtype, dtype),
                 fp8.query_scale(xp, q_descale, k_descale),

@@ -380,3 +380,21 @@ def test_simulated_fp8_cache_garbage_lengths_and_block_ids_stay_inside(block_siz
         fp8=Fp8Cache(registry.E4m3Cache(BFLOAT16, BFLOAT16), 0.5, 2.0),
     )
     assert np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()
+
+
+def test_which_fp8_caches_the_kernel_reads():
+    """The native decode serves sm_89 and newer, head dims that are multiples of 16 up to
+    256 shared by v, and 16-bit outputs; a float32 out_dtype keeps the exact path (as a
+    dense FP8 call's), and so does every other cache."""
+    from types import SimpleNamespace
+
+    from cuflash.gpu.decode_kernels import reads_fp8
+
+    def problem(head_dim=128, own_value_dims=False):
+        return SimpleNamespace(head_dim=head_dim, own_value_dims=own_value_dims)
+
+    assert reads_fp8(problem(), 90, BFLOAT16) and reads_fp8(problem(256), 89, np.float16)
+    assert not reads_fp8(problem(), 90, np.float32)
+    assert not reads_fp8(problem(), 86, BFLOAT16) and not reads_fp8(problem(), 80, BFLOAT16)
+    assert not reads_fp8(problem(72), 90, BFLOAT16) and not reads_fp8(problem(272), 90, BFLOAT16)
+    assert not reads_fp8(problem(own_value_dims=True), 90, BFLOAT16)

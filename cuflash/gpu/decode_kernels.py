@@ -103,12 +103,15 @@ def uses_tensor_cores(problem):
     return np.dtype(problem.dtype).itemsize == 2 and problem.head_dim % 16 == 0
 
 
-def reads_fp8(problem, capability):
+def reads_fp8(problem, capability, out_dtype):
     """Whether the tensor-core kernel reads ``problem``'s FP8 (e4m3) cache as it is, on a GPU
     of compute ``capability`` (86: sm_86): from sm_89 (its e4m3 conversions), for a head_dim
-    a multiple of 16 up to 256 that v shares. Other FP8 calls dequantize the cache."""
+    a multiple of 16 up to 256 that v shares, with a 16-bit ``out_dtype`` (a float32 one
+    asks for the exact computation, as in the dense FP8 call; the kernel rounds P to
+    float16). Other FP8 calls dequantize the cache."""
     return (
         capability >= 89
+        and np.dtype(out_dtype).itemsize == 2
         and problem.head_dim % 16 == 0
         and problem.head_dim <= 256
         and not problem.own_value_dims

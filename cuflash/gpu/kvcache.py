@@ -237,7 +237,8 @@ def gpu_forward(
     keys and a copy of the query rows with ``rotary_cos`` / ``rotary_sin``), attend,
     combine (``sinks``: the attention sinks, which the unsplit kernel or the combine
     adds). ``fp8``: an FP8 cache's :class:`Fp8Cache` (the tensor-core kernel reads it:
-    ``decode_kernels.reads_fp8``)."""
+    ``decode_kernels.reads_fp8``; the kernel takes any output dtype, the library's path
+    a 16-bit one)."""
     if check:
         verify_on_host(problem, cache_seqlens, block_table)
     if block_table is not None:

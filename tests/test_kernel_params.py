@@ -217,6 +217,37 @@ def test_params_fix_members_and_pack_the_calls_addresses():
     assert p["user_args"]["outer_tiles"] == 7
 
 
+def test_tensor_maps_are_encoded_when_their_address_changes():
+    """A call encodes a map only where its array's address differs from the last call's;
+    an encoding the driver refused is tried again at the next call."""
+    encoded, refuse = [], set()
+
+    def encode(tile_map, destination, address):
+        if address in refuse:
+            raise RuntimeError("refused")
+        encoded.append((tile_map, address))
+
+    maps = {"q_map": ("q", "Q", encode), "k_map": ("k", "K", encode), "v_map": ("v", "V", encode)}
+    p = kernel_params.Params("ForwardParams", kernel_params.FORWARD_ADDRESSES, maps=maps)
+    addresses = [0x1000 * (i + 1) for i in range(len(kernel_params.FORWARD_ADDRESSES))]
+    p.pack(*addresses)
+    assert sorted(encoded) == [("K", 0x2000), ("Q", 0x1000), ("V", 0x3000)]
+    p.pack(*addresses)  # the same arrays: nothing to encode
+    addresses[3] = 0x9000  # out: no map reads it
+    p.pack(*addresses)
+    assert len(encoded) == 3
+    addresses[1] = 0x7000  # k alone moved
+    p.pack(*addresses)
+    assert encoded[3:] == [("K", 0x7000)]
+    refuse.add(0x8000)
+    addresses[2] = 0x8000
+    with pytest.raises(RuntimeError):
+        p.pack(*addresses)
+    refuse.clear()
+    p.pack(*addresses)  # the refused map is encoded at the next call
+    assert encoded[4:] == [("V", 0x8000)] and p["v"] == 0x8000
+
+
 def test_a_length_goes_with_the_call_addresses():
     """The KV cache's host-held length is an int the call writes with its addresses."""
     p = kernel_params.Params("DecodeParams", kernel_params.DECODE_ADDRESSES, num_heads=8)

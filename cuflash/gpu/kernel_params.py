@@ -16,6 +16,7 @@ and writes only the call's device addresses at each launch.
 """
 
 import functools
+import operator
 import re
 import struct
 from pathlib import Path
@@ -250,6 +251,8 @@ class Params:
         "_pack_addresses",
         "_maps",
         "_last",
+        "_last_all",
+        "_map_addresses",
         "base",
         "_given",
     )
@@ -290,6 +293,9 @@ class Params:
             self._maps.append((self.per_call.index(source), tile_map, encode, destination))
         if self._maps:
             self._last = [None] * len(self._maps)
+            # The maps' addresses as one tuple, compared at once (a call's host time)
+            self._map_addresses = operator.itemgetter(*(m[0] for m in self._maps), 0)
+            self._last_all = None
             self.pack = self._pack_with_maps
 
     def rebased(self, base):
@@ -301,12 +307,17 @@ class Params:
 
     def _pack_with_maps(self, *addresses):
         self._pack_addresses(*addresses)
+        current = self._map_addresses(addresses)
+        if current == self._last_all:
+            return
+        self._last_all = None
         for i, (source, tile_map, encode, destination) in enumerate(self._maps):
             address = addresses[source]
             if address != self._last[i]:
                 self._last[i] = None  # a failed encoding leaves no stale map behind
                 encode(tile_map, destination, address)
                 self._last[i] = address
+        self._last_all = current
 
     def __getitem__(self, member):
         return self.record[member][0]

@@ -122,8 +122,8 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
 
     With ``tf32`` (float32 cases with ``allow_tf32``), every matrix-product
     operand and result is rounded to TF32 instead. ``softcap`` and
-    ``alibi_slopes`` (SPEC 8) modify the float32 scores before they are
-    rounded, and their derivative enters dS.
+    ``alibi_slopes`` (the semantics page, section 'Score modifiers') modify the
+    float32 scores before they are rounded, and their derivative enters dS.
 
     The backward uses the standard formulation (P recomputed from the
     log-sum-exp, dS = P (dP - rowsum(dO O))), so it carries the same

@@ -1,6 +1,6 @@
-"""Ring attention (SPEC 9), simulated: N virtual ranks as threads of one process
-(``cuflash.distributed.ThreadGroup``), each rank's shards gathered and checked against
-the float64 oracle on the whole sequence, forward and backward; the pair rule against
+"""Ring attention (the distributed page), simulated: N virtual ranks as threads of one
+process (``cuflash.distributed.ThreadGroup``), each rank's shards gathered and checked
+against the float64 oracle on the whole sequence, forward and backward; the pair rule against
 the visible-key rule by brute force; the validation errors."""
 
 import itertools

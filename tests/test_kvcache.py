@@ -1,6 +1,7 @@
-"""flash_attention_with_kvcache (SPEC 6): the CPU path and the GPU kernels against a float64
-oracle built from cuflash.reference.attention_reference one sequence at a time; in-place
-appends; paged caches; every validation error; untrusted device-held lengths and block ids."""
+"""flash_attention_with_kvcache (the KV-cache page): the CPU path and the GPU kernels
+against a float64 oracle built from cuflash.reference.attention_reference one sequence at
+a time; in-place appends; paged caches; every validation error; untrusted device-held
+lengths and block ids."""
 
 import dataclasses
 import math
@@ -44,7 +45,7 @@ class KVCase:
     lengths: str = "random"  # "random" (0 and full capacity included), "int", "full"
     vllm_layout: bool = False  # paged [num_blocks, block_size, H_kv, D] passed transposed
     shared_blocks: bool = False  # sequences share their first block
-    softcap: float = 0.0  # score modifiers (SPEC 8)
+    softcap: float = 0.0  # score modifiers (semantics page)
     alibi: str = ""  # ALiBi slopes: "" none, "heads" [H], "batch" [B, H]
     sinks: bool = False  # attention sinks (float32 [H])
 
@@ -287,7 +288,7 @@ CASES = [
     ),
     KVCase(dtype="float32", window=1, q_len=9, new_len=4, scale=-0.7, heads=3, kv_heads=3),
     KVCase(dtype="bfloat16", scale=0.05, q_len=2, lengths="int", new_len=2, heads=16, kv_heads=1),
-    # score modifiers (SPEC 8): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
+    # score modifiers (semantics page): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
     # paged, the CUDA-core and tensor-core kernels and the dense kernels' long chunks
     KVCase(dtype="bfloat16", softcap=2.0),
     KVCase(dtype="float32", alibi="heads", q_len=3, new_len=3, window=5),

@@ -1,9 +1,10 @@
-"""User-defined score and mask functions (SPEC 8) compiled into the GPU kernels, with and
-without a block mask, forward and backward (atomic and deterministic), against the
-float64 oracle: the docs' examples (documents packed in one sequence, prefix-LM, chunked
-local attention), a random mask with rows that see nothing, a learned relative bias
-with a document mask; the block mask's classification against its NumPy twin; the
-errors. GPU tests are marked gpu; the block mask's CPU side runs in CI."""
+"""User-defined score and mask functions (the semantics page, section 'User-defined
+score and mask functions') compiled into the GPU kernels, with and without a block mask,
+forward and backward (atomic and deterministic), against the float64 oracle: the docs'
+examples (documents packed in one sequence, prefix-LM, chunked local attention), a
+random mask with rows that see nothing, a learned relative bias with a document mask;
+the block mask's classification against its NumPy twin; the errors. GPU tests are
+marked gpu; the block mask's CPU side runs in CI."""
 
 import numpy as np
 import pytest

@@ -21,7 +21,7 @@ from .core.kvcache_problem import kvcache_problem
 from .core.problem import array_module, forward_problem
 from .core.varlen_problem import varlen_problem, verified_offsets
 from .errors import InvalidArgumentError
-from .gpu import plans, registry
+from .gpu import plans, standalone
 
 
 def dense_forward(flash_attention_fwd, q, k, v, config, fp8_format, descales, out_dtype):
@@ -247,7 +247,7 @@ def kvcache_forward(
 
         if decode_kernels.reads_fp8(problem, device_capability()[1], dtype):
             call = gpu_kvcache.Fp8Cache(
-                registry.E4m3Cache(q.dtype, dtype),
+                standalone.E4m3Cache(q.dtype, dtype),
                 fp8.query_scale(xp, q_descale, k_descale),
                 v_descale,
             )

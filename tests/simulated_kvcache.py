@@ -16,7 +16,7 @@ from cuflash import rotary
 from cuflash.core.config import AttentionConfig
 from cuflash.core.kvcache_problem import kvcache_problem
 from cuflash.core.problem import forward_problem
-from cuflash.gpu import decode_kernels, decode_params, registry
+from cuflash.gpu import decode_kernels, decode_params, registry, standalone
 
 #: What the split count is chosen for (cuflash.gpu.decode_kernels.num_splits): a small GPU, so that
 #: the test shapes take several splits and the combine.
@@ -28,7 +28,7 @@ def _strides(a):
 
 
 def _module(name, capability):
-    source = registry.standalone_of(name).source
+    source = standalone.standalone_of(name).source
     return simulator.build([name], headers=(source,), arch=capability)
 
 

@@ -503,13 +503,13 @@ def compile_and_check(names, arch, functors=None, source_file=None):
     """Compile ``names`` for ``arch`` through NVRTC (no GPU; with the user's modifier
     functors if given): each kernel without spills or a stack frame, in at most 255
     registers. ``names``: registry kernels outside the variants (their source file from
-    ``cuflash.gpu.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
-    from cuflash.gpu import kernel_build, registry
+    ``cuflash.gpu.standalone.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
+    from cuflash.gpu import kernel_build, standalone
 
     if source_file is None:  # each registry kernel's own file
         by_source = {}
         for name in names:
-            by_source.setdefault(registry.standalone_of(name).source, []).append(name)
+            by_source.setdefault(standalone.standalone_of(name).source, []).append(name)
     else:
         by_source = {source_file: list(names)}
     report = {}

@@ -12,7 +12,7 @@ from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to
 
 from cuflash import AttentionConfig, InvalidArgumentError
 from cuflash.core.kvcache_problem import kvcache_problem
-from cuflash.gpu import decode_kernels, kernel_build, plans, registry
+from cuflash.gpu import decode_kernels, kernel_build, plans, standalone
 from cuflash.gpu.decode_kernels import ROW_TILES, num_splits
 from cuflash.gpu.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
 from cuflash.kvcache import flash_attention_with_kvcache
@@ -633,7 +633,7 @@ def test_cpu_unused_block_table_entries_are_never_read(rng):
 
 
 def _kernel_names(dtype_names, head_dims):
-    kernels = registry.STANDALONE
+    kernels = standalone.STANDALONE
     names = []
     for dtype in (DTYPES[n] for n in dtype_names):
         names.append(kernels["kvcache_append"].name_expression(dtype=dtype))
@@ -789,7 +789,7 @@ def test_split_cap_is_the_combines():
     """The combine takes a thread a split: MAX_SPLITS is its kMaxSplits (kDecodeThreads)."""
     import re
 
-    source = kernel_build.module_source(registry.STANDALONE["kvcache_combine"].source)
+    source = kernel_build.module_source(standalone.STANDALONE["kvcache_combine"].source)
     assert re.search(r"constexpr int kMaxSplits = kDecodeThreads;", source)
     assert re.search(rf"constexpr int kDecodeThreads = {decode_kernels.THREADS};", source)
     assert decode_kernels.MAX_SPLITS == decode_kernels.THREADS

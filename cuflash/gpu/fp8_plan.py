@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import dispatch
 from ..core.problem import unit_last_stride
-from . import kernel_build, kernel_params, plans, registry, tensor_maps
+from . import kernel_build, kernel_params, plans, registry, standalone, tensor_maps
 from .kernel_launch import (
     NO_USER_ARGUMENTS,
     Launch,
@@ -33,7 +33,7 @@ from .tile_traits import round_up
 
 WS_FORWARD = registry.BY_NAME["forward_wgmma_ws"]
 ROLE = WS_FORWARD.name + registry.FP8
-TRANSPOSE = registry.STANDALONE["fp8_transpose_v"]
+TRANSPOSE = standalone.STANDALONE["fp8_transpose_v"]
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256  # keys and rows a block, its threads
 SIXTEEN_BIT = tuple(registry.CXX_TYPES.keys() - {np.dtype(np.float32)})
 

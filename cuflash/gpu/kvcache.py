@@ -15,7 +15,7 @@ from .. import rotary as rotary_embedding
 from ..core.config import AttentionConfig
 from ..core.kvcache_problem import check_block_ids, check_lengths
 from ..core.problem import forward_problem, unit_last_stride
-from . import decode_kernels, decode_params, kernel_params, registry
+from . import decode_kernels, decode_params, kernel_params, registry, standalone
 from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
 from .kernel_build import UserFunctors
@@ -35,11 +35,11 @@ from .launch import ForwardPlan
 @dataclasses.dataclass(frozen=True)
 class Fp8Cache:
     """What an FP8 (e4m3) cache's call adds (the FP8 page): the decode kernel's element
-    types (``registry.E4m3Cache``: q's dtype and the output's) and the descales, q's
+    types (``standalone.E4m3Cache``: q's dtype and the output's) and the descales, q's
     times k's (``qk``) and v's: None (1), a float, or a float32 ``[B, H_kv]`` CuPy
     array."""
 
-    types: registry.E4m3Cache
+    types: standalone.E4m3Cache
     qk: object = None
     v: object = None
 

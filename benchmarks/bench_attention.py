@@ -3,7 +3,7 @@
 The shapes are those of ``docs/performance.md``: ``B * S = 16384`` tokens and
 ``H = 2048 / D`` heads, so every case moves the same amount of activations
 and only the attention pattern changes with ``S``. FLOPs follow
-FlashAttention's convention (SPEC section 5).
+FlashAttention's convention (the performance page, section 'Methodology').
 
 Without a GPU (CuPy missing, or ``cupy.is_available()`` false) every
 ``setup`` raises ``NotImplementedError``, which asv reports as skipped.
@@ -13,11 +13,13 @@ D 64/128, S 1024/4096 (causal and not) for a smoke run. The dtype
 ``"float32-tf32"`` is float32 with ``allow_tf32=True``.
 
 Beside the grid: :class:`HostTime` times one tiny call with nothing
-synchronized (the host's cost per call, SPEC section 5), :class:`Decode`
-two decoding steps from a KV cache (SPEC section 6), skipped while cuflash
-has no ``flash_attention_with_kvcache``, :class:`Varlen` one packed batch
-of variable-length sequences (SPEC section 7) and :class:`Modifiers` the score
-modifiers ``softcap`` and ``alibi_slopes`` (SPEC section 8).
+synchronized (the host's cost per call; the performance page, section 'Small
+calls and host time'), :class:`Decode` two decoding steps from a KV cache
+(the KV-cache page), skipped while cuflash has no
+``flash_attention_with_kvcache``, :class:`Varlen` one packed batch of
+variable-length sequences (the varlen page) and :class:`Modifiers` the score
+modifiers ``softcap`` and ``alibi_slopes`` (the semantics page, section 'Score
+modifiers: soft-capping and ALiBi').
 """
 
 import os
@@ -392,10 +394,11 @@ class Varlen:
 
 
 class Modifiers:
-    """Forward and backward TFLOP/s with a score modifier (SPEC section 8): none,
-    ``softcap=30``, ALiBi slopes ``2^(-8 i / H)``, both; bfloat16, causal,
-    ``B, H, S, D = 4, 16, 4096, 128`` (``python -m cuflash.bench_modifiers`` prints them
-    next to compiled ``flex_attention``)."""
+    """Forward and backward TFLOP/s with a score modifier (the semantics page, section
+    'Score modifiers'): none, ``softcap=30``, ALiBi slopes ``2^(-8 i / H)``, both;
+    bfloat16, causal, ``B, H, S, D = 4, 16, 4096, 128``
+    (``python -m cuflash.bench_modifiers`` prints them next to compiled
+    ``flex_attention``)."""
 
     params = (["plain", "softcap", "alibi", "softcap+alibi"],)
     param_names = ["modifier"]
@@ -447,11 +450,11 @@ class Modifiers:
 
 
 class Masks:
-    """Forward and backward milliseconds with a block mask (SPEC section 8): documents
-    packed into one sequence (8 x 2048 tokens, causal inside each), prefix-LM (prefix 1024
-    of 4096) and causal chunks of 1024 of 4096; bfloat16, H = 16, D = 128
-    (``python -m cuflash.bench_masks`` prints them next to the varlen call and compiled
-    ``flex_attention``)."""
+    """Forward and backward milliseconds with a block mask (the semantics page, section
+    'Block masks'): documents packed into one sequence (8 x 2048 tokens, causal inside
+    each), prefix-LM (prefix 1024 of 4096) and causal chunks of 1024 of 4096; bfloat16,
+    H = 16, D = 128 (``python -m cuflash.bench_masks`` prints them next to the varlen
+    call and compiled ``flex_attention``)."""
 
     params = (["documents", "prefix_lm", "chunked"],)
     param_names = ["mask"]

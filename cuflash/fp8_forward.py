@@ -21,6 +21,7 @@ from .core.kvcache_problem import kvcache_problem
 from .core.problem import array_module, forward_problem
 from .core.varlen_problem import varlen_problem, verified_offsets
 from .errors import InvalidArgumentError
+from .gpu import plans, standalone
 
 
 def dense_forward(flash_attention_fwd, q, k, v, config, fp8_format, descales, out_dtype):
@@ -136,8 +137,6 @@ def fp8_decode_key(given, descales, options, fp8_options):
     fixed in the plan's record), an array's signature (its values are the call's)."""
     if isinstance(given[3], numbers.Integral) or given[9] is not None or given[10] is not None:
         return None
-    from .gpu import plans  # imported on first GPU use only
-
     kinds = tuple(
         None if d is None else float(d) if isinstance(d, numbers.Real) else "array"
         for d in descales
@@ -242,13 +241,13 @@ def kvcache_forward(
 
         verify_on_host(problem, cache_seqlens, block_table)
     if xp is not np:
-        from .gpu import decode_kernels, plans, registry
+        from .gpu import decode_kernels  # these import CuPy: on first GPU use only
         from .gpu import kvcache as gpu_kvcache
         from .gpu.kernel_launch import device_capability
 
         if decode_kernels.reads_fp8(problem, device_capability()[1], dtype):
             call = gpu_kvcache.Fp8Cache(
-                registry.E4m3Cache(q.dtype, dtype),
+                standalone.E4m3Cache(q.dtype, dtype),
                 fp8.query_scale(xp, q_descale, k_descale),
                 v_descale,
             )

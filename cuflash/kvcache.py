@@ -4,9 +4,9 @@
 in place and attends the query rows of each sequence to its cached keys, with
 per-sequence lengths, a contiguous or a paged cache, and the masking rules of
 the dense functions. NumPy arrays run the CPU path (:mod:`cuflash.cpu.kvcache`); CuPy
-arrays run the split-KV kernels of the registry's ``STANDALONE_KERNELS``
-(``kernels/kvcache_*.cu``), chosen by :mod:`cuflash.gpu.decode_kernels` and launched by
-:mod:`cuflash.gpu.kvcache`.
+arrays run the split-KV kernels of the registry's standalone table
+(``cuflash.gpu.standalone``, ``kernels/decode/``), chosen by
+:mod:`cuflash.gpu.decode_kernels` and launched by :mod:`cuflash.gpu.kvcache`.
 """
 
 import numbers

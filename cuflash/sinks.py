@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from .gpu import kernel_build, registry
+from .gpu import kernel_build, standalone
 
 
 def grouped(sinks, num_kv_heads, group_size):
@@ -72,7 +72,7 @@ def _gradient_on_gpu(cupy, sinks, lse, delta, head_axis):
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     delta = cupy.ascontiguousarray(delta, dtype=cupy.float32)
     dsinks = cupy.empty(heads, dtype=cupy.float32)
-    kernel = kernel_build.load_standalone(registry.STANDALONE["sinks_gradient"].name_expression())
+    kernel = kernel_build.load_standalone(standalone.STANDALONE["sinks_gradient"].name_expression())
     args = (sinks, lse, delta, dsinks, np.int32(outer), np.int32(heads), np.int32(inner))
     kernel((heads,), (512,), args)
     return dsinks

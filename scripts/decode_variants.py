@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from cuflash.bench.decode import e4m3_bits
-from cuflash.gpu import decode_kernels, plans, registry
+from cuflash.gpu import decode_kernels, plans, standalone
 from cuflash.gpu.decode_kernels import decode_tc_name
 from cuflash.gpu.decode_tiles import decode_tc_shape
 from cuflash.kvcache import flash_attention_with_kvcache
@@ -94,7 +94,7 @@ def use_variant(original, keys, stages, smem_floor=0):
 
     def chosen(problem, capability=80, fp8=None):
         name, k, rows, shared = original(problem, capability, fp8)
-        if registry.standalone_of(name).name != "kvcache_decode_tc":
+        if standalone.standalone_of(name).name != "kvcache_decode_tc":
             return name, k, rows, shared
         row_warps = rows // 16
         k, rows, shared = decode_tc_shape(
@@ -118,7 +118,7 @@ def warm(variants):
     from concurrent.futures import ProcessPoolExecutor
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    kernels = registry.STANDALONE
+    kernels = standalone.STANDALONE
     names = [
         kernels["kvcache_append"].name_expression(dtype=bf16),
         kernels["kvcache_combine"].name_expression(dtype=bf16, head_dim=HEAD_DIM),

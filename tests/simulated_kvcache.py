@@ -16,7 +16,7 @@ from cuflash import rotary
 from cuflash.core.config import AttentionConfig
 from cuflash.core.kvcache_problem import kvcache_problem
 from cuflash.core.problem import forward_problem
-from cuflash.gpu import decode_kernels, kernel_params, registry
+from cuflash.gpu import decode_kernels, decode_params, registry, standalone
 
 #: What the split count is chosen for (cuflash.gpu.decode_kernels.num_splits): a small GPU, so that
 #: the test shapes take several splits and the combine.
@@ -28,7 +28,7 @@ def _strides(a):
 
 
 def _module(name, capability):
-    source = registry.standalone_of(name).source
+    source = standalone.standalone_of(name).source
     return simulator.build([name], headers=(source,), arch=capability)
 
 
@@ -133,7 +133,7 @@ def forward(
         name = decode_kernels.append_name(problem)
         strides = [None if x is None else _strides(x) for x in (k_new, v_new)]
         strides += [_strides(x) for x in (k_cache, v_cache, q)]
-        params = kernel_params.append_params(problem, strides, rotary.append_arguments(problem))
+        params = decode_params.append_params(problem, strides, rotary.append_arguments(problem))
         _module(name, capability).launch(
             name,
             (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
@@ -194,7 +194,7 @@ def forward(
         a.ctypes.data % 16 == 0 and all(s % 16 == 0 for s in a.strides[:3])
         for a in (k_cache, v_cache)
     )
-    params = kernel_params.decode_params(
+    params = decode_params.decode_params(
         problem,
         [_strides(x) for x in (attended, k_cache, v_cache)],
         splits,
@@ -242,7 +242,7 @@ def forward(
             decode_kernels.THREADS,
             0,
             (
-                kernel_params.combine_params(problem, part_rows, splits),
+                decode_params.combine_params(problem, part_rows, splits),
                 (part_out, part_lse, out, lse, sinks),
             ),
             guard,

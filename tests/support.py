@@ -122,8 +122,8 @@ def naive_in_dtype(case, q, k, v, dout, tf32=False, softcap=0.0, alibi_slopes=No
 
     With ``tf32`` (float32 cases with ``allow_tf32``), every matrix-product
     operand and result is rounded to TF32 instead. ``softcap`` and
-    ``alibi_slopes`` (SPEC 8) modify the float32 scores before they are
-    rounded, and their derivative enters dS.
+    ``alibi_slopes`` (the semantics page, section 'Score modifiers') modify the
+    float32 scores before they are rounded, and their derivative enters dS.
 
     The backward uses the standard formulation (P recomputed from the
     log-sum-exp, dS = P (dP - rowsum(dO O))), so it carries the same
@@ -503,13 +503,13 @@ def compile_and_check(names, arch, functors=None, source_file=None):
     """Compile ``names`` for ``arch`` through NVRTC (no GPU; with the user's modifier
     functors if given): each kernel without spills or a stack frame, in at most 255
     registers. ``names``: registry kernels outside the variants (their source file from
-    ``cuflash.gpu.registry.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
-    from cuflash.gpu import kernel_build, registry
+    ``cuflash.gpu.standalone.STANDALONE_KERNELS``), or of ``kernels/source_file`` where given."""
+    from cuflash.gpu import kernel_build, standalone
 
     if source_file is None:  # each registry kernel's own file
         by_source = {}
         for name in names:
-            by_source.setdefault(registry.standalone_of(name).source, []).append(name)
+            by_source.setdefault(standalone.standalone_of(name).source, []).append(name)
     else:
         by_source = {source_file: list(names)}
     report = {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash import AttentionConfig
-from cuflash.gpu import kernel_build, registry, tile_traits
+from cuflash.gpu import kernel_build, registry, standalone, tile_traits
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
 
@@ -474,7 +474,7 @@ def test_precompile_job_list():
 
 
 # ---------------------------------------------------------------------------------------
-# The kernels outside the variants: registry.STANDALONE_KERNELS
+# The kernels outside the variants: standalone.STANDALONE_KERNELS
 
 
 def test_registry_kernels_are_their_headers():
@@ -498,20 +498,20 @@ def test_standalone_kernels_are_their_templates():
     parameters (none: not a template)."""
     import re
 
-    names = [kernel.name for kernel in registry.STANDALONE_KERNELS]
-    assert len(names) == len(set(names)) == len(registry.STANDALONE)
+    names = [kernel.name for kernel in standalone.STANDALONE_KERNELS]
+    assert len(names) == len(set(names)) == len(standalone.STANDALONE)
     assert not set(names) & set(registry.BY_NAME)
-    for kernel in registry.STANDALONE_KERNELS:
+    for kernel in standalone.STANDALONE_KERNELS:
         source = kernel_build.module_source(kernel.source)
         found = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*\b{kernel.name}\(", source)
         assert found is not None, kernel.name
         parameters = [p for p in (found.group(2) or "").split(",") if p.strip()]
         assert len(parameters) == len(kernel.parameters), (kernel.name, parameters)
-        assert registry.standalone_of(kernel.name_expression(**_arguments(kernel))) is kernel
+        assert standalone.standalone_of(kernel.name_expression(**_arguments(kernel))) is kernel
     with pytest.raises(LookupError):
-        registry.standalone_of("cuflash::forward_general<float, 64, 64, 32>")
+        standalone.standalone_of("cuflash::forward_general<float, 64, 64, 32>")
     with pytest.raises(TypeError):
-        registry.STANDALONE["ring_merge"].name_expression()
+        standalone.STANDALONE["ring_merge"].name_expression()
 
 
 def _arguments(kernel):
@@ -524,7 +524,8 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     STANDALONE_KERNELS: the KV cache's append, split-KV decode (over dtypes, head dims,
     packed query rows, paged or not, short or long sequences) and combine, the block-mask
     classification and the ring merge; and no module of the library names a kernel source
-    file, a C++ kernel or a RawModule besides the registry and the kernel build."""
+    file, a C++ kernel or a RawModule besides the registry (``registry.py``, its
+    ``standalone.py``) and the kernel build."""
     from pathlib import Path
 
     from cuflash.core.kvcache_problem import kvcache_problem
@@ -552,7 +553,7 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
                             decode_kernels.append_name(problem),
                             decode_kernels.combine_name(problem),
                         }
-    assert {registry.standalone_of(name).name for name in launched} == {
+    assert {standalone.standalone_of(name).name for name in launched} == {
         "kvcache_append",
         "kvcache_decode_tc",
         "kvcache_decode",
@@ -560,17 +561,17 @@ def test_every_launched_standalone_kernel_is_in_the_registry():
     }
     assert any(name.endswith(", true, true>") for name in launched)  # paged and narrow
     for name in launched:
-        kernel = registry.standalone_of(name)
+        kernel = standalone.standalone_of(name)
         arguments = name.split("<", 1)[1].rstrip(">").split(", ")
         assert len(arguments) == len(kernel.parameters), name
-    assert registry.standalone_of(registry.STANDALONE["classify_mask_cells"].name_expression())
+    assert standalone.standalone_of(standalone.STANDALONE["classify_mask_cells"].name_expression())
     for dtype in registry.CXX_TYPES:  # the ring merge of each dtype's output
-        merge = registry.STANDALONE["ring_merge"].name_expression(dtype=dtype)
-        assert registry.standalone_of(merge).source == "simt/ring_merge.cu"
-    package = Path(kernel_build.__file__).parent
-    owners = {"registry.py", "kernel_build.py"}
+        merge = standalone.STANDALONE["ring_merge"].name_expression(dtype=dtype)
+        assert standalone.standalone_of(merge).source == "simt/ring_merge.cu"
+    package = Path(kernel_build.__file__).parent.parent  # the whole cuflash package
+    owners = {Path("gpu", name) for name in ("registry.py", "standalone.py", "kernel_build.py")}
     for path in package.rglob("*.py"):
-        if path.name in owners and path.parent == package:
+        if path.relative_to(package) in owners:
             continue
         text = path.read_text()
         for pattern in ('.cu"', ".cu'", '"cuflash::', "RawModule(", "RawKernel(", "load_kernel("):

@@ -1,6 +1,6 @@
-"""Ring attention (SPEC 9), simulated: N virtual ranks as threads of one process
-(``cuflash.distributed.ThreadGroup``), each rank's shards gathered and checked against
-the float64 oracle on the whole sequence, forward and backward; the pair rule against
+"""Ring attention (the distributed page), simulated: N virtual ranks as threads of one
+process (``cuflash.distributed.ThreadGroup``), each rank's shards gathered and checked
+against the float64 oracle on the whole sequence, forward and backward; the pair rule against
 the visible-key rule by brute force; the validation errors."""
 
 import itertools
@@ -413,7 +413,7 @@ def test_ring_demo_runs_on_every_gpu():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_merge_kernel_compiles_without_spills(arch):
-    from cuflash.gpu import registry
+    from cuflash.gpu import registry, standalone
 
-    merge = registry.STANDALONE["ring_merge"]
+    merge = standalone.STANDALONE["ring_merge"]
     compile_and_check([merge.name_expression(dtype=dtype) for dtype in registry.CXX_TYPES], arch)

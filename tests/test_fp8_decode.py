@@ -20,7 +20,7 @@ from support import BFLOAT16, FP8_DECODE_TOLERANCE, compile_and_check, cupy, rel
 
 import cuflash
 from cuflash import fp8
-from cuflash.gpu import registry
+from cuflash.gpu import standalone
 from cuflash.gpu.decode_tiles import decode_tc_keys
 from cuflash.gpu.kvcache import Fp8Cache
 from cuflash.reference import attention_reference
@@ -176,7 +176,7 @@ def test_simulated_fp8_cache_matches_oracle(case, rng):
     sinks = _sinks(case, rng)
     caches = [x.view(np.uint8).copy() for x in (k_cache, v_cache)]
     call = Fp8Cache(
-        registry.E4m3Cache(
+        standalone.E4m3Cache(
             q.dtype if q.dtype != E4M3 else np.dtype(np.uint8), OUT_DTYPES[case.out]
         ),
         _qk_scale(descales),
@@ -248,7 +248,7 @@ def _compiled_names():
     """The FP8 cache's decode instantiations the cases above launch on an H100/H200 (every
     q kind, output dtype and kernel shape): the FP8 tile, and (three stages, paged) the
     16-bit tile's keys that caches in blocks of 16 keys take."""
-    kernel = registry.STANDALONE["kvcache_decode_tc"]
+    kernel = standalone.STANDALONE["kvcache_decode_tc"]
     names = []
     for q_kind, out, d, row_warps, narrow in (
         ("e4m3", "bfloat16", 128, 1, True),
@@ -260,7 +260,7 @@ def _compiled_names():
         ("float16", "bfloat16", 48, 1, True),
     ):
         query = np.dtype(np.uint8) if q_kind == "e4m3" else Q_KINDS[q_kind]
-        types = registry.E4m3Cache(query, OUT_DTYPES[out])
+        types = standalone.E4m3Cache(query, OUT_DTYPES[out])
         fp8_keys, small_block_keys = decode_tc_keys(d, fp8=True), decode_tc_keys(d)
         for stages, paged, keys in ((2, False, fp8_keys), (3, True, small_block_keys)):
             names.append(
@@ -274,7 +274,7 @@ def _compiled_names():
                     narrow=narrow,
                 )
             )
-    names.append(registry.STANDALONE["kvcache_append"].name_expression(dtype=np.uint8))
+    names.append(standalone.STANDALONE["kvcache_append"].name_expression(dtype=np.uint8))
     return names
 
 
@@ -377,7 +377,7 @@ def test_simulated_fp8_cache_garbage_lengths_and_block_ids_stay_inside(block_siz
         device_lengths=garbage_lengths,
         device_table=garbage_table,
         guard=True,
-        fp8=Fp8Cache(registry.E4m3Cache(BFLOAT16, BFLOAT16), 0.5, 2.0),
+        fp8=Fp8Cache(standalone.E4m3Cache(BFLOAT16, BFLOAT16), 0.5, 2.0),
     )
     assert np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()
 

@@ -24,7 +24,7 @@ from cuflash.gpu.tile_traits import round_up
 from cuflash.reference import attention_reference
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-SPEC = registry.BY_NAME["forward_wgmma_ws"]
+WS_FORWARD = registry.BY_NAME["forward_wgmma_ws"]
 NO_USER_ARGUMENTS = np.zeros(1, dtype=kernel_params.USER_ARGS_DTYPE)
 
 
@@ -75,9 +75,9 @@ def simulated(
     )
     bits = [x.view(np.uint8) for x in (q, k, v)]
     problem = forward_problem(*bits, config, storage_dtype=np.dtype(np.uint8))
-    role = SPEC.name + registry.FP8
-    traits = SPEC.traits_of(d, fp8=True)
-    forward_name = SPEC.name_expression(role, out_dtype, d, None if dv == d else dv)
+    role = WS_FORWARD.name + registry.FP8
+    traits = WS_FORWARD.traits_of(d, fp8=True)
+    forward_name = WS_FORWARD.name_expression(role, out_dtype, d, None if dv == d else dv)
     transpose_name = fp8_plan.TRANSPOSE.name_expression()
     transpose = simulator.build([transpose_name], headers=(fp8_plan.TRANSPOSE.source,), arch=90)
     attention = simulator.build([forward_name], arch=90)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash.gpu import kernel_build, kernel_params
+from cuflash.gpu import decode_params, kernel_build, kernel_params
 
 
 def _layout_asserts(name):
@@ -250,11 +250,11 @@ def test_tensor_maps_are_encoded_when_their_address_changes():
 
 def test_a_length_goes_with_the_call_addresses():
     """The KV cache's host-held length is an int the call writes with its addresses."""
-    p = kernel_params.Params("DecodeParams", kernel_params.DECODE_ADDRESSES, num_heads=8)
-    p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 4096)
-    assert p["v_scales"] == len(kernel_params.DECODE_ADDRESSES) - 1  # the last address
+    p = kernel_params.Params("DecodeParams", decode_params.DECODE_ADDRESSES, num_heads=8)
+    p.pack(*range(1, len(decode_params.DECODE_ADDRESSES)), 4096)
+    assert p["v_scales"] == len(decode_params.DECODE_ADDRESSES) - 1  # the last address
     assert p["seqlen_value"] == 4096 and p["num_heads"] == 8
-    p.pack(*range(1, len(kernel_params.DECODE_ADDRESSES)), 0)
+    p.pack(*range(1, len(decode_params.DECODE_ADDRESSES)), 0)
     assert p["seqlen_value"] == 0
 
 

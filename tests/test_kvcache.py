@@ -1,6 +1,7 @@
-"""flash_attention_with_kvcache (SPEC 6): the CPU path and the GPU kernels against a float64
-oracle built from cuflash.reference.attention_reference one sequence at a time; in-place
-appends; paged caches; every validation error; untrusted device-held lengths and block ids."""
+"""flash_attention_with_kvcache (the KV-cache page): the CPU path and the GPU kernels
+against a float64 oracle built from cuflash.reference.attention_reference one sequence at
+a time; in-place appends; paged caches; every validation error; untrusted device-held
+lengths and block ids."""
 
 import dataclasses
 import math
@@ -11,7 +12,7 @@ from support import DTYPES, HAS_GPU, check_lse, compile_and_check, rel_error, to
 
 from cuflash import AttentionConfig, InvalidArgumentError
 from cuflash.core.kvcache_problem import kvcache_problem
-from cuflash.gpu import decode_kernels, kernel_build, plans, registry
+from cuflash.gpu import decode_kernels, kernel_build, plans, standalone
 from cuflash.gpu.decode_kernels import ROW_TILES, num_splits
 from cuflash.gpu.decode_tiles import decode_shape, decode_tc_keys, decode_tc_shape
 from cuflash.kvcache import flash_attention_with_kvcache
@@ -44,7 +45,7 @@ class KVCase:
     lengths: str = "random"  # "random" (0 and full capacity included), "int", "full"
     vllm_layout: bool = False  # paged [num_blocks, block_size, H_kv, D] passed transposed
     shared_blocks: bool = False  # sequences share their first block
-    softcap: float = 0.0  # score modifiers (SPEC 8)
+    softcap: float = 0.0  # score modifiers (semantics page)
     alibi: str = ""  # ALiBi slopes: "" none, "heads" [H], "batch" [B, H]
     sinks: bool = False  # attention sinks (float32 [H])
 
@@ -287,7 +288,7 @@ CASES = [
     ),
     KVCase(dtype="float32", window=1, q_len=9, new_len=4, scale=-0.7, heads=3, kv_heads=3),
     KVCase(dtype="bfloat16", scale=0.05, q_len=2, lengths="int", new_len=2, heads=16, kv_heads=1),
-    # score modifiers (SPEC 8): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
+    # score modifiers (semantics page): soft-cap, ALiBi [H] and [B, H], both; decoding, chunks,
     # paged, the CUDA-core and tensor-core kernels and the dense kernels' long chunks
     KVCase(dtype="bfloat16", softcap=2.0),
     KVCase(dtype="float32", alibi="heads", q_len=3, new_len=3, window=5),
@@ -632,7 +633,7 @@ def test_cpu_unused_block_table_entries_are_never_read(rng):
 
 
 def _kernel_names(dtype_names, head_dims):
-    kernels = registry.STANDALONE
+    kernels = standalone.STANDALONE
     names = []
     for dtype in (DTYPES[n] for n in dtype_names):
         names.append(kernels["kvcache_append"].name_expression(dtype=dtype))
@@ -788,7 +789,7 @@ def test_split_cap_is_the_combines():
     """The combine takes a thread a split: MAX_SPLITS is its kMaxSplits (kDecodeThreads)."""
     import re
 
-    source = kernel_build.module_source(registry.STANDALONE["kvcache_combine"].source)
+    source = kernel_build.module_source(standalone.STANDALONE["kvcache_combine"].source)
     assert re.search(r"constexpr int kMaxSplits = kDecodeThreads;", source)
     assert re.search(rf"constexpr int kDecodeThreads = {decode_kernels.THREADS};", source)
     assert decode_kernels.MAX_SPLITS == decode_kernels.THREADS

@@ -337,7 +337,7 @@ def mla_problem(case, rng):
 def test_mla_cases_route_to_their_kernel():
     """Every case takes kvcache_decode_mla with the latent flag of its v_cache, its tile
     of keys fitting the block's shared memory of sm_80, sm_86 and sm_90."""
-    from cuflash.gpu import decode_kernels, registry
+    from cuflash.gpu import decode_kernels, standalone
     from cuflash.gpu.decode_tiles import block_shared_limit
 
     rng = np.random.default_rng(0)
@@ -346,7 +346,7 @@ def test_mla_cases_route_to_their_kernel():
         assert problem.latent == case.latent and problem.own_value_dims
         for capability in (80, 86, 90):
             name, keys, rows, shared = decode_kernels.decode_kernel(problem, capability)
-            assert registry.standalone_of(name).name == "kvcache_decode_mla"
+            assert standalone.standalone_of(name).name == "kvcache_decode_mla"
             assert name.endswith(f", {str(case.latent).lower()}>") and rows == 16
             assert shared <= block_shared_limit(capability) and keys in (16, 32, 64)
         assert (

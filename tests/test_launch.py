@@ -144,7 +144,7 @@ def test_launch_passes_a_parameter_record_as_the_buffer(monkeypatch):
 def test_kvcache_calls_without_a_plan_reuse_their_launches(monkeypatch):
     """The KV cache's calls with host-held lengths take no plan; their launches are kept by
     kernel, grid and record, so a repeated call packs only its addresses and length."""
-    from cuflash.gpu import kernel_params
+    from cuflash.gpu import decode_params
     from cuflash.gpu import kvcache as kvcache_gpu
 
     monkeypatch.setattr(gpu, "_launch_kernel", lambda *args: None)
@@ -158,7 +158,7 @@ def test_kvcache_calls_without_a_plan_reuse_their_launches(monkeypatch):
 
     def launch(splits):
         return kvcache_gpu._launch(
-            FakeFunction(), (4, 2, 1), 0, kernel_params.combine_params, Problem, 8, splits
+            FakeFunction(), (4, 2, 1), 0, decode_params.combine_params, Problem, 8, splits
         )
 
     first = launch(2)

@@ -1,7 +1,7 @@
-"""Score modifiers (SPEC 8): soft-capping and ALiBi, forward and backward, on the CPU path
-(CI) and the GPU kernels (marked gpu), dense and packed, against the float64 oracle; their
-validation errors; the oracle's own derivative against finite differences; the kernel
-registry's choices with modifiers."""
+"""Score modifiers (the semantics page, section 'Score modifiers'): soft-capping and
+ALiBi, forward and backward, on the CPU path (CI) and the GPU kernels (marked gpu), dense
+and packed, against the float64 oracle; their validation errors; the oracle's own
+derivative against finite differences; the kernel registry's choices with modifiers."""
 
 import math
 

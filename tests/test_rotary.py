@@ -24,7 +24,7 @@ from test_kvcache import (
 )
 
 from cuflash import InvalidArgumentError, flash_attention_with_kvcache, rotary
-from cuflash.gpu import plans, registry
+from cuflash.gpu import plans, standalone
 
 if HAS_GPU:
     import cupy
@@ -461,7 +461,7 @@ def test_cpu_valid_base_runs(rng):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_append_kernel_compiles_without_spills(arch):
     """kvcache_append of every dtype, the rotation included, through NVRTC."""
-    kernel = registry.STANDALONE["kvcache_append"]
+    kernel = standalone.STANDALONE["kvcache_append"]
     names = [kernel.name_expression(dtype=DTYPES[n]) for n in ("float32", "float16", "bfloat16")]
     compile_and_check(names, arch)
 

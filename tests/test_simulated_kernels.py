@@ -47,8 +47,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Every head-dim class and its tile shapes (Q in registers or not, exact head dims),
-# each option of SPEC 2-3 somewhere: GQA/MQA, causal rows that see no key (S_q > S_k),
-# windows, kv_seq_len, [B, S, H, D] strides, one query row.
+# each option of the semantics page somewhere: GQA/MQA, causal rows that see no key
+# (S_q > S_k), windows, kv_seq_len, [B, S, H, D] strides, one query row.
 CASES = [
     Case(
         dtype="bfloat16",
@@ -968,8 +968,9 @@ def test_rows_outside_every_sequence_read_as_seeing_no_key(rng):
 @pytest.mark.parametrize("capability, dtype", [(80, "float16"), (90, "bfloat16"), (90, "float32")])
 @pytest.mark.parametrize("offsets", GARBAGE_OFFSETS, ids=str)
 def test_garbage_device_offsets_stay_inside_the_arrays(offsets, capability, dtype, rng):
-    """Device offsets are never trusted (SPEC 7): negative, decreasing, past the totals or
-    longer than max_seqlen, no kernel reads or writes outside its arrays."""
+    """Device offsets are never trusted (the varlen page, section 'Offsets on the
+    device'): negative, decreasing, past the totals or longer than max_seqlen, no kernel
+    reads or writes outside its arrays."""
     for deterministic in (False, True):
         grads = _garbage_offsets_run(rng, capability, dtype, offsets, deterministic)
         assert all(g.shape[1:] == (2, 64) for g in grads)
@@ -1034,9 +1035,10 @@ def test_kvcache_kernels_match_oracle(case, capability, rng):
     ids=["contiguous", "paged", "contiguous-dense"],
 )
 def test_garbage_lengths_and_block_ids_stay_inside(paged, q_len, capability, rng):
-    """Device-held lengths and block ids are never trusted (SPEC 6): test_kvcache's garbage
-    (negative, past the capacity, block ids out of range) under guard pages, appends and
-    the attention alike, every row finite."""
+    """Device-held lengths and block ids are never trusted (the KV-cache page, section
+    'Lengths and block ids on the GPU'): test_kvcache's garbage (negative, past the
+    capacity, block ids out of range) under guard pages, appends and the attention alike,
+    every row finite."""
     b, h, hk, d, bs, max_blocks, num_blocks = 4, 8, 2, 128, 16, 8, 20
     dtype = DTYPES["bfloat16"]
     shape = (num_blocks, hk, bs, d) if paged else (b, hk, max_blocks * bs, d)

@@ -268,7 +268,7 @@ def test_gpu_gradient_kernel_in_the_simulator(shape, head_axis, rng):
     expected = cuflash.sinks.gradient(np, sinks, lse, delta, head_axis)
     nan_lse = lse.copy()
     np.moveaxis(nan_lse, head_axis, 0)[-1].flat[3] = np.nan
-    name = cuflash.gpu.registry.STANDALONE["sinks_gradient"].name_expression()
+    name = cuflash.gpu.standalone.STANDALONE["sinks_gradient"].name_expression()
     module = simulator.build([name], headers=("simt/sinks_gradient.cu",))
     outer, inner = int(np.prod(shape[:head_axis])), int(np.prod(shape[head_axis + 1 :]))
     for lse_in, check_nan in ((lse, False), (nan_lse, True)):
@@ -284,4 +284,4 @@ def test_gpu_gradient_kernel_in_the_simulator(shape, head_axis, rng):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_gradient_kernel_compiles_without_spills(arch):
-    compile_and_check([cuflash.gpu.registry.STANDALONE["sinks_gradient"].name_expression()], arch)
+    compile_and_check([cuflash.gpu.standalone.STANDALONE["sinks_gradient"].name_expression()], arch)

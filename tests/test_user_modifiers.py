@@ -1,4 +1,5 @@
-"""User-defined score and mask modifiers (cuflash.modifiers, SPEC 8), without a GPU.
+"""User-defined score and mask modifiers (cuflash.modifiers; the semantics page,
+section 'User-defined score and mask functions'), without a GPU.
 
 * The NumPy evaluators of every factory and of hand-written functions agree with
   the function itself called on Python scalars, element by element; the float32

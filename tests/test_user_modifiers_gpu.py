@@ -1,9 +1,10 @@
-"""User-defined score and mask functions (SPEC 8) compiled into the GPU kernels, with and
-without a block mask, forward and backward (atomic and deterministic), against the
-float64 oracle: the docs' examples (documents packed in one sequence, prefix-LM, chunked
-local attention), a random mask with rows that see nothing, a learned relative bias
-with a document mask; the block mask's classification against its NumPy twin; the
-errors. GPU tests are marked gpu; the block mask's CPU side runs in CI."""
+"""User-defined score and mask functions (the semantics page, section 'User-defined
+score and mask functions') compiled into the GPU kernels, with and without a block mask,
+forward and backward (atomic and deterministic), against the float64 oracle: the docs'
+examples (documents packed in one sequence, prefix-LM, chunked local attention), a
+random mask with rows that see nothing, a learned relative bias with a document mask;
+the block mask's classification against its NumPy twin; the errors. GPU tests are
+marked gpu; the block mask's CPU side runs in CI."""
 
 import numpy as np
 import pytest
@@ -286,7 +287,7 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
     mask roles): NVRTC for the arch, no spills, and the wgmma kernels still issue HGMMA;
     the block mask's classification kernel."""
     from cuflash import precompile
-    from cuflash.gpu import kernel_build, registry
+    from cuflash.gpu import kernel_build, registry, standalone
 
     score_mod, mask_mod, _ = _mask_cases(np, rng, 4, 640, 640)["bias_documents"]
     functors = kernel_build.UserFunctors.of(score_mod if with_score else None, mask_mod)
@@ -312,7 +313,7 @@ def test_kernels_with_user_functors_compile(dtype, head_dim, arch, with_score, r
         assert all(ops["HGMMA"] > 0 for ops in opcodes.values()), opcodes
         assert all(registry.BY_ROLE[r].needs_sm90a for r in opcodes)
     compile_and_check(
-        [registry.STANDALONE["classify_mask_cells"].name_expression()],
+        [standalone.STANDALONE["classify_mask_cells"].name_expression()],
         arch,
         kernel_build.UserFunctors.of(mask_mod=mask_mod),
     )

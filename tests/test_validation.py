@@ -1,4 +1,5 @@
-"""Every error of SPEC section 4, raised before any work, naming the argument."""
+"""Every documented error (the troubleshooting page, section 'Error messages'), raised
+before any work, naming the argument."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
-"""Packed variable-length batches (SPEC 7): each sequence against the float64 oracle, on the
-CPU path (CI) and the GPU (marked gpu); the validation errors."""
+"""Packed variable-length batches (the varlen page): each sequence against the float64
+oracle, on the CPU path (CI) and the GPU (marked gpu); the validation errors."""
 
 import math
 

@@ -9,6 +9,10 @@ import functools
 
 import numpy as np
 
+import cuflash
+
+from ..fp8 import DECODE_TABLE
+from ..rotary import tables as rotary_tables
 from .cases import DTYPES, sets_spanning_l2
 from .environment import cupy
 from .formatting import format_ratio, format_us
@@ -98,8 +102,6 @@ def decode_cases():
 
 def kvcache_function():
     """``(flash_attention_with_kvcache, "")``, or ``(None, why)`` while cuflash has none."""
-    import cuflash
-
     function = getattr(cuflash, "flash_attention_with_kvcache", None)
     if function is not None:
         return function, ""
@@ -141,8 +143,6 @@ def make_decode_sets(case, count, seed=0):
 
     tables = (None, None)
     if case.rotary:
-        from ..rotary import tables as rotary_tables
-
         tables = rotary_tables(case.cache_len, case.head_dim, xp=cupy)
     sets = []
     for _ in range(count):
@@ -167,8 +167,6 @@ def make_decode_sets(case, count, seed=0):
 def e4m3_bits(x):
     """CuPy ``x`` rounded to the nearest e4m3 value (saturated at +-448) as uint8 bits, on
     the GPU: the magnitude's place among the midpoints of the positive e4m3 values."""
-    from ..fp8 import DECODE_TABLE
-
     positive = cupy.asarray(DECODE_TABLE[:0x7F].astype(np.float32))  # 0 .. 448, increasing
     midpoints = (positive[1:] + positive[:-1]) / 2
     magnitude = cupy.abs(x.astype(np.float32))

@@ -26,12 +26,19 @@ distance of the other outputs from cuflash's.
 """
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import sys
 import time
 
 import numpy as np
 
+from .. import modifiers
+from ..block_mask import create_block_mask
+from ..dispatch import skip_kernels
+from ..precompile import precompile_modifiers
+from ..varlen import flash_attention_varlen_bwd, flash_attention_varlen_fwd
 from .cases import Case, make_input_sets
 from .implementations import CuflashAttention, compiled_flex_attention, torch_stream
 from .measure import forward_output, free_memory, measure_implementation
@@ -54,8 +61,6 @@ def cuflash_mask(mask, case):
     """The cuflash.modifiers mask function of ``mask`` (CuPy arrays); "documents+causal":
     the documents only (the call passes causal=True)."""
     import cupy
-
-    from .. import modifiers
 
     if mask.startswith("documents"):
         ids = cupy.repeat(cupy.arange(DOCUMENTS, dtype=np.int32), DOCUMENT_LEN)
@@ -90,8 +95,6 @@ class CuflashMasked(CuflashAttention):
     def __init__(self, case, mask):
         import cupy
 
-        from ..block_mask import create_block_mask
-
         function = cuflash_mask(mask, case)
         create_block_mask(function, None, None, case.seqlen, case.seqlen).classify()  # compiles
         block_mask, self.build_seconds = _timed(
@@ -117,8 +120,6 @@ class CuflashVarlenDocuments:
         self.build_seconds = None
 
     def context(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def _packed(self, x):
@@ -138,16 +139,12 @@ class CuflashVarlenDocuments:
         )
 
     def forward_call(self, x):
-        from ..varlen import flash_attention_varlen_fwd
-
         q, k, v = self._packed(x)
         return lambda: flash_attention_varlen_fwd(q, k, v, *self._args())[0].transpose(1, 0, 2)[
             None
         ]
 
     def backward_call(self, x):
-        from ..varlen import flash_attention_varlen_bwd, flash_attention_varlen_fwd
-
         q, k, v = self._packed(x)
         dout = x.dout[0].transpose(1, 0, 2)
         out, lse = flash_attention_varlen_fwd(q, k, v, *self._args())
@@ -163,12 +160,12 @@ class FlexMasked:
     has_backward = True
 
     def __init__(self, case, torch, mask):
-        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
 
         self.case, self.torch = case, torch
         self.name = f"flex {mask}"
         self.block_mask, self.build_seconds = _timed(
-            lambda: create_block_mask(
+            lambda: flex_block_mask(
                 torch_mask(mask, torch), None, None, case.seqlen, case.seqlen, device="cuda"
             ),
             torch.cuda.synchronize,
@@ -193,10 +190,6 @@ class FlexMasked:
 
 def precompile(heads, head_dim):
     """Every mask's kernels, compiled in parallel threads before the timings."""
-    import concurrent.futures
-
-    from ..precompile import precompile_modifiers
-
     masks = [
         cuflash_mask(mask, case_of(mask, heads, head_dim)) for mask in MASKS + ("documents+causal",)
     ]
@@ -305,8 +298,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if no_gpu_to_measure():
         return 0
-    from ..dispatch import skip_kernels
-
     skipped = [name for name in args.skip_kernels.split(",") if name]
     torch = flex_peer_torch(not args.no_torch)
     with skip_kernels(*skipped):

@@ -13,6 +13,7 @@ import os
 import sys
 
 from .demo import RingCase, launch, run_rank
+from .groups import NcclGroup
 
 
 def _parse(argv):
@@ -86,8 +87,6 @@ def main(argv=None):
     ]
     env = os.environ
     if "RANK" in env or "OMPI_COMM_WORLD_RANK" in env:
-        from .groups import NcclGroup
-
         group = NcclGroup.from_environment()
         records = run_rank(group, cases, options.repeats)
         print(json.dumps({"rank": group.rank, "records": records}), flush=True)

@@ -7,6 +7,7 @@ once with a handle whose ``wait()`` gives that tuple: the ring then computes whi
 arrays travel. :func:`start_exchange` gives every group that form.
 """
 
+import os
 import threading
 
 from ..errors import InvalidArgumentError
@@ -122,8 +123,6 @@ class NcclGroup:
         ``MASTER_ADDR``, ``MASTER_PORT``) or mpirun (``OMPI_COMM_WORLD_RANK``, ``_SIZE``,
         ``_LOCAL_RANK``) started; the process uses GPU ``LOCAL_RANK``. The TCP store
         listens on ``MASTER_PORT + 1`` where torchrun's own store has ``MASTER_PORT``."""
-        import os
-
         import cupy
 
         env = os.environ

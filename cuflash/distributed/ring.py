@@ -11,7 +11,7 @@ from ..core.masking import normalize_window
 from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
 from ..fp8 import check_not_fp8
-from ..gpu import registry
+from ..gpu import standalone
 from ..gpu.kernel_build import load_standalone
 from .groups import start_exchange
 from .layout import array_module, chunk_count, segments, step_calls
@@ -102,7 +102,7 @@ def _merge_on_gpu(out_acc, lse_acc, out, lse, rows):
     batch, heads, shard_len, head_dim = out_acc.shape
     count = rows.stop - rows.start
     heads_total = batch * heads
-    kernel = load_standalone(registry.STANDALONE["ring_merge"].name_expression(dtype=out.dtype))
+    kernel = load_standalone(standalone.STANDALONE["ring_merge"].name_expression(dtype=out.dtype))
     threads = 256
     blocks = -(-heads_total * count * 32 // threads)
     kernel(

@@ -8,7 +8,7 @@ shapes mirror the kernels' own (:mod:`cuflash.gpu.decode_tiles`).
 import cupy
 import numpy as np
 
-from . import registry
+from . import standalone
 from .decode_tiles import (
     MLA_STAGES,
     THREADS,
@@ -63,9 +63,9 @@ def decode_tc_name(problem, row_warps, stages, keys, fp8=None):
     """The name expression of ``kvcache_decode_tc`` with these tiles for ``problem``: its
     own instantiation for a paged cache, and the narrow one (the query rows as the MMA's
     8-wide N, K and V as its A operand: half the products) where a block's packed query
-    rows fit 8; ``fp8``: an FP8 cache's element types (``registry.E4m3Cache``)."""
+    rows fit 8; ``fp8``: an FP8 cache's element types (``standalone.E4m3Cache``)."""
     narrow = row_warps == 1 and problem.q_len * problem.group_size <= NARROW_ROWS
-    return registry.STANDALONE["kvcache_decode_tc"].name_expression(
+    return standalone.STANDALONE["kvcache_decode_tc"].name_expression(
         dtype=problem.dtype if fp8 is None else fp8,
         head_dim=problem.head_dim,
         row_warps=row_warps,
@@ -78,7 +78,7 @@ def decode_tc_name(problem, row_warps, stages, keys, fp8=None):
 
 def append_name(problem):
     """The name expression of ``kvcache_append`` for ``problem``."""
-    return registry.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
+    return standalone.STANDALONE["kvcache_append"].name_expression(dtype=problem.dtype)
 
 
 def append_blocks(problem):
@@ -93,7 +93,7 @@ def append_blocks(problem):
 def combine_name(problem, out_dtype=None):
     """The name expression of ``kvcache_combine`` (the splits' merge) for ``problem``, its
     output in ``out_dtype`` (default: the problem's dtype)."""
-    return registry.STANDALONE["kvcache_combine"].name_expression(
+    return standalone.STANDALONE["kvcache_combine"].name_expression(
         dtype=problem.dtype if out_dtype is None else out_dtype, head_dim=problem.head_dim_v
     )
 
@@ -124,11 +124,11 @@ def decode_kernel(problem, capability=80, fp8=None):
     value head dim of its own or keys wider than GPU_MAX_HEAD_DIM the MLA one (16 packed
     rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
     or 64 packed rows a block) or the CUDA-core one. ``fp8``: the element types
-    (``registry.E4m3Cache``) of an FP8 cache that the tensor-core kernel reads (see
+    (``standalone.E4m3Cache``) of an FP8 cache that the tensor-core kernel reads (see
     :func:`reads_fp8`)."""
     if fp8 is None and problem.own_value_dims:
         keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
-        name = registry.STANDALONE["kvcache_decode_mla"].name_expression(
+        name = standalone.STANDALONE["kvcache_decode_mla"].name_expression(
             dtype=problem.dtype,
             head_dim=problem.head_dim,
             head_dim_v=problem.head_dim_v,
@@ -155,7 +155,7 @@ def decode_kernel(problem, capability=80, fp8=None):
         return name, keys_per_tile, rows, shared
     rows = row_tile(problem)
     keys_per_tile, shared = decode_shape(np.dtype(problem.dtype).itemsize, problem.head_dim, rows)
-    name = registry.STANDALONE["kvcache_decode"].name_expression(
+    name = standalone.STANDALONE["kvcache_decode"].name_expression(
         dtype=problem.dtype, head_dim=problem.head_dim, rows=rows
     )
     return name, keys_per_tile, rows, shared

@@ -1,7 +1,7 @@
 """The tiles of the KV cache's split-KV decode kernels (``kvcache_decode`` and
-``kvcache_decode_tc`` of the registry's ``STANDALONE_KERNELS``, ``kernels/kvcache_decode*.cu``):
-keys a tile, packed query rows a block and the dynamic shared memory, mirroring the
-kernels' ``DecodeShape`` and ``DecodeTcShape``."""
+``kvcache_decode_tc`` of :data:`cuflash.gpu.standalone.STANDALONE_KERNELS`, in
+``kernels/decode/``): keys a tile, packed query rows a block and the dynamic shared
+memory, mirroring the kernels' ``DecodeShape`` and ``DecodeTcShape``."""
 
 THREADS = 128  # kDecodeThreads: a decode, append or combine block
 TILE_BYTES = 16384  # kDecodeTileBytes

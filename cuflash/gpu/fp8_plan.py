@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import dispatch
 from ..core.problem import unit_last_stride
-from . import kernel_build, kernel_params, plans, registry, tensor_maps
+from . import kernel_build, kernel_params, plans, registry, standalone, tensor_maps
 from .kernel_launch import (
     NO_USER_ARGUMENTS,
     Launch,
@@ -31,9 +31,9 @@ from .kernel_launch import (
 )
 from .tile_traits import round_up
 
-SPEC = registry.BY_NAME["forward_wgmma_ws"]
-ROLE = SPEC.name + registry.FP8
-TRANSPOSE = registry.STANDALONE["fp8_transpose_v"]
+WS_FORWARD = registry.BY_NAME["forward_wgmma_ws"]
+ROLE = WS_FORWARD.name + registry.FP8
+TRANSPOSE = standalone.STANDALONE["fp8_transpose_v"]
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256  # keys and rows a block, its threads
 SIXTEEN_BIT = tuple(registry.CXX_TYPES.keys() - {np.dtype(np.float32)})
 
@@ -45,11 +45,11 @@ def serves(problem, arrays, out_dtype):
         problem.packed is None
         and not problem.modified
         and np.dtype(out_dtype) in SIXTEEN_BIT
-        and SPEC.serves_fp8(problem.head_dim)
+        and WS_FORWARD.serves_fp8(problem.head_dim)
         and problem.head_dim_v % 16 == 0
         and problem.head_dim_v <= problem.head_dim
         and dispatch.current() == "auto"
-        and SPEC.name not in dispatch.excluded()
+        and WS_FORWARD.name not in dispatch.excluded()
         and device_capability()[1] == 90
         and tensor_maps.available()
         and rows_are_16_byte_aligned([unit_last_stride(cupy, a) for a in arrays])

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..modifiers.cxx import MODIFIER_PRELUDE
-from . import registry
+from . import registry, standalone
 
 KERNEL_DIR = Path(__file__).parent.parent / "kernels"
 MODULE_FILE = "attention.cu"
@@ -347,7 +347,7 @@ _SINGLE_KERNELS: dict = {}
 
 
 def load_standalone(name_expression, shared_bytes=0, functors=None):
-    """A kernel of ``cuflash.gpu.registry.STANDALONE_KERNELS`` (outside the per-(dtype,
+    """A kernel of ``cuflash.gpu.standalone.STANDALONE_KERNELS`` (outside the per-(dtype,
     head_dim) variants): ``name_expression`` (from its ``name_expression``) of its source
     file (local includes inlined), compiled through NVRTC once per (device, source, name,
     arch, functors) and cached; LookupError for a kernel the registry does not hold.
@@ -355,7 +355,7 @@ def load_standalone(name_expression, shared_bytes=0, functors=None):
     :class:`UserFunctors` (kernels with ``modifiers``) go before the source."""
     import cupy
 
-    spec = registry.standalone_of(name_expression)
+    spec = standalone.standalone_of(name_expression)
     if functors is not None and not spec.modifiers:
         raise ValueError(f"{spec.name} is not compiled with modifier functors")
     arch = spec.arch
@@ -376,8 +376,8 @@ def load_standalone(name_expression, shared_bytes=0, functors=None):
 
 def compile_standalone_offline(name_expressions, arch, functors=None):
     """:func:`compile_source_offline` of registry kernels outside the variants, all of one
-    source file (``cuflash.gpu.registry.STANDALONE_KERNELS``)."""
-    sources = {registry.standalone_of(name).source for name in name_expressions}
+    source file (``cuflash.gpu.standalone.STANDALONE_KERNELS``)."""
+    sources = {standalone.standalone_of(name).source for name in name_expressions}
     if len(sources) != 1:
         raise ValueError(f"expected the kernels of one source file, got {sorted(sources)}")
     return compile_source_offline(sources.pop(), name_expressions, arch, functors)

@@ -15,7 +15,7 @@ from .. import rotary as rotary_embedding
 from ..core.config import AttentionConfig
 from ..core.kvcache_problem import check_block_ids, check_lengths
 from ..core.problem import forward_problem, unit_last_stride
-from . import decode_kernels, kernel_params, registry
+from . import decode_kernels, decode_params, kernel_params, registry, standalone
 from .decode_kernels import DENSE_MIN_ROWS
 from .decode_tiles import THREADS
 from .kernel_build import UserFunctors
@@ -35,11 +35,11 @@ from .launch import ForwardPlan
 @dataclasses.dataclass(frozen=True)
 class Fp8Cache:
     """What an FP8 (e4m3) cache's call adds (the FP8 page): the decode kernel's element
-    types (``registry.E4m3Cache``: q's dtype and the output's) and the descales, q's
+    types (``standalone.E4m3Cache``: q's dtype and the output's) and the descales, q's
     times k's (``qk``) and v's: None (1), a float, or a float32 ``[B, H_kv]`` CuPy
     array."""
 
-    types: registry.E4m3Cache
+    types: standalone.E4m3Cache
     qk: object = None
     v: object = None
 
@@ -140,8 +140,8 @@ def _rotated_query(problem, q):
 
 
 def _append_params(problem, k_new, v_new, q, k_cache, v_cache):
-    """``kvcache_append``'s parameter record (``kernel_params.append_params``)."""
-    return kernel_params.append_params(
+    """``kvcache_append``'s parameter record (``decode_params.append_params``)."""
+    return decode_params.append_params(
         problem, _strides_of(k_new, v_new, k_cache, v_cache, q), _rotary(problem)
     )
 
@@ -269,7 +269,7 @@ def gpu_forward(
             append.kernel,
             (decode_kernels.append_blocks(problem), problem.num_kv_heads, problem.batch),
             0,
-            kernel_params.append_params,
+            decode_params.append_params,
             problem,
             _strides_of(k_new, v_new, k_cache, v_cache, q),
             _rotary(problem),
@@ -325,7 +325,7 @@ def gpu_forward(
         decode.kernel,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
         shared,
-        kernel_params.decode_params,
+        decode_params.decode_params,
         problem,
         _strides_of(q, k_cache, v_cache),
         splits,
@@ -352,7 +352,7 @@ def gpu_forward(
             combine.kernel,
             (part_rows,),
             0,
-            kernel_params.combine_params,
+            decode_params.combine_params,
             problem,
             part_rows,
             splits,
@@ -424,7 +424,7 @@ class DecodePlan:
             THREADS,
             shared,
             _on_device(
-                kernel_params.decode_params(
+                decode_params.decode_params(
                     problem,
                     _strides_of(q, k_cache, v_cache),
                     self.splits,
@@ -445,7 +445,7 @@ class DecodePlan:
                 (self.part_rows,),
                 THREADS,
                 0,
-                _on_device(kernel_params.combine_params(problem, self.part_rows, self.splits)),
+                _on_device(decode_params.combine_params(problem, self.part_rows, self.splits)),
             )
             # The splits' partial rows and their lse in one workspace (256-byte aligned).
             self.part_lse_offset = (

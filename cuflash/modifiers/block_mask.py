@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..gpu import kernel_build, registry
+from ..gpu import kernel_build, standalone
 from .api import MaskMod, index_grids
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -107,7 +107,7 @@ class BlockMask:
             import cupy
 
             functors = kernel_build.UserFunctors.of(mask_mod=self.mask_mod)
-            name = registry.STANDALONE["classify_mask_cells"].name_expression()
+            name = standalone.STANDALONE["classify_mask_cells"].name_expression()
             kernel = kernel_build.load_standalone(name, functors=functors)
             entries, heads = self.entries
             q_cells, kv_cells = math.ceil(self.q_len / CELL), math.ceil(self.kv_len / CELL)

@@ -1,7 +1,9 @@
 """The tiles of the KV cache's split-KV decode kernels (``kvcache_decode`` and
 ``kvcache_decode_tc`` of :data:`cuflash.gpu.standalone.STANDALONE_KERNELS`, in
 ``kernels/decode/``): keys a tile, packed query rows a block and the dynamic shared
-memory, mirroring the kernels' ``DecodeShape`` and ``DecodeTcShape``."""
+memory, mirroring the kernels' ``DecodeShape``, ``DecodeTcShape`` and ``DecodeMlaShape``:
+tests/test_shared_layout.py holds each figure, as ``cuflash.gpu.decode_kernels.decode_kernel``
+launches it, to the kernel's constexpr ``<kernel>_shared_bytes`` (the shape's ``SMEM``)."""
 
 THREADS = 128  # kDecodeThreads: a decode, append or combine block
 TILE_BYTES = 16384  # kDecodeTileBytes
@@ -9,7 +11,8 @@ TILE_BYTES = 16384  # kDecodeTileBytes
 
 def decode_shape(itemsize, head_dim, rows):
     """The tiles of ``kvcache_decode<T, head_dim, rows>`` (``DecodeShape`` of
-    kernels/decode/decode_common.cuh): keys a tile and the dynamic shared memory in bytes."""
+    kernels/decode/decode_common.cuh): keys a tile and the dynamic shared memory in bytes
+    (checked against ``kvcache_decode_shared_bytes`` by tests/test_shared_layout.py)."""
     elems = 16 // itemsize
     chunks = head_dim // elems
     fit = TILE_BYTES // (head_dim * itemsize)
@@ -27,7 +30,8 @@ def decode_tc_shape(head_dim, row_warps, stages, keys=None, fp8=False):
     (``DecodeTcShape`` of kernels/decode/kvcache_decode_tc.cu): keys a tile, packed query rows a
     block and the dynamic shared memory; ``fp8``: over an e4m3 cache (whose rows of one byte
     an element are padded to whole 32 columns). ``keys`` defaults to
-    :func:`decode_tc_keys`."""
+    :func:`decode_tc_keys`. The shared memory is checked against
+    ``kvcache_decode_tc_shared_bytes`` by tests/test_shared_layout.py."""
     keys = decode_tc_keys(head_dim, fp8) if keys is None else keys
     chunks = head_dim // 8
     key_warps = min(4 // row_warps, keys // 16)
@@ -50,7 +54,8 @@ def decode_tc_keys(head_dim, fp8=False):
 def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):
     """The dynamic shared memory in bytes of ``kvcache_decode_mla<T, head_dim, head_dim_v, keys,
     stages, paged, latent>`` (``DecodeMlaShape`` of kernels/decode/kvcache_decode_mla.cu): the K
-    (and, not latent, V) tiles, 16 query rows, P and the warps' row statistics."""
+    (and, not latent, V) tiles, 16 query rows, P and the warps' row statistics (checked
+    against ``kvcache_decode_mla_shared_bytes`` by tests/test_shared_layout.py)."""
     rows, warps = 16, THREADS // 32
     k_pitch = head_dim // 8 + 1
     v_chunks = 0 if latent else keys * (head_dim_v // 8 + 1)

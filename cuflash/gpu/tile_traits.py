@@ -2,7 +2,9 @@
 owns, its threads, its dynamic shared memory and the template arguments after the
 dtype and head_dim (:class:`Traits`). ``cuflash.gpu.registry`` pairs each kernel with its
 function here; the shared-memory sums spell out each kernel's buffers, as its
-header lays them out.
+header lays them out, and tests/test_shared_layout.py holds each sum to the kernel's own
+constexpr ``<kernel>_shared_bytes`` (the ``bytes`` of its layout struct ``<Kernel>Shared``,
+the end of the offsets its carve takes) for every role of every variant.
 
 Tile traits per head-dim class follow FlashAttention-2's kernel traits: every
 multiple of 8 from 8 to 256 runs on the tiles of its class (64, 128 or 256
@@ -31,7 +33,8 @@ class Traits:
 
     ``tile``: query rows a block owns (forward), keys (backward dK/dV), or the
     rows a block of a helper kernel covers; ``threads`` a block; ``shared_bytes``
-    of dynamic shared memory; ``template_args``: the C++ template arguments after
+    of dynamic shared memory (checked against the kernel's ``<kernel>_shared_bytes`` by
+    tests/test_shared_layout.py); ``template_args``: the C++ template arguments after
     the dtype and head_dim (the backward's atomic flag is added per role).
     """
 

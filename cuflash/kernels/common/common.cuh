@@ -18,6 +18,27 @@ __host__ __device__ constexpr int round_up(int x, int multiple) {
 __host__ __device__ constexpr int head_dim_class(int d) {
     return d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
+
+// A kernel's dynamic shared memory, laid out once: its layout struct (<Kernel>Shared,
+// next to the kernel) names the byte offset of each region in carve order and `bytes`,
+// the last region's end (plus kSharedAlignSlack where the carve rounds its base up to
+// 1024 bytes): what a launch must give. The kernel takes each region at its offset
+// from a base of its first region's type (CUFLASH_SHARED_REGION: a macro, as the carves
+// were written, so that the compiled code is theirs; a function or byte arithmetic
+// changed it), and <kernel>_shared_bytes, which takes the kernel's own template
+// arguments, is `bytes` for the host: tests/test_shared_layout.py holds the figures of
+// cuflash/gpu/tile_traits.py to it.
+constexpr int kSharedAlignSlack = 1024;
+template <typename T, int UNIT, int OFFSET>
+struct SharedUnits {  // OFFSET bytes in units of the base's elements
+    static_assert(OFFSET % UNIT == 0 && OFFSET % alignof(T) == 0,
+                  "a region at a whole element of the base, aligned for its type");
+    static constexpr int value = OFFSET / UNIT;
+};
+#define CUFLASH_SHARED_REGION(T, base, offset) \
+    reinterpret_cast<T*>((base) +              \
+                         SharedUnits<T, static_cast<int>(sizeof(*(base))), (offset)>::value)
+
 // The ordered dQ's counters (the deterministic backward of sm90/backward_wgmma_ws.cuh):
 // one int a 64-row query tile of each (batch entry, head), after the float32 dQ
 // accumulator's rows ([batch, heads, q_len, width]) in the same workspace; the counter

@@ -23,7 +23,8 @@ constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTileBytes = 16384;  // bytes of one K (or V) tile, padding aside
 
 // The tile shapes of kvcache_decode<T, D, RM> (mirrored by cuflash/gpu/decode_tiles.py's
-// decode_shape; the kernel traps if it is launched with less shared memory).
+// decode_shape, which tests/test_shared_layout.py holds to SMEM through
+// kvcache_decode_shared_bytes; the kernel traps if it is launched with less shared memory).
 template <typename T, int D, int RM>
 struct DecodeShape {
     static constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte chunk

@@ -9,6 +9,10 @@
 
 namespace cuflash {
 
+// The dynamic shared memory of kvcache_decode<T, D, RM>, for the host's figure.
+template <typename T, int D, int RM>
+constexpr int kvcache_decode_shared_bytes = DecodeShape<T, D, RM>::SMEM;
+
 // Grid (num_splits * row_tiles, H_kv, B); block x = split * row_tiles + row tile.
 // Packed row m of a KV head is query row i = m / group of query head
 // hk * group + m % group; a tile holds RM packed rows.

@@ -15,7 +15,8 @@
 namespace cuflash {
 
 // The tiles of kvcache_decode_mla<T, DK, DV, BN, STAGES, PAGED, LATENT> (mirrored by
-// cuflash/gpu/decode_tiles.py's decode_mla_shape; the kernel traps if it is launched with
+// cuflash/gpu/decode_tiles.py's decode_mla_shape, which tests/test_shared_layout.py holds to
+// SMEM through kvcache_decode_mla_shared_bytes; the kernel traps if it is launched with
 // less shared memory).
 template <int DK, int DV, int BN, int STAGES, bool LATENT>
 struct DecodeMlaShape {
@@ -38,6 +39,10 @@ struct DecodeMlaShape {
     static_assert(BN % 16 == 0 && S_WARPS >= 1 && S_WARPS <= kDecodeWarps, "16 keys a warp");
     static_assert(!LATENT || DV <= DK, "the values are the first DV columns of the keys");
 };
+
+// The dynamic shared memory of kvcache_decode_mla<...>, for the host's figure.
+template <typename T, int DK, int DV, int BN, int STAGES, bool PAGED, bool LATENT>
+constexpr int kvcache_decode_mla_shared_bytes = DecodeMlaShape<DK, DV, BN, STAGES, LATENT>::SMEM;
 
 template <typename T, int DK, int DV, int BN, int STAGES, bool PAGED, bool LATENT>
 __global__ void __launch_bounds__(kDecodeThreads, 1)

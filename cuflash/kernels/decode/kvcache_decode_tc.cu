@@ -79,7 +79,8 @@ __device__ __forceinline__ void slice_sync(int slice) {
 }
 
 // The tiles of kvcache_decode_tc<T, D, ROW_WARPS, STAGES, BN> (mirrored by
-// cuflash/gpu/decode_tiles.py's decode_tc_shape): ROW_WARPS m16 row tiles a block, BN keys
+// cuflash/gpu/decode_tiles.py's decode_tc_shape, which tests/test_shared_layout.py holds to
+// SMEM through kvcache_decode_tc_shared_bytes): ROW_WARPS m16 row tiles a block, BN keys
 // a K/V tile, STAGES tiles in the pipeline, KEY_WARPS warps sharing each tile by
 // keys (each with its own online softmax, merged at the end).
 template <typename T, int D, int ROW_WARPS, int STAGES, int BN>
@@ -105,6 +106,11 @@ struct DecodeTcShape {
                   "mma.sync m16n8k16 on 16-bit types");
     static_assert(WARP_KEYS % 16 == 0, "P feeds the P V product 16 keys at a time");
 };
+
+// The dynamic shared memory of kvcache_decode_tc<...> (its own template arguments: a paged
+// or narrow instantiation carves the same tiles), for the host's figure.
+template <typename T, int D, int ROW_WARPS, int STAGES, int BN, bool PAGED, bool NARROW>
+constexpr int kvcache_decode_tc_shared_bytes = DecodeTcShape<T, D, ROW_WARPS, STAGES, BN>::SMEM;
 
 // The tensor-core kernel for float16/bfloat16 and head_dim a multiple of 16: the
 // grid, arguments and partial outputs of kvcache_decode, BM packed rows a block.

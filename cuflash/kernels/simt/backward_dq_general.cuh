@@ -8,6 +8,24 @@
 
 namespace cuflash {
 
+// backward_dq_general's shared memory (float32): K, V, Q and dO in rows of LD = D + 4,
+// dS in rows of BN + 4, then lse and Delta of the query tile.
+template <int D, int BM, int BN>
+struct BackwardDqGeneralShared {
+    static constexpr int LD = D + 4, LDP = BN + 4, E = static_cast<int>(sizeof(float));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * LD * E;
+    static constexpr int q = v + BN * LD * E;
+    static constexpr int dout = q + BM * LD * E;
+    static constexpr int ds = dout + BM * LD * E;
+    static constexpr int lse = ds + BM * LDP * E;
+    static constexpr int delta = lse + BM * E;
+    static constexpr int bytes = delta + BM * E;
+};
+
+template <typename T, int D, int BM, int BN, bool MODIFIED>
+constexpr int backward_dq_general_shared_bytes = BackwardDqGeneralShared<D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
     backward_dq_general(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
@@ -19,13 +37,16 @@ __global__ void __launch_bounds__(128, 1)
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    float* Ks = reinterpret_cast<float*>(smem4);
-    float* Vs = Ks + BN * LD;
-    float* Qs = Vs + BN * LD;
-    float* dOs = Qs + BM * LD;
-    float* dSs = dOs + BM * LD;
-    float* lse_s = dSs + BM * LDP;
-    float* delta_s = lse_s + BM;
+    using Shared = BackwardDqGeneralShared<D, BM, BN>;
+    static_assert(Shared::LD == LD && Shared::LDP == LDP, "the layout's tiles are the kernel's");
+    float* base = reinterpret_cast<float*>(smem4);
+    float* Ks = CUFLASH_SHARED_REGION(float, base, Shared::k);
+    float* Vs = CUFLASH_SHARED_REGION(float, base, Shared::v);
+    float* Qs = CUFLASH_SHARED_REGION(float, base, Shared::q);
+    float* dOs = CUFLASH_SHARED_REGION(float, base, Shared::dout);
+    float* dSs = CUFLASH_SHARED_REGION(float, base, Shared::ds);
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);
 
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;

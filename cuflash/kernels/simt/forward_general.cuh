@@ -13,6 +13,21 @@
 
 namespace cuflash {
 
+// forward_general's shared memory (float32): Q, K and V in rows of LD = D + 4, then P
+// in rows of BN + 4.
+template <int D, int BM, int BN>
+struct ForwardGeneralShared {
+    static constexpr int LD = D + 4, LDP = BN + 4, E = static_cast<int>(sizeof(float));
+    static constexpr int q = 0;
+    static constexpr int k = q + BM * LD * E;
+    static constexpr int v = k + BN * LD * E;
+    static constexpr int p = v + BN * LD * E;
+    static constexpr int bytes = p + BM * LDP * E;
+};
+
+template <typename T, int D, int BM, int BN, bool MODIFIED>
+constexpr int forward_general_shared_bytes = ForwardGeneralShared<D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(128, 1)
     forward_general(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
@@ -25,10 +40,13 @@ __global__ void __launch_bounds__(128, 1)
     CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    float* Qs = reinterpret_cast<float*>(smem4);
-    float* Ks = Qs + BM * LD;
-    float* Vs = Ks + BN * LD;
-    float* Ps = Vs + BN * LD;
+    using Shared = ForwardGeneralShared<D, BM, BN>;
+    static_assert(Shared::LD == LD && Shared::LDP == LDP, "the layout's tiles are the kernel's");
+    float* base = reinterpret_cast<float*>(smem4);
+    float* Qs = CUFLASH_SHARED_REGION(float, base, Shared::q);
+    float* Ks = CUFLASH_SHARED_REGION(float, base, Shared::k);
+    float* Vs = CUFLASH_SHARED_REGION(float, base, Shared::v);
+    float* Ps = CUFLASH_SHARED_REGION(float, base, Shared::p);
 
     const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first

@@ -25,6 +25,21 @@
 
 namespace cuflash {
 
+// backward_dq_mma_sync's shared memory: Q and dO, then two buffers of K and of V, tiles
+// DT columns wide.
+template <typename T, int D, int BM, int BN>
+struct BackwardDqMmaSyncShared {
+    static constexpr int DT = head_dim_class(D), E = static_cast<int>(sizeof(T));
+    static constexpr int q = 0;
+    static constexpr int dout = q + BM * DT * E;
+    static constexpr int k = dout + BM * DT * E;
+    static constexpr int v = k + 2 * BN * DT * E;
+    static constexpr int bytes = v + 2 * BN * DT * E;
+};
+
+template <typename T, int D, int BM, int BN, bool MODIFIED>
+constexpr int backward_dq_mma_sync_shared_bytes = BackwardDqMmaSyncShared<T, D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2, 2)
     backward_dq_mma_sync(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
@@ -43,10 +58,13 @@ __global__ void __launch_bounds__(BM * 2, 2)
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>(smem4);
-    T* dOs = Qs + BM * DT;
-    T* Ks = dOs + BM * DT;     // two buffers of BN x DT
-    T* Vs = Ks + 2 * BN * DT;  // two buffers of BN x DT
+    using Shared = BackwardDqMmaSyncShared<T, D, BM, BN>;
+    static_assert(Shared::DT == DT, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>(smem4);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);  // two buffers of BN x DT
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);  // two buffers of BN x DT
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first

@@ -22,6 +22,24 @@
 
 namespace cuflash {
 
+// backward_mma_sync's shared memory: K and V, two buffers of Q and of dO (tiles DT
+// columns wide), dS^T ([BN keys][BM queries]), then two buffers of lse and of Delta.
+template <typename T, int D, int BM, int BN>
+struct BackwardMmaSyncShared {
+    static constexpr int DT = head_dim_class(D), E = static_cast<int>(sizeof(T));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * DT * E;
+    static constexpr int q = v + BN * DT * E;
+    static constexpr int dout = q + 2 * BM * DT * E;
+    static constexpr int ds = dout + 2 * BM * DT * E;
+    static constexpr int lse = ds + BN * BM * E;
+    static constexpr int delta = lse + 2 * BM * static_cast<int>(sizeof(float));
+    static constexpr int bytes = delta + 2 * BM * static_cast<int>(sizeof(float));
+};
+
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
+constexpr int backward_mma_sync_shared_bytes = BackwardMmaSyncShared<T, D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ, bool MODIFIED>
 __global__ void __launch_bounds__(BN * 2)
     backward_mma_sync(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
@@ -40,13 +58,16 @@ __global__ void __launch_bounds__(BN * 2)
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>(smem4);
-    T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;                                    // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;                               // two buffers of BM x DT
-    T* dSs = dOs + 2 * BM * DT;                              // dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                         // two buffers of BM
+    using Shared = BackwardMmaSyncShared<T, D, BM, BN>;
+    static_assert(Shared::DT == DT, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>(smem4);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);               // two buffers of BM x DT
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);           // two buffers of BM x DT
+    T* dSs = CUFLASH_SHARED_REGION(T, base, Shared::ds);             // dS^T, [BN keys][BM queries]
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);  // two buffers of BM
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);  // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;

@@ -23,6 +23,27 @@
 
 namespace cuflash {
 
+// backward_mma_sync_split_d's shared memory: K and V, two buffers of Q and of dO (tiles
+// DT columns wide), P^T and dS^T ([BN keys][BM queries]), then two buffers of lse and of
+// Delta.
+template <typename T, int D, int BM, int BN>
+struct BackwardMmaSyncSplitDShared {
+    static constexpr int DT = head_dim_class(D), E = static_cast<int>(sizeof(T));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * DT * E;
+    static constexpr int q = v + BN * DT * E;
+    static constexpr int dout = q + 2 * BM * DT * E;
+    static constexpr int p = dout + 2 * BM * DT * E;
+    static constexpr int ds = p + BN * BM * E;
+    static constexpr int lse = ds + BN * BM * E;
+    static constexpr int delta = lse + 2 * BM * static_cast<int>(sizeof(float));
+    static constexpr int bytes = delta + 2 * BM * static_cast<int>(sizeof(float));
+};
+
+template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
+constexpr int backward_mma_sync_split_d_shared_bytes =
+    BackwardMmaSyncSplitDShared<T, D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, 1)
     backward_mma_sync_split_d(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
@@ -47,14 +68,17 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>(smem4);
-    T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;                                    // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;                               // two buffers of BM x DT
-    T* Ps = dOs + 2 * BM * DT;                               // P^T, [BN keys][BM queries]
-    T* dSs = Ps + BN * BM;                                   // dS^T, [BN keys][BM queries]
-    float* lse_s = reinterpret_cast<float*>(dSs + BN * BM);  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                         // two buffers of BM
+    using Shared = BackwardMmaSyncSplitDShared<T, D, BM, BN>;
+    static_assert(Shared::DT == DT, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>(smem4);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);               // two buffers of BM x DT
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);           // two buffers of BM x DT
+    T* Ps = CUFLASH_SHARED_REGION(T, base, Shared::p);               // P^T, [BN keys][BM queries]
+    T* dSs = CUFLASH_SHARED_REGION(T, base, Shared::ds);             // dS^T, [BN keys][BM queries]
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);  // two buffers of BM
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);  // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;

@@ -20,6 +20,24 @@
 
 namespace cuflash {
 
+// backward_tf32's shared memory (float32): K, V, Q and dO in rows of P = D + 4, dS^T
+// ([BN keys] rows of BM + 4), then lse and Delta of the query tile.
+template <int D, int BM, int BN>
+struct BackwardTf32Shared {
+    static constexpr int P = D + 4, PQ = BM + 4, E = static_cast<int>(sizeof(float));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * P * E;
+    static constexpr int q = v + BN * P * E;
+    static constexpr int dout = q + BM * P * E;
+    static constexpr int ds = dout + BM * P * E;
+    static constexpr int lse = ds + BN * PQ * E;
+    static constexpr int delta = lse + BM * E;
+    static constexpr int bytes = delta + BM * E;
+};
+
+template <int D, int BM, int BN, bool ATOMIC_DQ>
+constexpr int backward_tf32_shared_bytes = BackwardTf32Shared<D, BM, BN>::bytes;
+
 template <int D, int BM, int BN, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BN * 2, 1)
     backward_tf32(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, float, float)) {
@@ -38,13 +56,16 @@ __global__ void __launch_bounds__(BN * 2, 1)
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    float* Ks = reinterpret_cast<float*>(smem4);
-    float* Vs = Ks + BN * P;
-    float* Qs = Vs + BN * P;
-    float* dOs = Qs + BM * P;
-    float* dSs = dOs + BM * P;  // dS^T, [BN keys][PQ]
-    float* lse_s = dSs + BN * PQ;
-    float* delta_s = lse_s + BM;
+    using Shared = BackwardTf32Shared<D, BM, BN>;
+    static_assert(Shared::P == P && Shared::PQ == PQ, "the layout's tiles are the kernel's");
+    float* base = reinterpret_cast<float*>(smem4);
+    float* Ks = CUFLASH_SHARED_REGION(float, base, Shared::k);
+    float* Vs = CUFLASH_SHARED_REGION(float, base, Shared::v);
+    float* Qs = CUFLASH_SHARED_REGION(float, base, Shared::q);
+    float* dOs = CUFLASH_SHARED_REGION(float, base, Shared::dout);
+    float* dSs = CUFLASH_SHARED_REGION(float, base, Shared::ds);  // dS^T, [BN keys][PQ]
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = seq.batch;

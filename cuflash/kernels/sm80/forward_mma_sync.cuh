@@ -18,6 +18,19 @@
 
 namespace cuflash {
 
+// forward_mma_sync's shared memory: Q, then two buffers of K and of V, BN x DT each.
+template <typename T, int D, int BM, int BN>
+struct ForwardMmaSyncShared {
+    static constexpr int DT = head_dim_class(D), E = static_cast<int>(sizeof(T));
+    static constexpr int q = 0;
+    static constexpr int k = q + BM * DT * E;
+    static constexpr int v = k + 2 * BN * DT * E;
+    static constexpr int bytes = v + 2 * BN * DT * E;
+};
+
+template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
+constexpr int forward_mma_sync_shared_bytes = ForwardMmaSyncShared<T, D, BM, BN>::bytes;
+
 template <typename T, int D, int BM, int BN, int MT, bool Q_REGS, bool MODIFIED>
 __global__ void __launch_bounds__(BM * 2 / MT, 1)
     forward_mma_sync(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, T, T)) {
@@ -34,9 +47,12 @@ __global__ void __launch_bounds__(BM * 2 / MT, 1)
     CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>(smem4);
-    T* Ks = Qs + BM * DT;      // two buffers of BN x DT
-    T* Vs = Ks + 2 * BN * DT;  // two buffers of BN x DT
+    using Shared = ForwardMmaSyncShared<T, D, BM, BN>;
+    static_assert(Shared::DT == DT, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>(smem4);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);  // two buffers of BN x DT
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);  // two buffers of BN x DT
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first

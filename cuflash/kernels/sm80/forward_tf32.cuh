@@ -14,6 +14,19 @@
 
 namespace cuflash {
 
+// forward_tf32's shared memory: Q, then two buffers of K and of V, rows P = D + 4 floats.
+template <int D, int BM, int BN>
+struct ForwardTf32Shared {
+    static constexpr int P = D + 4, E = static_cast<int>(sizeof(float));
+    static constexpr int q = 0;
+    static constexpr int k = q + BM * P * E;
+    static constexpr int v = k + 2 * BN * P * E;
+    static constexpr int bytes = v + 2 * BN * P * E;
+};
+
+template <int D, int BM, int BN>
+constexpr int forward_tf32_shared_bytes = ForwardTf32Shared<D, BM, BN>::bytes;
+
 template <int D, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1)
     forward_tf32(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, float, float)) {
@@ -27,9 +40,12 @@ __global__ void __launch_bounds__(BM * 2, 1)
     CUFLASH_STRIDES_OF(out);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    float* Qs = reinterpret_cast<float*>(smem4);
-    float* Ks = Qs + BM * P;      // two buffers of BN x P
-    float* Vs = Ks + 2 * BN * P;  // two buffers of BN x P
+    using Shared = ForwardTf32Shared<D, BM, BN>;
+    static_assert(Shared::P == P, "the layout's tiles are the kernel's");
+    float* base = reinterpret_cast<float*>(smem4);
+    float* Qs = CUFLASH_SHARED_REGION(float, base, Shared::q);
+    float* Ks = CUFLASH_SHARED_REGION(float, base, Shared::k);  // two buffers of BN x P
+    float* Vs = CUFLASH_SHARED_REGION(float, base, Shared::v);  // two buffers of BN x P
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest rows first

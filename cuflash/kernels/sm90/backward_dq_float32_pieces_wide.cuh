@@ -16,6 +16,33 @@
 
 namespace cuflash {
 
+// backward_dq_float32_pieces_wide's shared memory, from a 1024-byte aligned base: the
+// pieces (hi, lo) of Q and dO (BM x 256) and of K and V (BN x 256), P and dS handed
+// between the warpgroups ([NTILES][128] float4 each), lse and Delta of the rows, four
+// maxima and dS's exponent.
+template <int D>
+struct BackwardDqFloat32PiecesWideShared {
+    static constexpr int DP = 256, BM = 64, BN = 32, NTILES = BN / 8;
+    static constexpr int QPLANE = BM * DP, KPLANE = BN * DP;
+    static constexpr int E = static_cast<int>(sizeof(half_t)), F = static_cast<int>(sizeof(float));
+    static constexpr int HANDOFF = NTILES * 128 * static_cast<int>(sizeof(float4));
+    static constexpr int q = 0;
+    static constexpr int dout = q + 2 * QPLANE * E;
+    static constexpr int k = dout + 2 * QPLANE * E;
+    static constexpr int v = k + 2 * KPLANE * E;
+    static constexpr int to_second = v + 2 * KPLANE * E;
+    static constexpr int to_first = to_second + HANDOFF;
+    static constexpr int lse = to_first + HANDOFF;
+    static constexpr int delta = lse + BM * F;
+    static constexpr int maxima = delta + BM * F;
+    static constexpr int ds_exponent = maxima + 4 * F;
+    static constexpr int bytes = kSharedAlignSlack + ds_exponent + static_cast<int>(sizeof(int));
+};
+
+template <int D>
+constexpr int backward_dq_float32_pieces_wide_shared_bytes =
+    BackwardDqFloat32PiecesWideShared<D>::bytes;
+
 template <int D>
 __global__ void __launch_bounds__(256, 1)
     backward_dq_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, half_t, float)) {
@@ -33,16 +60,21 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* dOs = Qs + 2 * QPLANE;                                        // (hi, lo)
-    T* Ks = dOs + 2 * QPLANE;                                        // (hi, lo)
-    T* Vs = Ks + 2 * KPLANE;                                         // (hi, lo)
-    float4* to_second = reinterpret_cast<float4*>(Vs + 2 * KPLANE);  // P: [NTILES][128]
-    float4* to_first = to_second + NTILES * 128;                     // dS: [NTILES][128]
-    float* lse_s = reinterpret_cast<float*>(to_first + NTILES * 128);
-    float* delta_s = lse_s + BM;
-    float* maxima = delta_s + BM;                           // 4
-    int* ds_exponent = reinterpret_cast<int*>(maxima + 4);  // e_ds, for warpgroup 0
+    using Shared = BackwardDqFloat32PiecesWideShared<D>;
+    static_assert(Shared::QPLANE == QPLANE && Shared::KPLANE == KPLANE && Shared::BM == BM &&
+                      Shared::NTILES == NTILES,
+                  "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);  // (hi, lo), as dO, K and V
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);
+    float4* to_second = CUFLASH_SHARED_REGION(float4, base, Shared::to_second);  // P
+    float4* to_first = CUFLASH_SHARED_REGION(float4, base, Shared::to_first);    // dS
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);
+    float* maxima = CUFLASH_SHARED_REGION(float, base, Shared::maxima);        // 4
+    int* ds_exponent = CUFLASH_SHARED_REGION(int, base, Shared::ds_exponent);  // e_ds, warpgroup 0
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's 16 query rows

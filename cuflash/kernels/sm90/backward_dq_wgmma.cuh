@@ -23,6 +23,21 @@
 
 namespace cuflash {
 
+// backward_dq_wgmma's shared memory, from a 1024-byte aligned base: Q and dO (BM x DL),
+// then two buffers of K and of V (BN x DL; DL: the head_dim's class).
+template <typename T, int D, int BN>
+struct BackwardDqWgmmaShared {
+    static constexpr int DL = head_dim_class(D), BM = 128, E = static_cast<int>(sizeof(T));
+    static constexpr int q = 0;
+    static constexpr int dout = q + BM * DL * E;
+    static constexpr int k = dout + BM * DL * E;
+    static constexpr int v = k + 2 * BN * DL * E;
+    static constexpr int bytes = kSharedAlignSlack + v + 2 * BN * DL * E;
+};
+
+template <typename T, int D, int BN, bool MODIFIED, int DV = D>
+constexpr int backward_dq_wgmma_shared_bytes = BackwardDqWgmmaShared<T, D, BN>::bytes;
+
 template <typename T, int D, int BN, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
     backward_dq_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_DQ_PARAMS, T, T)) {
@@ -46,10 +61,13 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(dq);
     CUFLASH_SEQUENCE_OF(kv_len);
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* dOs = Qs + BM * DL;
-    T* Ks = dOs + BM * DL;     // two buffers of BN x DL
-    T* Vs = Ks + 2 * BN * DL;  // two buffers of BN x DL
+    using Shared = BackwardDqWgmmaShared<T, D, BN>;
+    static_assert(Shared::DL == DL && Shared::BM == BM, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);  // two buffers of BN x DL
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);  // two buffers of BN x DL
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;

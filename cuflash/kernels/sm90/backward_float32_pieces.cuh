@@ -48,6 +48,29 @@ __host__ __device__ constexpr int split_bwd_blocks() {
     return D == 64 ? 2 : 1;
 }
 
+// backward_float32_pieces's shared memory, from a 1024-byte aligned base: the pieces (hi,
+// lo) of K and V and QBUF buffers of Q's and dO's (64 x DP each), P^T's and dS^T's
+// ([BN keys][BM queries]), QBUF buffers of lse and of Delta, and each warp's max |dS^T|.
+template <int D>
+struct BackwardFloat32PiecesShared {
+    static constexpr int DP = head_dim_class(D), BM = 64, BN = 64, PLANE = 64 * DP;
+    static constexpr int QBUF = split_bwd_blocks<D>() == 2 ? 1 : 2;
+    static constexpr int E = static_cast<int>(sizeof(half_t)), F = static_cast<int>(sizeof(float));
+    static constexpr int k = 0;
+    static constexpr int v = k + 2 * PLANE * E;
+    static constexpr int q = v + 2 * PLANE * E;
+    static constexpr int dout = q + QBUF * 2 * PLANE * E;
+    static constexpr int pt = dout + QBUF * 2 * PLANE * E;
+    static constexpr int dst = pt + 2 * BN * BM * E;
+    static constexpr int lse = dst + 2 * BN * BM * E;
+    static constexpr int delta = lse + QBUF * BM * F;
+    static constexpr int warp_max = delta + QBUF * BM * F;
+    static constexpr int bytes = kSharedAlignSlack + warp_max + 8 * F;
+};
+
+template <int D, bool ATOMIC_DQ>
+constexpr int backward_float32_pieces_shared_bytes = BackwardFloat32PiecesShared<D>::bytes;
+
 template <int D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, split_bwd_blocks<D>())
     backward_float32_pieces(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
@@ -69,15 +92,20 @@ __global__ void __launch_bounds__(256, split_bwd_blocks<D>())
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + 2 * PLANE;          // (hi, lo)
-    T* Qs = Vs + 2 * PLANE;          // QBUF buffers of (hi, lo)
-    T* dOs = Qs + QBUF * 2 * PLANE;  // QBUF buffers of (hi, lo)
-    T* Pt = dOs + QBUF * 2 * PLANE;  // P^T (hi, lo), [BN keys][BM queries]
-    T* dSt = Pt + 2 * BN * BM;       // dS^T (hi, lo)
-    float* lse_s = reinterpret_cast<float*>(dSt + 2 * BN * BM);  // QBUF buffers of BM
-    float* delta_s = lse_s + QBUF * BM;                          // QBUF buffers of BM
-    float* warp_max = delta_s + QBUF * BM;                       // 8: max |dS^T| a warp
+    using Shared = BackwardFloat32PiecesShared<D>;
+    static_assert(
+        Shared::PLANE == PLANE && Shared::QBUF == QBUF && Shared::BM == BM && Shared::BN == BN,
+        "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);                   // (hi, lo)
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);                   // QBUF buffers of (hi, lo)
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);               // QBUF buffers of (hi, lo)
+    T* Pt = CUFLASH_SHARED_REGION(T, base, Shared::pt);                  // P^T (hi, lo), [BN][BM]
+    T* dSt = CUFLASH_SHARED_REGION(T, base, Shared::dst);                // dS^T (hi, lo)
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);      // QBUF buffers of BM
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);  // QBUF buffers of BM
+    float* warp_max = CUFLASH_SHARED_REGION(float, base, Shared::warp_max);  // 8: max |dS^T| a warp
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's keys (and dQ rows)

@@ -27,6 +27,28 @@
 
 namespace cuflash {
 
+// backward_float32_pieces_wide's shared memory, from a 1024-byte aligned base: the pieces
+// (hi, lo) of K and V (BN x 256) and of Q and dO (BM x 256), P^T handed between the
+// warpgroups ([QTILES][128] float4), lse and Delta of the query tile, four maxima.
+template <int D>
+struct BackwardFloat32PiecesWideShared {
+    static constexpr int DP = 256, BN = 64, BM = 32, QTILES = BM / 8;
+    static constexpr int KPLANE = BN * DP, QPLANE = BM * DP;
+    static constexpr int E = static_cast<int>(sizeof(half_t)), F = static_cast<int>(sizeof(float));
+    static constexpr int k = 0;
+    static constexpr int v = k + 2 * KPLANE * E;
+    static constexpr int q = v + 2 * KPLANE * E;
+    static constexpr int dout = q + 2 * QPLANE * E;
+    static constexpr int handoff = dout + 2 * QPLANE * E;
+    static constexpr int lse = handoff + QTILES * 128 * static_cast<int>(sizeof(float4));
+    static constexpr int delta = lse + BM * F;
+    static constexpr int maxima = delta + BM * F;
+    static constexpr int bytes = kSharedAlignSlack + maxima + 4 * F;
+};
+
+template <int D>
+constexpr int backward_float32_pieces_wide_shared_bytes = BackwardFloat32PiecesWideShared<D>::bytes;
+
 template <int D>
 __global__ void __launch_bounds__(256, 1)
     backward_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, half_t, float)) {
@@ -44,14 +66,18 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + 2 * KPLANE;                                        // (hi, lo)
-    T* Qs = Vs + 2 * KPLANE;                                        // (hi, lo)
-    T* dOs = Qs + 2 * QPLANE;                                       // (hi, lo)
-    float4* handoff = reinterpret_cast<float4*>(dOs + 2 * QPLANE);  // P^T: [QTILES][128]
-    float* lse_s = reinterpret_cast<float*>(handoff + QTILES * 128);
-    float* delta_s = lse_s + BM;
-    float* maxima = delta_s + BM;  // 4
+    using Shared = BackwardFloat32PiecesWideShared<D>;
+    static_assert(Shared::KPLANE == KPLANE && Shared::QPLANE == QPLANE && Shared::BM == BM,
+                  "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);                       // (hi, lo)
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);                       // (hi, lo)
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);                   // (hi, lo)
+    float4* handoff = CUFLASH_SHARED_REGION(float4, base, Shared::handoff);  // P^T: [QTILES][128]
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);
+    float* maxima = CUFLASH_SHARED_REGION(float, base, Shared::maxima);  // 4
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;  // the warp's 16 keys

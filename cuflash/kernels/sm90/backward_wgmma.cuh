@@ -83,6 +83,28 @@ static_assert(best_split(256, 256).dv_first == 128 && best_split(256, 256).dk_fi
 static_assert(best_split(192, 192).dv_first + best_split(192, 192).dk_first == 192, "DK = 192");
 static_assert(best_split(192, 128).dv_first + best_split(192, 128).dk_first == 192, "MLA");
 
+// backward_wgmma's shared memory, from a 1024-byte aligned base: K and V (BN x DT), two
+// buffers of Q and of dO (BM x DT), dS^T and, past D = 128 (the warpgroups exchange
+// them), P^T ([BN keys][BM queries]), then two buffers of lse and of Delta.
+template <typename T, int D, int BM>
+struct BackwardWgmmaShared {
+    static constexpr int DT = head_dim_class(D), E = static_cast<int>(sizeof(T));
+    static constexpr bool EXCHANGE = DT == 256;
+    static constexpr int BN = EXCHANGE ? 64 : 128, F = static_cast<int>(sizeof(float));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * DT * E;
+    static constexpr int q = v + BN * DT * E;
+    static constexpr int dout = q + 2 * BM * DT * E;
+    static constexpr int ds = dout + 2 * BM * DT * E;
+    static constexpr int p = ds + BN * BM * E;
+    static constexpr int lse = p + (EXCHANGE ? BN * BM : 0) * E;
+    static constexpr int delta = lse + 2 * BM * F;
+    static constexpr int bytes = kSharedAlignSlack + delta + 2 * BM * F;
+};
+
+template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED, int DV = D>
+constexpr int backward_wgmma_shared_bytes = BackwardWgmmaShared<T, D, BM>::bytes;
+
 template <typename T, int D, int BM, bool ATOMIC_DQ, bool MODIFIED, int DV = D>
 __global__ void __launch_bounds__(256, 1)
     backward_wgmma(CUFLASH_PARAMETERS(CUFLASH_BACKWARD_PARAMS, T, T)) {
@@ -114,14 +136,18 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(dkv);
     CUFLASH_SEQUENCE_OF(kv_capacity);
     extern __shared__ float4 smem4[];
-    T* Ks = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;        // two buffers of BM x DT
-    T* dOs = Qs + 2 * BM * DT;   // two buffers of BM x DT
-    T* dSs = dOs + 2 * BM * DT;  // dS^T, [BN keys][BM queries]
-    T* Ps = dSs + BN * BM;       // P^T, [BN keys][BM queries] (EXCHANGE only)
-    float* lse_s = reinterpret_cast<float*>(Ps + (EXCHANGE ? BN * BM : 0));  // two buffers of BM
-    float* delta_s = lse_s + 2 * BM;                                         // two buffers of BM
+    using Shared = BackwardWgmmaShared<T, D, BM>;
+    static_assert(Shared::DT == DT && Shared::BN == BN && Shared::EXCHANGE == EXCHANGE,
+                  "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);               // two buffers of BM x DT
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);           // two buffers of BM x DT
+    T* dSs = CUFLASH_SHARED_REGION(T, base, Shared::ds);             // dS^T, [BN keys][BM queries]
+    T* Ps = CUFLASH_SHARED_REGION(T, base, Shared::p);               // P^T (EXCHANGE only)
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);  // two buffers of BM
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);  // two buffers of BM
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, warp_row = (warp & 3) * 16;

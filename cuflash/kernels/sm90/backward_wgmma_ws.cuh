@@ -138,6 +138,45 @@ __device__ __forceinline__ void add_dq_tiles(const TensorMap* map, const float* 
     if (threadIdx.x % 32 == 0) bulk_wait<0>();  // the additions, before the block exits
 }
 
+// backward_wgmma_ws's shared memory, from a 1024-byte aligned base: K and V (BN x DT),
+// STAGES buffers of Q and of dO (BM x DT), two of dS^T ([BN keys][BM queries]), the
+// float32 dQ tiles (DQ_FLOATS: one of rows DT + 8 floats apart, or two for the dQ
+// writer, whichever is larger), STAGES buffers of lse and of Delta, the stage ring, K
+// and V's two barriers (full, empty), each dQ tile's two (full, empty) and its
+// coordinates for the writer (four ints a tile). The 128 class rounds the base up
+// (kSharedAlignSlack); the 64 class's tiles fill the block's 227 KB but for 112 bytes,
+// so its launch counts on the array's declared alignment (the kernel traps without it).
+template <typename T, int D, int BM, int STAGES>
+struct BackwardWgmmaWsShared {
+    using Ring = StageRing<STAGES, 256>;
+    static constexpr int DT = head_dim_class(D), BN = 128, E = static_cast<int>(sizeof(T));
+    static constexpr int DQ_PITCH = DT + 8;
+    static constexpr int DQ_TILE = BM * DQ_PITCH, DQ_WRITER = 2 * BM * DT;
+    static constexpr int DQ_FLOATS = DQ_WRITER > DQ_TILE ? DQ_WRITER : DQ_TILE;
+    static constexpr int F = static_cast<int>(sizeof(float));
+    static constexpr int BARRIER = static_cast<int>(sizeof(unsigned long long));
+    static constexpr int k = 0;
+    static constexpr int v = k + BN * DT * E;
+    static constexpr int q = v + BN * DT * E;
+    static constexpr int dout = q + STAGES * BM * DT * E;
+    static constexpr int ds = dout + STAGES * BM * DT * E;
+    static constexpr int dq = ds + 2 * BN * BM * E;
+    static constexpr int lse = dq + DQ_FLOATS * F;
+    static constexpr int delta = lse + STAGES * BM * F;
+    static constexpr int ring = delta + STAGES * BM * F;
+    static constexpr int kv_full = ring + static_cast<int>(sizeof(Ring));
+    static constexpr int kv_empty = kv_full + BARRIER;
+    static constexpr int dq_full = kv_empty + BARRIER;
+    static constexpr int dq_empty = dq_full + 2 * BARRIER;
+    static constexpr int dq_at = dq_empty + 2 * BARRIER;
+    static constexpr int bytes =
+        (DT == 128 ? kSharedAlignSlack : 0) + dq_at + 2 * 4 * static_cast<int>(sizeof(int));
+};
+
+template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool MODIFIED = false,
+          bool PERSISTENT = false, bool ORDERED_DQ = false>
+constexpr int backward_wgmma_ws_shared_bytes = BackwardWgmmaWsShared<T, D, BM, STAGES>::bytes;
+
 template <typename T, int D, int BM, int STAGES, bool ATOMIC_DQ, bool MODIFIED = false,
           bool PERSISTENT = false, bool ORDERED_DQ = false>
 __global__ void __launch_bounds__(384, 1)
@@ -177,22 +216,30 @@ __global__ void __launch_bounds__(384, 1)
     // counts on the declared alignment and stops where the array lacks it.
     extern __shared__ __align__(1024) float4 smem_ws[];
     if (DT == 64 && (smem_addr(smem_ws) & 1023) != 0) __trap();
-    T* Ks = shared_aligned<T>(smem_ws);
-    T* Vs = Ks + BN * DT;
-    T* Qs = Vs + BN * DT;             // STAGES buffers of BM x DT
-    T* dOs = Qs + STAGES * BM * DT;   // STAGES buffers of BM x DT
-    T* dSs = dOs + STAGES * BM * DT;  // two buffers of dS^T, [BN keys][BM queries]
-    float* dq_s = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // DQ_FLOATS (above)
-    float* lse_s = dq_s + DQ_FLOATS;                            // STAGES buffers of BM
-    float* delta_s = lse_s + STAGES * BM;                       // STAGES buffers of BM
-    Ring* ring = reinterpret_cast<Ring*>(delta_s + STAGES * BM);
-    unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(ring + 1);
-    unsigned long long* kv_empty = kv_full + 1;  // PERSISTENT: K and V read by every consumer
-    unsigned long long* dq_full = kv_empty + 1;  // two: the dQ tiles, written by the consumers
-    unsigned long long* dq_empty = dq_full + 2;  // two: read by the writer's additions
+    using Shared = BackwardWgmmaWsShared<T, D, BM, STAGES>;
+    static_assert(Shared::DT == DT && Shared::BN == BN && Shared::DQ_FLOATS == DQ_FLOATS,
+                  "the layout's tiles are the kernel's");
+    T* base = shared_aligned<T>(smem_ws);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);               // STAGES buffers of BM x DT
+    T* dOs = CUFLASH_SHARED_REGION(T, base, Shared::dout);           // STAGES buffers of BM x DT
+    T* dSs = CUFLASH_SHARED_REGION(T, base, Shared::ds);             // two buffers of dS^T
+    float* dq_s = CUFLASH_SHARED_REGION(float, base, Shared::dq);    // DQ_FLOATS (above)
+    float* lse_s = CUFLASH_SHARED_REGION(float, base, Shared::lse);  // STAGES buffers of BM
+    float* delta_s = CUFLASH_SHARED_REGION(float, base, Shared::delta);  // STAGES buffers of BM
+    Ring* ring = CUFLASH_SHARED_REGION(Ring, base, Shared::ring);
+    using Barrier = unsigned long long;
+    Barrier* kv_full = CUFLASH_SHARED_REGION(Barrier, base, Shared::kv_full);
+    // PERSISTENT: K and V read by every consumer
+    Barrier* kv_empty = CUFLASH_SHARED_REGION(Barrier, base, Shared::kv_empty);
+    // two: the dQ tiles, written by the consumers
+    Barrier* dq_full = CUFLASH_SHARED_REGION(Barrier, base, Shared::dq_full);
+    // two: read by the writer's additions
+    Barrier* dq_empty = CUFLASH_SHARED_REGION(Barrier, base, Shared::dq_empty);
     // Each dQ tile's coordinates for the writer (four ints a tile): row, head, batch
     // entry; row -1 ends.
-    int* dq_at = reinterpret_cast<int*>(dq_empty + 2);
+    int* dq_at = CUFLASH_SHARED_REGION(int, base, Shared::dq_at);
 
     // With use_tma (dense calls whose arrays the copy engine can address: cuflash/gpu/launch.py)
     // thread 0 copies the tiles through the maps (boxes of 64 columns; rows past the

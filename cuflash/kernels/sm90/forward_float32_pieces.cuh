@@ -24,6 +24,23 @@
 
 namespace cuflash {
 
+// forward_float32_pieces's shared memory, from a 1024-byte aligned base: Q's two
+// pieces (hi, lo), then two buffers of K's and of V's, BN x DP each (DP: the head_dim's
+// class).
+template <int D, int BN>
+struct ForwardFloat32PiecesShared {
+    static constexpr int DP = head_dim_class(D), BM = 128;
+    static constexpr int E = static_cast<int>(sizeof(half_t));
+    static constexpr int q_hi = 0;
+    static constexpr int q_lo = q_hi + BM * DP * E;
+    static constexpr int k = q_lo + BM * DP * E;
+    static constexpr int v = k + 4 * BN * DP * E;
+    static constexpr int bytes = kSharedAlignSlack + v + 4 * BN * DP * E;
+};
+
+template <int D, int BN>
+constexpr int forward_float32_pieces_shared_bytes = ForwardFloat32PiecesShared<D, BN>::bytes;
+
 // The forward on the pieces. q_scales, k_scales, v_scales: each head's scale
 // from the split kernels ([B, H] and [B, H_kv]);
 // scale_log2 = softmax_scale log2 e for the unscaled inputs.
@@ -45,10 +62,13 @@ __global__ void __launch_bounds__(256, D <= 64 ? 2 : 1)
     CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
-    T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ql = Qh + BM * DP;
-    T* Ks = Ql + BM * DP;      // two buffers of (hi, lo), BN x DP each
-    T* Vs = Ks + 4 * BN * DP;  // two buffers of (hi, lo)
+    using Shared = ForwardFloat32PiecesShared<D, BN>;
+    static_assert(Shared::DP == DP && Shared::BM == BM, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Qh = CUFLASH_SHARED_REGION(T, base, Shared::q_hi);
+    T* Ql = CUFLASH_SHARED_REGION(T, base, Shared::q_lo);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);  // two buffers of (hi, lo), BN x DP each
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);  // two buffers of (hi, lo)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;

@@ -25,6 +25,27 @@
 
 namespace cuflash {
 
+// forward_float32_pieces_wide's shared memory, from a 1024-byte aligned base: the
+// pieces (hi, lo) of Q, K and V, 256 columns wide, then each warpgroup's half of S
+// ([warpgroup][8-key tile][thread of the warpgroup] float4).
+template <int D>
+struct ForwardFloat32PiecesWideShared {
+    static constexpr int DP = 256, BM = 64, BN = 64, NTILES = BN / 8;
+    static constexpr int E = static_cast<int>(sizeof(half_t));
+    static constexpr int q_hi = 0;
+    static constexpr int q_lo = q_hi + BM * DP * E;
+    static constexpr int k_hi = q_lo + BM * DP * E;
+    static constexpr int k_lo = k_hi + BN * DP * E;
+    static constexpr int v_hi = k_lo + BN * DP * E;
+    static constexpr int v_lo = v_hi + BN * DP * E;
+    static constexpr int halves = v_lo + BN * DP * E;
+    static constexpr int bytes =
+        kSharedAlignSlack + halves + 2 * NTILES * 128 * static_cast<int>(sizeof(float4));
+};
+
+template <int D>
+constexpr int forward_float32_pieces_wide_shared_bytes = ForwardFloat32PiecesWideShared<D>::bytes;
+
 template <int D>
 __global__ void __launch_bounds__(256, 1)
     forward_float32_pieces_wide(CUFLASH_PARAMETERS(CUFLASH_FORWARD_PARAMS, half_t, float)) {
@@ -43,14 +64,18 @@ __global__ void __launch_bounds__(256, 1)
     CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
-    T* Qh = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ql = Qh + BM * DP;
-    T* Kh = Ql + BM * DP;
-    T* Kl = Kh + BN * DP;
-    T* Vh = Kl + BN * DP;
-    T* Vl = Vh + BN * DP;
+    using Shared = ForwardFloat32PiecesWideShared<D>;
+    static_assert(Shared::DP == DP && Shared::BM == BM && Shared::BN == BN,
+                  "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Qh = CUFLASH_SHARED_REGION(T, base, Shared::q_hi);
+    T* Ql = CUFLASH_SHARED_REGION(T, base, Shared::q_lo);
+    T* Kh = CUFLASH_SHARED_REGION(T, base, Shared::k_hi);
+    T* Kl = CUFLASH_SHARED_REGION(T, base, Shared::k_lo);
+    T* Vh = CUFLASH_SHARED_REGION(T, base, Shared::v_hi);
+    T* Vl = CUFLASH_SHARED_REGION(T, base, Shared::v_lo);
     // Each warpgroup's half of S: [warpgroup][8-key tile][thread of the warpgroup].
-    float4* halves = reinterpret_cast<float4*>(Vl + BN * DP);
+    float4* halves = CUFLASH_SHARED_REGION(float4, base, Shared::halves);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, wg_thread = threadIdx.x & 127, warp_row = (warp & 3) * 16;

@@ -21,6 +21,20 @@
 
 namespace cuflash {
 
+// forward_wgmma's shared memory, from a 1024-byte aligned base: Q, then two buffers of K
+// and of V, BN x DL each (DL: the head_dim's class).
+template <typename T, int D, int BN, int WG>
+struct ForwardWgmmaShared {
+    static constexpr int DL = head_dim_class(D), BM = 64 * WG, E = static_cast<int>(sizeof(T));
+    static constexpr int q = 0;
+    static constexpr int k = q + BM * DL * E;
+    static constexpr int v = k + 2 * BN * DL * E;
+    static constexpr int bytes = kSharedAlignSlack + v + 2 * BN * DL * E;
+};
+
+template <typename T, int D, int BN, int WG>
+constexpr int forward_wgmma_shared_bytes = ForwardWgmmaShared<T, D, BN, WG>::bytes;
+
 // Up to D = 32, and up to D = 96 on 64-key tiles, two blocks an SM (128 registers):
 // they hide each other's softmax where a key tile's products are short.
 template <typename T, int D, int BN, int WG>
@@ -39,9 +53,12 @@ __global__ void __launch_bounds__(128 * WG, (D <= 32 || (D <= 96 && BN <= 64)) ?
     CUFLASH_STRIDES_OF(out);
     CUFLASH_FORWARD_SEQUENCE;
     extern __shared__ float4 smem4[];
-    T* Qs = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    T* Ks = Qs + BM * DL;      // two buffers of BN x DL
-    T* Vs = Ks + 2 * BN * DL;  // two buffers of BN x DL
+    using Shared = ForwardWgmmaShared<T, D, BN, WG>;
+    static_assert(Shared::DL == DL && Shared::BM == BM, "the layout's tiles are the kernel's");
+    T* base = reinterpret_cast<T*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    T* Qs = CUFLASH_SHARED_REGION(T, base, Shared::q);
+    T* Ks = CUFLASH_SHARED_REGION(T, base, Shared::k);  // two buffers of BN x DL
+    T* Vs = CUFLASH_SHARED_REGION(T, base, Shared::v);  // two buffers of BN x DL
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int wg = warp >> 2, warp_row = wg * 64 + (warp & 3) * 16;

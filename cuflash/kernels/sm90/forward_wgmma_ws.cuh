@@ -65,6 +65,36 @@ struct ForwardElements<E4m3<OUT>> {
     static constexpr bool fp8 = true;
 };
 
+// forward_wgmma_ws's shared memory, from a 1024-byte aligned base: Q (BM rows of DL),
+// STAGES stages of K (BN rows of DL) and of V (V_STAGE elements: BN rows of DVL, or
+// FP8 V^T's DVK rows of BN keys), the K and V stage rings, Q's two barriers (full,
+// empty) and the consumers' order slots (BM * 2 floats: complete_before_wait).
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int DV = D>
+struct ForwardWsShared {
+    using E = ForwardElements<T>;
+    using Ring = StageRing<STAGES, CONSUMERS>;
+    static constexpr int EB = static_cast<int>(sizeof(typename E::in)), CHUNK = 128 / EB;
+    static constexpr int DL = round_up(head_dim_class(D), CHUNK);
+    static constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV), BM = 64 * CONSUMERS;
+    static constexpr int V_STAGE = E::fp8 ? DVK * BN : BN * DVL;
+    static constexpr int BARRIER = static_cast<int>(sizeof(unsigned long long));
+    static constexpr int q = 0;
+    static constexpr int k = q + BM * DL * EB;
+    static constexpr int v = k + STAGES * BN * DL * EB;
+    static constexpr int k_ring = v + STAGES * V_STAGE * EB;
+    static constexpr int v_ring = k_ring + static_cast<int>(sizeof(Ring));
+    static constexpr int q_full = v_ring + static_cast<int>(sizeof(Ring));
+    static constexpr int q_empty = q_full + BARRIER;
+    static constexpr int order_slots = q_empty + BARRIER;
+    static constexpr int bytes =
+        kSharedAlignSlack + order_slots + BM * 2 * static_cast<int>(sizeof(float));
+};
+
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool MODIFIED,
+          bool PERSISTENT = false, int DV = D>
+constexpr int forward_wgmma_ws_shared_bytes =
+    ForwardWsShared<T, D, BN, STAGES, CONSUMERS, DV>::bytes;
+
 // setmaxnreg moves registers within the block's launch allocation only: 384
 // threads capped at 168 registers (__launch_bounds__(384, 1)) hold 64512, 512
 // threads at 128 hold 65536, and a consumer's setmaxnreg.inc past what the
@@ -131,14 +161,22 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     CUFLASH_STRIDES_OF(v);
     CUFLASH_STRIDES_OF(out);
     extern __shared__ float4 smem4[];
-    In* Qs = reinterpret_cast<In*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
-    In* Ks = Qs + BM * DL;           // STAGES buffers of BN x DL
-    In* Vs = Ks + STAGES * BN * DL;  // STAGES buffers of V_STAGE
-    Ring* k_ring = reinterpret_cast<Ring*>(Vs + STAGES * V_STAGE);
-    Ring* v_ring = k_ring + 1;
-    unsigned long long* q_full = reinterpret_cast<unsigned long long*>(v_ring + 1);
-    unsigned long long* q_empty = q_full + 1;  // PERSISTENT: Q read by every consumer
-    float* order_slots = reinterpret_cast<float*>(q_empty + 1);  // BM * 2: complete_before_wait
+    using Shared = ForwardWsShared<T, D, BN, STAGES, CONSUMERS, DV>;
+    static_assert(Shared::DL == DL && Shared::BM == BM && Shared::V_STAGE == V_STAGE,
+                  "the layout's tiles are the kernel's");
+    In* base =
+        reinterpret_cast<In*>((reinterpret_cast<unsigned long long>(smem4) + 1023) & ~1023ull);
+    In* Qs = CUFLASH_SHARED_REGION(In, base, Shared::q);
+    In* Ks = CUFLASH_SHARED_REGION(In, base, Shared::k);  // STAGES buffers of BN x DL
+    In* Vs = CUFLASH_SHARED_REGION(In, base, Shared::v);  // STAGES buffers of V_STAGE
+    Ring* k_ring = CUFLASH_SHARED_REGION(Ring, base, Shared::k_ring);
+    Ring* v_ring = CUFLASH_SHARED_REGION(Ring, base, Shared::v_ring);
+    using Barrier = unsigned long long;
+    Barrier* q_full = CUFLASH_SHARED_REGION(Barrier, base, Shared::q_full);
+    // PERSISTENT: Q read by every consumer
+    Barrier* q_empty = CUFLASH_SHARED_REGION(Barrier, base, Shared::q_empty);
+    // BM * 2: complete_before_wait
+    float* order_slots = CUFLASH_SHARED_REGION(float, base, Shared::order_slots);
 
     const bool tma = use_tma != 0;
     if constexpr (E::fp8) {

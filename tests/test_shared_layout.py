@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from cuflash.core.kvcache_problem import KVCacheProblem
-from cuflash.gpu import decode_kernels, kernel_build, registry
+from cuflash.gpu import decode_kernels, kernel_build, registry, standalone
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}
 SIXTEEN_BIT = registry.SIXTEEN_BIT_DTYPES
@@ -143,7 +143,7 @@ def decode_checks():
                         checks.append(_decode_check(problem))
     for out in SIXTEEN_BIT:
         for query in (np.dtype(np.uint8), out):
-            fp8 = registry.E4m3Cache(query, out)
+            fp8 = standalone.E4m3Cache(query, out)
             for head_dim in (16, 64, 80, 128, 192, 256):
                 for rows, paged, block_size in ((1, False, 0), (16, True, 16), (64, True, 64)):
                     problem = decode_problem(out, head_dim, rows, paged=paged)
@@ -168,7 +168,7 @@ def _source(arch):
     parts = [kernel_build.inlined_source(kernel_build.KERNEL_DIR / kernel_build.MODULE_FILE, seen)]
     if arch == "sm_80":
         for kernel in DECODE_KERNELS:
-            path = kernel_build.KERNEL_DIR / registry.STANDALONE[kernel].source
+            path = kernel_build.KERNEL_DIR / standalone.STANDALONE[kernel].source
             parts.append(kernel_build.inlined_source(path, seen))
     return "\n".join(parts)
 

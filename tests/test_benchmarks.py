@@ -313,19 +313,6 @@ def test_paged_cache_holds_the_same_keys():
             assert (paged.v_cache[block, :, j % 4] == -keys[b, :, j]).all()
 
 
-def test_decode_table_is_skipped_without_the_function(monkeypatch):
-    import cuflash
-
-    monkeypatch.delattr(cuflash, "flash_attention_with_kvcache", raising=False)
-    monkeypatch.setitem(sys.modules, "cuflash.kvcache", None)  # import fails
-    function, note = bench.kvcache_function()
-    assert function is None and "flash_attention_with_kvcache is not available" in note
-    text = bench.format_decode({"note": note, "records": []})
-    assert text.startswith("### Decoding from a KV cache") and "Not measured: " + note in text
-    monkeypatch.setattr(cuflash, "flash_attention_with_kvcache", len, raising=False)
-    assert bench.kvcache_function() == (len, "")
-
-
 def synthetic_report():
     """A saved report of the three new tables, with one refusal and targets missed."""
     sweep = []

@@ -62,7 +62,6 @@ from .decode import (
     decode_record,
     decode_table,
     format_decode,
-    kvcache_function,
     make_decode_sets,
     paged_input_set,
 )
@@ -342,7 +341,6 @@ __all__ = [
     "host_time_records",
     "implementation_factories",
     "import_torch",
-    "kvcache_function",
     "main",
     "make_decode_sets",
     "make_input_sets",

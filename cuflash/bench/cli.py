@@ -75,8 +75,9 @@ import json
 import sys
 from pathlib import Path
 
+from ..kvcache import flash_attention_with_kvcache
 from .cases import DTYPES, HIDDEN, TOKENS, build_grid
-from .decode import decode_table, kvcache_function
+from .decode import decode_table
 from .dense import (
     DEFAULT_DTYPES,
     DEFAULT_HEAD_DIMS,
@@ -287,13 +288,10 @@ def run(args):
         print_status("small calls")
         report["small_calls"] = small_call_sweep(torch, budget, env["l2_bytes"])
     if args.decode:
-        function, note = kvcache_function()
-        print_status("decode table" if function else f"no decode table: {note}")
+        print_status("decode table")
         report["decode"] = {
-            "note": note,
-            "records": []
-            if function is None
-            else decode_table(function, torch, budget, env["l2_bytes"]),
+            "note": "",
+            "records": decode_table(flash_attention_with_kvcache, torch, budget, env["l2_bytes"]),
         }
     if args.varlen:
         print_status("packed variable-length table")

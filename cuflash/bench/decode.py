@@ -9,15 +9,13 @@ import functools
 
 import numpy as np
 
-import cuflash
-
 from ..fp8 import DECODE_TABLE
 from ..rotary import tables as rotary_tables
 from .cases import DTYPES, sets_spanning_l2
 from .environment import cupy
 from .formatting import format_ratio, format_us
 from .implementations import TORCH_BACKENDS, forced_backend, sdpa_backends
-from .measure import agreement, first_line, forward_output, free_memory, run_or_reason
+from .measure import agreement, forward_output, free_memory, run_or_reason
 from .progress import progress_bar
 from .timing import time_calls
 
@@ -98,21 +96,6 @@ def decode_cases():
         for block_size in DECODE_ROTARY_BLOCK_SIZES
         for rotary in (False, True)
     ]
-
-
-def kvcache_function():
-    """``(flash_attention_with_kvcache, "")``, or ``(None, why)`` while cuflash has none."""
-    function = getattr(cuflash, "flash_attention_with_kvcache", None)
-    if function is not None:
-        return function, ""
-    try:
-        from ..kvcache import flash_attention_with_kvcache
-    except Exception as exc:  # noqa: BLE001 - absent or broken: the table is skipped
-        return None, (
-            f"cuflash.flash_attention_with_kvcache is not available "
-            f"({type(exc).__name__}: {first_line(exc)})"
-        )
-    return flash_attention_with_kvcache, ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .problem import (
     MAX_GRID_YZ,
+    AttentionProblem,
     PackedSequences,
     array_module,
     check_count,
@@ -35,9 +36,9 @@ class VarlenProblem:
     ``packed`` field says how they split) and, on the CPU path, the offsets as host
     ints (None on the GPU, where the kernels read them)."""
 
-    attention: object  # AttentionProblem over [1, H, total, D] views
-    offsets_q: tuple  # host ints, B + 1 of them, or None
-    offsets_k: tuple
+    attention: AttentionProblem  # over [1, H, total, D] views
+    offsets_q: tuple | None  # host ints, B + 1 of them, or None
+    offsets_k: tuple | None
 
     @property
     def xp(self):
@@ -51,15 +52,18 @@ class VarlenProblem:
     def has_rows(self):
         """Does any sequence have a query row to compute?"""
         packed = self.attention.packed
+        assert packed is not None  # a packed problem always says how it splits
         return self.attention.num_heads * packed.count * packed.max_q_len * self.total_q > 0
 
     def sequences(self):
         """``(b, q0, q1, k0, k1)`` for every sequence with at least one query row (host
         offsets only)."""
-        for b in range(len(self.offsets_q) - 1):
-            q0, q1 = self.offsets_q[b], self.offsets_q[b + 1]
+        offsets_q, offsets_k = self.offsets_q, self.offsets_k
+        assert offsets_q is not None and offsets_k is not None, "host offsets only"
+        for b in range(len(offsets_q) - 1):
+            q0, q1 = offsets_q[b], offsets_q[b + 1]
             if q1 > q0:
-                yield b, q0, q1, self.offsets_k[b], self.offsets_k[b + 1]
+                yield b, q0, q1, offsets_k[b], offsets_k[b + 1]
 
 
 def _host_offsets(offsets, xp):

@@ -161,7 +161,7 @@ class _LoadedVariant:
             found = self._kernels.get(key)
             if found is None:
                 spec = registry.BY_ROLE[role]
-                options = (f"-DCUFLASH_ROLE_{role}",)
+                options: tuple[str, ...] = (f"-DCUFLASH_ROLE_{role}",)
                 if spec.needs_sm90a:  # CuPy adds -arch=sm_90; NVRTC keeps the last, sm_90a
                     options += ("-arch=sm_90a",)
                 prefix = ""
@@ -227,7 +227,8 @@ class CompileReport:
             done = subprocess.run([tool, "-sass", path], capture_output=True, text=True, env=env)
         if done.returncode or "Function :" not in done.stdout:
             raise RuntimeError(f"cuobjdump could not read the cubin: {done.stderr.strip()}")
-        by_name, current = {}, None
+        by_name: dict = {}
+        current = None
         for line in done.stdout.splitlines():
             m = re.search(r"Function : (\w+)", line)
             if m:
@@ -244,7 +245,8 @@ class CompileReport:
         instructions are serialized due to ..." (C7519, e.g. for a wgmma in a branch that
         depends on the warpgroup; C7512, insufficient register resources: every wgmma
         then waits for the one before, which the register counts do not show)."""
-        info, current, properties_of = {}, None, None
+        info: dict = {}
+        current = properties_of = None
         serialized = set(
             re.findall(
                 r"wgmma\.mma_async instructions are serialized.*? function '(\w+)'", self.log

@@ -30,7 +30,7 @@ def signature(arrays, scalars):
     if cupy is None:
         return None
     ndarray = cupy.ndarray
-    parts = []
+    parts: list = []
     for a in arrays:
         if type(a) is not ndarray:
             return None

@@ -28,7 +28,10 @@ from . import tile_traits
 from .tile_traits import Traits
 
 SIXTEEN_BIT_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
-CXX_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "cuflash::half_t"}
+CXX_TYPES: dict[np.dtype, str] = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.float16): "cuflash::half_t",
+}
 if BFLOAT16 is not None:
     CXX_TYPES[BFLOAT16] = "cuflash::bf16_t"
 

@@ -45,7 +45,7 @@ def longest_first(costs, blocks):
     block), each block's in the order dealt."""
     order = sorted(range(len(costs)), key=lambda i: -costs[i])
     loads = [(0, b) for b in range(blocks)]
-    taken = [[] for _ in range(blocks)]
+    taken: list[list[int]] = [[] for _ in range(blocks)]
     for i in order:
         load, b = heapq.heappop(loads)
         taken[b].append(i)

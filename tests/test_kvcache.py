@@ -741,6 +741,33 @@ def test_pipeline_depth_follows_the_longest_sequence():
     assert stages(np.array([0, 4000], np.int32), head_dim=256) == 2
 
 
+def test_an_fp8_cache_keeps_two_tiles_in_flight_at_any_length():
+    """An FP8 cache's tiles (twice a 16-bit tile's keys) take FP8_STAGES at every length,
+    where a 16-bit cache of the same lengths takes three; paged in blocks of fewer than
+    FP8_RUN_BLOCK_KEYS keys it takes the 16-bit tile and its pipeline depth."""
+    dtype = DTYPES["bfloat16"]
+    fp8 = standalone.E4m3Cache(np.dtype(dtype), np.dtype(dtype))
+
+    def tiles(block_size=None):
+        q = np.zeros((2, 8, 1, 128), dtype)
+        table = None
+        if block_size:
+            cache = np.zeros((2 * 4096 // block_size, 2, block_size, 128), dtype)
+            table = np.arange(2 * 4096 // block_size, dtype=np.int32).reshape(2, -1)
+        else:
+            cache = np.zeros((2, 2, 4096, 128), dtype)
+        config = AttentionConfig(8, 2, 128, True)
+        problem = kvcache_problem(q, cache, cache, config, 4000, block_table=table)
+        name, keys, _, _ = decode_kernels.decode_kernel(problem, 90, fp8=fp8)
+        return keys, int(name.split(",")[-4])  # keys a tile, stages
+
+    two, three = decode_kernels.FP8_STAGES, decode_kernels.LONG_CACHE_STAGES
+    assert (two, three) == (2, 3)
+    assert tiles() == (decode_tc_keys(128, fp8=True), two)
+    assert tiles(256) == (decode_tc_keys(128, fp8=True), two)
+    assert tiles(16) == (decode_tc_keys(128), three)
+
+
 def test_decode_kernel_instantiation_follows_the_call():
     """The tensor-core decode kernel: its paged instantiation for a block table, the narrow
     one (rows as the MMA's N side) where a block's packed query rows fit NARROW_ROWS."""

@@ -38,6 +38,10 @@ LONG_CACHE_KEYS = 2048
 # the kernel alone 91 against 120 us on an H200; the call 0.56 of the bfloat16 step's
 # time against 0.67 on an H100).
 FP8_RUN_BLOCK_KEYS = 32
+# An FP8 cache's tiles of twice the keys stream with two in the pipeline at any length: at
+# D = 128 (H100) B = 16, 8192 keys 109.7 us against three's 116.1, in blocks of 256 113.0
+# against 116.4, 64 x 2048 and B = 1 level (scripts/decode_variants.py --fp8 bfloat16).
+FP8_STAGES = 2
 # With this many packed query rows (S_q x group) or more and a contiguous cache, the
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
@@ -148,6 +152,8 @@ def decode_kernel(problem, capability=80, fp8=None):
         keys = None
         if fp8 is not None and problem.paged and problem.block_size < FP8_RUN_BLOCK_KEYS:
             keys = decode_tc_keys(problem.head_dim)  # a 16-bit tile's: see FP8_RUN_BLOCK_KEYS
+        elif fp8 is not None:
+            stages = FP8_STAGES
         keys_per_tile, rows, shared = decode_tc_shape(
             problem.head_dim, row_warps, stages, keys, fp8=fp8 is not None
         )

@@ -3,6 +3,7 @@ process (``cuflash.distributed.ThreadGroup``), each rank's shards gathered and c
 against the float64 oracle on the whole sequence, forward and backward; the pair rule against
 the visible-key rule by brute force; the validation errors."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -176,6 +177,141 @@ def test_ulysses_needs_heads_that_split_over_the_ranks():
         dist.ThreadGroup(2).run(rank, [(q, k), (q, k)])
 
 
+def _hybrid(ulysses_size):
+    return functools.partial(dist.hybrid_attention_vjp, ulysses_size=ulysses_size)
+
+
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "size, ulysses_size, heads, kv_heads",
+    [
+        (4, 2, 4, 2),
+        (6, 3, 6, 3),
+        (6, 2, 4, 2),
+        (8, 4, 4, 4),
+        (8, 2, 2, 2),
+        (4, 4, 4, 4),
+        (3, 1, 2, 1),
+    ],
+)
+def test_hybrid_matches_oracle(size, ulysses_size, heads, kv_heads, causal, layout, rng):
+    """Ulysses inside sub-groups, the ring across them: the ring's results for every
+    split of the ranks (``ulysses_size`` 1 is the ring, the group's size Ulysses)."""
+    _check(
+        rng,
+        size,
+        layout,
+        causal=causal,
+        heads=heads,
+        kv_heads=kv_heads,
+        chunk=4,
+        vjp_function=_hybrid(ulysses_size),
+    )
+
+
+def test_hybrid_gqa_windows_batch_and_bfloat16(rng):
+    _check(
+        rng,
+        4,
+        "zigzag",
+        window=(5, 3),
+        causal=True,
+        heads=8,
+        kv_heads=2,
+        batch=2,
+        chunk=5,
+        dtype="bfloat16",
+        vjp_function=_hybrid(2),
+    )
+
+
+def test_hybrid_sinks_and_deterministic_bits(rng):
+    """Sinks split with their heads over the sub-group and summed around the ring:
+    dsinks the whole sequence's, the same bits on every rank and on a second run, equal
+    to the ring's."""
+    sinks = rng.standard_normal(4).astype(np.float32)
+    seed = int(rng.integers(2**31))
+    runs = [
+        _ring(
+            np.random.default_rng(seed),
+            4,
+            "zigzag",
+            heads=4,
+            kv_heads=2,
+            chunk=4,
+            deterministic=True,
+            sinks=sinks,
+            vjp_function=_hybrid(2),
+        )[0]
+        for _ in range(2)
+    ]
+    ring = _ring(
+        np.random.default_rng(seed), 4, "zigzag", heads=4, kv_heads=2, chunk=4, sinks=sinks
+    )
+    for x, y in zip(runs[0][:5], runs[1][:5]):
+        assert np.array_equal(x, y)
+    for got, want in zip(runs[0][:5], ring[0][:5]):
+        assert rel_error(got.astype(np.float64), want.astype(np.float64)) <= 1e-5
+    per_rank = runs[0][5]
+    assert all(np.array_equal(per_rank[0], d) for d in per_rank)
+    assert rel_error(per_rank[0].astype(np.float64), ring[0][5][0].astype(np.float64)) <= 1e-5
+
+
+def test_hybrid_groups_are_nodes_and_their_places():
+    def rank(group):
+        heads, ring = dist.hybrid_groups(group, 2)
+        return (heads.rank, heads.size, heads.members), (ring.rank, ring.size, ring.members)
+
+    found = dist.ThreadGroup(6).run(rank, [()] * 6)
+    assert found[3] == ((1, 2, (2, 3)), (1, 3, (1, 3, 5)))
+    assert found[4] == ((0, 2, (4, 5)), (2, 3, (0, 2, 4)))
+
+
+def test_default_ulysses_size_keeps_the_all_to_all_in_a_node():
+    class Group:
+        rank, exchange = 0, None
+
+        def __init__(self, size, local_size):
+            self.size, self.local_size = size, local_size
+
+    assert dist.default_ulysses_size(Group(8, 8), 32, 8) == 1  # one node: the ring
+    assert dist.default_ulysses_size(Group(64, 8), 32, 8) == 8
+    assert dist.default_ulysses_size(Group(64, 8), 32, 4) == 4  # KV heads limit it
+    assert dist.default_ulysses_size(Group(12, 4), 6, 3) == 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_all_to_all_delivers_each_chunk_once(native, rng):
+    """The groups' own all-to-all and the ring-exchange fallback: chunk ``j`` of rank
+    ``r`` arrives at rank ``j`` as ``received[r]``."""
+    size = 4
+    sent = rng.standard_normal((size, size, 3))
+
+    def rank(group):
+        chunks = [(sent[group.rank, j],) for j in range(size)]
+        via = group if native else _RingOnly(group)
+        return dist.all_to_all(via, chunks)
+
+    class _RingOnly:
+        def __init__(self, group):
+            self.rank, self.size, self.exchange = group.rank, group.size, group.exchange
+
+    for r, received in enumerate(dist.ThreadGroup(size).run(rank, [()] * size)):
+        for j in range(size):
+            assert np.array_equal(received[j][0], sent[j, r])
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    def rank(group):
+        if group.rank == 1:
+            raise ValueError("rank 1 fails")
+        return group.exchange((np.ones(2),))
+
+    with pytest.raises(ValueError, match="rank 1 fails"):
+        dist.ThreadGroup(3).run(rank, [()] * 3)
+
+
 def test_shard_and_gather_are_inverse(rng):
     x = rng.standard_normal((2, 3, 24, 4))
     for layout, size in itertools.product(dist.LAYOUTS, (1, 2, 3, 4)):
@@ -266,6 +402,15 @@ def _bad_calls():
         def exchange(self, obj):
             return obj
 
+    class Ring:  # a ring exchange only, no point-to-point
+        rank = 0
+
+        def __init__(self, size):
+            self.size = size
+
+        def exchange(self, obj):
+            return obj
+
     def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
         return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group, layout=layout)
 
@@ -290,10 +435,26 @@ def _bad_calls():
             "ranks",
         ),
         (lambda: dist.ThreadGroup(0), "size: expected an int >= 1, got 0"),
+        (
+            lambda: dist.hybrid_groups(Ring(4), 3),
+            "ulysses_size: expected a divisor of the group's size 4, got 3",
+        ),
+        (
+            lambda: dist.hybrid_groups(Ring(4), 2),
+            "group: Ring has no start_send_recv(arrays, to, source): it cannot run a ring "
+            "over some of its ranks",
+        ),
+        (
+            lambda: dist.hybrid_attention_fwd(
+                q, q[:, :1], q[:, :1], 2, 1, 16, group=Ring(2), ulysses_size=2
+            ),
+            "num_kv_heads: 1 heads do not split over the 2 ranks of an all-to-all (a multiple "
+            "of the Ulysses group's size, each rank a group of heads)",
+        ),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(9))
 def test_bad_input_is_rejected(index):
     call, message = _bad_calls()[index]
     with pytest.raises(cuflash.InvalidArgumentError) as info:
@@ -310,6 +471,27 @@ def test_ring_on_one_gpu_matches_oracle(size, layout, dtype, rng, poisoned):
     import cupy
 
     _check(rng, size, layout, dtype=dtype, chunk=70, head_dim=64, xp=cupy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("size, ulysses_size", [(2, 2), (4, 2)])
+def test_ulysses_and_hybrid_on_one_gpu_match_oracle(size, ulysses_size, dtype, rng, poisoned):
+    """Virtual ranks on one GPU: the all-to-all over CuPy arrays, the ring across."""
+    import cupy
+
+    _check(
+        rng,
+        size,
+        "zigzag",
+        dtype=dtype,
+        chunk=70,
+        head_dim=64,
+        heads=4,
+        kv_heads=2,
+        xp=cupy,
+        vjp_function=_hybrid(ulysses_size),
+    )
 
 
 # ------------------------------------------------------------------ two GPUs over NCCL
@@ -354,6 +536,15 @@ def _nccl_cases():
         ),
         RingCase(**small, causal=False, dtype="float32", deterministic=True),
     ]
+    cases += [  # the all-to-all over NCCL: Ulysses, and the hybrid at either end
+        RingCase(**small, causal=causal, dtype=dtype, mode=mode, ulysses_size=size)
+        for mode, size in (("ulysses", None), ("hybrid", 2), ("hybrid", 1))
+        for dtype, causal in (("bfloat16", True), ("float32", False))
+    ]
+    cases += [
+        RingCase(**small, window=(100, 40), layout="contiguous", dtype="float16", mode="ulysses"),
+        RingCase(**small, dtype="bfloat16", deterministic=True, mode="ulysses"),
+    ]
     return cases
 
 
@@ -382,7 +573,8 @@ def test_ring_over_nccl_matches_one_gpu(nccl_errors, index):
 
 
 @pytest.mark.gpu
-def test_ring_demo_runs_on_every_gpu():
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_demo_runs_on_every_gpu(mode):
     """``python -m cuflash.distributed`` checks and times a small case on every GPU."""
     import subprocess
     import sys
@@ -402,6 +594,8 @@ def test_ring_demo_runs_on_every_gpu():
             "2",
             "--repeats",
             "2",
+            "--mode",
+            mode,
         ],
         capture_output=True,
         text=True,
@@ -409,6 +603,7 @@ def test_ring_demo_runs_on_every_gpu():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "| 4096 |" in done.stdout and "FAILED" not in done.stdout, done.stdout
+    assert done.stdout.startswith(f"{mode} attention on"), done.stdout
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

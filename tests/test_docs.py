@@ -374,6 +374,9 @@ def distributed_bad_calls():
     class Two(One):
         rank, size = 0, 2
 
+    class Four(One):
+        rank, size = 0, 4
+
     def fwd(q=q, k=q, v=q, group=One(), layout="zigzag"):
         return lambda: dist.ring_attention_fwd(q, k, v, 2, 2, 16, True, group=group, layout=layout)
 
@@ -393,6 +396,8 @@ def distributed_bad_calls():
             16,
             group=Two(),
         ),
+        lambda: dist.hybrid_groups(Four(), 3),
+        lambda: dist.hybrid_groups(Four(), 2),
     ]
 
 

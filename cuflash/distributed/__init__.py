@@ -39,9 +39,21 @@ against the single-GPU call and prints the timings.
 :func:`ulysses_attention_fwd` (and ``_bwd``, ``_vjp``) take the ring's arguments and
 give its results by an all-to-all over heads instead (DeepSpeed-Ulysses): each rank
 computes the whole sequence of its group of heads in one dense call.
+:func:`hybrid_attention_fwd` (and ``_bwd``, ``_vjp``) run that all-to-all inside
+sub-groups of ``ulysses_size`` ranks (a node's GPUs) and the ring across them.
 """
 
-from .groups import InFlight, NcclGroup, Received, ThreadGroup, start_exchange
+from .groups import (
+    Alone,
+    InFlight,
+    NcclGroup,
+    Received,
+    SubGroup,
+    ThreadGroup,
+    all_to_all,
+    start_exchange,
+    subgroup,
+)
 from .layout import (
     LAYOUTS,
     PairCall,
@@ -59,14 +71,28 @@ from .layout import (
 )
 from .ring import RingVJP, ring_attention_bwd, ring_attention_fwd, ring_attention_vjp
 from .ulysses import (
+    HybridVJP,
     UlyssesVJP,
-    all_to_all,
+    default_ulysses_size,
+    hybrid_attention_bwd,
+    hybrid_attention_fwd,
+    hybrid_attention_vjp,
+    hybrid_groups,
     ulysses_attention_bwd,
     ulysses_attention_fwd,
     ulysses_attention_vjp,
 )
 
 __all__ = [
+    "Alone",
+    "HybridVJP",
+    "SubGroup",
+    "default_ulysses_size",
+    "hybrid_attention_bwd",
+    "hybrid_attention_fwd",
+    "hybrid_attention_vjp",
+    "hybrid_groups",
+    "subgroup",
     "UlyssesVJP",
     "all_to_all",
     "ulysses_attention_bwd",

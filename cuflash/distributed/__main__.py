@@ -1,6 +1,7 @@
-"""``python -m cuflash.distributed``: ring attention on every visible GPU (one process
-each, over NCCL), checked against the single-GPU call on the whole sequence, timed
-next to it.
+"""``python -m cuflash.distributed``: context-parallel attention (``--mode ring``,
+``ulysses`` or ``hybrid``) on every visible GPU (one process each, over NCCL), checked
+against the single-GPU call on the whole sequence, timed next to it, with each GPU's
+peak memory.
 
 Started plainly it launches one process a GPU itself; started by torchrun or mpirun
 (one process a GPU) each rank joins the group their environment names and prints its
@@ -32,6 +33,18 @@ def _parse(argv):
     parser.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument(
+        "--mode",
+        default="ring",
+        choices=("ring", "ulysses", "hybrid"),
+        help="how the sequence is split over the GPUs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ulysses-size",
+        type=int,
+        default=None,
+        help="the hybrid's all-to-all group (GPUs; default: the cost model's rule)",
+    )
+    parser.add_argument(
         "--gpus", type=int, default=None, help="processes to launch (default: every visible GPU)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed calls a median")
@@ -39,12 +52,12 @@ def _parse(argv):
     return parser.parse_args(argv)
 
 
-def _table(per_rank, size):
+def _table(per_rank, size, mode):
     gib = 2.0**30
     lines = [
-        f"ring attention on {size} GPU(s) against one GPU (milliseconds, the slowest rank)",
-        "| S | one GPU fwd / bwd | ring fwd / bwd | ratio fwd / bwd | ring kernels only "
-        "fwd / bwd | transfers a step K,V / dK,dV | GiB a GPU: one / ring | max error |",
+        f"{mode} attention on {size} GPU(s) against one GPU (milliseconds, the slowest rank)",
+        f"| S | one GPU fwd / bwd | {mode} fwd / bwd | ratio fwd / bwd | {mode} kernels only "
+        f"fwd / bwd | transfers a step K,V / dK,dV | GiB a GPU: one / {mode} | max error |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for index, first in enumerate(per_rank[0]):
@@ -54,7 +67,7 @@ def _table(per_rank, size):
             return max(t[key] for t in timings)
 
         single = (worst("single_fwd_ms"), worst("single_bwd_ms"))
-        ring = (worst("ring_fwd_ms"), worst("ring_bwd_ms"))
+        ring = (worst("cp_fwd_ms"), worst("cp_bwd_ms"))
         error = max(
             max(v for k, v in rank[index]["errors"].items() if k != "repeat") for rank in per_rank
         )
@@ -65,7 +78,7 @@ def _table(per_rank, size):
             f"{ring[1] / single[1]:.3f} | {worst('kernels_only_fwd_ms'):.1f} / "
             f"{worst('kernels_only_bwd_ms'):.1f} | {worst('transfer_kv_ms'):.2f} / "
             f"{worst('transfer_dkdv_ms'):.2f} | {worst('single_peak_bytes') / gib:.2f} / "
-            f"{worst('ring_peak_bytes') / gib:.2f} | {error:.1e}"
+            f"{worst('cp_peak_bytes') / gib:.2f} | {error:.1e}"
             f"{'' if passed else ' FAILED'} |"
         )
     return "\n".join(lines)
@@ -82,6 +95,8 @@ def main(argv=None):
             causal=not options.no_causal,
             layout=options.layout,
             dtype=options.dtype,
+            mode=options.mode,
+            ulysses_size=options.ulysses_size,
         )
         for s in options.seq_lens.split(",")
     ]
@@ -95,7 +110,7 @@ def main(argv=None):
 
     size = options.gpus or cupy.cuda.runtime.getDeviceCount()
     per_rank = launch(run_rank, size, cases, options.repeats)
-    print(_table(per_rank, size))
+    print(_table(per_rank, size, options.mode))
     if options.json:
         with open(options.json, "w") as f:
             json.dump(per_rank, f, indent=1)

@@ -1,11 +1,11 @@
-"""Ring attention on every visible GPU, one process each, over NCCL.
+"""Context-parallel attention on every visible GPU, one process each, over NCCL.
 
 :func:`launch` starts one process a GPU, joins them in an :class:`NcclGroup` and
 runs a function on every rank; :func:`check_cases` compares each rank's shard of
-the ring's results with the single-GPU call on the whole sequence, and
-:func:`measure` times both (and the ring without its transfers, and the
-transfers alone). ``python -m cuflash.distributed`` runs the two and prints
-them; the GPU tests call :func:`check_cases` on many options.
+a mode's results (ring, Ulysses or hybrid) with the single-GPU call on the whole
+sequence, and :func:`measure` times both (and the mode without its transfers, and
+one ring step's transfers alone). ``python -m cuflash.distributed`` runs the two and
+prints them; the GPU tests call :func:`check_cases` on many options.
 """
 
 import dataclasses
@@ -20,18 +20,32 @@ import numpy as np
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..bench import pool_growth_bytes
 from ..core.problem import DTYPES_BY_NAME
-from .groups import NcclGroup
+from .groups import NcclGroup, Received
 from .layout import shard
 from .ring import ring_attention_bwd, ring_attention_fwd
+from .ulysses import (
+    hybrid_attention_bwd,
+    hybrid_attention_fwd,
+    ulysses_attention_bwd,
+    ulysses_attention_fwd,
+)
 
 # Relative error bounds against the single-GPU call: the ring rounds each pair's
 # partial output (and dQ, dK, dV) to the dtype before it adds them.
 BOUNDS = {"float32": 2e-4, "float16": 6e-3, "bfloat16": 3e-2}
 
+#: Each mode's forward and backward: the ring's arguments and results.
+MODES = {
+    "ring": (ring_attention_fwd, ring_attention_bwd),
+    "ulysses": (ulysses_attention_fwd, ulysses_attention_bwd),
+    "hybrid": (hybrid_attention_fwd, hybrid_attention_bwd),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class RingCase:
-    """One ring-attention problem: the whole sequence's shape and options."""
+    """One context-parallel problem: the whole sequence's shape and options, and the
+    mode that splits it (``ulysses_size`` the hybrid's, None for its default)."""
 
     seq_len: int = 4096
     heads: int = 32
@@ -44,10 +58,27 @@ class RingCase:
     batch: int = 1
     softmax_scale: object = None
     deterministic: bool = False
+    mode: str = "ring"
+    ulysses_size: object = None
 
     @property
     def args(self):
         return (self.heads, self.kv_heads, self.head_dim, self.causal, self.window)
+
+    def options(self, group):
+        """The mode's keywords for ``group`` (``layout``, ``softmax_scale``, ...)."""
+        options = dict(group=group, layout=self.layout, softmax_scale=self.softmax_scale)
+        if self.mode == "hybrid":
+            options["ulysses_size"] = self.ulysses_size
+        return options
+
+    def forward(self, group, q, k, v):
+        return MODES[self.mode][0](q, k, v, *self.args, **self.options(group))
+
+    def backward(self, group, dout, q, k, v, out, lse, deterministic=False):
+        return MODES[self.mode][1](
+            dout, q, k, v, out, lse, *self.args, deterministic=deterministic, **self.options(group)
+        )
 
     def inputs(self, seed=0):
         """q, k, v, dout of the whole sequence, standard normal, the same on every rank."""
@@ -121,12 +152,9 @@ def launch(target, size, *args, timeout=1200):
 # ------------------------------------------------------------------ checking
 
 
-def _run_ring(group, case, q, k, v, dout):
-    options = dict(group=group, layout=case.layout, softmax_scale=case.softmax_scale)
-    out, lse = ring_attention_fwd(q, k, v, *case.args, **options)
-    grads = ring_attention_bwd(
-        dout, q, k, v, out, lse, *case.args, deterministic=case.deterministic, **options
-    )
+def _run_mode(group, case, q, k, v, dout):
+    out, lse = case.forward(group, q, k, v)
+    grads = case.backward(group, dout, q, k, v, out, lse, case.deterministic)
     return (out, lse, *grads)
 
 
@@ -141,7 +169,7 @@ def _relative_error(got, want):
 
 
 def check_case(group, case, seed=0):
-    """Errors of this rank's ring results against its shard of the single-GPU call on
+    """Errors of this rank's results (the case's mode) against its shard of the single-GPU call on
     the whole sequence: a dict of name -> relative error (``lse`` absolute, where finite;
     inf when the -inf rows differ or a value is NaN), plus ``"repeat"``: whether a second
     run gave the same bits (always checked; required when deterministic)."""
@@ -149,7 +177,7 @@ def check_case(group, case, seed=0):
 
     full = case.inputs(seed)
     mine = [shard(x, case.layout, group.rank, group.size) for x in full]
-    ring = _run_ring(group, case, *mine)
+    ring = _run_mode(group, case, *mine)
     whole_out, whole_lse = flash_attention_fwd(
         *full[:3], *case.args, softmax_scale=case.softmax_scale
     )
@@ -174,7 +202,7 @@ def check_case(group, case, seed=0):
             )
         else:
             errors[name] = _relative_error(got, want)
-    again = _run_ring(group, case, *mine)
+    again = _run_mode(group, case, *mine)
     errors["repeat"] = all(
         bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8))) for a, b in zip(ring, again)
     )
@@ -200,14 +228,24 @@ def check_cases(group, cases):
 
 
 class _NoTransfer:
-    """The rank and size of a group whose exchange hands back what it is given: the
-    ring's kernels alone, for timing (its results are not the attention)."""
+    """The rank and size of a group whose exchanges hand back what they are given: a
+    mode's kernels alone, for timing (its results are not the attention)."""
 
     def __init__(self, group):
         self.rank, self.size = group.rank, group.size
+        self.local_size = getattr(group, "local_size", group.size)
 
     def exchange(self, arrays):
         return tuple(arrays)
+
+    def start_send_recv(self, arrays, to, source):
+        return Received(arrays)
+
+    def all_to_all(self, chunks):
+        return [tuple(chunk) for chunk in chunks]
+
+    def all_to_all_among(self, members, chunks):
+        return self.all_to_all(chunks)
 
 
 def _median_ms(call, repeats):
@@ -227,14 +265,13 @@ def _median_ms(call, repeats):
 
 def measure(group, case, repeats=5):
     """Median milliseconds on this rank: the single-GPU call on the whole sequence and
-    the ring on this rank's shards (forward, backward), the ring's kernels without the
-    transfers, and one step's transfers alone; and the pool's peak bytes of each
-    forward + backward, inputs included (the memory pool's growth)."""
+    the case's mode on this rank's shards (forward, backward; ``cp_*``), the mode's
+    kernels without the transfers, and one ring step's transfers alone; and the pool's
+    peak bytes of each forward + backward, inputs included (the memory pool's growth)."""
     import cupy
 
     full = case.inputs()
     mine = [shard(x, case.layout, group.rank, group.size) for x in full]
-    options = dict(layout=case.layout, softmax_scale=case.softmax_scale)
     timings = {}
 
     def single_fwd():
@@ -249,17 +286,15 @@ def measure(group, case, repeats=5):
         repeats,
     )
     del out, lse
-    for name, ring_group in (("ring", group), ("kernels_only", _NoTransfer(group))):
+    for name, mode_group in (("cp", group), ("kernels_only", _NoTransfer(group))):
 
-        def fwd(ring_group=ring_group):
-            return ring_attention_fwd(*mine[:3], *case.args, group=ring_group, **options)
+        def fwd(mode_group=mode_group):
+            return case.forward(mode_group, *mine[:3])
 
         out, lse = fwd()
         timings[f"{name}_fwd_ms"] = _median_ms(fwd, repeats)
         timings[f"{name}_bwd_ms"] = _median_ms(
-            lambda: ring_attention_bwd(
-                mine[3], *mine[:3], out, lse, *case.args, group=ring_group, **options
-            ),
+            lambda mode_group=mode_group: case.backward(mode_group, mine[3], *mine[:3], out, lse),
             repeats,
         )
         del out, lse
@@ -273,15 +308,13 @@ def measure(group, case, repeats=5):
         whole = flash_attention_fwd(*inputs[:3], *case.args)
         return inputs, whole, flash_attention_bwd(inputs[3], *inputs[:3], *whole, *case.args)
 
-    def ring_step():
-        result = ring_attention_fwd(*mine[:3], *case.args, group=group, **options)
-        return result, ring_attention_bwd(
-            mine[3], *mine[:3], *result, *case.args, group=group, **options
-        )
+    def mode_step():
+        result = case.forward(group, *mine[:3])
+        return result, case.backward(group, mine[3], *mine[:3], *result)
 
     del full
     timings["single_peak_bytes"] = pool_growth_bytes(lambda: single_step(case.inputs()))
-    timings["ring_peak_bytes"] = pool_growth_bytes(ring_step) + sum(x.nbytes for x in mine)
+    timings["cp_peak_bytes"] = pool_growth_bytes(mode_step) + sum(x.nbytes for x in mine)
     cupy.get_default_memory_pool().free_all_blocks()
     return timings
 
@@ -304,6 +337,7 @@ def run_rank(group, cases, repeats):
 
 __all__ = [
     "BOUNDS",
+    "MODES",
     "RingCase",
     "case_passes",
     "check_case",

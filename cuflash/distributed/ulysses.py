@@ -1,25 +1,34 @@
-"""Ulysses (all-to-all) attention: the ring's arguments and results, split over heads.
+"""Ulysses (all-to-all) attention and the hybrid: the ring's arguments and results,
+split over heads.
 
 Each rank holds a shard of the sequence axis with every head (``layout`` as the
-ring's). An all-to-all over heads gives rank ``r`` the whole sequence of its group of
-heads (query heads ``[r H / N, (r + 1) H / N)`` and their KV heads ``[r H_kv / N, (r +
-1) H_kv / N)``); one dense call computes them, and an all-to-all back returns each
+ring's). In the **Ulysses** mode an all-to-all over heads gives rank ``r`` of ``N`` the
+whole sequence of its group of heads (query heads ``[r H / N, (r + 1) H / N)`` and
+their KV heads); one dense call computes them, and an all-to-all back returns each
 rank its shard of every head (the Distributed page). The backward does the same with
-``dout``, and sends ``dq``, ``dk``, ``dv`` back. ``num_heads`` and ``num_kv_heads``
-must be multiples of the group size (GQA's groups then stay on one rank).
+``dout``, and sends ``dq``, ``dk``, ``dv`` back.
 
-The all-to-all runs over the group's ring exchange: ``N - 1`` steps pass each rank's
-chunks for every rank along, so a rank receives what each other rank holds for it
-(with two ranks one exchange, the all-to-all itself; with more, ``N / 2`` times an
-all-to-all's bytes on average: a group with its own all-to-all is the next step).
+The **hybrid** runs the all-to-all inside sub-groups of ``U`` consecutive ranks (a
+node's GPUs) and the ring across the ``N / U`` sub-groups: after the all-to-all the
+``U`` shards of a sub-group, joined, are its shard of the sequence in the same layout
+over ``N / U`` ranks, and the ring over the ranks that hold the same heads in every
+sub-group computes them. ``U = N`` is Ulysses, ``U = 1`` the ring. ``num_heads`` and
+``num_kv_heads`` must be multiples of ``U`` (GQA's groups then stay on one rank).
 """
 
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
-from .groups import start_exchange
+from .groups import all_to_all, subgroup
 from .layout import array_module, gather, shard
-from .ring import RingVJP, check_group, check_shards, with_vjp
+from .ring import (
+    RingVJP,
+    check_group,
+    check_shards,
+    ring_attention_bwd,
+    ring_attention_fwd,
+    with_vjp,
+)
 
 
 def _check_heads(num_heads, num_kv_heads, size):
@@ -27,24 +36,44 @@ def _check_heads(num_heads, num_kv_heads, size):
         if isinstance(count, int) and count % size:
             raise InvalidArgumentError(
                 name,
-                f"{count} heads do not split over the {size} ranks of Ulysses attention "
-                "(a multiple of the group size, each rank a group of heads)",
+                f"{count} heads do not split over the {size} ranks of an all-to-all "
+                "(a multiple of the Ulysses group's size, each rank a group of heads)",
             )
 
 
-def all_to_all(group, chunks):
-    """``chunks[j]`` (a tuple of arrays) goes to rank ``j``; returns ``received`` with
-    ``received[j]`` the tuple rank ``j`` sent here, over ``size - 1`` ring exchanges."""
-    rank, size = group.rank, group.size
-    received = [None] * size
-    received[rank] = chunks[rank]
-    held = tuple(a for chunk in chunks for a in chunk)
-    width = len(chunks[rank])
-    for step in range(1, size):
-        held = start_exchange(group, held).wait()  # rank (rank - step)'s chunks
-        source = (rank - step) % size
-        received[source] = held[rank * width : (rank + 1) * width]
-    return received
+def default_ulysses_size(group, num_heads, num_kv_heads):
+    """The hybrid's ``ulysses_size`` when the caller gives none: the ring over the
+    whole group when its ranks share one node (``group.local_size``, all of them when
+    the group does not say), else the largest divisor of the group's size that fits in
+    a node and divides both head counts (Ulysses inside the nodes, the ring across
+    them: the Distributed page's cost model)."""
+    size = group.size
+    local = getattr(group, "local_size", size) or size
+    if local >= size:
+        return 1
+    fits = [
+        u
+        for u in range(1, min(local, size) + 1)
+        if size % u == 0 and num_heads % u == 0 and num_kv_heads % u == 0
+    ]
+    return max(fits)
+
+
+def hybrid_groups(group, ulysses_size):
+    """``(ulysses_group, ring_group)`` of this rank for sub-groups of ``ulysses_size``
+    consecutive ranks: the sub-group it belongs to, and the ranks at its place in every
+    sub-group."""
+    rank, size = check_group(group)
+    whole = isinstance(ulysses_size, int) and not isinstance(ulysses_size, bool)
+    if not whole or ulysses_size < 1 or size % ulysses_size:
+        raise InvalidArgumentError(
+            "ulysses_size",
+            f"expected a divisor of the group's size {size}, got {ulysses_size!r}",
+        )
+    block, place = divmod(rank, ulysses_size)
+    ulysses = subgroup(group, range(block * ulysses_size, (block + 1) * ulysses_size))
+    ring = subgroup(group, range(place, size, ulysses_size))
+    return ulysses, ring
 
 
 def _heads(x, part, parts):
@@ -54,16 +83,20 @@ def _heads(x, part, parts):
 
 
 def _to_heads(group, layout, arrays):
-    """Shards with every head -> the whole sequence of this rank's heads (per array)."""
+    """Shards with every head -> the group's shards joined, this rank's heads."""
     size = group.size
+    if size == 1:
+        return list(arrays)
     chunks = [tuple(_heads(a, j, size) for a in arrays) for j in range(size)]
     received = all_to_all(group, chunks)
     return [gather([received[j][i] for j in range(size)], layout) for i in range(len(arrays))]
 
 
 def _to_shards(group, layout, arrays):
-    """The whole sequence of this rank's heads -> this rank's shard with every head."""
+    """The group's shards joined, this rank's heads -> this rank's shard, every head."""
     size, xp = group.size, array_module(arrays[0])
+    if size == 1:
+        return list(arrays)
     chunks = [tuple(shard(a, layout, j, size) for a in arrays) for j in range(size)]
     received = all_to_all(group, chunks)
     return [
@@ -73,6 +106,140 @@ def _to_shards(group, layout, arrays):
 
 def _local_sinks(sinks, rank, size):
     return None if sinks is None else _heads(sinks[None], rank, size)[0]
+
+
+def _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size):
+    """The groups of a hybrid call, every argument checked before any exchange."""
+    _, size = check_group(group)
+    check_shards(q, k, v, layout, size)
+    if ulysses_size is None:
+        ulysses_size = default_ulysses_size(group, num_heads, num_kv_heads)
+    groups = hybrid_groups(group, ulysses_size)
+    _check_heads(num_heads, num_kv_heads, ulysses_size)
+    check_sinks(sinks, q, num_heads)
+    return groups
+
+
+def hybrid_attention_fwd(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    ulysses_size=None,
+    layout="zigzag",
+    softmax_scale=None,
+    allow_tf32=False,
+    sinks=None,
+):
+    """:func:`cuflash.distributed.ring_attention_fwd`'s arguments and results, by an
+    all-to-all over heads inside sub-groups of ``ulysses_size`` consecutive ranks and
+    the ring across them (``None``: :func:`default_ulysses_size`)."""
+    heads, ring = _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size)
+    parts = heads.size
+    q_h, k_h, v_h = _to_heads(heads, layout, (q, k, v))
+    arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
+    options = dict(
+        softmax_scale=softmax_scale,
+        allow_tf32=allow_tf32,
+        sinks=_local_sinks(sinks, heads.rank, parts),
+    )
+    if ring.size == 1:
+        out, lse = flash_attention_fwd(q_h, k_h, v_h, *arguments, **options)
+    else:
+        out, lse = ring_attention_fwd(
+            q_h, k_h, v_h, *arguments, group=ring, layout=layout, **options
+        )
+    out_shard, lse_shard = _to_shards(heads, layout, (out, lse))
+    return out_shard, lse_shard
+
+
+def hybrid_attention_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    ulysses_size=None,
+    layout="zigzag",
+    softmax_scale=None,
+    deterministic=False,
+    allow_tf32=False,
+    sinks=None,
+):
+    """:func:`cuflash.distributed.ring_attention_bwd`'s arguments and results: the
+    gradients of this rank's shards (and ``dsinks`` fourth with ``sinks``: every head's,
+    the same bits on every rank)."""
+    heads, ring = _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size)
+    parts = heads.size
+    arrays = _to_heads(heads, layout, (dout, q, k, v, out, lse))
+    arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
+    options = dict(
+        softmax_scale=softmax_scale,
+        deterministic=deterministic,
+        allow_tf32=allow_tf32,
+        sinks=_local_sinks(sinks, heads.rank, parts),
+    )
+    if ring.size == 1:
+        grads = flash_attention_bwd(*arrays, *arguments, **options)
+    else:
+        grads = ring_attention_bwd(*arrays, *arguments, group=ring, layout=layout, **options)
+    dq, dk, dv = _to_shards(heads, layout, grads[:3])
+    if sinks is None:
+        return dq, dk, dv
+    received = all_to_all(heads, [(grads[3],)] * parts)  # each rank's heads' dsinks
+    xp = array_module(grads[3])
+    return dq, dk, dv, xp.concatenate([received[j][0] for j in range(parts)])
+
+
+class HybridVJP(RingVJP):
+    """The residuals of one hybrid forward on one rank; ``dq, dk, dv = vjp(dout)`` (and
+    ``dsinks`` fourth with sinks)."""
+
+    backward = staticmethod(hybrid_attention_bwd)
+
+
+def hybrid_attention_vjp(
+    q,
+    k,
+    v,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal=False,
+    window_size=0,
+    *,
+    group,
+    ulysses_size=None,
+    layout="zigzag",
+    softmax_scale=None,
+    allow_tf32=False,
+    sinks=None,
+):
+    """:func:`hybrid_attention_fwd` plus a :class:`HybridVJP` for the matching backward."""
+    arguments = (num_heads, num_kv_heads, head_dim, causal, window_size)
+    options = dict(
+        group=group,
+        ulysses_size=ulysses_size,
+        layout=layout,
+        softmax_scale=softmax_scale,
+        allow_tf32=allow_tf32,
+        sinks=sinks,
+    )
+    return with_vjp(hybrid_attention_fwd, HybridVJP, q, k, v, arguments, options)
 
 
 def ulysses_attention_fwd(
@@ -92,28 +259,26 @@ def ulysses_attention_fwd(
     sinks=None,
 ):
     """:func:`cuflash.distributed.ring_attention_fwd`'s arguments and results, by an
-    all-to-all over heads: this rank's shard ``(out, lse)`` of the attention over the
-    whole sequence."""
-    rank, size = check_group(group)
-    check_shards(q, k, v, layout, size)
-    _check_heads(num_heads, num_kv_heads, size)
-    check_sinks(sinks, q, num_heads)
-    q_all, k_all, v_all = _to_heads(group, layout, (q, k, v))
-    out, lse = flash_attention_fwd(
-        q_all,
-        k_all,
-        v_all,
-        num_heads // size,
-        num_kv_heads // size,
+    all-to-all over heads across the whole group: this rank's shard ``(out, lse)`` of
+    the attention over the whole sequence (:func:`hybrid_attention_fwd` with
+    ``ulysses_size`` the group's size)."""
+    _, size = check_group(group)
+    return hybrid_attention_fwd(
+        q,
+        k,
+        v,
+        num_heads,
+        num_kv_heads,
         head_dim,
         causal,
         window_size,
+        group=group,
+        ulysses_size=size,
+        layout=layout,
         softmax_scale=softmax_scale,
         allow_tf32=allow_tf32,
-        sinks=_local_sinks(sinks, rank, size),
+        sinks=sinks,
     )
-    out_shard, lse_shard = _to_shards(group, layout, (out, lse))
-    return out_shard, lse_shard
 
 
 def ulysses_attention_bwd(
@@ -136,32 +301,30 @@ def ulysses_attention_bwd(
     allow_tf32=False,
     sinks=None,
 ):
-    """:func:`cuflash.distributed.ring_attention_bwd`'s arguments and results: the
-    gradients of this rank's shards (and ``dsinks`` fourth with ``sinks``: every head's,
-    the same on every rank)."""
-    rank, size = check_group(group)
-    check_shards(q, k, v, layout, size)
-    _check_heads(num_heads, num_kv_heads, size)
-    check_sinks(sinks, q, num_heads)
-    arrays = _to_heads(group, layout, (dout, q, k, v, out, lse))
-    grads = flash_attention_bwd(
-        *arrays,
-        num_heads // size,
-        num_kv_heads // size,
+    """:func:`cuflash.distributed.ring_attention_bwd`'s arguments and results, by an
+    all-to-all over heads across the whole group (and ``dsinks`` fourth with
+    ``sinks``: every head's, the same on every rank)."""
+    _, size = check_group(group)
+    return hybrid_attention_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        num_heads,
+        num_kv_heads,
         head_dim,
         causal,
         window_size,
+        group=group,
+        ulysses_size=size,
+        layout=layout,
         softmax_scale=softmax_scale,
         deterministic=deterministic,
         allow_tf32=allow_tf32,
-        sinks=_local_sinks(sinks, rank, size),
+        sinks=sinks,
     )
-    dq, dk, dv = _to_shards(group, layout, grads[:3])
-    if sinks is None:
-        return dq, dk, dv
-    received = all_to_all(group, [(grads[3],)] * size)  # each rank's heads' dsinks
-    xp = array_module(grads[3])
-    return dq, dk, dv, xp.concatenate([received[j][0] for j in range(size)])
 
 
 class UlyssesVJP(RingVJP):

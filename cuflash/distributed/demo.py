@@ -130,7 +130,8 @@ def launch(target, size, *args, timeout=1200):
     ]
     for process in processes:
         process.start()
-    found, failures = {}, []
+    found: dict[int, object] = {}
+    failures: list[str] = []
     try:
         for _ in range(size):
             rank, ok, value = results.get(timeout=timeout)
@@ -178,11 +179,12 @@ def check_case(group, case, seed=0):
     full = case.inputs(seed)
     mine = [shard(x, case.layout, group.rank, group.size) for x in full]
     ring = _run_mode(group, case, *mine)
+    q, k, v, dout = full
     whole_out, whole_lse = flash_attention_fwd(
-        *full[:3], *case.args, softmax_scale=case.softmax_scale
+        q, k, v, *case.args, softmax_scale=case.softmax_scale
     )
     whole_grads = flash_attention_bwd(
-        full[3], *full[:3], whole_out, whole_lse, *case.args, softmax_scale=case.softmax_scale
+        dout, q, k, v, whole_out, whole_lse, *case.args, softmax_scale=case.softmax_scale
     )
     wanted = [
         shard(x, case.layout, group.rank, group.size)
@@ -274,14 +276,16 @@ def measure(group, case, repeats=5):
     mine = [shard(x, case.layout, group.rank, group.size) for x in full]
     timings = {}
 
+    q, k, v, dout = full
+
     def single_fwd():
-        return flash_attention_fwd(*full[:3], *case.args, softmax_scale=case.softmax_scale)
+        return flash_attention_fwd(q, k, v, *case.args, softmax_scale=case.softmax_scale)
 
     out, lse = single_fwd()
     timings["single_fwd_ms"] = _median_ms(single_fwd, repeats)
     timings["single_bwd_ms"] = _median_ms(
         lambda: flash_attention_bwd(
-            full[3], *full[:3], out, lse, *case.args, softmax_scale=case.softmax_scale
+            dout, q, k, v, out, lse, *case.args, softmax_scale=case.softmax_scale
         ),
         repeats,
     )
@@ -312,7 +316,7 @@ def measure(group, case, repeats=5):
         result = case.forward(group, *mine[:3])
         return result, case.backward(group, mine[3], *mine[:3], *result)
 
-    del full
+    del full, q, k, v, dout
     timings["single_peak_bytes"] = pool_growth_bytes(lambda: single_step(case.inputs()))
     timings["cp_peak_bytes"] = pool_growth_bytes(mode_step) + sum(x.nbytes for x in mine)
     cupy.get_default_memory_pool().free_all_blocks()

@@ -214,7 +214,7 @@ def ring_attention_fwd(
                 out_acc = xp.zeros(q.shape, dtype=np.float32)
                 lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
             _merge(out_acc, lse_acc, out, lse, rows)
-        if not last:
+        if incoming is not None:
             k_now, v_now = incoming.wait()
     if out_acc is None:  # no row sees any key
         out_acc = xp.zeros(q.shape, dtype=np.float32)
@@ -301,8 +301,9 @@ def ring_attention_bwd(
             dv_acc[:, :, keys] += dv
         # After the last step the next rank is the shard's owner: the accumulators go home.
         sending = start_exchange(group, (dk_acc, dv_acc))
-        if not last:
+        if incoming is not None:
             k_now, v_now = incoming.wait()
+    assert sending is not None  # a group has at least one rank: one step at least
     dk_acc, dv_acc = sending.wait()
     grads = dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
     if sinks is None:

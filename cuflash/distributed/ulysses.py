@@ -185,7 +185,8 @@ def hybrid_attention_bwd(
     the same bits on every rank)."""
     heads, ring = _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size)
     parts = heads.size
-    arrays = _to_heads(heads, layout, (dout, q, k, v, out, lse))
+    dout_h, q_h, k_h, v_h, out_h, lse_h = _to_heads(heads, layout, (dout, q, k, v, out, lse))
+    arrays = (dout_h, q_h, k_h, v_h, out_h, lse_h)
     arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
     options = dict(
         softmax_scale=softmax_scale,

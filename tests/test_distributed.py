@@ -5,6 +5,7 @@ the visible-key rule by brute force; the validation errors."""
 
 import functools
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -268,17 +269,35 @@ def test_hybrid_groups_are_nodes_and_their_places():
     assert found[4] == ((0, 2, (4, 5)), (2, 3, (0, 2, 4)))
 
 
-def test_default_ulysses_size_keeps_the_all_to_all_in_a_node():
+def test_default_ulysses_size_is_the_cost_models_choice():
+    """Without ``ulysses_size`` the hybrid takes the cost model's fastest split that fits
+    the group: within a node, dividing both head counts, rings over some of the ranks
+    only where the group can send between any two."""
+
     class Group:
-        rank, exchange = 0, None
+        rank = 0
 
-        def __init__(self, size, local_size):
+        def __init__(self, size, local_size, send_recv=True):
             self.size, self.local_size = size, local_size
+            if send_recv:
+                self.start_send_recv = self.exchange = lambda *a: a
 
-    assert dist.default_ulysses_size(Group(8, 8), 32, 8) == 1  # one node: the ring
-    assert dist.default_ulysses_size(Group(64, 8), 32, 8) == 8
-    assert dist.default_ulysses_size(Group(64, 8), 32, 4) == 4  # KV heads limit it
-    assert dist.default_ulysses_size(Group(12, 4), 6, 3) == 3
+    def shard(size, heads=32, seq_len=131072):
+        return types.SimpleNamespace(
+            shape=(1, heads, seq_len // size, 128), dtype=np.dtype(np.float16), ndim=4
+        )
+
+    model = dist.cost_model
+    for size, local in ((8, 8), (64, 8), (512, 8), (16, 4)):
+        problem = model.Problem(seq_len=131072)
+        want = model.best_ulysses_size(problem, size, model.Machine(gpus_per_node=local))
+        assert dist.default_ulysses_size(Group(size, local), shard(size), 32, 8, 128, True) == want
+        assert want <= local and 32 % want == 8 % want == 0
+    # Across nodes the model keeps the all-to-all inside them (its docs' 8 x 8).
+    assert dist.default_ulysses_size(Group(64, 8), shard(64), 32, 8, 128, True) == 8
+    assert dist.default_ulysses_size(Group(64, 8), shard(64), 32, 4, 128, True) == 4
+    # A ring exchange alone: the ring or Ulysses over all ranks, nothing between.
+    assert dist.default_ulysses_size(Group(64, 8, False), shard(64), 32, 8, 128, True) == 1
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -43,6 +43,7 @@ computes the whole sequence of its group of heads in one dense call.
 sub-groups of ``ulysses_size`` ranks (a node's GPUs) and the ring across them.
 """
 
+from . import cost_model
 from .groups import (
     Alone,
     InFlight,
@@ -87,6 +88,7 @@ __all__ = [
     "Alone",
     "HybridVJP",
     "SubGroup",
+    "cost_model",
     "default_ulysses_size",
     "hybrid_attention_bwd",
     "hybrid_attention_fwd",

@@ -240,16 +240,22 @@ def ulysses_sizes(problem: Problem, gpus: int, machine: Machine) -> list[int]:
     return [u for u in fits if gpus % u == 0 and problem.heads % u == problem.kv_heads % u == 0]
 
 
-def best_ulysses_size(problem: Problem, gpus: int, machine: Machine | None = None) -> int:
-    """The Ulysses size (of :func:`ulysses_sizes`) with the least predicted forward plus
-    backward time (the smaller on a tie)."""
+def best_ulysses_size(
+    problem: Problem,
+    gpus: int,
+    machine: Machine | None = None,
+    allowed: Sequence[int] | None = None,
+) -> int:
+    """The Ulysses size (of :func:`ulysses_sizes`, and of ``allowed`` where given) with
+    the least predicted forward plus backward time (the smaller on a tie)."""
     machine = machine or Machine()
+    sizes = [u for u in ulysses_sizes(problem, gpus, machine) if allowed is None or u in allowed]
 
     def total(u: int) -> float:
         p = predict("hybrid", problem, gpus, machine, ulysses_size=u)
         return p.forward_ms + p.backward_ms
 
-    return min(ulysses_sizes(problem, gpus, machine), key=total)
+    return min(sizes, key=total)
 
 
 @dataclass(frozen=True)
@@ -264,8 +270,8 @@ class Measurement:
     peak_gib: tuple[float, float]  # one GPU, ring
 
 
-# Two H200s over NVLink, bfloat16, causal, zigzag, B = 1, H = 32, H_kv = 8, D = 128
-# (``python -m cuflash.distributed --repeats 9``).
+#: Two H200s over NVLink, bfloat16, causal, zigzag, B = 1, H = 32, H_kv = 8, D = 128
+#: (``python -m cuflash.distributed --repeats 9``).
 MEASURED_H200X2 = (
     Measurement(65536, (75.3, 230.0), (41.2, 124.7), (40.0, 121.6), (0.57, 1.01), (3.52, 3.14)),
     Measurement(131072, (306.1, 908.9), (161.4, 475.5), (156.6, 471.2), (1.00, 1.82), (7.03, 6.29)),

@@ -19,6 +19,7 @@ sub-group computes them. ``U = N`` is Ulysses, ``U = 1`` the ring. ``num_heads``
 from ..api import flash_attention_bwd, flash_attention_fwd
 from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
+from . import cost_model
 from .groups import all_to_all, subgroup
 from .layout import array_module, gather, shard
 from .ring import (
@@ -41,22 +42,26 @@ def _check_heads(num_heads, num_kv_heads, size):
             )
 
 
-def default_ulysses_size(group, num_heads, num_kv_heads):
-    """The hybrid's ``ulysses_size`` when the caller gives none: the ring over the
-    whole group when its ranks share one node (``group.local_size``, all of them when
-    the group does not say), else the largest divisor of the group's size that fits in
-    a node and divides both head counts (Ulysses inside the nodes, the ring across
-    them: the Distributed page's cost model)."""
+def default_ulysses_size(group, q, num_heads, num_kv_heads, head_dim, causal=False):
+    """The hybrid's ``ulysses_size`` when the caller gives none: the one the cost model
+    (:mod:`cuflash.distributed.cost_model`) predicts fastest for this call's shape, among
+    the divisors of the group's size that divide both head counts and fit in a node
+    (``group.local_size`` ranks, all of them when the group does not say; 1 or all of
+    them for a group without ``start_send_recv``)."""
     size = group.size
-    local = getattr(group, "local_size", size) or size
-    if local >= size:
-        return 1
-    fits = [
-        u
-        for u in range(1, min(local, size) + 1)
-        if size % u == 0 and num_heads % u == 0 and num_kv_heads % u == 0
-    ]
-    return max(fits)
+    problem = cost_model.Problem(
+        batch=q.shape[0],
+        heads=num_heads,
+        kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_len=q.shape[2] * size,
+        causal=bool(causal),
+        dtype_bytes=q.dtype.itemsize,
+    )
+    machine = cost_model.Machine(gpus_per_node=getattr(group, "local_size", size) or size)
+    # A group without start_send_recv runs no ring over some of its ranks.
+    allowed = None if hasattr(group, "start_send_recv") else (1, size)
+    return cost_model.best_ulysses_size(problem, size, machine, allowed)
 
 
 def hybrid_groups(group, ulysses_size):
@@ -108,12 +113,20 @@ def _local_sinks(sinks, rank, size):
     return None if sinks is None else _heads(sinks[None], rank, size)[0]
 
 
-def _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size):
+def _checked(group, q, k, v, layout, arguments, sinks, ulysses_size):
     """The groups of a hybrid call, every argument checked before any exchange."""
     _, size = check_group(group)
     check_shards(q, k, v, layout, size)
+    num_heads, num_kv_heads, head_dim, causal = arguments[:4]
     if ulysses_size is None:
-        ulysses_size = default_ulysses_size(group, num_heads, num_kv_heads)
+        plain = all(isinstance(n, int) and n > 0 for n in (num_heads, num_kv_heads, head_dim))
+        # Arguments the dense functions will refuse: the ring's checks name them.
+        shaped = plain and getattr(q, "ndim", 0) == 4
+        ulysses_size = (
+            default_ulysses_size(group, q, num_heads, num_kv_heads, head_dim, causal)
+            if shaped
+            else 1
+        )
     groups = hybrid_groups(group, ulysses_size)
     _check_heads(num_heads, num_kv_heads, ulysses_size)
     check_sinks(sinks, q, num_heads)
@@ -140,7 +153,9 @@ def hybrid_attention_fwd(
     """:func:`cuflash.distributed.ring_attention_fwd`'s arguments and results, by an
     all-to-all over heads inside sub-groups of ``ulysses_size`` consecutive ranks and
     the ring across them (``None``: :func:`default_ulysses_size`)."""
-    heads, ring = _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size)
+    heads, ring = _checked(
+        group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
+    )
     parts = heads.size
     q_h, k_h, v_h = _to_heads(heads, layout, (q, k, v))
     arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
@@ -183,7 +198,9 @@ def hybrid_attention_bwd(
     """:func:`cuflash.distributed.ring_attention_bwd`'s arguments and results: the
     gradients of this rank's shards (and ``dsinks`` fourth with ``sinks``: every head's,
     the same bits on every rank)."""
-    heads, ring = _checked(group, q, k, v, layout, num_heads, num_kv_heads, sinks, ulysses_size)
+    heads, ring = _checked(
+        group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
+    )
     parts = heads.size
     dout_h, q_h, k_h, v_h, out_h, lse_h = _to_heads(heads, layout, (dout, q, k, v, out, lse))
     arrays = (dout_h, q_h, k_h, v_h, out_h, lse_h)

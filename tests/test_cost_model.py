@@ -127,16 +127,25 @@ def test_nvlink_hides_the_ring_transfers():
 
 def test_ulysses_needs_the_heads_to_split():
     with pytest.raises(ValueError, match="do not split"):
-        cm.predict("ulysses", PROBLEM, 16, MACHINE)  # H_kv = 8
+        cm.predict("ulysses", PROBLEM, 64, MACHINE)  # H = 32
     with pytest.raises(ValueError, match="do not split"):
-        cm.predict("hybrid", PROBLEM, 64, MACHINE, ulysses_size=16)
+        cm.predict("ulysses", replace(PROBLEM, kv_heads=3, heads=12), 4, MACHINE)
+    with pytest.raises(ValueError, match="do not split"):
+        cm.predict("hybrid", PROBLEM, 128, MACHINE, ulysses_size=64)
     with pytest.raises(ValueError, match="does not divide"):
         cm.predict("hybrid", PROBLEM, 64, MACHINE, ulysses_size=3)
     with pytest.raises(ValueError, match="unknown mode"):
         cm.predict("tree", PROBLEM, 8, MACHINE)
     assert cm.predict("ulysses", PROBLEM, 8, MACHINE).ulysses_size == 8
     assert cm.ulysses_sizes(PROBLEM, 64, MACHINE) == [1, 2, 4, 8]
-    assert cm.ulysses_sizes(replace(PROBLEM, kv_heads=1), 64, MACHINE) == [1]
+    # fewer KV heads than GPUs: each KV head copied to u / H_kv of them
+    assert cm.ulysses_sizes(replace(PROBLEM, kv_heads=1), 64, MACHINE) == [1, 2, 4, 8]
+    assert cm.ulysses_sizes(replace(PROBLEM, kv_heads=3, heads=12), 12, MACHINE) == [1, 3, 6]
+    copied = cm.predict("ulysses", replace(PROBLEM, kv_heads=1), 8, MACHINE)
+    split = cm.predict("ulysses", replace(PROBLEM, kv_heads=8), 8, MACHINE)
+    assert copied.exposed_ms == split.exposed_ms  # 8 copies of one head: as 8 heads
+    wider = cm.predict("ulysses", replace(PROBLEM, kv_heads=16), 8, MACHINE)
+    assert wider.exposed_ms > split.exposed_ms  # more KV heads than GPUs: more bytes
 
 
 def test_hybrid_extremes_are_ring_and_ulysses():
@@ -169,8 +178,8 @@ def test_best_ulysses_size():
     # over a slow link the ring wins: it hides its transfers, Ulysses does not
     assert cm.best_ulysses_size(PROBLEM, 8, MACHINE) == 8
     assert cm.best_ulysses_size(PROBLEM, 8, replace(MACHINE, nvlink_gbs=20)) == 1
-    # MQA leaves only the ring
-    assert cm.best_ulysses_size(replace(PROBLEM, kv_heads=1), 64, MACHINE) == 1
+    # MQA across nodes: the KV head copied inside each node, the ring across them
+    assert cm.best_ulysses_size(replace(PROBLEM, kv_heads=1), 64, MACHINE) == 8
 
 
 def test_memory_falls_as_one_over_n():

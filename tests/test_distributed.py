@@ -227,6 +227,46 @@ def test_hybrid_gqa_windows_batch_and_bfloat16(rng):
     )
 
 
+@pytest.mark.parametrize(
+    "size, ulysses_size, heads, kv_heads",
+    [(4, 4, 4, 1), (4, 4, 8, 2), (8, 4, 4, 2), (4, 2, 2, 1)],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_fewer_kv_heads_than_ranks_are_copied(size, ulysses_size, heads, kv_heads, causal, rng):
+    """MQA and GQA over more ranks than KV heads: each rank a copy of its query heads' KV
+    head, the copies' dK and dV summed on the way back."""
+    _check(
+        rng,
+        size,
+        "zigzag",
+        causal=causal,
+        heads=heads,
+        kv_heads=kv_heads,
+        chunk=4,
+        vjp_function=_hybrid(ulysses_size),
+    )
+
+
+def test_copied_kv_heads_give_the_same_bits_every_run(rng):
+    seed = int(rng.integers(2**31))
+    runs = [
+        _ring(
+            np.random.default_rng(seed),
+            4,
+            "zigzag",
+            heads=4,
+            kv_heads=1,
+            chunk=4,
+            dtype="bfloat16",
+            deterministic=True,
+            vjp_function=dist.ulysses_attention_vjp,
+        )[0]
+        for _ in range(2)
+    ]
+    for x, y in zip(*runs):
+        assert np.array_equal(x, y)
+
+
 def test_hybrid_sinks_and_deterministic_bits(rng):
     """Sinks split with their heads over the sub-group and summed around the ring:
     dsinks the whole sequence's, the same bits on every rank and on a second run, equal
@@ -295,7 +335,8 @@ def test_default_ulysses_size_is_the_cost_models_choice():
         assert want <= local and 32 % want == 8 % want == 0
     # Across nodes the model keeps the all-to-all inside them (its docs' 8 x 8).
     assert dist.default_ulysses_size(Group(64, 8), shard(64), 32, 8, 128, True) == 8
-    assert dist.default_ulysses_size(Group(64, 8), shard(64), 32, 4, 128, True) == 4
+    # Fewer KV heads than a node's GPUs: copies of them inside it.
+    assert dist.default_ulysses_size(Group(64, 8), shard(64), 32, 1, 128, True) == 8
     # A ring exchange alone: the ring or Ulysses over all ranks, nothing between.
     assert dist.default_ulysses_size(Group(64, 8, False), shard(64), 32, 8, 128, True) == 1
 
@@ -414,6 +455,7 @@ def test_step_calls_cover_each_visible_key_once(size, layout, window):
 
 def _bad_calls():
     q = np.zeros((1, 2, 8, 16), np.float32)
+    q8 = np.zeros((1, 8, 8, 16), np.float32)
 
     class One:
         rank, size = 0, 1
@@ -465,10 +507,11 @@ def _bad_calls():
         ),
         (
             lambda: dist.hybrid_attention_fwd(
-                q, q[:, :1], q[:, :1], 2, 1, 16, group=Ring(2), ulysses_size=2
+                q8, q8[:, :3], q8[:, :3], 8, 3, 16, group=Ring(4), ulysses_size=4
             ),
-            "num_kv_heads: 1 heads do not split over the 2 ranks of an all-to-all (a multiple "
-            "of the Ulysses group's size, each rank a group of heads)",
+            "num_kv_heads: 3 KV heads neither split over the 4 ranks of an all-to-all nor "
+            "divide them (a multiple of the Ulysses group's size, each rank a group of KV "
+            "heads, or a divisor, each KV head copied to size / num_kv_heads ranks)",
         ),
     ]
 
@@ -563,6 +606,7 @@ def _nccl_cases():
     cases += [
         RingCase(**small, window=(100, 40), layout="contiguous", dtype="float16", mode="ulysses"),
         RingCase(**small, dtype="bfloat16", deterministic=True, mode="ulysses"),
+        RingCase(seq_len=1040, heads=8, kv_heads=1, head_dim=128, mode="ulysses"),  # MQA
     ]
     return cases
 

@@ -396,6 +396,14 @@ def distributed_bad_calls():
             16,
             group=Two(),
         ),
+        lambda: dist.ulysses_attention_fwd(
+            np.zeros((1, 8, 8, 16), np.float32),
+            *[np.zeros((1, 3, 8, 16), np.float32)] * 2,
+            8,
+            3,
+            16,
+            group=Four(),
+        ),
         lambda: dist.hybrid_groups(Four(), 3),
         lambda: dist.hybrid_groups(Four(), 2),
     ]

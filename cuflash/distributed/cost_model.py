@@ -117,6 +117,19 @@ class Prediction:
         return self.one_gpu_ms / (self.forward_ms + self.backward_ms)
 
 
+def kv_copies(problem: Problem, u: int) -> int:
+    """KV heads over an all-to-all of ``u`` GPUs: ``H_kv``, or ``u`` where fewer KV heads
+    than GPUs are each copied to ``u / H_kv`` of them (``kv_share`` of the hybrid)."""
+    return max(problem.kv_heads, u)
+
+
+def splits(problem: Problem, u: int) -> bool:
+    """Whether the heads split over an all-to-all of ``u`` GPUs: ``H`` a multiple of
+    ``u``, and ``H_kv`` a multiple or a divisor of it."""
+    kv = problem.kv_heads
+    return problem.heads % u == 0 and (kv % u == 0 or u % kv == 0)
+
+
 def _all_to_all_s(machine: Machine, size: int, nbytes: float) -> float:
     """Seconds of an all-to-all in which each of ``size`` GPUs holds ``nbytes`` and sends
     ``(size - 1) / size`` of them: the peers off the node over the slower link."""
@@ -137,7 +150,7 @@ def _ring_s(problem: Problem, machine: Machine, gpus: int, u: int, r: int) -> tu
     bwd = BACKWARD_WORK * f / machine.rate(tokens, backward=True)
     if r == 1:
         return fwd, bwd, fwd, bwd
-    shard = problem.values(problem.kv_heads / u, problem.seq_len / r)
+    shard = problem.values(kv_copies(problem, u) / u, problem.seq_len / r)
     kv = 2 * shard * problem.dtype_bytes / machine.link(gpus)  # K and V
     acc = 2 * shard * ACC_BYTES / machine.link(gpus)  # the dK/dV accumulators
     lat = machine.latency_us * 1e-6
@@ -179,7 +192,7 @@ def _memory(problem: Problem, gpus: int, u: int, r: int) -> float:
     if u > 1:
         total += shards  # the head-split copies the all-to-alls produce
     if r > 1:
-        kv = p.values(2 * p.kv_heads, s)  # a K/V shard (H_kv / u heads, S / r tokens)
+        kv = p.values(2 * kv_copies(p, u), s)  # a K/V shard (H_kv / u heads, S / r tokens)
         total += 2 * kv * b + 3 * kv * ACC_BYTES  # K/V held and coming; dK/dV x3
     return total
 
@@ -211,10 +224,10 @@ def predict(
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     if gpus < 1 or u < 1 or gpus % u:
         raise ValueError(f"a Ulysses size of {u} does not divide {gpus} GPUs")
-    if problem.heads % u or problem.kv_heads % u:
+    if not splits(problem, u):
         raise ValueError(
             f"{problem.heads} heads and {problem.kv_heads} KV heads do not split over {u} "
-            "GPUs (Ulysses needs both to be multiples of its size)"
+            "GPUs (Ulysses needs H a multiple of its size, H_kv a multiple or a divisor)"
         )
     r = gpus // u
     fwd, bwd, fwd_kernels, bwd_kernels = _ring_s(problem, machine, gpus, u, r)
@@ -225,19 +238,20 @@ def predict(
         return _all_to_all_s(machine, u, p.values(heads, s) * b + extra)
 
     if u > 1:
-        fwd += a2a(p.heads + 2 * p.kv_heads) + a2a(p.heads, lse)  # q, k, v; out, lse
-        bwd += a2a(3 * p.heads + 2 * p.kv_heads, lse)  # dout, q, k, v, out, lse
-        bwd += a2a(p.heads + 2 * p.kv_heads)  # dq, dk, dv back
+        kv = kv_copies(p, u)
+        fwd += a2a(p.heads + 2 * kv) + a2a(p.heads, lse)  # q, k, v; out, lse
+        bwd += a2a(3 * p.heads + 2 * kv, lse)  # dout, q, k, v, out, lse
+        bwd += a2a(p.heads + 2 * kv)  # dq, dk, dv back
     one_fwd, one_bwd, _, _ = _ring_s(p, machine, 1, 1, 1)
     ms = [1e3 * x for x in (fwd, bwd, fwd_kernels, bwd_kernels, one_fwd + one_bwd)]
     return Prediction(mode, gpus, u, r, ms[0], ms[1], ms[2], ms[3], ms[4], _memory(p, gpus, u, r))
 
 
 def ulysses_sizes(problem: Problem, gpus: int, machine: Machine) -> list[int]:
-    """The Ulysses sizes a hybrid may use: divisors of ``gpus`` that divide ``H`` and
-    ``H_kv`` and fit in a node (1, the plain ring, always)."""
+    """The Ulysses sizes a hybrid may use: divisors of ``gpus`` over which the heads
+    split (:func:`splits`) that fit in a node (1, the plain ring, always)."""
     fits = range(1, min(gpus, machine.gpus_per_node) + 1)
-    return [u for u in fits if gpus % u == 0 and problem.heads % u == problem.kv_heads % u == 0]
+    return [u for u in fits if gpus % u == 0 and splits(problem, u)]
 
 
 def best_ulysses_size(
@@ -334,7 +348,7 @@ def prediction_table(
         rows = [("one GPU", predict("ring", p, 1, machine))]
         for gpus in gpu_counts:
             rows.append(("ring", predict("ring", p, gpus, machine)))
-            if p.heads % gpus == 0 and p.kv_heads % gpus == 0:
+            if splits(p, gpus):
                 rows.append(("ulysses", predict("ulysses", p, gpus, machine)))
             rows.append(("hybrid", predict("hybrid", p, gpus, machine)))
         for name, r in rows:

@@ -12,8 +12,11 @@ The **hybrid** runs the all-to-all inside sub-groups of ``U`` consecutive ranks 
 node's GPUs) and the ring across the ``N / U`` sub-groups: after the all-to-all the
 ``U`` shards of a sub-group, joined, are its shard of the sequence in the same layout
 over ``N / U`` ranks, and the ring over the ranks that hold the same heads in every
-sub-group computes them. ``U = N`` is Ulysses, ``U = 1`` the ring. ``num_heads`` and
-``num_kv_heads`` must be multiples of ``U`` (GQA's groups then stay on one rank).
+sub-group computes them. ``U = N`` is Ulysses, ``U = 1`` the ring. ``num_heads`` must
+be a multiple of ``U``, and ``num_kv_heads`` a multiple (GQA's groups then stay on one
+rank) or a divisor (:func:`kv_share`: each of ``U / num_kv_heads`` ranks gets a copy of
+the KV head its query heads read, and the copies' dK and dV are summed on the way
+back).
 """
 
 from ..api import flash_attention_bwd, flash_attention_fwd
@@ -33,19 +36,33 @@ from .ring import (
 
 
 def _check_heads(num_heads, num_kv_heads, size):
-    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(count, int) and count % size:
-            raise InvalidArgumentError(
-                name,
-                f"{count} heads do not split over the {size} ranks of an all-to-all "
-                "(a multiple of the Ulysses group's size, each rank a group of heads)",
-            )
+    if isinstance(num_heads, int) and num_heads % size:
+        raise InvalidArgumentError(
+            "num_heads",
+            f"{num_heads} heads do not split over the {size} ranks of an all-to-all "
+            "(a multiple of the Ulysses group's size, each rank a group of heads)",
+        )
+    if isinstance(num_kv_heads, int) and num_kv_heads % size and size % num_kv_heads:
+        raise InvalidArgumentError(
+            "num_kv_heads",
+            f"{num_kv_heads} KV heads neither split over the {size} ranks of an all-to-all "
+            "nor divide them (a multiple of the Ulysses group's size, each rank a group of "
+            "KV heads, or a divisor, each KV head copied to size / num_kv_heads ranks)",
+        )
+
+
+def kv_share(num_kv_heads, size):
+    """Ranks of an all-to-all of ``size`` that hold one KV head: 1 where the KV heads
+    split over the ranks, else ``size / num_kv_heads`` (GQA and MQA with fewer KV heads
+    than ranks: each rank a copy of the one KV head its query heads read, the gradients
+    of the copies summed on the way back)."""
+    return 1 if num_kv_heads % size == 0 else size // num_kv_heads
 
 
 def default_ulysses_size(group, q, num_heads, num_kv_heads, head_dim, causal=False):
     """The hybrid's ``ulysses_size`` when the caller gives none: the one the cost model
     (:mod:`cuflash.distributed.cost_model`) predicts fastest for this call's shape, among
-    the divisors of the group's size that divide both head counts and fit in a node
+    the divisors of the group's size over which the heads split and that fit in a node
     (``group.local_size`` ranks, all of them when the group does not say; 1 or all of
     them for a group without ``start_send_recv``)."""
     size = group.size
@@ -87,26 +104,43 @@ def _heads(x, part, parts):
     return x[:, part * count : (part + 1) * count]
 
 
-def _to_heads(group, layout, arrays):
-    """Shards with every head -> the group's shards joined, this rank's heads."""
+def _to_heads(group, layout, arrays, shares):
+    """Shards with every head -> the group's shards joined, this rank's heads (for an
+    array of ``shares[i]`` > 1, a copy of the head ``shares[i]`` ranks hold)."""
     size = group.size
     if size == 1:
         return list(arrays)
-    chunks = [tuple(_heads(a, j, size) for a in arrays) for j in range(size)]
+    chunks = [
+        tuple(_heads(a, j // share, size // share) for a, share in zip(arrays, shares))
+        for j in range(size)
+    ]
     received = all_to_all(group, chunks)
     return [gather([received[j][i] for j in range(size)], layout) for i in range(len(arrays))]
 
 
-def _to_shards(group, layout, arrays):
-    """The group's shards joined, this rank's heads -> this rank's shard, every head."""
+def _to_shards(group, layout, arrays, shares):
+    """The group's shards joined, this rank's heads -> this rank's shard, every head
+    (an array of ``shares[i]`` > 1: the sum of the copies' gradients, in float32 and in
+    rank order, so that every run gives the same bits)."""
     size, xp = group.size, array_module(arrays[0])
     if size == 1:
         return list(arrays)
     chunks = [tuple(shard(a, layout, j, size) for a in arrays) for j in range(size)]
     received = all_to_all(group, chunks)
-    return [
-        xp.concatenate([received[j][i] for j in range(size)], axis=1) for i in range(len(arrays))
-    ]
+    joined = []
+    for i, share in enumerate(shares):
+        parts = [received[j][i] for j in range(size)]
+        if share > 1:
+            parts = [_summed(xp, parts[h : h + share]) for h in range(0, size, share)]
+        joined.append(xp.concatenate(parts, axis=1))
+    return joined
+
+
+def _summed(xp, copies):
+    total = copies[0].astype(xp.float32)
+    for copy in copies[1:]:
+        total += copy
+    return total.astype(copies[0].dtype)
 
 
 def _local_sinks(sinks, rank, size):
@@ -156,9 +190,9 @@ def hybrid_attention_fwd(
     heads, ring = _checked(
         group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
     )
-    parts = heads.size
-    q_h, k_h, v_h = _to_heads(heads, layout, (q, k, v))
-    arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
+    parts, share = heads.size, kv_share(num_kv_heads, heads.size)
+    q_h, k_h, v_h = _to_heads(heads, layout, (q, k, v), (1, share, share))
+    arguments = (num_heads // parts, num_kv_heads * share // parts, head_dim, causal, window_size)
     options = dict(
         softmax_scale=softmax_scale,
         allow_tf32=allow_tf32,
@@ -170,7 +204,7 @@ def hybrid_attention_fwd(
         out, lse = ring_attention_fwd(
             q_h, k_h, v_h, *arguments, group=ring, layout=layout, **options
         )
-    out_shard, lse_shard = _to_shards(heads, layout, (out, lse))
+    out_shard, lse_shard = _to_shards(heads, layout, (out, lse), (1, 1))
     return out_shard, lse_shard
 
 
@@ -201,10 +235,12 @@ def hybrid_attention_bwd(
     heads, ring = _checked(
         group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
     )
-    parts = heads.size
-    dout_h, q_h, k_h, v_h, out_h, lse_h = _to_heads(heads, layout, (dout, q, k, v, out, lse))
+    parts, share = heads.size, kv_share(num_kv_heads, heads.size)
+    dout_h, q_h, k_h, v_h, out_h, lse_h = _to_heads(
+        heads, layout, (dout, q, k, v, out, lse), (1, 1, share, share, 1, 1)
+    )
     arrays = (dout_h, q_h, k_h, v_h, out_h, lse_h)
-    arguments = (num_heads // parts, num_kv_heads // parts, head_dim, causal, window_size)
+    arguments = (num_heads // parts, num_kv_heads * share // parts, head_dim, causal, window_size)
     options = dict(
         softmax_scale=softmax_scale,
         deterministic=deterministic,
@@ -215,7 +251,7 @@ def hybrid_attention_bwd(
         grads = flash_attention_bwd(*arrays, *arguments, **options)
     else:
         grads = ring_attention_bwd(*arrays, *arguments, group=ring, layout=layout, **options)
-    dq, dk, dv = _to_shards(heads, layout, grads[:3])
+    dq, dk, dv = _to_shards(heads, layout, grads[:3], (1, share, share))
     if sinks is None:
         return dq, dk, dv
     received = all_to_all(heads, [(grads[3],)] * parts)  # each rank's heads' dsinks

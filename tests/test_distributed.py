@@ -341,6 +341,41 @@ def test_default_ulysses_size_is_the_cost_models_choice():
     assert dist.default_ulysses_size(Group(64, 8, False), shard(64), 32, 8, 128, True) == 1
 
 
+def test_the_command_prints_the_slowest_rank_and_every_rank():
+    """``python -m cuflash.distributed``'s tables from each rank's records: the slowest
+    rank's times and memory, the largest error, FAILED where a rank failed."""
+    from cuflash.distributed import __main__ as command
+
+    def record(seq_len, scale, passed=True):
+        timings = {
+            key: scale * value
+            for key, value in dict(
+                single_fwd_ms=10.0,
+                single_bwd_ms=30.0,
+                cp_fwd_ms=5.5,
+                cp_bwd_ms=16.0,
+                kernels_only_fwd_ms=5.0,
+                kernels_only_bwd_ms=15.0,
+                transfer_kv_ms=0.5,
+                transfer_dkdv_ms=1.0,
+                single_peak_bytes=2.0**31,
+                cp_peak_bytes=2.0**30,
+            ).items()
+        }
+        errors = dict(out=1e-4 * scale, lse=1e-6, dq=2e-4, dk=3e-4, dv=4e-4, repeat=True)
+        return dict(case=dict(seq_len=seq_len), timings=timings, errors=errors, passed=passed)
+
+    per_rank = [[record(4096, 1.0)], [record(4096, 2.0, passed=False)]]
+    slowest = command._table(per_rank, 2, "hybrid")
+    assert slowest.startswith("hybrid attention on 2 GPU(s)")
+    row = slowest.splitlines()[-1]
+    assert row.startswith("| 4096 | 20.0 / 60.0 | 11.0 / 32.0 | 0.550 / 0.533 |"), row
+    assert "| 4.00 / 2.00 | 4.0e-04 FAILED |" in row, row
+    ranks = command._rank_table(per_rank, "hybrid").splitlines()
+    assert ranks[-2].startswith("| 0 | 4096 | 10.0 / 30.0 | 5.5 / 16.0 | 2.00 / 1.00 |")
+    assert ranks[-1].endswith("| 2.0e-04 / 1.0e-06 / 2.0e-04 / 3.0e-04 / 4.0e-04 |")
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_all_to_all_delivers_each_chunk_once(native, rng):
     """The groups' own all-to-all and the ring-exchange fallback: chunk ``j`` of rank

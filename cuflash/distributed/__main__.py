@@ -84,6 +84,29 @@ def _table(per_rank, size, mode):
     return "\n".join(lines)
 
 
+def _rank_table(per_rank, mode):
+    """Each rank's times, peak memory and errors (the slowest-rank table's inputs)."""
+    gib = 2.0**30
+    lines = [
+        "",
+        "rank by rank (milliseconds; GiB; relative errors, the lse's absolute)",
+        f"| rank | S | one GPU fwd / bwd | {mode} fwd / bwd | GiB one / {mode} | "
+        "errors out / lse / dq / dk / dv |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rank, records in enumerate(per_rank):
+        for record in records:
+            t, e = record["timings"], record["errors"]
+            errors = " / ".join(f"{e[name]:.1e}" for name in ("out", "lse", "dq", "dk", "dv"))
+            lines.append(
+                f"| {rank} | {record['case']['seq_len']} | {t['single_fwd_ms']:.1f} / "
+                f"{t['single_bwd_ms']:.1f} | {t['cp_fwd_ms']:.1f} / {t['cp_bwd_ms']:.1f} | "
+                f"{t['single_peak_bytes'] / gib:.2f} / {t['cp_peak_bytes'] / gib:.2f} | "
+                f"{errors} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     options = _parse(sys.argv[1:] if argv is None else argv)
     cases = [
@@ -111,6 +134,7 @@ def main(argv=None):
     size = options.gpus or cupy.cuda.runtime.getDeviceCount()
     per_rank = launch(run_rank, size, cases, options.repeats)
     print(_table(per_rank, size, options.mode))
+    print(_rank_table(per_rank, options.mode))
     if options.json:
         with open(options.json, "w") as f:
             json.dump(per_rank, f, indent=1)

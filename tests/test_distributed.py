@@ -3,9 +3,12 @@ process (``cuflash.distributed.ThreadGroup``), each rank's shards gathered and c
 against the float64 oracle on the whole sequence, forward and backward; the pair rule against
 the visible-key rule by brute force; the validation errors."""
 
+import collections
 import functools
 import itertools
+import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -386,6 +389,44 @@ def test_the_command_prints_the_slowest_rank_and_every_rank():
     ranks = command._rank_table(per_rank, "hybrid").splitlines()
     assert ranks[-2].startswith("| 0 | 4096 | 10.0 / 30.0 | 5.5 / 16.0 | 2.00 / 1.00 |")
     assert ranks[-1].endswith("| 2.0e-04 / 1.0e-06 / 2.0e-04 / 3.0e-04 / 4.0e-04 |")
+
+
+def test_the_ring_keeps_no_finished_pair_results(monkeypatch, rng):
+    """Memory: when a dense call starts, no earlier call's output (forward) or dQ
+    (backward) is still held, nor an earlier step's dK and dV (a step's own wait in its
+    list for the shard's accumulators, which travel meanwhile)."""
+    from cuflash.distributed import ring
+
+    held = collections.defaultdict(list)  # thread -> (step, kind, weak reference)
+    step_of = {}
+    pairs = ring._Schedule.pairs
+
+    def counted_pairs(self, step):
+        step_of[threading.get_ident()] = step
+        return pairs(self, step)
+
+    def check_and_track(function, kinds):
+        def call(*args, **kwargs):
+            me, step = threading.get_ident(), step_of[threading.get_ident()]
+            for made, kind, ref in held[me]:
+                alive = ref() is not None
+                assert not (alive and (kind in ("out", "dq") or made < step)), (kind, made, step)
+            results = function(*args, **kwargs)
+            held[me] += [(step, kind, weakref.ref(x)) for kind, x in zip(kinds, results)]
+            return results
+
+        return call
+
+    monkeypatch.setattr(ring._Schedule, "pairs", counted_pairs)
+    monkeypatch.setattr(
+        ring, "flash_attention_fwd", check_and_track(ring.flash_attention_fwd, ("out",))
+    )
+    monkeypatch.setattr(
+        ring, "flash_attention_bwd", check_and_track(ring.flash_attention_bwd, ("dq", "dk", "dv"))
+    )
+    for layout in dist.LAYOUTS:
+        _check(rng, 3, layout, causal=False, window=(9, 5), heads=2, kv_heads=1, chunk=5)
+    assert sum(len(h) for h in held.values()) > 3 * 3 * 4  # every rank, every step
 
 
 @pytest.mark.parametrize("native", [True, False])

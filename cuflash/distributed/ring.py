@@ -147,6 +147,62 @@ def _summed_in_rank_order(group, rank, size, part):
     return total
 
 
+def _forward_pair(xp, q, k, v, rows, keys, window, arguments, out_acc, lse_acc):
+    """One pair's dense call merged into the accumulators (made by the first pair: its
+    results where it covers every row); returns them. The pair's own results die here,
+    before the next call allocates its own."""
+    num_heads, num_kv_heads, head_dim, softmax_scale, allow_tf32 = arguments
+    out, lse = flash_attention_fwd(
+        q[:, :, rows],
+        k[:, :, keys],
+        v[:, :, keys],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        False,
+        window,
+        softmax_scale=softmax_scale,
+        allow_tf32=allow_tf32,
+    )
+    if out_acc is None and rows.stop - rows.start == q.shape[2]:
+        return out.astype(np.float32), lse  # the first covers every row
+    if out_acc is None:
+        out_acc = xp.zeros(q.shape, dtype=np.float32)
+        lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
+    _merge(out_acc, lse_acc, out, lse, rows)
+    return out_acc, lse_acc
+
+
+def _backward_pairs(xp, schedule, step, arrays, k, v, arguments, dq_acc):
+    """The dense backward of each pair of ``step``: dQ added into ``dq_acc`` at once,
+    the ``(keys, dk, dv)`` of each pair returned for the shard's accumulators (which are
+    still on their way). No pair's dQ outlives its addition."""
+    dout, q, out, lse = arrays
+    num_heads, num_kv_heads, head_dim, softmax_scale, deterministic, allow_tf32 = arguments
+    partial = []
+    for rows, keys, window in schedule.pairs(step):
+        dq, dk, dv = flash_attention_bwd(
+            dout[:, :, rows],
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            out[:, :, rows],
+            xp.ascontiguousarray(lse[:, :, rows]),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            False,
+            window,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            allow_tf32=allow_tf32,
+        )
+        dq_acc[:, :, rows] += dq
+        del dq
+        partial.append((keys, dk, dv))
+    return partial
+
+
 def ring_attention_fwd(
     q,
     k,
@@ -194,26 +250,11 @@ def ring_attention_fwd(
         last = step + 1 == schedule.size
         # The next step's shards travel while this step's kernels run.
         incoming = None if last else start_exchange(group, (k_now, v_now))
+        arguments = (num_heads, num_kv_heads, head_dim, softmax_scale, allow_tf32)
         for rows, keys, window in schedule.pairs(step):
-            out, lse = flash_attention_fwd(
-                q[:, :, rows],
-                k_now[:, :, keys],
-                v_now[:, :, keys],
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                False,
-                window,
-                softmax_scale=softmax_scale,
-                allow_tf32=allow_tf32,
+            out_acc, lse_acc = _forward_pair(
+                xp, q, k_now, v_now, rows, keys, window, arguments, out_acc, lse_acc
             )
-            if out_acc is None and rows.stop - rows.start == q.shape[2]:
-                out_acc, lse_acc = out.astype(np.float32), lse  # the first covers every row
-                continue
-            if out_acc is None:
-                out_acc = xp.zeros(q.shape, dtype=np.float32)
-                lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
-            _merge(out_acc, lse_acc, out, lse, rows)
         if incoming is not None:
             k_now, v_now = incoming.wait()
     if out_acc is None:  # no row sees any key
@@ -266,29 +307,13 @@ def ring_attention_bwd(
     dq_acc = xp.zeros(q.shape, dtype=np.float32)
     k_now, v_now = k, v
     sending = None  # the dK/dV accumulators on their way to the next rank
+    arguments = (num_heads, num_kv_heads, head_dim, softmax_scale, deterministic, allow_tf32)
     for step in range(schedule.size):
         last = step + 1 == schedule.size
         incoming = None if last else start_exchange(group, (k_now, v_now))
-        partial = []
-        for rows, keys, window in schedule.pairs(step):
-            dq, dk, dv = flash_attention_bwd(
-                dout[:, :, rows],
-                q[:, :, rows],
-                k_now[:, :, keys],
-                v_now[:, :, keys],
-                out[:, :, rows],
-                xp.ascontiguousarray(lse[:, :, rows]),
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                False,
-                window,
-                softmax_scale=softmax_scale,
-                deterministic=deterministic,
-                allow_tf32=allow_tf32,
-            )
-            dq_acc[:, :, rows] += dq
-            partial.append((keys, dk, dv))
+        partial = _backward_pairs(
+            xp, schedule, step, (dout, q, out, lse), k_now, v_now, arguments, dq_acc
+        )
         # The accumulators of the shard held now (rank - step's) come from the previous
         # rank, which held that shard one step ago; they travelled during the kernels.
         if sending is None:
@@ -299,13 +324,17 @@ def ring_attention_bwd(
         for keys, dk, dv in partial:
             dk_acc[:, :, keys] += dk
             dv_acc[:, :, keys] += dv
+        partial = dk = dv = None  # the step's gradients, before the next step's calls
         # After the last step the next rank is the shard's owner: the accumulators go home.
         sending = start_exchange(group, (dk_acc, dv_acc))
+        dk_acc = dv_acc = None  # the exchange holds them until they have left
         if incoming is not None:
             k_now, v_now = incoming.wait()
     assert sending is not None  # a group has at least one rank: one step at least
+    dq = dq_acc.astype(q.dtype)
+    del dq_acc
     dk_acc, dv_acc = sending.wait()
-    grads = dq_acc.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+    grads = dq, dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
     if sinks is None:
         return grads
     part = attention_sinks.gradient(xp, sinks, lse, attention_sinks.row_deltas(dout, out), 1)

@@ -204,6 +204,7 @@ def hybrid_attention_fwd(
         out, lse = ring_attention_fwd(
             q_h, k_h, v_h, *arguments, group=ring, layout=layout, **options
         )
+    del q_h, k_h, v_h  # the head-split inputs, before the all-to-all back allocates
     out_shard, lse_shard = _to_shards(heads, layout, (out, lse), (1, 1))
     return out_shard, lse_shard
 
@@ -251,6 +252,7 @@ def hybrid_attention_bwd(
         grads = flash_attention_bwd(*arrays, *arguments, **options)
     else:
         grads = ring_attention_bwd(*arrays, *arguments, group=ring, layout=layout, **options)
+    del arrays, dout_h, q_h, k_h, v_h, out_h, lse_h  # before the all-to-all back
     dq, dk, dv = _to_shards(heads, layout, grads[:3], (1, share, share))
     if sinks is None:
         return dq, dk, dv

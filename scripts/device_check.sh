@@ -14,7 +14,8 @@
 #          forward_wgmma_ws and forward_wgmma one process a row, and cuDNN),
 #          persistent (the warp-specialized kernels' persistent roles: their GPU tests,
 #          every plain call persistent through the copy-engine tests, forward and
-#          backward timings with them forced on and off around the forward's line, cuDNN)
+#          backward timings with them forced on and off around the forward's line, cuDNN),
+#          context-memory (each context-parallel mode's memory a rank on virtual ranks)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -56,6 +57,9 @@ for step in $steps; do
     mla) TAIL=20 run mla-decode 150 python3 -m cuflash.bench --mla-decode --no-first-call \
            --no-memory --time-budget 40 --json "$OUT/h200-mla-decode.json" ;;
     demo) run demo 60 python3 -m cuflash ;;
+    context-memory) TAIL=12 run context-memory 300 bash -c "python3 scripts/context_memory.py \
+             --device gpu --seq-len 65536 --ranks 2 && python3 scripts/context_memory.py \
+             --device gpu --seq-len 65536 --ranks 4 --ulysses-size 2" ;;
     fuzz) CUFLASH_GPU_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} TAIL=8 run gpu-fuzz ${FUZZ_LIMIT:-400} \
             python3 -m pytest -m gpu -q -p no:cacheprovider -k gpu_fuzz tests/test_fuzz.py ;;
     quick) TAIL=40 run quick-bench 300 bash -c "python3 scripts/quick_bench.py ${QUICK_CASES:-} && \

@@ -5,7 +5,9 @@ the visible-key rule by brute force; the validation errors."""
 
 import collections
 import functools
+import importlib.util
 import itertools
+import pathlib
 import threading
 import types
 import weakref
@@ -427,6 +429,27 @@ def test_the_ring_keeps_no_finished_pair_results(monkeypatch, rng):
     for layout in dist.LAYOUTS:
         _check(rng, 3, layout, causal=False, window=(9, 5), heads=2, kv_heads=1, chunk=5)
     assert sum(len(h) for h in held.values()) > 3 * 3 * 4  # every rank, every step
+
+
+def test_the_memory_script_counts_a_ranks_share(capsys):
+    """``scripts/context_memory.py`` on the CPU: every mode's share of a rank is below
+    the single call's peak, and the ring's falls with more ranks."""
+    spec = importlib.util.spec_from_file_location(
+        "context_memory", pathlib.Path(__file__).parents[1] / "scripts" / "context_memory.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shares = {}
+    for ranks in (2, 4):
+        script.main(
+            ["--seq-len", "512", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+            + ["--dtype", "float32", "--ranks", str(ranks), "--ulysses-size", "2"]
+        )
+        rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[3:]]
+        shares[ranks] = {row[1].strip(): float(row[4]) for row in rows}
+        assert set(shares[ranks]) == {"ring", "ulysses", "hybrid"}
+        assert all(0 < share < 1 for share in shares[ranks].values()), shares
+    assert shares[4]["ring"] < shares[2]["ring"]
 
 
 @pytest.mark.parametrize("native", [True, False])

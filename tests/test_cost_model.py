@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cuflash.distributed import cost_model as cm
+from cuflash.distributed import predictions
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = cm.Machine()
@@ -145,7 +146,14 @@ def test_ulysses_needs_the_heads_to_split():
     split = cm.predict("ulysses", replace(PROBLEM, kv_heads=8), 8, MACHINE)
     assert copied.exposed_ms == split.exposed_ms  # 8 copies of one head: as 8 heads
     wider = cm.predict("ulysses", replace(PROBLEM, kv_heads=16), 8, MACHINE)
-    assert wider.exposed_ms > split.exposed_ms  # more KV heads than GPUs: more bytes
+    # 2 KV heads a GPU: two parts, one's all-to-all under the other's call
+    assert wider.exposed_ms < split.exposed_ms
+
+
+def test_a_part_of_the_heads_travels_under_the_other_parts_call():
+    assert cm._pipelined(10.0, 100.0, 1) == 10.0
+    assert cm._pipelined(10.0, 100.0, 2) == 5.0  # the second part hidden
+    assert cm._pipelined(10.0, 4.0, 2) == 8.0  # a part's call covers 2 of its 5
 
 
 def test_hybrid_extremes_are_ring_and_ulysses():
@@ -204,7 +212,7 @@ def _row_modes(text):
 
 
 def test_main_prints_the_table(capsys):
-    cm.main(["--seq-lens", "131072,1048576", "--gpus", "8,64"])
+    predictions.main(["--seq-lens", "131072,1048576", "--gpus", "8,64"])
     out = capsys.readouterr().out
     assert out.startswith("| S | GPUs | mode | U x R |")
     expected = []
@@ -213,14 +221,14 @@ def test_main_prints_the_table(capsys):
         expected += [(s, 64, "ring"), (s, 64, "hybrid")]
     assert _row_modes(out) == expected
     assert "| 131072 | 64 | hybrid | 8 x 8 |" in out
-    cm.main(["--kv-heads", "64", "--heads", "64", "--seq-lens", "65536", "--gpus", "64"])
+    predictions.main(["--kv-heads", "64", "--heads", "64", "--seq-lens", "65536", "--gpus", "64"])
     assert [m for _, _, m in _row_modes(capsys.readouterr().out)] == [
         "one GPU",
         "ring",
         "ulysses",
         "hybrid",
     ]
-    cm.main(["--check"])
+    predictions.main(["--check"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| S | quantity | predicted | measured | ratio |"
     assert len(lines) == 2 + 10 * len(cm.MEASURED_H200X2)
@@ -231,7 +239,7 @@ def test_module_runs():
         [
             sys.executable,
             "-m",
-            "cuflash.distributed.cost_model",
+            "cuflash.distributed.predictions",
             "--gpus",
             "2",
             "--seq-lens",
@@ -249,7 +257,7 @@ def test_the_distributed_page_shows_what_the_model_prints(capsys):
     page = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
     section = page.split("\n## Design for many GPUs\n", 1)[1]
     for argv in (["--check"], ["--seq-lens", "131072,262144,1048576", "--gpus", "8,64,512"]):
-        cm.main(argv)
+        predictions.main(argv)
         table = capsys.readouterr().out.strip()
-        assert table in section, f"rerun python -m cuflash.distributed.cost_model {' '.join(argv)}"
-        assert f"python -m cuflash.distributed.cost_model {' '.join(argv)}" in section
+        assert table in section, f"rerun python -m cuflash.distributed.predictions {' '.join(argv)}"
+        assert f"python -m cuflash.distributed.predictions {' '.join(argv)}" in section

@@ -284,6 +284,57 @@ def test_copied_kv_heads_give_the_same_bits_every_run(rng):
         assert np.array_equal(x, y)
 
 
+def test_ulysses_computes_one_part_while_the_next_travels(monkeypatch, rng):
+    """Two dense calls of half the heads each; both parts' all-to-alls start before the
+    first call, and the first part's results leave before the second call."""
+    from cuflash.distributed import ulysses
+
+    events = collections.defaultdict(list)
+
+    class Recording:
+        def __init__(self, group):
+            self.rank, self.size, self._group = group.rank, group.size, group
+
+        def exchange(self, arrays):
+            return self._group.exchange(arrays)
+
+        def start_all_to_all(self, chunks):
+            events[threading.get_ident()].append("all-to-all")
+            return self._group.start_all_to_all(chunks)
+
+    fwd = ulysses.flash_attention_fwd
+
+    def recorded(function, name):
+        def call(q, *args, **kwargs):
+            events[threading.get_ident()].append((name, q.shape[1], args[2], args[3]))
+            return function(q, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ulysses, "flash_attention_fwd", recorded(fwd, "forward"))
+    size, heads, kv_heads, length = 2, 4, 4, 16
+    full = [
+        rng.standard_normal((1, h, length, 8), dtype=np.float32)
+        for h in (heads, kv_heads, kv_heads)
+    ]
+
+    def rank(group, q, k, v):
+        result = dist.ulysses_attention_fwd(
+            q, k, v, heads, kv_heads, 8, True, group=Recording(group)
+        )
+        events[group.rank] = events.pop(threading.get_ident())
+        return result
+
+    shards = [tuple(dist.shard(x, "zigzag", r, size) for x in full) for r in range(size)]
+    outs = dist.ThreadGroup(size).run(rank, shards)
+    whole, _ = cuflash.flash_attention_fwd(*full, heads, kv_heads, 8, True)
+    assert np.allclose(dist.gather([o[0] for o in outs], "zigzag"), whole, atol=1e-6)
+    for r in range(size):
+        # Both parts leave first; part 0's results leave before part 1's call.
+        part = ("forward", 1, 1, 1)  # a dense call on half the heads
+        assert events[r] == ["all-to-all"] * 2 + [part, "all-to-all"] * 2, events[r]
+
+
 def test_hybrid_sinks_and_deterministic_bits(rng):
     """Sinks split with their heads over the sub-group and summed around the ring:
     dsinks the whole sequence's, the same bits on every rank and on a second run, equal
@@ -318,8 +369,12 @@ def test_hybrid_sinks_and_deterministic_bits(rng):
 
 def test_hybrid_groups_are_nodes_and_their_places():
     def rank(group):
-        heads, ring = dist.hybrid_groups(group, 2)
-        return (heads.rank, heads.size, heads.members), (ring.rank, ring.size, ring.members)
+        within, across = dist.hybrid_groups(group, 2)
+        return (within.rank, within.size, within.members), (
+            across.rank,
+            across.size,
+            across.members,
+        )
 
     found = dist.ThreadGroup(6).run(rank, [()] * 6)
     assert found[3] == ((1, 2, (2, 3)), (1, 3, (1, 3, 5)))

@@ -52,6 +52,7 @@ from .groups import (
     SubGroup,
     ThreadGroup,
     all_to_all,
+    start_all_to_all,
     start_exchange,
     subgroup,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "ring_attention_vjp",
     "segments",
     "shard",
+    "start_all_to_all",
     "start_exchange",
     "step_calls",
 ]

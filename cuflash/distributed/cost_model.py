@@ -19,15 +19,13 @@ The dense kernels' rate falls for short calls: ``rate(L) = peak * L / (L + half)
 sequence, ``S / (2 R)`` for a ring step's zigzag chunks). The defaults fit the 2-GPU
 measurement in :data:`MEASURED_H200X2`; :func:`calibrate` compares the two.
 
-``python -m cuflash.distributed.cost_model`` prints the prediction table.
+``python -m cuflash.distributed.predictions`` prints the prediction tables.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 GIB = 2.0**30
@@ -141,6 +139,14 @@ def _all_to_all_s(machine: Machine, size: int, nbytes: float) -> float:
     return max(on_node, off_node) + machine.latency_us * 1e-6
 
 
+def _pipelined(transfer: float, compute: float, parts: int) -> float:
+    """Exposed seconds of an all-to-all of ``transfer`` seconds sent in ``parts`` beside
+    ``parts`` calls of ``compute`` seconds in all: the first part's, and whatever of the
+    others a part's call does not cover."""
+    each = transfer / parts
+    return each + (parts - 1) * max(0.0, each - compute / parts)
+
+
 def _ring_s(problem: Problem, machine: Machine, gpus: int, u: int, r: int) -> tuple[float, ...]:
     """(forward, backward, forward kernels, backward kernels) seconds of the ring over
     ``r`` groups with ``H / u`` heads a GPU (``r = 1``: one dense call)."""
@@ -239,9 +245,14 @@ def predict(
 
     if u > 1:
         kv = kv_copies(p, u)
-        fwd += a2a(p.heads + 2 * kv) + a2a(p.heads, lse)  # q, k, v; out, lse
-        bwd += a2a(3 * p.heads + 2 * kv, lse)  # dout, q, k, v, out, lse
-        bwd += a2a(p.heads + 2 * kv)  # dq, dk, dv back
+        # Ulysses alone computes a rank's heads in two parts where it holds an even
+        # number of KV heads of its own: a part's all-to-all runs under the other's call.
+        parts = 2 if r == 1 and kv == p.kv_heads and (kv // u) % 2 == 0 else 1
+        fwd_in, fwd_out = a2a(p.heads + 2 * kv), a2a(p.heads, lse)  # q, k, v; out, lse
+        bwd_in = a2a(3 * p.heads + 2 * kv, lse)  # dout, q, k, v, out, lse
+        bwd_out = a2a(p.heads + 2 * kv)  # dq, dk, dv back
+        fwd += _pipelined(fwd_in, fwd, parts) + _pipelined(fwd_out, fwd, parts)
+        bwd += _pipelined(bwd_in, bwd, parts) + _pipelined(bwd_out, bwd, parts)
     one_fwd, one_bwd, _, _ = _ring_s(p, machine, 1, 1, 1)
     ms = [1e3 * x for x in (fwd, bwd, fwd_kernels, bwd_kernels, one_fwd + one_bwd)]
     return Prediction(mode, gpus, u, r, ms[0], ms[1], ms[2], ms[3], ms[4], _memory(p, gpus, u, r))
@@ -329,75 +340,3 @@ def calibrate(machine: Machine | None = None) -> list[Check]:
         }
         rows += [Check(m.seq_len, name, *pair) for name, pair in pairs.items()]
     return rows
-
-
-def _ms(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
-
-
-def prediction_table(
-    problem: Problem, seq_lens: Sequence[int], gpu_counts: Sequence[int], machine: Machine
-) -> str:
-    """The Markdown table :func:`main` prints: one GPU, then each mode that applies."""
-    lines = [
-        "| S | GPUs | mode | U x R | forward ms | backward ms | exposed ms | speedup | GiB a GPU |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for seq_len in seq_lens:
-        p = replace(problem, seq_len=seq_len)
-        rows = [("one GPU", predict("ring", p, 1, machine))]
-        for gpus in gpu_counts:
-            rows.append(("ring", predict("ring", p, gpus, machine)))
-            if splits(p, gpus):
-                rows.append(("ulysses", predict("ulysses", p, gpus, machine)))
-            rows.append(("hybrid", predict("hybrid", p, gpus, machine)))
-        for name, r in rows:
-            lines.append(
-                f"| {seq_len} | {r.gpus} | {name} | {r.ulysses_size} x {r.ring_size} | "
-                f"{_ms(r.forward_ms)} | {_ms(r.backward_ms)} | {_ms(r.exposed_ms)} | "
-                f"{r.speedup:.1f}x | {r.memory_bytes / GIB:.2f} |"
-            )
-    return "\n".join(lines)
-
-
-def calibration_table(machine: Machine) -> str:
-    """The Markdown table of :func:`calibrate` (``--check``)."""
-    lines = ["| S | quantity | predicted | measured | ratio |", "|---|---|---|---|---|"]
-    for c in calibrate(machine):
-        lines.append(
-            f"| {c.seq_len} | {c.quantity} | {c.predicted:.2f} | {c.measured:.2f} | {c.ratio:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Print the prediction table (or, with ``--check``, the model against the 2-GPU
-    measurement); the shape's and the machine's fields are options."""
-    parser = argparse.ArgumentParser(
-        prog="python -m cuflash.distributed.cost_model",
-        description="Predicted times and memory of ring, Ulysses and hybrid attention.",
-    )
-    problem, machine = Problem(), Machine()
-    shape = ("heads", "kv_heads", "head_dim", "batch")
-    links = ("gpus_per_node", "inter_node_gbs", "nvlink_gbs", "latency_us")
-    for name in shape + links:
-        default = getattr(problem if name in shape else machine, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    parser.add_argument("--seq-lens", type=_ints, default=[65536, 131072, 262144, 1048576])
-    parser.add_argument("--gpus", type=_ints, default=[2, 8, 64, 512])
-    parser.add_argument("--check", action="store_true", help="compare with the 2-GPU run")
-    options = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    machine = replace(machine, **{name: options[name] for name in links})
-    if options["check"]:
-        print(calibration_table(machine))
-        return
-    problem = replace(problem, **{name: options[name] for name in shape})
-    print(prediction_table(problem, options["seq_lens"], options["gpus"], machine))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,9 @@ rank ``rank + 1`` and return the tuple of the same shapes and dtypes that rank
   over some of the ranks;
 - ``all_to_all(chunks)``: ``chunks[j]`` (a tuple of arrays) to rank ``j``, returning
   the list of what each rank sent here, in one collective (:func:`all_to_all`
-  passes the chunks around the ring for a group without it).
+  passes the chunks around the ring for a group without it), and
+  ``start_all_to_all(chunks)``, the same returning at once with a handle whose
+  ``wait()`` gives that list (:func:`start_all_to_all`).
 
 :class:`ThreadGroup` and :class:`NcclGroup` have them all, and so have their
 sub-groups.
@@ -63,6 +65,14 @@ def all_to_all(group, chunks):
     return received
 
 
+def start_all_to_all(group, chunks):
+    """:func:`all_to_all` returning at once a handle whose ``wait()`` gives its list:
+    the group's own ``start_all_to_all`` where it has one (the exchange then runs under
+    the kernels queued before the wait), else the blocking all-to-all, completed."""
+    start = getattr(group, "start_all_to_all", None)
+    return start(chunks) if start is not None else Received(all_to_all(group, chunks))
+
+
 class Alone:
     """The group of one rank: every exchange hands back what it is given."""
 
@@ -73,6 +83,9 @@ class Alone:
 
     def all_to_all(self, chunks):
         return [tuple(chunks[0])]
+
+    def start_all_to_all(self, chunks):
+        return Received(self.all_to_all(chunks))
 
 
 class SubGroup:
@@ -96,11 +109,14 @@ class SubGroup:
     def exchange(self, arrays):
         return self.start_exchange(arrays).wait()
 
-    def all_to_all(self, chunks):
-        native = getattr(self.parent, "all_to_all_among", None)
+    def start_all_to_all(self, chunks):
+        native = getattr(self.parent, "start_all_to_all_among", None)
         if native is not None:
             return native(self.members, chunks)
-        return all_to_all(_RingOnly(self), chunks)
+        return Received(all_to_all(_RingOnly(self), chunks))
+
+    def all_to_all(self, chunks):
+        return self.start_all_to_all(chunks).wait()
 
 
 class _RingOnly:
@@ -206,18 +222,23 @@ class _ThreadRank:
     def exchange(self, arrays):
         return self.start_exchange(arrays).wait()
 
-    def all_to_all_among(self, members, chunks):
+    def start_all_to_all_among(self, members, chunks):
         me = self.rank
         for member, chunk in zip(members, chunks):
             if member != me:
                 self.group._post(me, member, chunk)
-        return [
-            tuple(chunk) if member == me else self.group._take(member, me)
-            for member, chunk in zip(members, chunks)
-        ]
+        return Received(
+            [
+                tuple(chunk) if member == me else self.group._take(member, me)
+                for member, chunk in zip(members, chunks)
+            ]
+        )
+
+    def start_all_to_all(self, chunks):
+        return self.start_all_to_all_among(range(self.size), chunks)
 
     def all_to_all(self, chunks):
-        return self.all_to_all_among(range(self.size), chunks)
+        return self.start_all_to_all(chunks).wait()
 
 
 class NcclGroup:
@@ -320,23 +341,42 @@ class NcclGroup:
     def exchange(self, arrays):
         return self.start_exchange(arrays).wait()
 
-    def all_to_all_among(self, members, chunks):
-        """``chunks[j]`` to rank ``members[j]``, in one NCCL group: what each member sent
-        here, in member order (every chunk of one shape list on every member)."""
+    def start_all_to_all_among(self, members, chunks):
+        """``chunks[j]`` to rank ``members[j]``, in one NCCL group on the group's stream
+        (every chunk of one shape list on every member): a handle whose ``wait()`` gives
+        what each member sent here, in member order."""
         pairs = [
             (a, member, member)
             for member, chunk in zip(members, chunks)
             if member != self.rank
             for a in chunk
         ]
-        got = iter(self._transfer(pairs).wait() if pairs else ())
-        return [
-            tuple(chunk) if member == self.rank else tuple(next(got) for _ in chunk)
-            for member, chunk in zip(members, chunks)
-        ]
+        flight = self._transfer(pairs) if pairs else Received(())
+        return _AllToAll(flight, [member == self.rank for member in members], chunks)
+
+    def all_to_all_among(self, members, chunks):
+        return self.start_all_to_all_among(members, chunks).wait()
+
+    def start_all_to_all(self, chunks):
+        return self.start_all_to_all_among(range(self.size), chunks)
 
     def all_to_all(self, chunks):
-        return self.all_to_all_among(range(self.size), chunks)
+        return self.start_all_to_all(chunks).wait()
+
+
+class _AllToAll:
+    """An all-to-all in flight: ``wait()`` puts the received arrays back in their
+    members' chunks (this rank's own chunk as it was)."""
+
+    def __init__(self, flight, mine, chunks):
+        self._flight, self._mine, self._chunks = flight, mine, chunks
+
+    def wait(self):
+        got = iter(self._flight.wait())
+        return [
+            tuple(chunk) if mine else tuple(next(got) for _ in chunk)
+            for mine, chunk in zip(self._mine, self._chunks)
+        ]
 
 
 class InFlight:

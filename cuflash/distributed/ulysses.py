@@ -23,7 +23,7 @@ from ..api import flash_attention_bwd, flash_attention_fwd
 from ..core.problem import check_sinks
 from ..errors import InvalidArgumentError
 from . import cost_model
-from .groups import all_to_all, subgroup
+from .groups import all_to_all, start_all_to_all, subgroup
 from .layout import array_module, gather, shard
 from .ring import (
     RingVJP,
@@ -104,36 +104,65 @@ def _heads(x, part, parts):
     return x[:, part * count : (part + 1) * count]
 
 
-def _to_heads(group, layout, arrays, shares):
-    """Shards with every head -> the group's shards joined, this rank's heads (for an
-    array of ``shares[i]`` > 1, a copy of the head ``shares[i]`` ranks hold)."""
+def _across_heads(group, layout, arrays, shares, out_shares, calls, compute):
+    """``compute`` on this rank's heads of the group's shards joined, its outputs sent
+    back as this rank's shard of every head.
+
+    ``arrays[i]`` are shards with every head; for ``shares[i]`` > 1 a rank receives a
+    copy of the head ``shares[i]`` ranks read (:func:`kv_share`). The heads go in
+    ``calls`` parts: ``compute(local, c)`` gets part ``c`` of this rank's heads and
+    returns ``(outputs, extra)``. Every part's all-to-all starts at once, so part ``c +
+    1`` travels while part ``c`` computes, and part ``c``'s outputs travel back while
+    ``c + 1`` computes. Returns the outputs as shards of every head (for
+    ``out_shares[i]`` > 1 the copies' sum, in float32 and in rank order: the same bits
+    on every run) and the list of the parts' extras.
+    """
     size = group.size
     if size == 1:
-        return list(arrays)
-    chunks = [
-        tuple(_heads(a, j // share, size // share) for a, share in zip(arrays, shares))
-        for j in range(size)
-    ]
-    received = all_to_all(group, chunks)
-    return [gather([received[j][i] for j in range(size)], layout) for i in range(len(arrays))]
+        outputs, extra = compute(list(arrays), 0)
+        return list(outputs), [extra]
 
+    def part(c):
+        return [
+            tuple(_heads(_heads(a, j // s, size // s), c, calls) for a, s in zip(arrays, shares))
+            for j in range(size)
+        ]
 
-def _to_shards(group, layout, arrays, shares):
-    """The group's shards joined, this rank's heads -> this rank's shard, every head
-    (an array of ``shares[i]`` > 1: the sum of the copies' gradients, in float32 and in
-    rank order, so that every run gives the same bits)."""
-    size, xp = group.size, array_module(arrays[0])
-    if size == 1:
-        return list(arrays)
-    chunks = [tuple(shard(a, layout, j, size) for a in arrays) for j in range(size)]
-    received = all_to_all(group, chunks)
+    pending = [start_all_to_all(group, part(c)) for c in range(calls)]
+    returning, extras = [], []
+    for c in range(calls):
+        received = pending[c].wait()
+        pending[c] = None
+        local = [gather([received[j][i] for j in range(size)], layout) for i in range(len(arrays))]
+        del received
+        outputs, extra = compute(local, c)
+        del local
+        shards = [tuple(shard(x, layout, j, size) for x in outputs) for j in range(size)]
+        returning.append(start_all_to_all(group, shards))
+        extras.append(extra)
+        del outputs, shards
+    arrived = [r.wait() for r in returning]
+    xp = array_module(arrived[0][0][0])
     joined = []
-    for i, share in enumerate(shares):
-        parts = [received[j][i] for j in range(size)]
-        if share > 1:
-            parts = [_summed(xp, parts[h : h + share]) for h in range(0, size, share)]
-        joined.append(xp.concatenate(parts, axis=1))
-    return joined
+    for i, s in enumerate(out_shares):
+        per_rank = [
+            xp.concatenate([arrived[c][j][i] for c in range(calls)], axis=1)
+            if calls > 1
+            else arrived[0][j][i]
+            for j in range(size)
+        ]
+        if s > 1:
+            per_rank = [_summed(xp, per_rank[h : h + s]) for h in range(0, size, s)]
+        joined.append(xp.concatenate(per_rank, axis=1))
+    return joined, extras
+
+
+def _calls(parts, share, ring):
+    """Parts of a rank's heads computed one after the other, so that the all-to-alls run
+    under the kernels: two where the rank holds an even number of KV heads and runs one
+    dense call (a ring overlaps its own transfers, and a part more would double its
+    steps' latency), else one."""
+    return 2 if parts > 1 and ring.size == 1 and share == 1 else 1
 
 
 def _summed(xp, copies):
@@ -191,21 +220,27 @@ def hybrid_attention_fwd(
         group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
     )
     parts, share = heads.size, kv_share(num_kv_heads, heads.size)
-    q_h, k_h, v_h = _to_heads(heads, layout, (q, k, v), (1, share, share))
-    arguments = (num_heads // parts, num_kv_heads * share // parts, head_dim, causal, window_size)
-    options = dict(
-        softmax_scale=softmax_scale,
-        allow_tf32=allow_tf32,
-        sinks=_local_sinks(sinks, heads.rank, parts),
-    )
-    if ring.size == 1:
-        out, lse = flash_attention_fwd(q_h, k_h, v_h, *arguments, **options)
-    else:
-        out, lse = ring_attention_fwd(
-            q_h, k_h, v_h, *arguments, group=ring, layout=layout, **options
+    kv_local = num_kv_heads * share // parts
+    calls = _calls(parts, share, ring) if kv_local % 2 == 0 else 1
+    sinks_local = _local_sinks(sinks, heads.rank, parts)
+
+    def compute(local, c):
+        q_h, k_h, v_h = local
+        arguments = (num_heads // parts // calls, kv_local // calls, head_dim, causal, window_size)
+        options = dict(
+            softmax_scale=softmax_scale,
+            allow_tf32=allow_tf32,
+            sinks=_local_sinks(sinks_local, c, calls),
         )
-    del q_h, k_h, v_h  # the head-split inputs, before the all-to-all back allocates
-    out_shard, lse_shard = _to_shards(heads, layout, (out, lse), (1, 1))
+        if ring.size == 1:
+            return flash_attention_fwd(q_h, k_h, v_h, *arguments, **options), None
+        return ring_attention_fwd(
+            q_h, k_h, v_h, *arguments, group=ring, layout=layout, **options
+        ), None
+
+    (out_shard, lse_shard), _ = _across_heads(
+        heads, layout, (q, k, v), (1, share, share), (1, 1), calls, compute
+    )
     return out_shard, lse_shard
 
 
@@ -237,27 +272,40 @@ def hybrid_attention_bwd(
         group, q, k, v, layout, (num_heads, num_kv_heads, head_dim, causal), sinks, ulysses_size
     )
     parts, share = heads.size, kv_share(num_kv_heads, heads.size)
-    dout_h, q_h, k_h, v_h, out_h, lse_h = _to_heads(
-        heads, layout, (dout, q, k, v, out, lse), (1, 1, share, share, 1, 1)
+    kv_local = num_kv_heads * share // parts
+    calls = _calls(parts, share, ring) if kv_local % 2 == 0 else 1
+    sinks_local = _local_sinks(sinks, heads.rank, parts)
+
+    def compute(local, c):
+        arguments = (num_heads // parts // calls, kv_local // calls, head_dim, causal, window_size)
+        options = dict(
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            allow_tf32=allow_tf32,
+            sinks=_local_sinks(sinks_local, c, calls),
+        )
+        dout_h, q_h, k_h, v_h, out_h, lse_h = local
+        inputs = (dout_h, q_h, k_h, v_h, out_h, lse_h)
+        if ring.size == 1:
+            grads = flash_attention_bwd(*inputs, *arguments, **options)
+        else:
+            grads = ring_attention_bwd(*inputs, *arguments, group=ring, layout=layout, **options)
+        return grads[:3], (grads[3] if sinks is not None else None)
+
+    (dq, dk, dv), dsinks = _across_heads(
+        heads,
+        layout,
+        (dout, q, k, v, out, lse),
+        (1, 1, share, share, 1, 1),
+        (1, share, share),
+        calls,
+        compute,
     )
-    arrays = (dout_h, q_h, k_h, v_h, out_h, lse_h)
-    arguments = (num_heads // parts, num_kv_heads * share // parts, head_dim, causal, window_size)
-    options = dict(
-        softmax_scale=softmax_scale,
-        deterministic=deterministic,
-        allow_tf32=allow_tf32,
-        sinks=_local_sinks(sinks, heads.rank, parts),
-    )
-    if ring.size == 1:
-        grads = flash_attention_bwd(*arrays, *arguments, **options)
-    else:
-        grads = ring_attention_bwd(*arrays, *arguments, group=ring, layout=layout, **options)
-    del arrays, dout_h, q_h, k_h, v_h, out_h, lse_h  # before the all-to-all back
-    dq, dk, dv = _to_shards(heads, layout, grads[:3], (1, share, share))
     if sinks is None:
         return dq, dk, dv
-    received = all_to_all(heads, [(grads[3],)] * parts)  # each rank's heads' dsinks
-    xp = array_module(grads[3])
+    xp = array_module(dsinks[0])
+    mine = xp.concatenate(dsinks)  # this rank's heads' dsinks, its parts in order
+    received = all_to_all(heads, [(mine,)] * parts)
     return dq, dk, dv, xp.concatenate([received[j][0] for j in range(parts)])
 
 

@@ -144,7 +144,8 @@ def test_ulysses_gqa_windows_batch_and_bfloat16(rng):
     )
 
 
-def test_ulysses_sinks_and_deterministic_bits(rng):
+@pytest.mark.parametrize("kv_heads", [2, 4])  # one part a rank; two parts (2 KV heads)
+def test_ulysses_sinks_and_deterministic_bits(kv_heads, rng):
     """Sinks split with their heads; dsinks gathered back, the whole sequence's on every
     rank, equal to the ring's; a deterministic backward repeats bitwise."""
     sinks = rng.standard_normal(4).astype(np.float32)
@@ -155,14 +156,16 @@ def test_ulysses_sinks_and_deterministic_bits(rng):
             2,
             "zigzag",
             heads=4,
-            kv_heads=2,
+            kv_heads=kv_heads,
             deterministic=True,
             sinks=sinks,
             vjp_function=function,
         )[0]
         for function in (dist.ulysses_attention_vjp, dist.ulysses_attention_vjp)
     ]
-    ring = _ring(np.random.default_rng(seed), 2, "zigzag", heads=4, kv_heads=2, sinks=sinks)[0]
+    ring, _ = _ring(
+        np.random.default_rng(seed), 2, "zigzag", heads=4, kv_heads=kv_heads, sinks=sinks
+    )
     for x, y in zip(runs[0][:5], runs[1][:5]):
         assert np.array_equal(x, y)
     for got, want in zip(runs[0][:5], ring[:5]):

@@ -264,6 +264,7 @@ def decode(x, scale=None):
     new contiguous array. NaN bit patterns give NaN."""
     factor = scale if hasattr(scale, "dtype") else np.float32(1 if scale is None else scale)
     if isinstance(x, np.ndarray):
+        assert DECODE_TABLE is not None  # ml_dtypes is a dependency
         values = DECODE_TABLE[x.view(np.uint8)]
         if scale is not None:
             values *= factor

@@ -198,8 +198,8 @@ def flash_attention_with_kvcache(
         key = None
         if check is False and score_mod is None and mask_mod is None and block_mask is None:
             # Device-held lengths: the plan of this signature serves every step.
-            given = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-            given += (alibi_slopes, sinks, rotary_cos, rotary_sin)
+            given: tuple[object, ...] = (q, k_cache, v_cache, cache_seqlens, k_new, v_new)
+            given += (block_table, alibi_slopes, sinks, rotary_cos, rotary_sin)
             key = fp8_decode_key(
                 given,
                 descales,

@@ -445,7 +445,7 @@ class VarlenVJP:
     cu_seqlens_k: object
     max_seqlen_q: int
     max_seqlen_k: int
-    config: object  # cuflash.AttentionConfig (kv_seq_len unused)
+    config: AttentionConfig  # kv_seq_len unused
 
     def __call__(self, dout, *, deterministic=False, synchronize=True):
         c = self.config

@@ -124,13 +124,15 @@ def make_decode_sets(case, count, seed=0):
         shape = (case.batch, heads, rows, case.head_dim)
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
-    tables = (None, None)
+    rotary_cos = rotary_sin = None
     if case.rotary:
-        tables = rotary_tables(case.cache_len, case.head_dim, xp=cupy)
+        rotary_cos, rotary_sin = rotary_tables(case.cache_len, case.head_dim, xp=cupy)
     sets = []
     for _ in range(count):
         k, v = draw(case.kv_heads, case.cache_len), draw(case.kv_heads, case.cache_len)
-        new = [draw(case.kv_heads, case.new_len) for _ in "kv"] if case.new_len else [None] * 2
+        k_new, v_new = (
+            [draw(case.kv_heads, case.new_len) for _ in "kv"] if case.new_len else [None] * 2
+        )
         sets.append(
             DecodeInputSet(
                 draw(case.heads, case.q_len),
@@ -140,8 +142,10 @@ def make_decode_sets(case, count, seed=0):
                 k,
                 v,
                 None,
-                *new,
-                *tables,
+                k_new,
+                v_new,
+                rotary_cos,
+                rotary_sin,
             )
         )
     return sets
@@ -150,6 +154,7 @@ def make_decode_sets(case, count, seed=0):
 def e4m3_bits(x):
     """CuPy ``x`` rounded to the nearest e4m3 value (saturated at +-448) as uint8 bits, on
     the GPU: the magnitude's place among the midpoints of the positive e4m3 values."""
+    assert DECODE_TABLE is not None  # ml_dtypes is a dependency
     positive = cupy.asarray(DECODE_TABLE[:0x7F].astype(np.float32))  # 0 .. 448, increasing
     midpoints = (positive[1:] + positive[:-1]) / 2
     magnitude = cupy.abs(x.astype(np.float32))
@@ -305,7 +310,7 @@ def decode_table(function, torch, budget, l2_bytes):
         reference = None
         for case in (c for c in cases if c.group == group):
             bar.set_postfix_str(f"B={case.batch} L={case.cache_len} S_q={case.q_len} {case.layout}")
-            impls = [CuflashDecode(case, function)]
+            impls: list[CuflashDecode | TorchDecode] = [CuflashDecode(case, function)]
             if case.block_size == 0 and not case.new_len:  # torch: the steps without appends
                 impls += [TorchDecode(case, torch, backend) for backend in peers]
             inputs = (
@@ -484,7 +489,7 @@ def format_decode(record):
         + ".",
     ]
     lines += rotary_cost(records)
-    modes = {}
+    modes: dict[str, dict[str, int]] = {}
     for r in records:
         if r.get("gqa"):
             modes.setdefault(r["impl"], {}).setdefault(r["gqa"], 0)
@@ -503,7 +508,7 @@ def format_decode(record):
             )
             + ".",
         ]
-    errors = {}
+    errors: dict[str, float] = {}
     for r in records:
         if r["rel_error"] is not None:
             key = f"{r['impl']} {r['layout']}" if r["impl"] == "cuflash" else r["impl"]
@@ -515,7 +520,7 @@ def format_decode(record):
             "and values (cuflash contiguous where it ran): "
             + ", ".join(f"{key} {error:.1e}" for key, error in errors.items()),
         ]
-    notes = {}
+    notes: dict[tuple[str, str], int] = {}
     for r in records:
         if r["median_s"] is None:
             notes[(r["impl"], r["note"])] = notes.get((r["impl"], r["note"]), 0) + 1

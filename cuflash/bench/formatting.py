@@ -8,7 +8,7 @@ def format_tflops(value):
 
 def format_agreement(rows):
     """Lines giving each peer's largest forward-output distance from cuflash."""
-    worst = {}
+    worst: dict[str, float] = {}
     for m in rows:
         if m.rel_error is not None:
             worst[m.impl] = max(worst.get(m.impl, 0.0), m.rel_error)
@@ -23,7 +23,7 @@ def format_agreement(rows):
 
 def format_notes(rows):
     """Lines saying why cells are empty, grouped by implementation and reason."""
-    notes = {}
+    notes: dict[tuple[str, str], int] = {}
     for m in rows:
         if m.timing is None:
             notes[(m.impl, m.note)] = notes.get((m.impl, m.note), 0) + 1

@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +192,9 @@ def implementation_factories(
     torch, allow_tf32=False, torch_backends=tuple(TORCH_BACKENDS), naive=True
 ):
     """Constructors ``case -> implementation``: cuflash, torch's ``torch_backends``, naive CuPy."""
-    factories = [functools.partial(CuflashAttention, allow_tf32=allow_tf32)]
+    factories: list[Callable[..., Any]] = [
+        functools.partial(CuflashAttention, allow_tf32=allow_tf32)
+    ]
     factories += [
         functools.partial(TorchSDPA, torch=torch, backend=backend)
         for backend in sdpa_backends(torch, torch_backends)

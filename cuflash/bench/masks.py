@@ -206,7 +206,7 @@ def measure(heads, head_dim, torch, target_seconds):
         sets = make_input_sets(case, 2)
         mine = CuflashMasked(case, mask)
         reference = forward_output(mine, sets[0])
-        impls = [mine]
+        impls: list[CuflashMasked | CuflashVarlenDocuments | FlexMasked] = [mine]
         if mask == "documents":
             impls.append(CuflashMasked(dataclasses.replace(case, causal=True), "documents+causal"))
             impls.append(CuflashVarlenDocuments(case))

@@ -109,7 +109,8 @@ class FlexModified:
 
     def backward_call(self, x):
         leaves = [self.torch.from_dlpack(a).requires_grad_() for a in (x.q, x.k, x.v)]
-        out = self._attention(*leaves, self.block_mask)
+        q, k, v = leaves
+        out = self._attention(q, k, v, self.block_mask)
         dout = self.torch.from_dlpack(x.dout)
         return lambda: self.torch.autograd.grad(out, leaves, dout, retain_graph=True)
 

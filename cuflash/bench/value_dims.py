@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import math
 import types
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +140,7 @@ def value_dim_report(budget, l2_bytes, case=MLA_TRAINING, torch=None):
             case, sets_spanning_l2(set_bytes * DTYPES[case.dtype].itemsize, l2_bytes)
         ),
     )
-    calls = [
+    calls: list[tuple[str, types.SimpleNamespace | TorchSDPA, Callable[..., Any]]] = [
         (name, _NO_CONTEXT, lambda x, d, padded=name == "v padded": _call(case, x, padded, d))
         for name in CALLS
     ]
@@ -197,7 +199,11 @@ def format_value_dims(records):
                 f"| {direction} | {call} | "
                 + ("–" if seconds is None else f"{seconds * 1e3:.3f}")
                 + " | "
-                + ("–" if seconds is None else format_tflops(tflops(record["flops"], seconds)))
+                + (
+                    "–"
+                    if record is None or seconds is None
+                    else format_tflops(tflops(record["flops"], seconds))
+                )
                 + " | "
                 + ("" if call == CALLS[0] else format_ratio(ratio))
                 + " |"

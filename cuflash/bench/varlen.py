@@ -5,6 +5,8 @@ against its dense kernels on equal lengths, torch SDPA on nested jagged tensors 
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +54,7 @@ def draw_varlen_lengths(
     ``total``; the last is trimmed so that the sum is exactly ``total`` (it may fall below
     ``low``)."""
     rng = np.random.default_rng(seed)
-    lengths = []
+    lengths: list[int] = []
     while sum(lengths) < total:
         lengths.append(min(int(rng.integers(low, high, endpoint=True)), total - sum(lengths)))
     return tuple(lengths)
@@ -356,7 +358,7 @@ def varlen_table(torch, budget, l2_bytes, cases=None):
     the packed inputs of each case (their forward outputs checked against cuflash varlen's),
     and cuflash's dense kernels on the case's equal lengths."""
     cases = varlen_cases() if cases is None else cases
-    peers = (
+    peers: list[Callable[..., Any]] = (
         []
         if torch is None
         else [
@@ -514,7 +516,7 @@ def format_varlen_table(records, direction):
             + (", ".join(below) if below else "none")
             + ".",
         ]
-    errors = {}
+    errors: dict[str, float] = {}
     for r in rows:
         if r["rel_error"] is not None:
             errors[r["impl"]] = max(errors.get(r["impl"], 0.0), r["rel_error"])
@@ -524,7 +526,7 @@ def format_varlen_table(records, direction):
             "Largest relative L2 distance of a forward output from cuflash-varlen's: "
             + ", ".join(f"{impl} {error:.1e}" for impl, error in errors.items()),
         ]
-    notes = {}
+    notes: dict[tuple[str, str], int] = {}
     for r in rows:
         if r["median_s"] is None:
             notes[(r["impl"], r["note"])] = notes.get((r["impl"], r["note"]), 0) + 1

@@ -4,6 +4,7 @@ hold its C++ functor, its NumPy evaluator and its arrays; and :func:`index_grids
 
 import hashlib
 import types
+from typing import Any
 
 import numpy as np
 
@@ -130,7 +131,7 @@ class Modifier(Inlinable):
         if self.kind == "score":
             roots.append(self._grad_expression)
         self.numpy_source = py_function("evaluate", parameters, roots)
-        namespace = {"np": np}
+        namespace: dict[str, Any] = {"np": np}
         exec(compile(self.numpy_source, f"<cuflash modifier {self.name}>", "exec"), namespace)
         self._numpy_function = namespace["evaluate"]
 
@@ -194,7 +195,7 @@ class Modifier(Inlinable):
         if 0 in extents.values():
             return  # nothing is evaluated
         roots = [self._expression] + ([self._grad_expression] if self.kind == "score" else [])
-        ranges = {}
+        ranges: dict[int, tuple[int, int] | None] = {}
 
         def range_of(expr):
             return ranges.get(id(expr))
@@ -258,7 +259,9 @@ class Modifier(Inlinable):
             For an array of the other kind or on another device.
         """
         if xp is None:
-            import cupy as xp
+            import cupy
+
+            xp = cupy
         on_device = xp is not np
         device = None
         record = np.zeros((), MODIFIER_ARRAYS_DTYPE)

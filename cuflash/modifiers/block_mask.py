@@ -199,9 +199,9 @@ class _View:
         if host:
             xp, classes_of = np, block_mask.cpu_classes
         else:
-            import cupy as xp
+            import cupy
 
-            classes_of = block_mask.classes
+            xp, classes_of = cupy, block_mask.classes
         if direction == "forward":
             classes = classes_of(outer, inner)
         else:  # blocks own key tiles: [entries, heads, key tiles, query tiles]

@@ -138,7 +138,7 @@ def _cxx_accessor(entry, name):
 
 def _accessor_names(inputs):
     """``{slot: C++ name}`` of the array accessors: ``load_<array name>``, unique."""
-    names = {}
+    names: dict[int, str] = {}
     for entry in inputs:
         cleaned = re.sub(r"\W", "_", entry.name, flags=re.ASCII)
         name = f"load_{cleaned}" if cleaned.replace("_", "") else f"load_{entry.slot}"

@@ -1,7 +1,7 @@
 """The symbolic derivative of a score modifier's graph with respect to the score, for
 the backward pass (``grad()`` of the C++ functor, :meth:`ScoreMod.numpy_grad`)."""
 
-from .ir import FLOAT, ONE, ZERO, arithmetic, compare, constant, negate, select
+from .ir import FLOAT, ONE, ZERO, Expr, arithmetic, compare, constant, negate, select
 
 
 def _plus(left, right):
@@ -36,7 +36,7 @@ def _over(left, right):
 
 def derivative(root):
     """d(root)/d(score), symbolically (0 for every integer or bool node)."""
-    done = {}
+    done: dict[int, Expr] = {}
 
     def derivative_of(expr):
         found = done.get(id(expr))

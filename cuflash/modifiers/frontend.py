@@ -17,6 +17,7 @@ from .ir import (
     INT64,
     MAX_ARRAY_NDIM,
     MAX_ARRAYS,
+    Expr,
     TypeProblem,
     arithmetic,
     call,
@@ -331,7 +332,7 @@ class Translator:
         if (
             isinstance(node.op, ast.USub)
             and isinstance(literal, ast.Constant)
-            and type(literal.value) in (int, float)
+            and (type(literal.value) is int or type(literal.value) is float)
         ):
             return constant(-literal.value)  # -9223372036854775808 is a literal
         operand = self.expression(literal, scope)
@@ -418,7 +419,7 @@ class Translator:
         return convert(value, FLOAT)
 
     def visit_Subscript(self, node, scope):
-        indices = []
+        indices: list[ast.expr] = []
         base = node
         while isinstance(base, ast.Subscript):  # a[i][j] is a[i, j]
             index = base.slice
@@ -509,7 +510,7 @@ class Translator:
 
 def _substitute(root, values, slots):
     """``root`` with its parameters replaced by ``values`` and read slots renumbered."""
-    done = {}
+    done: dict[int, Expr] = {}
 
     def rebuild(expr):
         found = done.get(id(expr))

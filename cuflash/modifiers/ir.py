@@ -46,6 +46,10 @@ class Expr:
     """
 
     __slots__ = ("operation", "kind", "args", "value", "__weakref__")
+    operation: str
+    kind: str
+    args: tuple["Expr", ...]
+    value: object
 
     def __repr__(self):
         return f"Expr({self.operation}, {self.kind}, {self.value!r}, {len(self.args)} args)"
@@ -313,13 +317,14 @@ def statements(roots, render, indent, declare):
     ``declare(name, expr, text)``), ``texts`` are the roots' expressions.
     """
     order = graph_nodes(roots)
-    uses = {}
+    uses: dict[int, int] = {}
     for expr in order:
         for arg in expr.args:
             uses[id(arg)] = uses.get(id(arg), 0) + 1
     for root in roots:
         uses[id(root)] = uses.get(id(root), 0) + 1
-    names, lines = {}, []
+    names: dict[int, str] = {}
+    lines: list[str] = []
 
     def text(expr):
         return names.get(id(expr)) or render(expr, text)

@@ -531,6 +531,16 @@ def test_all_to_all_delivers_each_chunk_once(native, rng):
             assert np.array_equal(received[j][0], sent[j, r])
 
 
+def test_a_rank_that_returns_early_does_not_hang_the_others():
+    def rank(group):
+        if group.rank == 0:
+            return None  # exchanges nothing
+        return group.exchange((np.ones(2),))
+
+    with pytest.raises(RuntimeError, match="rank 1 waits for arrays from rank 0, which has"):
+        dist.ThreadGroup(2).run(rank, [()] * 2)
+
+
 def test_a_failing_rank_does_not_hang_the_others():
     def rank(group):
         if group.rank == 1:

@@ -165,11 +165,13 @@ class ThreadGroup:
         self._ready = threading.Condition()
         self._mail = collections.defaultdict(collections.deque)
         self._failed = False
+        self._finished: set[int] = set()
 
     def run(self, fn, per_rank_args):
         results, errors = [None] * self.size, []
         self._mail.clear()
         self._failed = False
+        self._finished = set()
 
         def work(rank):
             try:
@@ -178,6 +180,10 @@ class ThreadGroup:
                 errors.append(exc)
                 with self._ready:
                     self._failed = True
+                    self._ready.notify_all()
+            finally:
+                with self._ready:
+                    self._finished.add(rank)
                     self._ready.notify_all()
 
         threads = [threading.Thread(target=work, args=(r,)) for r in range(self.size)]
@@ -201,6 +207,11 @@ class ThreadGroup:
             while not box:
                 if self._failed:
                     raise _Aborted(f"rank {to} waited for rank {source}, which failed")
+                if source in self._finished:
+                    raise RuntimeError(
+                        f"rank {to} waits for arrays from rank {source}, which has returned "
+                        "without sending them: the ranks' exchanges do not match"
+                    )
                 self._ready.wait()
             return box.popleft()
 

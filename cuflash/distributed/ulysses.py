@@ -157,12 +157,12 @@ def _across_heads(group, layout, arrays, shares, out_shares, calls, compute):
     return joined, extras
 
 
-def _calls(parts, share, ring):
+def _calls(parts, share, kv_local, ring):
     """Parts of a rank's heads computed one after the other, so that the all-to-alls run
-    under the kernels: two where the rank holds an even number of KV heads and runs one
-    dense call (a ring overlaps its own transfers, and a part more would double its
-    steps' latency), else one."""
-    return 2 if parts > 1 and ring.size == 1 and share == 1 else 1
+    under the kernels: two where the rank holds an even number ``kv_local`` of KV heads
+    of its own (no copies) and runs one dense call (a ring overlaps its own transfers,
+    and a part more would double its steps' latency), else one."""
+    return 2 if parts > 1 and ring.size == 1 and share == 1 and kv_local % 2 == 0 else 1
 
 
 def _summed(xp, copies):
@@ -221,7 +221,7 @@ def hybrid_attention_fwd(
     )
     parts, share = heads.size, kv_share(num_kv_heads, heads.size)
     kv_local = num_kv_heads * share // parts
-    calls = _calls(parts, share, ring) if kv_local % 2 == 0 else 1
+    calls = _calls(parts, share, kv_local, ring)
     sinks_local = _local_sinks(sinks, heads.rank, parts)
 
     def compute(local, c):
@@ -273,7 +273,7 @@ def hybrid_attention_bwd(
     )
     parts, share = heads.size, kv_share(num_kv_heads, heads.size)
     kv_local = num_kv_heads * share // parts
-    calls = _calls(parts, share, ring) if kv_local % 2 == 0 else 1
+    calls = _calls(parts, share, kv_local, ring)
     sinks_local = _local_sinks(sinks, heads.rank, parts)
 
     def compute(local, c):

@@ -24,7 +24,7 @@ measurement in :data:`MEASURED_H200X2`; :func:`calibrate` compares the two.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -265,11 +265,12 @@ def ulysses_sizes(problem: Problem, gpus: int, machine: Machine) -> list[int]:
     return [u for u in fits if gpus % u == 0 and splits(problem, u)]
 
 
+@functools.lru_cache(maxsize=256)  # the hybrid asks once a call, forward and backward
 def best_ulysses_size(
     problem: Problem,
     gpus: int,
     machine: Machine | None = None,
-    allowed: Sequence[int] | None = None,
+    allowed: tuple[int, ...] | None = None,
 ) -> int:
     """The Ulysses size (of :func:`ulysses_sizes`, and of ``allowed`` where given) with
     the least predicted forward plus backward time (the smaller on a tie)."""

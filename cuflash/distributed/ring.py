@@ -147,6 +147,11 @@ def _summed_in_rank_order(group, rank, size, part):
     return total
 
 
+def _no_keys_seen(xp, q):
+    """Accumulators of rows that have seen no key yet: float32 zeros and lse -inf."""
+    return xp.zeros(q.shape, dtype=np.float32), xp.full(q.shape[:3], -np.inf, np.float32)
+
+
 def _forward_pair(xp, q, k, v, rows, keys, window, arguments, out_acc, lse_acc):
     """One pair's dense call merged into the accumulators (made by the first pair: its
     results where it covers every row); returns them. The pair's own results die here,
@@ -167,8 +172,7 @@ def _forward_pair(xp, q, k, v, rows, keys, window, arguments, out_acc, lse_acc):
     if out_acc is None and rows.stop - rows.start == q.shape[2]:
         return out.astype(np.float32), lse  # the first covers every row
     if out_acc is None:
-        out_acc = xp.zeros(q.shape, dtype=np.float32)
-        lse_acc = xp.full(q.shape[:3], -np.inf, dtype=np.float32)
+        out_acc, lse_acc = _no_keys_seen(xp, q)
     _merge(out_acc, lse_acc, out, lse, rows)
     return out_acc, lse_acc
 
@@ -258,8 +262,7 @@ def ring_attention_fwd(
         if incoming is not None:
             k_now, v_now = incoming.wait()
     if out_acc is None:  # no row sees any key
-        out_acc = xp.zeros(q.shape, dtype=np.float32)
-        lse_acc = xp.full(q.shape[:3], -np.inf, np.float32)
+        out_acc, lse_acc = _no_keys_seen(xp, q)
     if sinks is not None:
         out_acc, lse_acc = _add_sinks(xp, out_acc, lse_acc, sinks)
     return out_acc.astype(q.dtype), lse_acc

@@ -130,20 +130,20 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 
 
 def mla_decode_calls(rng):
-    """kvcache_decode_mla: absorbed MLA (v_cache the latent's first 512 columns), contiguous
-    and paged, with an append, split over long caches and with garbage device lengths and
-    block ids; a v cache of its own (192 / 128) with modifiers; the count of NaN results
-    with valid lengths."""
+    """kvcache_decode_mla and (80 query heads, on sm_90) kvcache_decode_mla_wgmma: absorbed
+    MLA (v_cache the latent's first 512 columns), contiguous and paged, with an append,
+    split over long caches and with garbage device lengths and block ids; a v cache of
+    its own (192 / 128) with modifiers; the count of NaN results with valid lengths."""
     failures = 0
     latent = cupy.asarray(rng.standard_normal((2, 1, 1024, 576)).astype(BFLOAT16))
     blocks = latent.reshape(2, 1, 16, 64, 576).transpose(0, 2, 1, 3, 4).reshape(32, 1, 64, 576)
     table = cupy.asarray(np.arange(32, dtype=np.int32).reshape(2, 16)[:, ::-1].copy())
-    q = cupy.asarray(rng.standard_normal((2, 20, 1, 576)).astype(BFLOAT16))
     new = cupy.asarray(rng.standard_normal((2, 1, 1, 576)).astype(BFLOAT16))
-    for cache, ids in ((latent, None), (blocks, table)):
+    for heads, (cache, ids) in itertools.product((20, 80), ((latent, None), (blocks, table))):
+        q = cupy.asarray(rng.standard_normal((2, heads, 1, 576)).astype(BFLOAT16))
         for lengths in ([1000, 300], [2**30, -5]):
             out = cuflash.flash_attention_with_kvcache(
-                q, cache, cache[..., :512], 20, 1, 576,
+                q, cache, cache[..., :512], heads, 1, 576,
                 cache_seqlens=cupy.asarray(np.array(lengths, np.int32)), k_new=new,
                 v_new=new[..., :512], block_table=ids, head_dim_v=512,
             )  # fmt: skip
@@ -151,7 +151,7 @@ def mla_decode_calls(rng):
         if ids is not None:
             bad = cupy.asarray(np.array([[10**6] * 16, [-4] * 16], np.int32))
             out = cuflash.flash_attention_with_kvcache(
-                q, cache, cache[..., :512], 20, 1, 576, cache_seqlens=cupy.asarray(
+                q, cache, cache[..., :512], heads, 1, 576, cache_seqlens=cupy.asarray(
                     np.array([500, 40], np.int32)), block_table=bad, head_dim_v=512,
             )  # fmt: skip
             failures += bool(cupy.isnan(out).any())

@@ -212,7 +212,7 @@ def forward(
     _module(name, capability).launch(
         name,
         (splits * row_tiles, problem.num_kv_heads, problem.batch),
-        decode_kernels.THREADS,
+        decode_kernels.block_threads(name),
         shared,
         (
             params,

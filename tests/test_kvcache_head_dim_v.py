@@ -242,6 +242,34 @@ MLA_CASES = [
 ]
 
 
+# Absorbed MLA with many query heads: kvcache_decode_mla_wgmma on sm_90 (64 packed rows
+# a block), kvcache_decode_mla elsewhere.
+MLA_WGMMA_CASES = [
+    MlaCase(heads=64),  # one row tile, a partial last key tile
+    # two row tiles (the second partial), paged, five key tiles, sinks
+    MlaCase(
+        dtype="float16",
+        heads=40,
+        q_len=2,
+        new_len=2,
+        block_size=16,
+        capacity=320,
+        lengths=(300, 5),
+        sinks=True,
+    ),
+    MlaCase(
+        head_dim=256,
+        head_dim_v=128,
+        heads=128,
+        kv_heads=2,
+        window=(20, 0),
+        alibi=True,
+        softcap=6.0,
+        lengths=(95, 40),
+    ),
+]
+
+
 def mla_inputs(case, rng):
     """NumPy inputs of ``case``: q, the caches (paged: shuffled blocks and a table), k_new /
     v_new (the view of k_new for a latent cache), slopes, sinks, the lengths."""
@@ -355,6 +383,41 @@ def test_mla_cases_route_to_their_kernel():
         )
 
 
+def test_mla_wgmma_cases_route_to_their_kernel():
+    """Many query heads over the latent view take kvcache_decode_mla_wgmma on sm_90 (64
+    rows a block, its 256 threads, shared memory within the block's limit) and
+    kvcache_decode_mla elsewhere; the 16-head cases never take it."""
+    from cuflash.gpu import decode_kernels, standalone
+    from cuflash.gpu.decode_tiles import block_shared_limit
+
+    rng = np.random.default_rng(0)
+    for case in MLA_WGMMA_CASES:
+        problem = mla_problem(case, rng)
+        name, keys, rows, shared = decode_kernels.decode_kernel(problem, 90)
+        assert standalone.standalone_of(name).name == "kvcache_decode_mla_wgmma"
+        assert (keys, rows, decode_kernels.block_threads(name)) == (64, 64, 256)
+        assert shared <= block_shared_limit(90)
+        for capability in (80, 86):
+            name = decode_kernels.decode_kernel(problem, capability)[0]
+            assert standalone.standalone_of(name).name == "kvcache_decode_mla"
+    for case in MLA_CASES:
+        name = decode_kernels.decode_kernel(mla_problem(case, rng), 90)[0]
+        assert standalone.standalone_of(name).name == "kvcache_decode_mla"
+
+
+def test_mla_wgmma_kernels_compile_without_spills():
+    """The kvcache_decode_mla_wgmma instantiations of the cases (and DeepSeek's paged
+    576 / 512) compile for sm_90a with no spill or stack frame."""
+    from cuflash.gpu import decode_kernels
+
+    rng = np.random.default_rng(0)
+    names = set()
+    for case in [*MLA_WGMMA_CASES, MlaCase(heads=128, block_size=64, capacity=128)]:
+        names.add(decode_kernels.decode_kernel(mla_problem(case, rng), 90)[0])
+    assert len(names) == 4
+    compile_and_check(sorted(names), "sm_90a")
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_mla_kernels_compile_without_spills(arch):
     """The kvcache_decode_mla instantiations the cases launch on that architecture, and the
@@ -389,6 +452,18 @@ def test_simulated_mla_kernel_matches_oracle(case, capability, rng):
 
 
 @needs_compiler
+@pytest.mark.parametrize("case", MLA_WGMMA_CASES, ids=str)
+def test_simulated_mla_wgmma_kernel_matches_oracle(case, rng):
+    """kvcache_decode_mla_wgmma (sm_90's choice for many query heads) in the CPU simulator
+    with out-of-buffer accesses trapped, against the float64 oracle."""
+    inputs = mla_inputs(case, rng)
+    want = mla_expected(case, inputs)
+    out, lse = run_mla(case, inputs, lambda *a, **k: simulated_kvcache.forward(
+        *a, capability=90, guard=True, **k))  # fmt: skip
+    check_mla(case, out, lse, *want)
+
+
+@needs_compiler
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_simulated_mla_kernel_stays_inside_on_garbage(paged, rng):
     """Device-held lengths and block ids of any value: kvcache_decode_mla reads and writes
@@ -411,9 +486,10 @@ def test_simulated_mla_kernel_stays_inside_on_garbage(paged, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+@pytest.mark.parametrize("case", MLA_CASES + MLA_WGMMA_CASES, ids=str)
 def test_gpu_mla_kernel_matches_oracle(case, rng, poisoned):
-    """kvcache_decode_mla on the GPU (outputs poisoned first) against the float64 oracle;
+    """kvcache_decode_mla (and, for many heads on sm_90, kvcache_decode_mla_wgmma) on the
+    GPU (outputs poisoned first) against the float64 oracle;
     the caches afterwards as the CPU path leaves them."""
     inputs = mla_inputs(case, rng)
     want = mla_expected(case, inputs)

@@ -29,7 +29,12 @@ DTYPES = tuple(registry.CXX_TYPES)  # float32, float16, bfloat16
 # (head_dim, head_dim_v) of v narrower than q and k (MLA's 192 / 128 among them): the
 # layout at v's head dim fits in the host's figure, which is head_dim's.
 NARROW_V = ((64, 32), (96, 40), (128, 64), (192, 128), (256, 128), (256, 192))
-DECODE_KERNELS = ("kvcache_decode", "kvcache_decode_tc", "kvcache_decode_mla")
+DECODE_KERNELS = (
+    "kvcache_decode",
+    "kvcache_decode_tc",
+    "kvcache_decode_mla",
+    "kvcache_decode_mla_wgmma",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +130,8 @@ def decode_checks():
     one to four row tiles; contiguous and paged; short and long caches: two and three
     stages), over an e4m3 cache (q in e4m3 or 16 bits; 16-bit tiles in blocks of fewer
     than 32 keys), and the MLA one (absorbed 576 / 512, 192 / 128 with its own v, 64 / 128,
-    on sm_80, sm_86 and sm_90: the keys a tile each picks)."""
+    on sm_80, sm_86 and sm_90: the keys a tile each picks; absorbed 576 / 512 and 256 / 128
+    with 64 query heads on sm_90: the wgmma one)."""
     checks = []
     for dtype in DTYPES:
         for head_dim in range(8, 257, 8):
@@ -158,6 +164,11 @@ def decode_checks():
                         dtype, head_dim, 16, head_dim_v, paged=paged, latent=latent
                     )
                     checks.append(_decode_check(problem, capability))
+        for head_dim, head_dim_v in ((576, 512), (256, 128)):
+            for paged in (False, True):
+                problem = decode_problem(dtype, head_dim, 64, head_dim_v, paged=paged, latent=True)
+                checks.append(_decode_check(problem, 90))
+                assert "kvcache_decode_mla_wgmma" in checks[-1].expression
     return checks
 
 

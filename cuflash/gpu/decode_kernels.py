@@ -11,9 +11,13 @@ import numpy as np
 from . import standalone
 from .decode_tiles import (
     MLA_STAGES,
+    MLA_WGMMA_KEYS,
+    MLA_WGMMA_ROWS,
     THREADS,
+    block_shared_limit,
     decode_mla_keys,
     decode_mla_shape,
+    decode_mla_wgmma_shape,
     decode_shape,
     decode_tc_keys,
     decode_tc_shape,
@@ -45,6 +49,9 @@ FP8_STAGES = 2
 # With this many packed query rows (S_q x group) or more and a contiguous cache, the
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
+# Absorbed MLA with this many packed query rows or more takes kvcache_decode_mla_wgmma on
+# sm_90 (see takes_mla_wgmma).
+MLA_WGMMA_MIN_ROWS = 64
 
 
 def decode_tc_stages(head_dim, longest):
@@ -122,14 +129,44 @@ def reads_fp8(problem, capability, out_dtype):
     )
 
 
+def takes_mla_wgmma(problem, capability):
+    """Whether ``kvcache_decode_mla_wgmma`` serves ``problem`` on a GPU of compute
+    ``capability``: sm_90 (its wgmma), the latent view (v_cache ``k_cache[..., :head_dim_v]``),
+    head_dim a multiple of 64 whose tiles fit a block's shared memory, head_dim_v a
+    multiple of 128, and at least MLA_WGMMA_MIN_ROWS packed query rows (a block's 64 are
+    wgmma's M)."""
+    return (
+        capability == 90
+        and problem.latent
+        and problem.head_dim % 64 == 0
+        and problem.head_dim_v % 128 == 0
+        and decode_mla_wgmma_shape(problem.head_dim) <= block_shared_limit(capability)
+        and problem.q_len * problem.group_size >= MLA_WGMMA_MIN_ROWS
+    )
+
+
+def block_threads(name):
+    """Threads a block of the registry's kernel ``name`` (a name expression)."""
+    return standalone.standalone_of(name).threads
+
+
 def decode_kernel(problem, capability=80, fp8=None):
     """``(name expression, keys a tile, packed query rows a block, shared bytes)`` of the
     split-KV kernel that serves ``problem`` on a GPU of compute ``capability``: for a
-    value head dim of its own or keys wider than GPU_MAX_HEAD_DIM the MLA one (16 packed
-    rows a block), else the tensor-core one (16-bit, head_dim a multiple of 16; 16, 32
-    or 64 packed rows a block) or the CUDA-core one. ``fp8``: the element types
-    (``standalone.E4m3Cache``) of an FP8 cache that the tensor-core kernel reads (see
-    :func:`reads_fp8`)."""
+    value head dim of its own or keys wider than GPU_MAX_HEAD_DIM an MLA one (16 packed
+    rows a block, or 64 on wgmma: :func:`takes_mla_wgmma`), else the tensor-core one
+    (16-bit, head_dim a multiple of 16; 16, 32 or 64 packed rows a block) or the
+    CUDA-core one. ``fp8``: the element types (``standalone.E4m3Cache``) of an FP8 cache
+    that the tensor-core kernel reads (see :func:`reads_fp8`)."""
+    if fp8 is None and problem.own_value_dims and takes_mla_wgmma(problem, capability):
+        name = standalone.STANDALONE["kvcache_decode_mla_wgmma"].name_expression(
+            dtype=problem.dtype,
+            head_dim=problem.head_dim,
+            head_dim_v=problem.head_dim_v,
+            keys=MLA_WGMMA_KEYS,
+            paged=problem.paged,
+        )
+        return name, MLA_WGMMA_KEYS, MLA_WGMMA_ROWS, decode_mla_wgmma_shape(problem.head_dim)
     if fp8 is None and problem.own_value_dims:
         keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
         name = standalone.STANDALONE["kvcache_decode_mla"].name_expression(
@@ -202,7 +239,7 @@ def loaded_kernel(name, shared=0, functors=None):
     """``(kernel, resident blocks an SM, SM count)`` for the current device, looked up once:
     the registry's kernel ``name`` from :func:`cuflash.gpu.kernel_build.load_standalone` (with
     the user's modifier functors, ``kernel_build.UserFunctors``, if given), its occupancy
-    from its registers and shared memory (128 threads a block)."""
+    from its registers, shared memory and threads a block."""
     device_id = cupy.cuda.runtime.getDevice()
     found = _KERNELS.get((device_id, name, functors))
     if found is None:
@@ -211,10 +248,11 @@ def loaded_kernel(name, shared=0, functors=None):
         attributes = cupy.cuda.Device(device_id).attributes
         smem_per_sm = attributes["MaxSharedMemoryPerMultiprocessor"]
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
+        threads = block_threads(name)
         per_sm = min(
             smem_per_sm // (shared + 1024) if shared else 16,
-            attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * THREADS // 32),
-            attributes["MaxThreadsPerMultiProcessor"] // THREADS,
+            attributes["MaxRegistersPerMultiprocessor"] // (regs_per_warp * threads // 32),
+            attributes["MaxThreadsPerMultiProcessor"] // threads,
         )
         found = _KERNELS[(device_id, name, functors)] = (
             kernel,

@@ -64,6 +64,19 @@ def decode_mla_shape(head_dim, head_dim_v, keys, stages, latent):
 
 
 MLA_STAGES = 2
+MLA_WGMMA_ROWS = 64  # packed query rows a block of kvcache_decode_mla_wgmma: wgmma's M
+MLA_WGMMA_KEYS = 64
+
+
+def decode_mla_wgmma_shape(head_dim, keys=MLA_WGMMA_KEYS):
+    """The dynamic shared memory in bytes of ``kvcache_decode_mla_wgmma<T, head_dim,
+    head_dim_v, keys, paged>`` (``DecodeMlaWgmmaShared`` of
+    kernels/decode/kvcache_decode_mla_wgmma.cu, checked against
+    ``kvcache_decode_mla_wgmma_shared_bytes`` by tests/test_shared_layout.py): the
+    1024-byte alignment's slack, 64 query rows and two stages of keys in the input type
+    (two bytes), P, three float rows."""
+    rows = MLA_WGMMA_ROWS
+    return 1024 + rows * head_dim * 2 + 2 * keys * head_dim * 2 + rows * keys * 2 + 3 * rows * 4
 
 
 def decode_mla_keys(head_dim, head_dim_v, latent, capability):

@@ -190,15 +190,15 @@ def _on_device(params):
     return params.rebased(kernel_params.parameter_base(sm))
 
 
-def _launch(function, grid, shared, build, problem, *arguments, reuse=True):
-    """A ``kernel_launch.Launch`` of ``function`` with the record
+def _launch(function, grid, shared, build, problem, *arguments, reuse=True, threads=THREADS):
+    """A ``kernel_launch.Launch`` of ``function`` (``threads`` a block) with the record
     ``build(problem, *arguments)``, the one made for the same arguments before where
     ``reuse``."""
     key = (function.ptr, grid, shared, build, _problem_key(problem), arguments)
     found = _LAUNCHES.get(key) if reuse else None
     if found is None:
         params = _on_device(build(problem, *arguments))
-        found = Launch(function, grid, THREADS, shared, params)
+        found = Launch(function, grid, threads, shared, params)
         if reuse:
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.clear()
@@ -334,6 +334,7 @@ def gpu_forward(
         user,
         *factors,
         reuse=functors is None,  # a user's arguments are the call's
+        threads=decode_kernels.block_threads(name),
     )(
         stream,
         q.data.ptr,
@@ -421,7 +422,7 @@ class DecodePlan:
         self.decode = Launch(
             decode.kernel,
             (self.splits * row_tiles, problem.num_kv_heads, problem.batch),
-            THREADS,
+            decode_kernels.block_threads(name),
             shared,
             _on_device(
                 decode_params.decode_params(

@@ -22,13 +22,15 @@ class StandaloneKernel:
     built one instantiation at a time (``cuflash.gpu.kernel_build.load_standalone``).
     ``name``: also its C++ function template's, instantiated with ``parameters`` in order
     (none: not a template) by :meth:`name_expression`; ``modifiers``: compiled with the
-    user's modifier functors where a call has them; ``arch``: a target of its own."""
+    user's modifier functors where a call has them; ``arch``: a target of its own;
+    ``threads``: a block's."""
 
     name: str
     source: str
     parameters: tuple = ()
     modifiers: bool = False
     arch: str | None = None
+    threads: int = 128
 
     def name_expression(self, **args):
         """``cuflash::name<...>`` of the ``parameters`` by keyword: ``dtype`` a NumPy
@@ -81,6 +83,14 @@ STANDALONE_KERNELS = (
         "decode/kvcache_decode_mla.cu",
         ("dtype", "head_dim", "head_dim_v", "keys", "stages", "paged", "latent"),
         True,
+    ),
+    StandaloneKernel(
+        "kvcache_decode_mla_wgmma",
+        "decode/kvcache_decode_mla_wgmma.cu",
+        ("dtype", "head_dim", "head_dim_v", "keys", "paged"),
+        True,
+        arch="sm_90a",
+        threads=256,
     ),
     StandaloneKernel(
         "kvcache_decode", "decode/kvcache_decode.cu", ("dtype", "head_dim", "rows"), True

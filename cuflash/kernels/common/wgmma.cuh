@@ -71,6 +71,12 @@ __device__ __forceinline__ void pin_registers(float (&x)[N][4]) {
         asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3])::"memory");
 }
 
+// Where 16-byte chunk c of row r of a tile of ROWS rows lies in that layout, in chunks.
+template <int ROWS>
+__device__ __forceinline__ int sw128_chunk(int r, int c) {
+    return (c >> 3) * (ROWS * 8) + r * 8 + ((c & 7) ^ (r & 7));
+}
+
 // Rows [0, ROWS) of a [rows][COLS] 16-bit tile (row stride `stride` elements)
 // in the 128-byte-swizzled layout: element (r, c) goes to column block c / 64,
 // row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Columns [0, D) come from

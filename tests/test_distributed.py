@@ -735,6 +735,29 @@ def test_ulysses_and_hybrid_on_one_gpu_match_oracle(size, ulysses_size, dtype, r
     )
 
 
+@pytest.mark.gpu
+def test_thread_group_ranks_launch_on_the_callers_device(rng):
+    """Each virtual rank's thread launches on the caller's device without an allocation of
+    its own first (its outputs come from the pool's cache): the copy engine's tensor maps
+    and the launch need the device's context current in that thread."""
+    import cupy
+
+    q, k, v = (
+        cupy.asarray(rng.standard_normal((1, 4, 2048, 128)).astype(DTYPES["bfloat16"]))
+        for _ in range(3)
+    )
+    want = cuflash.flash_attention_fwd(q, k, v, 4, 4, 128, True)
+    spare = [cupy.empty_like(want) for _ in range(4)]
+    del spare  # back to the pool: the ranks' outputs need no new allocation
+    cupy.cuda.Device().synchronize()
+
+    def rank(group):
+        return cuflash.flash_attention_fwd(q, k, v, 4, 4, 128, True)
+
+    for out in dist.ThreadGroup(2).run(rank, [(), ()]):
+        assert bool(cupy.array_equal(out, want))
+
+
 # ------------------------------------------------------------------ two GPUs over NCCL
 
 

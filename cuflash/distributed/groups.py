@@ -22,6 +22,7 @@ sub-groups.
 
 import collections
 import os
+import sys
 import threading
 
 from ..errors import InvalidArgumentError
@@ -151,6 +152,20 @@ class _Aborted(Exception):
     """Another virtual rank failed while this one waited for its arrays."""
 
 
+def _caller_device():
+    """The CUDA device current in the calling thread where CuPy is loaded and sees a GPU,
+    else None. A new thread has no CUDA context current until the runtime makes one: the
+    driver's calls (a launch, a tensor map's encoding) failed there with
+    CUDA_ERROR_INVALID_CONTEXT where no allocation had made it current first."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    try:
+        return cupy.cuda.runtime.getDevice()
+    except Exception:  # noqa: BLE001 - no driver or no GPU: no device to carry over
+        return None
+
+
 class ThreadGroup:
     """``size`` virtual ranks in one process, one thread each: ``run(fn, per_rank_args)``
     calls ``fn(group_of_rank, *args)`` on every rank at once and returns their results
@@ -172,9 +187,12 @@ class ThreadGroup:
         self._mail.clear()
         self._failed = False
         self._finished = set()
+        device = _caller_device()
 
         def work(rank):
             try:
+                if device is not None:  # the caller's device and its context, current here
+                    sys.modules["cupy"].cuda.runtime.setDevice(device)
                 results[rank] = fn(_ThreadRank(self, rank), *per_rank_args[rank])
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)

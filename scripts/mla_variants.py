@@ -6,7 +6,8 @@ Usage:
       the default (``cuflash.gpu.decode_tiles.decode_mla_keys``) and each forced size
       (default: 64 32 16), on four of the eight cases, kvcache_decode_mla_wgmma off
   python scripts/mla_variants.py --wgmma      all eight cases with kvcache_decode_mla_wgmma
-      off, at the default rule (64 packed query rows or more) and from 16 rows
+      off, at the default rule (``MLA_WGMMA_MIN_ROWS`` packed query rows or more) and from
+      64 rows (the 16-head cases on kvcache_decode_mla)
 The launch plans are dropped between variants (a cached plan keeps its kernel).
 """
 
@@ -35,7 +36,7 @@ def main(argv):
             for rows, title in (
                 (NEVER, "kvcache_decode_mla (wgmma off)"),
                 (chosen_rows, f"default: kvcache_decode_mla_wgmma from {chosen_rows} rows"),
-                (16, "kvcache_decode_mla_wgmma from 16 rows"),
+                (64, "kvcache_decode_mla_wgmma from 64 rows"),
             ):
                 decode_kernels.MLA_WGMMA_MIN_ROWS = rows
                 _report(title, MLA_DECODE_CASES)

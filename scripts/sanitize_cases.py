@@ -130,7 +130,7 @@ def packed_calls(rng, dtype, d, path, skipped, cfg):
 
 
 def mla_decode_calls(rng):
-    """kvcache_decode_mla and (80 query heads, on sm_90) kvcache_decode_mla_wgmma: absorbed
+    """kvcache_decode_mla (8 query heads) and (80, on sm_90) kvcache_decode_mla_wgmma: absorbed
     MLA (v_cache the latent's first 512 columns), contiguous and paged, with an append,
     split over long caches and with garbage device lengths and block ids; a v cache of
     its own (192 / 128) with modifiers; the count of NaN results with valid lengths."""
@@ -139,7 +139,7 @@ def mla_decode_calls(rng):
     blocks = latent.reshape(2, 1, 16, 64, 576).transpose(0, 2, 1, 3, 4).reshape(32, 1, 64, 576)
     table = cupy.asarray(np.arange(32, dtype=np.int32).reshape(2, 16)[:, ::-1].copy())
     new = cupy.asarray(rng.standard_normal((2, 1, 1, 576)).astype(BFLOAT16))
-    for heads, (cache, ids) in itertools.product((20, 80), ((latent, None), (blocks, table))):
+    for heads, (cache, ids) in itertools.product((8, 80), ((latent, None), (blocks, table))):
         q = cupy.asarray(rng.standard_normal((2, heads, 1, 576)).astype(BFLOAT16))
         for lengths in ([1000, 300], [2**30, -5]):
             out = cuflash.flash_attention_with_kvcache(

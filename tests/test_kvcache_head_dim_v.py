@@ -243,7 +243,7 @@ MLA_CASES = [
 
 
 # Absorbed MLA with many query heads: kvcache_decode_mla_wgmma on sm_90 (64 packed rows
-# a block), kvcache_decode_mla elsewhere.
+# a block; MLA_CASES' latent 16-head ones take it there too), kvcache_decode_mla elsewhere.
 MLA_WGMMA_CASES = [
     MlaCase(heads=64),  # one row tile, a partial last key tile
     # two row tiles (the second partial), paged, five key tiles, sinks
@@ -362,9 +362,23 @@ def mla_problem(case, rng):
     )  # fmt: skip
 
 
+def mla_kernel_of(case, capability):
+    """The kernel a case should take: kvcache_decode_mla_wgmma on sm_90 for the latent view
+    with 16 packed query rows or more, head_dim a multiple of 64 and head_dim_v of 128."""
+    wgmma = (
+        capability == 90
+        and case.latent
+        and case.heads // case.kv_heads * case.q_len >= 16
+        and case.head_dim % 64 == 0
+        and case.head_dim_v % 128 == 0
+    )
+    return "kvcache_decode_mla_wgmma" if wgmma else "kvcache_decode_mla"
+
+
 def test_mla_cases_route_to_their_kernel():
-    """Every case takes kvcache_decode_mla with the latent flag of its v_cache, its tile
-    of keys fitting the block's shared memory of sm_80, sm_86 and sm_90."""
+    """Every case takes kvcache_decode_mla (with the latent flag of its v_cache, its tile
+    of keys fitting the block's shared memory of sm_80, sm_86 and sm_90) or, on sm_90,
+    kvcache_decode_mla_wgmma (mla_kernel_of)."""
     from cuflash.gpu import decode_kernels, standalone
     from cuflash.gpu.decode_tiles import block_shared_limit
 
@@ -374,7 +388,9 @@ def test_mla_cases_route_to_their_kernel():
         assert problem.latent == case.latent and problem.own_value_dims
         for capability in (80, 86, 90):
             name, keys, rows, shared = decode_kernels.decode_kernel(problem, capability)
-            assert standalone.standalone_of(name).name == "kvcache_decode_mla"
+            assert standalone.standalone_of(name).name == mla_kernel_of(case, capability)
+            if mla_kernel_of(case, capability) != "kvcache_decode_mla":
+                continue
             assert name.endswith(f", {str(case.latent).lower()}>") and rows == 16
             assert shared <= block_shared_limit(capability) and keys in (16, 32, 64)
         assert (
@@ -386,7 +402,7 @@ def test_mla_cases_route_to_their_kernel():
 def test_mla_wgmma_cases_route_to_their_kernel():
     """Many query heads over the latent view take kvcache_decode_mla_wgmma on sm_90 (64
     rows a block, its 256 threads, shared memory within the block's limit) and
-    kvcache_decode_mla elsewhere; the 16-head cases never take it."""
+    kvcache_decode_mla elsewhere and below 16 packed rows."""
     from cuflash.gpu import decode_kernels, standalone
     from cuflash.gpu.decode_tiles import block_shared_limit
 
@@ -400,9 +416,9 @@ def test_mla_wgmma_cases_route_to_their_kernel():
         for capability in (80, 86):
             name = decode_kernels.decode_kernel(problem, capability)[0]
             assert standalone.standalone_of(name).name == "kvcache_decode_mla"
-    for case in MLA_CASES:
-        name = decode_kernels.decode_kernel(mla_problem(case, rng), 90)[0]
-        assert standalone.standalone_of(name).name == "kvcache_decode_mla"
+    few = MlaCase(heads=8)  # 8 packed rows: kvcache_decode_mla
+    name = decode_kernels.decode_kernel(mla_problem(few, rng), 90)[0]
+    assert standalone.standalone_of(name).name == "kvcache_decode_mla"
 
 
 def test_mla_wgmma_kernels_compile_without_spills():
@@ -464,8 +480,9 @@ def test_simulated_mla_wgmma_kernel_matches_oracle(case, rng):
 
 
 @needs_compiler
+@pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_simulated_mla_kernel_stays_inside_on_garbage(paged, rng):
+def test_simulated_mla_kernel_stays_inside_on_garbage(paged, capability, rng):
     """Device-held lengths and block ids of any value: kvcache_decode_mla reads and writes
     inside its buffers (the simulator's guard traps any other access) and leaves no NaN."""
     case = MlaCase(block_size=16 if paged else 0, capacity=64, lengths=(5, 9))
@@ -478,7 +495,12 @@ def test_simulated_mla_kernel_stays_inside_on_garbage(paged, rng):
 
     def call(*a, **k):
         return simulated_kvcache.forward(
-            *a, capability=90, guard=True, device_lengths=lengths, device_table=table, **k
+            *a,
+            capability=capability,
+            guard=True,
+            device_lengths=lengths,
+            device_table=table,
+            **k,
         )
 
     out, lse = run_mla(case, inputs, call)

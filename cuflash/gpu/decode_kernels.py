@@ -50,8 +50,10 @@ FP8_STAGES = 2
 # dense tensor-core forward serves the call (see _dense_plan).
 DENSE_MIN_ROWS = 64
 # Absorbed MLA with this many packed query rows or more takes kvcache_decode_mla_wgmma on
-# sm_90 (see takes_mla_wgmma).
-MLA_WGMMA_MIN_ROWS = 64
+# sm_90 (see takes_mla_wgmma): with 16 query heads (a block's 64 rows mostly padding) it
+# ran 1.07x-1.37x faster than kvcache_decode_mla (H100, B = 32 and 128, L = 4096 and
+# 16384: python scripts/mla_variants.py --wgmma); fewer rows are not measured.
+MLA_WGMMA_MIN_ROWS = 16
 
 
 def decode_tc_stages(head_dim, longest):

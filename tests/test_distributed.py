@@ -746,16 +746,16 @@ def test_thread_group_ranks_launch_on_the_callers_device(rng):
         cupy.asarray(rng.standard_normal((1, 4, 2048, 128)).astype(DTYPES["bfloat16"]))
         for _ in range(3)
     )
-    want = cuflash.flash_attention_fwd(q, k, v, 4, 4, 128, True)
-    spare = [cupy.empty_like(want) for _ in range(4)]
+    want = cuflash.flash_attention_fwd(q, k, v, 4, 4, 128, True)  # (out, lse)
+    spare = [cupy.empty_like(x) for x in want for _ in range(4)]
     del spare  # back to the pool: the ranks' outputs need no new allocation
     cupy.cuda.Device().synchronize()
 
     def rank(group):
         return cuflash.flash_attention_fwd(q, k, v, 4, 4, 128, True)
 
-    for out in dist.ThreadGroup(2).run(rank, [(), ()]):
-        assert bool(cupy.array_equal(out, want))
+    for got in dist.ThreadGroup(2).run(rank, [(), ()]):
+        assert all(bool(cupy.array_equal(x, y)) for x, y in zip(got, want, strict=True))
 
 
 # ------------------------------------------------------------------ two GPUs over NCCL

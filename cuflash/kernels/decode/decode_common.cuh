@@ -434,6 +434,53 @@ struct RowKeys {
     }
 };
 
+// The end of packed row m (query row i of head h, sequence b) in split `split`: the factor
+// its accumulator takes (1 / l, and the sink's where the sequence is not split: the sink
+// enters once a row, here or in kvcache_combine), its lse in base 2 and its rows in out
+// and part_out. l: the row's sum (a NaN sum counts as seen: NaN is never hidden); top:
+// its maximum in base 2.
+struct DecodeRowEnd {
+    float inv, lse2;
+    long long row, part;
+    int num_splits;
+
+    __device__ __forceinline__ DecodeRowEnd(float l, float top, const float* __restrict__ sinks,
+                                            int h, int i, int b, int num_heads, int q_len,
+                                            int splits, int split)
+        : num_splits(splits) {
+        float base = top == neg_inf() ? 0.f : top;
+        float factor = 1.f;
+        if (sinks != nullptr && num_splits == 1) factor = add_sink(sink_log2(sinks, h), base, l);
+        const bool seen = l != 0.f;
+        inv = seen ? factor / l : 0.f;
+        lse2 = seen ? base + log2f(l) : neg_inf();
+        row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
+        part = row * num_splits + split;
+    }
+    // Columns `column` and `column` + 1 of the row (DV columns) from accumulators x0, x1:
+    // the output in T, or a split's float32 partial.
+    template <typename T>
+    __device__ __forceinline__ void store(T* out, float* part_out, int dv, int column, float x0,
+                                          float x1) const {
+        x0 *= inv;
+        x1 *= inv;
+        if (num_splits == 1) {
+            out[row * dv + column] = from_float<T>(x0);
+            out[row * dv + column + 1] = from_float<T>(x1);
+        } else {
+            *reinterpret_cast<float2*>(part_out + part * dv + column) = make_float2(x0, x1);
+        }
+    }
+    // The row's lse: natural-log in lse, or base 2 in the split's part_lse.
+    __device__ __forceinline__ void store_lse(float* lse, float* part_lse) const {
+        if (num_splits == 1) {
+            lse[row] = lse2 * kLn2;
+        } else {
+            part_lse[part] = lse2;
+        }
+    }
+};
+
 // Split `split` of num_splits of the BN-key tiles over [range_lo, range_hi): `count`
 // consecutive tiles from `first`.
 struct SplitTiles {

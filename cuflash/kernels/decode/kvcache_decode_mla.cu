@@ -265,34 +265,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
         float l = 0.f;
 #pragma unroll
         for (int w = 0; w < kDecodeWarps; ++w) l += sum_s[w * ROWS + tile_row[r]];
-        float base = row_max[r] == neg_inf() ? 0.f : row_max[r];
         const int i = m / group, h = hk * group + (m - i * group);
-        // Attention sinks enter once a row: here unsplit, else in kvcache_combine.
-        float factor = 1.f;
-        if (sinks != nullptr && num_splits == 1) factor = add_sink(sink_log2(sinks, h), base, l);
-        const bool seen = l != 0.f;  // a NaN sum counts as seen: NaN is never hidden
-        const float inv = seen ? factor / l : 0.f;
-        const float row_lse2 = seen ? base + log2f(l) : neg_inf();
-        const long long row = (static_cast<long long>(b) * num_heads + h) * q_len + i;
-        const long long part = row * num_splits + split;
+        const DecodeRowEnd end(l, row_max[r], sinks, h, i, b, num_heads, q_len, num_splits, split);
 #pragma unroll
-        for (int d = 0; d < OT; ++d) {
-            const int column = (v_column0 + d) * 8 + 2 * t;
-            const float x0 = o_acc[d][2 * r] * inv, x1 = o_acc[d][2 * r + 1] * inv;
-            if (num_splits == 1) {
-                out[row * DV + column] = from_float<T>(x0);
-                out[row * DV + column + 1] = from_float<T>(x1);
-            } else {
-                *reinterpret_cast<float2*>(part_out + part * DV + column) = make_float2(x0, x1);
-            }
-        }
-        if (warp == 0 && t == 0) {
-            if (num_splits == 1) {
-                lse[row] = row_lse2 * kLn2;
-            } else {
-                part_lse[part] = row_lse2;
-            }
-        }
+        for (int d = 0; d < OT; ++d)
+            end.store(out, part_out, DV, (v_column0 + d) * 8 + 2 * t, o_acc[d][2 * r],
+                      o_acc[d][2 * r + 1]);
+        if (warp == 0 && t == 0) end.store_lse(lse, part_lse);
     }
 }
 

@@ -43,6 +43,9 @@ DECODE_CASES = {
     "b16-cache8192-contiguous": (16, 8192, 0),
     "b1-cache32768-paged256": (1, 32768, 256),
 }
+# name: (batch, query heads, cache length) of absorbed-MLA decoding (bfloat16, one KV head of
+# 576, the values its first 512): compute-bound with 128 heads, memory-bound with 16.
+MLA_DECODE_CASES = {"b32-h128-cache4096": (32, 128, 4096), "b128-h16-cache16384": (128, 16, 16384)}
 MODIFIER_SHAPE = (4, 16, 4096, 128)  # B, H, S, D of Modifiers (bfloat16, causal)
 VARLEN_HEAD_DIM = 128  # Varlen: the causal packed batch of uniform lengths, H = 2048 / 128
 
@@ -327,6 +330,45 @@ class Decode:
     def track_cache_tb_per_s(self, case):
         """Cache bytes read per second: ``2 * B * H_kv * L * D * 2`` over the median time."""
         return self.case.cache_bytes / median_gpu_seconds(self.cupy, self.decode) / 1e12
+
+    track_cache_tb_per_s.unit = "TB/s"
+
+
+class MlaDecode:
+    """One absorbed-MLA decoding step with ``flash_attention_with_kvcache``: ``v_cache`` the
+    view ``k_cache[..., :512]`` of one latent KV head; the inputs are those of ``python -m
+    cuflash.bench --mla-decode``.
+    """
+
+    params = (list(MLA_DECODE_CASES),)
+    param_names = ("case",)
+    timeout = 300
+
+    def setup(self, case):
+        """Draw the latent cache and the query rows, and run one step."""
+        self.cupy, cuflash = gpu_modules()
+        try:
+            from cuflash.bench import MlaDecodeCase, mla_decode_step
+        except ImportError as exc:
+            raise NotImplementedError("cuflash has no absorbed-MLA decoding") from exc
+        self.case = MlaDecodeCase(*MLA_DECODE_CASES[case])
+        self.step = mla_decode_step(self.case)
+        self.step()
+        self.cupy.cuda.Device().synchronize()
+
+    def time_decode(self, case):
+        self.step()
+        self.cupy.cuda.Device().synchronize()
+
+    def track_tflops(self, case):
+        """The two products' FLOPs, ``2 * B * H * L * (576 + 512)``, over the median time."""
+        return self.case.flops / median_gpu_seconds(self.cupy, self.step) / 1e12
+
+    track_tflops.unit = "TFLOP/s"
+
+    def track_cache_tb_per_s(self, case):
+        """The latent's bytes (each key row read once) over the median time."""
+        return self.case.cache_bytes / median_gpu_seconds(self.cupy, self.step) / 1e12
 
     track_cache_tb_per_s.unit = "TB/s"
 

@@ -145,7 +145,13 @@ from .memory import (
     memory_sweep,
     pool_growth_bytes,
 )
-from .mla_decode import MLA_DECODE_CASES, MlaDecodeCase, format_mla_decode, mla_decode_report
+from .mla_decode import (
+    MLA_DECODE_CASES,
+    MlaDecodeCase,
+    format_mla_decode,
+    mla_decode_report,
+    mla_decode_step,
+)
 from .peer_commands import add_peer_options, flex_peer_torch, no_gpu_to_measure, print_report
 from .plots import plot_memory, plot_throughput
 from .progress import TextProgress, progress_bar
@@ -350,6 +356,7 @@ __all__ = [
     "measure_first_call",
     "measure_implementation",
     "mla_decode_report",
+    "mla_decode_step",
     "memory_record",
     "memory_records",
     "memory_sweep",

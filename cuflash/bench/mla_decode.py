@@ -55,7 +55,7 @@ MLA_DECODE_CASES = tuple(
 )
 
 
-def _call(case, seed=0):
+def mla_decode_step(case, seed=0):
     """A no-argument callable running one decoding step of ``case`` on fresh inputs."""
     rng = cupy.random.default_rng(seed)
     dtype = DTYPES[case.dtype]
@@ -84,7 +84,9 @@ def mla_decode_report(budget, cases=MLA_DECODE_CASES):
     for index, case in enumerate(cases):
         print_status(f"MLA decode: B={case.batch} H={case.heads} L={case.seqlen}")
         target = budget.target_for(len(cases) - index)
-        timing, note = run_or_reason(_NO_CONTEXT, lambda: time_calls([_call(case)], target))
+        timing, note = run_or_reason(
+            _NO_CONTEXT, lambda: time_calls([mla_decode_step(case)], target)
+        )
         records.append(
             {
                 **dataclasses.asdict(case),

@@ -199,6 +199,7 @@ class MlaCase:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    offset: int = 0  # the caches' columns start this far into wider rows (off the 16-byte grid)
 
     def __str__(self):
         fields = dataclasses.fields(self)
@@ -267,6 +268,7 @@ MLA_WGMMA_CASES = [
         softcap=6.0,
         lengths=(95, 40),
     ),
+    MlaCase(heads=32, offset=1),  # rows off the 16-byte grid: copies element by element
 ]
 
 
@@ -276,7 +278,8 @@ def mla_inputs(case, rng):
     dtype = DTYPES[case.dtype]
     b, h, hk, d, dv = case.batch, case.heads, case.kv_heads, case.head_dim, case.head_dim_v
     width = d if case.latent else max(d, dv)
-    keys = rng.standard_normal((b, hk, case.capacity, width)).astype(dtype)
+    keys = rng.standard_normal((b, hk, case.capacity, width + case.offset)).astype(dtype)
+    keys = keys[..., case.offset :]
     k_cache = keys[..., :d]
     v_cache = keys[..., :dv] if case.latent else rng.standard_normal(
         (b, hk, case.capacity, dv)).astype(dtype)  # fmt: skip

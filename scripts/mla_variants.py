@@ -8,12 +8,20 @@ Usage:
   python scripts/mla_variants.py --wgmma      all eight cases with kvcache_decode_mla_wgmma
       off, at the default rule (``MLA_WGMMA_MIN_ROWS`` packed query rows or more) and from
       64 rows (the 16-head cases on kvcache_decode_mla)
+  python scripts/mla_variants.py --once B H L  one step of that case (after a warm-up one),
+      for a profiler (Nsight Compute's first launch of the decode kernel)
 The launch plans are dropped between variants (a cached plan keeps its kernel).
 """
 
 import sys
 
-from cuflash.bench.mla_decode import MLA_DECODE_CASES, format_mla_decode, mla_decode_report
+from cuflash.bench.mla_decode import (
+    MLA_DECODE_CASES,
+    MlaDecodeCase,
+    format_mla_decode,
+    mla_decode_report,
+    mla_decode_step,
+)
 from cuflash.bench.timing import Budget
 from cuflash.gpu import decode_kernels, plans
 
@@ -32,6 +40,11 @@ def _report(title, cases):
 def main(argv):
     chosen_keys, chosen_rows = decode_kernels.decode_mla_keys, decode_kernels.MLA_WGMMA_MIN_ROWS
     try:
+        if argv[:1] == ["--once"]:
+            step = mla_decode_step(MlaDecodeCase(*map(int, argv[1:4])))
+            step()
+            step()
+            return
         if argv == ["--wgmma"]:
             for rows, title in (
                 (NEVER, "kvcache_decode_mla (wgmma off)"),

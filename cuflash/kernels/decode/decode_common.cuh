@@ -514,4 +514,30 @@ __device__ __forceinline__ float decode_score(float x, bool edge, bool modified,
     return x;
 }
 
+// A tile of scores s (N n8 tiles in the mma.sync C layout: this thread's rows my_row[0] and
+// my_row[1], keys key0 + 8 n + 2 t and the next) in base 2 after the call's modifiers and
+// masks (decode_score, where the tile is an edge one or a modifier asks), each row's
+// maximum raised into top.
+template <typename T, int N>
+__device__ __forceinline__ void decode_tile_scores(
+    float (&s)[N][4], float (&top)[2], int key0, int t, bool edge, bool modified,
+    const int (&my_row)[2], const RowKeys& keys, float scale_log2, int rows_total, int group,
+    int hk, int b, const Mask& mask, const float* __restrict__ alibi_slopes, int alibi_batch_stride,
+    float softcap_log2, const UserModifierArgs& user) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, key = key0 + n * 8 + 2 * t + (e & 1);
+            float x = s[n][e] * scale_log2;
+            if (edge || modified || ScoreModifiers::user_mask)
+                x = decode_score<T>(x, edge, modified, my_row[r], key, keys.lo[r], keys.hi[r],
+                                    rows_total, group, hk, b, mask, alibi_slopes,
+                                    alibi_batch_stride, softcap_log2, user);
+            s[n][e] = x;
+            top[r] = fmaxf(top[r], x);
+        }
+    }
+}
+
 }  // namespace cuflash

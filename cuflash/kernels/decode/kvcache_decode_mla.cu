@@ -170,21 +170,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
                 Op::mma(s[1], qa, kb[2], kb[3]);
             }
             const bool edge = keys.edge(key0, 16);
-#pragma unroll
-            for (int n = 0; n < ST; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e >> 1, key = key0 + n * 8 + 2 * t + (e & 1);
-                    float x = s[n][e] * scale_log2;
-                    if (edge || modified || ScoreModifiers::user_mask)
-                        x = decode_score<T>(x, edge, modified, my_row[r], key, keys.lo[r],
-                                            keys.hi[r], rows_total, group, hk, b, mask,
-                                            alibi_slopes, alibi_batch_stride, softcap_log2,
-                                            user_args);
-                    s[n][e] = x;
-                    new_max[r] = fmaxf(new_max[r], x);
-                }
-            }
+            decode_tile_scores<T>(s, new_max, key0, t, edge, modified, my_row, keys, scale_log2,
+                                  rows_total, group, hk, b, mask, alibi_slopes, alibi_batch_stride,
+                                  softcap_log2, user_args);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
 #pragma unroll

@@ -172,21 +172,9 @@ __global__ void __launch_bounds__(256, 1)
             const int key0 = range_lo + (first + step) * BN;
             const bool edge = keys.edge(key0, BN);
             float top[2] = {row_max[0], row_max[1]};
-#pragma unroll
-            for (int n = 0; n < NTILES; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e >> 1, key = key0 + n * 8 + 2 * t + (e & 1);
-                    float x = s[n][e] * scale_log2;
-                    if (edge || modified || ScoreModifiers::user_mask)
-                        x = decode_score<T>(x, edge, modified, my_row[r], key, keys.lo[r],
-                                            keys.hi[r], rows_total, group, hk, b, mask,
-                                            alibi_slopes, alibi_batch_stride, softcap_log2,
-                                            user_args);
-                    s[n][e] = x;
-                    top[r] = fmaxf(top[r], x);
-                }
-            }
+            decode_tile_scores<T>(s, top, key0, t, edge, modified, my_row, keys, scale_log2,
+                                  rows_total, group, hk, b, mask, alibi_slopes, alibi_batch_stride,
+                                  softcap_log2, user_args);
             float row_base[2], alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {

@@ -5,6 +5,8 @@ each kernel loaded once a device. :mod:`cuflash.gpu.kvcache` launches them; the 
 shapes mirror the kernels' own (:mod:`cuflash.gpu.decode_tiles`).
 """
 
+import functools
+
 import cupy
 import numpy as np
 
@@ -147,8 +149,10 @@ def takes_mla_wgmma(problem, capability):
     )
 
 
+@functools.cache
 def block_threads(name):
-    """Threads a block of the registry's kernel ``name`` (a name expression)."""
+    """Threads a block of the registry's kernel ``name`` (a name expression); looked up once
+    a name (each decoding call asks)."""
     return standalone.standalone_of(name).threads
 
 

@@ -17,9 +17,7 @@
 #          backward timings with them forced on and off around the forward's line, cuDNN),
 #          context-memory (each context-parallel mode's memory a rank on virtual ranks),
 #          mla-wgmma (absorbed MLA's decode kernels: their GPU tests, both kernels' timings,
-#          Nsight Compute on kvcache_decode_mla_wgmma in MLA_CASE, "B H L"), mla-seesaw (the
-#          same tests, kvcache_decode_mla_wgmma against kvcache_decode_mla_seesaw, Nsight
-#          Compute on the latter)
+#          Nsight Compute on kvcache_decode_mla_wgmma in MLA_CASE, "B H L")
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -67,13 +65,6 @@ for step in $steps; do
              --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
              --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
              python3 scripts/mla_variants.py --once ${MLA_CASE:-32 128 4096}" ;;
-    mla-seesaw) TAIL=80 run mla-seesaw 420 bash -c "python3 -m pytest -m gpu -q -rf \
-             -p no:cacheprovider -n ${WORKERS:-8} --timeout 120 tests/test_kvcache_head_dim_v.py && \
-             python3 scripts/mla_variants.py --seesaw | grep -v '^cuflash.bench' && \
-             ncu --kernel-name regex:kvcache_decode_mla_seesaw --launch-skip 1 --launch-count 1 \
-             --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
-             --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
-             python3 scripts/mla_variants.py --once ${MLA_CASE:-32 128 4096} seesaw" ;;
     demo) run demo 60 python3 -m cuflash ;;
     context-memory) TAIL=12 run context-memory 300 bash -c "python3 scripts/context_memory.py \
              --device gpu --seq-len 65536 --ranks 2 && python3 scripts/context_memory.py \

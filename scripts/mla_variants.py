@@ -8,10 +8,7 @@ Usage:
   python scripts/mla_variants.py --wgmma      all eight cases with kvcache_decode_mla_wgmma
       off, at the default rule (``MLA_WGMMA_MIN_ROWS`` packed query rows or more) and from
       64 rows (the 16-head cases on kvcache_decode_mla)
-  python scripts/mla_variants.py --seesaw     all eight cases on kvcache_decode_mla_wgmma and
-      on kvcache_decode_mla_seesaw (``decode_kernels.MLA_SEESAW`` off, then on)
-  python scripts/mla_variants.py --once B H L [seesaw]  one step of that case (after a warm-up
-      one; on kvcache_decode_mla_seesaw with ``seesaw``),
+  python scripts/mla_variants.py --once B H L  one step of that case (after a warm-up one),
       for a profiler (Nsight Compute's first launch of the decode kernel)
 The launch plans are dropped between variants (a cached plan keeps its kernel).
 """
@@ -42,18 +39,8 @@ def _report(title, cases):
 
 def main(argv):
     chosen_keys, chosen_rows = decode_kernels.decode_mla_keys, decode_kernels.MLA_WGMMA_MIN_ROWS
-    chosen_seesaw = decode_kernels.MLA_SEESAW
     try:
-        if argv == ["--seesaw"]:
-            for seesaw, title in (
-                (False, "kvcache_decode_mla_wgmma"),
-                (True, "kvcache_decode_mla_seesaw"),
-            ):
-                decode_kernels.MLA_SEESAW = seesaw
-                _report(title, MLA_DECODE_CASES)
-            return
         if argv[:1] == ["--once"]:
-            decode_kernels.MLA_SEESAW = argv[4:] == ["seesaw"]
             step = mla_decode_step(MlaDecodeCase(*map(int, argv[1:4])))
             step()
             step()
@@ -74,7 +61,6 @@ def main(argv):
     finally:
         decode_kernels.decode_mla_keys = chosen_keys
         decode_kernels.MLA_WGMMA_MIN_ROWS = chosen_rows
-        decode_kernels.MLA_SEESAW = chosen_seesaw
 
 
 if __name__ == "__main__":

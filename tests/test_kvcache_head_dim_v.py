@@ -378,16 +378,6 @@ def mla_kernel_of(case, capability):
     return "kvcache_decode_mla_wgmma" if wgmma else "kvcache_decode_mla"
 
 
-@pytest.fixture(params=[False, True], ids=["two-step", "seesaw"])
-def seesaw(request, monkeypatch):
-    """Both schedules of sm_90's absorbed-MLA kernels: kvcache_decode_mla_wgmma, and
-    kvcache_decode_mla_seesaw where decode_kernels.MLA_SEESAW is on."""
-    from cuflash.gpu import decode_kernels
-
-    monkeypatch.setattr(decode_kernels, "MLA_SEESAW", request.param)
-    return request.param
-
-
 def test_mla_cases_route_to_their_kernel():
     """Every case takes kvcache_decode_mla (with the latent flag of its v_cache, its tile
     of keys fitting the block's shared memory of sm_80, sm_86 and sm_90) or, on sm_90,
@@ -412,20 +402,18 @@ def test_mla_cases_route_to_their_kernel():
         )
 
 
-def test_mla_wgmma_cases_route_to_their_kernel(seesaw):
-    """Many query heads over the latent view take kvcache_decode_mla_wgmma (or, where
-    MLA_SEESAW is on, kvcache_decode_mla_seesaw) on sm_90 (64 rows a block, its 256
-    threads, shared memory within the block's limit) and kvcache_decode_mla elsewhere and
-    below 16 packed rows."""
+def test_mla_wgmma_cases_route_to_their_kernel():
+    """Many query heads over the latent view take kvcache_decode_mla_wgmma on sm_90 (64
+    rows a block, its 256 threads, shared memory within the block's limit) and
+    kvcache_decode_mla elsewhere and below 16 packed rows."""
     from cuflash.gpu import decode_kernels, standalone
     from cuflash.gpu.decode_tiles import block_shared_limit
 
     rng = np.random.default_rng(0)
-    kernel = "kvcache_decode_mla_seesaw" if seesaw else "kvcache_decode_mla_wgmma"
     for case in MLA_WGMMA_CASES:
         problem = mla_problem(case, rng)
         name, keys, rows, shared = decode_kernels.decode_kernel(problem, 90)
-        assert standalone.standalone_of(name).name == kernel
+        assert standalone.standalone_of(name).name == "kvcache_decode_mla_wgmma"
         assert (keys, rows, decode_kernels.block_threads(name)) == (64, 64, 256)
         assert shared <= block_shared_limit(90)
         for capability in (80, 86):
@@ -436,10 +424,9 @@ def test_mla_wgmma_cases_route_to_their_kernel(seesaw):
     assert standalone.standalone_of(name).name == "kvcache_decode_mla"
 
 
-def test_mla_wgmma_kernels_compile_without_spills(seesaw):
-    """The kvcache_decode_mla_wgmma (or kvcache_decode_mla_seesaw) instantiations of the
-    cases (and DeepSeek's paged 576 / 512) compile for sm_90a with no spill or stack frame
-    and no serialized wgmma."""
+def test_mla_wgmma_kernels_compile_without_spills():
+    """The kvcache_decode_mla_wgmma instantiations of the cases (and DeepSeek's paged
+    576 / 512) compile for sm_90a with no spill or stack frame and no serialized wgmma."""
     from cuflash.gpu import decode_kernels
 
     rng = np.random.default_rng(0)
@@ -486,10 +473,9 @@ def test_simulated_mla_kernel_matches_oracle(case, capability, rng):
 
 @needs_compiler
 @pytest.mark.parametrize("case", MLA_WGMMA_CASES, ids=str)
-def test_simulated_mla_wgmma_kernel_matches_oracle(case, seesaw, rng):
-    """kvcache_decode_mla_wgmma (sm_90's choice for many query heads) and
-    kvcache_decode_mla_seesaw in the CPU simulator with out-of-buffer accesses trapped,
-    against the float64 oracle."""
+def test_simulated_mla_wgmma_kernel_matches_oracle(case, rng):
+    """kvcache_decode_mla_wgmma (sm_90's choice for many query heads) in the CPU simulator
+    with out-of-buffer accesses trapped, against the float64 oracle."""
     inputs = mla_inputs(case, rng)
     want = mla_expected(case, inputs)
     out, lse = run_mla(case, inputs, lambda *a, **k: simulated_kvcache.forward(
@@ -498,18 +484,11 @@ def test_simulated_mla_wgmma_kernel_matches_oracle(case, seesaw, rng):
 
 
 @needs_compiler
-@pytest.mark.parametrize(
-    "capability, seesaw_on", [(80, False), (90, False), (90, True)], ids=["80", "90", "90-seesaw"]
-)
+@pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_simulated_mla_kernel_stays_inside_on_garbage(paged, capability, seesaw_on, rng,
-                                                      monkeypatch):  # fmt: skip
-    """Device-held lengths and block ids of any value: kvcache_decode_mla (and on sm_90
-    both wgmma schedules) reads and writes inside its buffers (the simulator's guard traps
-    any other access) and leaves no NaN."""
-    from cuflash.gpu import decode_kernels
-
-    monkeypatch.setattr(decode_kernels, "MLA_SEESAW", seesaw_on)
+def test_simulated_mla_kernel_stays_inside_on_garbage(paged, capability, rng):
+    """Device-held lengths and block ids of any value: kvcache_decode_mla reads and writes
+    inside its buffers (the simulator's guard traps any other access) and leaves no NaN."""
     case = MlaCase(block_size=16 if paged else 0, capacity=64, lengths=(5, 9))
     inputs = mla_inputs(case, rng)
     lengths = np.array([2**30, -7], np.int32)
@@ -534,10 +513,9 @@ def test_simulated_mla_kernel_stays_inside_on_garbage(paged, capability, seesaw_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MLA_CASES + MLA_WGMMA_CASES, ids=str)
-def test_gpu_mla_kernel_matches_oracle(case, seesaw, rng, poisoned):
-    """kvcache_decode_mla (and, for many heads on sm_90, kvcache_decode_mla_wgmma or
-    kvcache_decode_mla_seesaw) on the GPU (outputs poisoned first) against the float64
-    oracle;
+def test_gpu_mla_kernel_matches_oracle(case, rng, poisoned):
+    """kvcache_decode_mla (and, for many heads on sm_90, kvcache_decode_mla_wgmma) on the
+    GPU (outputs poisoned first) against the float64 oracle;
     the caches afterwards as the CPU path leaves them."""
     inputs = mla_inputs(case, rng)
     want = mla_expected(case, inputs)

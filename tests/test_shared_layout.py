@@ -12,7 +12,6 @@ variant, the FP8 roles, v narrower than q and k, and the decode kernels' tile sh
 (CUDA-core, tensor-core: contiguous, paged, narrow, e4m3 cache; MLA), so a host formula
 that drifts from the layout fails here instead of overrunning shared memory on a GPU."""
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -35,7 +34,6 @@ DECODE_KERNELS = (
     "kvcache_decode_tc",
     "kvcache_decode_mla",
     "kvcache_decode_mla_wgmma",
-    "kvcache_decode_mla_seesaw",
 )
 
 
@@ -171,20 +169,7 @@ def decode_checks():
                 problem = decode_problem(dtype, head_dim, 64, head_dim_v, paged=paged, latent=True)
                 checks.append(_decode_check(problem, 90))
                 assert "kvcache_decode_mla_wgmma" in checks[-1].expression
-                with _mla_seesaw():
-                    checks.append(_decode_check(problem, 90))
-                assert "kvcache_decode_mla_seesaw" in checks[-1].expression
     return checks
-
-
-@contextlib.contextmanager
-def _mla_seesaw():
-    """decode_kernels.MLA_SEESAW on for the calls inside."""
-    saved, decode_kernels.MLA_SEESAW = decode_kernels.MLA_SEESAW, True
-    try:
-        yield
-    finally:
-        decode_kernels.MLA_SEESAW = saved
 
 
 def _source(arch):

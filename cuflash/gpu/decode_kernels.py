@@ -18,7 +18,6 @@ from .decode_tiles import (
     THREADS,
     block_shared_limit,
     decode_mla_keys,
-    decode_mla_seesaw_shape,
     decode_mla_shape,
     decode_mla_wgmma_shape,
     decode_shape,
@@ -57,10 +56,6 @@ DENSE_MIN_ROWS = 64
 # ran 1.07x-1.37x faster than kvcache_decode_mla (H100, B = 32 and 128, L = 4096 and
 # 16384: python scripts/mla_variants.py --wgmma); fewer rows are not measured.
 MLA_WGMMA_MIN_ROWS = 16
-# Whether the calls kvcache_decode_mla_wgmma serves with keys wider than the values take
-# kvcache_decode_mla_seesaw (its two warpgroups' turns on the tensor cores) instead: off
-# until a GPU has timed the two (python scripts/mla_variants.py --seesaw).
-MLA_SEESAW = False
 
 
 def decode_tc_stages(head_dim, longest):
@@ -154,19 +149,6 @@ def takes_mla_wgmma(problem, capability):
     )
 
 
-def takes_mla_seesaw(problem, capability):
-    """Whether ``kvcache_decode_mla_seesaw`` serves ``problem`` on a GPU of compute
-    ``capability``: where MLA_SEESAW is on, a call of ``kvcache_decode_mla_wgmma``'s
-    (:func:`takes_mla_wgmma`) whose keys have columns past the values' (P goes there) and
-    whose tiles fit a block's shared memory."""
-    return (
-        MLA_SEESAW
-        and takes_mla_wgmma(problem, capability)
-        and problem.head_dim > problem.head_dim_v
-        and decode_mla_seesaw_shape(problem.head_dim) <= block_shared_limit(capability)
-    )
-
-
 @functools.cache
 def block_threads(name):
     """Threads a block of the registry's kernel ``name`` (a name expression); looked up once
@@ -183,17 +165,14 @@ def decode_kernel(problem, capability=80, fp8=None):
     CUDA-core one. ``fp8``: the element types (``standalone.E4m3Cache``) of an FP8 cache
     that the tensor-core kernel reads (see :func:`reads_fp8`)."""
     if fp8 is None and problem.own_value_dims and takes_mla_wgmma(problem, capability):
-        seesaw = takes_mla_seesaw(problem, capability)
-        kernel = "kvcache_decode_mla_seesaw" if seesaw else "kvcache_decode_mla_wgmma"
-        name = standalone.STANDALONE[kernel].name_expression(
+        name = standalone.STANDALONE["kvcache_decode_mla_wgmma"].name_expression(
             dtype=problem.dtype,
             head_dim=problem.head_dim,
             head_dim_v=problem.head_dim_v,
             keys=MLA_WGMMA_KEYS,
             paged=problem.paged,
         )
-        shape = decode_mla_seesaw_shape if seesaw else decode_mla_wgmma_shape
-        return name, MLA_WGMMA_KEYS, MLA_WGMMA_ROWS, shape(problem.head_dim)
+        return name, MLA_WGMMA_KEYS, MLA_WGMMA_ROWS, decode_mla_wgmma_shape(problem.head_dim)
     if fp8 is None and problem.own_value_dims:
         keys = decode_mla_keys(problem.head_dim, problem.head_dim_v, problem.latent, capability)
         name = standalone.STANDALONE["kvcache_decode_mla"].name_expression(

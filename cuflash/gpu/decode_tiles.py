@@ -79,19 +79,6 @@ def decode_mla_wgmma_shape(head_dim, keys=MLA_WGMMA_KEYS):
     return 1024 + rows * head_dim * 2 + 2 * keys * head_dim * 2 + rows * keys * 2 + 3 * rows * 4
 
 
-def decode_mla_seesaw_shape(head_dim, keys=MLA_WGMMA_KEYS):
-    """The dynamic shared memory in bytes of ``kvcache_decode_mla_seesaw<T, head_dim,
-    head_dim_v, keys, paged>`` (``DecodeMlaSeesawShared`` of
-    kernels/decode/kvcache_decode_mla_seesaw.cu, checked by tests/test_shared_layout.py):
-    the 1024-byte alignment's slack, 64 query rows and two stages of keys in the input type
-    (P goes over a block of each stage's keys), five float rows and the mbarriers (a column
-    block of each stage's, three hand-overs)."""
-    rows, blocks = MLA_WGMMA_ROWS, head_dim // 64
-    return (
-        1024 + rows * head_dim * 2 + 2 * keys * head_dim * 2 + 5 * rows * 4 + (2 * blocks + 3) * 8
-    )
-
-
 def decode_mla_keys(head_dim, head_dim_v, latent, capability):
     """Keys a tile of ``kvcache_decode_mla`` on a GPU of compute ``capability``: the most of
     64, 32, 16 whose two-stage tiles let two blocks share an SM (each block has four warps,

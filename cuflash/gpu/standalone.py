@@ -93,14 +93,6 @@ STANDALONE_KERNELS = (
         threads=256,
     ),
     StandaloneKernel(
-        "kvcache_decode_mla_seesaw",
-        "decode/kvcache_decode_mla_seesaw.cu",
-        ("dtype", "head_dim", "head_dim_v", "keys", "paged"),
-        True,
-        arch="sm_90a",
-        threads=256,
-    ),
-    StandaloneKernel(
         "kvcache_decode", "decode/kvcache_decode.cu", ("dtype", "head_dim", "rows"), True
     ),
     StandaloneKernel("kvcache_combine", "decode/kvcache_combine.cu", ("dtype", "head_dim")),

@@ -35,8 +35,15 @@ def class_ends(variants):
 
 JOBS = [(v, arch) for arch, sm in ARCHS.items() for v in class_ends(kernel_build.all_variants(sm))]
 # The FP8 roles (multiples of 16 only) at their tiles' ends: the smallest of the 64
-# class, the 128 class's (three stages) and the 256 class's (two), in both output types.
-FP8_JOBS = [("bfloat16", 16), ("bfloat16", 128), ("float16", 144), ("bfloat16", 256)]
+# class, the last with three consumers (96), the 128 class's (three stages) and the 256
+# class's (two), in both output types.
+FP8_JOBS = [
+    ("bfloat16", 16),
+    ("float16", 96),
+    ("bfloat16", 128),
+    ("float16", 144),
+    ("bfloat16", 256),
+]
 
 
 def _compile(job):

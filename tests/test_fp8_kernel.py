@@ -153,8 +153,9 @@ CASES = [
     dict(b=1, h=3, hk=1, sq=40, sk=300, d=96, causal=False, window=(64, 8)),
     dict(b=1, h=1, hk=1, sq=64, sk=140, d=256, causal=True),
     dict(b=2, h=2, hk=1, sq=50, sk=180, d=32, causal=True, kv_seq_len=133),
-    # the 64 class's three consumers each with rows, the second block's partial
+    # three consumers each with rows (up to D = 96), the second block's partial
     dict(b=1, h=2, hk=1, sq=230, sk=260, d=64, causal=False),
+    dict(b=1, h=1, hk=1, sq=150, sk=170, d=96, causal=True),
 ]
 
 

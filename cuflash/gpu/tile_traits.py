@@ -98,19 +98,20 @@ def forward_ws_modified_traits(d):
     return forward_ws_traits(d, consumers=2, modified=True)
 
 
-# Consumers of forward_wgmma_ws's FP8 roles in the 64 class (D <= 64); two elsewhere.
-FP8_CONSUMERS_64 = 3
+# forward_wgmma_ws's FP8 roles run three consumers up to this head dim, two above (three
+# spill at D = 112 and 128).
+FP8_THREE_CONSUMERS_TO = 96
 
 
 def forward_ws_fp8_traits(d):
     """forward_wgmma_ws's FP8 roles (e4m3: one byte an element, 128 a swizzled row):
-    consumers of 64 query rows (FP8_CONSUMERS_64 in the 64 class, whose short products
-    hide a softmax only with more rows in turn, as the 16-bit roles'; two elsewhere), three
+    consumers of 64 query rows (three up to FP8_THREE_CONSUMERS_TO: short products hide a
+    softmax only with more rows in turn, as in the 16-bit roles' 64 class; two above), three
     stages of 128 keys; Q and the K stages in rows of the head-dim class rounded up to 128
     (the copy engine fills the columns past the head dim with zeros), the V^T stages in
     rows of 128 keys, one for each of the head dim rounded up to 16 (an upper bound of
     v's); then the barriers and order slots as the 16-bit roles'."""
-    consumers = FP8_CONSUMERS_64 if head_dim_class(d) == 64 else 2
+    consumers = 3 if d <= FP8_THREE_CONSUMERS_TO else 2
     keys, stages = 128, 3 if d <= 128 else 2
     rows, width = 64 * consumers, round_up(head_dim_class(d), 128)
     smem = (

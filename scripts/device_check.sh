@@ -17,7 +17,9 @@
 #          backward timings with them forced on and off around the forward's line, cuDNN),
 #          context-memory (each context-parallel mode's memory a rank on virtual ranks),
 #          mla-wgmma (absorbed MLA's decode kernels: their GPU tests, both kernels' timings,
-#          Nsight Compute on kvcache_decode_mla_wgmma in MLA_CASE, "B H L")
+#          Nsight Compute on kvcache_decode_mla_wgmma in MLA_CASE, "B H L"), fp8 (the FP8
+#          forward's GPU tests, two against three consumers beside cuDNN's FP8 (carry
+#          nvidia-cudnn-frontend's wheel in .whl/), the sanitizer on its dense calls)
 # "tests" takes TEST_FILES (default: tests) for a part of the suite.
 # "tests" and "features" run under xdist (-n ${WORKERS:-8}) with a line a test (-rA), so a
 # log cut short by its limit still names every test that failed before the cut.
@@ -65,6 +67,10 @@ for step in $steps; do
              --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
              --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
              python3 scripts/mla_variants.py --once ${MLA_CASE:-32 128 4096}" ;;
+    fp8) TAIL=60 run fp8 480 bash -c "python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+             -n ${WORKERS:-8} --timeout 120 tests/test_fp8_kernel.py tests/test_fp8.py && \
+             python3 scripts/fp8_variants.py | grep -v '^cuflash.bench' && \
+             SANITIZE_SETTINGS=fp8 bash scripts/sanitize.sh memcheck racecheck synccheck" ;;
     demo) run demo 60 python3 -m cuflash ;;
     context-memory) TAIL=12 run context-memory 300 bash -c "python3 scripts/context_memory.py \
              --device gpu --seq-len 65536 --ranks 2 && python3 scripts/context_memory.py \

@@ -7,7 +7,8 @@ default dispatch passes over (``cuflash.dispatch.skip_kernels``): the mma.sync
 forward and backward where Hopper takes wgmma, the split-D 16-bit backward, float32
 on TF32; score modifiers (soft-cap, ALiBi) on the dense and packed calls; decoding
 from a paged cache with modifiers (user functions too) and garbage lengths; absorbed
-MLA decoding (kvcache_decode_mla) with garbage lengths and block ids; ring
+MLA decoding (kvcache_decode_mla) with garbage lengths and block ids; the dense FP8
+forward (e4m3 bits, two and three consumers); ring
 attention over two virtual ranks; user score and mask functions with a block mask and
 garbage document ids.
 Run by scripts/sanitize.sh; exits non-zero on a wrong result. Arguments: the
@@ -47,6 +48,8 @@ SETTINGS = {
     "tf32": ("auto", (), True),
     # the absorbed-MLA decode kernel alone (kvcache_decode_mla), a short run
     "mla": ("auto", (), False),
+    # the dense FP8 forward alone (forward_wgmma_ws's FP8 role on Hopper), a short run
+    "fp8": ("auto", (), False),
 }
 
 
@@ -68,8 +71,8 @@ def main(settings):
         int(d) for d in os.environ.get("SANITIZE_HEAD_DIMS", "40,64,96,128,200,256").split(",")
     ]
     for setting, dtype, d, cfg in itertools.product(settings, dtypes, head_dims, configs):
-        if setting == "mla":
-            continue  # its own calls below
+        if setting in ("mla", "fp8"):
+            continue  # their own calls below
         float32 = dtype == np.float32
         sixteen_bit_only = setting in ("split-d", "mma-sync", "forward-16", "auto-16", "wgmma-16")
         if (sixteen_bit_only and float32) or (setting == "tf32" and not float32):
@@ -94,6 +97,8 @@ def main(settings):
         failures += kvcache_and_ring_calls(rng, head_dims)
     if "auto" in settings or "mla" in settings:
         failures += mla_decode_calls(rng)
+    if "fp8" in settings:
+        failures += fp8_forward_calls(rng)
     for setting in settings:
         if setting in ("auto", "mma-sync", "general"):
             path, skipped, _ = SETTINGS[setting]
@@ -165,6 +170,29 @@ def mla_decode_calls(rng):
         sinks=cupy.asarray(rng.standard_normal(4).astype(np.float32)), head_dim_v=128,
     )  # fmt: skip
     return failures + bool(cupy.isnan(out).any())
+
+
+def fp8_forward_calls(rng):
+    """Dense FP8 forwards (e4m3 bits, per-(batch, KV head) descales, GQA) at D = 64 and 96
+    (three consumers: 192 query rows a block, the second block partial), 128 and 256 (two),
+    plain, causal with a window, and with kv_seq_len; the count of NaN results."""
+    from cuflash import fp8
+
+    failures = 0
+    for d, cfg in itertools.product(
+        (64, 96, 128, 256),
+        (dict(causal=False), dict(causal=True, window_size=(40, 0)), dict(kv_seq_len=150)),
+    ):
+        shapes = ((1, 4, 200, d), (1, 2, 230, d), (1, 2, 230, d))
+        quantized = [fp8.quantize(rng.standard_normal(shape), num_kv_heads=2) for shape in shapes]
+        (q, qd), (k, kd), (v, vd) = quantized
+        out, _ = cuflash.flash_attention_fwd(
+            *(cupy.asarray(a.view(np.uint8)) for a in (q, k, v)), 4, 2, d, fp8_format="e4m3",
+            q_descale=cupy.asarray(qd), k_descale=cupy.asarray(kd), v_descale=cupy.asarray(vd),
+            **cfg,
+        )  # fmt: skip
+        failures += bool(cupy.isnan(out.astype(cupy.float32)).any())
+    return failures
 
 
 def kvcache_and_ring_calls(rng, head_dims):

@@ -17,9 +17,10 @@ synchronized (the host's cost per call; the performance page, section 'Small
 calls and host time'), :class:`Decode` two decoding steps from a KV cache
 (the KV-cache page), skipped while cuflash has no
 ``flash_attention_with_kvcache``, :class:`Varlen` one packed batch of
-variable-length sequences (the varlen page) and :class:`Modifiers` the score
+variable-length sequences (the varlen page), :class:`Modifiers` the score
 modifiers ``softcap`` and ``alibi_slopes`` (the semantics page, section 'Score
-modifiers: soft-capping and ALiBi').
+modifiers: soft-capping and ALiBi'), :class:`MlaDecode` absorbed-MLA decoding and
+:class:`Fp8Forward` the dense FP8 forward (the FP8 page; on compute capability 9.0).
 """
 
 import os
@@ -46,6 +47,9 @@ DECODE_CASES = {
 # name: (batch, query heads, cache length) of absorbed-MLA decoding (bfloat16, one KV head of
 # 576, the values its first 512): compute-bound with 128 heads, memory-bound with 16.
 MLA_DECODE_CASES = {"b32-h128-cache4096": (32, 128, 4096), "b128-h16-cache16384": (128, 16, 16384)}
+# FP8 forward cases (Fp8Forward): e4m3 q, k, v, bfloat16 out, the grid's shapes.
+FP8_HEAD_DIMS = [64, 128, 256]
+FP8_SEQLENS = [2048, 8192]
 MODIFIER_SHAPE = (4, 16, 4096, 128)  # B, H, S, D of Modifiers (bfloat16, causal)
 VARLEN_HEAD_DIM = 128  # Varlen: the causal packed batch of uniform lengths, H = 2048 / 128
 
@@ -371,6 +375,43 @@ class MlaDecode:
         return self.case.cache_bytes / median_gpu_seconds(self.cupy, self.step) / 1e12
 
     track_cache_tb_per_s.unit = "TB/s"
+
+
+class Fp8Forward:
+    """The dense FP8 forward (e4m3 ``q``, ``k``, ``v`` as uint8 bits with
+    ``fp8_format="e4m3"``, per-(batch, head) descales, a bfloat16 output) on the grid's
+    shapes; the inputs are those of ``python -m cuflash.bench --fp8``. Its products run in
+    e4m3 on compute capability 9.0 only (elsewhere an exact float32 path), so other GPUs
+    skip it.
+    """
+
+    params = (FP8_HEAD_DIMS, FP8_SEQLENS, CAUSAL)
+    param_names = ("head_dim", "seqlen", "causal")
+    timeout = 300
+
+    def setup(self, head_dim, seqlen, causal):
+        """Draw and quantize the inputs, and run one forward."""
+        self.cupy, cuflash = gpu_modules()
+        if self.cupy.cuda.Device().compute_capability != "90":
+            raise NotImplementedError("the FP8 products run on compute capability 9.0")
+        try:
+            from cuflash.bench import Fp8Case, fp8_forward_step
+        except ImportError as exc:
+            raise NotImplementedError("cuflash has no FP8 forward") from exc
+        self.case = Fp8Case(TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal)
+        self.step = fp8_forward_step(self.case)
+        self.step()
+        self.cupy.cuda.Device().synchronize()
+
+    def time_forward(self, head_dim, seqlen, causal):
+        self.step()
+        self.cupy.cuda.Device().synchronize()
+
+    def track_tflops(self, head_dim, seqlen, causal):
+        """The forward's FLOPs (the grid's convention) over the median time."""
+        return self.case.flops() / median_gpu_seconds(self.cupy, self.step) / 1e12
+
+    track_tflops.unit = "TFLOP/s"
 
 
 class Varlen:

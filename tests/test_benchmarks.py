@@ -438,7 +438,7 @@ def test_new_tables_from_saved_report(tmp_path, capsys):
     ) in printed
 
 
-def test_asv_suite_has_the_host_time_decode_mla_and_varlen_benchmarks():
+def test_asv_suite_has_the_host_time_decode_mla_fp8_and_varlen_benchmarks():
     sys.path.insert(0, str(ROOT))
     try:
         from benchmarks import bench_attention as suite
@@ -449,6 +449,8 @@ def test_asv_suite_has_the_host_time_decode_mla_and_varlen_benchmarks():
     assert suite.Decode.params == (["b16-cache8192-contiguous", "b1-cache32768-paged256"],)
     assert {"time_decode", "track_tflops", "track_cache_tb_per_s"} <= set(vars(suite.MlaDecode))
     assert suite.MlaDecode.params == (["b32-h128-cache4096", "b128-h16-cache16384"],)
+    assert {"time_forward", "track_tflops"} <= set(vars(suite.Fp8Forward))
+    assert suite.Fp8Forward.params == ([64, 128, 256], [2048, 8192], [False, True])
     assert {"track_forward_tflops", "track_backward_tflops"} <= set(vars(suite.Varlen))
     assert {"track_forward_tflops", "track_backward_tflops"} <= set(vars(suite.Modifiers))
     if not HAS_GPU:
@@ -460,6 +462,8 @@ def test_asv_suite_has_the_host_time_decode_mla_and_varlen_benchmarks():
             suite.Decode().setup("b16-cache8192-contiguous")
         with pytest.raises(NotImplementedError):
             suite.MlaDecode().setup("b32-h128-cache4096")
+        with pytest.raises(NotImplementedError):
+            suite.Fp8Forward().setup(128, 2048, False)
         with pytest.raises(NotImplementedError):
             suite.Varlen().setup()
 

@@ -88,7 +88,7 @@ from .first_call import (
     measure_first_call,
 )
 from .formatting import format_agreement, format_notes
-from .fp8 import Fp8Case, cudnn_fp8_peer, format_fp8, fp8_cases, fp8_report
+from .fp8 import Fp8Case, cudnn_fp8_peer, format_fp8, fp8_cases, fp8_forward_step, fp8_report
 from .head_dims import (
     FLOAT32_SWEEP_HEAD_DIMS,
     FLOAT32_SWEEP_PEERS,
@@ -338,6 +338,7 @@ __all__ = [
     "format_varlen_table",
     "forward_output",
     "fp8_cases",
+    "fp8_forward_step",
     "fp8_report",
     "free_memory",
     "gpu_unavailable_reason",

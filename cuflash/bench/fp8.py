@@ -94,6 +94,12 @@ def _fp8_call(case, x):
     )
 
 
+def fp8_forward_step(case, seed=0):
+    """One FP8 forward of ``case`` (an :class:`Fp8Case`) on one draw of quantized inputs, as
+    a function to call (asv's ``Fp8Forward`` times it)."""
+    return _fp8_call(case, _input_sets(case, 1, seed)[0])
+
+
 def _bf16_call(case, x):
     return lambda: cuflash.flash_attention_fwd(
         x["q_bf16"], x["k_bf16"], x["v_bf16"], case.heads, case.heads, case.head_dim, case.causal

@@ -9,7 +9,9 @@
 #          instruction, to $OUT/ncu-source-sass.csv; NCU_ARGS: quick_bench's options), forward-tma (the copy engine's
 #          forward: its GPU tests, forward timings with and without it, host time), backward-ws
 #          (the warp-specialized backward: its copy engine's GPU tests, timings
-#          against backward_wgmma and cuDNN, and without the copy engine), costs (the model-shape features against their targets),
+#          against backward_wgmma and cuDNN, and without the copy engine), backward-256 (its
+#          256 class: the copy engine's and the value head dim's GPU tests, timings against
+#          backward_wgmma and cuDNN, the MLA training shape), costs (the model-shape features against their targets),
 #          forward-64 (the 64 class's forwards: their GPU tests, the default against
 #          forward_wgmma_ws and forward_wgmma one process a row, and cuDNN),
 #          persistent (the warp-specialized kernels' persistent roles: their GPU tests,
@@ -118,6 +120,11 @@ for step in $steps; do
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py && \
              python3 scripts/quick_bench.py --rows=auto,wgmma,det,wgmma-det,cudnn ${QUICK_CASES:-} && \
              CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=auto,det ${QUICK_CASES:-}" ;;
+    backward-256) TAIL=40 run backward-256 420 bash -c "python3 -m pytest -m gpu -q -rf \
+             -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py tests/test_head_dim_v.py && \
+             python3 scripts/quick_bench.py --rows=auto,wgmma,det,wgmma-det,cudnn \
+             ${QUICK_CASES:-256,4096,0 256,4096,1 256,1024,1 192,4096,1 192,1024,0 160,4096,0 224,4096,0 136,4096,1 256,16384,1} && \
+             python3 -m cuflash.bench --head-dim-v --no-first-call --no-memory" ;;
     forward-64) TAIL=30 run forward-64 300 bash -c "python3 -m pytest -m gpu -q -rf \
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_kernel_families.py \
              -k 'three_consumer or dispatch_follows or without_warp' && \

@@ -12,7 +12,8 @@ N_SS = (32, 64, 128, 176)  # S = Q K^T: N = keys per tile (32: half a backward q
 # 176: the forward's plain 128 class, sm90/forward_wgmma_ws.cuh)
 N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = head_dim
 # rounded up to 16 (every head_dim on its exact width)
-N_SS_MN = (64, 128)  # dQ = dS K in the backward: N = 64 or 128 columns of head_dim
+N_SS_MN = (32, 64, 96, 128)  # dQ = dS K in the backward: N = a warpgroup's columns of
+# head_dim (past 128: sm90/backward_wgmma_ws.cuh's wide_split)
 N_SS_NB = (16, 32, 48, 64, 80, 96, 112, 128, 144, 256)  # dV, dK from P^T, dS^T in shared memory:
 # N = a warpgroup's columns past head_dim 128 (sm90/backward_wgmma.cuh's best_split), or
 # dK's head dim in backward_wgmma_ws (16: D <= 16), or 256: a warpgroup's half of the value

@@ -322,6 +322,8 @@ def run_backward(
     )
     # the ordered dQ adds as the atomic one does, into a buffer with counters after it
     atomic = ordered or (not deterministic and spec.atomic_dq(head_dim))
+    if spec.atomic_dq_needs_maps(head_dim) and not (tma and problem.packed is None):
+        atomic = ordered = False  # the dQ pass, as the GPU's plan without the maps
     dq_spec = None if atomic else spec.dq_pass()
     # v narrower than q and k: the kernels that take it natively (as gpu.BackwardPlan)
     assert spec.takes_value_dims(head_dim, problem.head_dim_v), spec.name

@@ -308,10 +308,10 @@ def test_dispatch_order():
     masked = ws_bwd.role(atomic_dq=True, modified=True)
     assert masked in ws_bwd.roles(128, with_masks=True) and masked not in ws_bwd.roles(128)
     assert ws_bwd.name_expression(masked, bf16, 128).endswith(", true, true, false, false>")
-    for head_dim in (8, 64, 128):
+    for head_dim in (8, 64, 128, 136, 256):
         chosen = registry.choose("backward", bf16, head_dim, 90, modified=True, mask_only=True)
         assert chosen is ws_bwd
-    assert registry.choose("backward", bf16, 136, 90, modified=True, mask_only=True) is not ws_bwd
+    assert registry.choose("backward", bf16, 256, 90, modified=True) is not ws_bwd
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -319,19 +319,22 @@ def test_dispatch_order():
 
 
 def test_dq_passes():
-    """The Hopper 16-bit backwards add dQ by atomics up to head_dim 128 and take their
-    wgmma dQ pass past it (every call) and for deterministic calls; before Hopper the
+    """The Hopper 16-bit backwards add dQ by atomics (the warp-specialized one at every
+    head dim, past 128 through the maps only; backward_wgmma up to 128) and take their
+    wgmma dQ pass otherwise and for deterministic calls; before Hopper the
     16-bit backwards add dQ by atomics and their deterministic calls take the mma.sync dQ
     pass; the variants hold exactly the roles those paths launch."""
     bf16 = registry.SIXTEEN_BIT_DTYPES[-1]
     spec = registry.choose("backward", bf16, 128, 90)
     assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
-    assert spec.atomic_dq(64) and spec.atomic_dq(128) and not spec.atomic_dq(136)
-    assert registry.choose("backward", bf16, 8, 90).name == "backward_wgmma_ws"
+    assert spec.atomic_dq(64) and spec.atomic_dq(128) and spec.atomic_dq(256)
+    assert spec.atomic_dq_needs_maps(136) and not spec.atomic_dq_needs_maps(128)
+    for head_dim in (8, 136, 256):
+        assert registry.choose("backward", bf16, head_dim, 90).name == "backward_wgmma_ws"
     skipped = {"backward_wgmma_ws"}
     assert registry.choose("backward", bf16, 128, 90, excluded=skipped).name == "backward_wgmma"
-    # the calls the warp-specialized backward leaves: modified, past 128
-    for head_dim, modified in ((64, True), (128, True), (136, False)):
+    # the calls the warp-specialized backward leaves: score modifiers
+    for head_dim, modified in ((64, True), (128, True), (256, True)):
         spec = registry.choose("backward", bf16, head_dim, 90, modified=modified)
         assert spec.name == "backward_wgmma" and spec.dq_kernel == "backward_dq_wgmma"
     assert spec.atomic_dq(128) and not spec.atomic_dq(136) and not spec.atomic_dq(256)
@@ -612,8 +615,9 @@ def test_value_dim_variants_compile_without_spills(dtype, head_dim, head_dim_v):
         forward.add("forward_wgmma_ws_fp8")
     dq = {"backward_dq_wgmma", "backward_dq_wgmma_modified"}
     dkdv = set()
-    if registry.BY_NAME["backward_wgmma"].takes_value_dims(head_dim, head_dim_v):
-        dkdv = set(registry.BY_NAME["backward_wgmma"].roles(head_dim))
+    for name in ("backward_wgmma_ws", "backward_wgmma"):
+        if registry.BY_NAME[name].takes_value_dims(head_dim, head_dim_v):
+            dkdv |= set(registry.BY_NAME[name].roles(head_dim))
     native = forward | dq | dkdv
     helpers = {r for r in names if registry.BY_ROLE[r].direction == "helper"} - dq
     assert "packed_zero_outside" in helpers and set(names) == native | helpers

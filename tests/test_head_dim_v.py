@@ -595,30 +595,51 @@ SIMULATED_BACKWARD = [
     ids=lambda x: str(x) if isinstance(x, int) else None,
 )
 def test_native_backward_in_the_simulator(case, d, dv, options, deterministic, rng):
-    """backward_wgmma and backward_dq_wgmma instantiated with DV < D (the
-    registry's choice on an H100/H200), their Delta at DV columns, against the oracle by
+    """backward_wgmma and backward_dq_wgmma instantiated with DV < D (on an H100/H200 the
+    registry's choice where the warp-specialized backward does not take DV, and the
+    kernel of score modifiers), their Delta at DV columns, against the oracle by
     the GPU tests' rule, atomic and deterministic dQ (the forward's out and lse from the
-    CPU path)."""
+    CPU path). The warp-specialized backward's 256 class with DV: the simulator's tests."""
     simulated = _simulator()
     case = dataclasses.replace(case, head_dim=d, head_dim_v=dv, **options)
-    spec = cuflash.gpu.registry.choose("backward", DTYPES[case.dtype], d, 90, head_dim_v=dv)
+    skipped = ("backward_wgmma_ws",)
+    spec = cuflash.gpu.registry.choose(
+        "backward", DTYPES[case.dtype], d, 90, head_dim_v=dv, excluded=frozenset(skipped)
+    )
     assert spec.name == "backward_wgmma" and spec.takes_value_dims(d, dv)
     q, k, v, dout = random_inputs(case, rng)
     kw = dict(kv_seq_len=case.kv_seq_len, softmax_scale=case.scale, head_dim_v=dv)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)  # the CPU path's
     grads = simulated.backward(
-        dout, q, k, v, out, lse, *case.args, **kw, deterministic=deterministic, capability=90
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *case.args,
+        **kw,
+        deterministic=deterministic,
+        capability=90,
+        excluded=skipped,
     )
     assert grads[2].shape == v.shape
     check_results(case, (q, k, v, dout), out, lse, grads)
 
 
 def test_backward_takes_the_narrower_v_where_its_kernels_do():
-    """On an H100/H200 the 16-bit backward of a narrower v runs natively on backward_wgmma
-    (and its dQ pass), but in the 256 class only where its warpgroups can split dV's and
-    dK's columns (64 of v's or fewer cannot); a wider v is padded."""
+    """On an H100/H200 the 16-bit backward of a narrower v runs natively: in the 256 class
+    on the warp-specialized backward where its consumers can split dV's, dK's and dQ's
+    columns, else on backward_wgmma (and its dQ pass) where its warpgroups can split dV's
+    and dK's (64 of v's or fewer cannot); a wider v is padded."""
     bf16 = DTYPES["bfloat16"]
-    spec = cuflash.gpu.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
+    ws = cuflash.gpu.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
+    assert ws.name == "backward_wgmma_ws" and ws.dq_pass().takes_value_dims(192, 128)
+    assert ws.takes_value_dims(256, 136) and not ws.takes_value_dims(256, 64)
+    assert not ws.takes_value_dims(128, 64)
+    spec = cuflash.gpu.registry.choose(
+        "backward", bf16, 192, 90, head_dim_v=128, excluded=frozenset({"backward_wgmma_ws"})
+    )
     assert spec.name == "backward_wgmma" and spec.dq_pass().takes_value_dims(192, 128)
     assert cuflash.gpu.registry.choose("backward", bf16, 128, 90).name == "backward_wgmma_ws"
     assert cuflash.gpu.registry.choose("backward", bf16, 128, 90, head_dim_v=64).name == (

@@ -126,6 +126,7 @@ def _run(case, rng, deterministic, excluded=(), softcap=0.0, slopes=None, capabi
         alibi_slopes=slopes,
         excluded=excluded,
         capability=capability,
+        head_dim_v=case.head_dim_v,
     )
     out, lse = simulated_attention.forward(q, k, v, *case.args, **kw, tma=tma)
     grads = simulated_attention.backward(
@@ -426,6 +427,59 @@ def test_warp_specialized_backward_64_class(case, deterministic, tma, rng):
     additions (through its maps in launch order when deterministic) or by
     backward_dq_wgmma (cp.async, deterministic): the oracle's gradients."""
     spec = registry.choose("backward", DTYPES[case.dtype], case.head_dim, 90)
+    assert spec.name == "backward_wgmma_ws"
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
+    check_results(case, inputs, out, lse, grads)
+
+
+# The 256 class's warp-specialized backward (64 keys a block, the consumers sharing the
+# columns, each step's dQ added from its own stage): D = 256 with three key tiles and more
+# query steps than stages, D = 136 (the narrowest split: 16 columns of dV and dK, 32 of dQ
+# on the second consumer) with a window, and MLA's D = 192 with v's 128.
+BACKWARD_256_CASES = [
+    Case(
+        dtype="float16",
+        head_dim=256,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=150,
+        kv_len=140,
+        causal=True,
+    ),
+    Case(
+        dtype="bfloat16",
+        head_dim=136,
+        batch=2,
+        heads=2,
+        kv_heads=2,
+        q_len=70,
+        kv_len=90,
+        window=(30, 10),
+    ),
+    Case(
+        dtype="bfloat16",
+        head_dim=192,
+        head_dim_v=128,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=100,
+        kv_len=77,
+    ),
+]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", BACKWARD_256_CASES, ids=str)
+def test_warp_specialized_backward_256_class(case, deterministic, tma, rng):
+    """backward_wgmma_ws in the 256 class: dQ added by its writer from the stages through
+    the maps (in launch order when deterministic), or without the maps by
+    backward_dq_wgmma; the oracle's gradients."""
+    spec = registry.choose(
+        "backward", DTYPES[case.dtype], case.head_dim, 90, head_dim_v=case.head_dim_v
+    )
     assert spec.name == "backward_wgmma_ws"
     inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
     check_results(case, inputs, out, lse, grads)
@@ -785,13 +839,15 @@ MASKED_WS_RUNS = [
     (128, "random", True, True),
     (128, "chunked", False, False),
     (40, "prefix_lm", True, False),
+    (256, "documents", False, True),
+    (192, "chunked", True, False),
 ]
 
 
 @pytest.mark.parametrize("head_dim, name, deterministic, tma", MASKED_WS_RUNS, ids=str)
 def test_warp_specialized_backward_takes_a_users_mask(head_dim, name, deterministic, tma, rng):
     """A user's mask alone, through a block mask, on the warp-specialized backward of
-    both classes: each key tile's query steps narrowed to the block mask's range, the mask
+    every class: each key tile's query steps narrowed to the block mask's range, the mask
     on the tiles it marks partial, dQ by the writer warp or by its pass."""
     spec = registry.choose(
         "backward", DTYPES["bfloat16"], head_dim, 90, modified=True, mask_only=True

@@ -53,6 +53,25 @@ CASES = [
         dtype="bfloat16", head_dim=64, batch=1, heads=4, kv_heads=4, q_len=513, kv_len=1000,
         bshd=True, window=(200, 30),
     ),
+    # the 256 class (64 keys a block, each step's dQ added from its stage): GQA and causal,
+    # the narrowest split with a key tile cut by kv_seq_len in [B, S, H, D] buffers, a
+    # window, and MLA's v of 128 columns under a head dim of 192
+    Case(
+        dtype="bfloat16", head_dim=256, batch=2, heads=4, kv_heads=2, q_len=300, kv_len=700,
+        causal=True,
+    ),
+    Case(
+        dtype="float16", head_dim=136, batch=1, heads=2, kv_heads=2, q_len=200, kv_len=530,
+        kv_seq_len=517, bshd=True,
+    ),
+    Case(
+        dtype="float16", head_dim=160, batch=2, heads=2, kv_heads=1, q_len=129, kv_len=257,
+        window=(64, 0),
+    ),
+    Case(
+        dtype="bfloat16", head_dim=192, head_dim_v=128, batch=1, heads=4, kv_heads=1,
+        q_len=513, kv_len=513, causal=True,
+    ),
 ]  # fmt: skip
 
 
@@ -84,7 +103,7 @@ def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, r
         pytest.fail("a GPU machine whose driver encodes no tensor maps")
     inputs = random_inputs(case, rng)
     q, k, v, dout = _arrays(case, inputs)
-    kw = dict(kv_seq_len=case.kv_seq_len)
+    kw = dict(kv_seq_len=case.kv_seq_len, head_dim_v=case.head_dim_v)
     out, lse = cuflash.flash_attention_fwd(q, k, v, *case.args, **kw)
     plans._PLANS.clear()
 
@@ -130,7 +149,13 @@ def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, r
 
 @pytest.mark.parametrize(
     "head_dim, causal, heads, kv_heads, seq_len",
-    [(128, False, 8, 8, 2048), (128, True, 8, 2, 4096), (64, True, 16, 4, 4096)],
+    [
+        (128, False, 8, 8, 2048),
+        (128, True, 8, 2, 4096),
+        (64, True, 16, 4, 4096),
+        (256, True, 4, 2, 4096),
+        (192, False, 4, 4, 2048),
+    ],
 )
 def test_ordered_dq_repeats_bit_for_bit_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng):
     """Many blocks at once, each waiting on the key tiles launched before it: the

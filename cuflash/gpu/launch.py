@@ -325,6 +325,13 @@ class BackwardPlan:
                 dq_width if self.atomic or self.ordered else 0,
             )
             self.ordered = self.ordered and maps is not None
+        # The kernels whose dQ additions need the maps take the dQ pass without them, and
+        # so do the calls whose arrays turn out not to map (``needs_maps``, __call__).
+        self.needs_maps = self.spec.atomic_dq_needs_maps(problem.head_dim) and (
+            self.atomic or self.ordered
+        )
+        if self.needs_maps and maps is None:
+            self.atomic = self.ordered = self.needs_maps = False
         self._dq_pass_plan = None  # the dQ pass's, where the ordered dQ cannot run
         self.adds_dq = adds_dq = self.atomic or self.ordered
         self.dq_layout = OutputLayout(problem, problem.num_heads, problem.q_len)
@@ -366,9 +373,10 @@ class BackwardPlan:
         else:
             strides = [element_strides(x) for x in (q, k, v, dout)]
         self.user = _user_arguments(problem, self.spec, "backward")
-        # The ordered dQ's kernel runs with the maps only (no cp.async launch).
+        # The ordered dQ's kernel runs with the maps only (no cp.async launch), as does
+        # the atomic one that needs them.
         self.dkdv = None
-        if not self.ordered:
+        if not (self.ordered or self.needs_maps):
             self.dkdv = Launch.of_role(
                 loaded,
                 role,
@@ -506,7 +514,7 @@ class BackwardPlan:
         if self.copies:  # a last stride other than 1, or lse not contiguous
             dout, q, k, v, output = (unit_last_stride(cupy, a) for a in (dout, q, k, v, output))
             lse = cupy.ascontiguousarray(lse)
-        if self.ordered and (
+        if (self.ordered or self.needs_maps) and (
             self.dkdv_tma is None or (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
         ):
             return self._dq_pass(dout, q, k, v, output)(
@@ -567,7 +575,7 @@ class BackwardPlan:
                     self.dkdv_tma(stream, *call)
                 except tensor_maps.TensorMapError:
                     self.dkdv_tma = None  # the driver refuses these arrays: cp.async
-                    if self.ordered:  # or the dQ pass
+                    if self.ordered or self.needs_maps:  # or the dQ pass
                         return self._dq_pass(dout, q, k, v, output)(
                             dout, q, k, v, output, lse, synchronize, offsets, alibi_slopes, sinks
                         )

@@ -85,6 +85,9 @@ class KernelSpec:
     # after it (None: backward_dq_general).
     atomic_dq_head_dims: tuple | None = (8, 256)
     dq_kernel: str | None = None
+    # From this head dim on the atomic dQ needs the copy engine's maps (the plan runs the
+    # dQ pass for calls it cannot map); None: never.
+    atomic_dq_needs_maps_from: int | None = None
     # A backward kernel with an ordered-dQ instantiation (its ORDERED_DQ template argument):
     # the deterministic calls its tensor maps serve add dQ in the blocks' launch order
     # instead of running the dQ pass (:meth:`role`'s ``ordered_dq``).
@@ -184,6 +187,12 @@ class KernelSpec:
             return False
         low, high = self.atomic_dq_head_dims
         return low <= head_dim <= high
+
+    def atomic_dq_needs_maps(self, head_dim):
+        """Whether its atomic (and ordered) dQ at ``head_dim`` runs through the copy engine's
+        maps only."""
+        start = self.atomic_dq_needs_maps_from
+        return start is not None and head_dim >= start
 
     def serves_modifiers(self, mask_only=False):
         """Whether it serves calls with score modifiers (``mask_only``: a user's mask alone)."""
@@ -291,6 +300,22 @@ def _splits_the_narrower_v(head_dim, head_dim_v):
     dk, dvk = tile_traits.round_up(head_dim, 16), tile_traits.round_up(head_dim_v, 16)
     return any(
         32 <= dvk - dv <= 144 and 32 <= dk - dkc <= 144 for dv in (64, 128) for dkc in (64, 128)
+    )
+
+
+def _wide_split(head_dim, head_dim_v):
+    """backward_wgmma_ws's narrower v: in the 256 class one whose dV, dK and dQ columns split
+    between its consumers (``wide_split`` of kernels/sm90/backward_wgmma_ws.cuh: the first
+    consumer 64 or 128 of each, the second 16 to 128 of dV and dK, 32 to 128 of dQ)."""
+    if tile_traits.head_dim_class(head_dim) < 256:
+        return False
+    dk, dvk = tile_traits.round_up(head_dim, 16), tile_traits.round_up(head_dim_v, 16)
+    dqn = tile_traits.round_up(dk, 32)
+    return any(
+        16 <= dvk - dv <= 128 and 16 <= dk - dkc <= 128 and 32 <= dqn - dq <= 128
+        for dv in (64, 128)
+        for dkc in (64, 128)
+        for dq in (64, 128)
     )
 
 
@@ -423,11 +448,15 @@ KERNELS = (
         "wgmma",
         "16-bit",
         HOPPER,
-        (8, 128),
+        (8, 256),
         tile_traits.backward_ws_traits,
         needs_sm90a=True,
         padded_dq=True,
-        atomic_dq_head_dims=(8, 128),
+        atomic_dq_head_dims=(8, 256),
+        # The 256 class adds dQ through the copy engine's maps only (its dQ tiles are the
+        # stages): without them its calls take the dQ pass.
+        atomic_dq_needs_maps_from=136,
+        value_dims=_wide_split,
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
         # A user's mask alone (flex_attention's block masks): its plain code, the query

@@ -185,24 +185,27 @@ def backward_wgmma_traits(d):
 
 
 def backward_ws_traits(d):
-    """kernels/sm90/backward_wgmma_ws.cuh: 128 keys (a producer and two consumer warpgroups of
-    64 keys), K and V resident, STAGES stages of the query rows a step (64 in the 128 class,
-    128 in the 64 class) of Q and dO and their lse and Delta, two buffers of dS^T, the
-    float32 dQ tiles (one of rows 8 floats wider, or two for the dQ writer, whichever is
-    larger), the ring's barriers (16 bytes a stage), K/V's two (full, and empty: the
-    persistent roles'), each dQ tile's two (full, empty) and its coordinates for the
-    writer warp (16 bytes a tile); in the 128 class 1024 bytes more to align the tiles,
+    """kernels/sm90/backward_wgmma_ws.cuh: up to D = 128 128 keys (a producer and two consumer
+    warpgroups of 64 keys), K and V resident, STAGES stages of the query rows a step (64 in
+    the 128 class, 128 in the 64 class) of Q and dO and their lse and Delta, two buffers of
+    dS^T, the float32 dQ tiles (one of rows 8 floats wider, or two for the dQ writer,
+    whichever is larger), the ring's barriers (16 bytes a stage), K/V's two (full, and
+    empty: the persistent roles'), each dQ tile's two (full, empty) and its coordinates for
+    the writer warp (16 bytes a tile); in the 128 class 1024 bytes more to align the tiles,
     while the 64 class's, 112 bytes short of that under the 227 KB a block may hold,
-    declares its array 1024-byte aligned (the kernel traps where it is not)."""
+    declares its array 1024-byte aligned (the kernel traps where it is not). The 256 class
+    (D = 136-256): 64 keys, P^T and dS^T where the two dS^T buffers are, and no dQ tiles
+    (each step's goes into its stage)."""
     width = head_dim_class(d)
-    rows, keys, stages = (128 if width == 64 else 64), 128, 2
+    rows, keys, stages = (128 if width == 64 else 64), (64 if width == 256 else 128), 2
+    dq_floats = 0 if width == 256 else max(rows * (width + 8), 2 * rows * width)
     smem = (
         2 * (2 * keys * width + 2 * stages * rows * width + 2 * keys * rows)
-        + FLOAT_BYTES * (max(rows * (width + 8), 2 * rows * width) + 2 * stages * rows)
+        + FLOAT_BYTES * (dq_floats + 2 * stages * rows)
         + 16 * stages
         + 2 * 8
         + 2 * (2 * 8 + 16)
-        + (1024 if width == 128 else 0)
+        + (0 if width == 64 else 1024)
     )
     return Traits(keys, 384, smem, (rows, stages))
 

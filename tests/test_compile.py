@@ -399,6 +399,11 @@ def expected_hgmma(role, head_dim):
     if spec.name == "backward_float32_pieces":  # S^T, dP^T: width / 16; dV or dK: 64 / 16;
         dq = 2 if registry.ATOMIC_DQ in role else 0  # dQ: 2 key steps
         return 3 * (2 * width // 16 + 64 // 16 + dq)
+    if spec.name == "backward_wgmma_ws" and width == 256:
+        # a copy of the step a consumer (its columns compiled in): S^T and dP^T over the
+        # head_dim, dV and dK over the query rows, dQ (atomic, ordered) over 64 keys
+        rows = traits.template_args[0]
+        return 2 * (2 * steps + 2 * rows // 16 + (4 if registry.adds_dq(role) else 0))
     # backward_wgmma: S^T and dP^T over the head_dim, dV and dK over the query rows,
     # dQ (atomic, up to D = 128) in 8 16-key steps; in the 256 class below 256 columns
     # a copy of the loop a warpgroup

@@ -591,7 +591,7 @@ def _broken_backward(case, old, new, rng, tmp_path, monkeypatch, tma=True, deter
     "old, new",
     [
         # a stage never handed back: the producer waits for it forever
-        ("ring->release(use, true);", "(void)0;"),
+        ("ring->release(use, true);  // this thread's", "(void)0;  //"),
         # a stage's copies never arrive: the consumers wait forever
         ("ring->filled(use);", "(void)use;"),
     ],
@@ -617,7 +617,7 @@ def test_simulator_finds_a_broken_backward_handshake(old, new, rng, tmp_path, mo
         ("if (ATOMIC_DQ && !tma && lane < 16) bulk_wait<0>();", "(void)0;", False),
         # cp.async: a warp's rows added before all its lanes have written them
         (
-            "__syncwarp();\n                const int row = dq_row0 + warp_row + lane;",
+            "__syncwarp();\n                    const int row = dq_row0 + warp_row + lane;",
             "const int row = dq_row0 + warp_row + lane;",
             False,
         ),
@@ -657,7 +657,10 @@ def test_simulator_finds_broken_bulk_dq_additions(old, new, tma, rng, tmp_path, 
         # a step's barrier told of half its boxes' bytes: it completes before the rest land
         ("ring->expect(use, STEP_BYTES)", "ring->expect(use, STEP_BYTES / 2)"),
         # dO's boxes one row off
-        ("&dout_map, c * 64, m0,", "&dout_map, c * 64, m0 + 1,"),
+        (
+            "&dout_map, c * 64,\n                                            m0,",
+            "&dout_map, c * 64, m0 + 1,",
+        ),
         # V's boxes read through K's map
         ("&v_map, c * 64, n0, hk, b, kv_full", "&k_map, c * 64, n0, hk, b, kv_full"),
         # dQ's boxes added a row off
@@ -666,7 +669,10 @@ def test_simulator_finds_broken_bulk_dq_additions(old, new, tma, rng, tmp_path, 
             "bulk_tensor_reduce_add_4d(map, 32 * box, m0 + 1,",
         ),
         # dQ's boxes written without the swizzle the copy engine reads them by
-        ("^ (row & 7)) << 2)", ") << 2)"),
+        (
+            "^ (row & 7)) << 2) + 2 * (t & 1)) =\n                                    value;",
+            ") << 2) + 2 * (t & 1)) = value;",
+        ),
     ],
     ids=["step-bytes", "dout-rows", "v-map", "dq-rows", "dq-swizzle"],
 )
@@ -677,6 +683,48 @@ def test_simulator_finds_broken_backward_bulk_tensor_copies(old, new, rng, tmp_p
     pass."""
     try:
         error = _broken_backward(BACKWARD_RING_CASES[0], old, new, rng, tmp_path, monkeypatch)
+    except simulator.SimulationError:
+        return
+    assert not error < 0.05, error
+
+
+@pytest.mark.parametrize(
+    "old, new, deterministic",
+    [
+        # the 256 class's dQ boxes written without the swizzle the copy engine reads
+        (
+            "^ (row & 7)) << 2) + 2 * (t & 1)) =\n                                    make_float2",
+            ") << 2) + 2 * (t & 1)) = make_float2",
+            False,
+        ),
+        # each in the stage of the step before: another step's rows
+        (
+            "float* const q_boxes = reinterpret_cast<float*>(Qs + stage * BM * DT);",
+            "float* const q_boxes = reinterpret_cast<float*>(Qs + (stage ^ 1) * BM * DT);",
+            False,
+        ),
+        # the dQ pass's calls (no writer): a stage never handed back by its consumers
+        ("if constexpr (!ATOMIC_DQ) ring->release(use, true);", "(void)0;", True),
+    ],
+    ids=["dq-swizzle", "dq-stage", "no-release"],
+)
+def test_simulator_finds_a_broken_256_class_backward(
+    old, new, deterministic, rng, tmp_path, monkeypatch
+):
+    """The 256 class's dQ boxes unswizzled or in the other stage, and its stages never
+    handed back without the writer (cp.async, the dQ pass): a deadlock, a fault or
+    gradients far from the oracle's, never a pass."""
+    try:
+        error = _broken_backward(
+            BACKWARD_256_CASES[0],
+            old,
+            new,
+            rng,
+            tmp_path,
+            monkeypatch,
+            tma=not deterministic,
+            deterministic=deterministic,
+        )
     except simulator.SimulationError:
         return
     assert not error < 0.05, error

@@ -308,10 +308,14 @@ def test_dispatch_order():
     masked = ws_bwd.role(atomic_dq=True, modified=True)
     assert masked in ws_bwd.roles(128, with_masks=True) and masked not in ws_bwd.roles(128)
     assert ws_bwd.name_expression(masked, bf16, 128).endswith(", true, true, false, false>")
+    # (its 256 class opt-in until its GPU run: tried)
+    tried = frozenset({"backward_wgmma_ws"})
     for head_dim in (8, 64, 128, 136, 256):
-        chosen = registry.choose("backward", bf16, head_dim, 90, modified=True, mask_only=True)
+        chosen = registry.choose(
+            "backward", bf16, head_dim, 90, modified=True, mask_only=True, tried=tried
+        )
         assert chosen is ws_bwd
-    assert registry.choose("backward", bf16, 256, 90, modified=True) is not ws_bwd
+    assert registry.choose("backward", bf16, 256, 90, modified=True, tried=tried) is not ws_bwd
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -329,8 +333,13 @@ def test_dq_passes():
     assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
     assert spec.atomic_dq(64) and spec.atomic_dq(128) and spec.atomic_dq(256)
     assert spec.atomic_dq_needs_maps(136) and not spec.atomic_dq_needs_maps(128)
+    tried = frozenset({"backward_wgmma_ws"})  # its 256 class opt-in until its GPU run
     for head_dim in (8, 136, 256):
-        assert registry.choose("backward", bf16, head_dim, 90).name == "backward_wgmma_ws"
+        chosen = registry.choose("backward", bf16, head_dim, 90, tried=tried)
+        assert chosen.name == "backward_wgmma_ws"
+    assert registry.choose("backward", bf16, 8, 90).name == "backward_wgmma_ws"
+    if spec.opt_in_at(136):
+        assert registry.choose("backward", bf16, 136, 90).name == "backward_wgmma"
     skipped = {"backward_wgmma_ws"}
     assert registry.choose("backward", bf16, 128, 90, excluded=skipped).name == "backward_wgmma"
     # the calls the warp-specialized backward leaves: score modifiers

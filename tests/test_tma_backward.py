@@ -7,7 +7,7 @@ launch order, and by its own pass)."""
 import functools
 
 import pytest
-from support import HAS_GPU, Case, check_results, random_inputs
+from support import HAS_GPU, Case, check_results, random_inputs, trying
 
 import cuflash
 from cuflash import dispatch
@@ -97,6 +97,11 @@ def _backward_plan():
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, rng, poisoned):
+    with trying("backward_wgmma_ws"):  # its 256 class opt-in until its GPU run
+        _copy_engine_backward(case, deterministic, rng)
+
+
+def _copy_engine_backward(case, deterministic, rng):
     if cupy.cuda.Device().compute_capability < "90":
         pytest.skip("the copy engine's kernels need an H100/H200")
     if not tensor_maps.available():
@@ -161,6 +166,11 @@ def test_ordered_dq_repeats_bit_for_bit_at_scale(head_dim, causal, heads, kv_hea
     """Many blocks at once, each waiting on the key tiles launched before it: the
     deterministic backward's gradients are the same bits call after call, and its dQ
     that of the dQ pass within rounding."""
+    with trying("backward_wgmma_ws"):  # its 256 class opt-in until its GPU run
+        _ordered_dq_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng)
+
+
+def _ordered_dq_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng):
     if cupy.cuda.Device().compute_capability < "90":
         pytest.skip("the copy engine's kernels need an H100/H200")
     case = Case(

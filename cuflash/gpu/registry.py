@@ -111,8 +111,17 @@ class KernelSpec:
     fp8_head_dims: tuple | None = None
     fp8_traits: object = None
     # Taken by the dispatch only inside ``cuflash.dispatch.try_kernels`` (its ``tried``):
-    # written and checked without a GPU (compiler, simulator), awaiting a GPU run.
-    opt_in: bool = False
+    # written and checked without a GPU (compiler, simulator), awaiting a GPU run; True,
+    # or the (smallest, largest) head dims that are (the others served as usual).
+    opt_in: bool | tuple = False
+
+    def opt_in_at(self, head_dim):
+        """Whether it serves ``head_dim`` only inside ``cuflash.dispatch.try_kernels``
+        (``opt_in``: True, or the (smallest, largest) head dims that are)."""
+        if self.opt_in is True or not self.opt_in:
+            return bool(self.opt_in)
+        low, high = self.opt_in
+        return low <= head_dim <= high
 
     def takes_value_dims(self, head_dim, head_dim_v):
         """Whether it computes a call whose v has ``head_dim_v`` columns natively."""
@@ -457,6 +466,8 @@ KERNELS = (
         # stages): without them its calls take the dQ pass.
         atomic_dq_needs_maps_from=136,
         value_dims=_wide_split,
+        # The 256 class: checked in the simulator and the compiler, awaiting its GPU run.
+        opt_in=(136, 256),
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
         # A user's mask alone (flex_attention's block masks): its plain code, the query
@@ -717,7 +728,7 @@ def choose(
         if (
             spec.direction != direction
             or spec.name in excluded
-            or (spec.opt_in and spec.name not in tried)
+            or (spec.opt_in_at(head_dim) and spec.name not in tried)
             or sm not in spec.archs
             or (spec.needs_sm90a and compute_capability != 90)
             or not spec.serves_head_dim(head_dim)

@@ -91,11 +91,11 @@ def try_kernels(*names):
     """Let the dispatch take the opt-in kernels ``names`` (``KernelSpec.opt_in`` of
     ``cuflash.gpu.registry.KERNELS``: written and checked without a GPU, awaiting their GPU
     run) inside the ``with`` block, where they serve the call, for tests and benchmarks.
-    In this release the warp-specialized backward's 256 class (D = 136-256) is.
+    No kernel of this release is opt-in.
 
     >>> import cuflash
     >>> sorted(spec.name for spec in cuflash.gpu.registry.KERNELS if spec.opt_in)
-    ['backward_wgmma_ws']
+    []
     """
     unknown = set(names) - {spec.name for spec in registry.KERNELS if spec.opt_in}
     if unknown:

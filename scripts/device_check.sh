@@ -122,12 +122,9 @@ for step in $steps; do
              CUFLASH_TMA=0 python3 scripts/quick_bench.py --rows=auto,det ${QUICK_CASES:-}" ;;
     backward-256) TAIL=40 run backward-256 420 bash -c "python3 -m pytest -m gpu -q -rf \
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_tma_backward.py tests/test_head_dim_v.py && \
-             python3 scripts/quick_bench.py --rows=ws,auto,ws-det,det,cudnn \
+             python3 scripts/quick_bench.py --rows=auto,wgmma,det,wgmma-det,cudnn \
              ${QUICK_CASES:-256,4096,0 256,4096,1 256,1024,1 192,4096,1 192,1024,0 160,4096,0 224,4096,0 136,4096,1 256,16384,1} && \
-             python3 -m cuflash.bench --head-dim-v --no-first-call --no-memory --time-budget 40 && \
-             python3 -c 'import sys; from cuflash.bench import cli; from cuflash.dispatch import \
-             try_kernels; ctx = try_kernels(\"backward_wgmma_ws\"); ctx.__enter__(); \
-             sys.exit(cli.main([\"--head-dim-v\", \"--no-first-call\", \"--no-memory\", \"--time-budget\", \"40\"]))'" ;;
+             python3 -m cuflash.bench --head-dim-v --no-first-call --no-memory" ;;
     forward-64) TAIL=30 run forward-64 300 bash -c "python3 -m pytest -m gpu -q -rf \
              -p no:cacheprovider -n ${WORKERS:-8} tests/test_kernel_families.py \
              -k 'three_consumer or dispatch_follows or without_warp' && \

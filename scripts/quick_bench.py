@@ -22,7 +22,7 @@ import cupy
 import cuflash
 from cuflash.bench import time_calls
 from cuflash.core.problem import BFLOAT16
-from cuflash.dispatch import skip_kernels, try_kernels
+from cuflash.dispatch import skip_kernels
 
 # row name -> (kernel path, kernels skipped, allow_tf32, deterministic)
 PATHS_16 = {
@@ -51,13 +51,7 @@ PATHS_16 = {
     "wgmma": ("auto", ("backward_wgmma_ws",), False, False),
     "wgmma-det": ("auto", ("backward_wgmma_ws",), False, True),
     "split-d": ("auto", ("backward_wgmma_ws", "backward_wgmma", "backward_mma_sync"), False, False),
-    # the opt-in kernels (cuflash.dispatch.try_kernels): the warp-specialized backward's 256
-    # class, atomic and deterministic
-    "ws": ("auto", (), False, False),
-    "ws-det": ("auto", (), False, True),
 }
-# row name -> the opt-in kernels it tries
-TRIED = {"ws": ("backward_wgmma_ws",), "ws-det": ("backward_wgmma_ws",)}
 PATHS_32 = {
     "auto": ("auto", (), False, False),
     "general": ("general", (), False, False),
@@ -89,8 +83,7 @@ def main(cases, float32=False, only=None, forward_only=False):
         for name, (path, skipped, tf32, det) in (PATHS_32 if float32 else PATHS_16).items():
             if only and name not in only:
                 continue
-            tried = TRIED.get(name, ())
-            with cuflash.kernel_path(path), skip_kernels(*skipped), try_kernels(*tried):
+            with cuflash.kernel_path(path), skip_kernels(*skipped):
                 fwd = median_ms(
                     lambda: cuflash.flash_attention_fwd(q, k, v, h, h, d, causal, allow_tf32=tf32)
                 )

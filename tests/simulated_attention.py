@@ -98,7 +98,7 @@ class Kernels:
                 atomic_dq=atomic,
                 modified=problem.modified and spec.serves_modifiers(problem.mask_only),
                 persistent=persistent and spec.persistent_keys is not None,
-                ordered_dq=ordered and atomic and spec.ordered_dq,
+                ordered_dq=ordered and atomic and spec.orders_dq(problem.head_dim),
             )
             # v's head dim where the kernel takes one of its own (the forward's)
             head_dim_v = problem.head_dim_v if spec.value_dims else None
@@ -317,8 +317,7 @@ def run_backward(
         and persistent_blocks is None
         and problem.packed is None
         and problem.kv_capacity > 0
-        and spec.ordered_dq
-        and spec.atomic_dq(head_dim)
+        and spec.orders_dq(head_dim)
     )
     # the ordered dQ adds as the atomic one does, into a buffer with counters after it
     atomic = ordered or (not deterministic and spec.atomic_dq(head_dim))

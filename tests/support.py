@@ -71,14 +71,6 @@ class Case:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
-def trying(*names):
-    """``cuflash.dispatch.try_kernels`` of those of ``names`` whose kernels are opt-in at
-    some head dim (a no-op for the others), so that a test of a kernel awaiting its GPU run
-    runs it, and keeps running it once it serves by default."""
-    opt_in = [n for n in names if cuflash.gpu.registry.BY_NAME[n].opt_in]
-    return cuflash.dispatch.try_kernels(*opt_in)
-
-
 def random_inputs(case, rng, xp=np):
     """Fresh q, k, v, dout of the case's dtype (v and dout of its ``value_dim``)."""
 

@@ -302,20 +302,17 @@ def test_dispatch_order():
     # role adds it, a block a tile
     ordered = ws_bwd.role(ordered_dq=True)
     assert ordered == "backward_wgmma_ws_ordered_dq" in ws_bwd.roles(128)
+    assert ordered not in ws_bwd.roles(256)  # the 256 class: the dQ pass, faster there
     assert ws_bwd.name_expression(ordered, bf16, 128).endswith(", true, false, false, true>")
     assert registry.adds_dq(ordered) and not registry.adds_dq("backward_wgmma_ws")
     # and its roles for a user's mask alone: in modules compiled mask-only, a block a tile
     masked = ws_bwd.role(atomic_dq=True, modified=True)
     assert masked in ws_bwd.roles(128, with_masks=True) and masked not in ws_bwd.roles(128)
     assert ws_bwd.name_expression(masked, bf16, 128).endswith(", true, true, false, false>")
-    # (its 256 class opt-in until its GPU run: tried)
-    tried = frozenset({"backward_wgmma_ws"})
     for head_dim in (8, 64, 128, 136, 256):
-        chosen = registry.choose(
-            "backward", bf16, head_dim, 90, modified=True, mask_only=True, tried=tried
-        )
+        chosen = registry.choose("backward", bf16, head_dim, 90, modified=True, mask_only=True)
         assert chosen is ws_bwd
-    assert registry.choose("backward", bf16, 256, 90, modified=True, tried=tried) is not ws_bwd
+    assert registry.choose("backward", bf16, 256, 90, modified=True) is not ws_bwd
     assert registry.choose("backward", bf16, 64, 80).name == "backward_mma_sync"
     assert registry.choose("backward", bf16, 72, 80).name == "backward_mma_sync_split_d"
     skipped = {"forward_wgmma_ws", "forward_wgmma"}
@@ -333,13 +330,8 @@ def test_dq_passes():
     assert spec.name == "backward_wgmma_ws" and spec.dq_kernel == "backward_dq_wgmma"
     assert spec.atomic_dq(64) and spec.atomic_dq(128) and spec.atomic_dq(256)
     assert spec.atomic_dq_needs_maps(136) and not spec.atomic_dq_needs_maps(128)
-    tried = frozenset({"backward_wgmma_ws"})  # its 256 class opt-in until its GPU run
     for head_dim in (8, 136, 256):
-        chosen = registry.choose("backward", bf16, head_dim, 90, tried=tried)
-        assert chosen.name == "backward_wgmma_ws"
-    assert registry.choose("backward", bf16, 8, 90).name == "backward_wgmma_ws"
-    if spec.opt_in_at(136):
-        assert registry.choose("backward", bf16, 136, 90).name == "backward_wgmma"
+        assert registry.choose("backward", bf16, head_dim, 90).name == "backward_wgmma_ws"
     skipped = {"backward_wgmma_ws"}
     assert registry.choose("backward", bf16, 128, 90, excluded=skipped).name == "backward_wgmma"
     # the calls the warp-specialized backward leaves: score modifiers

@@ -633,8 +633,7 @@ def test_backward_takes_the_narrower_v_where_its_kernels_do():
     columns, else on backward_wgmma (and its dQ pass) where its warpgroups can split dV's
     and dK's (64 of v's or fewer cannot); a wider v is padded."""
     bf16 = DTYPES["bfloat16"]
-    tried = frozenset({"backward_wgmma_ws"})  # its 256 class opt-in until its GPU run
-    ws = cuflash.gpu.registry.choose("backward", bf16, 192, 90, head_dim_v=128, tried=tried)
+    ws = cuflash.gpu.registry.choose("backward", bf16, 192, 90, head_dim_v=128)
     assert ws.name == "backward_wgmma_ws" and ws.dq_pass().takes_value_dims(192, 128)
     assert ws.takes_value_dims(256, 136) and not ws.takes_value_dims(256, 64)
     assert not ws.takes_value_dims(128, 64)

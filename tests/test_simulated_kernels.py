@@ -32,13 +32,12 @@ from support import (
     random_inputs,
     rel_error,
     score_magnitude,
-    trying,
 )
 from test_kvcache import CASES as KV_CASES
 from test_kvcache import run_case
 
 import cuflash
-from cuflash import dispatch, modifiers
+from cuflash import modifiers
 from cuflash.block_mask import create_block_mask
 from cuflash.gpu import kernel_params, registry, schedules
 from cuflash.reference import attention_reference, attention_reference_grad
@@ -478,17 +477,11 @@ def test_warp_specialized_backward_256_class(case, deterministic, tma, rng):
     """backward_wgmma_ws in the 256 class: dQ added by its writer from the stages through
     the maps (in launch order when deterministic), or without the maps by
     backward_dq_wgmma; the oracle's gradients."""
-    with trying("backward_wgmma_ws"):
-        spec = registry.choose(
-            "backward",
-            DTYPES[case.dtype],
-            case.head_dim,
-            90,
-            head_dim_v=case.head_dim_v,
-            tried=dispatch.tried(),
-        )
-        assert spec.name == "backward_wgmma_ws"
-        inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
+    spec = registry.choose(
+        "backward", DTYPES[case.dtype], case.head_dim, 90, head_dim_v=case.head_dim_v
+    )
+    assert spec.name == "backward_wgmma_ws"
+    inputs, out, lse, grads = _run(case, rng, deterministic, capability=90, tma=tma)
     check_results(case, inputs, out, lse, grads)
 
 
@@ -722,17 +715,16 @@ def test_simulator_finds_a_broken_256_class_backward(
     handed back without the writer (cp.async, the dQ pass): a deadlock, a fault or
     gradients far from the oracle's, never a pass."""
     try:
-        with trying("backward_wgmma_ws"):
-            error = _broken_backward(
-                BACKWARD_256_CASES[0],
-                old,
-                new,
-                rng,
-                tmp_path,
-                monkeypatch,
-                tma=not deterministic,
-                deterministic=deterministic,
-            )
+        error = _broken_backward(
+            BACKWARD_256_CASES[0],
+            old,
+            new,
+            rng,
+            tmp_path,
+            monkeypatch,
+            tma=not deterministic,
+            deterministic=deterministic,
+        )
     except simulator.SimulationError:
         return
     assert not error < 0.05, error
@@ -905,18 +897,11 @@ def test_warp_specialized_backward_takes_a_users_mask(head_dim, name, determinis
     """A user's mask alone, through a block mask, on the warp-specialized backward of
     every class: each key tile's query steps narrowed to the block mask's range, the mask
     on the tiles it marks partial, dQ by the writer warp or by its pass."""
-    with trying("backward_wgmma_ws"):
-        spec = registry.choose(
-            "backward",
-            DTYPES["bfloat16"],
-            head_dim,
-            90,
-            modified=True,
-            mask_only=True,
-            tried=dispatch.tried(),
-        )
-        assert spec.name == "backward_wgmma_ws"
-        _check_user_modifiers(name, 90, deterministic, True, rng, head_dim=head_dim, tma=tma)
+    spec = registry.choose(
+        "backward", DTYPES["bfloat16"], head_dim, 90, modified=True, mask_only=True
+    )
+    assert spec.name == "backward_wgmma_ws"
+    _check_user_modifiers(name, 90, deterministic, True, rng, head_dim=head_dim, tma=tma)
 
 
 def _check_user_modifiers(name, capability, deterministic, block, rng, head_dim=64, tma=False):

@@ -7,7 +7,7 @@ launch order, and by its own pass)."""
 import functools
 
 import pytest
-from support import HAS_GPU, Case, check_results, random_inputs, trying
+from support import HAS_GPU, Case, check_results, random_inputs
 
 import cuflash
 from cuflash import dispatch
@@ -97,11 +97,6 @@ def _backward_plan():
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_copy_engine_backward_matches_oracle_and_cp_async(case, deterministic, rng, poisoned):
-    with trying("backward_wgmma_ws"):  # its 256 class opt-in until its GPU run
-        _copy_engine_backward(case, deterministic, rng)
-
-
-def _copy_engine_backward(case, deterministic, rng):
     if cupy.cuda.Device().compute_capability < "90":
         pytest.skip("the copy engine's kernels need an H100/H200")
     if not tensor_maps.available():
@@ -120,7 +115,8 @@ def _copy_engine_backward(case, deterministic, rng):
     grads = backward()
     plan = _backward_plan()
     assert plan.spec.name == "backward_wgmma_ws" and plan.dkdv_tma is not None
-    assert plan.ordered == deterministic  # dQ added in launch order, not by its own pass
+    # dQ added in launch order, not by its own pass (but in the 256 class: the pass)
+    assert plan.ordered == (deterministic and plan.spec.orders_dq(case.head_dim))
     check_results(case, inputs, out, lse, grads)
     if deterministic:
         # the same bits again, and dK and dV those of the dQ pass's plan (its dQ within
@@ -158,19 +154,12 @@ def _copy_engine_backward(case, deterministic, rng):
         (128, False, 8, 8, 2048),
         (128, True, 8, 2, 4096),
         (64, True, 16, 4, 4096),
-        (256, True, 4, 2, 4096),
-        (192, False, 4, 4, 2048),
     ],
 )
 def test_ordered_dq_repeats_bit_for_bit_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng):
     """Many blocks at once, each waiting on the key tiles launched before it: the
     deterministic backward's gradients are the same bits call after call, and its dQ
     that of the dQ pass within rounding."""
-    with trying("backward_wgmma_ws"):  # its 256 class opt-in until its GPU run
-        _ordered_dq_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng)
-
-
-def _ordered_dq_at_scale(head_dim, causal, heads, kv_heads, seq_len, rng):
     if cupy.cuda.Device().compute_capability < "90":
         pytest.skip("the copy engine's kernels need an H100/H200")
     case = Case(

@@ -311,8 +311,7 @@ class BackwardPlan:
                 and deterministic
                 and not persistent
                 and not problem.modified  # a user's mask alone: a block a tile, dQ's pass
-                and self.spec.ordered_dq
-                and self.spec.atomic_dq(problem.head_dim)
+                and self.spec.orders_dq(problem.head_dim)
                 and self.spec.name + registry.ORDERED_DQ not in dispatch.excluded()
                 and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
             )

@@ -92,6 +92,9 @@ class KernelSpec:
     # the deterministic calls its tensor maps serve add dQ in the blocks' launch order
     # instead of running the dQ pass (:meth:`role`'s ``ordered_dq``).
     ordered_dq: bool = False
+    # The head dims (smallest, largest) whose deterministic calls take the ordered dQ where
+    # it measured faster than the dQ pass (None: every head dim of its atomic dQ).
+    ordered_dq_head_dims: tuple | None = None
     modifiers: bool = False  # also compiled with the score modifiers
     # Also compiled with a user's mask alone (a module built mask-only: the plain code, the
     # mask on the tiles it cuts), where ``modifiers`` is False: its modified roles exist
@@ -111,17 +114,8 @@ class KernelSpec:
     fp8_head_dims: tuple | None = None
     fp8_traits: object = None
     # Taken by the dispatch only inside ``cuflash.dispatch.try_kernels`` (its ``tried``):
-    # written and checked without a GPU (compiler, simulator), awaiting a GPU run; True,
-    # or the (smallest, largest) head dims that are (the others served as usual).
-    opt_in: bool | tuple = False
-
-    def opt_in_at(self, head_dim):
-        """Whether it serves ``head_dim`` only inside ``cuflash.dispatch.try_kernels``
-        (``opt_in``: True, or the (smallest, largest) head dims that are)."""
-        if self.opt_in is True or not self.opt_in:
-            return bool(self.opt_in)
-        low, high = self.opt_in
-        return low <= head_dim <= high
+    # written and checked without a GPU (compiler, simulator), awaiting a GPU run.
+    opt_in: bool = False
 
     def takes_value_dims(self, head_dim, head_dim_v):
         """Whether it computes a call whose v has ``head_dim_v`` columns natively."""
@@ -197,6 +191,16 @@ class KernelSpec:
         low, high = self.atomic_dq_head_dims
         return low <= head_dim <= high
 
+    def orders_dq(self, head_dim):
+        """Whether its deterministic calls at ``head_dim`` add dQ in the blocks' launch
+        order (its ordered role, where the maps serve) rather than by the dQ pass."""
+        if not self.ordered_dq or not self.atomic_dq(head_dim):
+            return False
+        if self.ordered_dq_head_dims is None:
+            return True
+        low, high = self.ordered_dq_head_dims
+        return low <= head_dim <= high
+
     def atomic_dq_needs_maps(self, head_dim):
         """Whether its atomic (and ordered) dQ at ``head_dim`` runs through the copy engine's
         maps only."""
@@ -225,7 +229,8 @@ class KernelSpec:
         roles = base + tuple(name + MODIFIED for name in base) if modified else base
         if self.persistent_keys is not None:  # the plain roles, persistent
             roles += tuple(name + PERSISTENT for name in base)
-        if self.ordered_dq and adds_dq:  # dense, a block a tile
+        # the ordered dQ: dense calls, a block a tile
+        if adds_dq and (self.orders_dq(head_dim) if head_dim else self.ordered_dq):
             roles += (self.name + ORDERED_DQ,)
         if self.fp8_head_dims is not None and (head_dim is None or self.serves_fp8(head_dim)):
             roles += (self.name + FP8,)
@@ -466,10 +471,10 @@ KERNELS = (
         # stages): without them its calls take the dQ pass.
         atomic_dq_needs_maps_from=136,
         value_dims=_wide_split,
-        # The 256 class: checked in the simulator and the compiler, awaiting its GPU run.
-        opt_in=(136, 256),
         dq_kernel="backward_dq_wgmma",
         ordered_dq=True,
+        # Not the 256 class: its dQ pass beat the ordered dQ by 9-17 % (H100, 2026-12-07).
+        ordered_dq_head_dims=(8, 128),
         # A user's mask alone (flex_attention's block masks): its plain code, the query
         # steps of each key tile narrowed to the block mask's, the mask on partial tiles.
         mask_modifiers=True,
@@ -728,7 +733,7 @@ def choose(
         if (
             spec.direction != direction
             or spec.name in excluded
-            or (spec.opt_in_at(head_dim) and spec.name not in tried)
+            or (spec.opt_in and spec.name not in tried)
             or sm not in spec.archs
             or (spec.needs_sm90a and compute_capability != 90)
             or not spec.serves_head_dim(head_dim)

@@ -95,6 +95,11 @@ struct BackwardRegisters {
 __device__ __forceinline__ void consumers_meet() {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1) : "memory");
 }
+// The same where the consumers run their own copies of the step (the 256 class): the
+// barrier without .aligned, which bar.sync is (synccheck: divergent threads).
+__device__ __forceinline__ void consumers_meet_divergent() {
+    asm volatile("barrier.sync %0, 256;\n" ::"r"(1) : "memory");
+}
 // The dQ writer warp (producer warp 1 with the maps): each step's dQ tile (two buffers
 // of BM x DT floats, step s in buffer s % 2, each with its barriers and coordinates), once
 // the consumers have filled it and its coordinates (row, head, batch entry; row -1: no
@@ -575,7 +580,7 @@ __global__ void __launch_bounds__(384, 1)
                                 Op::pack(dpt[j][2 * r], dpt[j][2 * r + 1]);
                         }
                     fence_proxy_async();
-                    consumers_meet();  // both halves are in
+                    consumers_meet_divergent();  // both halves are in
 
                     // dQ = dS K, dV += P^T dO and dK += dS^T Q on this consumer's columns,
                     // A from shared memory.
@@ -608,7 +613,7 @@ __global__ void __launch_bounds__(384, 1)
                     pin_registers(dk_acc);
                     if constexpr (!ATOMIC_DQ) ring->release(use, true);
                     // Both consumers' products are done: P^T, dS^T and the stage are free.
-                    consumers_meet();
+                    consumers_meet_divergent();
                     if constexpr (ATOMIC_DQ) {
                         pin_registers(dq);
                         // dQ into the stage as boxes of 32 columns by BM rows (box i: Q's

@@ -446,9 +446,11 @@ KERNELS = (
         tile_traits.forward_general_traits,
         modifiers=True,
     ),
-    # The warp-specialized backward of plain calls up to D = 128 (a producer warpgroup
+    # The warp-specialized backward of plain calls (a producer warpgroup
     # feeds Q, dO, lse and Delta through a ring of stages, by the copy engine where the
-    # driver maps the arrays; 64 query rows a step in the 128 class, 128 in the 64 class);
+    # driver maps the arrays; 64 query rows a step in the 128 class, 128 in the 64 class;
+    # in the 256 class 64 keys a block, the consumers sharing the columns, each step's dQ
+    # added from its stage: 1.12x-1.24x backward_wgmma with its dQ pass, H100, 2026-12-07);
     # its register split leaves no room for the score modifiers, only a user's mask alone
     # (which keeps the plain code). Measured above backward_wgmma
     # in the 128 class, atomic and deterministic (D = 128, S = 4096: 450.5 with its dQ

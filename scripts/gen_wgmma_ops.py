@@ -8,8 +8,10 @@ shapes below: python scripts/gen_wgmma_ops.py
 from pathlib import Path
 
 TYPES = {"bf16_t": "bf16", "half_t": "f16"}
-N_SS = (32, 64, 128, 176)  # S = Q K^T: N = keys per tile (32: half a backward query tile;
-# 176: the forward's plain 128 class, sm90/forward_wgmma_ws.cuh)
+# S = Q K^T: N = keys per tile (32: half a backward query tile; 96: the forward's plain
+# D = 136-192; 80, 112 and 176: the forward's CUFLASH_FORWARD_KEYS comparisons,
+# sm90/forward_wgmma_ws.cuh)
+N_SS = (32, 64, 80, 96, 112, 128, 176)
 N_RS = tuple(range(16, 257, 16))  # O += P V, dV += P^T dO, dK += dS^T Q: N = head_dim
 # rounded up to 16 (every head_dim on its exact width)
 N_SS_MN = (32, 64, 96, 128)  # dQ = dS K in the backward: N = a warpgroup's columns of

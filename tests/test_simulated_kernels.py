@@ -150,7 +150,8 @@ def test_tensor_core_kernels_match_oracle(case, deterministic, capability, rng):
 
 
 # More key tiles than the warp-specialized forward has stages (three of 128 keys up to
-# head_dim 128, two of 64 keys past it), so that its stage rings wrap and each barrier
+# head_dim 128, two of 96 keys to 192 (three of 64 in the modified roles), two of 64
+# past it), so that its stage rings wrap and each barrier
 # goes through several phases; two query tiles; rows that see no key (S_q > S_k).
 RING_CASES = [
     Case(
@@ -205,6 +206,18 @@ RING_CASES = [
         kv_heads=1,
         q_len=300,
         kv_len=200,
+        causal=True,
+    ),
+    # the 256 class's rows of 192 columns (D = 136-192), two stages of 96 keys; a head
+    # dim whose last k16 step is half padding
+    Case(
+        dtype="bfloat16",
+        head_dim=168,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=140,
+        kv_len=330,
         causal=True,
     ),
 ]
@@ -1236,13 +1249,15 @@ def test_simulator_finds_a_wrong_wgmma_descriptor(rng, tmp_path, monkeypatch):
     )
 
 
-def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch):
+def _broken_forward(case, header, old, new, rng, tmp_path, monkeypatch, **kw):
     """Run the Hopper forward of ``case`` with ``old`` replaced by ``new`` in kernel header
-    ``header``; the relative error of its output."""
+    ``header`` (``kw``: the simulated call's options); the relative error of its output."""
     kernels = simulator.kernels_with(tmp_path / "kernels", header, old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
-    out, _ = simulated_attention.forward(q, k, v, *case.args, capability=90)
+    out, _ = simulated_attention.forward(
+        q, k, v, *case.args, kv_seq_len=case.kv_seq_len, capability=90, **kw
+    )
     return rel_error(out, oracle(case, q, k, v, dout)[0])
 
 
@@ -1293,6 +1308,43 @@ def test_simulator_finds_broken_bulk_tensor_copies(old, new, rng, tmp_path, monk
     except simulator.SimulationError:
         return
     assert not error < 0.05, error
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # the second and third column blocks' chunks from the wrong columns
+        ("valid ? from + block * 64 : src", "valid ? from + block * 32 : src"),
+        # every column block written over the first
+        ("dst + block * (ROWS * 64) + to(r, c)", "dst + to(r, c)"),
+    ],
+    ids=["columns", "block"],
+)
+def test_simulator_finds_a_broken_192_column_copy(old, new, rng, tmp_path, monkeypatch):
+    """The 256 class's rows of 192 columns by cp.async (24 chunks a row, a chunk of each
+    64-column block a thread): a copy of the wrong columns or into the wrong column block
+    is far from the oracle's."""
+    case = RING_CASES[-1]
+    assert case.head_dim == 168
+    error = _broken_forward(
+        case, "common/wgmma.cuh", old, new, rng, tmp_path, monkeypatch, tma=False
+    )
+    assert not error < 0.05, error
+
+
+def test_the_256_class_forward_tiles():
+    """Plain calls of D = 136-192 on rows of 192 columns take two stages of 96 keys
+    (H100, 2026-12-07: 1.07x-1.26x over 64-key tiles in rows of 256); past D = 192 and
+    in the modified roles (a user's functions, a block mask) tiles of 64 keys."""
+    spec = registry.choose("forward", DTYPES["bfloat16"], 160, 90)
+    for d, plain, modified in (
+        (136, (96, 2, 2), (64, 3, 2)),
+        (192, (96, 2, 2), (64, 3, 2)),
+        (200, (64, 2, 2), (64, 2, 2)),
+        (256, (64, 2, 2), (64, 2, 2)),
+    ):
+        assert spec.traits_of(d).template_args == plain, d
+        assert spec.traits_of(d, modified=True).template_args == modified, d
 
 
 # Attention sinks: each forward kernel family's row finish (mma.sync, wgmma warp-specialized

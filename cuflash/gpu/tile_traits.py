@@ -15,6 +15,8 @@ import dataclasses
 import os
 
 FLOAT_BYTES = 4
+# The dynamic shared memory a block may opt in to on an H100 / H200 (227 KB).
+SHARED_LIMIT = 232448
 
 
 def head_dim_class(head_dim):
@@ -66,30 +68,39 @@ def forward_ws_traits(d, consumers=None, modified=False):
     rows each (3 in the 64 class, whose short products hide a softmax only with more rows
     in turn), Q resident, STAGES stages of K and of V, the stage rings' barriers (16 bytes
     a stage each), Q's two barriers (full, and empty: the persistent roles') and the
-    consumers' order slots. Key tiles: 64 in the 256 class (the 128-column O leaves no
-    registers for 128-key scores); in the 128 class two stages of 176 for the plain
-    roles with ``CUFLASH_FORWARD_KEYS=176`` in the environment (comparisons: a tile's fixed
-    softmax work, the rows' maxima across the quad, the rescales, the barriers, spread
-    over 1.4x the keys), else three stages of 128 as in the modified roles (a block
-    mask's tiles are 128 keys; a user's functions need the registers)."""
+    consumers' order slots. The tiles' rows are the head dim rounded up to 64 columns
+    (the copy engine's boxes: D = 136-192 in 192). Key tiles: 128 up to D = 128; in the
+    256 class 96 for the plain roles of D = 136-192 (1.07x-1.26x over 64 on an H100,
+    docs/kernels/forward-sm90-wgmma.md), else 64 (the wide O leaves no registers for
+    more; the modified roles' user functions need them); as many stages as fit, at most
+    three. The plain roles take ``CUFLASH_FORWARD_KEYS`` keys a tile where the
+    environment sets it and two stages of them fit (comparisons: a tile's fixed softmax
+    work, the rows' maxima across the quad, the rescales, the barriers, spread over more
+    keys; the keys must be one of gen_wgmma_ops.py's N_SS)."""
     width = head_dim_class(d)
-    if width == 256:
-        keys, stages = 64, 2
-    elif width == 128 and not modified and os.environ.get("CUFLASH_FORWARD_KEYS") == "176":
-        keys, stages = 176, 2
-    else:
-        keys, stages = 128, 3
+    row = round_up(d, 64)
     if consumers is None:
         consumers = 3 if width == 64 else 2
     rows = 64 * consumers
-    smem = (
-        2 * width * (rows + 2 * stages * keys)
-        + 2 * 16 * stages
-        + 2 * 8
-        + FLOAT_BYTES * 128 * consumers
-        + 1024
-    )
-    return Traits(rows, 128 * (consumers + 1), smem, (keys, stages, consumers))
+
+    def shared(keys, stages):
+        return (
+            2 * row * (rows + 2 * stages * keys)
+            + 2 * 16 * stages
+            + 2 * 8
+            + FLOAT_BYTES * 128 * consumers
+            + 1024
+        )
+
+    def stages_of(keys):
+        return max((s for s in (1, 2, 3) if shared(keys, s) <= SHARED_LIMIT), default=0)
+
+    keys = 128 if width < 256 else 96 if row == 192 and not modified else 64
+    chosen = os.environ.get("CUFLASH_FORWARD_KEYS")
+    if not modified and chosen and stages_of(int(chosen)) >= 2:
+        keys = int(chosen)
+    stages = stages_of(keys)
+    return Traits(rows, 128 * (consumers + 1), shared(keys, stages), (keys, stages, consumers))
 
 
 def forward_ws_modified_traits(d):

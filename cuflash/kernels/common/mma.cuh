@@ -141,6 +141,19 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * D + ((chunk ^ (row & MASK)) << 3);
 }
 
+// f(i) for i = 0 .. N - 1 in a loop unrolled, or not (ROLLED: for a producer
+// warpgroup that keeps few registers).
+template <int N, bool ROLLED, typename F>
+__device__ __forceinline__ void repeat(F&& f) {
+    if constexpr (ROLLED) {
+#pragma unroll 1
+        for (int i = 0; i < N; ++i) f(i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) f(i);
+    }
+}
+
 // Copy rows [0, ROWS) of CH 16-byte chunks each (row stride `stride`
 // elements) into shared memory with cp.async, chunk c of row r at element
 // offset to(r, c); rows at or past `valid_rows`, and chunks at or past
@@ -167,13 +180,7 @@ __device__ __forceinline__ void cp_async_rows(T* dst, const T* __restrict__ src,
             cp_async_16(dst + to(r, c), valid ? from : src, valid);
             from += ROW_STEP * stride;
         };
-        if constexpr (ROLLED) {
-#pragma unroll 1
-            for (int i = 0; i < ROWS / ROW_STEP; ++i) copy_row(i);
-        } else {
-#pragma unroll
-            for (int i = 0; i < ROWS / ROW_STEP; ++i) copy_row(i);
-        }
+        repeat<ROWS / ROW_STEP, ROLLED>(copy_row);
     } else {
 #pragma unroll 4
         for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {

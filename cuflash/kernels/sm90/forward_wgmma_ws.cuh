@@ -74,8 +74,8 @@ struct ForwardWsShared {
     using E = ForwardElements<T>;
     using Ring = StageRing<STAGES, CONSUMERS>;
     static constexpr int EB = static_cast<int>(sizeof(typename E::in)), CHUNK = 128 / EB;
-    static constexpr int DL = round_up(head_dim_class(D), CHUNK);
-    static constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV), BM = 64 * CONSUMERS;
+    static constexpr int DL = round_up(D, CHUNK);
+    static constexpr int DVK = round_up(DV, 16), DVL = round_up(DV, 64), BM = 64 * CONSUMERS;
     static constexpr int V_STAGE = E::fp8 ? DVK * BN : BN * DVL;
     static constexpr int BARRIER = static_cast<int>(sizeof(unsigned long long));
     static constexpr int q = 0;
@@ -141,8 +141,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     using Op = TensorOp<typename E::out>;
     // A 128-byte swizzle row holds CHUNK elements, a wgmma k step 32 bytes of KSTEP.
     constexpr int EB = sizeof(In), CHUNK = 128 / EB, KSTEP = 32 / EB;
-    constexpr int DK = round_up(D, KSTEP), DL = round_up(head_dim_class(D), CHUNK);
-    constexpr int DVK = round_up(DV, 16), DVL = head_dim_class(DV);  // V's, as DK and DL
+    // Rows of whole 128-byte swizzle rows (64-column boxes): D = 136-192 in 192 columns.
+    constexpr int DK = round_up(D, KSTEP), DL = round_up(D, CHUNK);
+    constexpr int DVK = round_up(DV, 16), DVL = round_up(DV, 64);  // V's, as DK and DL
     constexpr int BM = 64 * CONSUMERS, NTILES = BN / 8, DVTILES = DVK / 8, KSTEPS = DK / KSTEP;
     constexpr int PSTEPS = BN / KSTEP;  // k steps of P V
     // A V stage: BN rows of DVL (16 bits, N-major for P V), or V^T's DVK rows of BN keys
@@ -254,7 +255,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
                 const Sequence& seq = tile.seq;
                 const In* k_head = k + seq.kv_start * k_st.s + offset_of(k_st, b, hk, 0);
                 const In* v_head = v + seq.kv_start * v_st.s + offset_of(v_st, b, hk, 0);
-                cp_async_tile_sw128<BM, DK, 128, D, true>(
+                cp_async_tile_sw128<BM, DK, 128, D, true, DL>(
                     Qs, q + seq.q_start * q_st.s + offset_of(q_st, b, h, m0), q_st.s, tile.rows);
                 cp_async_arrive(q_full);
                 // Every stage refilled as soon as every consumer has handed it back; the
@@ -262,12 +263,12 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
                 for (int j = 0; j < tiles; ++j) {
                     const int n0 = n_start + j * BN, keys = mask.kv_len - n0, use = uses + j;
                     k_ring->wait_empty(use);
-                    cp_async_tile_sw128<BN, DK, 128, D, true>(Ks + Ring::stage(use) * BN * DL,
-                                                              k_head + n0 * k_st.s, k_st.s, keys);
+                    cp_async_tile_sw128<BN, DK, 128, D, true, DL>(
+                        Ks + Ring::stage(use) * BN * DL, k_head + n0 * k_st.s, k_st.s, keys);
                     k_ring->filled(use);
                     v_ring->wait_empty(use);
-                    cp_async_tile_sw128<BN, DVK, 128, DV, true>(Vs + Ring::stage(use) * BN * DVL,
-                                                                v_head + n0 * v_st.s, v_st.s, keys);
+                    cp_async_tile_sw128<BN, DVK, 128, DV, true, DVL>(
+                        Vs + Ring::stage(use) * BN * DVL, v_head + n0 * v_st.s, v_st.s, keys);
                     v_ring->filled(use);
                 }
             }

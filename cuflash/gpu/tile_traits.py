@@ -14,9 +14,9 @@ columns), with the exact head_dim compiled in (products over the head_dim take
 import dataclasses
 import os
 
+from .decode_tiles import block_shared_limit
+
 FLOAT_BYTES = 4
-# The dynamic shared memory a block may opt in to on an H100 / H200 (227 KB).
-SHARED_LIMIT = 232448
 
 
 def head_dim_class(head_dim):
@@ -93,7 +93,8 @@ def forward_ws_traits(d, consumers=None, modified=False):
         )
 
     def stages_of(keys):
-        return max((s for s in (1, 2, 3) if shared(keys, s) <= SHARED_LIMIT), default=0)
+        limit = block_shared_limit(90)  # an sm_90a kernel
+        return max((s for s in (1, 2, 3) if shared(keys, s) <= limit), default=0)
 
     keys = 128 if width < 256 else 96 if row == 192 and not modified else 64
     chosen = os.environ.get("CUFLASH_FORWARD_KEYS")

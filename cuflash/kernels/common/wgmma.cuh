@@ -82,8 +82,9 @@ __device__ __forceinline__ int sw128_chunk(int r, int c) {
 // row r, 16-byte chunk (c % 64 / 8) xor (r % 8). Columns [0, D) come from
 // `src`; columns from D to the power-of-two chunk count that covers COLS
 // (whole rows a pass for the copy loop), or to WIDTH where the tile's rows are
-// narrower than that, and rows at or past valid_rows, become zeros. Rows of 24
-// chunks (WIDTH 192) copy a chunk of each 64-column block a thread, whole rows a pass.
+// narrower than that, and rows at or past valid_rows, become zeros. Rows whose chunks
+// the NT threads cannot split into whole rows (24: WIDTH 192) copy a chunk of each
+// 64-column block a thread, whole rows a pass.
 template <int ROWS, int COLS, int NT, int D = COLS, bool ROLLED = false,
           int WIDTH = pow2_at_least(COLS / 8) * 8, typename T>
 __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict__ src,
@@ -94,17 +95,18 @@ __device__ __forceinline__ void cp_async_tile_sw128(T* dst, const T* __restrict_
     auto to = [](int r, int c) {
         return (c >> 3) * (ROWS * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
     };
-    if constexpr (CHUNKS == 24) {
-        // Thread x copies chunk x % 8 of each of the three column blocks, NT / 8 rows a
-        // pass: the loop of cp_async_rows, three copies a row.
-        constexpr int ROW_STEP = NT / 8, VALID = D / 8, PER_CHUNK = 16 / sizeof(T);
+    if constexpr (CHUNKS % 8 == 0 && NT % CHUNKS != 0) {
+        // Thread x copies chunk x % 8 of each 64-column block, NT / 8 rows a pass: the
+        // loop of cp_async_rows, a copy a block and row.
+        constexpr int BLOCKS = CHUNKS / 8, ROW_STEP = NT / 8, VALID = D / 8;
+        constexpr int PER_CHUNK = 16 / sizeof(T);
         static_assert(NT % 8 == 0 && ROWS % ROW_STEP == 0, "whole rows a pass");
         const int r0 = threadIdx.x / 8, c = threadIdx.x % 8;
         const T* from = src + r0 * stride + c * PER_CHUNK;
         auto copy_row = [&](int i) {
             const int r = r0 + i * ROW_STEP;
 #pragma unroll
-            for (int block = 0; block < 3; ++block) {
+            for (int block = 0; block < BLOCKS; ++block) {
                 const bool valid = r < valid_rows && c + 8 * block < VALID;
                 cp_async_16(dst + block * (ROWS * 64) + to(r, c), valid ? from + block * 64 : src,
                             valid);

@@ -581,11 +581,21 @@ def test_simulator_finds_a_broken_dq_order(old, new, rng, tmp_path, monkeypatch)
         _broken_backward(ORDERED_CASES[1], old, new, rng, tmp_path, monkeypatch, deterministic=True)
 
 
+# The warp-specialized backward's headers: the kernel, and its parts outside the kernel
+# (the dQ writer's additions among them).
+BACKWARD_WS_HEADERS = ("sm90/backward_wgmma_ws.cuh", "sm90/backward_wgmma_ws_parts.cuh")
+
+
 def _broken_backward(case, old, new, rng, tmp_path, monkeypatch, tma=True, deterministic=False):
     """The warp-specialized backward of ``case`` (dQ by its atomics, or deterministic in
     launch order; its tiles by the copy engine, or by cp.async) with ``old`` replaced by
-    ``new`` in its header: the largest relative error of dq, dk, dv."""
-    kernels = simulator.kernels_with(tmp_path / "kernels", "sm90/backward_wgmma_ws.cuh", old, new)
+    ``new`` in the first of its headers that holds it: the largest relative error of dq,
+    dk, dv."""
+    header = next(
+        (h for h in BACKWARD_WS_HEADERS if old in (simulator.KERNEL_DIR / h).read_text()),
+        BACKWARD_WS_HEADERS[0],  # none: kernels_with says what is missing
+    )
+    kernels = simulator.kernels_with(tmp_path / "kernels", header, old, new)
     monkeypatch.setattr(simulator, "KERNEL_DIR", kernels)
     q, k, v, dout = random_inputs(case, rng)
     out, lse = simulated_attention.forward(q, k, v, *case.args, capability=90)

@@ -480,6 +480,16 @@ BACKWARD_256_CASES = [
         q_len=100,
         kv_len=77,
     ),
+    # eight steps a key tile: the stages around their ring four times
+    Case(
+        dtype="float16",
+        head_dim=160,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        q_len=200,
+        kv_len=70,
+    ),
 ]
 
 
